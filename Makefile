@@ -1,0 +1,115 @@
+# nbdcached: plain GNU make.
+#
+#   make            build/nbdcached and the client programs
+#   make check      install missing Debian packages, build, run unit +
+#                   integration + interop tests (tests/run)
+#   make asan       the same suite under ASan + UBSan (build-asan/)
+#   make i386       proto/, the dependency-free daemon core and their unit
+#                   tests built with -m32 and run (build-i386/)
+#   make fuzz       libFuzzer targets, each for FUZZ_SECONDS
+#   make run        the daemon on the embedded default (see README.md)
+#   make bench      bench/ against nbdkit and qemu-nbd, ratios printed
+
+BUILD ?= build
+CC ?= gcc
+PREFIX ?= /usr/local
+FUZZ_SECONDS ?= 60
+SANITIZE ?=
+M32 ?=
+
+WARN := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Werror
+CFLAGS ?= -O2 -g
+CFLAGS += -std=c11 $(WARN) -D_FORTIFY_SOURCE=2 -fstack-protector-strong \
+	  -D_GNU_SOURCE -D_FILE_OFFSET_BITS=64 -pthread -I. -MMD -MP $(SANITIZE) $(M32)
+LDFLAGS += -pthread $(SANITIZE) $(M32)
+
+DAEMON_LIBS := $(shell pkg-config --libs libevent_pthreads liburing 2>/dev/null || echo -levent -levent_pthreads -luring)
+DAEMON_CFLAGS := $(shell pkg-config --cflags libevent liburing 2>/dev/null)
+
+# The codec: pure, no dependency.
+PROTO_SRC := $(wildcard proto/*.c)
+# The daemon's dependency-free core: builds on i386 and is unit tested there.
+CORE_SRC := daemon/options.c daemon/log.c
+# Everything else in the daemon needs libevent / liburing.
+DAEMON_SRC := $(filter-out $(CORE_SRC),$(wildcard daemon/*.c daemon/backend/*.c))
+UNIT_SRC := $(wildcard tests/unit/test_*.c)
+FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
+CLIENT_SRC := $(wildcard client/*.c)
+
+obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
+PROTO_OBJ := $(call obj,$(PROTO_SRC))
+CORE_OBJ := $(call obj,$(CORE_SRC))
+DAEMON_OBJ := $(call obj,$(DAEMON_SRC))
+UNIT_BIN := $(patsubst tests/unit/%.c,$(BUILD)/tests/unit/%,$(UNIT_SRC))
+CLIENT_BIN := $(patsubst client/%.c,$(BUILD)/%,$(CLIENT_SRC))
+
+.PHONY: all check unit asan i386 fuzz run bench deps clean install
+.DEFAULT_GOAL := all
+
+all: $(BUILD)/nbdcached $(CLIENT_BIN) $(UNIT_BIN)
+
+$(BUILD)/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(DAEMON_CFLAGS) -c -o $@ $<
+
+$(BUILD)/nbdcached: $(DAEMON_OBJ) $(CORE_OBJ) $(PROTO_OBJ)
+	$(CC) $(LDFLAGS) -o $@ $^ $(DAEMON_LIBS)
+
+# Client programs: one .c each in client/, linked with the codec.
+$(BUILD)/%: $(BUILD)/obj/client/%.o $(PROTO_OBJ)
+	$(CC) $(LDFLAGS) -o $@ $^
+
+# Unit tests: one cmocka binary per module, linked with proto/ and the core.
+$(BUILD)/tests/unit/%: $(BUILD)/obj/tests/unit/%.o $(PROTO_OBJ) $(CORE_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ -lcmocka
+
+deps:
+	@scripts/deps
+
+check: deps
+	$(MAKE) all
+	BUILD=$(BUILD) tests/run
+
+# Unit tests only (used by make i386).
+unit: $(UNIT_BIN)
+	BUILD=$(BUILD) tests/run --unit-only
+
+asan: deps
+	$(MAKE) BUILD=build-asan CC=gcc SANITIZE="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" CFLAGS="-O1 -g" all
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+		BUILD=build-asan tests/run
+
+i386: deps
+	$(MAKE) BUILD=build-i386 M32=-m32 unit
+
+FUZZ_BIN := $(patsubst tests/fuzz/%.c,build-fuzz/%,$(FUZZ_SRC))
+build-fuzz/%: tests/fuzz/%.c $(PROTO_SRC) proto/nbd.h
+	@mkdir -p build-fuzz
+	clang -std=c11 -g -O1 -D_GNU_SOURCE -I. -fsanitize=fuzzer,address,undefined -o $@ $< $(PROTO_SRC)
+
+fuzz: deps $(FUZZ_BIN)
+	@set -e; for f in $(FUZZ_BIN); do \
+		name=$$(basename $$f); corpus=build-fuzz/corpus-$$name; mkdir -p $$corpus; \
+		seeds=tests/fuzz/corpus/$$name; [ -d $$seeds ] || seeds=; \
+		echo "fuzz: $$name for $(FUZZ_SECONDS)s"; \
+		$$f -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 $$corpus $$seeds 2>&1 | tail -n 12; \
+	done
+
+run: deps all
+	@scripts/run-default
+
+bench: deps all
+	bench/run
+
+install: all
+	install -d $(DESTDIR)$(PREFIX)/sbin $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/man/man8
+	install -m 0755 $(BUILD)/nbdcached $(DESTDIR)$(PREFIX)/sbin/nbdcached
+	for b in $(CLIENT_BIN); do install -m 0755 $$b $(DESTDIR)$(PREFIX)/bin/; done
+	install -m 0644 man/*.8 $(DESTDIR)$(PREFIX)/share/man/man8/
+
+clean:
+	rm -rf build build-asan build-i386 build-fuzz
+
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
+.SECONDARY:

@@ -1,0 +1,101 @@
+/*
+ * daemon/backend/backend.h: where an export's bytes really live.
+ *
+ * Owns: the asynchronous backend interface. A caller fills a struct
+ * backend_io (command, offset, length, buffer, flags, done callback) and
+ * calls backend_submit() from a worker thread, passing that worker's ring.
+ * The done callback runs later on the same thread with 0 or -errno; it may
+ * also run before backend_submit() returns (a backend that can answer at
+ * once, such as block status from lseek), so callers must not touch the
+ * backend_io after submitting it except from the callback.
+ *
+ * Lengths and offsets are uint64_t: a TRIM, WRITE_ZEROES, CACHE or
+ * BLOCK_STATUS may cover far more than 4 GiB. READ and WRITE lengths are
+ * bounded by the maximum payload the server advertises.
+ *
+ * Locking: a backend is shared by every worker; its operations are
+ * thread-safe (they use the caller's ring and positional I/O only).
+ *
+ * Implementations: file.c (regular file or block device, io_uring).
+ */
+#ifndef NBDCACHED_DAEMON_BACKEND_H
+#define NBDCACHED_DAEMON_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "daemon/uring.h"
+#include "proto/nbd.h"
+
+enum backend_cmd {
+	BACKEND_READ,
+	BACKEND_WRITE,
+	BACKEND_FLUSH,
+	BACKEND_TRIM,
+	BACKEND_ZERO,
+	BACKEND_CACHE,
+	BACKEND_BLOCK_STATUS,
+};
+
+/* backend_io.flags */
+#define BACKEND_FUA (1u << 0)	    /* persist before completing */
+#define BACKEND_NO_HOLE (1u << 1)   /* ZERO: keep the range allocated */
+#define BACKEND_FAST_ONLY (1u << 2) /* ZERO: fail with -ENOTSUP unless cheap */
+
+struct backend;
+
+struct backend_io {
+	enum backend_cmd cmd;
+	uint32_t flags;
+	uint64_t offset;
+	uint64_t length;
+	void *buf; /* READ / WRITE */
+	/* BLOCK_STATUS: room for max_extents; n_extents filled on success. */
+	struct nbd_extent *extents;
+	size_t max_extents;
+	size_t n_extents;
+	void (*done)(struct backend_io *io, int result);
+
+	/* Private to the backend. */
+	struct backend *backend;
+	struct uring *ring;
+	struct uring_op op;
+	uint64_t progress;
+	int stage;
+};
+
+struct backend_ops {
+	const char *kind;
+	void (*submit)(struct backend *be, struct backend_io *io);
+	void (*close)(struct backend *be);
+};
+
+struct backend {
+	const struct backend_ops *ops;
+	uint64_t size;
+	bool readonly;	   /* the backend itself cannot be written */
+	bool can_trim;	   /* TRIM does something */
+	bool can_zero;	   /* WRITE_ZEROES is native (fast) */
+	uint32_t min_block; /* smallest aligned unit for efficient I/O */
+};
+
+/* Open a regular file or block device. readonly opens it O_RDONLY. */
+int backend_file_open(const char *path, bool readonly, struct backend **out);
+
+static inline void backend_submit(struct backend *be, struct uring *ring, struct backend_io *io)
+{
+	io->backend = be;
+	io->ring = ring;
+	io->progress = 0;
+	io->stage = 0;
+	be->ops->submit(be, io);
+}
+
+static inline void backend_close(struct backend *be)
+{
+	if (be)
+		be->ops->close(be);
+}
+
+#endif

@@ -1,0 +1,402 @@
+/*
+ * daemon/backend/file.c: a regular file or a block device, through io_uring.
+ *
+ * Every data operation is positional and goes through the calling worker's
+ * ring, so one open file descriptor serves every thread. Short reads and
+ * writes are continued from where they stopped. Block status and CACHE are
+ * answered at once (lseek SEEK_DATA/SEEK_HOLE, posix_fadvise), which is why
+ * backend_io completions may run inline.
+ *
+ * WRITE_ZEROES is a little ladder, each rung tried only if the one above
+ * is not supported by the file system or device:
+ *
+ *   may trim:  punch hole -> zero range -> write zeroes
+ *   NO_HOLE:   zero range -> punch hole + allocate -> write zeroes
+ *
+ * With FAST_ZERO the last rung is refused with -ENOTSUP instead, as the
+ * protocol asks. FUA on TRIM and WRITE_ZEROES adds an fdatasync at the end;
+ * FUA on WRITE uses RWF_DSYNC.
+ */
+#include "daemon/backend/backend.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/falloc.h>
+#include <linux/fs.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+struct file_backend {
+	struct backend base;
+	int fd;
+	bool is_block_device;
+};
+
+/* Source for the write-zeroes fallback; never written. */
+#define ZERO_CHUNK (1u << 20)
+static char zero_chunk[ZERO_CHUNK];
+
+enum zero_stage {
+	ZERO_PUNCH,
+	ZERO_RANGE,
+	ZERO_PUNCH_THEN_ALLOC,
+	ZERO_ALLOC,
+	ZERO_WRITE,
+	ZERO_SYNC,
+};
+
+static struct file_backend *to_file(struct backend *be)
+{
+	return (struct file_backend *)be;
+}
+
+static void file_op_complete(struct uring_op *op, int res);
+
+static struct io_uring_sqe *sqe_for(struct backend_io *io)
+{
+	io->op.complete = file_op_complete;
+	return uring_get_sqe(io->ring, &io->op);
+}
+
+static void prep_rw(struct backend_io *io)
+{
+	struct file_backend *fb = to_file(io->backend);
+	uint64_t left = io->length - io->progress;
+	unsigned n = left > (1u << 30) ? (1u << 30) : (unsigned)left;
+	char *p = (char *)io->buf + io->progress;
+	struct io_uring_sqe *sqe = sqe_for(io);
+	if (io->cmd == BACKEND_READ) {
+		io_uring_prep_read(sqe, fb->fd, p, n, io->offset + io->progress);
+	} else {
+		io_uring_prep_write(sqe, fb->fd, p, n, io->offset + io->progress);
+		if (io->flags & BACKEND_FUA)
+			sqe->rw_flags = RWF_DSYNC;
+	}
+}
+
+static void prep_fsync(struct backend_io *io)
+{
+	io_uring_prep_fsync(sqe_for(io), to_file(io->backend)->fd, IORING_FSYNC_DATASYNC);
+}
+
+static void prep_fallocate(struct backend_io *io, int mode)
+{
+	io_uring_prep_fallocate(sqe_for(io), to_file(io->backend)->fd, mode, (off_t)io->offset,
+				(off_t)io->length);
+}
+
+static void prep_zero_write(struct backend_io *io)
+{
+	uint64_t left = io->length - io->progress;
+	unsigned n = left > ZERO_CHUNK ? ZERO_CHUNK : (unsigned)left;
+	io_uring_prep_write(sqe_for(io), to_file(io->backend)->fd, zero_chunk, n,
+			    io->offset + io->progress);
+}
+
+static void zero_step(struct backend_io *io)
+{
+	switch (io->stage) {
+	case ZERO_PUNCH:
+	case ZERO_PUNCH_THEN_ALLOC:
+		prep_fallocate(io, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE);
+		break;
+	case ZERO_RANGE:
+		prep_fallocate(io, FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE);
+		break;
+	case ZERO_ALLOC:
+		prep_fallocate(io, FALLOC_FL_KEEP_SIZE);
+		break;
+	case ZERO_WRITE:
+		prep_zero_write(io);
+		break;
+	case ZERO_SYNC:
+		prep_fsync(io);
+		break;
+	}
+}
+
+static bool unsupported(int res)
+{
+	return res == -EOPNOTSUPP || res == -ENOTTY || res == -ENODEV || res == -EINVAL;
+}
+
+/* Decide the next rung of the WRITE_ZEROES ladder after a completion. */
+static void zero_complete(struct backend_io *io, int res)
+{
+	bool fua = io->flags & BACKEND_FUA;
+	switch (io->stage) {
+	case ZERO_PUNCH:
+		if (res == 0)
+			goto finished;
+		if (!unsupported(res))
+			goto failed;
+		io->stage = ZERO_RANGE;
+		break;
+	case ZERO_RANGE:
+		if (res == 0)
+			goto finished;
+		if (!unsupported(res))
+			goto failed;
+		io->stage = (io->flags & BACKEND_NO_HOLE) ? ZERO_PUNCH_THEN_ALLOC : ZERO_WRITE;
+		break;
+	case ZERO_PUNCH_THEN_ALLOC:
+		if (res == 0) {
+			io->stage = ZERO_ALLOC;
+			break;
+		}
+		if (!unsupported(res))
+			goto failed;
+		io->stage = ZERO_WRITE;
+		break;
+	case ZERO_ALLOC:
+		if (res == 0)
+			goto finished;
+		/* The range reads as zeroes already; it just is not provisioned. */
+		if (!unsupported(res))
+			goto failed;
+		goto finished;
+	case ZERO_WRITE:
+		if (res < 0)
+			goto failed;
+		if (res == 0) {
+			res = -EIO;
+			goto failed;
+		}
+		io->progress += (uint64_t)res;
+		if (io->progress < io->length)
+			break;
+		goto finished;
+	case ZERO_SYNC:
+		io->done(io, res < 0 ? res : 0);
+		return;
+	}
+	if (io->stage == ZERO_WRITE && (io->flags & BACKEND_FAST_ONLY)) {
+		io->done(io, -ENOTSUP);
+		return;
+	}
+	zero_step(io);
+	return;
+finished:
+	if (fua) {
+		io->stage = ZERO_SYNC;
+		zero_step(io);
+		return;
+	}
+	io->done(io, 0);
+	return;
+failed:
+	io->done(io, res);
+}
+
+static void file_op_complete(struct uring_op *op, int res)
+{
+	struct backend_io *io = (struct backend_io *)((char *)op - offsetof(struct backend_io, op));
+	switch (io->cmd) {
+	case BACKEND_READ:
+	case BACKEND_WRITE:
+		if (res == -EINTR || res == -EAGAIN) {
+			prep_rw(io);
+			return;
+		}
+		if (res < 0) {
+			io->done(io, res);
+			return;
+		}
+		if (res == 0) {
+			/* The file shrank under us, or the device refuses: not our data. */
+			io->done(io, -EIO);
+			return;
+		}
+		io->progress += (uint64_t)res;
+		if (io->progress < io->length) {
+			prep_rw(io);
+			return;
+		}
+		io->done(io, 0);
+		return;
+	case BACKEND_FLUSH:
+		io->done(io, res < 0 ? res : 0);
+		return;
+	case BACKEND_TRIM:
+		if (io->stage == 0) {
+			/* TRIM is advisory: a file system without hole punching is fine. */
+			if (res < 0 && !unsupported(res)) {
+				io->done(io, res);
+				return;
+			}
+			if (io->flags & BACKEND_FUA) {
+				io->stage = 1;
+				prep_fsync(io);
+				return;
+			}
+			io->done(io, 0);
+			return;
+		}
+		io->done(io, res < 0 ? res : 0);
+		return;
+	case BACKEND_ZERO:
+		zero_complete(io, res);
+		return;
+	case BACKEND_CACHE:
+	case BACKEND_BLOCK_STATUS:
+		break;
+	}
+	io->done(io, -EIO);
+}
+
+/*
+ * Extents from SEEK_DATA / SEEK_HOLE. The last extent may run past the
+ * requested range (up to the end of the file), which the protocol allows and
+ * the caller clips where it must.
+ */
+static int file_extents(struct file_backend *fb, struct backend_io *io)
+{
+	uint64_t size = fb->base.size;
+	uint64_t pos = io->offset;
+	uint64_t end = io->offset + io->length;
+	if (end > size)
+		end = size;
+	io->n_extents = 0;
+	while (pos < end && io->n_extents < io->max_extents) {
+		struct nbd_extent *e = &io->extents[io->n_extents];
+		off_t data = lseek(fb->fd, (off_t)pos, SEEK_DATA);
+		if (data < 0) {
+			if (errno != ENXIO) {
+				/* No hole information: everything is data. */
+				e->length = end - pos;
+				e->flags = 0;
+				io->n_extents++;
+				break;
+			}
+			data = (off_t)size;
+		}
+		if ((uint64_t)data > pos) {
+			e->length = ((uint64_t)data > size ? size : (uint64_t)data) - pos;
+			e->flags = NBD_STATE_HOLE | NBD_STATE_ZERO;
+			pos += e->length;
+			io->n_extents++;
+			continue;
+		}
+		off_t hole = lseek(fb->fd, (off_t)pos, SEEK_HOLE);
+		if (hole < 0 || (uint64_t)hole > size)
+			hole = (off_t)size;
+		if ((uint64_t)hole <= pos)
+			hole = (off_t)end;
+		e->length = (uint64_t)hole - pos;
+		e->flags = 0;
+		pos = (uint64_t)hole;
+		io->n_extents++;
+	}
+	return io->n_extents ? 0 : -EIO;
+}
+
+static void file_submit(struct backend *be, struct backend_io *io)
+{
+	struct file_backend *fb = to_file(be);
+	switch (io->cmd) {
+	case BACKEND_READ:
+	case BACKEND_WRITE:
+		if (io->length == 0) {
+			io->done(io, 0);
+			return;
+		}
+		prep_rw(io);
+		return;
+	case BACKEND_FLUSH:
+		prep_fsync(io);
+		return;
+	case BACKEND_TRIM:
+		if (io->length == 0 || !be->can_trim) {
+			io->done(io, 0);
+			return;
+		}
+		prep_fallocate(io, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE);
+		return;
+	case BACKEND_ZERO:
+		if (io->length == 0) {
+			io->done(io, 0);
+			return;
+		}
+		io->stage = (io->flags & BACKEND_NO_HOLE) ? ZERO_RANGE : ZERO_PUNCH;
+		zero_step(io);
+		return;
+	case BACKEND_CACHE: {
+		/* Advisory: start readahead of a bounded prefix, answer at once. */
+		uint64_t n = io->length > (64u << 20) ? (64u << 20) : io->length;
+		int rc = posix_fadvise(fb->fd, (off_t)io->offset, (off_t)n, POSIX_FADV_WILLNEED);
+		io->done(io, -rc);
+		return;
+	}
+	case BACKEND_BLOCK_STATUS:
+		io->done(io, file_extents(fb, io));
+		return;
+	}
+	io->done(io, -EINVAL);
+}
+
+static void file_close(struct backend *be)
+{
+	struct file_backend *fb = to_file(be);
+	close(fb->fd);
+	free(fb);
+}
+
+static const struct backend_ops file_ops = {
+	.kind = "file",
+	.submit = file_submit,
+	.close = file_close,
+};
+
+int backend_file_open(const char *path, bool readonly, struct backend **out)
+{
+	int fd = open(path, (readonly ? O_RDONLY : O_RDWR) | O_CLOEXEC);
+	if (fd < 0)
+		return -errno;
+	struct stat st;
+	int rc;
+	if (fstat(fd, &st) < 0) {
+		rc = -errno;
+		goto err;
+	}
+	struct file_backend *fb = calloc(1, sizeof(*fb));
+	if (!fb) {
+		rc = -ENOMEM;
+		goto err;
+	}
+	fb->fd = fd;
+	fb->base.ops = &file_ops;
+	fb->base.readonly = readonly;
+	fb->base.can_trim = true;
+	fb->base.can_zero = true;
+	fb->base.min_block = 1;
+	if (S_ISBLK(st.st_mode)) {
+		uint64_t size;
+		if (ioctl(fd, BLKGETSIZE64, &size) < 0) {
+			rc = -errno;
+			free(fb);
+			goto err;
+		}
+		fb->base.size = size;
+		fb->is_block_device = true;
+	} else if (S_ISREG(st.st_mode)) {
+		fb->base.size = (uint64_t)st.st_size;
+	} else {
+		rc = -EINVAL;
+		free(fb);
+		goto err;
+	}
+	if (fb->base.size > NBD_MAX_OFFSET) {
+		rc = -EFBIG;
+		free(fb);
+		goto err;
+	}
+	*out = &fb->base;
+	return 0;
+err:
+	close(fd);
+	return rc;
+}

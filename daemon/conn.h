@@ -1,0 +1,109 @@
+/*
+ * daemon/conn.h: one client connection, from greeting to close.
+ *
+ * Owns: the connection's socket (a libevent bufferevent), its negotiation
+ * state and its in-flight requests. A connection lives on exactly one worker
+ * thread and is only ever touched from that thread: no locks.
+ *
+ * Phases:  FLAGS -> OPTIONS -> TRANSMISSION        (handshake.c, transmit.c)
+ *
+ *   greeting sent --client flags--> option haggling --GO/EXPORT_NAME-->
+ *   requests parsed from the input buffer, each submitted to the backend;
+ *   replies are queued on the output buffer as completions arrive, in any
+ *   order.
+ *
+ * Lifetime: conn->refs counts the socket (until conn_kill) plus every
+ * request still alive (its backend I/O in flight, or its data still
+ * referenced by the output buffer). The struct is freed when refs drops to
+ * zero, never earlier: the kernel may still be writing into a request's
+ * buffer after the client has gone.
+ *
+ * Bounds: at most CONN_MAX_INFLIGHT requests and CONN_MAX_INFLIGHT_BYTES of
+ * request buffers per connection; beyond that the connection stops reading
+ * until replies drain, so a client cannot make the daemon allocate without
+ * limit.
+ */
+#ifndef NBDCACHED_DAEMON_CONN_H
+#define NBDCACHED_DAEMON_CONN_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "daemon/backend/backend.h"
+#include "proto/nbd.h"
+
+struct worker;
+struct export;
+struct bufferevent;
+struct evbuffer;
+
+#define CONN_MAX_INFLIGHT 128
+#define CONN_MAX_INFLIGHT_BYTES (96u << 20)
+#define CONN_MAX_OUTPUT (64u << 20)
+#define CONN_MAX_OPTION_LENGTH (64u << 10)
+#define CONN_META_CONTEXT_ID 1u
+/* Block status replies describe at most this many extents. */
+#define CONN_MAX_EXTENTS 512
+/* Structured reads at least this long report holes as OFFSET_HOLE. */
+#define CONN_SPARSE_READ_MIN (64u << 10)
+#define CONN_MAX_READ_EXTENTS 64
+
+enum conn_phase { CONN_FLAGS, CONN_OPTIONS, CONN_TRANSMISSION };
+
+struct conn {
+	uint64_t id;
+	struct worker *worker;
+	struct bufferevent *bev; /* NULL once killed */
+	struct conn *prev, *next;
+	enum conn_phase phase;
+	unsigned refs;
+
+	/* Negotiation (handshake.c). */
+	bool no_zeroes;
+	bool structured;
+	bool extended;
+	bool meta_selected; /* base:allocation selected for meta_export */
+	const struct export *meta_export; /* the export SET_META_CONTEXT named */
+	const struct export *export;
+	struct nbd_session session;
+
+	/* Transmission (transmit.c). */
+	unsigned inflight;	 /* requests without a reply yet */
+	uint64_t inflight_bytes; /* request buffers alive */
+	uint64_t discard;	 /* payload bytes still to drop */
+	struct nbd_request discard_req;
+	uint32_t discard_error;
+	bool closing; /* no more reading; close once drained */
+	bool reading; /* EV_READ enabled */
+};
+
+/* Adopt an accepted socket on the current worker thread. */
+int conn_start(struct worker *w, int fd, uint64_t id);
+/* Stop reading and close once in-flight requests have replied. */
+void conn_shutdown(struct conn *c);
+/* Close the socket now; the struct lives on until the last request is done. */
+void conn_kill(struct conn *c, const char *why);
+void conn_ref(struct conn *c);
+void conn_unref(struct conn *c);
+struct evbuffer *conn_output(struct conn *c);
+struct evbuffer *conn_input(struct conn *c);
+/* Re-evaluate whether to read more (after a reply or a drained output). */
+void conn_update_reading(struct conn *c);
+/* Parse and act on whatever complete messages the input buffer holds. */
+void conn_process_input(struct conn *c);
+
+/* handshake.c: one step of negotiation; returns 1 if it consumed a message,
+ * 0 if it needs more bytes, -1 if the connection was closed. */
+int handshake_step(struct conn *c);
+void handshake_send_greeting(struct conn *c);
+
+/* transmit.c: one request; same return convention as handshake_step. */
+int transmit_step(struct conn *c);
+
+/* replies (transmit.c): NBD error reply in whatever form was negotiated. */
+void reply_error(struct conn *c, const struct nbd_request *req, uint32_t error,
+		 const char *message);
+void reply_ok(struct conn *c, const struct nbd_request *req);
+
+#endif

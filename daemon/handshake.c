@@ -1,0 +1,336 @@
+/*
+ * daemon/handshake.c: fixed newstyle negotiation, server side.
+ *
+ *   S: NBDMAGIC IHAVEOPT flags     (handshake_send_greeting)
+ *   C: client flags                (CONN_FLAGS)
+ *   C: IHAVEOPT option length data (CONN_OPTIONS, repeated)
+ *   S: option replies ...
+ *   ... until GO or EXPORT_NAME succeeds -> CONN_TRANSMISSION
+ *
+ * Every option is parsed by proto/ from a contiguous view of the input
+ * buffer (evbuffer_pullup), so option data is never copied or allocated
+ * separately. Option data is bounded by CONN_MAX_OPTION_LENGTH: a longer
+ * option is answered with NBD_REP_ERR_TOO_BIG and the connection closed,
+ * without reading it.
+ */
+#include <errno.h>
+#include <event2/buffer.h>
+#include <event2/bufferevent.h>
+#include <event2/event.h>
+#include <string.h>
+
+#include "daemon/conn.h"
+#include "daemon/export.h"
+#include "daemon/log.h"
+#include "daemon/worker.h"
+
+#define KNOWN_CLIENT_FLAGS (NBD_FLAG_C_FIXED_NEWSTYLE | NBD_FLAG_C_NO_ZEROES)
+
+void handshake_send_greeting(struct conn *c)
+{
+	uint8_t buf[NBD_GREETING_SIZE];
+	size_t n = nbd_encode_greeting(buf, NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES);
+	evbuffer_add(conn_output(c), buf, n);
+}
+
+static void option_reply(struct conn *c, uint32_t option, uint32_t type, const void *data,
+			 size_t len)
+{
+	uint8_t hdr[NBD_OPTION_REPLY_HEADER_SIZE];
+	nbd_encode_option_reply(hdr, option, type, (uint32_t)len);
+	struct evbuffer *out = conn_output(c);
+	evbuffer_add(out, hdr, sizeof(hdr));
+	if (len)
+		evbuffer_add(out, data, len);
+}
+
+static void option_error(struct conn *c, uint32_t option, uint32_t type, const char *message)
+{
+	log_debug("conn %llu: %s -> %s: %s", (unsigned long long)c->id, nbd_opt_name(option),
+		  nbd_rep_name(type), message);
+	option_reply(c, option, type, message, strlen(message));
+}
+
+static void option_ack(struct conn *c, uint32_t option)
+{
+	option_reply(c, option, NBD_REP_ACK, NULL, 0);
+}
+
+/* Reply with a prefix and a string, in one NBD_REP_* message. */
+static void option_reply_prefixed(struct conn *c, uint32_t option, uint32_t type,
+				  const void *prefix, size_t prefix_len, const char *a,
+				  size_t a_len, const char *b, size_t b_len)
+{
+	uint8_t hdr[NBD_OPTION_REPLY_HEADER_SIZE];
+	nbd_encode_option_reply(hdr, option, type, (uint32_t)(prefix_len + a_len + b_len));
+	struct evbuffer *out = conn_output(c);
+	evbuffer_add(out, hdr, sizeof(hdr));
+	evbuffer_add(out, prefix, prefix_len);
+	if (a_len)
+		evbuffer_add(out, a, a_len);
+	if (b_len)
+		evbuffer_add(out, b, b_len);
+}
+
+static void enter_transmission(struct conn *c, const struct export *e)
+{
+	c->export = e;
+	c->phase = CONN_TRANSMISSION;
+	c->session = (struct nbd_session){
+		.structured = c->structured,
+		.extended = c->extended,
+		.block_status = c->meta_selected && c->meta_export == e,
+		.eflags = export_eflags(e, c->structured),
+		.size = export_size(e),
+		.max_payload = e->max_payload,
+		.min_block = 1,
+	};
+	log_info("conn %llu: export \"%s\" negotiated structured=%d extended=%d meta=%d",
+		 (unsigned long long)c->id, e->name, c->structured, c->extended,
+		 c->session.block_status);
+}
+
+static void handle_export_name(struct conn *c, const char *data, uint32_t len)
+{
+	const struct export *e = export_find(c->worker->exports, data, len);
+	if (c->extended || !e) {
+		conn_kill(c, c->extended ? "EXPORT_NAME after extended headers"
+					 : "EXPORT_NAME of an unknown export");
+		return;
+	}
+	uint8_t buf[NBD_EXPORT_NAME_REPLY_SIZE];
+	size_t n = nbd_encode_export_name_reply(buf, export_size(e), export_eflags(e, c->structured),
+						c->no_zeroes);
+	evbuffer_add(conn_output(c), buf, n);
+	enter_transmission(c, e);
+}
+
+static void send_info(struct conn *c, uint32_t option, const struct export *e,
+		      const struct nbd_opt_go *go)
+{
+	uint8_t buf[NBD_INFO_BLOCK_SIZE_SIZE];
+	bool want_name = false, want_description = false;
+	for (uint16_t i = 0; i < go->info_count; i++) {
+		uint16_t t = nbd_opt_go_info(go, i);
+		want_name |= t == NBD_INFO_NAME;
+		want_description |= t == NBD_INFO_DESCRIPTION;
+	}
+	size_t n = nbd_encode_info_export(buf, export_size(e), export_eflags(e, c->structured));
+	option_reply(c, option, NBD_REP_INFO, buf, n);
+	if (want_name) {
+		n = nbd_encode_info_type(buf, NBD_INFO_NAME);
+		option_reply_prefixed(c, option, NBD_REP_INFO, buf, n, e->name, strlen(e->name),
+				      NULL, 0);
+	}
+	if (want_description && e->description) {
+		n = nbd_encode_info_type(buf, NBD_INFO_DESCRIPTION);
+		option_reply_prefixed(c, option, NBD_REP_INFO, buf, n, e->description,
+				      strlen(e->description), NULL, 0);
+	}
+	/* Always sent: a client that ignores it loses nothing (minimum is 1). */
+	n = nbd_encode_info_block_size(buf, 1, e->block_size, e->max_payload);
+	option_reply(c, option, NBD_REP_INFO, buf, n);
+}
+
+static void handle_info_go(struct conn *c, uint32_t option, const uint8_t *data, uint32_t len)
+{
+	struct nbd_opt_go go;
+	if (nbd_parse_opt_go(data, len, &go) < 0) {
+		option_error(c, option, NBD_REP_ERR_INVALID, "malformed INFO/GO request");
+		return;
+	}
+	const struct export *e = export_find(c->worker->exports, go.name, go.name_length);
+	if (!e) {
+		option_error(c, option, NBD_REP_ERR_UNKNOWN, "no such export");
+		return;
+	}
+	send_info(c, option, e, &go);
+	option_ack(c, option);
+	if (option == NBD_OPT_GO)
+		enter_transmission(c, e);
+}
+
+static void handle_list(struct conn *c, uint32_t len)
+{
+	if (len != 0) {
+		option_error(c, NBD_OPT_LIST, NBD_REP_ERR_INVALID, "LIST takes no data");
+		return;
+	}
+	const struct export_table *t = c->worker->exports;
+	for (size_t i = 0; i < t->count; i++) {
+		const struct export *e = &t->exports[i];
+		uint8_t prefix[4];
+		size_t name_len = strlen(e->name);
+		size_t n = nbd_encode_rep_server_prefix(prefix, (uint32_t)name_len);
+		option_reply_prefixed(c, NBD_OPT_LIST, NBD_REP_SERVER, prefix, n, e->name,
+				      name_len, e->description,
+				      e->description ? strlen(e->description) : 0);
+	}
+	option_ack(c, NBD_OPT_LIST);
+}
+
+static void handle_meta(struct conn *c, uint32_t option, const uint8_t *data, uint32_t len)
+{
+	bool set = option == NBD_OPT_SET_META_CONTEXT;
+	if (set) {
+		/* SET replaces the selection, even when it fails. */
+		c->meta_selected = false;
+		c->meta_export = NULL;
+	}
+	if (!c->structured) {
+		option_error(c, option, NBD_REP_ERR_INVALID,
+			     "negotiate structured replies or extended headers first");
+		return;
+	}
+	struct nbd_opt_meta meta;
+	if (nbd_parse_opt_meta(data, len, &meta) < 0) {
+		option_error(c, option, NBD_REP_ERR_INVALID, "malformed meta context request");
+		return;
+	}
+	const struct export *e = export_find(c->worker->exports, meta.name, meta.name_length);
+	if (!e) {
+		option_error(c, option, NBD_REP_ERR_UNKNOWN, "no such export");
+		return;
+	}
+	bool selected = !set && meta.query_count == 0; /* LIST with no query: all */
+	struct nbd_meta_iter it;
+	const char *q;
+	uint32_t qlen;
+	nbd_meta_iter_init(&it, &meta);
+	while (nbd_meta_iter_next(&it, &q, &qlen)) {
+		if (!nbd_meta_query_valid(q, qlen)) {
+			option_error(c, option, NBD_REP_ERR_INVALID, "malformed meta context query");
+			return;
+		}
+		if (set ? (qlen == strlen(NBD_META_BASE_ALLOCATION) &&
+			   memcmp(q, NBD_META_BASE_ALLOCATION, qlen) == 0)
+			: nbd_meta_query_selects_base_allocation(q, qlen))
+			selected = true;
+	}
+	if (selected) {
+		uint8_t prefix[4];
+		size_t n = nbd_encode_meta_context_prefix(prefix, set ? CONN_META_CONTEXT_ID : 0);
+		option_reply_prefixed(c, option, NBD_REP_META_CONTEXT, prefix, n,
+				      NBD_META_BASE_ALLOCATION, strlen(NBD_META_BASE_ALLOCATION),
+				      NULL, 0);
+	}
+	if (set && selected) {
+		c->meta_selected = true;
+		c->meta_export = e;
+	}
+	option_ack(c, option);
+}
+
+/* One option whose data (len bytes) is contiguous at data. */
+static void handle_option(struct conn *c, uint32_t option, const uint8_t *data, uint32_t len)
+{
+	log_debug("conn %llu: option %s, %u bytes", (unsigned long long)c->id,
+		  nbd_opt_name(option), len);
+	switch (option) {
+	case NBD_OPT_EXPORT_NAME:
+		handle_export_name(c, (const char *)data, len);
+		return;
+	case NBD_OPT_ABORT:
+		option_ack(c, option);
+		c->closing = true;
+		return;
+	case NBD_OPT_LIST:
+		handle_list(c, len);
+		return;
+	case NBD_OPT_STARTTLS:
+		if (len)
+			option_error(c, option, NBD_REP_ERR_INVALID, "STARTTLS takes no data");
+		else
+			option_error(c, option, NBD_REP_ERR_UNSUP, "TLS is not configured");
+		return;
+	case NBD_OPT_INFO:
+	case NBD_OPT_GO:
+		handle_info_go(c, option, data, len);
+		return;
+	case NBD_OPT_STRUCTURED_REPLY:
+		if (len)
+			option_error(c, option, NBD_REP_ERR_INVALID, "option takes no data");
+		else if (c->extended)
+			option_error(c, option, NBD_REP_ERR_EXT_HEADER_REQD,
+				     "extended headers already negotiated");
+		else {
+			c->structured = true;
+			option_ack(c, option);
+		}
+		return;
+	case NBD_OPT_EXTENDED_HEADERS:
+		if (len) {
+			option_error(c, option, NBD_REP_ERR_INVALID, "option takes no data");
+		} else {
+			c->extended = true;
+			c->structured = true;
+			option_ack(c, option);
+		}
+		return;
+	case NBD_OPT_LIST_META_CONTEXT:
+	case NBD_OPT_SET_META_CONTEXT:
+		handle_meta(c, option, data, len);
+		return;
+	default:
+		option_error(c, option, NBD_REP_ERR_UNSUP, "unknown option");
+		return;
+	}
+}
+
+int handshake_step(struct conn *c)
+{
+	struct evbuffer *in = conn_input(c);
+	size_t avail = evbuffer_get_length(in);
+	if (c->discard) {
+		/* Never used in negotiation: oversize options close the connection. */
+		return -1;
+	}
+	if (c->phase == CONN_FLAGS) {
+		uint8_t buf[NBD_CLIENT_FLAGS_SIZE];
+		uint32_t flags;
+		if (avail < sizeof(buf))
+			return 0;
+		evbuffer_remove(in, buf, sizeof(buf));
+		nbd_decode_client_flags(buf, sizeof(buf), &flags);
+		if (flags & ~KNOWN_CLIENT_FLAGS) {
+			conn_kill(c, "unknown client flags");
+			return -1;
+		}
+		c->no_zeroes = flags & NBD_FLAG_C_NO_ZEROES;
+		c->phase = CONN_OPTIONS;
+		return 1;
+	}
+	if (avail < NBD_OPTION_HEADER_SIZE)
+		return 0;
+	uint8_t hdr[NBD_OPTION_HEADER_SIZE];
+	struct nbd_option opt;
+	evbuffer_copyout(in, hdr, sizeof(hdr));
+	if (nbd_decode_option(hdr, sizeof(hdr), &opt) < 0) {
+		conn_kill(c, "bad option magic");
+		return -1;
+	}
+	if (opt.length > CONN_MAX_OPTION_LENGTH) {
+		option_error(c, opt.option, NBD_REP_ERR_TOO_BIG, "option data too long");
+		c->closing = true;
+		bufferevent_disable(c->bev, EV_READ);
+		c->reading = false;
+		return -1;
+	}
+	size_t total = NBD_OPTION_HEADER_SIZE + (size_t)opt.length;
+	if (avail < total)
+		return 0;
+	const uint8_t *p = evbuffer_pullup(in, (ev_ssize_t)total);
+	if (!p) {
+		conn_kill(c, "out of memory");
+		return -1;
+	}
+	handle_option(c, opt.option, p + NBD_OPTION_HEADER_SIZE, opt.length);
+	if (c->bev)
+		evbuffer_drain(in, total);
+	if (c->bev && c->closing) {
+		bufferevent_disable(c->bev, EV_READ);
+		c->reading = false;
+		return -1;
+	}
+	return c->bev ? 1 : -1;
+}

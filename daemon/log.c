@@ -1,0 +1,68 @@
+/*
+ * daemon/log.c: see log.h. Messages carry a UTC timestamp and the level; the
+ * whole line is built first and written once, so concurrent threads cannot
+ * interleave partial lines.
+ */
+#include "daemon/log.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static volatile int current_level = LOG_INFO;
+
+static const char *const level_names[] = {"error", "warn", "info", "debug"};
+
+int log_parse_level(const char *text, enum log_level *out)
+{
+	for (unsigned i = 0; i < sizeof(level_names) / sizeof(level_names[0]); i++) {
+		if (strcmp(text, level_names[i]) == 0) {
+			*out = (enum log_level)i;
+			return 0;
+		}
+	}
+	return -EINVAL;
+}
+
+void log_set_level(enum log_level level)
+{
+	current_level = level;
+}
+
+enum log_level log_get_level(void)
+{
+	return (enum log_level)current_level;
+}
+
+void log_msg(enum log_level level, const char *fmt, ...)
+{
+	if ((int)level > current_level)
+		return;
+	char line[2048];
+	struct timespec ts;
+	struct tm tm;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	gmtime_r(&ts.tv_sec, &tm);
+	int n = snprintf(line, sizeof(line), "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ nbdcached[%d] %s: ",
+			 tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min,
+			 tm.tm_sec, ts.tv_nsec / 1000000, (int)getpid(), level_names[level]);
+	if (n < 0)
+		return;
+	va_list ap;
+	va_start(ap, fmt);
+	int m = vsnprintf(line + n, sizeof(line) - (size_t)n - 1, fmt, ap);
+	va_end(ap);
+	if (m < 0)
+		return;
+	size_t len = (size_t)n + (size_t)m;
+	if (len > sizeof(line) - 2)
+		len = sizeof(line) - 2;
+	line[len++] = '\n';
+	int saved = errno;
+	ssize_t w = write(STDERR_FILENO, line, len);
+	(void)w;
+	errno = saved;
+}

@@ -1,0 +1,383 @@
+/*
+ * daemon/options.c: command-line parsing (see options.h).
+ *
+ * getopt_long does the flag syntax; this file validates values and turns
+ * each --export into a struct export_spec. A description may contain commas:
+ * a comma-separated piece that is not a known key continues the description
+ * before it ("description=disk, fast" stays whole).
+ */
+#include "daemon/options.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
+	__attribute__((format(printf, 4, 5)));
+
+static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	if (err && errlen)
+		vsnprintf(err, errlen, fmt, ap);
+	va_end(ap);
+	return rc;
+}
+
+const char *options_usage(void)
+{
+	return "usage: nbdcached [--foreground] [--listen HOST:PORT]... [--unix PATH]...\n"
+	       "                 [--export NAME=BACKEND[,readonly][,description=TEXT]"
+	       "[,block-size=N]]...\n"
+	       "                 [--threads N] [--pidfile FILE] [--log-level LEVEL]\n"
+	       "LEVEL is error, warn, info or debug. Default listen: " OPTIONS_DEFAULT_LISTEN
+	       " (when neither --listen nor --unix is given).\n"
+	       "The empty export name selects the first export.\n";
+}
+
+/* Parse a decimal unsigned number with optional K/M suffix (binary). */
+static int parse_u64(const char *text, uint64_t *out)
+{
+	char *end;
+	if (text[0] == '\0' || text[0] == '-')
+		return -EINVAL;
+	errno = 0;
+	unsigned long long v = strtoull(text, &end, 0);
+	if (errno != 0)
+		return -EINVAL;
+	unsigned shift = 0;
+	if (*end == 'k' || *end == 'K')
+		shift = 10, end++;
+	else if (*end == 'm' || *end == 'M')
+		shift = 20, end++;
+	if (*end != '\0')
+		return -EINVAL;
+	if (shift && v > (UINT64_MAX >> shift))
+		return -EINVAL;
+	*out = (uint64_t)v << shift;
+	return 0;
+}
+
+static bool is_power_of_two(uint64_t v)
+{
+	return v && (v & (v - 1)) == 0;
+}
+
+static char *dup_range(const char *p, size_t n)
+{
+	char *s = malloc(n + 1);
+	if (s) {
+		memcpy(s, p, n);
+		s[n] = '\0';
+	}
+	return s;
+}
+
+static void export_spec_free(struct export_spec *e)
+{
+	free(e->name);
+	free(e->backend);
+	free(e->description);
+	memset(e, 0, sizeof(*e));
+}
+
+static bool starts_with(const char *s, size_t n, const char *prefix)
+{
+	size_t p = strlen(prefix);
+	return n >= p && memcmp(s, prefix, p) == 0;
+}
+
+static bool is_known_key(const char *s, size_t n)
+{
+	return (n == 8 && memcmp(s, "readonly", 8) == 0) || starts_with(s, n, "description=") ||
+	       starts_with(s, n, "block-size=");
+}
+
+int options_parse_export(const char *text, struct export_spec *out, char *err, size_t errlen)
+{
+	memset(out, 0, sizeof(*out));
+	out->block_size = OPTIONS_DEFAULT_BLOCK_SIZE;
+	const char *eq = strchr(text, '=');
+	if (!eq)
+		return fail(err, errlen, -EINVAL, "--export %s: expected NAME=BACKEND", text);
+	size_t name_len = (size_t)(eq - text);
+	if (name_len > 4096)
+		return fail(err, errlen, -EINVAL, "--export: name longer than 4096 bytes");
+	const char *rest = eq + 1;
+	const char *comma = strchr(rest, ',');
+	size_t backend_len = comma ? (size_t)(comma - rest) : strlen(rest);
+	int rc = -ENOMEM;
+	if (backend_len == 0) {
+		rc = fail(err, errlen, -EINVAL, "--export %s: empty backend", text);
+		goto error;
+	}
+	out->name = dup_range(text, name_len);
+	out->backend = dup_range(rest, backend_len);
+	if (!out->name || !out->backend)
+		goto error;
+
+	const char *p = comma ? comma + 1 : NULL;
+	while (p) {
+		const char *next = strchr(p, ',');
+		size_t n = next ? (size_t)(next - p) : strlen(p);
+		/* A description runs on over commas until the next known key. */
+		if (starts_with(p, n, "description=")) {
+			const char *d = p + strlen("description=");
+			const char *q = next;
+			while (q) {
+				const char *after = q + 1;
+				const char *nn = strchr(after, ',');
+				size_t an = nn ? (size_t)(nn - after) : strlen(after);
+				if (is_known_key(after, an))
+					break;
+				q = nn;
+			}
+			size_t dn = q ? (size_t)(q - d) : strlen(d);
+			if (dn > 4096) {
+				rc = fail(err, errlen, -EINVAL, "--export: description too long");
+				goto error;
+			}
+			free(out->description);
+			out->description = dup_range(d, dn);
+			if (!out->description)
+				goto error;
+			p = q ? q + 1 : NULL;
+			continue;
+		}
+		if (n == 8 && memcmp(p, "readonly", 8) == 0) {
+			out->readonly = true;
+		} else if (starts_with(p, n, "block-size=")) {
+			char buf[32];
+			size_t vn = n - strlen("block-size=");
+			uint64_t v;
+			if (vn >= sizeof(buf)) {
+				rc = fail(err, errlen, -EINVAL, "--export: bad block-size");
+				goto error;
+			}
+			memcpy(buf, p + strlen("block-size="), vn);
+			buf[vn] = '\0';
+			if (parse_u64(buf, &v) < 0 || !is_power_of_two(v) || v < 512 || v > 65536) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--export: block-size %s must be a power of two from 512 to "
+					  "65536",
+					  buf);
+				goto error;
+			}
+			out->block_size = (uint32_t)v;
+		} else {
+			rc = fail(err, errlen, -EINVAL, "--export %s: unknown option '%.*s'", text,
+				  (int)n, p);
+			goto error;
+		}
+		p = next ? next + 1 : NULL;
+	}
+	return 0;
+error:
+	if (rc == -ENOMEM)
+		fail(err, errlen, rc, "out of memory");
+	export_spec_free(out);
+	return rc;
+}
+
+int options_split_host_port(const char *text, char *host, size_t hostlen, char *port,
+			    size_t portlen)
+{
+	const char *colon;
+	const char *h = text;
+	size_t hn;
+	if (text[0] == '[') {
+		const char *close = strchr(text, ']');
+		if (!close || close[1] != ':')
+			return -EINVAL;
+		h = text + 1;
+		hn = (size_t)(close - h);
+		colon = close + 1;
+	} else {
+		colon = strrchr(text, ':');
+		if (!colon)
+			return -EINVAL;
+		hn = (size_t)(colon - text);
+		if (memchr(text, ':', hn))
+			return -EINVAL; /* bare IPv6 needs brackets */
+	}
+	const char *pt = colon + 1;
+	size_t pn = strlen(pt);
+	if (pn == 0 || hn >= hostlen || pn >= portlen)
+		return -EINVAL;
+	for (size_t i = 0; i < pn; i++)
+		if (pt[i] < '0' || pt[i] > '9')
+			return -EINVAL;
+	if (strtoul(pt, NULL, 10) > 65535)
+		return -EINVAL;
+	memcpy(host, h, hn);
+	host[hn] = '\0';
+	memcpy(port, pt, pn + 1);
+	return 0;
+}
+
+static int push_string(char ***vec, size_t *count, const char *s)
+{
+	char **v = realloc(*vec, (*count + 1) * sizeof(**vec));
+	if (!v)
+		return -ENOMEM;
+	*vec = v;
+	v[*count] = strdup(s);
+	if (!v[*count])
+		return -ENOMEM;
+	(*count)++;
+	return 0;
+}
+
+void options_free(struct options *opts)
+{
+	for (size_t i = 0; i < opts->listen_count; i++)
+		free(opts->listen[i]);
+	free(opts->listen);
+	for (size_t i = 0; i < opts->unix_count; i++)
+		free(opts->unix_paths[i]);
+	free(opts->unix_paths);
+	for (size_t i = 0; i < opts->export_count; i++)
+		export_spec_free(&opts->exports[i]);
+	free(opts->exports);
+	free(opts->pidfile);
+	memset(opts, 0, sizeof(*opts));
+}
+
+int options_parse(int argc, char **argv, struct options *out, char *err, size_t errlen)
+{
+	static const struct option longopts[] = {
+		{"foreground", no_argument, NULL, 'f'},
+		{"listen", required_argument, NULL, 'l'},
+		{"unix", required_argument, NULL, 'u'},
+		{"export", required_argument, NULL, 'e'},
+		{"threads", required_argument, NULL, 't'},
+		{"pidfile", required_argument, NULL, 'p'},
+		{"log-level", required_argument, NULL, 'L'},
+		{"help", no_argument, NULL, 'h'},
+		{"version", no_argument, NULL, 'V'},
+		{NULL, 0, NULL, 0},
+	};
+	int rc = 0;
+	memset(out, 0, sizeof(*out));
+	out->log_level = LOG_INFO;
+	optind = 1;
+	opterr = 0;
+	for (;;) {
+		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:hV", longopts, NULL);
+		if (c == -1)
+			break;
+		switch (c) {
+		case 'f':
+			out->foreground = true;
+			break;
+		case 'l': {
+			char host[256], port[16];
+			if (options_split_host_port(optarg, host, sizeof(host), port,
+						    sizeof(port)) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--listen %s: expected HOST:PORT or [IPV6]:PORT", optarg);
+				goto error;
+			}
+			if ((rc = push_string(&out->listen, &out->listen_count, optarg)) < 0)
+				goto error;
+			break;
+		}
+		case 'u':
+			if (optarg[0] == '\0' || strlen(optarg) >= 108) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--unix: path empty or longer than 107 bytes");
+				goto error;
+			}
+			if ((rc = push_string(&out->unix_paths, &out->unix_count, optarg)) < 0)
+				goto error;
+			break;
+		case 'e': {
+			struct export_spec spec;
+			rc = options_parse_export(optarg, &spec, err, errlen);
+			if (rc < 0)
+				goto error;
+			for (size_t i = 0; i < out->export_count; i++) {
+				if (strcmp(out->exports[i].name, spec.name) == 0) {
+					rc = fail(err, errlen, -EINVAL, "--export: duplicate name '%s'",
+						  spec.name);
+					export_spec_free(&spec);
+					goto error;
+				}
+			}
+			struct export_spec *v =
+				realloc(out->exports, (out->export_count + 1) * sizeof(*v));
+			if (!v) {
+				export_spec_free(&spec);
+				rc = -ENOMEM;
+				goto error;
+			}
+			out->exports = v;
+			v[out->export_count++] = spec;
+			break;
+		}
+		case 't': {
+			uint64_t v;
+			if (parse_u64(optarg, &v) < 0 || v > OPTIONS_MAX_THREADS) {
+				rc = fail(err, errlen, -EINVAL, "--threads %s: expected 0..%d", optarg,
+					  OPTIONS_MAX_THREADS);
+				goto error;
+			}
+			out->threads = (unsigned)v;
+			break;
+		}
+		case 'p':
+			free(out->pidfile);
+			out->pidfile = strdup(optarg);
+			if (!out->pidfile) {
+				rc = -ENOMEM;
+				goto error;
+			}
+			break;
+		case 'L':
+			if (log_parse_level(optarg, &out->log_level) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--log-level %s: expected error, warn, info or debug",
+					  optarg);
+				goto error;
+			}
+			break;
+		case 'h':
+			out->help = true;
+			break;
+		case 'V':
+			out->version = true;
+			break;
+		default:
+			rc = fail(err, errlen, -EINVAL, "unknown or incomplete option '%s'",
+				  argv[optind - 1]);
+			goto error;
+		}
+	}
+	if (optind < argc) {
+		rc = fail(err, errlen, -EINVAL, "unexpected argument '%s'", argv[optind]);
+		goto error;
+	}
+	if (out->help || out->version)
+		return 0;
+	if (out->export_count == 0) {
+		rc = fail(err, errlen, -EINVAL, "no export: give at least one --export NAME=PATH");
+		goto error;
+	}
+	if (out->listen_count == 0 && out->unix_count == 0) {
+		if ((rc = push_string(&out->listen, &out->listen_count, OPTIONS_DEFAULT_LISTEN)) <
+		    0)
+			goto error;
+	}
+	return 0;
+error:
+	if (rc == -ENOMEM)
+		fail(err, errlen, rc, "out of memory");
+	options_free(out);
+	return rc;
+}

@@ -1,0 +1,265 @@
+/*
+ * daemon/server.c: see server.h.
+ *
+ * Start-up order matters: exports are opened and sockets bound first, so a
+ * mistake fails before the daemon detaches; the process forks (unless
+ * --foreground) before any event base or thread exists, because neither
+ * survives fork(); the pidfile is written last, when the daemon is ready.
+ */
+#include "daemon/server.h"
+
+#include <errno.h>
+#include <event2/event.h>
+#include <event2/listener.h>
+#include <event2/thread.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "daemon/export.h"
+#include "daemon/log.h"
+#include "daemon/worker.h"
+
+struct listener {
+	int fd;
+	char *unix_path; /* to unlink at exit; NULL for TCP */
+	struct evconnlistener *ev;
+};
+
+struct server {
+	struct event_base *base;
+	struct export_table exports;
+	struct worker *workers;
+	unsigned worker_count;
+	unsigned next_worker;
+	uint64_t next_conn_id;
+	struct listener *listeners;
+	size_t listener_count;
+};
+
+static int listen_tcp(struct server *s, const char *spec)
+{
+	char host[256], port[16];
+	if (options_split_host_port(spec, host, sizeof(host), port, sizeof(port)) < 0)
+		return -EINVAL;
+	struct addrinfo hints = {.ai_family = AF_UNSPEC,
+				 .ai_socktype = SOCK_STREAM,
+				 .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+	struct addrinfo *res, *ai;
+	int gai = getaddrinfo(host[0] ? host : NULL, port, &hints, &res);
+	if (gai != 0) {
+		log_error("--listen %s: %s", spec, gai_strerror(gai));
+		return -EINVAL;
+	}
+	int rc = -EADDRNOTAVAIL;
+	for (ai = res; ai; ai = ai->ai_next) {
+		int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+		if (fd < 0)
+			continue;
+		int one = 1;
+		setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+		if (ai->ai_family == AF_INET6)
+			setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof(one));
+		if (bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, 128) < 0) {
+			rc = -errno;
+			close(fd);
+			continue;
+		}
+		s->listeners[s->listener_count++] = (struct listener){.fd = fd};
+		rc = 0;
+		break; /* one address per --listen */
+	}
+	freeaddrinfo(res);
+	if (rc < 0)
+		log_error("--listen %s: %s", spec, strerror(-rc));
+	else
+		log_info("listening on %s", spec);
+	return rc;
+}
+
+static int listen_unix(struct server *s, const char *path)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	if (strlen(path) >= sizeof(sa.sun_path))
+		return -ENAMETOOLONG;
+	strcpy(sa.sun_path, path);
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return -errno;
+	struct stat st;
+	if (lstat(path, &st) == 0 && S_ISSOCK(st.st_mode))
+		unlink(path); /* a stale socket from an earlier run */
+	int rc = 0;
+	if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(fd, 128) < 0) {
+		rc = -errno;
+		close(fd);
+		log_error("--unix %s: %s", path, strerror(-rc));
+		return rc;
+	}
+	char *copy = strdup(path);
+	if (!copy) {
+		close(fd);
+		unlink(path);
+		return -ENOMEM;
+	}
+	s->listeners[s->listener_count++] = (struct listener){.fd = fd, .unix_path = copy};
+	log_info("listening on unix socket %s", path);
+	return 0;
+}
+
+static void on_accept(struct evconnlistener *l, evutil_socket_t fd, struct sockaddr *sa, int len,
+		      void *arg)
+{
+	(void)l;
+	(void)sa;
+	(void)len;
+	struct server *s = arg;
+	struct worker *w = &s->workers[s->next_worker++ % s->worker_count];
+	worker_hand_off(w, fd, ++s->next_conn_id);
+}
+
+static void on_accept_error(struct evconnlistener *l, void *arg)
+{
+	(void)l;
+	(void)arg;
+	/* EMFILE and friends: log and keep listening; the backlog holds clients. */
+	log_warn("accept: %s", strerror(EVUTIL_SOCKET_ERROR()));
+}
+
+static void close_listeners(struct server *s)
+{
+	for (size_t i = 0; i < s->listener_count; i++) {
+		struct listener *l = &s->listeners[i];
+		if (l->ev)
+			evconnlistener_free(l->ev); /* closes the fd */
+		else if (l->fd >= 0)
+			close(l->fd);
+		if (l->unix_path) {
+			unlink(l->unix_path);
+			free(l->unix_path);
+		}
+	}
+	s->listener_count = 0;
+}
+
+static void on_signal(evutil_socket_t sig, short what, void *arg)
+{
+	(void)what;
+	struct server *s = arg;
+	log_info("signal %d: shutting down", (int)sig);
+	event_base_loopexit(s->base, NULL);
+}
+
+static int write_pidfile(const char *path)
+{
+	FILE *f = fopen(path, "w");
+	if (!f)
+		return -errno;
+	fprintf(f, "%d\n", (int)getpid());
+	if (fclose(f) != 0)
+		return -errno;
+	return 0;
+}
+
+int server_run(const struct options *opts)
+{
+	struct server s = {0};
+	struct event *sigterm = NULL, *sigint = NULL;
+	int status = 1;
+	unsigned threads = opts->threads;
+	if (threads == 0) {
+		long n = sysconf(_SC_NPROCESSORS_ONLN);
+		threads = n > 0 ? (unsigned)n : 1;
+	}
+	signal(SIGPIPE, SIG_IGN);
+	if (export_table_open(&s.exports, opts) < 0)
+		return 1;
+	s.listeners = calloc(opts->listen_count + opts->unix_count, sizeof(*s.listeners));
+	if (!s.listeners)
+		goto out_exports;
+	for (size_t i = 0; i < opts->listen_count; i++)
+		if (listen_tcp(&s, opts->listen[i]) < 0)
+			goto out_listeners;
+	for (size_t i = 0; i < opts->unix_count; i++)
+		if (listen_unix(&s, opts->unix_paths[i]) < 0)
+			goto out_listeners;
+
+	if (!opts->foreground && daemon(1, 0) < 0) {
+		log_error("daemon: %s", strerror(errno));
+		goto out_listeners;
+	}
+	if (evthread_use_pthreads() < 0) {
+		log_error("libevent: no pthreads support");
+		goto out_listeners;
+	}
+	s.base = event_base_new();
+	if (!s.base)
+		goto out_listeners;
+	s.workers = calloc(threads, sizeof(*s.workers));
+	if (!s.workers)
+		goto out_base;
+	for (unsigned i = 0; i < threads; i++) {
+		int rc = worker_start(&s.workers[i], i, &s.exports);
+		if (rc < 0) {
+			log_error("worker %u: %s", i, strerror(-rc));
+			goto out_workers;
+		}
+		s.worker_count++;
+	}
+	for (size_t i = 0; i < s.listener_count; i++) {
+		struct listener *l = &s.listeners[i];
+		evutil_make_socket_nonblocking(l->fd);
+		l->ev = evconnlistener_new(s.base, on_accept, &s, LEV_OPT_CLOSE_ON_FREE, -1, l->fd);
+		if (!l->ev)
+			goto out_workers;
+		evconnlistener_set_error_cb(l->ev, on_accept_error);
+	}
+	sigterm = evsignal_new(s.base, SIGTERM, on_signal, &s);
+	sigint = evsignal_new(s.base, SIGINT, on_signal, &s);
+	if (!sigterm || !sigint || evsignal_add(sigterm, NULL) < 0 ||
+	    evsignal_add(sigint, NULL) < 0) {
+		log_error("cannot install signal handlers");
+		goto out_signals;
+	}
+	if (opts->pidfile) {
+		int rc = write_pidfile(opts->pidfile);
+		if (rc < 0) {
+			log_error("--pidfile %s: %s", opts->pidfile, strerror(-rc));
+			goto out_signals;
+		}
+	}
+	log_info("ready: %zu export(s), %u worker thread(s)", s.exports.count, s.worker_count);
+	event_base_dispatch(s.base);
+	status = 0;
+out_signals:
+	if (sigterm)
+		event_free(sigterm);
+	if (sigint)
+		event_free(sigint);
+out_workers:
+	close_listeners(&s);
+	for (unsigned i = 0; i < s.worker_count; i++)
+		worker_request_stop(&s.workers[i]);
+	for (unsigned i = 0; i < s.worker_count; i++)
+		worker_join(&s.workers[i]);
+	free(s.workers);
+	if (opts->pidfile && status == 0)
+		unlink(opts->pidfile);
+out_base:
+	event_base_free(s.base);
+out_listeners:
+	close_listeners(&s);
+	free(s.listeners);
+out_exports:
+	export_table_close(&s.exports);
+	if (status == 0)
+		log_info("stopped");
+	return status;
+}

@@ -1,0 +1,19 @@
+/*
+ * daemon/server.h: the process: listeners, workers, signals, pidfile.
+ *
+ * Owns: the listening sockets (TCP and Unix), the worker threads and the
+ * main thread's event loop, which only accepts connections and handles
+ * signals. Accepted sockets are dealt round robin to the workers.
+ *
+ * Shutdown (SIGTERM, SIGINT): stop accepting, let every worker finish its
+ * in-flight requests, remove Unix sockets and the pidfile, exit 0.
+ */
+#ifndef NBDCACHED_DAEMON_SERVER_H
+#define NBDCACHED_DAEMON_SERVER_H
+
+#include "daemon/options.h"
+
+/* Run until a shutdown signal. Returns the process exit status. */
+int server_run(const struct options *opts);
+
+#endif

@@ -1,0 +1,198 @@
+/*
+ * daemon/worker.c: see worker.h.
+ *
+ * Stopping is cooperative: the stop request closes connections still in
+ * negotiation, asks the others to finish their in-flight requests, and arms
+ * a timer after which stragglers (clients that never read their replies)
+ * are cut off. The loop ends when the last connection is freed, which
+ * happens only after its last backend I/O has completed, so no io_uring
+ * operation outlives the ring.
+ */
+#include "daemon/worker.h"
+
+#include <errno.h>
+#include <event2/event.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "daemon/conn.h"
+#include "daemon/log.h"
+
+#define WORKER_RING_ENTRIES 256
+#define WORKER_STOP_GRACE_SECONDS 10
+
+static void worker_maybe_exit(struct worker *w)
+{
+	if (w->stopping && w->conn_count == 0)
+		event_base_loopexit(w->base, NULL);
+}
+
+static void worker_on_stop_timer(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	struct worker *w = arg;
+	struct conn *c = w->conns;
+	while (c) {
+		struct conn *next = c->next;
+		if (c->bev)
+			conn_kill(c, "shutdown grace period over");
+		c = next;
+	}
+}
+
+static void worker_begin_stop(struct worker *w)
+{
+	if (w->stopping)
+		return;
+	w->stopping = true;
+	struct conn *c = w->conns;
+	while (c) {
+		struct conn *next = c->next;
+		conn_shutdown(c);
+		c = next;
+	}
+	struct timeval tv = {WORKER_STOP_GRACE_SECONDS, 0};
+	w->stop_timer = evtimer_new(w->base, worker_on_stop_timer, w);
+	if (w->stop_timer)
+		evtimer_add(w->stop_timer, &tv);
+	worker_maybe_exit(w);
+}
+
+static void worker_on_wake(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	struct worker *w = arg;
+	for (;;) {
+		struct worker_handoff h;
+		bool have = false, stop;
+		pthread_mutex_lock(&w->lock);
+		if (w->pending_count) {
+			h = w->pending[0];
+			memmove(w->pending, w->pending + 1, --w->pending_count * sizeof(h));
+			have = true;
+		}
+		stop = w->stop_requested;
+		pthread_mutex_unlock(&w->lock);
+		if (!have) {
+			if (stop)
+				worker_begin_stop(w);
+			break;
+		}
+		if (w->stopping || stop) {
+			close(h.fd);
+			continue;
+		}
+		int rc = conn_start(w, h.fd, h.id);
+		if (rc < 0)
+			log_warn("conn %llu: cannot start: %s", (unsigned long long)h.id,
+				 strerror(-rc));
+	}
+	uring_submit(&w->ring);
+}
+
+static void *worker_main(void *arg)
+{
+	struct worker *w = arg;
+	event_base_loop(w->base, EVLOOP_NO_EXIT_ON_EMPTY);
+	return NULL;
+}
+
+int worker_start(struct worker *w, unsigned index, const struct export_table *exports)
+{
+	memset(w, 0, sizeof(*w));
+	w->index = index;
+	w->exports = exports;
+	pthread_mutex_init(&w->lock, NULL);
+	int rc = -ENOMEM;
+	w->base = event_base_new();
+	if (!w->base)
+		goto err;
+	rc = uring_init(&w->ring, w->base, WORKER_RING_ENTRIES);
+	if (rc < 0)
+		goto err_base;
+	w->wake = event_new(w->base, -1, 0, worker_on_wake, w);
+	if (!w->wake) {
+		rc = -ENOMEM;
+		goto err_ring;
+	}
+	rc = -pthread_create(&w->thread, NULL, worker_main, w);
+	if (rc < 0)
+		goto err_wake;
+	return 0;
+err_wake:
+	event_free(w->wake);
+err_ring:
+	uring_close(&w->ring);
+err_base:
+	event_base_free(w->base);
+err:
+	pthread_mutex_destroy(&w->lock);
+	return rc;
+}
+
+void worker_hand_off(struct worker *w, int fd, uint64_t id)
+{
+	pthread_mutex_lock(&w->lock);
+	if (w->pending_count == w->pending_cap) {
+		size_t cap = w->pending_cap ? w->pending_cap * 2 : 16;
+		struct worker_handoff *p = realloc(w->pending, cap * sizeof(*p));
+		if (!p) {
+			pthread_mutex_unlock(&w->lock);
+			log_error("conn %llu: out of memory handing off", (unsigned long long)id);
+			close(fd);
+			return;
+		}
+		w->pending = p;
+		w->pending_cap = cap;
+	}
+	w->pending[w->pending_count++] = (struct worker_handoff){fd, id};
+	pthread_mutex_unlock(&w->lock);
+	event_active(w->wake, EV_READ, 0);
+}
+
+void worker_request_stop(struct worker *w)
+{
+	pthread_mutex_lock(&w->lock);
+	w->stop_requested = true;
+	pthread_mutex_unlock(&w->lock);
+	event_active(w->wake, EV_READ, 0);
+}
+
+void worker_join(struct worker *w)
+{
+	pthread_join(w->thread, NULL);
+	for (size_t i = 0; i < w->pending_count; i++)
+		close(w->pending[i].fd);
+	free(w->pending);
+	if (w->stop_timer)
+		event_free(w->stop_timer);
+	event_free(w->wake);
+	uring_close(&w->ring);
+	event_base_free(w->base);
+	pthread_mutex_destroy(&w->lock);
+}
+
+void worker_conn_added(struct worker *w, struct conn *c)
+{
+	c->prev = NULL;
+	c->next = w->conns;
+	if (w->conns)
+		w->conns->prev = c;
+	w->conns = c;
+	w->conn_count++;
+}
+
+void worker_conn_removed(struct worker *w, struct conn *c)
+{
+	if (c->prev)
+		c->prev->next = c->next;
+	else
+		w->conns = c->next;
+	if (c->next)
+		c->next->prev = c->prev;
+	w->conn_count--;
+	worker_maybe_exit(w);
+}

@@ -1,0 +1,59 @@
+/*
+ * daemon/worker.h: worker threads, each with its own libevent event_base and
+ * its own io_uring.
+ *
+ * Owns: the thread, its event loop, its ring and the connections it serves.
+ * The listener thread hands accepted sockets over with worker_hand_off()
+ * (the only cross-thread entry, with worker_request_stop(); both take the
+ * worker's mutex and wake its loop with event_active()). Everything else in
+ * a worker runs on its own thread without locks.
+ */
+#ifndef NBDCACHED_DAEMON_WORKER_H
+#define NBDCACHED_DAEMON_WORKER_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "daemon/uring.h"
+
+struct conn;
+struct export_table;
+
+struct worker_handoff {
+	int fd;
+	uint64_t id;
+};
+
+struct worker {
+	unsigned index;
+	pthread_t thread;
+	struct event_base *base;
+	struct uring ring;
+	struct event *wake;
+	struct event *stop_timer;
+	const struct export_table *exports;
+
+	pthread_mutex_t lock; /* guards pending and stop_requested */
+	struct worker_handoff *pending;
+	size_t pending_count, pending_cap;
+	bool stop_requested;
+
+	bool stopping; /* worker-thread copy of stop_requested */
+	struct conn *conns;
+	unsigned conn_count;
+};
+
+int worker_start(struct worker *w, unsigned index, const struct export_table *exports);
+/* Thread-safe: give an accepted socket to this worker. Takes ownership of fd. */
+void worker_hand_off(struct worker *w, int fd, uint64_t id);
+/* Thread-safe: finish in-flight requests, close connections, end the thread. */
+void worker_request_stop(struct worker *w);
+void worker_join(struct worker *w);
+
+/* Worker thread only: connection bookkeeping (conn.c). */
+void worker_conn_added(struct worker *w, struct conn *c);
+void worker_conn_removed(struct worker *w, struct conn *c);
+
+#endif
