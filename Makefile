@@ -18,10 +18,11 @@ SANITIZE ?=
 M32 ?=
 
 WARN := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Werror
-CFLAGS ?= -O2 -g
-CFLAGS += -std=c11 $(WARN) -D_FORTIFY_SOURCE=2 -fstack-protector-strong \
-	  -D_GNU_SOURCE -D_FILE_OFFSET_BITS=64 -pthread -I. -MMD -MP $(SANITIZE) $(M32)
-LDFLAGS += -pthread $(SANITIZE) $(M32)
+OPT ?= -O2 -g
+# CFLAGS / LDFLAGS given on the command line are added last, never replace these.
+ALL_CFLAGS = $(OPT) -std=c11 $(WARN) -D_FORTIFY_SOURCE=2 -fstack-protector-strong \
+	  -D_GNU_SOURCE -D_FILE_OFFSET_BITS=64 -pthread -I. -MMD -MP $(SANITIZE) $(M32) $(CFLAGS)
+ALL_LDFLAGS = -pthread $(SANITIZE) $(M32) $(LDFLAGS)
 
 DAEMON_LIBS := $(shell pkg-config --libs libevent_pthreads liburing 2>/dev/null || echo -levent -levent_pthreads -luring)
 DAEMON_CFLAGS := $(shell pkg-config --cflags libevent liburing 2>/dev/null)
@@ -50,19 +51,19 @@ all: $(BUILD)/nbdcached $(CLIENT_BIN) $(UNIT_BIN)
 
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(DAEMON_CFLAGS) -c -o $@ $<
+	$(CC) $(ALL_CFLAGS) $(DAEMON_CFLAGS) -c -o $@ $<
 
 $(BUILD)/nbdcached: $(DAEMON_OBJ) $(CORE_OBJ) $(PROTO_OBJ)
-	$(CC) $(LDFLAGS) -o $@ $^ $(DAEMON_LIBS)
+	$(CC) $(ALL_LDFLAGS) -o $@ $^ $(DAEMON_LIBS)
 
 # Client programs: one .c each in client/, linked with the codec.
 $(BUILD)/%: $(BUILD)/obj/client/%.o $(PROTO_OBJ)
-	$(CC) $(LDFLAGS) -o $@ $^
+	$(CC) $(ALL_LDFLAGS) -o $@ $^
 
 # Unit tests: one cmocka binary per module, linked with proto/ and the core.
 $(BUILD)/tests/unit/%: $(BUILD)/obj/tests/unit/%.o $(PROTO_OBJ) $(CORE_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ -lcmocka
+	$(CC) $(ALL_LDFLAGS) -o $@ $^ -lcmocka
 
 deps:
 	@scripts/deps
@@ -76,7 +77,7 @@ unit: $(UNIT_BIN)
 	BUILD=$(BUILD) tests/run --unit-only
 
 asan: deps
-	$(MAKE) BUILD=build-asan CC=gcc SANITIZE="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" CFLAGS="-O1 -g" all
+	$(MAKE) BUILD=build-asan CC=gcc SANITIZE="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" OPT="-O1 -g" all
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 		BUILD=build-asan tests/run
 
@@ -89,14 +90,9 @@ build-fuzz/%: tests/fuzz/%.c $(PROTO_SRC) proto/nbd.h
 	clang -std=c11 -g -O1 -D_GNU_SOURCE -I. -fsanitize=fuzzer,address,undefined -o $@ $< $(PROTO_SRC)
 
 fuzz: deps $(FUZZ_BIN)
-	@set -e; for f in $(FUZZ_BIN); do \
-		name=$$(basename $$f); corpus=build-fuzz/corpus-$$name; mkdir -p $$corpus; \
-		seeds=tests/fuzz/corpus/$$name; [ -d $$seeds ] || seeds=; \
-		echo "fuzz: $$name for $(FUZZ_SECONDS)s"; \
-		$$f -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 $$corpus $$seeds 2>&1 | tail -n 12; \
-	done
+	FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/fuzz $(FUZZ_BIN)
 
-run: deps all
+run: deps $(BUILD)/nbdcached
 	@scripts/run-default
 
 bench: deps all

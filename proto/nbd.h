@@ -327,8 +327,9 @@ struct nbd_meta_iter {
  * A request header, decoded and normalised. `length` is the header's length
  * field (payload length when payload_length != 0, else effect length);
  * `payload_length` is how many bytes of payload follow the header on the
- * wire: the WRITE data in compact mode, or length when the extended request
- * carries NBD_CMD_FLAG_PAYLOAD_LEN.
+ * wire: the WRITE data (in both modes: qemu 10 sends extended WRITEs without
+ * NBD_CMD_FLAG_PAYLOAD_LEN), or length when an extended request carries
+ * NBD_CMD_FLAG_PAYLOAD_LEN.
  */
 struct nbd_request {
 	uint16_t flags;
@@ -420,7 +421,7 @@ size_t nbd_encode_request(void *buf, bool extended, const struct nbd_request *re
 /*
  * Validate a decoded request against the session. Returns NBD_SUCCESS, an
  * NBD error code (the payload, if any, must still be consumed), or
- * NBD_CHECK_DISCONNECT when the protocol says to hard-disconnect (e.g. an
+ * NBD_CHECK_DISCONNECT when the protocol says to hard-disconnect (an
  * extended payload larger than the maximum payload, which must not be read).
  */
 int nbd_check_request(const struct nbd_request *req, const struct nbd_session *s);

@@ -1,0 +1,208 @@
+/*
+ * tests/unit/test_options.c: the command line as a user types it, parsed
+ * into what the daemon will serve. Table-driven for the rejections, so every
+ * bad value names the reason the daemon prints.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <errno.h>
+
+#include "daemon/options.h"
+
+
+static int parse(char **argv, int argc, struct options *o, char *err, size_t errlen)
+{
+	return options_parse(argc, argv, o, err, errlen);
+}
+
+static void test_defaults(void **state)
+{
+	(void)state;
+	char *argv[] = {"nbdcached", "--export", "disk=/tmp/x.img", NULL};
+	struct options o;
+	char err[256] = "";
+	assert_int_equal(parse(argv, 3, &o, err, sizeof(err)), 0);
+	assert_false(o.foreground);
+	assert_int_equal(o.listen_count, 1);
+	assert_string_equal(o.listen[0], "127.0.0.1:10809");
+	assert_int_equal(o.unix_count, 0);
+	assert_int_equal(o.export_count, 1);
+	assert_string_equal(o.exports[0].name, "disk");
+	assert_string_equal(o.exports[0].backend, "/tmp/x.img");
+	assert_null(o.exports[0].description);
+	assert_false(o.exports[0].readonly);
+	assert_int_equal(o.exports[0].block_size, 4096);
+	assert_int_equal(o.threads, 0);
+	assert_int_equal(o.log_level, LOG_INFO);
+	options_free(&o);
+}
+
+static void test_full_command_line(void **state)
+{
+	(void)state;
+	char *argv[] = {"nbdcached",
+			"--foreground",
+			"--listen",
+			"[::1]:10810",
+			"--listen",
+			"127.0.0.1:10811",
+			"--unix",
+			"/run/n.sock",
+			"--export",
+			"a=/dev/shm/a,readonly,description=big disk, fast,block-size=512",
+			"--export",
+			"b=/tmp/b,description=x=y",
+			"--threads",
+			"3",
+			"--pidfile",
+			"/tmp/p",
+			"--log-level",
+			"debug",
+			NULL};
+	struct options o;
+	char err[256] = "";
+	assert_int_equal(parse(argv, 18, &o, err, sizeof(err)), 0);
+	assert_true(o.foreground);
+	assert_int_equal(o.listen_count, 2);
+	assert_string_equal(o.listen[0], "[::1]:10810");
+	assert_int_equal(o.unix_count, 1);
+	assert_string_equal(o.unix_paths[0], "/run/n.sock");
+	assert_int_equal(o.export_count, 2);
+	assert_true(o.exports[0].readonly);
+	/* A description keeps its commas up to the next known key. */
+	assert_string_equal(o.exports[0].description, "big disk, fast");
+	assert_int_equal(o.exports[0].block_size, 512);
+	assert_string_equal(o.exports[1].description, "x=y");
+	assert_int_equal(o.threads, 3);
+	assert_string_equal(o.pidfile, "/tmp/p");
+	assert_int_equal(o.log_level, LOG_DEBUG);
+	options_free(&o);
+}
+
+static void test_unix_only_has_no_default_tcp(void **state)
+{
+	(void)state;
+	char *argv[] = {"nbdcached", "--unix", "/tmp/s", "--export", "=/tmp/x", NULL};
+	struct options o;
+	char err[256] = "";
+	assert_int_equal(parse(argv, 5, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.listen_count, 0);
+	assert_string_equal(o.exports[0].name, ""); /* the default export name */
+	options_free(&o);
+}
+
+struct bad_case {
+	const char *flag;
+	const char *value;
+	const char *reason; /* substring of the message */
+};
+
+static void test_rejections(void **state)
+{
+	(void)state;
+	static const struct bad_case cases[] = {
+		{"--export", "noequals", "expected NAME=BACKEND"},
+		{"--export", "a=", "empty backend"},
+		{"--export", "a=/x,bogus", "unknown option"},
+		{"--export", "a=/x,block-size=1000", "power of two"},
+		{"--export", "a=/x,block-size=256", "power of two"},
+		{"--export", "a=/x,block-size=131072", "power of two"},
+		{"--export", "a=/x,block-size=", "power of two"},
+		{"--listen", "10809", "HOST:PORT"},
+		{"--listen", "::1:10809", "HOST:PORT"},
+		{"--listen", "127.0.0.1:99999", "HOST:PORT"},
+		{"--listen", "127.0.0.1:", "HOST:PORT"},
+		{"--listen", "[::1]10809", "HOST:PORT"},
+		{"--threads", "-1", "0..256"},
+		{"--threads", "257", "0..256"},
+		{"--threads", "two", "0..256"},
+		{"--log-level", "loud", "expected error, warn"},
+		{"--unix", "", "path empty"},
+	};
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		char *argv[] = {"nbdcached", "--export", "ok=/tmp/x", (char *)cases[i].flag,
+				(char *)cases[i].value, NULL};
+		struct options o;
+		char err[256] = "";
+		int rc = parse(argv, 5, &o, err, sizeof(err));
+		if (rc != -EINVAL || !strstr(err, cases[i].reason))
+			fail_msg("case %zu (%s %s): rc %d, message '%s'", i, cases[i].flag,
+				 cases[i].value, rc, err);
+	}
+}
+
+static void test_no_export_and_duplicates(void **state)
+{
+	(void)state;
+	struct options o;
+	char err[256] = "";
+	char *none[] = {"nbdcached", "--foreground", NULL};
+	assert_int_equal(parse(none, 2, &o, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, "no export"));
+	char *dup[] = {"nbdcached", "--export", "a=/x", "--export", "a=/y", NULL};
+	assert_int_equal(parse(dup, 5, &o, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, "duplicate"));
+	char *extra[] = {"nbdcached", "--export", "a=/x", "stray", NULL};
+	assert_int_equal(parse(extra, 4, &o, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, "unexpected argument"));
+	char *unknown[] = {"nbdcached", "--export", "a=/x", "--frobnicate", NULL};
+	assert_int_equal(parse(unknown, 4, &o, err, sizeof(err)), -EINVAL);
+}
+
+static void test_split_host_port(void **state)
+{
+	(void)state;
+	char host[64], port[8];
+	assert_int_equal(options_split_host_port("127.0.0.1:10809", host, sizeof(host), port,
+						 sizeof(port)),
+			 0);
+	assert_string_equal(host, "127.0.0.1");
+	assert_string_equal(port, "10809");
+	assert_int_equal(options_split_host_port("[::1]:1", host, sizeof(host), port,
+						 sizeof(port)),
+			 0);
+	assert_string_equal(host, "::1");
+	assert_string_equal(port, "1");
+	assert_int_equal(options_split_host_port(":10809", host, sizeof(host), port,
+						 sizeof(port)),
+			 0);
+	assert_string_equal(host, "");
+	assert_int_equal(options_split_host_port("host:12a", host, sizeof(host), port,
+						 sizeof(port)),
+			 -EINVAL);
+}
+
+static void test_help_and_version(void **state)
+{
+	(void)state;
+	struct options o;
+	char err[64];
+	char *help[] = {"nbdcached", "--help", NULL};
+	assert_int_equal(parse(help, 2, &o, err, sizeof(err)), 0);
+	assert_true(o.help);
+	options_free(&o);
+	char *version[] = {"nbdcached", "--version", NULL};
+	assert_int_equal(parse(version, 2, &o, err, sizeof(err)), 0);
+	assert_true(o.version);
+	options_free(&o);
+	assert_non_null(strstr(options_usage(), "--export NAME=BACKEND"));
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_defaults),
+		cmocka_unit_test(test_full_command_line),
+		cmocka_unit_test(test_unix_only_has_no_default_tcp),
+		cmocka_unit_test(test_rejections),
+		cmocka_unit_test(test_no_export_and_duplicates),
+		cmocka_unit_test(test_split_host_port),
+		cmocka_unit_test(test_help_and_version),
+	};
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
