@@ -5,7 +5,10 @@
 #                   integration + interop tests (tests/run)
 #   make asan       the same suite under ASan + UBSan (build-asan/)
 #   make i386       proto/, the dependency-free daemon core and their unit
-#                   tests built with -m32 and run (build-i386/)
+#                   tests built with -m32 and run (build-i386/); then the
+#                   whole project built in an i386 Debian chroot, its unit
+#                   tests run there and the integration suite run against
+#                   the i386 daemon (scripts/i386-chroot)
 #   make fuzz       libFuzzer targets, each for FUZZ_SECONDS
 #   make run        the daemon on the embedded default (see README.md)
 #   make bench      bench/ against nbdkit and qemu-nbd, ratios printed
@@ -83,6 +86,7 @@ asan: deps
 
 i386: deps
 	$(MAKE) BUILD=build-i386 M32=-m32 unit
+	scripts/i386-chroot
 
 FUZZ_BIN := $(patsubst tests/fuzz/%.c,build-fuzz/%,$(FUZZ_SRC))
 build-fuzz/%: tests/fuzz/%.c $(PROTO_SRC) proto/nbd.h
@@ -99,13 +103,18 @@ bench: deps all
 	bench/run
 
 install: all
-	install -d $(DESTDIR)$(PREFIX)/sbin $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/man/man8
+	install -d $(DESTDIR)$(PREFIX)/sbin $(DESTDIR)$(PREFIX)/bin \
+		$(DESTDIR)$(PREFIX)/share/man/man1 $(DESTDIR)$(PREFIX)/share/man/man8 \
+		$(DESTDIR)/lib/systemd/system $(DESTDIR)/etc/nbdcached
 	install -m 0755 $(BUILD)/nbdcached $(DESTDIR)$(PREFIX)/sbin/nbdcached
 	for b in $(CLIENT_BIN); do install -m 0755 $$b $(DESTDIR)$(PREFIX)/bin/; done
+	for m in man/*.1; do [ -e "$$m" ] && install -m 0644 $$m $(DESTDIR)$(PREFIX)/share/man/man1/; done; true
 	install -m 0644 man/*.8 $(DESTDIR)$(PREFIX)/share/man/man8/
+	install -m 0644 systemd/nbdcached.service $(DESTDIR)/lib/systemd/system/
+	install -m 0644 configs/nbdcached.env $(DESTDIR)/etc/nbdcached/nbdcached.env.example
 
 clean:
-	rm -rf build build-asan build-i386 build-fuzz
+	rm -rf build build-asan build-i386 build-i386-root build-fuzz build-clang
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
 .SECONDARY:

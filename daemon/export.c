@@ -73,14 +73,15 @@ const struct export *export_find(const struct export_table *table, const char *n
 
 uint16_t export_eflags(const struct export *e, bool structured)
 {
-	uint16_t f = NBD_FLAG_HAS_FLAGS | NBD_FLAG_SEND_FLUSH | NBD_FLAG_CAN_MULTI_CONN |
-		     NBD_FLAG_SEND_CACHE;
+	/* FUA is accepted on every command (writes to a read-only export get EPERM). */
+	uint16_t f = NBD_FLAG_HAS_FLAGS | NBD_FLAG_SEND_FLUSH | NBD_FLAG_SEND_FUA |
+		     NBD_FLAG_CAN_MULTI_CONN | NBD_FLAG_SEND_CACHE;
 	if (structured)
 		f |= NBD_FLAG_SEND_DF;
 	if (e->readonly) {
 		f |= NBD_FLAG_READ_ONLY;
 	} else {
-		f |= NBD_FLAG_SEND_FUA | NBD_FLAG_SEND_WRITE_ZEROES | NBD_FLAG_SEND_FAST_ZERO;
+		f |= NBD_FLAG_SEND_WRITE_ZEROES | NBD_FLAG_SEND_FAST_ZERO;
 		if (e->backend->can_trim)
 			f |= NBD_FLAG_SEND_TRIM;
 	}

@@ -188,6 +188,11 @@ static void reply_read(struct request *r)
 {
 	struct conn *c = r->conn;
 	size_t len = r->buf_len;
+	if (len == 0) {
+		/* A data chunk must carry at least one byte. */
+		reply_ok(c, &r->hdr);
+		return;
+	}
 	if (!c->structured) {
 		uint8_t buf[NBD_SIMPLE_REPLY_SIZE];
 		size_t n = nbd_encode_simple_reply(buf, r->hdr.cookie, 0);
