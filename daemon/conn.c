@@ -124,7 +124,9 @@ static void conn_on_event(struct bufferevent *bev, short what, void *arg)
 {
 	(void)bev;
 	struct conn *c = arg;
-	if (what & BEV_EVENT_EOF)
+	if (what & BEV_EVENT_TIMEOUT)
+		conn_kill(c, "negotiation timed out");
+	else if (what & BEV_EVENT_EOF)
 		conn_kill(c, "client closed the connection");
 	else if (what & BEV_EVENT_ERROR)
 		conn_kill(c, strerror(EVUTIL_SOCKET_ERROR()));
@@ -157,6 +159,9 @@ int conn_start(struct worker *w, int fd, uint64_t id)
 	bufferevent_set_max_single_write(c->bev, 1 << 20);
 	/* The write callback fires when the output drains below this. */
 	bufferevent_setwatermark(c->bev, EV_WRITE, CONN_MAX_OUTPUT / 2, 0);
+	/* A client gets CONN_NEGOTIATION_TIMEOUT seconds to finish negotiating. */
+	struct timeval tv = {CONN_NEGOTIATION_TIMEOUT, 0};
+	bufferevent_set_timeouts(c->bev, &tv, NULL);
 	c->reading = true;
 	bufferevent_enable(c->bev, EV_READ | EV_WRITE);
 	log_debug("conn %llu: accepted on worker %u", (unsigned long long)id, w->index);

@@ -43,6 +43,8 @@ struct evbuffer;
 #define CONN_MAX_OUTPUT (64u << 20)
 #define CONN_MAX_OPTION_LENGTH (64u << 10)
 #define CONN_META_CONTEXT_ID 1u
+/* Seconds a client may take from connecting to GO / EXPORT_NAME. */
+#define CONN_NEGOTIATION_TIMEOUT 60
 /* Block status replies describe at most this many extents. */
 #define CONN_MAX_EXTENTS 512
 /* Structured reads at least this long report holes as OFFSET_HOLE. */

@@ -76,6 +76,7 @@ static void enter_transmission(struct conn *c, const struct export *e)
 {
 	c->export = e;
 	c->phase = CONN_TRANSMISSION;
+	bufferevent_set_timeouts(c->bev, NULL, NULL); /* idle clients are fine now */
 	c->session = (struct nbd_session){
 		.structured = c->structured,
 		.extended = c->extended,
