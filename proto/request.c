@@ -176,13 +176,17 @@ int nbd_check_request(const struct nbd_request *req, const struct nbd_session *s
 	if (err != NBD_SUCCESS)
 		return err;
 
-	if (!command_available(req->type, s))
-		return NBD_EINVAL;
-
+	/*
+	 * A read-only export advertises neither TRIM nor WRITE_ZEROES, yet the
+	 * spec asks for EPERM on any write to it: that answer comes first.
+	 */
 	if ((s->eflags & NBD_FLAG_READ_ONLY) &&
 	    (req->type == NBD_CMD_WRITE || req->type == NBD_CMD_TRIM ||
 	     req->type == NBD_CMD_WRITE_ZEROES))
 		return NBD_EPERM;
+
+	if (!command_available(req->type, s))
+		return NBD_EINVAL;
 
 	if (req->type == NBD_CMD_FLUSH)
 		return (req->offset != 0 || req->length != 0) ? NBD_EINVAL : NBD_SUCCESS;
