@@ -54,9 +54,9 @@ int nbd_decode_request(const void *buf, size_t len, bool extended, struct nbd_re
 		 * so it is read as payload either way (as qemu-nbd does).
 		 */
 		out->payload_length =
-			((out->flags & NBD_CMD_FLAG_PAYLOAD_LEN) || out->type == NBD_CMD_WRITE)
-				? out->length
-				: 0;
+		    ((out->flags & NBD_CMD_FLAG_PAYLOAD_LEN) || out->type == NBD_CMD_WRITE)
+			? out->length
+			: 0;
 	} else {
 		struct nbd_wire_request w;
 
