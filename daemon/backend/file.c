@@ -16,6 +16,14 @@
  * With FAST_ZERO the last rung is refused with -ENOTSUP instead, as the
  * protocol asks. FUA on TRIM and WRITE_ZEROES adds an fdatasync at the end;
  * FUA on WRITE uses RWF_DSYNC.
+ *
+ * Two inline fast paths skip the ring where it can only add latency:
+ *  - a READ is first tried with preadv2(RWF_NOWAIT), which succeeds only
+ *    from the page cache; whatever it could not serve goes to io_uring;
+ *  - a file on tmpfs/ramfs has no RWF_NOWAIT, and io_uring hands each of
+ *    its reads and writes to a kernel worker thread (measured: 1 MiB
+ *    reads at a third of nbdkit's rate). Its data is memory, so READ and
+ *    WRITE are plain pread/pwrite on the calling thread there.
  */
 #include "daemon/backend/backend.h"
 
@@ -26,7 +34,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -34,6 +44,8 @@ struct file_backend {
 	struct backend base;
 	int fd;
 	bool is_block_device;
+	bool memory_backed; /* tmpfs / ramfs: synchronous I/O never waits for a disk */
+	bool nowait;	    /* preadv2(RWF_NOWAIT) is supported */
 };
 
 /* Source for the write-zeroes fallback; never written. */
@@ -294,6 +306,46 @@ static int file_extents(struct file_backend *fb, struct backend_io *io)
 	return io->n_extents ? 0 : -EIO;
 }
 
+/*
+ * Serve as much of a READ or WRITE as can be done without waiting: all of it
+ * on a memory-backed file, the page-cached part of a READ elsewhere.
+ * Returns 1 when the request is complete (or failed: io->done was called),
+ * 0 when the rest must go to io_uring.
+ */
+static int file_rw_inline(struct file_backend *fb, struct backend_io *io)
+{
+	bool write = io->cmd == BACKEND_WRITE;
+	if (!fb->memory_backed && (write || !fb->nowait))
+		return 0;
+	while (io->progress < io->length) {
+		struct iovec iov = {(char *)io->buf + io->progress,
+				    (size_t)(io->length - io->progress)};
+		off_t at = (off_t)(io->offset + io->progress);
+		ssize_t n;
+		if (write)
+			n = pwritev2(fb->fd, &iov, 1, at, 0);
+		else
+			n = preadv2(fb->fd, &iov, 1, at, fb->memory_backed ? 0 : RWF_NOWAIT);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && (errno == EAGAIN || errno == EOPNOTSUPP) && !fb->memory_backed)
+			return 0;
+		if (n <= 0) {
+			io->done(io, n < 0 ? -errno : -EIO);
+			return 1;
+		}
+		io->progress += (uint64_t)n;
+		if (!fb->memory_backed && io->progress < io->length)
+			return 0; /* partly cached: the ring reads the rest */
+	}
+	if (write && (io->flags & BACKEND_FUA) && fdatasync(fb->fd) < 0) {
+		io->done(io, -errno);
+		return 1;
+	}
+	io->done(io, 0);
+	return 1;
+}
+
 static void file_submit(struct backend *be, struct backend_io *io)
 {
 	struct file_backend *fb = to_file(be);
@@ -304,6 +356,8 @@ static void file_submit(struct backend *be, struct backend_io *io)
 			io->done(io, 0);
 			return;
 		}
+		if (file_rw_inline(fb, io))
+			return;
 		prep_rw(io);
 		return;
 	case BACKEND_FLUSH:
@@ -384,6 +438,10 @@ int backend_file_open(const char *path, bool readonly, struct backend **out)
 		fb->is_block_device = true;
 	} else if (S_ISREG(st.st_mode)) {
 		fb->base.size = (uint64_t)st.st_size;
+		struct statfs sfs;
+		if (fstatfs(fd, &sfs) == 0 &&
+		    (sfs.f_type == TMPFS_MAGIC || sfs.f_type == RAMFS_MAGIC))
+			fb->memory_backed = true;
 	} else {
 		rc = -EINVAL;
 		free(fb);
@@ -393,6 +451,12 @@ int backend_file_open(const char *path, bool readonly, struct backend **out)
 		rc = -EFBIG;
 		free(fb);
 		goto err;
+	}
+	if (!fb->memory_backed) {
+		/* Probe RWF_NOWAIT once: unsupported file systems say EOPNOTSUPP. */
+		char probe;
+		struct iovec iov = {&probe, 1};
+		fb->nowait = preadv2(fd, &iov, 1, 0, RWF_NOWAIT) >= 0 || errno == EAGAIN;
 	}
 	*out = &fb->base;
 	return 0;
