@@ -47,9 +47,8 @@ struct evbuffer;
 #define CONN_NEGOTIATION_TIMEOUT 60
 /* Block status replies describe at most this many extents. */
 #define CONN_MAX_EXTENTS 512
-/* Structured reads at least this long report holes as OFFSET_HOLE. */
-#define CONN_SPARSE_READ_MIN (64u << 10)
-#define CONN_MAX_READ_EXTENTS 64
+/* Structured reads send all-zero blocks of this size (from the request offset) as holes. */
+#define CONN_HOLE_GRANULE 4096u
 
 enum conn_phase { CONN_FLAGS, CONN_OPTIONS, CONN_TRANSMISSION };
 

@@ -45,7 +45,6 @@ struct request {
 	uint8_t *buf;
 	size_t buf_len;
 	unsigned refs;
-	bool sparse_pass; /* READ: extents looked up before the data */
 	struct nbd_extent *extents;
 	size_t n_extents;
 };
@@ -179,10 +178,20 @@ static void add_hole_chunk(struct request *r, size_t at, size_t len, uint16_t fl
 	evbuffer_add(conn_output(r->conn), payload, sizeof(payload));
 }
 
+/* Is [p, p + n) all zero bytes? (n >= 16; memcmp does the long stretch) */
+static bool all_zero(const uint8_t *p, size_t n)
+{
+	static const uint8_t zero16[16];
+	return memcmp(p, zero16, 16) == 0 && memcmp(p, p + 16, n - 16) == 0;
+}
+
 /*
- * A read reply: one simple reply, one data chunk, or (sparse pass) runs of
- * data and hole chunks following the extents, merged by kind, the last one
- * flagged DONE.
+ * A read reply: one simple reply, one data chunk (DF, or nothing sparse), or
+ * runs of data and hole chunks, the last one flagged DONE. Holes are found
+ * in the bytes just read, CONN_HOLE_GRANULE at a time: zero blocks are what
+ * the client would read, whatever the backend's allocation, and the test is
+ * cheap for data (it stops at the first non-zero byte). Asking the file
+ * system instead (SEEK_HOLE) costs a walk over every cached page on tmpfs.
  */
 static void reply_read(struct request *r)
 {
@@ -200,24 +209,15 @@ static void reply_read(struct request *r)
 		add_data_ref(r, 0, len);
 		return;
 	}
-	if (!r->sparse_pass || r->n_extents == 0) {
+	if ((r->hdr.flags & NBD_CMD_FLAG_DF) || len < CONN_HOLE_GRANULE) {
 		add_data_chunk(r, 0, len, NBD_REPLY_FLAG_DONE);
 		return;
 	}
 	size_t pos = 0, run_start = 0;
 	bool run_hole = false;
-	size_t i = 0;
 	while (pos < len) {
-		bool hole;
-		size_t n;
-		if (i < r->n_extents) {
-			const struct nbd_extent *e = &r->extents[i++];
-			hole = e->flags & NBD_STATE_ZERO;
-			n = e->length > len - pos ? len - pos : (size_t)e->length;
-		} else {
-			hole = false; /* not described: send what was read */
-			n = len - pos;
-		}
+		size_t n = len - pos < CONN_HOLE_GRANULE ? len - pos : CONN_HOLE_GRANULE;
+		bool hole = n == CONN_HOLE_GRANULE && all_zero(r->buf + pos, n);
 		if (pos > run_start && hole != run_hole) {
 			if (run_hole)
 				add_hole_chunk(r, run_start, pos - run_start, 0);
@@ -277,16 +277,6 @@ static void request_done(struct backend_io *io, int result)
 {
 	struct request *r = (struct request *)((char *)io - offsetof(struct request, io));
 	struct conn *c = r->conn;
-	if (c->bev && r->hdr.type == NBD_CMD_READ && r->sparse_pass && io->cmd == BACKEND_BLOCK_STATUS) {
-		/* Extents known (or not: then all is data); now the bytes. */
-		r->n_extents = result == 0 ? io->n_extents : 0;
-		io->cmd = BACKEND_READ;
-		io->offset = r->hdr.offset;
-		io->length = r->buf_len;
-		io->buf = r->buf;
-		backend_submit(c->export->backend, &c->worker->ring, io);
-		return;
-	}
 	if (c->bev) {
 		if (result < 0) {
 			char msg[128];
@@ -322,11 +312,7 @@ static void request_start(struct request *r)
 	io->flags = (h->flags & NBD_CMD_FLAG_FUA) ? BACKEND_FUA : 0;
 	switch (h->type) {
 	case NBD_CMD_READ:
-		if (r->sparse_pass) {
-			io->cmd = BACKEND_BLOCK_STATUS;
-		} else {
-			io->cmd = BACKEND_READ;
-		}
+		io->cmd = BACKEND_READ;
 		break;
 	case NBD_CMD_WRITE:
 		io->cmd = BACKEND_WRITE;
@@ -413,13 +399,9 @@ int transmit_step(struct conn *c)
 		return 0; /* wait for the whole payload */
 
 	size_t buf_len = 0, max_extents = 0;
-	bool sparse = false;
 	switch (req.type) {
 	case NBD_CMD_READ:
 		buf_len = (size_t)req.length;
-		sparse = c->structured && !(req.flags & NBD_CMD_FLAG_DF) &&
-			 req.length >= CONN_SPARSE_READ_MIN;
-		max_extents = sparse ? CONN_MAX_READ_EXTENTS : 0;
 		break;
 	case NBD_CMD_WRITE:
 		buf_len = (size_t)req.payload_length;
@@ -442,7 +424,6 @@ int transmit_step(struct conn *c)
 		reply_error(c, &req, NBD_ENOMEM, "out of memory");
 		return 1;
 	}
-	r->sparse_pass = sparse;
 	if (req.payload_length)
 		evbuffer_remove(in, r->buf, buf_len);
 	log_debug("conn %llu: %s flags 0x%x offset %llu length %llu", (unsigned long long)c->id,
