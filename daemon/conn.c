@@ -44,6 +44,8 @@ void conn_unref(struct conn *c)
 		return;
 	log_debug("conn %llu: freed", (unsigned long long)c->id);
 	worker_conn_removed(c->worker, c);
+	if (c->timer)
+		event_free(c->timer);
 	free(c);
 }
 
@@ -55,8 +57,46 @@ void conn_kill(struct conn *c, const char *why)
 	struct bufferevent *bev = c->bev;
 	c->bev = NULL;
 	c->reading = false;
+	if (c->timer)
+		evtimer_del(c->timer);
 	bufferevent_free(bev);
 	conn_unref(c);
+}
+
+/* The connection's one timer: a negotiation deadline, then a close deadline. */
+static void conn_on_timer(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	struct conn *c = arg;
+	conn_ref(c);
+	conn_kill(c, c->closing ? "client did not read its last replies in time"
+				: "negotiation did not finish in time");
+	conn_unref(c);
+}
+
+static void conn_arm_timer(struct conn *c, int seconds)
+{
+	struct timeval tv = {seconds, 0};
+	if (c->timer)
+		evtimer_add(c->timer, &tv);
+}
+
+void conn_negotiation_done(struct conn *c)
+{
+	if (c->timer)
+		evtimer_del(c->timer);
+}
+
+void conn_begin_close(struct conn *c)
+{
+	if (!c->bev || c->closing)
+		return;
+	c->closing = true;
+	c->reading = false;
+	bufferevent_disable(c->bev, EV_READ);
+	conn_arm_timer(c, CONN_CLOSE_TIMEOUT);
+	conn_update_reading(c);
 }
 
 static bool conn_drained(struct conn *c)
@@ -73,9 +113,12 @@ void conn_update_reading(struct conn *c)
 			conn_kill(c, "finished");
 		return;
 	}
+	/* Negotiation replies are small: a client that does not read them stops us early. */
+	size_t max_output =
+		c->phase == CONN_TRANSMISSION ? CONN_MAX_OUTPUT : CONN_MAX_NEGOTIATION_OUTPUT;
 	bool want = c->inflight < CONN_MAX_INFLIGHT &&
 		    c->inflight_bytes < CONN_MAX_INFLIGHT_BYTES &&
-		    evbuffer_get_length(conn_output(c)) < CONN_MAX_OUTPUT;
+		    evbuffer_get_length(conn_output(c)) < max_output;
 	if (want == c->reading)
 		return;
 	c->reading = want;
@@ -96,7 +139,7 @@ void conn_process_input(struct conn *c)
 			rc = transmit_step(c);
 		else
 			rc = handshake_step(c);
-		if (c->bev && !c->closing && c->phase == CONN_TRANSMISSION)
+		if (c->bev && !c->closing)
 			conn_update_reading(c);
 	}
 	uring_submit(&c->worker->ring);
@@ -124,9 +167,7 @@ static void conn_on_event(struct bufferevent *bev, short what, void *arg)
 {
 	(void)bev;
 	struct conn *c = arg;
-	if (what & BEV_EVENT_TIMEOUT)
-		conn_kill(c, "negotiation timed out");
-	else if (what & BEV_EVENT_EOF)
+	if (what & BEV_EVENT_EOF)
 		conn_kill(c, "client closed the connection");
 	else if (what & BEV_EVENT_ERROR)
 		conn_kill(c, strerror(EVUTIL_SOCKET_ERROR()));
@@ -159,9 +200,15 @@ int conn_start(struct worker *w, int fd, uint64_t id)
 	bufferevent_set_max_single_write(c->bev, 1 << 20);
 	/* The write callback fires when the output drains below this. */
 	bufferevent_setwatermark(c->bev, EV_WRITE, CONN_MAX_OUTPUT / 2, 0);
-	/* A client gets CONN_NEGOTIATION_TIMEOUT seconds to finish negotiating. */
-	struct timeval tv = {CONN_NEGOTIATION_TIMEOUT, 0};
-	bufferevent_set_timeouts(c->bev, &tv, NULL);
+	/* A client gets CONN_NEGOTIATION_TIMEOUT seconds, in all, to negotiate. */
+	c->timer = evtimer_new(w->base, conn_on_timer, c);
+	if (!c->timer) {
+		worker_conn_removed(w, c);
+		bufferevent_free(c->bev);
+		free(c);
+		return -ENOMEM;
+	}
+	conn_arm_timer(c, CONN_NEGOTIATION_TIMEOUT);
 	c->reading = true;
 	bufferevent_enable(c->bev, EV_READ | EV_WRITE);
 	log_debug("conn %llu: accepted on worker %u", (unsigned long long)id, w->index);
@@ -177,8 +224,5 @@ void conn_shutdown(struct conn *c)
 		conn_kill(c, "server shutting down");
 		return;
 	}
-	c->closing = true;
-	bufferevent_disable(c->bev, EV_READ);
-	c->reading = false;
-	conn_update_reading(c);
+	conn_begin_close(c);
 }

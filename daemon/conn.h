@@ -36,6 +36,7 @@
 struct worker;
 struct export;
 struct bufferevent;
+struct event;
 struct evbuffer;
 
 #define CONN_MAX_INFLIGHT 128
@@ -45,9 +46,13 @@ struct evbuffer;
 #define CONN_META_CONTEXT_ID 1u
 /* Seconds a client may take from connecting to GO / EXPORT_NAME. */
 #define CONN_NEGOTIATION_TIMEOUT 60
+/* Seconds a closing connection (DISC, ABORT, shutdown) may take to drain. */
+#define CONN_CLOSE_TIMEOUT 10
+/* Negotiation stops reading while this much of its output is unread. */
+#define CONN_MAX_NEGOTIATION_OUTPUT (1u << 20)
 /* Block status replies describe at most this many extents. */
 #define CONN_MAX_EXTENTS 512
-/* Structured reads send all-zero blocks of this size (from the request offset) as holes. */
+/* Structured reads send all-zero, aligned blocks of this size as holes. */
 #define CONN_HOLE_GRANULE 4096u
 
 enum conn_phase { CONN_FLAGS, CONN_OPTIONS, CONN_TRANSMISSION };
@@ -56,12 +61,14 @@ struct conn {
 	uint64_t id;
 	struct worker *worker;
 	struct bufferevent *bev; /* NULL once killed */
+	struct event *timer;	 /* negotiation deadline, then close deadline */
 	struct conn *prev, *next;
 	enum conn_phase phase;
 	unsigned refs;
 
 	/* Negotiation (handshake.c). */
 	bool no_zeroes;
+	bool abort_requested; /* NBD_OPT_ABORT acknowledged */
 	bool structured;
 	bool extended;
 	bool meta_selected; /* base:allocation selected for meta_export */
@@ -83,6 +90,10 @@ struct conn {
 int conn_start(struct worker *w, int fd, uint64_t id);
 /* Stop reading and close once in-flight requests have replied. */
 void conn_shutdown(struct conn *c);
+/* Stop reading; close when drained, or after CONN_CLOSE_TIMEOUT seconds. */
+void conn_begin_close(struct conn *c);
+/* GO / EXPORT_NAME succeeded: the negotiation deadline no longer applies. */
+void conn_negotiation_done(struct conn *c);
 /* Close the socket now; the struct lives on until the last request is done. */
 void conn_kill(struct conn *c, const char *why);
 void conn_ref(struct conn *c);

@@ -76,7 +76,7 @@ static void enter_transmission(struct conn *c, const struct export *e)
 {
 	c->export = e;
 	c->phase = CONN_TRANSMISSION;
-	bufferevent_set_timeouts(c->bev, NULL, NULL); /* idle clients are fine now */
+	conn_negotiation_done(c); /* idle clients are fine from now on */
 	c->session = (struct nbd_session){
 		.structured = c->structured,
 		.extended = c->extended,
@@ -233,7 +233,7 @@ static void handle_option(struct conn *c, uint32_t option, const uint8_t *data, 
 		return;
 	case NBD_OPT_ABORT:
 		option_ack(c, option);
-		c->closing = true;
+		c->abort_requested = true;
 		return;
 	case NBD_OPT_LIST:
 		handle_list(c, len);
@@ -312,9 +312,7 @@ int handshake_step(struct conn *c)
 	}
 	if (opt.length > CONN_MAX_OPTION_LENGTH) {
 		option_error(c, opt.option, NBD_REP_ERR_TOO_BIG, "option data too long");
-		c->closing = true;
-		bufferevent_disable(c->bev, EV_READ);
-		c->reading = false;
+		conn_begin_close(c);
 		return -1;
 	}
 	size_t total = NBD_OPTION_HEADER_SIZE + (size_t)opt.length;
@@ -328,9 +326,8 @@ int handshake_step(struct conn *c)
 	handle_option(c, opt.option, p + NBD_OPTION_HEADER_SIZE, opt.length);
 	if (c->bev)
 		evbuffer_drain(in, total);
-	if (c->bev && c->closing) {
-		bufferevent_disable(c->bev, EV_READ);
-		c->reading = false;
+	if (c->bev && c->abort_requested) {
+		conn_begin_close(c);
 		return -1;
 	}
 	return c->bev ? 1 : -1;

@@ -35,6 +35,7 @@ struct listener {
 
 struct server {
 	struct event_base *base;
+	struct event *accept_resume; /* re-enables listeners after EMFILE */
 	struct export_table exports;
 	struct worker *workers;
 	unsigned worker_count;
@@ -125,12 +126,31 @@ static void on_accept(struct evconnlistener *l, evutil_socket_t fd, struct socka
 	worker_hand_off(w, fd, ++s->next_conn_id);
 }
 
+/*
+ * EMFILE and friends: the pending connection stays in the backlog, so a
+ * listener left enabled would fire again at once, forever. Pause every
+ * listener for a second instead; clients wait in the backlog meanwhile.
+ */
 static void on_accept_error(struct evconnlistener *l, void *arg)
 {
 	(void)l;
-	(void)arg;
-	/* EMFILE and friends: log and keep listening; the backlog holds clients. */
-	log_warn("accept: %s", strerror(EVUTIL_SOCKET_ERROR()));
+	struct server *s = arg;
+	log_warn("accept: %s; pausing new connections for 1 s", strerror(EVUTIL_SOCKET_ERROR()));
+	for (size_t i = 0; i < s->listener_count; i++)
+		if (s->listeners[i].ev)
+			evconnlistener_disable(s->listeners[i].ev);
+	struct timeval tv = {1, 0};
+	evtimer_add(s->accept_resume, &tv);
+}
+
+static void on_accept_resume(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	struct server *s = arg;
+	for (size_t i = 0; i < s->listener_count; i++)
+		if (s->listeners[i].ev)
+			evconnlistener_enable(s->listeners[i].ev);
 }
 
 static void close_listeners(struct server *s)
@@ -202,6 +222,9 @@ int server_run(const struct options *opts)
 	s.base = event_base_new();
 	if (!s.base)
 		goto out_listeners;
+	s.accept_resume = evtimer_new(s.base, on_accept_resume, &s);
+	if (!s.accept_resume)
+		goto out_base;
 	s.workers = calloc(threads, sizeof(*s.workers));
 	if (!s.workers)
 		goto out_base;
@@ -239,20 +262,23 @@ int server_run(const struct options *opts)
 	event_base_dispatch(s.base);
 	status = 0;
 out_signals:
-	if (sigterm)
-		event_free(sigterm);
-	if (sigint)
-		event_free(sigint);
 out_workers:
 	close_listeners(&s);
 	for (unsigned i = 0; i < s.worker_count; i++)
 		worker_request_stop(&s.workers[i]);
+	/* The signal events stay installed meanwhile: a second SIGTERM is absorbed. */
 	for (unsigned i = 0; i < s.worker_count; i++)
 		worker_join(&s.workers[i]);
 	free(s.workers);
+	if (sigterm)
+		event_free(sigterm);
+	if (sigint)
+		event_free(sigint);
 	if (opts->pidfile && status == 0)
 		unlink(opts->pidfile);
 out_base:
+	if (s.accept_resume)
+		event_free(s.accept_resume);
 	event_base_free(s.base);
 out_listeners:
 	close_listeners(&s);

@@ -108,6 +108,8 @@ static void request_buf_release(const void *data, size_t len, void *arg)
 static void add_chunk_header(struct conn *c, const struct nbd_request *req, uint16_t flags,
 			     uint16_t type, uint64_t payload_length)
 {
+	if (!c->bev)
+		return; /* killed while queueing an earlier chunk */
 	uint8_t hdr[NBD_CHUNK_HEADER_MAX];
 	size_t n = nbd_encode_chunk_header(hdr, c->extended, flags, type, req->cookie,
 					   req->offset, payload_length);
@@ -152,6 +154,8 @@ void reply_ok(struct conn *c, const struct nbd_request *req)
 /* Reference len bytes of the request buffer from the output buffer. */
 static void add_data_ref(struct request *r, size_t at, size_t len)
 {
+	if (!r->conn->bev)
+		return;
 	r->refs++;
 	if (evbuffer_add_reference(conn_output(r->conn), r->buf + at, len, request_buf_release,
 				   r) < 0) {
@@ -162,6 +166,8 @@ static void add_data_ref(struct request *r, size_t at, size_t len)
 
 static void add_data_chunk(struct request *r, size_t at, size_t len, uint16_t flags)
 {
+	if (!r->conn->bev)
+		return;
 	uint8_t prefix[NBD_OFFSET_DATA_PREFIX_SIZE];
 	add_chunk_header(r->conn, &r->hdr, flags, NBD_REPLY_TYPE_OFFSET_DATA,
 			 NBD_OFFSET_DATA_PREFIX_SIZE + (uint64_t)len);
@@ -172,6 +178,8 @@ static void add_data_chunk(struct request *r, size_t at, size_t len, uint16_t fl
 
 static void add_hole_chunk(struct request *r, size_t at, size_t len, uint16_t flags)
 {
+	if (!r->conn->bev)
+		return;
 	uint8_t payload[NBD_OFFSET_HOLE_SIZE];
 	add_chunk_header(r->conn, &r->hdr, flags, NBD_REPLY_TYPE_OFFSET_HOLE, sizeof(payload));
 	nbd_encode_offset_hole(payload, r->hdr.offset + at, (uint32_t)len);
@@ -188,7 +196,8 @@ static bool all_zero(const uint8_t *p, size_t n)
 /*
  * A read reply: one simple reply, one data chunk (DF, or nothing sparse), or
  * runs of data and hole chunks, the last one flagged DONE. Holes are found
- * in the bytes just read, CONN_HOLE_GRANULE at a time: zero blocks are what
+ * in the bytes just read, one export-aligned CONN_HOLE_GRANULE block at a
+ * time (partial blocks at either end are data): zero blocks are what
  * the client would read, whatever the backend's allocation, and the test is
  * cheap for data (it stops at the first non-zero byte). Asking the file
  * system instead (SEEK_HOLE) costs a walk over every cached page on tmpfs.
@@ -216,7 +225,10 @@ static void reply_read(struct request *r)
 	size_t pos = 0, run_start = 0;
 	bool run_hole = false;
 	while (pos < len) {
-		size_t n = len - pos < CONN_HOLE_GRANULE ? len - pos : CONN_HOLE_GRANULE;
+		/* Granules are aligned to the export, not to the request. */
+		size_t n = CONN_HOLE_GRANULE - (size_t)((r->hdr.offset + pos) % CONN_HOLE_GRANULE);
+		if (n > len - pos)
+			n = len - pos;
 		bool hole = n == CONN_HOLE_GRANULE && all_zero(r->buf + pos, n);
 		if (pos > run_start && hole != run_hole) {
 			if (run_hole)
@@ -378,10 +390,7 @@ int transmit_step(struct conn *c)
 	if (req.type == NBD_CMD_DISC && verdict == NBD_SUCCESS) {
 		evbuffer_drain(in, hsize);
 		log_debug("conn %llu: NBD_CMD_DISC", (unsigned long long)c->id);
-		c->closing = true;
-		bufferevent_disable(c->bev, EV_READ);
-		c->reading = false;
-		conn_update_reading(c);
+		conn_begin_close(c);
 		return -1;
 	}
 	if (verdict != NBD_SUCCESS) {

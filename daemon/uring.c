@@ -29,6 +29,16 @@ static void uring_on_eventfd(evutil_socket_t fd, short what, void *arg)
 	uring_submit(u);
 }
 
+/* A submission the kernel refused for now (EAGAIN, EBUSY, ENOMEM): try again. */
+static void uring_on_retry(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	struct uring *u = arg;
+	uring_reap(u);
+	uring_submit(u);
+}
+
 int uring_init(struct uring *u, struct event_base *base, unsigned entries)
 {
 	memset(u, 0, sizeof(*u));
@@ -53,6 +63,11 @@ int uring_init(struct uring *u, struct event_base *base, unsigned entries)
 		rc = -EIO;
 		goto err_event;
 	}
+	u->retry = evtimer_new(base, uring_on_retry, u);
+	if (!u->retry) {
+		rc = -ENOMEM;
+		goto err_event;
+	}
 	return 0;
 err_event:
 	event_free(u->event);
@@ -67,6 +82,8 @@ err_ring:
 
 void uring_close(struct uring *u)
 {
+	if (u->retry)
+		event_free(u->retry);
 	if (u->event)
 		event_free(u->event);
 	if (u->eventfd >= 0)
@@ -97,8 +114,12 @@ int uring_submit(struct uring *u)
 	if (u->unsubmitted == 0)
 		return 0;
 	int rc = io_uring_submit(&u->ring);
-	if (rc < 0)
+	if (rc < 0) {
+		/* The SQEs stay queued; nothing else may come along to submit them. */
+		struct timeval tv = {0, 1000};
+		evtimer_add(u->retry, &tv);
 		return rc;
+	}
 	u->unsubmitted -= (unsigned)rc > u->unsubmitted ? u->unsubmitted : (unsigned)rc;
 	return 0;
 }

@@ -30,6 +30,7 @@ struct uring {
 	struct io_uring ring;
 	int eventfd;
 	struct event *event;
+	struct event *retry; /* resubmits after a refused io_uring_enter */
 	unsigned unsubmitted;
 	unsigned inflight;
 };

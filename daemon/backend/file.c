@@ -186,7 +186,14 @@ static void zero_complete(struct backend_io *io, int res)
 		io->done(io, res < 0 ? res : 0);
 		return;
 	}
-	if (io->stage == ZERO_WRITE && (io->flags & BACKEND_FAST_ONLY)) {
+	/*
+	 * On a block device only the punch is known to be fast (the kernel
+	 * zeroes without falling back to writes); its zero range may write
+	 * zero pages by hand.
+	 */
+	bool slow = io->stage == ZERO_WRITE ||
+		    (to_file(io->backend)->is_block_device && io->stage != ZERO_SYNC);
+	if (slow && (io->flags & BACKEND_FAST_ONLY)) {
 		io->done(io, -ENOTSUP);
 		return;
 	}
@@ -376,10 +383,19 @@ static void file_submit(struct backend *be, struct backend_io *io)
 			return;
 		}
 		io->stage = (io->flags & BACKEND_NO_HOLE) ? ZERO_RANGE : ZERO_PUNCH;
+		if (fb->is_block_device && io->stage == ZERO_RANGE &&
+		    (io->flags & BACKEND_FAST_ONLY)) {
+			io->done(io, -ENOTSUP);
+			return;
+		}
 		zero_step(io);
 		return;
 	case BACKEND_CACHE: {
 		/* Advisory: start readahead of a bounded prefix, answer at once. */
+		if (io->length == 0) { /* fadvise would take 0 as "to the end" */
+			io->done(io, 0);
+			return;
+		}
 		uint64_t n = io->length > (64u << 20) ? (64u << 20) : io->length;
 		int rc = posix_fadvise(fb->fd, (off_t)io->offset, (off_t)n, POSIX_FADV_WILLNEED);
 		io->done(io, -rc);
@@ -439,8 +455,9 @@ int backend_file_open(const char *path, bool readonly, struct backend **out)
 	} else if (S_ISREG(st.st_mode)) {
 		fb->base.size = (uint64_t)st.st_size;
 		struct statfs sfs;
-		if (fstatfs(fd, &sfs) == 0 &&
-		    (sfs.f_type == TMPFS_MAGIC || sfs.f_type == RAMFS_MAGIC))
+		/* f_type is an int on i386 and a long on amd64: compare 32 bits. */
+		if (fstatfs(fd, &sfs) == 0 && ((uint32_t)sfs.f_type == TMPFS_MAGIC ||
+					       (uint32_t)sfs.f_type == RAMFS_MAGIC))
 			fb->memory_backed = true;
 	} else {
 		rc = -EINVAL;
