@@ -285,6 +285,32 @@ static void reply_block_status(struct request *r)
 	free(payload);
 }
 
+/* Answer a request that nbd_check_request() refused, saying why in words. */
+static void reply_refused(struct conn *c, const struct nbd_request *req, uint32_t error)
+{
+	const char *why;
+	switch (error) {
+	case NBD_EPERM:
+		why = "the export is read-only";
+		break;
+	case NBD_ENOSPC:
+		why = "the request goes past the end of the export";
+		break;
+	case NBD_EOVERFLOW:
+		why = "the request is longer than the maximum payload";
+		break;
+	case NBD_ENOMEM:
+		why = "out of memory";
+		break;
+	default:
+		why = "the request is not valid here (command, flags, range or alignment)";
+		break;
+	}
+	char msg[160];
+	snprintf(msg, sizeof(msg), "%s: %s", nbd_cmd_name(req->type), why);
+	reply_error(c, req, error, msg);
+}
+
 static void request_done(struct backend_io *io, int result)
 {
 	struct request *r = (struct request *)((char *)io - offsetof(struct request, io));
@@ -362,7 +388,7 @@ static int discard_step(struct conn *c, struct evbuffer *in)
 	c->discard -= n;
 	if (c->discard)
 		return 0;
-	reply_error(c, &c->discard_req, c->discard_error, "request refused; payload discarded");
+	reply_refused(c, &c->discard_req, c->discard_error);
 	return 1;
 }
 
@@ -401,7 +427,7 @@ int transmit_step(struct conn *c)
 			c->discard_error = (uint32_t)verdict;
 			return 1;
 		}
-		reply_error(c, &req, (uint32_t)verdict, "invalid request");
+		reply_refused(c, &req, (uint32_t)verdict);
 		return 1;
 	}
 	if (req.payload_length && avail < hsize + req.payload_length)
