@@ -110,7 +110,7 @@ install: all
 	for b in $(CLIENT_BIN); do install -m 0755 $$b $(DESTDIR)$(PREFIX)/bin/; done
 	for m in man/*.1; do [ -e "$$m" ] && install -m 0644 $$m $(DESTDIR)$(PREFIX)/share/man/man1/; done; true
 	install -m 0644 man/*.8 $(DESTDIR)$(PREFIX)/share/man/man8/
-	install -m 0644 systemd/nbdcached.service $(DESTDIR)/lib/systemd/system/
+	sed 's|/usr/local|$(PREFIX)|g' systemd/nbdcached.service >$(DESTDIR)/lib/systemd/system/nbdcached.service
 	install -m 0644 configs/nbdcached.env $(DESTDIR)/etc/nbdcached/nbdcached.env.example
 
 clean:
