@@ -628,11 +628,14 @@ class World:
             self.undefined.append((off, val))
 
     def rss(self):
-        with open("/proc/%d/status" % self.d.pid) as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        return 0
+        return self.d.rss()
+
+    def model_as_read(self, got):
+        """The model of "data", its trimmed (undefined) ranges as in `got`."""
+        want = bytearray(self.model)
+        for off, n in self.undefined:
+            want[off:off + n] = got[off:off + n]
+        return want
 
     def live_check(self, what):
         nbdtest.check(self.d.alive(), "daemon died after %s" % what)
@@ -640,11 +643,9 @@ class World:
             got = self.live.pread(SIZE, 0)
         except Exception as e:  # nbd.Error, or a dead connection
             nbdtest.fail("live libnbd client broken after %s: %s" % (what, e))
-        want = bytearray(self.model)
-        for off, n in self.undefined:
-            want[off:off + n] = got[off:off + n]
+        want = self.model_as_read(got)
         if got != bytes(want):
-            first = next(i for i in range(SIZE) if got[i] != want[i])
+            first = nbdtest.first_diff(got, want)
             nbdtest.fail("export data changed after %s (first difference at %d)" % (what, first))
         rss = self.rss()
         self.max_rss = max(self.max_rss, rss)
@@ -1396,8 +1397,7 @@ def never_reading_client(w, n=2000):
 
 
 def main():
-    import nbd
-    failures = []
+    checks = nbdtest.Checks(catch=(Mismatch,))
     with nbdtest.tempdir() as tmp:
         files = {}
         r = random.Random(1234)
@@ -1430,8 +1430,7 @@ def main():
         with nbdtest.Daemon(exports, threads=2) as d:
             w = World(d, files)
             w.rss_base = w.rss()
-            live = nbd.NBD()
-            live.connect_uri(d.tcp_uri("data"))
+            live = nbdtest.libnbd_handle(d.tcp_uri("data"))
             w.live = live
             w.sessions[(True, False, False)] += 1     # libnbd: structured, no meta
             w.live_check("startup")
@@ -1440,47 +1439,24 @@ def main():
                                        ("transmission", transmission_rows(w), run_transmission_row)):
                 log("--- %s table: %d rows" % (kind, len(rows)))
                 for row in rows:
-                    t0 = time.time()
-                    try:
-                        runner(w, row)
-                        log("ok   %-70s %.2fs" % (row.name, time.time() - t0))
-                    except Mismatch as e:
-                        log("FAIL %-70s %s" % (row.name, e))
-                        failures.append("%s: %s" % (row.name, e))
+                    checks.run(row.name, runner, w, row, header=False)
                     w.live_check("row %r" % row.name)
 
             for name, fn in (("200 connections parked mid-handshake", idle_connections),
                              ("a client that never reads its replies", never_reading_client)):
-                try:
-                    fn(w)
-                    log("ok   %s" % name)
-                except (Mismatch, Closed) as e:
-                    log("FAIL %s: %s" % (name, e))
-                    failures.append("%s: %s" % (name, e))
+                checks.run(name, fn, w, catch=(Mismatch, Closed))
             short = check_negotiated_log(w)
-            if short:
-                failures.append("'negotiated structured=S extended=E meta=M' lines missing "
-                                "(key: (want, got)): %r" % short)
+            checks.expect(not short, "'negotiated structured=S extended=E meta=M' lines missing "
+                          "(key: (want, got)): %r" % short)
             live.flush()
             with open(files["data"], "rb") as f:
                 backend = bytearray(f.read())
-            want = bytearray(w.model)
-            for off, n in w.undefined:
-                want[off:off + n] = backend[off:off + n]
-            if backend != want:
-                failures.append("backend file differs from what was written, after FLUSH")
+            checks.expect(backend == w.model_as_read(backend),
+                          "backend file differs from what was written, after FLUSH")
             live.shutdown()
             log("daemon RSS: start %d KiB, max %d KiB" % (w.rss_base >> 10, w.max_rss >> 10))
-            if failures:
-                d.dump_log()
-    if failures:
-        log("")
-        log("%d row(s) failed:" % len(failures))
-        for f in failures:
-            log("  " + f)
-        nbdtest.fail("%d of the bad-input rows failed" % len(failures))
-    log("all rows passed")
-    sys.exit(0)
+            checks.dump_log(d)
+    checks.finish("bad-input", unit="row")
 
 
 if __name__ == "__main__":

@@ -138,21 +138,8 @@ def clip(extents, off, n):
     return out
 
 
-def expected(model, off, n):
-    want = bytearray(n)
-    for o, d in model:
-        if o < off + n and o + len(d) > off:
-            a, b = max(o, off), min(o + len(d), off + n)
-            want[a - off:b - off] = d[a - o:b - o]
-    return bytes(want)
-
-
-def first_difference(a, b):
-    return next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
-
-
 def check_allocated(path):
-    used = os.stat(path).st_blocks * 512
+    used = nbdtest.allocated(path)
     check(used < MAX_ALLOCATED, "%s uses %d MiB of tmpfs: some request allocated its range"
           % (path, used >> 20))
 
@@ -164,10 +151,11 @@ class Script:
     collected in self.results, so two servers can be compared at the end.
     """
 
-    def __init__(self, name, target, write_past_end_errors):
+    def __init__(self, name, target, write_past_end_errors, cache_length):
         self.name = name
         self.target = target
         self.write_errors = write_past_end_errors
+        self.cache_length = cache_length  # the CACHE request of t_cache
         self.model = []  # (offset, bytes) written, in order, over zeros
         self.rng = random.Random(20261203)  # the same data for every server
         self.results = {}
@@ -178,9 +166,9 @@ class Script:
 
     def verify(self, mode, off, n, what):
         got = ok(self.target, mode, "read", off, n)
-        want = expected(self.model, off, n)
+        want = nbdtest.model_bytes(self.model, off, n)
         if got != want:
-            i = first_difference(got, want)
+            i = nbdtest.first_diff(got, want)
             fail("%s: %s: read %s [%d, +%d) differs at %d (got %d bytes)"
                  % (self.name, what, mode or "extended", off, n, off + i, len(got)))
         self.results["read %s %d %d" % (" ".join(mode), off, n)] = got
@@ -286,9 +274,9 @@ class Script:
         for k, v in r.items():
             self.results["status " + k] = v
 
-    def t_cache(self, length):
+    def t_cache(self):
         for label, mode in MODES:
-            ok(self.target, mode, "cache", 0, length)
+            ok(self.target, mode, "cache", 0, self.cache_length)
         ok(self.target, EXTENDED, "cache", HUGE - MiB, MiB)
 
     def t_errors(self):
@@ -313,30 +301,13 @@ class Script:
             # The connection is still good after an error: a read at the end works.
             self.verify(mode, end - 4096, 4096, "read after errors")
 
-    def run(self, cache_length):
-        for step, args in ((self.t_info, ()), (self.t_round_trips, ()), (self.t_trim_zero, ()),
-                           (self.t_status, ()), (self.t_cache, (cache_length,)),
-                           (self.t_errors, ())):
-            log("=== %s: %s" % (self.name, step.__name__))
-            step(*args)
-            log("ok %s: %s" % (self.name, step.__name__))
+    def run(self):
+        nbdtest.run_each((self.t_info, self.t_round_trips, self.t_trim_zero, self.t_status,
+                          self.t_cache, self.t_errors), prefix=self.name + ": ")
 
 
 # ---------------------------------------------------------------------------
 # qemu
-
-
-def qemu_io(uri, cmds, timeout=300):
-    args = ["qemu-io", "-f", "raw"]
-    for c in cmds:
-        args += ["-c", c]
-    args.append(uri)
-    p = nbdtest.run(args, timeout=timeout, check_rc=False)
-    out = p.stdout + p.stderr
-    if p.returncode != 0 or "failed" in out.lower() or "error" in out.lower() \
-            or "cannot" in out.lower():
-        fail("qemu-io reported a failure (exit %d)" % p.returncode)
-    return out
 
 
 def negotiated(text):
@@ -366,7 +337,7 @@ def part_qemu_io(d, target):
         "read -P 0 %d %d" % (9 * TiB, 64 * KiB),
         "read -P 0x9e %d %d" % (10 * TiB, 4096),
     ]
-    qemu_io(uri, cmds)
+    nbdtest.qemu_io(uri, cmds, failure_words=("failed", "error", "cannot"))
     new = d.log_text()[len(before):]
     conns = negotiated(new)
     log("  qemu-io negotiated: %r" % conns)
@@ -443,15 +414,16 @@ def main():
                  for n in ("huge", "q", "peer")}
         with nbdtest.Daemon([("huge", files["huge"], ""), ("q", files["q"], "")]) as d:
             target = ("--unix", d.sock)
-            ours = Script("nbdcached", target, ("NBD_ENOSPC",))
-            ours.run(cache_length=2**40)
+            ours = Script("nbdcached", target, ("NBD_ENOSPC",), cache_length=2**40)
+            ours.run()
             # The same over TCP.
             tcp = ("--tcp", "127.0.0.1:%d" % d.port)
             i = info(tcp)
             check((i.get("size"), i.get("extended")) == (str(HUGE), "1"), "TCP info: %r" % i)
             for mode in (EXTENDED, COMPACT):
                 check(ok(tcp, mode, "read", HUGE - 8192, 8192) ==
-                      expected(ours.model, HUGE - 8192, 8192), "TCP read of the last 8 KiB")
+                      nbdtest.model_bytes(ours.model, HUGE - 8192, 8192),
+                      "TCP read of the last 8 KiB")
             check_allocated(files["huge"])
             log("=== qemu-io against nbdcached")
             part_qemu_io(d, target)
@@ -462,8 +434,9 @@ def main():
         # ENOSPC); CACHE is capped at its 32 MiB maximum, so a small one.
         peer = QemuNbd(os.path.join(stmp, "peer.sock"), files["peer"])
         try:
-            theirs = Script("qemu-nbd", ("--unix", peer.sock), ("NBD_ENOSPC", "NBD_EINVAL"))
-            theirs.run(cache_length=32 * MiB)
+            theirs = Script("qemu-nbd", ("--unix", peer.sock), ("NBD_ENOSPC", "NBD_EINVAL"),
+                            cache_length=32 * MiB)
+            theirs.run()
             check_allocated(files["peer"])
             check(peer.proc.poll() is None, "qemu-nbd died")
         finally:

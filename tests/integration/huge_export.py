@@ -27,7 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "lib"))
 sys.path.insert(0, HERE)
 import nbdtest  # noqa: E402
-from nbdtest import log  # noqa: E402
+from nbdtest import Failed, file_layout, log, merge_segments, model_bytes, read_at  # noqa: E402
+from nbdtest import require as expect  # noqa: E402  (raises Failed: ends the check)
 import bad_input as raw  # noqa: E402  (RawClient: extended headers, which libnbd 1.14 lacks)
 
 import nbd  # noqa: E402
@@ -37,70 +38,9 @@ MIB = 1024 * KIB
 GIB = 1024 * MIB
 TIB = 1024 * GIB
 HUGE = 64 * TIB
-HOLE_FLAGS = nbd.STATE_HOLE | nbd.STATE_ZERO
 RSS_SLACK = 64 * MIB
 
-FAILURES = []
-
-
-class Failed(Exception):
-    pass
-
-
-def expect(cond, msg):
-    if not cond:
-        raise Failed(msg)
-
-
-def rss(pid):
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def file_layout(path, size):
-    segs = []
-    with open(path, "rb") as f:
-        fd = f.fileno()
-        pos = 0
-        for _ in range(100000):
-            if pos >= size:
-                break
-            try:
-                d = min(os.lseek(fd, pos, os.SEEK_DATA), size)
-            except OSError as e:
-                if e.errno != errno.ENXIO:
-                    raise
-                d = size
-            if d > pos:
-                segs.append((pos, d, HOLE_FLAGS))
-                pos = d
-            if pos >= size:
-                break
-            try:
-                h = min(os.lseek(fd, pos, os.SEEK_HOLE), size)
-            except OSError:
-                # tmpfs rounds the EOF hole up to a page: for a file of
-                # 2^63-1 bytes that overflows loff_t (lseek returns a
-                # negative offset with errno 0). The data runs to EOF.
-                h = size
-            segs.append((pos, h, 0))
-            pos = h
-    return merge(segs)
-
-
-def merge(segs):
-    out = []
-    for s, e, f in segs:
-        if e <= s:
-            continue
-        if out and out[-1][2] == f and out[-1][1] == s:
-            out[-1] = (out[-1][0], e, f)
-        else:
-            out.append((s, e, f))
-    return out
+CHECKS = nbdtest.Checks(catch=(Failed, nbd.Error, raw.Mismatch, raw.Closed))
 
 
 def status_walk(h, offset, length, max_requests=100000, deadline_s=240):
@@ -122,15 +62,8 @@ def status_walk(h, offset, length, max_requests=100000, deadline_s=240):
         h.block_status(min(end - pos, 4 * GIB - 4096), pos, cb)
         n += 1
         expect(got, "no extents at %d" % pos)
-        for i in range(0, len(got), 2):
-            ln, fl = got[i], got[i + 1]
-            expect(ln > 0, "zero-length extent at %d" % pos)
-            ln = min(ln, end - pos)
-            segs.append((pos, pos + ln, fl))
-            pos += ln
-            if pos >= end:
-                break
-    return merge(segs), n
+        pos = nbdtest.add_extents(segs, pos, end, zip(got[0::2], got[1::2]))
+    return merge_segments(segs), n
 
 
 def raw_status_walk(r, offset, length, max_requests, deadline_s=240):
@@ -160,31 +93,7 @@ def raw_status_walk(r, offset, length, max_requests, deadline_s=240):
             pos += ln
             if pos >= end:
                 break
-    return merge(segs), n, longest
-
-
-def covered_as_data(segs, start, end):
-    return all(f == 0 for s, e, f in segs if s < end and e > start) and \
-        any(s <= start for s, e, f in segs) and any(e >= end for s, e, f in segs)
-
-
-def pread_file(path, off, n):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return os.pread(fd, n, off)
-    finally:
-        os.close(fd)
-
-
-def check(name, fn, *args):
-    log("=== %s" % name)
-    t0 = time.time()
-    try:
-        fn(*args)
-        log("ok %s (%.2fs)" % (name, time.time() - t0))
-    except (Failed, nbd.Error, raw.Mismatch, raw.Closed) as e:
-        log("FAIL %s: %s" % (name, e))
-        FAILURES.append("%s: %s" % (name, e))
+    return merge_segments(segs), n, longest
 
 
 # ---------------------------------------------------------------------------
@@ -213,28 +122,16 @@ def exercise(h, size, offsets, model):
         lo = max(0, off - 1000)
         hi = min(size, off + n + 1000)
         got = h.pread(hi - lo, lo)
-        want = expected(model, lo, hi)
+        want = model_bytes(model, lo, hi - lo)
         if got != want:
             raise Failed("read back around [%d,+%d) differs at %d"
-                         % (off, n, lo + next(i for i in range(len(got)) if got[i] != want[i])))
-
-
-def expected(model, lo, hi):
-    """Bytes [lo, hi) after the writes in `model` (in order) over zeros."""
-    want = bytearray(hi - lo)
-    for o, d in model:
-        if o < hi and o + len(d) > lo:
-            a, b = max(o, lo), min(o + len(d), hi)
-            want[a - lo:b - lo] = d[a - o:b - o]
-    return bytes(want)
+                         % (off, n, lo + nbdtest.first_diff(got, want)))
 
 
 def t_small_baseline(tmp, state):
     path = nbdtest.sparse_file(os.path.join(tmp, "small.img"), 1 * MIB)
     with nbdtest.Daemon([("small", path, "")]) as d:
-        h = nbd.NBD()
-        h.add_meta_context(nbd.CONTEXT_BASE_ALLOCATION)
-        h.connect_uri(d.unix_uri("small"))
+        h = nbdtest.libnbd_handle(d.unix_uri("small"), meta=True)
         offs = [(0, 4096), (12345, 70000), (MIB - 4096, 4096), (MIB - 1, 1)]
         exercise(h, MIB, offs, [])
         h.flush()
@@ -242,7 +139,7 @@ def t_small_baseline(tmp, state):
         h.zero(64 * KIB, MIB - 64 * KIB)
         h.trim(64 * KIB, 0)
         h.flush()
-        state["rss_small"] = rss(d.pid)
+        state["rss_small"] = d.rss()
         h.shutdown()
     log("  RSS serving 1 MiB: %d KiB" % (state["rss_small"] >> 10))
 
@@ -261,7 +158,7 @@ def t_huge_rw(d, path, state):
         expect(all(f == 0 for _, _, f in segs), "unflushed data at %d reported as %r" % (off, segs))
     h.flush()
     for o, data in model:
-        expect(pread_file(path, o, len(data)) == expected(model, o, o + len(data)),
+        expect(read_at(path, o, len(data)) == model_bytes(model, o, len(data)),
                "backend bytes at %d differ after FLUSH" % o)
 
 
@@ -289,7 +186,7 @@ def t_huge_extended(d, path, state):
         for off, n_ in ((HUGE - 4096, 4096), (2 ** 44 - 2048, 4096)):
             rep = r.command(raw.CMD_READ, off, n_)
             expect(rep.error == 0, "extended READ at %d: %s" % (off, raw.err_name(rep.error)))
-            expect(rep.data == pread_file(path, off, n_), "extended READ at %d differs" % off)
+            expect(rep.data == read_at(path, off, n_), "extended READ at %d differs" % off)
         # 64-bit effect lengths: zero and trim more than 4 GiB of hole in one request.
         base = 2 ** 42
         shm_before = os.statvfs(path)
@@ -324,26 +221,22 @@ def t_huge_trim_zero_end(d, path, state):
     h.trim(128 * KIB, end - 192 * KIB)
     got = h.pread(128 * KIB, end - 192 * KIB)
     h.flush()
-    expect(got == pread_file(path, end - 192 * KIB, 128 * KIB),
+    expect(got == read_at(path, end - 192 * KIB, 128 * KIB),
            "read after trim at the end differs from the backend after FLUSH")
-    expect(pread_file(path, end - 64 * KIB, 64 * KIB) == bytes(64 * KIB), "backend end not zero")
+    expect(read_at(path, end - 64 * KIB, 64 * KIB) == bytes(64 * KIB), "backend end not zero")
     for what, fn, e in (
             ("zero past the end", lambda: h.zero(8192, end - 4096), errno.ENOSPC),
             ("pwrite past the end", lambda: h.pwrite(b"x" * 8192, end - 4096), errno.ENOSPC),
             ("trim past the end", lambda: h.trim(8192, end - 4096), errno.EINVAL),
             ("pread past the end", lambda: h.pread(2, end - 1), errno.EINVAL)):
-        try:
-            fn()
-            raise Failed("%s succeeded" % what)
-        except nbd.Error as ex:
-            expect(ex.errnum == e, "%s: %s, expected %s" % (what, ex.errno, errno.errorcode[e]))
+        nbdtest.expect_nbd_error(fn, e, what)
     segs, _ = status_walk(h, end - 16 * MIB, 16 * MIB)
-    want = [(max(s, end - 16 * MIB), e, f) for s, e, f in file_layout(path, HUGE) if e > end - 16 * MIB]
-    expect(segs == merge(want), "status of the last 16 MiB %r, file %r" % (segs, want))
+    want = nbdtest.clip_segments(file_layout(path, HUGE), end - 16 * MIB, end)
+    expect(segs == want, "status of the last 16 MiB %r, file %r" % (segs, want))
 
 
 def t_huge_rss(d, state):
-    now = rss(d.pid)
+    now = d.rss()
     state["rss_huge"] = now
     log("  RSS serving 64 TiB (+ the maximum): %d KiB; serving 1 MiB: %d KiB"
         % (now >> 10, state["rss_small"] >> 10))
@@ -353,9 +246,7 @@ def t_huge_rss(d, state):
 
 
 def t_max(d, path, size):
-    h = nbd.NBD()
-    h.add_meta_context(nbd.CONTEXT_BASE_ALLOCATION)
-    h.connect_uri(d.tcp_uri("max"))
+    h = nbdtest.libnbd_handle(d.tcp_uri("max"), meta=True)
     try:
         expect(h.get_size() == size, "size %d, expected %d" % (h.get_size(), size))
         last = h.pread(4096, size - 4096)
@@ -365,17 +256,13 @@ def t_max(d, path, size):
         expect(h.pread(4096, size - 4096) == data, "last 4 KiB not read back")
         expect(h.pread(1, size - 1) == data[-1:], "last byte")
         h.flush()
-        expect(pread_file(path, size - 4096, 4096) == data, "backend last 4 KiB after FLUSH")
+        expect(read_at(path, size - 4096, 4096) == data, "backend last 4 KiB after FLUSH")
         segs, _ = status_walk(h, size - 8 * MIB, 8 * MIB)
-        want = merge([(max(s, size - 8 * MIB), e, f) for s, e, f in file_layout(path, size)
-                      if e > size - 8 * MIB])
+        want = nbdtest.clip_segments(file_layout(path, size), size - 8 * MIB, size)
         expect(segs == want, "status near the end %r, file %r" % (segs, want))
         h.set_strict_mode(0)
-        try:
-            h.pread(4096, size - 2048)
-            raise Failed("read across the end of the maximum export succeeded")
-        except nbd.Error as e:
-            expect(e.errnum == errno.EINVAL, "read across the end: %s" % e.errno)
+        nbdtest.expect_nbd_error(lambda: h.pread(4096, size - 2048), errno.EINVAL,
+                                 "read across the end of the maximum export")
     finally:
         h.shutdown()
     # The whole export through 64-bit block status: a few requests, not billions.
@@ -398,8 +285,8 @@ def main():
         nbdtest.skip("no tmpfs at /dev/shm for a 64 TiB sparse file")
     state = {}
     with nbdtest.tempdir() as tmp:
-        check("small export baseline", t_small_baseline, tmp, state)
-    nbdtest.check("rss_small" in state, "baseline failed: %s" % FAILURES)
+        CHECKS.run("small export baseline", t_small_baseline, tmp, state)
+    nbdtest.check("rss_small" in state, "baseline failed: %s" % CHECKS.failures)
     with nbdtest.tempdir(prefix="nbdcached-huge-", base=shm) as stmp:
         huge = nbdtest.sparse_file(os.path.join(stmp, "huge.img"), HUGE)
         maxp = os.path.join(stmp, "max.img")
@@ -414,34 +301,24 @@ def main():
         nbdtest.check(max_size is not None, "tmpfs refused every large size")
         log("largest tmpfs file: %d bytes" % max_size)
         with nbdtest.Daemon([("huge", huge, ""), ("max", maxp, "")]) as d:
-            h = nbd.NBD()
-            h.add_meta_context(nbd.CONTEXT_BASE_ALLOCATION)
-            h.connect_uri(d.unix_uri("huge"))
+            h = nbdtest.libnbd_handle(d.unix_uri("huge"), meta=True)
             state["h"] = h
             state["model"] = []
-            check("64 TiB pwrite/pread at far offsets", t_huge_rw, d, huge, state)
-            check("64 TiB block status (compact)", t_huge_status_compact, d, huge, state)
-            check("64 TiB extended headers", t_huge_extended, d, huge, state)
-            check("64 TiB trim/zero near the end", t_huge_trim_zero_end, d, huge, state)
-            check("maximum tmpfs export", t_max, d, maxp, max_size)
-            check("RSS independent of export size", t_huge_rss, d, state)
+            CHECKS.run("64 TiB pwrite/pread at far offsets", t_huge_rw, d, huge, state)
+            CHECKS.run("64 TiB block status (compact)", t_huge_status_compact, d, huge, state)
+            CHECKS.run("64 TiB extended headers", t_huge_extended, d, huge, state)
+            CHECKS.run("64 TiB trim/zero near the end", t_huge_trim_zero_end, d, huge, state)
+            CHECKS.run("maximum tmpfs export", t_max, d, maxp, max_size)
+            CHECKS.run("RSS independent of export size", t_huge_rss, d, state)
             nbdtest.check(d.alive(), "daemon died")
             try:
                 h.shutdown()
             except nbd.Error:
                 pass
-            if FAILURES:
-                d.dump_log()
+            CHECKS.dump_log(d)
         os.unlink(huge)
         os.unlink(maxp)
-    if FAILURES:
-        log("")
-        log("%d check(s) failed:" % len(FAILURES))
-        for f in FAILURES:
-            log("  " + f)
-        nbdtest.fail("%d huge-export check(s) failed" % len(FAILURES))
-    log("all huge-export checks passed")
-    sys.exit(0)
+    CHECKS.finish("huge-export")
 
 
 if __name__ == "__main__":

@@ -27,14 +27,16 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import nbdtest  # noqa: E402
-from nbdtest import log  # noqa: E402
+from nbdtest import Failed, clip_segments, expect_nbd_error, file_layout, log, \
+    merge_segments, read_at  # noqa: E402
+from nbdtest import require as expect  # noqa: E402  (raises Failed: ends the check)
 
 import nbd  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
 MAX_PAYLOAD = 32 * MIB
-HOLE_FLAGS = nbd.STATE_HOLE | nbd.STATE_ZERO
+HOLE_FLAGS = nbdtest.HOLE_ZERO
 
 RW_SIZE = 16 * MIB
 # (start, end, is_data) of the "layout" export
@@ -45,80 +47,10 @@ MC_SIZE = 8 * MIB
 SMALL_SIZE = 1 * MIB
 
 
-class Failed(Exception):
-    pass
-
-
-def expect(cond, msg):
-    if not cond:
-        raise Failed(msg)
-
-
-def expect_error(fn, want_errno, what):
-    """fn() must fail with nbd.Error carrying errno want_errno."""
-    try:
-        fn()
-    except nbd.Error as e:
-        expect(e.errnum == want_errno, "%s: errno %s (%s), expected %s"
-               % (what, e.errno, e.string, errno.errorcode[want_errno]))
-        return
-    raise Failed("%s: succeeded, expected %s" % (what, errno.errorcode[want_errno]))
-
-
-def first_diff(a, b):
-    for i in range(min(len(a), len(b))):
-        if a[i] != b[i]:
-            return i
-    return min(len(a), len(b))
-
-
 def expect_bytes(got, want, what):
     if bytes(got) != bytes(want):
         raise Failed("%s: data differs at byte %d (len %d vs %d)"
-                     % (what, first_diff(got, want), len(got), len(want)))
-
-
-def file_bytes(path, off, n):
-    with open(path, "rb") as f:
-        f.seek(off)
-        return f.read(n)
-
-
-def file_layout(path, size):
-    """The backend's own (start, end, flags) map from SEEK_DATA/SEEK_HOLE."""
-    segs = []
-    with open(path, "rb") as f:
-        fd = f.fileno()
-        pos = 0
-        for _ in range(100000):
-            if pos >= size:
-                break
-            try:
-                d = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError as e:
-                if e.errno != errno.ENXIO:
-                    raise
-                d = size
-            d = min(d, size)
-            if d > pos:
-                segs.append((pos, d, HOLE_FLAGS))
-                pos = d
-            if pos >= size:
-                break
-            h = min(os.lseek(fd, pos, os.SEEK_HOLE), size)
-            segs.append((pos, h, 0))
-            pos = h
-    return merge(segs)
-
-
-def merge(segs):
-    out = []
-    for s, e, f in segs:
-        if out and out[-1][2] == f and out[-1][1] == s:
-            out[-1] = (out[-1][0], e, f)
-        elif e > s:
-            out.append((s, e, f))
-    return out
+                     % (what, nbdtest.first_diff(got, want), len(got), len(want)))
 
 
 def status_map(h, offset, length, flags=0):
@@ -138,27 +70,12 @@ def status_map(h, offset, length, flags=0):
             return 0
         h.block_status(end - pos, pos, cb, flags)
         expect(got, "no base:allocation extents at %d" % pos)
-        for i in range(0, len(got), 2):
-            n, f = got[i], got[i + 1]
-            expect(n > 0, "zero-length extent at %d" % pos)
-            n = min(n, end - pos)
-            segs.append((pos, pos + n, f))
-            pos += n
-            if pos >= end:
-                break
-    return merge(segs)
-
-
-def clip(segs, start, end):
-    return merge([(max(s, start), min(e, end), f) for s, e, f in segs if e > start and s < end])
+        pos = nbdtest.add_extents(segs, pos, end, zip(got[0::2], got[1::2]))
+    return merge_segments(segs)
 
 
 def connect(d, export, meta=True, unix=True):
-    h = nbd.NBD()
-    if meta:
-        h.add_meta_context(nbd.CONTEXT_BASE_ALLOCATION)
-    h.connect_uri(d.unix_uri(export) if unix else d.tcp_uri(export))
-    return h
+    return nbdtest.libnbd_handle(d.unix_uri(export) if unix else d.tcp_uri(export), meta)
 
 
 class World:
@@ -242,12 +159,12 @@ def t_fua(w):
     for off, n in ((5 * MIB + 3, 10000), (9 * MIB, 128 * KIB), (1000, 1)):
         data = r.randbytes(n)
         w.write("rw", off, data, nbd.CMD_FLAG_FUA)
-        expect_bytes(file_bytes(w.files["rw"], off, n), data,
+        expect_bytes(read_at(w.files["rw"], off, n), data,
                      "backend right after FUA write [%d,+%d)" % (off, n))
     # A FUA write-zeroes, too.
     h.zero(64 * KIB, 6 * MIB, nbd.CMD_FLAG_FUA)
     w.models["rw"][6 * MIB:6 * MIB + 64 * KIB] = bytes(64 * KIB)
-    expect_bytes(file_bytes(w.files["rw"], 6 * MIB, 64 * KIB), bytes(64 * KIB),
+    expect_bytes(read_at(w.files["rw"], 6 * MIB, 64 * KIB), bytes(64 * KIB),
                  "backend right after FUA zero")
     w.check_read("rw", 6 * MIB - 10, 64 * KIB + 20, "read after FUA zero")
 
@@ -365,7 +282,7 @@ def t_block_status(w):
     got = status_map(h, 0, LAYOUT_SIZE)
     expect(got == truth, "block status %r, file %r" % (got, truth))
     got = status_map(h, 3 * MIB, 6 * MIB)
-    expect(got == clip(truth, 3 * MIB, 9 * MIB), "block status from 3M: %r" % got)
+    expect(got == clip_segments(truth, 3 * MIB, 9 * MIB), "block status from 3M: %r" % got)
     # REQ_ONE: exactly one extent, never past the request.
     for off, n in ((0, LAYOUT_SIZE), (5 * MIB, 1 * MIB), (4 * MIB - 4096, 1 * MIB), (15 * MIB, MIB)):
         ents = []
@@ -378,7 +295,7 @@ def t_block_status(w):
         expect(len(ents) == 2, "REQ_ONE at %d: %d extents" % (off, len(ents) // 2))
         ln, fl = ents
         expect(0 < ln <= n, "REQ_ONE extent length %d for a %d request" % (ln, n))
-        want = clip(truth, off, off + n)[0]
+        want = clip_segments(truth, off, off + n)[0]
         expect(fl == want[2] and off + ln <= want[1],
                "REQ_ONE at %d: (%d, %d), file has %r" % (off, ln, fl, want))
 
@@ -386,41 +303,41 @@ def t_block_status(w):
     r = random.Random(14)
     w.write("layout", 5 * MIB, r.randbytes(64 * KIB))
     got = status_map(h, 4 * MIB, 4 * MIB)
-    seg = clip(got, 5 * MIB, 5 * MIB + 64 * KIB)
+    seg = clip_segments(got, 5 * MIB, 5 * MIB + 64 * KIB)
     expect(seg == [(5 * MIB, 5 * MIB + 64 * KIB, 0)],
            "block status of freshly written (unflushed) data: %r" % seg)
     h.flush()
-    expect_bytes(file_bytes(path, 5 * MIB, 64 * KIB), w.models["layout"][5 * MIB:5 * MIB + 64 * KIB],
+    expect_bytes(read_at(path, 5 * MIB, 64 * KIB), w.models["layout"][5 * MIB:5 * MIB + 64 * KIB],
                  "backend after flush")
     got = status_map(h, 0, LAYOUT_SIZE)
     expect(got == file_layout(path, LAYOUT_SIZE),
            "after write+flush: block status %r, file %r" % (got, file_layout(path, LAYOUT_SIZE)))
-    expect(clip(got, 5 * MIB, 5 * MIB + 64 * KIB) == [(5 * MIB, 5 * MIB + 64 * KIB, 0)],
+    expect(clip_segments(got, 5 * MIB, 5 * MIB + 64 * KIB) == [(5 * MIB, 5 * MIB + 64 * KIB, 0)],
            "written range not data after flush")
 
     # TRIM a data range: reads agree with the backend, status with the file.
     h.trim(1 * MIB, 8 * MIB)
     after_trim = h.pread(1 * MIB, 8 * MIB)
     h.flush()
-    back = file_bytes(path, 8 * MIB, 1 * MIB)
+    back = read_at(path, 8 * MIB, 1 * MIB)
     expect_bytes(after_trim, back, "read after TRIM vs. backend after FLUSH")
     w.models["layout"][8 * MIB:9 * MIB] = back
     got = status_map(h, 0, LAYOUT_SIZE)
     expect(got == file_layout(path, LAYOUT_SIZE),
            "after trim+flush: block status %r, file %r" % (got, file_layout(path, LAYOUT_SIZE)))
     log("  after TRIM [8M,9M): reads %s, status %r" % (
-        "zero" if after_trim == bytes(MIB) else "old data", clip(got, 8 * MIB, 9 * MIB)))
+        "zero" if after_trim == bytes(MIB) else "old data", clip_segments(got, 8 * MIB, 9 * MIB)))
 
     # WRITE_ZEROES (may punch): reads zero; status agrees with the file after FLUSH.
     h.zero(512 * KIB, 9 * MIB)
     w.models["layout"][9 * MIB:9 * MIB + 512 * KIB] = bytes(512 * KIB)
     w.check_read("layout", 9 * MIB - 100, 512 * KIB + 200, "read after zero")
     h.flush()
-    expect_bytes(file_bytes(path, 9 * MIB, 512 * KIB), bytes(512 * KIB), "backend after zero+flush")
+    expect_bytes(read_at(path, 9 * MIB, 512 * KIB), bytes(512 * KIB), "backend after zero+flush")
     got = status_map(h, 0, LAYOUT_SIZE)
     expect(got == file_layout(path, LAYOUT_SIZE),
            "after zero+flush: block status %r, file %r" % (got, file_layout(path, LAYOUT_SIZE)))
-    zs = clip(got, 9 * MIB, 9 * MIB + 512 * KIB)
+    zs = clip_segments(got, 9 * MIB, 9 * MIB + 512 * KIB)
     log("  after WRITE_ZEROES [9M,+512K): status %r" % zs)
 
     # WRITE_ZEROES with NO_HOLE: zero and allocated on the backend after FLUSH.
@@ -428,11 +345,11 @@ def t_block_status(w):
     w.models["layout"][12 * MIB:12 * MIB + 256 * KIB] = bytes(256 * KIB)
     w.check_read("layout", 12 * MIB, 256 * KIB, "read after NO_HOLE zero")
     h.flush()
-    fl = clip(file_layout(path, LAYOUT_SIZE), 12 * MIB, 12 * MIB + 256 * KIB)
+    fl = clip_segments(file_layout(path, LAYOUT_SIZE), 12 * MIB, 12 * MIB + 256 * KIB)
     expect(fl == [(12 * MIB, 12 * MIB + 256 * KIB, 0)],
            "NO_HOLE zero left the backend with holes: %r" % fl)
     got = status_map(h, 11 * MIB, 2 * MIB)
-    expect(got == clip(file_layout(path, LAYOUT_SIZE), 11 * MIB, 13 * MIB),
+    expect(got == clip_segments(file_layout(path, LAYOUT_SIZE), 11 * MIB, 13 * MIB),
            "after NO_HOLE zero: status %r" % got)
 
     # FAST_ZERO: either it zeroes, or it fails at once with ENOTSUP and
@@ -518,7 +435,7 @@ def t_multi_conn(w):
 def t_readonly(w):
     h = w.handle("ro")
     h.set_strict_mode(0)          # let libnbd send what the export forbids
-    before = file_bytes(w.files["ro"], 0, SMALL_SIZE)
+    before = read_at(w.files["ro"], 0, SMALL_SIZE)
     expect_bytes(h.pread(SMALL_SIZE, 0), before, "read of readonly export")
     problems = []
     for what, fn in (("pwrite", lambda: h.pwrite(b"x" * 4096, 0)),
@@ -528,14 +445,14 @@ def t_readonly(w):
                      ("NO_HOLE zero", lambda: h.zero(4096, 0, nbd.CMD_FLAG_NO_HOLE)),
                      ("FUA pwrite", lambda: h.pwrite(b"x" * 4096, 0, nbd.CMD_FLAG_FUA))):
         try:
-            expect_error(fn, errno.EPERM, what + " on readonly")
+            expect_nbd_error(fn, errno.EPERM, what + " on readonly")
         except Failed as e:
             problems.append(str(e))
     expect(not problems, "; ".join(problems))
     h.flush()
     h.cache(SMALL_SIZE, 0)
     expect_bytes(h.pread(SMALL_SIZE, 0), before, "readonly export changed")
-    expect_bytes(file_bytes(w.files["ro"], 0, SMALL_SIZE), before, "readonly backend changed")
+    expect_bytes(read_at(w.files["ro"], 0, SMALL_SIZE), before, "readonly backend changed")
 
 
 def t_out_of_range(w):
@@ -559,14 +476,14 @@ def t_out_of_range(w):
         ("pwrite 32 MiB + 1 (payload discarded)", lambda: h.pwrite(b"z" * (MAX_PAYLOAD + 1), 0),
          errno.EINVAL),
     ]
-    before = file_bytes(w.files["small"], 0, S)
+    before = read_at(w.files["small"], 0, S)
     for what, fn, e in cases:
-        expect_error(fn, e, what)
+        expect_nbd_error(fn, e, what)
         # the connection is still in sync after every error
         expect_bytes(h.pread(4096, 0), before[:4096], "read after %s" % what)
     expect_bytes(h.pread(S, 0), before, "small export changed by failed requests")
     h.flush()
-    expect_bytes(file_bytes(w.files["small"], 0, S), before, "small backend changed")
+    expect_bytes(read_at(w.files["small"], 0, S), before, "small backend changed")
     # The last byte is in range.
     h.pwrite(b"\x42", S - 1)
     expect(h.pread(1, S - 1) == b"\x42", "last byte")
@@ -670,74 +587,52 @@ TESTS = [t_negotiated, t_pread_pwrite, t_flush_backend, t_fua, t_many_in_flight,
          t_out_of_range, t_zero_length_read, t_random_ops, t_final_backend]
 
 
+def unflushed_writes(d, w):
+    """Unflushed writes (the daemon is then stopped with SIGTERM)."""
+    r = random.Random(17)
+    h = connect(d, "rw", meta=False)
+    for off, n in ((2 * MIB + 5, 300000), (RW_SIZE - 70000, 70000), (7, 4096)):
+        data = r.randbytes(n)
+        h.pwrite(data, off)
+        w.models["rw"][off:off + n] = data
+    h.zero(64 * KIB, 11 * MIB)
+    w.models["rw"][11 * MIB:11 * MIB + 64 * KIB] = bytes(64 * KIB)
+    h.shutdown()
+
+
 def main():
-    failures = []
+    checks = nbdtest.Checks(catch=(Failed, nbd.Error))
     with nbdtest.tempdir() as tmp:
         files = {n: os.path.join(tmp, n + ".img") for n in ("rw", "layout", "mc", "ro", "small")}
         nbdtest.random_file(files["rw"], RW_SIZE, seed=1)
         nbdtest.random_file(files["small"], SMALL_SIZE, seed=2)
         nbdtest.random_file(files["ro"], SMALL_SIZE, seed=3)
         nbdtest.sparse_file(files["mc"], MC_SIZE)
-        r = random.Random(4)
-        with open(files["layout"], "wb") as f:
-            f.truncate(LAYOUT_SIZE)
-            for s, e, data in LAYOUT:
-                if data:
-                    f.seek(s)
-                    f.write(r.randbytes(e - s))
+        nbdtest.data_runs_file(files["layout"], LAYOUT_SIZE,
+                               [(s, e - s) for s, e, data in LAYOUT if data], seed=4)
         exports = [("rw", files["rw"], ""), ("layout", files["layout"], ""),
                    ("mc", files["mc"], ""), ("ro", files["ro"], "readonly"),
                    ("small", files["small"], "")]
         with nbdtest.Daemon(exports, threads=4) as d:
             w = World(d, files)
             for t in TESTS:
-                log("=== %s" % t.__name__)
-                t0 = time.time()
-                try:
-                    t(w)
-                    log("ok %s (%.2fs)" % (t.__name__, time.time() - t0))
-                except (Failed, nbd.Error) as e:
-                    log("FAIL %s: %s" % (t.__name__, e))
-                    failures.append("%s: %s" % (t.__name__, e))
+                if not checks.run(t.__name__, t, w):
                     # a broken handle must not poison the next check
                     w.h = {}
                 nbdtest.check(d.alive(), "daemon died during %s" % t.__name__)
             # Unflushed writes, then SIGTERM: shutdown writes everything back.
-            try:
-                r = random.Random(17)
-                h = connect(d, "rw", meta=False)
-                for off, n in ((2 * MIB + 5, 300000), (RW_SIZE - 70000, 70000), (7, 4096)):
-                    data = r.randbytes(n)
-                    h.pwrite(data, off)
-                    w.models["rw"][off:off + n] = data
-                h.zero(64 * KIB, 11 * MIB)
-                w.models["rw"][11 * MIB:11 * MIB + 64 * KIB] = bytes(64 * KIB)
-                h.shutdown()
-            except nbd.Error as e:
-                failures.append("unflushed writes before SIGTERM: %s" % e)
+            checks.run("unflushed writes before SIGTERM", unflushed_writes, d, w,
+                       catch=(nbd.Error,))
             for h in w.h.values():
                 try:
                     h.shutdown()
                 except nbd.Error:
                     pass
-            if failures:
-                d.dump_log()
+            checks.dump_log(d)
         # The daemon has exited (0) on SIGTERM: the backend holds every byte.
-        log("=== backend after SIGTERM")
-        try:
-            w.check_backend("rw", "after SIGTERM with unflushed writes")
-            log("ok backend after SIGTERM")
-        except Failed as e:
-            log("FAIL %s" % e)
-            failures.append(str(e))
-    if failures:
-        log("")
-        log("%d check(s) failed:" % len(failures))
-        for f in failures:
-            log("  " + f)
-        nbdtest.fail("%d libnbd check(s) failed" % len(failures))
-    log("all %d checks passed" % len(TESTS))
-    sys.exit(0)
+        checks.run("backend after SIGTERM", w.check_backend, "rw",
+                   "after SIGTERM with unflushed writes", catch=(Failed,))
+    checks.finish("libnbd")
 
 
 if __name__ == "__main__":

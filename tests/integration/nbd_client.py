@@ -34,8 +34,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import nbdtest  # noqa: E402
 from nbdtest import log  # noqa: E402
 
-import nbd  # noqa: E402
-
 MIB = 1 << 20
 EXPORTS = [
     # name, size, options, description
@@ -43,23 +41,13 @@ EXPORTS = [
     ("beta", 7 * MIB + 123, "", ""),
     ("gamma", 3 * MIB, "readonly,description=read only third", "read only third"),
 ]
-FAILURES = []
-
-
-def expect(cond, msg):
-    if not cond:
-        log("FAIL: " + msg)
-        FAILURES.append(msg)
-    return cond
+CHECKS = nbdtest.Checks()
+expect = CHECKS.expect   # records the failure and carries on
 
 
 def nbd_client(*args, timeout=60):
-    cmd = ["nbd-client"] + [str(a) for a in args]
-    log("+ " + " ".join(cmd))
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+    return nbdtest.run(["nbd-client"] + list(args), timeout=timeout, check_rc=False,
                        stdin=subprocess.DEVNULL)
-    log("  exit %d\n  stdout: %r\n  stderr: %r" % (p.returncode, p.stdout[-800:], p.stderr[-800:]))
-    return p
 
 
 def listed(stdout):
@@ -83,8 +71,7 @@ class World:
     def __init__(self, d, files):
         self.d = d
         self.files = files
-        self.live = nbd.NBD()
-        self.live.connect_uri(d.unix_uri("alpha"))
+        self.live = nbdtest.libnbd_handle(d.unix_uri("alpha"))
         with open(files["alpha"], "rb") as f:
             self.alpha = f.read()
 
@@ -206,19 +193,10 @@ def main():
                                    ("unknown export", t_unknown_export, (tmp,)),
                                    ("STARTTLS unsupported", t_starttls_unsupported, ()),
                                    ("netlink multi-connection", t_netlink_multiconn, ())):
-                log("=== %s" % name)
-                fn(w, *args)
+                CHECKS.run(name, fn, w, *args)
             w.live.shutdown()
-            if FAILURES:
-                d.dump_log()
-    if FAILURES:
-        log("")
-        log("%d check(s) failed:" % len(FAILURES))
-        for f in FAILURES:
-            log("  " + f)
-        nbdtest.fail("%d nbd-client check(s) failed" % len(FAILURES))
-    log("all nbd-client checks passed")
-    sys.exit(0)
+            CHECKS.dump_log(d)
+    CHECKS.finish("nbd-client")
 
 
 if __name__ == "__main__":

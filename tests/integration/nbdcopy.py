@@ -13,13 +13,13 @@ What a user of nbdcopy relies on:
     images, the latter steered by the source's block status).
 """
 
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import nbdtest  # noqa: E402
-from nbdtest import check, log, run  # noqa: E402
+from nbdtest import allocated, check, log, run, run_json  # noqa: E402
+from nbdtest import sha256_file as sha  # noqa: E402
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -36,27 +36,18 @@ def uri(name, tcp=False):
     return d.tcp_uri(name) if tcp else d.unix_uri(name)
 
 
-def sha(path):
-    return nbdtest.sha256_file(path)
-
-
-def allocated(path):
-    return os.stat(path).st_blocks * 512
-
-
 def copy_out_and_compare(name, want_sha, tcp=False, extra=()):
     out = os.path.join(state["tmp"], "out-%s.raw" % name)
     if os.path.exists(out):
         os.unlink(out)
     run(["nbdcopy"] + list(extra) + [uri(name, tcp), out])
-    check(os.path.getsize(out) == SIZE, "copied-out file of %s has the wrong size" % name)
-    check(sha(out) == want_sha, "export %s copied out differs from what was copied in" % name)
+    nbdtest.sha256_matches(out, want_sha, SIZE,
+                           "export %s copied out, compared with what was copied in" % name)
     os.unlink(out)
 
 
 def block_status(name):
-    p = run(["nbdinfo", "--map", "--json", uri(name)])
-    extents = json.loads(p.stdout)
+    extents = run_json(["nbdinfo", "--map", "--json", uri(name)])
     check(sum(e["length"] for e in extents) == SIZE, "nbdinfo --map does not cover %s" % name)
     return extents
 
@@ -86,8 +77,7 @@ def check_sparse_copy(name):
 
 
 def t_info():
-    p = run(["nbdinfo", "--json", uri("a")])
-    info = json.loads(p.stdout)["exports"][0]
+    info = run_json(["nbdinfo", "--json", uri("a")])["exports"][0]
     check(info["export-size"] == SIZE, "nbdinfo: wrong size %r" % info["export-size"])
     check(info["can_multi_conn"], "export does not advertise multi-conn")
     check("base:allocation" in info.get("contexts", []), "no base:allocation meta context")
@@ -122,11 +112,7 @@ def t_sparse():
     run(["nbdcopy", "--flush", rnd, uri("s")])
     check(sha(s) == sha(rnd), "backend of s differs after copying random data")
     os.unlink(rnd)
-    sparse = nbdtest.sparse_file(os.path.join(state["tmp"], "sparse.raw"), SIZE)
-    with open(sparse, "r+b") as f:
-        for off, n in SPARSE_DATA:
-            f.seek(off)
-            f.write(os.urandom(n))
+    sparse = nbdtest.data_runs_file(os.path.join(state["tmp"], "sparse.raw"), SIZE, SPARSE_DATA)
     state["sparse_sha"] = sha(sparse)
     # Default sparse detection: holes become zero requests (may trim).
     run(["nbdcopy", "--flush", "--connections=4", "--requests=64", sparse, uri("s")])
@@ -155,11 +141,7 @@ def main():
             state[name] = nbdtest.sparse_file(os.path.join(tmp, name + ".img"), SIZE)
         with nbdtest.Daemon([(n, state[n], "") for n in ("a", "b", "s")]) as d:
             state["daemon"] = d
-            for t in (t_info, t_copy_in_out, t_multi_conn, t_sparse, t_between_exports):
-                log("=== %s" % t.__name__)
-                t()
-                check(d.alive(), "nbdcached died during %s" % t.__name__)
-                log("ok %s" % t.__name__)
+            nbdtest.run_each((t_info, t_copy_in_out, t_multi_conn, t_sparse, t_between_exports), d)
     log("all nbdcopy checks passed")
     sys.exit(0)
 

@@ -14,6 +14,7 @@ Skips (77) when /dev/fuse or loop devices are missing. Every mount, loop
 device and FUSE mount is undone in finally blocks, in reverse order.
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -130,6 +131,28 @@ class Stack:
             finally:
                 self.stop_fuse()
 
+    def tear_down(self):
+        """The orderly teardown (umount, losetup -d, fusermount3 -u): nbdfuse
+        must then exit 0."""
+        self.umount()
+        self.detach_loop()
+        rc = self.stop_fuse()
+        check(rc == 0, "nbdfuse exited with %r after fusermount3 -u" % rc)
+
+
+@contextlib.contextmanager
+def loop_on_nbdfuse(tmp, d, uri, readonly, phase):
+    """A Stack with nbdfuse up and the loop device attached; stopped whatever
+    happens, and then the daemon must still be alive."""
+    stack = Stack(tmp, uri, readonly)
+    try:
+        stack.start_fuse()
+        stack.attach_loop()
+        yield stack
+    finally:
+        stack.stop()
+    check(d.alive(), "nbdcached died during %s" % phase)
+
 
 def make_tree(root):
     """Random files of awkward sizes in nested directories, and sparse files."""
@@ -146,12 +169,7 @@ def make_tree(root):
               ("a/sparse-ends.img", 12 * MiB, [(0, 4 * KiB), (12 * MiB - 100, 100)]),
               ("a/b/sparse-many.img", 32 * MiB, [(k * MiB + 17, 3000) for k in range(0, 32, 3)])]
     for rel, n, runs in sparse:
-        path = os.path.join(root, rel)
-        nbdtest.sparse_file(path, n)
-        with open(path, "r+b") as f:
-            for off, length in runs:
-                f.seek(off)
-                f.write(os.urandom(length))
+        nbdtest.data_runs_file(os.path.join(root, rel), n, runs)
         files.append(rel)
     return files
 
@@ -173,10 +191,7 @@ def main():
 
         log("=== phase 1: mkfs.ext4, mount, copy in, checksum, tear down")
         with nbdtest.Daemon([("ext4", backend, "")]) as d:
-            stack = Stack(tmp, d.unix_uri("ext4"), readonly=False)
-            try:
-                stack.start_fuse()
-                stack.attach_loop()
+            with loop_on_nbdfuse(tmp, d, d.unix_uri("ext4"), False, "phase 1") as stack:
                 run(["mkfs.ext4", "-q", "-F", stack.loop], timeout=300)
                 stack.mount()
                 tree = os.path.join(stack.mnt, "tree")
@@ -184,13 +199,7 @@ def main():
                 run(["sync", "-f", tree])
                 got = checksums(tree, files)
                 check(got == want, "checksums differ right after copying into ext4")
-                stack.umount()
-                stack.detach_loop()
-                rc = stack.stop_fuse()
-                check(rc == 0, "nbdfuse exited with %r after fusermount3 -u" % rc)
-            finally:
-                stack.stop()
-            check(d.alive(), "nbdcached died during phase 1")
+                stack.tear_down()
             log("info: nbdfuse opened %d NBD connection(s) (multi-conn)"
                 % d.log_text().count("negotiated"))
             # The unmounts flushed down to NBD FLUSH: the backend file itself
@@ -199,23 +208,14 @@ def main():
 
         log("=== phase 2: restart the daemon (read-only export), mount read-only, verify")
         with nbdtest.Daemon([("ext4", backend, "readonly")]) as d:
-            stack = Stack(tmp, d.tcp_uri("ext4"), readonly=True)
-            try:
-                stack.start_fuse()
-                stack.attach_loop()
+            with loop_on_nbdfuse(tmp, d, d.tcp_uri("ext4"), True, "phase 2") as stack:
                 run(["e2fsck", "-fn", stack.loop], timeout=300)
                 stack.mount()
                 got = checksums(os.path.join(stack.mnt, "tree"), files)
                 for rel in files:
                     check(got[rel] == want[rel], "%s: size/sha256 %r, expected %r"
                           % (rel, got[rel], want[rel]))
-                stack.umount()
-                stack.detach_loop()
-                rc = stack.stop_fuse()
-                check(rc == 0, "nbdfuse exited with %r after fusermount3 -u" % rc)
-            finally:
-                stack.stop()
-            check(d.alive(), "nbdcached died during phase 2")
+                stack.tear_down()
     log("all nbdfuse/ext4 checks passed")
     sys.exit(0)
 

@@ -13,19 +13,16 @@
 
 import json
 import os
-import random
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import nbdtest  # noqa: E402
-from nbdtest import log  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
 TIB = 1024 ** 4
 HUGE = 64 * TIB
-HOLE_ZERO = 3
+HOLE_ZERO = nbdtest.HOLE_ZERO
 
 # data islands of the "disk" export; everything else is a hole
 DISK_SIZE = 16 * MIB
@@ -34,20 +31,12 @@ DISK_DATA = [(0, 4 * MIB), (8 * MIB, 10 * MIB), (12 * MIB, 12 * MIB + 4 * KIB),
 HUGE_DATA = [(0, 4 * KIB), (1 << 40, (1 << 40) + 64 * KIB), (HUGE - 4 * KIB, HUGE)]
 ODD_SIZE = 1000001
 
-FAILURES = []
-
-
-def expect(cond, msg):
-    if not cond:
-        log("FAIL: " + msg)
-        FAILURES.append(msg)
-    return cond
+CHECKS = nbdtest.Checks()
+expect = CHECKS.expect   # records the failure and carries on
 
 
 def nbdinfo(*args, rc=0):
-    p = subprocess.run(["nbdinfo"] + [str(a) for a in args], capture_output=True, text=True,
-                       timeout=300)
-    log("+ nbdinfo %s -> %d" % (" ".join(map(str, args)), p.returncode))
+    p = nbdtest.run(["nbdinfo"] + list(args), check_rc=False)
     if rc is not None and p.returncode != rc:
         expect(False, "nbdinfo %s exited %d, expected %d: %s"
                % (" ".join(map(str, args)), p.returncode, rc, p.stderr.strip()[-500:]))
@@ -55,36 +44,12 @@ def nbdinfo(*args, rc=0):
 
 
 def write_islands(path, size, islands, seed):
-    r = random.Random(seed)
-    with open(path, "wb") as f:
-        f.truncate(size)
-        for s, e in islands:
-            f.seek(s)
-            f.write(r.randbytes(e - s))
+    nbdtest.data_runs_file(path, size, [(s, e - s) for s, e in islands], seed)
 
 
 def file_map(path, size):
     """(offset, length, type) from SEEK_DATA/SEEK_HOLE: type 0 data, 3 hole."""
-    out = []
-    with open(path, "rb") as f:
-        fd = f.fileno()
-        pos = 0
-        for _ in range(100000):
-            if pos >= size:
-                break
-            try:
-                d = min(os.lseek(fd, pos, os.SEEK_DATA), size)
-            except OSError:
-                d = size
-            if d > pos:
-                out.append((pos, d - pos, HOLE_ZERO))
-                pos = d
-            if pos >= size:
-                break
-            h = min(os.lseek(fd, pos, os.SEEK_HOLE), size)
-            out.append((pos, h - pos, 0))
-            pos = h
-    return merge(out)
+    return [(s, e - s, f) for s, e, f in nbdtest.file_layout(path, size)]
 
 
 def merge(entries):
@@ -264,16 +229,8 @@ def main():
             nbdtest.check(d.alive(), "daemon died")
             p = nbdinfo("--size", d.tcp_uri("disk"))
             expect(p.stdout.strip() == str(DISK_SIZE), "daemon not serving after the unknown export")
-            if FAILURES:
-                d.dump_log()
-    if FAILURES:
-        log("")
-        log("%d check(s) failed:" % len(FAILURES))
-        for f in FAILURES:
-            log("  " + f)
-        nbdtest.fail("%d nbdinfo check(s) failed" % len(FAILURES))
-    log("all nbdinfo checks passed")
-    sys.exit(0)
+            CHECKS.dump_log(d)
+    CHECKS.finish("nbdinfo")
 
 
 if __name__ == "__main__":

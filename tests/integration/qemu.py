@@ -21,13 +21,13 @@ Extended headers have their own test; here the daemon's "negotiated" log
 lines are only printed, to show what qemu 10 negotiated.
 """
 
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import nbdtest  # noqa: E402
-from nbdtest import check, fail, log, run  # noqa: E402
+from nbdtest import check, log, qemu_io, run, run_json  # noqa: E402
+from nbdtest import read_at as backend_bytes  # noqa: E402
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -61,26 +61,6 @@ ZD_LEN = 5 * MiB
 state = {}
 
 
-def qemu_io(uri, cmds, extra=(), timeout=300):
-    """Run qemu-io; fail on a non-zero exit or any failed command (aio
-    commands report pattern mismatches only on their output)."""
-    args = ["qemu-io", "-f", "raw"] + list(extra)
-    for c in cmds:
-        args += ["-c", c]
-    args.append(uri)
-    p = run(args, timeout=timeout, check_rc=False)
-    out = p.stdout + p.stderr
-    if p.returncode != 0 or "failed" in out.lower() or "error" in out.lower():
-        fail("qemu-io reported a failure (exit %d) for %s" % (p.returncode, uri))
-    return out
-
-
-def backend_bytes(path, offset, length):
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read(length)
-
-
 def backend_is_hole(path, offset, length):
     """True when [offset, offset+length) has no data extent in the file."""
     fd = os.open(path, os.O_RDONLY)
@@ -103,8 +83,7 @@ def t_info():
     # The empty export name selects the first export ("disk").
     for name, size in (("disk", DISK_SIZE), ("big", BIG_SIZE), ("", DISK_SIZE)):
         for uri in uris(name):
-            p = run(["qemu-img", "info", "--output=json", "-f", "raw", uri])
-            info = json.loads(p.stdout)
+            info = run_json(["qemu-img", "info", "--output=json", "-f", "raw", uri])
             check(info.get("virtual-size") == size,
                   "qemu-img info %s: virtual-size %r, expected %d"
                   % (uri, info.get("virtual-size"), size))
@@ -119,9 +98,8 @@ def t_convert():
     run(["qemu-img", "compare", "-f", "raw", "-F", "raw", src, unix])
     run(["qemu-img", "compare", "-f", "raw", "-F", "raw", tcp, src])
     run(["qemu-img", "convert", "-f", "raw", "-O", "raw", tcp, out])
-    check(os.path.getsize(out) == DISK_SIZE, "converted-out file has the wrong size")
     want = nbdtest.sha256_file(src)
-    check(nbdtest.sha256_file(out) == want, "export copied out differs from the source")
+    nbdtest.sha256_matches(out, want, DISK_SIZE, "export converted out, compared with the source")
     # qemu-img flushes before it closes the export: the bytes are on the backend.
     check(nbdtest.sha256_file(state["disk"]) == want,
           "backend file differs from what qemu-img convert wrote")
@@ -227,8 +205,7 @@ def t_zero_discard():
 def t_map():
     """base:allocation as qemu sees it."""
     unix, _ = uris("big")
-    p = run(["qemu-img", "map", "--output=json", "-f", "raw", unix], timeout=600)
-    extents = json.loads(p.stdout)
+    extents = run_json(["qemu-img", "map", "--output=json", "-f", "raw", unix], timeout=600)
     check(sum(e["length"] for e in extents) == BIG_SIZE, "qemu-img map does not cover the export")
 
     def overlapping(off, n):
@@ -285,12 +262,8 @@ def main():
         state["big"] = nbdtest.sparse_file(os.path.join(tmp, "big.img"), BIG_SIZE)
         with nbdtest.Daemon([("disk", state["disk"], ""), ("big", state["big"], "")]) as d:
             state["daemon"] = d
-            for t in (t_info, t_convert, t_convert_sparse, t_io_big, t_zero_discard,
-                      t_map, t_aio, t_negotiation_log):
-                log("=== %s" % t.__name__)
-                t()
-                check(d.alive(), "nbdcached died during %s" % t.__name__)
-                log("ok %s" % t.__name__)
+            nbdtest.run_each((t_info, t_convert, t_convert_sparse, t_io_big, t_zero_discard,
+                              t_map, t_aio, t_negotiation_log), d)
     log("all qemu checks passed")
     sys.exit(0)
 

@@ -11,8 +11,11 @@ The daemon is started by PID and stopped by PID; nothing else is killed.
 """
 
 import contextlib
+import errno
 import hashlib
+import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,6 +31,8 @@ NBDCACHED = os.environ.get("NBDCACHED") or os.path.join(TOP, BUILD, "nbdcached")
 NBDCACHE_IO = os.environ.get("NBDCACHE_IO") or os.path.join(TOP, BUILD, "nbdcache-io")
 
 EXIT_SKIP = 77
+HOLE_ZERO = 3          # NBD_STATE_HOLE | NBD_STATE_ZERO: base:allocation flags of a hole
+LOFF_MAX = 2 ** 63 - 1
 
 
 def log(*args):
@@ -65,9 +70,31 @@ def run(cmd, timeout=300, check_rc=True, **kw):
         log(p.stdout.rstrip()[-4000:])
     if p.stderr:
         log(p.stderr.rstrip()[-4000:])
+    if p.returncode != 0:
+        log("  exit %d" % p.returncode)
     if check_rc and p.returncode != 0:
         fail("command failed with exit %d: %s" % (p.returncode, " ".join(map(str, cmd))))
     return p
+
+
+def run_json(cmd, **kw):
+    """run() a command that must succeed and print JSON; the parsed output."""
+    return json.loads(run(cmd, **kw).stdout)
+
+
+def qemu_io(uri, cmds, extra=(), timeout=300, failure_words=("failed", "error")):
+    """Run qemu-io -f raw with one -c per command; fail on a non-zero exit or
+    when the output holds any of failure_words (aio commands report pattern
+    mismatches only on their output). Returns stdout + stderr."""
+    args = ["qemu-io", "-f", "raw"] + list(extra)
+    for c in cmds:
+        args += ["-c", c]
+    args.append(uri)
+    p = run(args, timeout=timeout, check_rc=False)
+    out = p.stdout + p.stderr
+    if p.returncode != 0 or any(w in out.lower() for w in failure_words):
+        fail("qemu-io reported a failure (exit %d) for %s" % (p.returncode, uri))
+    return out
 
 
 def sha256_file(path, length=None):
@@ -94,7 +121,6 @@ def sparse_file(path, size):
 
 
 def random_file(path, size, seed=1):
-    import random
     r = random.Random(seed)
     with open(path, "wb") as f:
         left = size
@@ -103,6 +129,229 @@ def random_file(path, size, seed=1):
             f.write(r.randbytes(n))
             left -= n
     return path
+
+
+def data_runs_file(path, size, runs, seed=None):
+    """A sparse file of `size` bytes with random data at each (offset, length)
+    of `runs`, holes elsewhere. The data comes from random.Random(seed), run
+    after run, or from os.urandom when seed is None."""
+    r = random.Random(seed) if seed is not None else None
+    sparse_file(path, size)
+    with open(path, "r+b") as f:
+        for off, n in runs:
+            f.seek(off)
+            f.write(r.randbytes(n) if r else os.urandom(n))
+    return path
+
+
+def read_at(path, offset, length):
+    """`length` bytes of the file at `offset` (fewer at EOF)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
+def allocated(path):
+    """Bytes the file really uses on its filesystem."""
+    return os.stat(path).st_blocks * 512
+
+
+def merge_segments(segs):
+    """(start, end, flags) segments in order: empty ones dropped, adjacent
+    ones with the same flags joined."""
+    out = []
+    for s, e, f in segs:
+        if e <= s:
+            continue
+        if out and out[-1][2] == f and out[-1][1] == s:
+            out[-1] = (out[-1][0], e, f)
+        else:
+            out.append((s, e, f))
+    return out
+
+
+def clip_segments(segs, start, end):
+    """The part of (start, end, flags) segments inside [start, end), merged."""
+    return merge_segments([(max(s, start), min(e, end), f) for s, e, f in segs
+                           if e > start and s < end])
+
+
+def add_extents(segs, pos, end, extents):
+    """Append a block status reply's (length, flags) extents, from `pos` on,
+    to `segs` as (start, end, flags), cut at `end`; returns the new pos.
+    Raises Failed on a zero-length extent."""
+    for ln, fl in extents:
+        require(ln > 0, "zero-length extent at %d" % pos)
+        ln = min(ln, end - pos)
+        segs.append((pos, pos + ln, fl))
+        pos += ln
+        if pos >= end:
+            break
+    return pos
+
+
+def file_layout(path, size):
+    """The file's own data/hole map from SEEK_DATA/SEEK_HOLE, as merged
+    (start, end, flags) segments over [0, size): flags 0 for data, HOLE_ZERO
+    for a hole (what base:allocation must report)."""
+    segs = []
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        pos = 0
+        for _ in range(100000):
+            if pos >= size:
+                break
+            try:
+                d = min(os.lseek(fd, pos, os.SEEK_DATA), size)
+            except OSError as e:
+                if e.errno != errno.ENXIO:
+                    raise
+                d = size
+            if d > pos:
+                segs.append((pos, d, HOLE_ZERO))
+                pos = d
+            if pos >= size:
+                break
+            try:
+                h = min(os.lseek(fd, pos, os.SEEK_HOLE), size)
+            except OSError:
+                # tmpfs rounds the EOF hole up to a page: for a file that
+                # ends within a page of 2^63-1 that overflows loff_t (lseek
+                # returns a negative offset with errno 0). The data runs to
+                # EOF. Anywhere else the error is real.
+                if size <= LOFF_MAX - (1 << 20):
+                    raise
+                h = size
+            segs.append((pos, h, 0))
+            pos = h
+    return merge_segments(segs)
+
+
+def model_bytes(model, offset, length):
+    """Bytes [offset, offset+length) after the writes of `model`, a list of
+    (offset, bytes) applied in order over zeros."""
+    want = bytearray(length)
+    end = offset + length
+    for o, d in model:
+        if o < end and o + len(d) > offset:
+            a, b = max(o, offset), min(o + len(d), end)
+            want[a - offset:b - offset] = d[a - o:b - o]
+    return bytes(want)
+
+
+def first_diff(a, b):
+    """The index of the first byte where a and b differ (the shorter length
+    when one is a prefix of the other)."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def sha256_matches(path, want_sha, size, what):
+    """`path` must have `size` bytes and the sha256 `want_sha`."""
+    got = os.path.getsize(path)
+    check(got == size, "%s: %d bytes, expected %d" % (what, got, size))
+    check(sha256_file(path) == want_sha, "%s: the content differs (sha256)" % what)
+
+
+def rss(pid):
+    """The process's resident set size (VmRSS) in bytes; 0 if not reported."""
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def libnbd_handle(uri, meta=False):
+    """A python3-libnbd handle connected to `uri`; with meta, base:allocation
+    is requested first."""
+    import nbd
+    h = nbd.NBD()
+    if meta:
+        h.add_meta_context(nbd.CONTEXT_BASE_ALLOCATION)
+    h.connect_uri(uri)
+    return h
+
+
+# ---- Checks that all run, failures reported at the end. ----
+
+class Failed(Exception):
+    """An expectation was not met: ends the check that raised it (Checks.run)."""
+
+
+def require(cond, msg):
+    """Raise Failed(msg) unless cond."""
+    if not cond:
+        raise Failed(msg)
+
+
+def expect_nbd_error(fn, want_errno, what):
+    """fn() must fail with an nbd.Error carrying errno want_errno (raises Failed)."""
+    import nbd
+    try:
+        fn()
+    except nbd.Error as e:
+        require(e.errnum == want_errno, "%s: errno %s (%s), expected %s"
+                % (what, e.errno, e.string, errno.errorcode[want_errno]))
+        return
+    raise Failed("%s: succeeded, expected %s" % (what, errno.errorcode[want_errno]))
+
+
+class Checks:
+    """The failures of a whole test, so that one failure does not hide the next.
+
+    expect() records a failure and carries on; run() runs one named check and
+    records the exception that ends it (of a type in `catch`); finish()
+    lists every failure and exits: 1 if there was any, else 0.
+    """
+
+    def __init__(self, catch=(Failed,)):
+        self.failures = []
+        self.catch = tuple(catch)
+
+    def expect(self, cond, msg):
+        if not cond:
+            self.add(msg)
+        return cond
+
+    def add(self, msg):
+        log("FAIL: " + msg)
+        self.failures.append(msg)
+
+    def run(self, name, fn, *args, catch=None, header=True):
+        """fn(*args) as the check `name`; False when it failed (an exception
+        of a `catch` type, default the constructor's, or an expect() in it).
+        Other exceptions propagate."""
+        if header:
+            log("=== %s" % name)
+        before = len(self.failures)
+        t0 = time.time()
+        try:
+            fn(*args)
+        except (self.catch if catch is None else tuple(catch)) as e:
+            log("FAIL %s: %s" % (name, e))
+            self.failures.append("%s: %s" % (name, e))
+            return False
+        if len(self.failures) > before:
+            log("FAIL %s: %d expectation(s) not met" % (name, len(self.failures) - before))
+            return False
+        log("ok %s (%.2fs)" % (name, time.time() - t0))
+        return True
+
+    def dump_log(self, daemon):
+        """The daemon's log, when anything failed."""
+        if self.failures:
+            daemon.dump_log()
+
+    def finish(self, label, unit="check"):
+        if self.failures:
+            log("")
+            log("%d %s(s) failed:" % (len(self.failures), unit))
+            for f in self.failures:
+                log("  " + f)
+            fail("%d %s %s(s) failed" % (len(self.failures), label, unit))
+        log("all %s %ss passed" % (label, unit))
+        sys.exit(0)
 
 
 class Daemon:
@@ -167,6 +416,9 @@ class Daemon:
 
     def alive(self):
         return self.proc.poll() is None
+
+    def rss(self):
+        return rss(self.pid)
 
     def dump_log(self):
         self.logf.flush()
@@ -235,11 +487,19 @@ def shm_dir():
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
+def run_each(tests, daemon=None, prefix=""):
+    """Run test functions in order; the first failure ends the program. With
+    a daemon, it must still be alive after each."""
+    for t in tests:
+        log("=== %s%s" % (prefix, t.__name__))
+        t()
+        if daemon is not None:
+            check(daemon.alive(), "nbdcached died during %s" % t.__name__)
+        log("ok %s%s" % (prefix, t.__name__))
+
+
 def main(tests):
     """Run test functions in order; the first failure ends the program."""
-    for t in tests:
-        log("=== %s" % t.__name__)
-        t()
-        log("ok %s" % t.__name__)
+    run_each(tests)
     log("all %d checks passed" % len(tests))
     sys.exit(0)
