@@ -167,7 +167,9 @@ static void conn_on_event(struct bufferevent *bev, short what, void *arg)
 {
 	(void)bev;
 	struct conn *c = arg;
-	if (what & BEV_EVENT_EOF)
+	if (what & BEV_EVENT_TIMEOUT)
+		conn_kill(c, "client has not read its replies for " STRINGIFY(CONN_STALL_TIMEOUT) " s");
+	else if (what & BEV_EVENT_EOF)
 		conn_kill(c, "client closed the connection");
 	else if (what & BEV_EVENT_ERROR)
 		conn_kill(c, strerror(EVUTIL_SOCKET_ERROR()));
@@ -209,6 +211,13 @@ int conn_start(struct worker *w, int fd, uint64_t id)
 		return -ENOMEM;
 	}
 	conn_arm_timer(c, CONN_NEGOTIATION_TIMEOUT);
+	/*
+	 * Replies that make no progress for this long end the connection: while
+	 * its output is backed up the connection reads nothing (not even a
+	 * DISC), so without it a client could park its buffers here forever.
+	 */
+	struct timeval stall = {CONN_STALL_TIMEOUT, 0};
+	bufferevent_set_timeouts(c->bev, NULL, &stall);
 	c->reading = true;
 	bufferevent_enable(c->bev, EV_READ | EV_WRITE);
 	log_debug("conn %llu: accepted on worker %u", (unsigned long long)id, w->index);

@@ -48,6 +48,10 @@ struct evbuffer;
 #define CONN_NEGOTIATION_TIMEOUT 60
 /* Seconds a closing connection (DISC, ABORT, shutdown) may take to drain. */
 #define CONN_CLOSE_TIMEOUT 10
+/* Seconds pending replies may go without the client reading any of them. */
+#define CONN_STALL_TIMEOUT 30
+#define STRINGIFY_(x) #x
+#define STRINGIFY(x) STRINGIFY_(x)
 /* Negotiation stops reading while this much of its output is unread. */
 #define CONN_MAX_NEGOTIATION_OUTPUT (1u << 20)
 /* Block status replies describe at most this many extents. */
