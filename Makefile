@@ -33,9 +33,9 @@ DAEMON_CFLAGS := $(shell pkg-config --cflags libevent liburing 2>/dev/null)
 # The codec: pure, no dependency.
 PROTO_SRC := $(wildcard proto/*.c)
 # The daemon's dependency-free core: builds on i386 and is unit tested there.
-CORE_SRC := daemon/options.c daemon/log.c
+CORE_SRC := daemon/options.c daemon/log.c daemon/cache/arena.c
 # Everything else in the daemon needs libevent / liburing.
-DAEMON_SRC := $(filter-out $(CORE_SRC),$(wildcard daemon/*.c daemon/backend/*.c))
+DAEMON_SRC := $(filter-out $(CORE_SRC),$(wildcard daemon/*.c daemon/backend/*.c daemon/cache/*.c))
 UNIT_SRC := $(wildcard tests/unit/test_*.c)
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
 CLIENT_SRC := $(wildcard client/*.c)

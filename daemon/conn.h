@@ -86,6 +86,8 @@ struct conn {
 	uint64_t discard;	 /* payload bytes still to drop */
 	struct nbd_request discard_req;
 	uint32_t discard_error;
+	uint64_t seen_error; /* the export's writeback error sequence last reported */
+	uint64_t seq_next, seq_run; /* sequential read detection (--seq-cutoff) */
 	bool closing; /* no more reading; close once drained */
 	bool reading; /* EV_READ enabled */
 };

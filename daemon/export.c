@@ -15,7 +15,8 @@
 
 #include "daemon/log.h"
 
-int export_table_open(struct export_table *table, const struct options *opts)
+int export_table_open(struct export_table *table, const struct options *opts,
+		      struct cache *cache)
 {
 	memset(table, 0, sizeof(*table));
 	table->exports = calloc(opts->export_count, sizeof(*table->exports));
@@ -41,9 +42,17 @@ int export_table_open(struct export_table *table, const struct options *opts)
 		e->readonly = spec->readonly || e->backend->readonly;
 		e->block_size = spec->block_size;
 		e->max_payload = NBD_DEFAULT_MAX_PAYLOAD;
-		log_info("export '%s': %s backend %s, %llu bytes%s", e->name, e->backend->ops->kind,
-			 spec->backend, (unsigned long long)e->backend->size,
-			 e->readonly ? ", read-only" : "");
+		e->cache_mode = spec->cache_mode;
+		e->seq_cutoff = spec->seq_cutoff;
+		rc = cache_export_add(cache, e->backend, spec, &e->cache);
+		if (rc < 0) {
+			export_table_close(table);
+			return rc;
+		}
+		log_info("export '%s': %s backend %s, %llu bytes%s, cache %s, block size %u",
+			 e->name, e->backend->ops->kind, spec->backend,
+			 (unsigned long long)e->backend->size, e->readonly ? ", read-only" : "",
+			 options_cache_mode_name(e->cache_mode), e->block_size);
 	}
 	return 0;
 }

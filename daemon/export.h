@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "daemon/backend/backend.h"
+#include "daemon/cache/cache.h"
 #include "daemon/options.h"
 
 struct export {
@@ -23,6 +24,9 @@ struct export {
 	uint32_t block_size; /* preferred block size advertised */
 	uint32_t max_payload;
 	struct backend *backend;
+	struct cache_export *cache; /* how requests reach the backend */
+	enum cache_mode cache_mode;
+	uint64_t seq_cutoff; /* sequential reads beyond this bypass the cache */
 };
 
 struct export_table {
@@ -30,8 +34,10 @@ struct export_table {
 	size_t count;
 };
 
-/* Open every export's backend. On error logs which export failed. */
-int export_table_open(struct export_table *table, const struct options *opts);
+/* Open every export's backend and attach it to the cache. On error logs
+ * which export failed. */
+int export_table_open(struct export_table *table, const struct options *opts,
+		      struct cache *cache);
 void export_table_close(struct export_table *table);
 /* The export of that name; "" is the first export (the default). */
 const struct export *export_find(const struct export_table *table, const char *name, size_t len);

@@ -76,6 +76,7 @@ static void enter_transmission(struct conn *c, const struct export *e)
 {
 	c->export = e;
 	c->phase = CONN_TRANSMISSION;
+	c->seen_error = cache_export_error_seq(e->cache);
 	conn_negotiation_done(c); /* idle clients are fine from now on */
 	c->session = (struct nbd_session){
 		.structured = c->structured,

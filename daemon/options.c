@@ -34,14 +34,18 @@ const char *options_usage(void)
 {
 	return "usage: nbdcached [--foreground] [--listen HOST:PORT]... [--unix PATH]...\n"
 	       "                 [--export NAME=BACKEND[,readonly][,description=TEXT]"
-	       "[,block-size=N]]...\n"
+	       "[,cache-mode=MODE][,seq-cutoff=SIZE]]...\n"
 	       "                 [--threads N] [--pidfile FILE] [--log-level LEVEL]\n"
-	       "LEVEL is error, warn, info or debug. Default listen: " OPTIONS_DEFAULT_LISTEN
-	       " (when neither --listen nor --unix is given).\n"
+	       "                 [--cache-size SIZE] [--hugepages auto|require|off]\n"
+	       "                 [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]\n"
+	       "                 [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]\n"
+	       "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
+	       "writearound or none. SIZE takes a K, M, G or T suffix. Default listen: "
+	       OPTIONS_DEFAULT_LISTEN " (when neither --listen nor --unix is given).\n"
 	       "The empty export name selects the first export.\n";
 }
 
-/* Parse a decimal unsigned number with optional K/M suffix (binary). */
+/* Parse a decimal unsigned number with optional K/M/G/T suffix (binary). */
 static int parse_u64(const char *text, uint64_t *out)
 {
 	char *end;
@@ -56,6 +60,10 @@ static int parse_u64(const char *text, uint64_t *out)
 		shift = 10, end++;
 	else if (*end == 'm' || *end == 'M')
 		shift = 20, end++;
+	else if (*end == 'g' || *end == 'G')
+		shift = 30, end++;
+	else if (*end == 't' || *end == 'T')
+		shift = 40, end++;
 	if (*end != '\0')
 		return -EINVAL;
 	if (shift && v > (UINT64_MAX >> shift))
@@ -96,7 +104,53 @@ static bool starts_with(const char *s, size_t n, const char *prefix)
 static bool is_known_key(const char *s, size_t n)
 {
 	return (n == 8 && memcmp(s, "readonly", 8) == 0) || starts_with(s, n, "description=") ||
-	       starts_with(s, n, "block-size=");
+	       starts_with(s, n, "block-size=") || starts_with(s, n, "cache-mode=") ||
+	       starts_with(s, n, "seq-cutoff=");
+}
+
+static const char *const cache_mode_names[] = {
+	[CACHE_MODE_WRITEBACK] = "writeback",
+	[CACHE_MODE_WRITETHROUGH] = "writethrough",
+	[CACHE_MODE_WRITEAROUND] = "writearound",
+	[CACHE_MODE_NONE] = "none",
+};
+
+const char *options_cache_mode_name(enum cache_mode mode)
+{
+	if (mode <= CACHE_MODE_DEFAULT || mode > CACHE_MODE_NONE)
+		return NULL;
+	return cache_mode_names[mode];
+}
+
+static int parse_cache_mode(const char *text, enum cache_mode *out)
+{
+	for (int m = CACHE_MODE_WRITEBACK; m <= CACHE_MODE_NONE; m++) {
+		if (strcmp(text, cache_mode_names[m]) == 0) {
+			*out = (enum cache_mode)m;
+			return 0;
+		}
+	}
+	return -EINVAL;
+}
+
+static int parse_block_size(const char *text, uint32_t *out)
+{
+	uint64_t v;
+	if (parse_u64(text, &v) < 0 || !is_power_of_two(v) || v < 512 || v > 65536)
+		return -EINVAL;
+	*out = (uint32_t)v;
+	return 0;
+}
+
+/* Copy the value of "key=value" (n bytes at p) into buf; -EINVAL if too long. */
+static int key_value(const char *p, size_t n, const char *key, char *buf, size_t buflen)
+{
+	size_t vn = n - strlen(key);
+	if (vn >= buflen)
+		return -EINVAL;
+	memcpy(buf, p + strlen(key), vn);
+	buf[vn] = '\0';
+	return 0;
 }
 
 int options_parse_export(const char *text, struct export_spec *out, char *err, size_t errlen)
@@ -154,22 +208,33 @@ int options_parse_export(const char *text, struct export_spec *out, char *err, s
 			out->readonly = true;
 		} else if (starts_with(p, n, "block-size=")) {
 			char buf[32];
-			size_t vn = n - strlen("block-size=");
-			uint64_t v;
-			if (vn >= sizeof(buf)) {
-				rc = fail(err, errlen, -EINVAL, "--export: bad block-size");
-				goto error;
-			}
-			memcpy(buf, p + strlen("block-size="), vn);
-			buf[vn] = '\0';
-			if (parse_u64(buf, &v) < 0 || !is_power_of_two(v) || v < 512 || v > 65536) {
+			if (key_value(p, n, "block-size=", buf, sizeof(buf)) < 0 ||
+			    parse_block_size(buf, &out->block_size) < 0) {
 				rc = fail(err, errlen, -EINVAL,
-					  "--export: block-size %s must be a power of two from 512 to "
-					  "65536",
-					  buf);
+					  "--export: block-size %.*s must be a power of two from 512 "
+					  "to 65536",
+					  (int)n, p);
 				goto error;
 			}
-			out->block_size = (uint32_t)v;
+			out->has_block_size = true;
+		} else if (starts_with(p, n, "cache-mode=")) {
+			char buf[32];
+			if (key_value(p, n, "cache-mode=", buf, sizeof(buf)) < 0 ||
+			    parse_cache_mode(buf, &out->cache_mode) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--export: %.*s: expected writeback, writethrough, "
+					  "writearound or none",
+					  (int)n, p);
+				goto error;
+			}
+		} else if (starts_with(p, n, "seq-cutoff=")) {
+			char buf[32];
+			if (key_value(p, n, "seq-cutoff=", buf, sizeof(buf)) < 0 ||
+			    parse_u64(buf, &out->seq_cutoff) < 0) {
+				rc = fail(err, errlen, -EINVAL, "--export: bad %.*s", (int)n, p);
+				goto error;
+			}
+			out->has_seq_cutoff = true;
 		} else {
 			rc = fail(err, errlen, -EINVAL, "--export %s: unknown option '%.*s'", text,
 				  (int)n, p);
@@ -259,6 +324,14 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 		{"threads", required_argument, NULL, 't'},
 		{"pidfile", required_argument, NULL, 'p'},
 		{"log-level", required_argument, NULL, 'L'},
+		{"cache-size", required_argument, NULL, 'C'},
+		{"hugepages", required_argument, NULL, 'H'},
+		{"block-size", required_argument, NULL, 'B'},
+		{"cache-mode", required_argument, NULL, 'M'},
+		{"seq-cutoff", required_argument, NULL, 'S'},
+		{"dirty-high", required_argument, NULL, 'D'},
+		{"dirty-low", required_argument, NULL, 'd'},
+		{"dirty-expire", required_argument, NULL, 'E'},
 		{"help", no_argument, NULL, 'h'},
 		{"version", no_argument, NULL, 'V'},
 		{NULL, 0, NULL, 0},
@@ -266,10 +339,16 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 	int rc = 0;
 	memset(out, 0, sizeof(*out));
 	out->log_level = LOG_INFO;
+	out->cache_size = OPTIONS_DEFAULT_CACHE_SIZE;
+	out->block_size = OPTIONS_DEFAULT_BLOCK_SIZE;
+	out->cache_mode = CACHE_MODE_WRITEBACK;
+	out->dirty_high = OPTIONS_DEFAULT_DIRTY_HIGH;
+	out->dirty_low = OPTIONS_DEFAULT_DIRTY_LOW;
+	out->dirty_expire = OPTIONS_DEFAULT_DIRTY_EXPIRE;
 	optind = 1;
 	opterr = 0;
 	for (;;) {
-		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:hV", longopts, NULL);
+		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:C:H:B:M:S:D:d:E:hV", longopts, NULL);
 		if (c == -1)
 			break;
 		switch (c) {
@@ -347,6 +426,76 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 				goto error;
 			}
 			break;
+		case 'C':
+			if (parse_u64(optarg, &out->cache_size) < 0 ||
+			    out->cache_size < OPTIONS_MIN_CACHE_SIZE ||
+			    out->cache_size > (uint64_t)SIZE_MAX / 2) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--cache-size %s: expected a size from 1M up to half the "
+					  "address space",
+					  optarg);
+				goto error;
+			}
+			out->cache_size &= ~(uint64_t)4095;
+			break;
+		case 'H':
+			if (strcmp(optarg, "auto") == 0)
+				out->hugepages = HUGEPAGES_AUTO;
+			else if (strcmp(optarg, "require") == 0)
+				out->hugepages = HUGEPAGES_REQUIRE;
+			else if (strcmp(optarg, "off") == 0)
+				out->hugepages = HUGEPAGES_OFF;
+			else {
+				rc = fail(err, errlen, -EINVAL,
+					  "--hugepages %s: expected auto, require or off", optarg);
+				goto error;
+			}
+			break;
+		case 'B':
+			if (parse_block_size(optarg, &out->block_size) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--block-size %s: must be a power of two from 512 to 65536",
+					  optarg);
+				goto error;
+			}
+			break;
+		case 'M':
+			if (parse_cache_mode(optarg, &out->cache_mode) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--cache-mode %s: expected writeback, writethrough, "
+					  "writearound or none",
+					  optarg);
+				goto error;
+			}
+			break;
+		case 'S':
+			if (parse_u64(optarg, &out->seq_cutoff) < 0) {
+				rc = fail(err, errlen, -EINVAL, "--seq-cutoff %s: expected a size",
+					  optarg);
+				goto error;
+			}
+			break;
+		case 'D':
+		case 'd': {
+			uint64_t v;
+			if (parse_u64(optarg, &v) < 0 || v > 100) {
+				rc = fail(err, errlen, -EINVAL, "--dirty-%s %s: expected 0..100",
+					  c == 'D' ? "high" : "low", optarg);
+				goto error;
+			}
+			*(c == 'D' ? &out->dirty_high : &out->dirty_low) = (unsigned)v;
+			break;
+		}
+		case 'E': {
+			uint64_t v;
+			if (parse_u64(optarg, &v) < 0 || v == 0 || v > 86400) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--dirty-expire %s: expected 1..86400 seconds", optarg);
+				goto error;
+			}
+			out->dirty_expire = (unsigned)v;
+			break;
+		}
 		case 'h':
 			out->help = true;
 			break;
@@ -368,6 +517,20 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 	if (out->export_count == 0) {
 		rc = fail(err, errlen, -EINVAL, "no export: give at least one --export NAME=PATH");
 		goto error;
+	}
+	if (out->dirty_low > out->dirty_high) {
+		rc = fail(err, errlen, -EINVAL, "--dirty-low %u is above --dirty-high %u",
+			  out->dirty_low, out->dirty_high);
+		goto error;
+	}
+	for (size_t i = 0; i < out->export_count; i++) {
+		struct export_spec *e = &out->exports[i];
+		if (!e->has_block_size)
+			e->block_size = out->block_size;
+		if (!e->has_seq_cutoff)
+			e->seq_cutoff = out->seq_cutoff;
+		if (e->cache_mode == CACHE_MODE_DEFAULT)
+			e->cache_mode = out->cache_mode;
 	}
 	if (out->listen_count == 0 && out->unix_count == 0) {
 		if ((rc = push_string(&out->listen, &out->listen_count, OPTIONS_DEFAULT_LISTEN)) <

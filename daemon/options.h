@@ -7,8 +7,15 @@
  * needs not be.
  *
  *   nbdcached [--foreground] [--listen HOST:PORT]... [--unix PATH]...
- *             [--export NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]]...
+ *             [--export NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]
+ *                       [,cache-mode=MODE][,seq-cutoff=SIZE]]...
  *             [--threads N] [--pidfile FILE] [--log-level LEVEL]
+ *             [--cache-size SIZE] [--hugepages auto|require|off]
+ *             [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]
+ *             [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]
+ *
+ * Per-export settings left out take the global value, whatever the order of
+ * the options on the command line.
  */
 #ifndef NBDCACHED_DAEMON_OPTIONS_H
 #define NBDCACHED_DAEMON_OPTIONS_H
@@ -22,6 +29,22 @@
 #define OPTIONS_DEFAULT_LISTEN "127.0.0.1:10809"
 #define OPTIONS_DEFAULT_BLOCK_SIZE 4096u
 #define OPTIONS_MAX_THREADS 256
+#define OPTIONS_DEFAULT_CACHE_SIZE (1ull << 30)
+#define OPTIONS_MIN_CACHE_SIZE (1ull << 20)
+#define OPTIONS_DEFAULT_DIRTY_HIGH 50
+#define OPTIONS_DEFAULT_DIRTY_LOW 25
+#define OPTIONS_DEFAULT_DIRTY_EXPIRE 30
+
+/* What the cache does with an export's reads and writes (DESIGN.md). */
+enum cache_mode {
+	CACHE_MODE_DEFAULT = 0, /* export_spec only: take options.cache_mode */
+	CACHE_MODE_WRITEBACK,
+	CACHE_MODE_WRITETHROUGH,
+	CACHE_MODE_WRITEAROUND,
+	CACHE_MODE_NONE,
+};
+
+enum hugepages_policy { HUGEPAGES_AUTO, HUGEPAGES_REQUIRE, HUGEPAGES_OFF };
 
 struct export_spec {
 	char *name;
@@ -29,6 +52,10 @@ struct export_spec {
 	char *description; /* NULL when none */
 	bool readonly;
 	uint32_t block_size; /* power of two, 512..65536 */
+	enum cache_mode cache_mode;
+	uint64_t seq_cutoff; /* bytes; 0: off */
+	/* Which of the above were given (the rest come from struct options). */
+	bool has_block_size, has_seq_cutoff;
 };
 
 struct options {
@@ -42,6 +69,14 @@ struct options {
 	unsigned threads; /* 0: one per CPU */
 	char *pidfile;
 	enum log_level log_level;
+	/* The cache (shared by every export). */
+	uint64_t cache_size;
+	enum hugepages_policy hugepages;
+	uint32_t block_size;
+	enum cache_mode cache_mode;
+	uint64_t seq_cutoff;
+	unsigned dirty_high, dirty_low; /* percent of cache_size */
+	unsigned dirty_expire;		/* seconds */
 	bool help;
 	bool version;
 };
@@ -58,6 +93,8 @@ int options_parse_export(const char *text, struct export_spec *out, char *err, s
 int options_split_host_port(const char *text, char *host, size_t hostlen, char *port,
 			    size_t portlen);
 void options_free(struct options *opts);
+/* "writeback" etc.; NULL for an unknown name. */
+const char *options_cache_mode_name(enum cache_mode mode);
 const char *options_usage(void);
 
 #endif

@@ -23,6 +23,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "daemon/cache/cache.h"
 #include "daemon/export.h"
 #include "daemon/log.h"
 #include "daemon/worker.h"
@@ -37,6 +38,7 @@ struct server {
 	struct event_base *base;
 	struct event *accept_resume; /* re-enables listeners after EMFILE */
 	struct export_table exports;
+	struct cache *cache;
 	struct worker *workers;
 	unsigned worker_count;
 	unsigned next_worker;
@@ -177,6 +179,14 @@ static void on_signal(evutil_socket_t sig, short what, void *arg)
 	event_base_loopexit(s->base, NULL);
 }
 
+static void on_stats_signal(evutil_socket_t sig, short what, void *arg)
+{
+	(void)sig;
+	(void)what;
+	struct server *s = arg;
+	cache_log_stats(s->cache);
+}
+
 static int write_pidfile(const char *path)
 {
 	FILE *f = fopen(path, "w");
@@ -191,7 +201,7 @@ static int write_pidfile(const char *path)
 int server_run(const struct options *opts)
 {
 	struct server s = {0};
-	struct event *sigterm = NULL, *sigint = NULL;
+	struct event *sigterm = NULL, *sigint = NULL, *sigusr1 = NULL;
 	int status = 1;
 	unsigned threads = opts->threads;
 	if (threads == 0) {
@@ -199,8 +209,14 @@ int server_run(const struct options *opts)
 		threads = n > 0 ? (unsigned)n : 1;
 	}
 	signal(SIGPIPE, SIG_IGN);
-	if (export_table_open(&s.exports, opts) < 0)
+	int rc = cache_create(opts, &s.cache);
+	if (rc < 0) {
+		log_error("cache: cannot set up %llu bytes: %s", (unsigned long long)opts->cache_size,
+			  strerror(-rc));
 		return 1;
+	}
+	if (export_table_open(&s.exports, opts, s.cache) < 0)
+		goto out_cache;
 	s.listeners = calloc(opts->listen_count + opts->unix_count, sizeof(*s.listeners));
 	if (!s.listeners)
 		goto out_exports;
@@ -225,11 +241,16 @@ int server_run(const struct options *opts)
 	s.accept_resume = evtimer_new(s.base, on_accept_resume, &s);
 	if (!s.accept_resume)
 		goto out_base;
+	rc = cache_start(s.cache);
+	if (rc < 0) {
+		log_error("cache: cannot start the writeback thread: %s", strerror(-rc));
+		goto out_base;
+	}
 	s.workers = calloc(threads, sizeof(*s.workers));
 	if (!s.workers)
 		goto out_base;
 	for (unsigned i = 0; i < threads; i++) {
-		int rc = worker_start(&s.workers[i], i, &s.exports);
+		rc = worker_start(&s.workers[i], i, &s.exports);
 		if (rc < 0) {
 			log_error("worker %u: %s", i, strerror(-rc));
 			goto out_workers;
@@ -246,13 +267,14 @@ int server_run(const struct options *opts)
 	}
 	sigterm = evsignal_new(s.base, SIGTERM, on_signal, &s);
 	sigint = evsignal_new(s.base, SIGINT, on_signal, &s);
-	if (!sigterm || !sigint || evsignal_add(sigterm, NULL) < 0 ||
-	    evsignal_add(sigint, NULL) < 0) {
+	sigusr1 = evsignal_new(s.base, SIGUSR1, on_stats_signal, &s);
+	if (!sigterm || !sigint || !sigusr1 || evsignal_add(sigterm, NULL) < 0 ||
+	    evsignal_add(sigint, NULL) < 0 || evsignal_add(sigusr1, NULL) < 0) {
 		log_error("cannot install signal handlers");
 		goto out_signals;
 	}
 	if (opts->pidfile) {
-		int rc = write_pidfile(opts->pidfile);
+		rc = write_pidfile(opts->pidfile);
 		if (rc < 0) {
 			log_error("--pidfile %s: %s", opts->pidfile, strerror(-rc));
 			goto out_signals;
@@ -270,10 +292,14 @@ out_workers:
 	for (unsigned i = 0; i < s.worker_count; i++)
 		worker_join(&s.workers[i]);
 	free(s.workers);
+	/* Connections are gone: write every dirty block back before exit. */
+	if (sigusr1)
+		event_free(sigusr1);
 	if (sigterm)
 		event_free(sigterm);
 	if (sigint)
 		event_free(sigint);
+	cache_stop(s.cache);
 	if (opts->pidfile && status == 0)
 		unlink(opts->pidfile);
 out_base:
@@ -284,7 +310,10 @@ out_listeners:
 	close_listeners(&s);
 	free(s.listeners);
 out_exports:
+	cache_stop(s.cache); /* no-op unless started */
 	export_table_close(&s.exports);
+out_cache:
+	cache_destroy(s.cache);
 	if (status == 0)
 		log_info("stopped");
 	return status;

@@ -41,16 +41,19 @@
 struct request {
 	struct conn *conn;
 	struct nbd_request hdr;
-	struct backend_io io;
-	uint8_t *buf;
+	bool cached;	      /* through op (the cache), else io (the backend) */
+	struct backend_io io; /* cache mode none */
+	struct cache_op op;
+	uint8_t *buf;	 /* WRITE payload; READ data when not cached */
 	size_t buf_len;
+	size_t accounted; /* bytes counted in conn->inflight_bytes */
 	unsigned refs;
 	struct nbd_extent *extents;
 	size_t n_extents;
 };
 
 static struct request *request_new(struct conn *c, const struct nbd_request *hdr, size_t buf_len,
-				   size_t max_extents)
+				   size_t accounted, size_t max_extents)
 {
 	struct request *r = calloc(1, sizeof(*r));
 	if (!r)
@@ -68,12 +71,15 @@ static struct request *request_new(struct conn *c, const struct nbd_request *hdr
 	r->conn = c;
 	r->hdr = *hdr;
 	r->buf_len = buf_len;
+	r->accounted = accounted;
 	r->refs = 1;
 	r->io.extents = r->extents;
 	r->io.max_extents = max_extents;
+	r->op.extents = r->extents;
+	r->op.max_extents = max_extents;
 	conn_ref(c);
 	c->inflight++;
-	c->inflight_bytes += buf_len;
+	c->inflight_bytes += accounted;
 	return r;
 err:
 	free(r->buf);
@@ -86,7 +92,9 @@ static void request_put(struct request *r)
 	if (--r->refs > 0)
 		return;
 	struct conn *c = r->conn;
-	c->inflight_bytes -= r->buf_len;
+	c->inflight_bytes -= r->accounted;
+	if (r->cached)
+		cache_op_release(&r->op);
 	free(r->buf);
 	free(r->extents);
 	free(r);
@@ -151,20 +159,23 @@ void reply_ok(struct conn *c, const struct nbd_request *req)
 	add_chunk_header(c, req, NBD_REPLY_FLAG_DONE, NBD_REPLY_TYPE_NONE, 0);
 }
 
-/* Reference len bytes of the request buffer from the output buffer. */
-static void add_data_ref(struct request *r, size_t at, size_t len)
+/*
+ * Reference len bytes of read data (the request buffer, or the arena while
+ * the request holds its entries pinned) from the output buffer: no copy.
+ */
+static void add_data_ref(struct request *r, const uint8_t *data, size_t len)
 {
 	if (!r->conn->bev)
 		return;
 	r->refs++;
-	if (evbuffer_add_reference(conn_output(r->conn), r->buf + at, len, request_buf_release,
-				   r) < 0) {
+	if (evbuffer_add_reference(conn_output(r->conn), data, len, request_buf_release, r) < 0) {
 		r->refs--;
 		conn_kill(r->conn, "out of memory queueing a reply");
 	}
 }
 
-static void add_data_chunk(struct request *r, size_t at, size_t len, uint16_t flags)
+/* One data chunk at request offset at: its header, then the data. */
+static void add_data_chunk_header(struct request *r, size_t at, size_t len, uint16_t flags)
 {
 	if (!r->conn->bev)
 		return;
@@ -173,7 +184,27 @@ static void add_data_chunk(struct request *r, size_t at, size_t len, uint16_t fl
 			 NBD_OFFSET_DATA_PREFIX_SIZE + (uint64_t)len);
 	nbd_encode_offset_data_prefix(prefix, r->hdr.offset + at);
 	evbuffer_add(conn_output(r->conn), prefix, sizeof(prefix));
-	add_data_ref(r, at, len);
+}
+
+/* Segment i of the read data, in order; false past the last one. */
+static bool request_segment(const struct request *r, size_t i, const uint8_t **data, size_t *len)
+{
+	if (r->cached)
+		return cache_op_segment(&r->op, i, data, len);
+	if (i > 0)
+		return false;
+	*data = r->buf;
+	*len = r->buf_len;
+	return true;
+}
+
+/* All of the read data, as references to its segments. */
+static void add_all_data(struct request *r)
+{
+	const uint8_t *data;
+	size_t len;
+	for (size_t i = 0; request_segment(r, i, &data, &len); i++)
+		add_data_ref(r, data, len);
 }
 
 static void add_hole_chunk(struct request *r, size_t at, size_t len, uint16_t flags)
@@ -205,7 +236,7 @@ static bool all_zero(const uint8_t *p, size_t n)
 static void reply_read(struct request *r)
 {
 	struct conn *c = r->conn;
-	size_t len = r->buf_len;
+	size_t len = (size_t)r->hdr.length;
 	if (len == 0) {
 		/* A data chunk must carry at least one byte. */
 		reply_ok(c, &r->hdr);
@@ -215,35 +246,58 @@ static void reply_read(struct request *r)
 		uint8_t buf[NBD_SIMPLE_REPLY_SIZE];
 		size_t n = nbd_encode_simple_reply(buf, r->hdr.cookie, 0);
 		evbuffer_add(conn_output(c), buf, n);
-		add_data_ref(r, 0, len);
+		add_all_data(r);
 		return;
 	}
 	if ((r->hdr.flags & NBD_CMD_FLAG_DF) || len < CONN_HOLE_GRANULE) {
-		add_data_chunk(r, 0, len, NBD_REPLY_FLAG_DONE);
+		add_data_chunk_header(r, 0, len, NBD_REPLY_FLAG_DONE);
+		add_all_data(r);
 		return;
 	}
+	/*
+	 * Runs of hole granules become one hole chunk; runs of data become
+	 * one data chunk per contiguous stretch of memory (segments are the
+	 * request buffer or arena entries, which need not be adjacent).
+	 */
 	size_t pos = 0, run_start = 0;
-	bool run_hole = false;
-	while (pos < len) {
-		/* Granules are aligned to the export, not to the request. */
-		size_t n = CONN_HOLE_GRANULE - (size_t)((r->hdr.offset + pos) % CONN_HOLE_GRANULE);
-		if (n > len - pos)
-			n = len - pos;
-		bool hole = n == CONN_HOLE_GRANULE && all_zero(r->buf + pos, n);
-		if (pos > run_start && hole != run_hole) {
-			if (run_hole)
-				add_hole_chunk(r, run_start, pos - run_start, 0);
-			else
-				add_data_chunk(r, run_start, pos - run_start, 0);
-			run_start = pos;
+	const uint8_t *run_data = NULL;
+	bool run_hole = false, have_run = false;
+	const uint8_t *data;
+	size_t seg_len;
+	for (size_t i = 0; request_segment(r, i, &data, &seg_len); i++) {
+		for (size_t off = 0; off < seg_len;) {
+			size_t at = pos + off;
+			size_t n = CONN_HOLE_GRANULE - (size_t)((r->hdr.offset + at) % CONN_HOLE_GRANULE);
+			if (n > seg_len - off)
+				n = seg_len - off;
+			bool hole = n == CONN_HOLE_GRANULE && all_zero(data + off, n);
+			bool joins = have_run && hole == run_hole &&
+				     (hole || run_data + (at - run_start) == data + off);
+			if (have_run && !joins) {
+				if (run_hole) {
+					add_hole_chunk(r, run_start, at - run_start, 0);
+				} else {
+					add_data_chunk_header(r, run_start, at - run_start, 0);
+					add_data_ref(r, run_data, at - run_start);
+				}
+				have_run = false;
+			}
+			if (!have_run) {
+				run_start = at;
+				run_data = data + off;
+				run_hole = hole;
+				have_run = true;
+			}
+			off += n;
 		}
-		run_hole = hole;
-		pos += n;
+		pos += seg_len;
 	}
-	if (run_hole)
+	if (run_hole) {
 		add_hole_chunk(r, run_start, pos - run_start, NBD_REPLY_FLAG_DONE);
-	else
-		add_data_chunk(r, run_start, pos - run_start, NBD_REPLY_FLAG_DONE);
+	} else {
+		add_data_chunk_header(r, run_start, pos - run_start, NBD_REPLY_FLAG_DONE);
+		add_data_ref(r, run_data, pos - run_start);
+	}
 }
 
 /*
@@ -311,9 +365,9 @@ static void reply_refused(struct conn *c, const struct nbd_request *req, uint32_
 	reply_error(c, req, error, msg);
 }
 
-static void request_done(struct backend_io *io, int result)
+/* The request's work is done (result 0 or -errno): reply, let it go. */
+static void request_finish(struct request *r, int result)
 {
-	struct request *r = (struct request *)((char *)io - offsetof(struct request, io));
 	struct conn *c = r->conn;
 	if (c->bev) {
 		if (result < 0) {
@@ -324,7 +378,6 @@ static void request_done(struct backend_io *io, int result)
 		} else if (r->hdr.type == NBD_CMD_READ) {
 			reply_read(r);
 		} else if (r->hdr.type == NBD_CMD_BLOCK_STATUS) {
-			r->n_extents = io->n_extents;
 			reply_block_status(r);
 		} else {
 			reply_ok(c, &r->hdr);
@@ -337,46 +390,84 @@ static void request_done(struct backend_io *io, int result)
 	conn_unref(c);
 }
 
-/* Start the backend work for a checked request (payload already in r->buf). */
+static void request_backend_done(struct backend_io *io, int result)
+{
+	struct request *r = (struct request *)((char *)io - offsetof(struct request, io));
+	r->n_extents = io->n_extents;
+	request_finish(r, result);
+}
+
+static void request_cache_done(struct cache_op *op, int result)
+{
+	struct request *r = (struct request *)((char *)op - offsetof(struct request, op));
+	r->n_extents = op->n_extents;
+	request_finish(r, result);
+}
+
+static enum backend_cmd backend_cmd_of(uint16_t type)
+{
+	switch (type) {
+	case NBD_CMD_READ:
+		return BACKEND_READ;
+	case NBD_CMD_WRITE:
+		return BACKEND_WRITE;
+	case NBD_CMD_FLUSH:
+		return BACKEND_FLUSH;
+	case NBD_CMD_TRIM:
+		return BACKEND_TRIM;
+	case NBD_CMD_WRITE_ZEROES:
+		return BACKEND_ZERO;
+	case NBD_CMD_CACHE:
+		return BACKEND_CACHE;
+	default:
+		return BACKEND_BLOCK_STATUS;
+	}
+}
+
+/*
+ * Start a checked request (its payload already in r->buf): through the
+ * cache, or straight to the backend when the export's mode is none.
+ */
 static void request_start(struct request *r)
 {
 	struct conn *c = r->conn;
-	struct backend_io *io = &r->io;
 	const struct nbd_request *h = &r->hdr;
-	io->offset = h->offset;
-	io->length = h->length;
-	io->buf = r->buf;
-	io->done = request_done;
-	io->flags = (h->flags & NBD_CMD_FLAG_FUA) ? BACKEND_FUA : 0;
-	switch (h->type) {
-	case NBD_CMD_READ:
-		io->cmd = BACKEND_READ;
-		break;
-	case NBD_CMD_WRITE:
-		io->cmd = BACKEND_WRITE;
-		io->length = r->buf_len;
-		break;
-	case NBD_CMD_FLUSH:
-		io->cmd = BACKEND_FLUSH;
-		break;
-	case NBD_CMD_TRIM:
-		io->cmd = BACKEND_TRIM;
-		break;
-	case NBD_CMD_WRITE_ZEROES:
-		io->cmd = BACKEND_ZERO;
+	uint32_t flags = (h->flags & NBD_CMD_FLAG_FUA) ? BACKEND_FUA : 0;
+	if (h->type == NBD_CMD_WRITE_ZEROES) {
 		if (h->flags & NBD_CMD_FLAG_NO_HOLE)
-			io->flags |= BACKEND_NO_HOLE;
+			flags |= BACKEND_NO_HOLE;
 		if (h->flags & NBD_CMD_FLAG_FAST_ZERO)
-			io->flags |= BACKEND_FAST_ONLY;
-		break;
-	case NBD_CMD_CACHE:
-		io->cmd = BACKEND_CACHE;
-		break;
-	case NBD_CMD_BLOCK_STATUS:
-		io->cmd = BACKEND_BLOCK_STATUS;
-		break;
+			flags |= BACKEND_FAST_ONLY;
 	}
-	backend_submit(c->export->backend, &c->worker->ring, io);
+	uint64_t length = h->type == NBD_CMD_WRITE ? r->buf_len : h->length;
+	if (!r->cached) {
+		struct backend_io *io = &r->io;
+		io->cmd = backend_cmd_of(h->type);
+		io->flags = flags;
+		io->offset = h->offset;
+		io->length = length;
+		io->buf = r->buf;
+		io->done = request_backend_done;
+		backend_submit(c->export->backend, &c->worker->ring, io);
+		return;
+	}
+	struct cache_op *op = &r->op;
+	op->ce = c->export->cache;
+	op->worker = c->worker;
+	op->cmd = backend_cmd_of(h->type);
+	op->flags = flags;
+	op->offset = h->offset;
+	op->length = length;
+	op->payload = r->buf;
+	op->seen_error = &c->seen_error;
+	op->done = request_cache_done;
+	if (h->type == NBD_CMD_READ && c->export->seq_cutoff) {
+		/* A long sequential stream is read around the cache. */
+		c->seq_run = h->offset == c->seq_next ? c->seq_run + h->length : h->length;
+		c->seq_next = h->offset + h->length;
+		op->no_allocate = c->seq_run > c->export->seq_cutoff;
+	}
+	cache_submit(op);
 }
 
 /* Drop payload bytes of a refused request as they arrive; then answer it. */
@@ -433,13 +524,17 @@ int transmit_step(struct conn *c)
 	if (req.payload_length && avail < hsize + req.payload_length)
 		return 0; /* wait for the whole payload */
 
-	size_t buf_len = 0, max_extents = 0;
+	bool cached = c->export->cache_mode != CACHE_MODE_NONE;
+	size_t buf_len = 0, accounted = 0, max_extents = 0;
 	switch (req.type) {
 	case NBD_CMD_READ:
-		buf_len = (size_t)req.length;
+		/* Cached reads are sent from the arena; bypassed parts allocate
+		 * there, so count them either way. */
+		accounted = (size_t)req.length;
+		buf_len = cached ? 0 : accounted;
 		break;
 	case NBD_CMD_WRITE:
-		buf_len = (size_t)req.payload_length;
+		buf_len = accounted = (size_t)req.payload_length;
 		break;
 	case NBD_CMD_BLOCK_STATUS:
 		max_extents = (req.flags & NBD_CMD_FLAG_REQ_ONE) ? 1 : CONN_MAX_EXTENTS;
@@ -448,7 +543,7 @@ int transmit_step(struct conn *c)
 		break;
 	}
 	evbuffer_drain(in, hsize);
-	struct request *r = request_new(c, &req, buf_len, max_extents);
+	struct request *r = request_new(c, &req, buf_len, accounted, max_extents);
 	if (!r) {
 		if (req.payload_length) {
 			c->discard = req.payload_length;
@@ -459,6 +554,7 @@ int transmit_step(struct conn *c)
 		reply_error(c, &req, NBD_ENOMEM, "out of memory");
 		return 1;
 	}
+	r->cached = cached;
 	if (req.payload_length)
 		evbuffer_remove(in, r->buf, buf_len);
 	log_debug("conn %llu: %s flags 0x%x offset %llu length %llu", (unsigned long long)c->id,

@@ -65,6 +65,15 @@ static void worker_on_wake(evutil_socket_t fd, short what, void *arg)
 	(void)fd;
 	(void)what;
 	struct worker *w = arg;
+	pthread_mutex_lock(&w->lock);
+	struct worker_task *task = w->tasks;
+	w->tasks = w->tasks_tail = NULL;
+	pthread_mutex_unlock(&w->lock);
+	while (task) {
+		struct worker_task *next = task->next;
+		task->run(task);
+		task = next;
+	}
 	for (;;) {
 		struct worker_handoff h;
 		bool have = false, stop;
@@ -149,6 +158,19 @@ void worker_hand_off(struct worker *w, int fd, uint64_t id)
 		w->pending_cap = cap;
 	}
 	w->pending[w->pending_count++] = (struct worker_handoff){fd, id};
+	pthread_mutex_unlock(&w->lock);
+	event_active(w->wake, EV_READ, 0);
+}
+
+void worker_post(struct worker *w, struct worker_task *task)
+{
+	task->next = NULL;
+	pthread_mutex_lock(&w->lock);
+	if (w->tasks_tail)
+		w->tasks_tail->next = task;
+	else
+		w->tasks = task;
+	w->tasks_tail = task;
 	pthread_mutex_unlock(&w->lock);
 	event_active(w->wake, EV_READ, 0);
 }

@@ -26,6 +26,16 @@ struct worker_handoff {
 	uint64_t id;
 };
 
+/*
+ * Work for a worker thread, posted from any thread (worker_post): a callback
+ * the worker runs on its own thread. Intrusive, so posting never allocates;
+ * a task may be posted again once its callback has started.
+ */
+struct worker_task {
+	void (*run)(struct worker_task *task);
+	struct worker_task *next;
+};
+
 struct worker {
 	unsigned index;
 	pthread_t thread;
@@ -35,7 +45,8 @@ struct worker {
 	struct event *stop_timer;
 	const struct export_table *exports;
 
-	pthread_mutex_t lock; /* guards pending and stop_requested */
+	pthread_mutex_t lock; /* guards pending, tasks and stop_requested */
+	struct worker_task *tasks, *tasks_tail;
 	struct worker_handoff *pending;
 	size_t pending_count, pending_cap;
 	bool stop_requested;
@@ -48,6 +59,8 @@ struct worker {
 int worker_start(struct worker *w, unsigned index, const struct export_table *exports);
 /* Thread-safe: give an accepted socket to this worker. Takes ownership of fd. */
 void worker_hand_off(struct worker *w, int fd, uint64_t id);
+/* Thread-safe: run task->run(task) on the worker's thread soon. */
+void worker_post(struct worker *w, struct worker_task *task);
 /* Thread-safe: finish in-flight requests, close connections, end the thread. */
 void worker_request_stop(struct worker *w);
 void worker_join(struct worker *w);

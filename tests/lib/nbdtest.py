@@ -503,3 +503,170 @@ def main(tests):
     run_each(tests)
     log("all %d checks passed" % len(tests))
     sys.exit(0)
+
+
+# ---- Helpers for the cache tests (tests/integration/cache_*.py). ----
+
+CACHE_STATS_KEYS = ("cache_bytes", "used_bytes", "entries", "hits", "misses",
+                    "partial_hits", "backend_reads", "backend_read_bytes",
+                    "backend_writes", "backend_write_bytes", "dirty_bytes",
+                    "evictions", "writeback_errors")
+
+
+def parse_stats(line):
+    """The key=value tokens after "stats:" in a log line, as a dict (values
+    that are decimal numbers as int, others as str)."""
+    out = {}
+    for tok in line.split("stats:", 1)[1].split():
+        k, sep, v = tok.partition("=")
+        if sep:
+            out[k] = int(v) if v.isdigit() else v
+    return out
+
+
+def _stats_lines(daemon):
+    text = daemon.log_text()
+    text = text[:text.rfind("\n") + 1]       # complete lines only
+    return [ln for ln in text.splitlines() if "stats:" in ln and "=" in ln]
+
+
+def stats(daemon, timeout=5.0, keys=CACHE_STATS_KEYS):
+    """Send SIGUSR1 to the daemon (by PID) and return the parsed new "stats:"
+    line of its log (the last one, once one more has appeared). Raises
+    Failed when the daemon is dead, no new line appears within `timeout`
+    seconds, or the line lacks one of `keys`."""
+    require(daemon.alive(), "stats: the daemon is not running")
+    before = len(_stats_lines(daemon))
+    daemon.proc.send_signal(signal.SIGUSR1)
+    deadline = time.time() + timeout
+    for _ in range(100000):
+        lines = _stats_lines(daemon)
+        if len(lines) > before:
+            st = parse_stats(lines[-1])
+            missing = [k for k in keys if k not in st]
+            require(not missing, "stats line lacks %s: %r" % (", ".join(missing), lines[-1]))
+            return st
+        require(daemon.alive(), "the daemon died after SIGUSR1")
+        if time.time() > deadline:
+            break
+        time.sleep(0.05)
+    raise Failed("no new 'stats:' line in the daemon log within %gs of SIGUSR1" % timeout)
+
+
+def diff_span(a, b):
+    """None when a and b are equal, else (first, last): the first and last
+    index at which they differ (bytes past the shorter one count as
+    different). Compares 64 KiB at a time, so it is quick on big buffers."""
+    n = min(len(a), len(b))
+    chunk = 65536
+    first = None
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        if bytes(a[s:e]) != bytes(b[s:e]):
+            first = s + next(i for i in range(e - s) if a[s + i] != b[s + i])
+            break
+    if first is None:
+        return None if len(a) == len(b) else (n, max(len(a), len(b)) - 1)
+    if len(a) != len(b):
+        return first, max(len(a), len(b)) - 1
+    last = first
+    for e in range(n, first, -chunk):
+        s = max(first, e - chunk)
+        if bytes(a[s:e]) != bytes(b[s:e]):
+            last = next(i for i in range(e - 1, s - 1, -1) if a[i] != b[i])
+            break
+    return first, last
+
+
+def describe_diff(got, want, base=0):
+    """'' when equal, else where got differs from want, in offsets of the
+    export or file (`base` is the offset of index 0)."""
+    span = diff_span(got, want)
+    if span is None:
+        return ""
+    first, last = span
+    g = "0x%02x" % got[first] if first < len(got) else "none"
+    w = "0x%02x" % want[first] if first < len(want) else "none"
+    return ("first difference at offset %d (got %s, expected %s), last at %d; "
+            "%d bytes read, %d expected" % (base + first, g, w, base + last, len(got), len(want)))
+
+
+def require_same(got, want, what, base=0):
+    """Raise Failed (naming the offset of the first difference) unless the
+    bytes got equal want; `base` is the offset of got[0]."""
+    d = describe_diff(got, want, base)
+    if d:
+        raise Failed("%s: %s" % (what, d))
+
+
+def block_status_map(h, offset, length, flags=0):
+    """base:allocation over [offset, offset+length) as merged (start, end,
+    flags) segments, walking as many BLOCK_STATUS requests as needed (at most
+    10000). The handle must have negotiated base:allocation."""
+    import nbd
+    segs = []
+    pos = offset
+    end = offset + length
+    for _ in range(10000):
+        if pos >= end:
+            break
+        got = []
+
+        def cb(ctx, off, entries, err):
+            if ctx == nbd.CONTEXT_BASE_ALLOCATION:
+                got.extend(entries)
+            return 0
+        h.block_status(end - pos, pos, cb, flags)
+        require(got, "no base:allocation extents at %d" % pos)
+        pos = add_extents(segs, pos, end, zip(got[0::2], got[1::2]))
+    require(pos >= end, "block status did not cover [%d, %d)" % (offset, end))
+    return merge_segments(segs)
+
+
+def aio_wait(pending, timeout=120):
+    """Wait until every (handle, cookie) of `pending` has completed, the
+    handles possibly several: polls all their sockets at once. A command
+    that failed raises its nbd.Error (from aio_command_completed); Failed
+    after `timeout` seconds or when a connection closes."""
+    import nbd
+    import select
+    left = list(pending)
+    deadline = time.time() + timeout
+    for _ in range(10 ** 7):
+        left = [(h, c) for h, c in left if not h.aio_command_completed(c)]
+        if not left:
+            return
+        require(time.time() < deadline, "%d aio command(s) not complete after %gs"
+                % (len(left), timeout))
+        p = select.poll()
+        by_fd = {}
+        for h, _ in left:
+            fd = h.aio_get_fd()
+            if fd in by_fd:
+                continue
+            d = h.aio_get_direction()
+            ev = (select.POLLIN if d & nbd.AIO_DIRECTION_READ else 0) | \
+                 (select.POLLOUT if d & nbd.AIO_DIRECTION_WRITE else 0)
+            if ev:
+                p.register(fd, ev)
+                by_fd[fd] = h
+        for fd, ev in p.poll(100):
+            h = by_fd[fd]
+            if ev & select.POLLIN:
+                h.aio_notify_read()
+            elif ev & select.POLLOUT:
+                h.aio_notify_write()
+            elif ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                raise Failed("the server closed a connection with commands in flight")
+    raise Failed("aio commands never completed")
+
+
+def shutdown_all(handles):
+    """h.shutdown() on each libnbd handle, ignoring the errors of handles
+    whose connection is already gone."""
+    import nbd
+    for h in handles:
+        try:
+            h.shutdown()
+        except nbd.Error:
+            pass

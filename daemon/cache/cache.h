@@ -1,0 +1,137 @@
+/*
+ * daemon/cache/cache.h: the block cache shared by every connection of
+ * every export (DESIGN.md, "daemon/cache").
+ *
+ * Owns: the arena (arena.h), the index from (export, device range) to cache
+ * entries, each entry's per-block state, eviction (S3-FIFO), writeback
+ * (writeback.c) and the statistics. transmit.c turns each NBD command into
+ * one struct cache_op and calls cache_submit(); everything else here is
+ * internal (internal.h).
+ *
+ * An entry caches an aligned device range of 2^order 4 KiB frames (order 0
+ * to 9) in as many arena frames. It is reached only through its handle,
+ * struct cache_entry, which holds the arena location, the pin count, the
+ * generation and two bits per block: uptodate and dirty (plus busy while a
+ * backend read fills the block). Nothing keeps an arena address across an
+ * unlock unless it holds a pin: a pinned entry is never moved or evicted.
+ *
+ * Lock order (take left before right, never the reverse):
+ *
+ *   shard lock  ->  evict lock  ->  (other shard: try-lock only)
+ *               ->  export lock ->  arena lock
+ *   The evict lock is never taken while holding an export lock; the waitq
+ *   lock is a leaf, taken alone.
+ *
+ *   shard lock   index of its device ranges, and every field of their
+ *                entries except pins and freq (atomics)
+ *   export lock  the export's dirty list, its range list, its direct (write
+ *                to backend) operations in flight and its error sequence;
+ *                an entry on the dirty list may be pinned under this lock
+ *                alone, because it cannot be evicted without leaving that
+ *                list first
+ *   evict lock   the S3-FIFO queues and the ghost table
+ *
+ * Threads: cache_submit() runs on a worker thread and uses that worker's
+ * ring; completions and retries come back to the same worker. Writeback and
+ * FLUSH run on the cache's own writeback thread.
+ */
+#ifndef NBDCACHED_DAEMON_CACHE_H
+#define NBDCACHED_DAEMON_CACHE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "daemon/backend/backend.h"
+#include "daemon/options.h"
+#include "daemon/worker.h"
+
+struct cache;
+struct cache_export;
+struct cache_entry;
+struct cache_piece;
+
+/* Someone waiting for the cache to change (a fill or writeback to finish). */
+struct cache_waiter {
+	struct worker *worker;	 /* where task runs when woken */
+	struct worker_task task; /* task.run set by the waiter */
+	struct cache_waiter *next;
+};
+
+/*
+ * One NBD command on its way through the cache. The caller fills the first
+ * block of fields and calls cache_submit(); done() runs on the same worker
+ * thread, possibly before cache_submit() returns (a hit completes at once).
+ * A READ's data is then
+ * described by cache_op_segment(); the caller releases the op with
+ * cache_op_release() once nothing references its data any more (after the
+ * reply has been sent), which unpins the entries it read from.
+ */
+struct cache_op {
+	struct cache_export *ce;
+	struct worker *worker;
+	enum backend_cmd cmd;
+	uint32_t flags; /* BACKEND_FUA, BACKEND_NO_HOLE, BACKEND_FAST_ONLY */
+	uint64_t offset, length;
+	const uint8_t *payload;	    /* WRITE */
+	bool no_allocate;	    /* READ: use cached data, cache nothing new */
+	struct nbd_extent *extents; /* BLOCK_STATUS: room for max_extents */
+	size_t max_extents, n_extents;
+	uint64_t *seen_error;	    /* FLUSH: the connection's error sequence */
+	void (*done)(struct cache_op *op, int result);
+
+	/* Private to the cache. */
+	struct cache_piece *pieces;
+	size_t npieces;
+	unsigned pending; /* backend I/O in flight */
+	int error;
+	int stage;
+	size_t pieces_cap;
+	bool registered; /* direct op: its range is in the export's list */
+	bool counted;	 /* hit / miss already counted */
+	bool running, rerun, finished;
+	struct cache_waiter waiter;
+	struct backend_io io; /* direct operations */
+	struct cache_op *direct_next;
+};
+
+struct cache_stats {
+	uint64_t cache_bytes, used_bytes, entries, dirty_bytes;
+	uint64_t hits, misses, partial_hits;
+	uint64_t backend_reads, backend_read_bytes, backend_writes, backend_write_bytes;
+	uint64_t evictions, writeback_errors, bypass_reads, direct_writes;
+	uint64_t metadata_bytes;
+	uint64_t free_2m_bytes;
+	const char *arena;
+};
+
+/* Map the arena (before the daemon detaches: a shortage fails at start). */
+int cache_create(const struct options *opts, struct cache **out);
+/* Start the writeback thread (after fork). */
+int cache_start(struct cache *c);
+/*
+ * Write back everything, then stop the writeback thread. Blocks. When the
+ * backend refuses the data it says so and retries every few seconds,
+ * keeping the data: only a second SIGTERM/SIGINT (default action) ends the
+ * process then.
+ */
+void cache_stop(struct cache *c);
+void cache_destroy(struct cache *c);
+
+int cache_export_add(struct cache *c, struct backend *be, const struct export_spec *spec,
+		     struct cache_export **out);
+enum cache_mode cache_export_mode(const struct cache_export *ce);
+/* The export's writeback error sequence: a connection samples it when it
+ * starts, and FLUSH reports EIO once whenever it has moved since. */
+uint64_t cache_export_error_seq(struct cache_export *ce);
+
+void cache_submit(struct cache_op *op);
+/* READ result: segment i of the reply, in order; false past the last. */
+bool cache_op_segment(const struct cache_op *op, size_t i, const uint8_t **data, size_t *len);
+void cache_op_release(struct cache_op *op);
+
+void cache_get_stats(struct cache *c, struct cache_stats *out);
+/* Log the statistics (SIGUSR1). */
+void cache_log_stats(struct cache *c);
+
+#endif

@@ -1,0 +1,211 @@
+/*
+ * daemon/cache/internal.h: what the cache's own modules share (cache.c,
+ * io.c, writeback.c). Nothing outside daemon/cache/ includes this.
+ *
+ * The index: a hash of (export, 2 MiB device range) to a range node, which
+ * lists the entries inside that range sorted by device frame. Memory follows
+ * what is cached, never the device size.
+ *
+ *   shard[hash % CACHE_SHARDS]
+ *     bucket -> range(export 1, index 7) -> range(...) -> NULL
+ *                 entries: [e@frame 3584 order 0][e@3600 order 4] ...
+ *
+ *   entry (the handle)
+ *     frame, order, generation, pins  -> arena_address(frame)
+ *     bits: uptodate[words] dirty[words] busy[words], one bit per block
+ */
+#ifndef NBDCACHED_DAEMON_CACHE_INTERNAL_H
+#define NBDCACHED_DAEMON_CACHE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "daemon/cache/arena.h"
+#include "daemon/cache/cache.h"
+
+#define CACHE_SHARDS 64
+#define CACHE_RANGE_SHIFT 21 /* 2 MiB device ranges */
+#define CACHE_NOT_QUEUED 0
+#define CACHE_SMALL 1
+#define CACHE_MAIN 2
+
+struct cache_entry {
+	uint64_t first_frame; /* device offset >> 12 of the first byte cached */
+	struct cache_export *ce;
+	struct cache_range *range;
+	uint32_t frame;	     /* arena location */
+	uint32_t generation; /* bumped whenever the entry moves */
+	uint32_t invalidations; /* bumped to discard fills in flight */
+	uint32_t nblocks, ndirty;
+	atomic_uint pins;
+	atomic_uchar freq; /* S3-FIFO access counter, 0..3 */
+	uint8_t order;
+	uint8_t queue; /* CACHE_SMALL, CACHE_MAIN or CACHE_NOT_QUEUED */
+	bool writeback; /* a writeback of this entry is in flight */
+	bool on_dirty_list;
+	uint64_t dirty_since; /* monotonic ns, when it joined the dirty list */
+	struct cache_entry *fifo_prev, *fifo_next;
+	struct cache_entry *dirty_prev, *dirty_next;
+	uint64_t bits[]; /* uptodate, dirty, busy: words_per_map each */
+};
+
+struct cache_range {
+	struct cache_range *hash_next;
+	struct cache_range *export_prev, *export_next;
+	struct cache_export *ce;
+	uint64_t index; /* device offset >> CACHE_RANGE_SHIFT */
+	uint32_t count, cap;
+	struct cache_entry **entries; /* sorted by first_frame */
+};
+
+struct cache_shard {
+	pthread_mutex_t lock;
+	struct cache_range **buckets;
+	size_t nbuckets, count;
+} __attribute__((aligned(64)));
+
+struct cache_fifo {
+	struct cache_entry *head, *tail;
+	uint64_t frames;
+};
+
+struct cache_export {
+	struct cache *cache;
+	unsigned id;
+	struct backend *backend;
+	uint64_t size;
+	uint32_t block_size;
+	unsigned block_shift;
+	unsigned min_order;   /* an entry holds at least one block */
+	enum cache_mode mode;
+	uint64_t seq_cutoff;
+
+	pthread_mutex_t lock; /* the export lock, see cache.h */
+	struct cache_entry *dirty_head, *dirty_tail; /* oldest first */
+	struct cache_range *ranges;
+	uint64_t range_count;
+	struct cache_op *direct; /* direct operations in flight */
+	uint64_t error_seq;	 /* bumped when writeback starts failing */
+	bool writeback_failing;
+	int last_error;
+	uint64_t retry_at; /* monotonic ns: background writeback waits till then */
+	struct cache_export *next;
+};
+
+struct cache_waitq {
+	pthread_mutex_t lock;
+	atomic_uint_fast64_t seq;
+	atomic_uint waiters;
+	struct cache_waiter *head;
+};
+
+struct cache_counters {
+	atomic_uint_fast64_t hits, misses, partial_hits;
+	atomic_uint_fast64_t backend_reads, backend_read_bytes;
+	atomic_uint_fast64_t backend_writes, backend_write_bytes;
+	atomic_uint_fast64_t evictions, writeback_errors, bypass_reads, direct_writes;
+	atomic_uint_fast64_t dirty_bytes, entries, metadata_bytes;
+};
+
+struct writeback;
+
+struct cache {
+	struct arena arena;
+	struct cache_shard shards[CACHE_SHARDS];
+	pthread_mutex_t evict_lock;
+	struct cache_fifo small, main;
+	uint64_t *ghost;	/* fingerprints of recently evicted entries */
+	uint32_t ghost_mask;	/* table size - 1 */
+	uint64_t *ghost_ring;	/* insertion order, for forgetting the oldest */
+	uint32_t ghost_ring_size, ghost_ring_pos, ghost_count;
+	struct cache_waitq waitq;
+	struct cache_counters counters;
+	pthread_mutex_t exports_lock;
+	struct cache_export *exports;
+	unsigned export_count;
+	uint64_t dirty_high, dirty_low; /* bytes */
+	uint64_t dirty_expire_ns;
+	struct writeback *writeback;
+};
+
+/* cache.c: index, entries, eviction */
+struct cache_shard *cache_shard_for(struct cache *c, const struct cache_export *ce,
+				    uint64_t range_index);
+/* The range node of that index, or NULL. Shard lock held. */
+struct cache_range *cache_range_get(struct cache_shard *sh, const struct cache_export *ce,
+				    uint64_t range_index);
+/* The entry holding the device frame, or NULL. Shard lock held. */
+struct cache_entry *cache_lookup(struct cache_export *ce, struct cache_shard *sh,
+				 uint64_t device_frame);
+/*
+ * A new entry holding device_frame, of the largest order <= want_order that
+ * fits among the existing entries; NULL if the arena has no room even after
+ * evicting. Shard lock held; the entry comes back unpinned, nothing cached.
+ */
+struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_shard *sh,
+				       uint64_t device_frame, unsigned want_order);
+/* Range indexes of the export's range nodes in [first, last]. Takes the
+ * export lock. *out is malloc'd. */
+int cache_ranges_between(struct cache_export *ce, uint64_t first, uint64_t last,
+			 uint64_t **out, size_t *count);
+void cache_entry_pin(struct cache_entry *e);
+void cache_entry_unpin(struct cache_entry *e);
+void cache_entry_touch(struct cache_entry *e);
+
+/* Per-block state; shard lock held. */
+uint64_t *cache_uptodate_map(struct cache_entry *e);
+uint64_t *cache_dirty_map(struct cache_entry *e);
+uint64_t *cache_busy_map(struct cache_entry *e);
+/* Mark blocks [first, first+count) dirty; keeps the dirty list and counts.
+ * Shard lock held (takes the export lock). */
+void cache_mark_dirty(struct cache_entry *e, uint32_t first, uint32_t count);
+/* Clear dirty bits of [first, first+count). Shard lock held. */
+void cache_clear_dirty(struct cache_entry *e, uint32_t first, uint32_t count);
+/* Leave the dirty list if nothing is dirty or being written. Shard lock. */
+void cache_dirty_list_update(struct cache_entry *e);
+
+static inline uint64_t cache_entry_offset(const struct cache_entry *e)
+{
+	return e->first_frame << ARENA_FRAME_SHIFT;
+}
+static inline uint64_t cache_entry_bytes(const struct cache_entry *e)
+{
+	return (uint64_t)ARENA_FRAME_SIZE << e->order;
+}
+
+/* Bit helpers over uint64_t words. */
+static inline bool bit_test(const uint64_t *map, uint32_t i)
+{
+	return (map[i >> 6] >> (i & 63)) & 1;
+}
+static inline void bit_set(uint64_t *map, uint32_t i)
+{
+	map[i >> 6] |= 1ull << (i & 63);
+}
+static inline void bit_clear(uint64_t *map, uint32_t i)
+{
+	map[i >> 6] &= ~(1ull << (i & 63));
+}
+
+/* waitq (cache.c): wait for "something changed" without lost wake-ups. */
+uint64_t cache_waitq_seq(struct cache *c);
+/* Queue w to run (w->task on w->worker) after the next wake; false (do not
+ * wait, retry now) if a wake happened since seq was read. */
+bool cache_waitq_wait(struct cache *c, struct cache_waiter *w, uint64_t seq);
+void cache_waitq_wake(struct cache *c);
+
+uint64_t cache_now_ns(void);
+
+/* writeback.c */
+int writeback_create(struct cache *c);
+int writeback_start(struct cache *c);
+void writeback_kick(struct cache *c);
+/* FLUSH: hand op to the writeback thread; op->done runs on op->worker. */
+void writeback_flush(struct cache_op *op);
+void writeback_stop(struct cache *c);
+void writeback_destroy(struct cache *c);
+/* io.c: is a direct operation in flight over [offset, offset+length)?
+ * Export lock held. */
+bool cache_direct_overlaps(struct cache_export *ce, uint64_t offset, uint64_t length);
+
+#endif

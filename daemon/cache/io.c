@@ -1,0 +1,923 @@
+/*
+ * daemon/cache/io.c: NBD commands as cache operations (cache_submit).
+ *
+ * READ and cached WRITE split the request into pieces, one per entry it
+ * touches (or a bypass piece where nothing may be cached), pin each entry,
+ * and then drive a small state machine, op_run(), until every piece is
+ * ready:
+ *
+ *   examine  under the shard lock, find blocks that are not uptodate (for
+ *            a WRITE, only partly covered ones), mark them busy and read
+ *            each run of them from the backend in one request (a fill);
+ *            blocks another operation is filling make the op wait
+ *   fills    complete on the same worker; a fill whose entry was
+ *            invalidated meanwhile (a direct write landed) is discarded
+ *            and examined again
+ *   commit   WRITE: copy the payload into the arena, set uptodate+dirty
+ *
+ * Hits touch neither the backend nor any lock but the shard's, and the
+ * reply is sent straight from the arena (the pins last until it is sent).
+ *
+ * Direct operations (TRIM, WRITE_ZEROES, FUA writes, writes in
+ * writethrough / writearound mode, and writes the cache has no room for)
+ * go to the backend first and are then applied to whatever is cached:
+ *
+ *   register  the range in the export's list; overlapping direct
+ *             operations run one after the other, and writeback leaves
+ *             registered ranges alone
+ *   drain     wait until no entry in the range is being written back, so
+ *             old data cannot land on the backend after the new
+ *   backend   the operation itself
+ *   apply     success: update uptodate bytes, clean fully covered blocks,
+ *             bump invalidations so fills in flight are discarded;
+ *             failure: forget clean blocks (the backend is now unknown),
+ *             dirty ones stay
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon/cache/internal.h"
+#include "daemon/log.h"
+
+#define CACHE_PREFETCH_MAX (32u << 20)
+
+struct cache_piece {
+	uint64_t offset;
+	uint32_t length;
+	struct cache_entry *entry; /* pinned; NULL for a bypass piece */
+	uint8_t *buf;		   /* bypass data */
+	bool ready;
+	bool issued; /* bypass read submitted */
+};
+
+struct cache_fill {
+	struct backend_io io;
+	struct cache_op *op;
+	struct cache_piece *piece;
+	uint32_t first, count;
+	uint32_t invalidations;
+};
+
+static void op_run(struct cache_op *op);
+
+static void op_finish(struct cache_op *op, int result)
+{
+	op->finished = true;
+	op->done(op, result);
+}
+
+static struct cache_shard *shard_of(struct cache_export *ce, uint64_t offset)
+{
+	return cache_shard_for(ce->cache, ce, offset >> CACHE_RANGE_SHIFT);
+}
+
+static unsigned order_for_length(uint64_t length)
+{
+	unsigned o = 0;
+	while (o < ARENA_MAX_ORDER && ((uint64_t)ARENA_FRAME_SIZE << (o + 1)) <= length)
+		o++;
+	return o;
+}
+
+static struct cache_piece *piece_add(struct cache_op *op)
+{
+	if (op->npieces == op->pieces_cap) {
+		size_t cap = op->pieces_cap ? op->pieces_cap * 2 : 4;
+		struct cache_piece *v = realloc(op->pieces, cap * sizeof(*v));
+		if (!v)
+			return NULL;
+		op->pieces = v;
+		op->pieces_cap = cap;
+	}
+	struct cache_piece *p = &op->pieces[op->npieces++];
+	memset(p, 0, sizeof(*p));
+	return p;
+}
+
+/*
+ * Split [offset, offset+length) into pieces, pinning the entries. New
+ * entries are made unless allocate is false; where none can be had the
+ * piece is a bypass piece. Returns 0, -ENOMEM, or -ENOSPC when a WRITE
+ * could not get room for every piece (the caller goes direct).
+ */
+static int pieces_build(struct cache_op *op, bool allocate, bool need_all)
+{
+	struct cache_export *ce = op->ce;
+	uint64_t pos = op->offset, end = op->offset + op->length;
+	while (pos < end) {
+		uint64_t frame = pos >> ARENA_FRAME_SHIFT;
+		struct cache_shard *sh = shard_of(ce, pos);
+		pthread_mutex_lock(&sh->lock);
+		struct cache_entry *e = cache_lookup(ce, sh, frame);
+		if (!e && allocate)
+			e = cache_entry_create(ce, sh, frame, order_for_length(end - pos));
+		if (e)
+			cache_entry_pin(e);
+		pthread_mutex_unlock(&sh->lock);
+		uint64_t piece_end;
+		if (e) {
+			piece_end = cache_entry_offset(e) + cache_entry_bytes(e);
+		} else {
+			if (need_all)
+				return -ENOSPC;
+			piece_end = (frame + 1) << ARENA_FRAME_SHIFT;
+		}
+		if (piece_end > end)
+			piece_end = end;
+		struct cache_piece *last = op->npieces ? &op->pieces[op->npieces - 1] : NULL;
+		if (!e && last && !last->entry && last->offset + last->length == pos &&
+		    last->length + (piece_end - pos) <= UINT32_MAX) {
+			last->length += (uint32_t)(piece_end - pos);
+		} else {
+			struct cache_piece *p = piece_add(op);
+			if (!p) {
+				if (e)
+					cache_entry_unpin(e);
+				return -ENOMEM;
+			}
+			p->offset = pos;
+			p->length = (uint32_t)(piece_end - pos);
+			p->entry = e;
+		}
+		pos = piece_end;
+	}
+	return 0;
+}
+
+static void pieces_release(struct cache_op *op)
+{
+	for (size_t i = 0; i < op->npieces; i++) {
+		if (op->pieces[i].entry)
+			cache_entry_unpin(op->pieces[i].entry);
+		free(op->pieces[i].buf);
+	}
+	free(op->pieces);
+	op->pieces = NULL;
+	op->npieces = op->pieces_cap = 0;
+}
+
+/* First and last block of e that [offset, offset+length) touches. */
+static void piece_blocks(const struct cache_entry *e, uint64_t offset, uint64_t length,
+			 uint32_t *first, uint32_t *last)
+{
+	unsigned shift = e->ce->block_shift;
+	uint64_t base = cache_entry_offset(e);
+	*first = (uint32_t)((offset - base) >> shift);
+	*last = (uint32_t)((offset + length - 1 - base) >> shift);
+}
+
+/* Device range of block b of e, clipped to the export. */
+static void block_range(const struct cache_entry *e, uint32_t b, uint64_t *start, uint64_t *end)
+{
+	*start = cache_entry_offset(e) + ((uint64_t)b << e->ce->block_shift);
+	*end = *start + e->ce->block_size;
+	if (*end > e->ce->size)
+		*end = e->ce->size;
+}
+
+static void fill_done(struct backend_io *io, int result)
+{
+	struct cache_fill *f = (struct cache_fill *)io;
+	struct cache_op *op = f->op;
+	struct cache_entry *e = f->piece->entry;
+	struct cache_export *ce = op->ce;
+	struct cache_shard *sh = shard_of(ce, cache_entry_offset(e));
+	if (result >= 0) {
+		/* Bytes past the end of the export read as zeros. */
+		uint64_t start, end;
+		block_range(e, f->first, &start, &end);
+		uint64_t want = (uint64_t)f->count << ce->block_shift;
+		uint64_t got = io->length;
+		if (got < want)
+			memset((uint8_t *)io->buf + got, 0, want - got);
+	}
+	pthread_mutex_lock(&sh->lock);
+	uint64_t *busy = cache_busy_map(e), *uptodate = cache_uptodate_map(e);
+	bool keep = result >= 0 && e->invalidations == f->invalidations;
+	for (uint32_t b = f->first; b < f->first + f->count; b++) {
+		bit_clear(busy, b);
+		if (keep)
+			bit_set(uptodate, b);
+	}
+	pthread_mutex_unlock(&sh->lock);
+	cache_waitq_wake(ce->cache);
+	if (result < 0 && !op->error)
+		op->error = result;
+	free(f);
+	if (--op->pending == 0)
+		op_run(op);
+}
+
+static void bypass_done(struct backend_io *io, int result)
+{
+	struct cache_fill *f = (struct cache_fill *)io;
+	struct cache_op *op = f->op;
+	if (result < 0) {
+		if (!op->error)
+			op->error = result;
+	} else {
+		f->piece->ready = true;
+	}
+	free(f);
+	if (--op->pending == 0)
+		op_run(op);
+}
+
+static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offset,
+		       uint64_t length, void *buf, uint32_t first, uint32_t count,
+		       void (*done)(struct backend_io *, int))
+{
+	struct cache_fill *f = calloc(1, sizeof(*f));
+	if (!f)
+		return -ENOMEM;
+	struct cache_export *ce = op->ce;
+	if (offset + length > ce->size)
+		length = ce->size - offset;
+	f->op = op;
+	f->piece = p;
+	f->first = first;
+	f->count = count;
+	if (p->entry)
+		f->invalidations = p->entry->invalidations;
+	f->io.cmd = BACKEND_READ;
+	f->io.offset = offset;
+	f->io.length = length;
+	f->io.buf = buf;
+	f->io.done = done;
+	op->pending++;
+	atomic_fetch_add(&ce->cache->counters.backend_reads, 1);
+	atomic_fetch_add(&ce->cache->counters.backend_read_bytes, length);
+	backend_submit(ce->backend, &op->worker->ring, &f->io);
+	return 0;
+}
+
+/*
+ * Examine one piece under its shard lock: mark the blocks this op will
+ * fill busy and collect them as runs. Returns true if the piece must wait
+ * for another operation's fill. Fills are submitted after unlocking.
+ */
+struct run {
+	uint32_t first, count;
+};
+
+static bool piece_examine(struct cache_op *op, struct cache_piece *p, struct run *runs,
+			  size_t *nruns, bool *any_cached)
+{
+	struct cache_entry *e = p->entry;
+	uint32_t first, last;
+	piece_blocks(e, p->offset, p->length, &first, &last);
+	uint64_t *uptodate = cache_uptodate_map(e), *busy = cache_busy_map(e);
+	bool blocked = false, missing = false;
+	*nruns = 0;
+	for (uint32_t b = first; b <= last; b++) {
+		if (bit_test(uptodate, b)) {
+			*any_cached = true;
+			continue;
+		}
+		if (op->cmd == BACKEND_WRITE) {
+			uint64_t bs, be;
+			block_range(e, b, &bs, &be);
+			if (p->offset <= bs && p->offset + p->length >= be)
+				continue; /* fully overwritten: never read */
+		}
+		missing = true;
+		if (bit_test(busy, b)) {
+			blocked = true;
+			continue;
+		}
+		bit_set(busy, b);
+		if (*nruns && runs[*nruns - 1].first + runs[*nruns - 1].count == b)
+			runs[*nruns - 1].count++;
+		else
+			runs[(*nruns)++] = (struct run){b, 1};
+	}
+	if (!missing)
+		p->ready = true;
+	return blocked;
+}
+
+static int op_examine(struct cache_op *op, bool *blocked)
+{
+	struct cache_export *ce = op->ce;
+	bool any_cached = false, all_ready = true;
+	*blocked = false;
+	for (size_t i = 0; i < op->npieces; i++) {
+		struct cache_piece *p = &op->pieces[i];
+		if (p->ready)
+			continue;
+		if (!p->entry) {
+			all_ready = false;
+			if (p->issued)
+				continue;
+			p->buf = malloc(p->length ? p->length : 1);
+			if (!p->buf)
+				return -ENOMEM;
+			p->issued = true;
+			atomic_fetch_add(&ce->cache->counters.bypass_reads, 1);
+			int rc = submit_read(op, p, p->offset, p->length, p->buf, 0, 0, bypass_done);
+			if (rc < 0)
+				return rc;
+			continue;
+		}
+		struct cache_entry *e = p->entry;
+		uint32_t nblocks_max = e->nblocks;
+		struct run stack_runs[8];
+		struct run *runs = stack_runs;
+		if (nblocks_max > 8) {
+			runs = malloc(((nblocks_max + 1) / 2 + 1) * sizeof(*runs));
+			if (!runs)
+				return -ENOMEM;
+		}
+		size_t nruns = 0;
+		struct cache_shard *sh = shard_of(ce, p->offset);
+		pthread_mutex_lock(&sh->lock);
+		if (piece_examine(op, p, runs, &nruns, &any_cached))
+			*blocked = true;
+		uint32_t frame = e->frame; /* stable: the entry is pinned */
+		pthread_mutex_unlock(&sh->lock);
+		if (!p->ready)
+			all_ready = false;
+		int rc = 0;
+		for (size_t k = 0; k < nruns && rc == 0; k++) {
+			uint64_t off = cache_entry_offset(e) + ((uint64_t)runs[k].first << ce->block_shift);
+			uint8_t *buf = arena_address(&ce->cache->arena, frame) +
+				       ((size_t)runs[k].first << ce->block_shift);
+			rc = submit_read(op, p, off, (uint64_t)runs[k].count << ce->block_shift, buf,
+					 runs[k].first, runs[k].count, fill_done);
+		}
+		if (runs != stack_runs)
+			free(runs);
+		if (rc < 0)
+			return rc;
+	}
+	if (!op->counted && op->cmd == BACKEND_READ) {
+		op->counted = true;
+		struct cache_counters *k = &ce->cache->counters;
+		if (all_ready && op->npieces)
+			atomic_fetch_add(&k->hits, 1);
+		else if (any_cached)
+			atomic_fetch_add(&k->partial_hits, 1);
+		else
+			atomic_fetch_add(&k->misses, 1);
+	}
+	return 0;
+}
+
+/*
+ * WRITE: copy the payload into every piece and mark it dirty. The blocks
+ * are marked busy while the copy runs without the lock, so no fill can
+ * start under it. Returns false if some piece must wait or be examined
+ * again (a partial block lost its uptodate bit, or another op is busy).
+ */
+static bool write_commit(struct cache_op *op, bool *blocked)
+{
+	struct cache_export *ce = op->ce;
+	*blocked = false;
+	for (size_t i = 0; i < op->npieces; i++) {
+		struct cache_piece *p = &op->pieces[i];
+		if (!p->ready)
+			continue; /* committed already (ready cleared) or not yet examined */
+		struct cache_entry *e = p->entry;
+		uint32_t first, last;
+		piece_blocks(e, p->offset, p->length, &first, &last);
+		struct cache_shard *sh = shard_of(ce, p->offset);
+		pthread_mutex_lock(&sh->lock);
+		uint64_t *uptodate = cache_uptodate_map(e), *busy = cache_busy_map(e);
+		bool ok = true;
+		for (uint32_t b = first; b <= last && ok; b++) {
+			uint64_t bs, be;
+			block_range(e, b, &bs, &be);
+			bool full = p->offset <= bs && p->offset + p->length >= be;
+			if (bit_test(busy, b)) {
+				ok = false;
+				*blocked = true;
+			} else if (!full && !bit_test(uptodate, b)) {
+				ok = false;
+				p->ready = false; /* examine again: fill it */
+			}
+		}
+		if (!ok) {
+			pthread_mutex_unlock(&sh->lock);
+			continue;
+		}
+		for (uint32_t b = first; b <= last; b++)
+			bit_set(busy, b);
+		uint8_t *dst = arena_address(&ce->cache->arena, e->frame) +
+			       (size_t)(p->offset - cache_entry_offset(e));
+		pthread_mutex_unlock(&sh->lock);
+		memcpy(dst, op->payload + (p->offset - op->offset), p->length);
+		pthread_mutex_lock(&sh->lock);
+		for (uint32_t b = first; b <= last; b++) {
+			bit_clear(busy, b);
+			bit_set(uptodate, b);
+		}
+		cache_mark_dirty(e, first, last - first + 1);
+		pthread_mutex_unlock(&sh->lock);
+		cache_waitq_wake(ce->cache);
+		cache_entry_unpin(e);
+		p->entry = NULL;
+		p->ready = false;
+		p->issued = true; /* done: a NULL entry that is issued is committed */
+	}
+	for (size_t i = 0; i < op->npieces; i++)
+		if (op->pieces[i].entry)
+			return false;
+	return true;
+}
+
+static void op_wait(struct cache_op *op, uint64_t seq)
+{
+	if (!cache_waitq_wait(op->ce->cache, &op->waiter, seq))
+		op->rerun = true;
+}
+
+/* One step of a READ, CACHE or cached WRITE. */
+static void cached_step(struct cache_op *op)
+{
+	if (op->pending)
+		return;
+	if (op->error) {
+		op_finish(op, op->error);
+		return;
+	}
+	uint64_t seq = cache_waitq_seq(op->ce->cache);
+	bool blocked;
+	int rc = op_examine(op, &blocked);
+	if (rc < 0) {
+		op->error = rc;
+		if (!op->pending)
+			op_finish(op, rc);
+		return;
+	}
+	if (op->pending)
+		return;
+	for (size_t i = 0; i < op->npieces; i++) {
+		if (!op->pieces[i].ready && !(op->cmd == BACKEND_WRITE && op->pieces[i].issued)) {
+			op_wait(op, seq);
+			return;
+		}
+	}
+	if (op->cmd == BACKEND_WRITE) {
+		if (!write_commit(op, &blocked)) {
+			if (blocked)
+				op_wait(op, seq);
+			else
+				op->rerun = true;
+			return;
+		}
+		struct cache *c = op->ce->cache;
+		if (atomic_load(&c->counters.dirty_bytes) > c->dirty_high)
+			writeback_kick(c);
+		pieces_release(op);
+		op_finish(op, 0);
+		return;
+	}
+	for (size_t i = 0; i < op->npieces; i++)
+		if (op->pieces[i].entry)
+			cache_entry_touch(op->pieces[i].entry);
+	if (op->cmd == BACKEND_CACHE)
+		pieces_release(op);
+	op_finish(op, 0);
+}
+
+/* ---- direct operations ---- */
+
+bool cache_direct_overlaps(struct cache_export *ce, uint64_t offset, uint64_t length)
+{
+	for (struct cache_op *d = ce->direct; d; d = d->direct_next)
+		if (d->offset < offset + length && offset < d->offset + d->length)
+			return true;
+	return false;
+}
+
+/*
+ * Call fn on every cached entry overlapping [offset, offset+length), with
+ * its shard lock held. Walks the range nodes by index when that is short,
+ * else the export's list of range nodes (a TRIM of many TiB).
+ */
+static int for_each_entry(struct cache_export *ce, uint64_t offset, uint64_t length,
+			  void (*fn)(struct cache_entry *e, void *arg), void *arg)
+{
+	uint64_t first = offset >> CACHE_RANGE_SHIFT;
+	uint64_t last = (offset + length - 1) >> CACHE_RANGE_SHIFT;
+	uint64_t *list = NULL;
+	size_t n = 0;
+	pthread_mutex_lock(&ce->lock);
+	uint64_t nodes = ce->range_count;
+	pthread_mutex_unlock(&ce->lock);
+	bool by_list = last - first >= 2 * nodes + 16;
+	if (by_list) {
+		int rc = cache_ranges_between(ce, first, last, &list, &n);
+		if (rc < 0)
+			return rc;
+	}
+	for (uint64_t k = 0; by_list ? k < n : first + k <= last; k++) {
+		uint64_t index = by_list ? list[k] : first + k;
+		struct cache_shard *sh = cache_shard_for(ce->cache, ce, index);
+		pthread_mutex_lock(&sh->lock);
+		struct cache_range *r = cache_range_get(sh, ce, index);
+		for (uint32_t i = 0; r && i < r->count; i++) {
+			struct cache_entry *e = r->entries[i];
+			uint64_t eo = cache_entry_offset(e);
+			if (eo < offset + length && offset < eo + cache_entry_bytes(e))
+				fn(e, arg);
+		}
+		pthread_mutex_unlock(&sh->lock);
+		if (first + k == UINT64_MAX)
+			break;
+	}
+	free(list);
+	return 0;
+}
+
+static void find_writeback(struct cache_entry *e, void *arg)
+{
+	if (e->writeback)
+		*(bool *)arg = true;
+}
+
+/* Apply a finished direct operation to one entry (shard lock held). */
+static void direct_apply(struct cache_entry *e, void *arg)
+{
+	struct cache_op *op = arg;
+	struct cache_export *ce = op->ce;
+	bool ok = !op->error;
+	uint64_t base = cache_entry_offset(e);
+	uint64_t a = op->offset > base ? op->offset : base;
+	uint64_t b = op->offset + op->length;
+	if (b > base + cache_entry_bytes(e))
+		b = base + cache_entry_bytes(e);
+	uint32_t first, last;
+	piece_blocks(e, a, b - a, &first, &last);
+	uint64_t *uptodate = cache_uptodate_map(e), *dirty = cache_dirty_map(e),
+		 *busy = cache_busy_map(e);
+	uint8_t *mem = arena_address(&ce->cache->arena, e->frame);
+	bool populate = ok && op->cmd == BACKEND_WRITE && ce->mode == CACHE_MODE_WRITETHROUGH;
+	for (uint32_t blk = first; blk <= last; blk++) {
+		uint64_t bs, be;
+		block_range(e, blk, &bs, &be);
+		uint64_t x = bs > a ? bs : a, y = be < b ? be : b;
+		bool full = x == bs && y == be;
+		if (!ok) {
+			if (bit_test(uptodate, blk) && !bit_test(dirty, blk))
+				bit_clear(uptodate, blk);
+			continue;
+		}
+		bool up = bit_test(uptodate, blk);
+		if (!up && !(populate && full && !bit_test(busy, blk)))
+			continue;
+		if (x < y) {
+			if (op->cmd == BACKEND_WRITE)
+				memcpy(mem + (x - base), op->payload + (x - op->offset), y - x);
+			else
+				memset(mem + (x - base), 0, y - x);
+		}
+		if (full) {
+			bit_set(uptodate, blk);
+			cache_clear_dirty(e, blk, 1);
+		}
+	}
+	e->invalidations++;
+	cache_dirty_list_update(e);
+}
+
+/* writethrough: cache what was just written, where room can be found. */
+static void direct_populate(struct cache_op *op)
+{
+	struct cache_export *ce = op->ce;
+	uint64_t pos = op->offset, end = op->offset + op->length;
+	while (pos < end) {
+		struct cache_shard *sh = shard_of(ce, pos);
+		pthread_mutex_lock(&sh->lock);
+		uint64_t frame = pos >> ARENA_FRAME_SHIFT;
+		struct cache_entry *e = cache_lookup(ce, sh, frame);
+		if (!e)
+			e = cache_entry_create(ce, sh, frame, order_for_length(end - pos));
+		if (!e) {
+			pthread_mutex_unlock(&sh->lock);
+			pos = (frame + 1) << ARENA_FRAME_SHIFT;
+			continue;
+		}
+		uint64_t next = cache_entry_offset(e) + cache_entry_bytes(e);
+		direct_apply(e, op);
+		pthread_mutex_unlock(&sh->lock);
+		pos = next;
+	}
+}
+
+static void direct_unregister(struct cache_op *op)
+{
+	struct cache_export *ce = op->ce;
+	pthread_mutex_lock(&ce->lock);
+	struct cache_op **pp = &ce->direct;
+	while (*pp != op)
+		pp = &(*pp)->direct_next;
+	*pp = op->direct_next;
+	pthread_mutex_unlock(&ce->lock);
+	op->registered = false;
+	cache_waitq_wake(ce->cache);
+}
+
+static void direct_done(struct backend_io *io, int result)
+{
+	struct cache_op *op = (struct cache_op *)((char *)io - offsetof(struct cache_op, io));
+	if (result < 0)
+		op->error = result;
+	op->stage = 3;
+	op->pending--;
+	op_run(op);
+}
+
+static void direct_step(struct cache_op *op)
+{
+	struct cache_export *ce = op->ce;
+	struct cache *c = ce->cache;
+	if (op->pending)
+		return;
+	uint64_t seq = cache_waitq_seq(c);
+	switch (op->stage) {
+	case 0: /* register the range */
+		pthread_mutex_lock(&ce->lock);
+		if (cache_direct_overlaps(ce, op->offset, op->length)) {
+			pthread_mutex_unlock(&ce->lock);
+			op_wait(op, seq);
+			return;
+		}
+		op->direct_next = ce->direct;
+		ce->direct = op;
+		pthread_mutex_unlock(&ce->lock);
+		op->registered = true;
+		op->stage = 1;
+		/* fall through */
+	case 1: { /* no writeback in flight over the range */
+		bool writing = false;
+		int rc = op->length ? for_each_entry(ce, op->offset, op->length, find_writeback,
+						     &writing)
+				    : 0;
+		if (rc < 0) {
+			direct_unregister(op);
+			op_finish(op, rc);
+			return;
+		}
+		if (writing) {
+			op_wait(op, seq);
+			return;
+		}
+		op->stage = 2;
+		op->io.offset = op->offset;
+		op->io.length = op->length;
+		op->io.buf = (void *)op->payload;
+		op->io.done = direct_done;
+		op->io.cmd = op->cmd;
+		op->io.flags = op->flags;
+		op->pending = 1;
+		if (op->cmd == BACKEND_WRITE) {
+			atomic_fetch_add(&c->counters.backend_writes, 1);
+			atomic_fetch_add(&c->counters.backend_write_bytes, op->length);
+			atomic_fetch_add(&c->counters.direct_writes, 1);
+		}
+		backend_submit(ce->backend, &op->worker->ring, &op->io);
+		return;
+	}
+	case 3: { /* apply to the cache */
+		int rc = 0;
+		if (op->length) {
+			if (!op->error && op->cmd == BACKEND_WRITE &&
+			    ce->mode == CACHE_MODE_WRITETHROUGH)
+				direct_populate(op);
+			else
+				rc = for_each_entry(ce, op->offset, op->length, direct_apply, op);
+		}
+		direct_unregister(op);
+		op_finish(op, op->error ? op->error : rc);
+		return;
+	}
+	}
+}
+
+/* ---- block status ---- */
+
+struct dirty_span {
+	uint64_t start, end;
+};
+
+static int cmp_span(const void *a, const void *b)
+{
+	const struct dirty_span *x = a, *y = b;
+	return x->start < y->start ? -1 : x->start > y->start;
+}
+
+static void emit_extent(struct cache_op *op, struct nbd_extent *out, size_t *n, uint64_t len,
+			uint32_t flags)
+{
+	if (*n && out[*n - 1].flags == flags) {
+		out[*n - 1].length += len;
+		return;
+	}
+	if (*n == op->max_extents)
+		return;
+	out[(*n)++] = (struct nbd_extent){.length = len, .flags = flags};
+}
+
+/*
+ * The backend's extents, with every range that holds dirty (or in flight)
+ * data reported as data: the backend may still have a hole there. The
+ * spans come from the export's dirty list, at entry granularity.
+ */
+static int block_status_overlay(struct cache_op *op)
+{
+	struct cache_export *ce = op->ce;
+	uint64_t start = op->offset, end = op->offset;
+	for (size_t i = 0; i < op->n_extents; i++)
+		end += op->extents[i].length;
+	pthread_mutex_lock(&ce->lock);
+	size_t n = 0, cap = 16;
+	struct dirty_span *spans = malloc(cap * sizeof(*spans));
+	for (struct cache_entry *e = ce->dirty_head; e && spans; e = e->dirty_next) {
+		uint64_t eo = cache_entry_offset(e), ee = eo + cache_entry_bytes(e);
+		if (ee <= start || eo >= end)
+			continue;
+		if (n == cap) {
+			cap *= 2;
+			struct dirty_span *v = realloc(spans, cap * sizeof(*spans));
+			if (!v) {
+				free(spans);
+				spans = NULL;
+				break;
+			}
+			spans = v;
+		}
+		spans[n++] = (struct dirty_span){eo, ee};
+	}
+	pthread_mutex_unlock(&ce->lock);
+	if (!spans)
+		return -ENOMEM;
+	if (n == 0) {
+		free(spans);
+		return 0;
+	}
+	qsort(spans, n, sizeof(*spans), cmp_span);
+	struct nbd_extent *out = calloc(op->max_extents, sizeof(*out));
+	if (!out) {
+		free(spans);
+		return -ENOMEM;
+	}
+	size_t nout = 0, s = 0;
+	uint64_t pos = start;
+	for (size_t i = 0; i < op->n_extents; i++) {
+		uint64_t xend = pos + op->extents[i].length;
+		uint32_t flags = op->extents[i].flags;
+		while (pos < xend) {
+			while (s < n && spans[s].end <= pos)
+				s++;
+			if (flags == 0 || s == n || spans[s].start >= xend) {
+				emit_extent(op, out, &nout, xend - pos, flags);
+				pos = xend;
+			} else if (spans[s].start > pos) {
+				emit_extent(op, out, &nout, spans[s].start - pos, flags);
+				pos = spans[s].start;
+			} else {
+				uint64_t stop = spans[s].end < xend ? spans[s].end : xend;
+				emit_extent(op, out, &nout, stop - pos, 0);
+				pos = stop;
+			}
+		}
+	}
+	memcpy(op->extents, out, nout * sizeof(*out));
+	op->n_extents = nout;
+	free(out);
+	free(spans);
+	return 0;
+}
+
+static void passthrough_done(struct backend_io *io, int result)
+{
+	struct cache_op *op = (struct cache_op *)((char *)io - offsetof(struct cache_op, io));
+	if (result >= 0 && op->cmd == BACKEND_BLOCK_STATUS) {
+		op->n_extents = io->n_extents;
+		result = block_status_overlay(op);
+	}
+	op_finish(op, result);
+}
+
+static void passthrough(struct cache_op *op)
+{
+	op->io.cmd = op->cmd;
+	op->io.flags = op->flags;
+	op->io.offset = op->offset;
+	op->io.length = op->length;
+	op->io.extents = op->extents;
+	op->io.max_extents = op->max_extents;
+	op->io.done = passthrough_done;
+	backend_submit(op->ce->backend, &op->worker->ring, &op->io);
+}
+
+/* ---- entry points ---- */
+
+static void op_step(struct cache_op *op)
+{
+	if (op->cmd == BACKEND_READ || op->cmd == BACKEND_CACHE ||
+	    (op->cmd == BACKEND_WRITE && op->stage == -1))
+		cached_step(op);
+	else
+		direct_step(op);
+}
+
+static void op_run(struct cache_op *op)
+{
+	if (op->running) {
+		op->rerun = true;
+		return;
+	}
+	op->running = true;
+	do {
+		op->rerun = false;
+		op_step(op);
+	} while (op->rerun && !op->finished);
+	op->running = false;
+}
+
+static void op_task(struct worker_task *task)
+{
+	struct cache_op *op =
+		(struct cache_op *)((char *)task - offsetof(struct cache_op, waiter.task));
+	op_run(op);
+}
+
+void cache_submit(struct cache_op *op)
+{
+	struct cache_export *ce = op->ce;
+	op->pieces = NULL;
+	op->npieces = op->pieces_cap = 0;
+	op->pending = 0;
+	op->error = 0;
+	op->stage = 0;
+	op->registered = op->counted = op->running = op->rerun = op->finished = false;
+	op->waiter.worker = op->worker;
+	op->waiter.task.run = op_task;
+	int rc = 0;
+	switch (op->cmd) {
+	case BACKEND_READ:
+		rc = pieces_build(op, !op->no_allocate, false);
+		break;
+	case BACKEND_CACHE:
+		if (op->length > CACHE_PREFETCH_MAX)
+			op->length = CACHE_PREFETCH_MAX;
+		if (op->length > ce->cache->arena.size / 4)
+			op->length = ce->cache->arena.size / 4;
+		rc = pieces_build(op, true, false);
+		/* Nothing to read where nothing can be cached. */
+		for (size_t i = 0; i < op->npieces; i++)
+			if (!op->pieces[i].entry)
+				op->pieces[i].ready = true;
+		break;
+	case BACKEND_WRITE:
+		if (ce->mode == CACHE_MODE_WRITEBACK && !(op->flags & BACKEND_FUA)) {
+			rc = pieces_build(op, true, true);
+			if (rc == -ENOSPC) {
+				/* No room: write through, and get writeback going. */
+				pieces_release(op);
+				writeback_kick(ce->cache);
+				rc = 0;
+			} else if (rc == 0) {
+				op->stage = -1;
+			}
+		}
+		break;
+	case BACKEND_FLUSH:
+		writeback_flush(op);
+		return;
+	case BACKEND_BLOCK_STATUS:
+		passthrough(op);
+		return;
+	case BACKEND_TRIM:
+	case BACKEND_ZERO:
+		break;
+	}
+	if (rc < 0) {
+		pieces_release(op);
+		op_finish(op, rc);
+		return;
+	}
+	op_run(op);
+}
+
+bool cache_op_segment(const struct cache_op *op, size_t i, const uint8_t **data, size_t *len)
+{
+	if (i >= op->npieces)
+		return false;
+	const struct cache_piece *p = &op->pieces[i];
+	if (p->entry)
+		*data = arena_address(&op->ce->cache->arena, p->entry->frame) +
+			(size_t)(p->offset - cache_entry_offset(p->entry));
+	else
+		*data = p->buf;
+	*len = p->length;
+	return true;
+}
+
+void cache_op_release(struct cache_op *op)
+{
+	pieces_release(op);
+}
