@@ -85,6 +85,7 @@ struct cache_op {
 	size_t npieces;
 	unsigned pending; /* backend I/O in flight */
 	int error;
+	int result;
 	int stage;
 	size_t pieces_cap;
 	bool registered; /* direct op: its range is in the export's list */

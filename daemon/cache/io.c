@@ -61,10 +61,13 @@ struct cache_fill {
 
 static void op_run(struct cache_op *op);
 
+/* done() may free the op: inside op_run it is deferred to op_run's end. */
 static void op_finish(struct cache_op *op, int result)
 {
 	op->finished = true;
-	op->done(op, result);
+	op->result = result;
+	if (!op->running)
+		op->done(op, result);
 }
 
 static struct cache_shard *shard_of(struct cache_export *ce, uint64_t offset)
@@ -720,10 +723,26 @@ static void emit_extent(struct cache_op *op, struct nbd_extent *out, size_t *n, 
 	out[(*n)++] = (struct nbd_extent){.length = len, .flags = flags};
 }
 
+static int span_add(struct dirty_span **spans, size_t *n, size_t *cap, uint64_t start,
+		    uint64_t end)
+{
+	if (*n == *cap) {
+		size_t c = *cap ? *cap * 2 : 16;
+		struct dirty_span *v = realloc(*spans, c * sizeof(*v));
+		if (!v)
+			return -ENOMEM;
+		*spans = v;
+		*cap = c;
+	}
+	(*spans)[(*n)++] = (struct dirty_span){start, end};
+	return 0;
+}
+
 /*
- * The backend's extents, with every range that holds dirty (or in flight)
- * data reported as data: the backend may still have a hole there. The
- * spans come from the export's dirty list, at entry granularity.
+ * The backend's extents, with every block that holds dirty data reported
+ * as data: the backend may still have a hole there. Entries come from the
+ * export's dirty list (pinned under the export lock, see cache.h); an entry
+ * being written back counts as dirty as a whole.
  */
 static int block_status_overlay(struct cache_op *op)
 {
@@ -731,31 +750,60 @@ static int block_status_overlay(struct cache_op *op)
 	uint64_t start = op->offset, end = op->offset;
 	for (size_t i = 0; i < op->n_extents; i++)
 		end += op->extents[i].length;
+	size_t ne = 0, ecap = 0;
+	struct cache_entry **entries = NULL;
+	int rc = 0;
 	pthread_mutex_lock(&ce->lock);
-	size_t n = 0, cap = 16;
-	struct dirty_span *spans = malloc(cap * sizeof(*spans));
-	for (struct cache_entry *e = ce->dirty_head; e && spans; e = e->dirty_next) {
+	for (struct cache_entry *e = ce->dirty_head; e; e = e->dirty_next) {
 		uint64_t eo = cache_entry_offset(e), ee = eo + cache_entry_bytes(e);
 		if (ee <= start || eo >= end)
 			continue;
-		if (n == cap) {
-			cap *= 2;
-			struct dirty_span *v = realloc(spans, cap * sizeof(*spans));
+		if (ne == ecap) {
+			size_t c = ecap ? ecap * 2 : 16;
+			struct cache_entry **v = realloc(entries, c * sizeof(*v));
 			if (!v) {
-				free(spans);
-				spans = NULL;
+				rc = -ENOMEM;
 				break;
 			}
-			spans = v;
+			entries = v;
+			ecap = c;
 		}
-		spans[n++] = (struct dirty_span){eo, ee};
+		cache_entry_pin(e);
+		entries[ne++] = e;
 	}
 	pthread_mutex_unlock(&ce->lock);
-	if (!spans)
-		return -ENOMEM;
-	if (n == 0) {
+	size_t n = 0, cap = 0;
+	struct dirty_span *spans = NULL;
+	for (size_t i = 0; i < ne; i++) {
+		struct cache_entry *e = entries[i];
+		struct cache_shard *sh = shard_of(ce, cache_entry_offset(e));
+		pthread_mutex_lock(&sh->lock);
+		if (e->writeback) {
+			if (rc == 0)
+				rc = span_add(&spans, &n, &cap, cache_entry_offset(e),
+					      cache_entry_offset(e) + cache_entry_bytes(e));
+		} else {
+			uint64_t *dirty = cache_dirty_map(e);
+			for (uint32_t b = 0; b < e->nblocks && rc == 0; b++) {
+				if (!bit_test(dirty, b))
+					continue;
+				uint32_t r = b;
+				while (r < e->nblocks && bit_test(dirty, r))
+					r++;
+				uint64_t bs, be, rs, re;
+				block_range(e, b, &bs, &be);
+				block_range(e, r - 1, &rs, &re);
+				rc = span_add(&spans, &n, &cap, bs, re);
+				b = r;
+			}
+		}
+		pthread_mutex_unlock(&sh->lock);
+		cache_entry_unpin(e);
+	}
+	free(entries);
+	if (rc < 0 || n == 0) {
 		free(spans);
-		return 0;
+		return rc;
 	}
 	qsort(spans, n, sizeof(*spans), cmp_span);
 	struct nbd_extent *out = calloc(op->max_extents, sizeof(*out));
@@ -836,6 +884,8 @@ static void op_run(struct cache_op *op)
 		op_step(op);
 	} while (op->rerun && !op->finished);
 	op->running = false;
+	if (op->finished)
+		op->done(op, op->result); /* the last touch of op */
 }
 
 static void op_task(struct worker_task *task)

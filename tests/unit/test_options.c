@@ -123,6 +123,18 @@ static void test_rejections(void **state)
 		{"--threads", "two", "0..256"},
 		{"--log-level", "loud", "expected error, warn"},
 		{"--unix", "", "path empty"},
+		{"--cache-size", "512K", "from 1M"},
+		{"--cache-size", "lots", "from 1M"},
+		{"--hugepages", "yes", "auto, require or off"},
+		{"--block-size", "3000", "power of two"},
+		{"--cache-mode", "fast", "expected writeback"},
+		{"--export", "a=/x,cache-mode=fast", "expected writeback"},
+		{"--export", "a=/x,seq-cutoff=big", "bad seq-cutoff"},
+		{"--seq-cutoff", "-4", "expected a size"},
+		{"--dirty-high", "101", "0..100"},
+		{"--dirty-low", "x", "0..100"},
+		{"--dirty-low", "60", "above --dirty-high"},
+		{"--dirty-expire", "0", "1..86400"},
 	};
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
 		char *argv[] = {"nbdcached", "--export", "ok=/tmp/x", (char *)cases[i].flag,
@@ -134,6 +146,42 @@ static void test_rejections(void **state)
 			fail_msg("case %zu (%s %s): rc %d, message '%s'", i, cases[i].flag,
 				 cases[i].value, rc, err);
 	}
+}
+
+/* Cache settings: defaults, suffixes, and per-export values that win over
+ * the global ones whichever comes first on the command line. */
+static void test_cache_settings(void **state)
+{
+	(void)state;
+	char *argv[] = {"nbdcached", "--export", "a=/x,cache-mode=none,block-size=512",
+			"--export", "b=/y,seq-cutoff=4M", "--cache-size", "2G",
+			"--cache-mode", "writethrough", "--block-size", "65536",
+			"--seq-cutoff", "1M", "--dirty-high", "70", "--dirty-low", "10",
+			"--dirty-expire", "5", "--hugepages", "off", NULL};
+	struct options o;
+	char err[256] = "";
+	assert_int_equal(parse(argv, 21, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.cache_size, 2ull << 30);
+	assert_int_equal(o.hugepages, HUGEPAGES_OFF);
+	assert_int_equal(o.dirty_high, 70);
+	assert_int_equal(o.dirty_low, 10);
+	assert_int_equal(o.dirty_expire, 5);
+	assert_int_equal(o.exports[0].cache_mode, CACHE_MODE_NONE);
+	assert_int_equal(o.exports[0].block_size, 512);
+	assert_int_equal(o.exports[0].seq_cutoff, 1u << 20);
+	assert_int_equal(o.exports[1].cache_mode, CACHE_MODE_WRITETHROUGH);
+	assert_int_equal(o.exports[1].block_size, 65536);
+	assert_int_equal(o.exports[1].seq_cutoff, 4u << 20);
+	assert_string_equal(options_cache_mode_name(o.exports[1].cache_mode), "writethrough");
+	options_free(&o);
+
+	char *defaults[] = {"nbdcached", "--export", "a=/x", NULL};
+	assert_int_equal(parse(defaults, 3, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.cache_size, OPTIONS_DEFAULT_CACHE_SIZE);
+	assert_int_equal(o.hugepages, HUGEPAGES_AUTO);
+	assert_int_equal(o.exports[0].cache_mode, CACHE_MODE_WRITEBACK);
+	assert_int_equal(o.exports[0].seq_cutoff, 0);
+	options_free(&o);
 }
 
 static void test_no_export_and_duplicates(void **state)
@@ -200,6 +248,7 @@ int main(void)
 		cmocka_unit_test(test_full_command_line),
 		cmocka_unit_test(test_unix_only_has_no_default_tcp),
 		cmocka_unit_test(test_rejections),
+		cmocka_unit_test(test_cache_settings),
 		cmocka_unit_test(test_no_export_and_duplicates),
 		cmocka_unit_test(test_split_host_port),
 		cmocka_unit_test(test_help_and_version),
