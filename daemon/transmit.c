@@ -187,14 +187,16 @@ static void add_data_chunk_header(struct request *r, size_t at, size_t len, uint
 }
 
 /* Segment i of the read data, in order; false past the last one. */
-static bool request_segment(const struct request *r, size_t i, const uint8_t **data, size_t *len)
+static bool request_segment(const struct request *r, size_t i, const uint8_t **data, size_t *len,
+			    bool *may_hold_zeros)
 {
 	if (r->cached)
-		return cache_op_segment(&r->op, i, data, len);
+		return cache_op_segment(&r->op, i, data, len, may_hold_zeros);
 	if (i > 0)
 		return false;
 	*data = r->buf;
 	*len = r->buf_len;
+	*may_hold_zeros = true;
 	return true;
 }
 
@@ -203,7 +205,8 @@ static void add_all_data(struct request *r)
 {
 	const uint8_t *data;
 	size_t len;
-	for (size_t i = 0; request_segment(r, i, &data, &len); i++)
+	bool zeros;
+	for (size_t i = 0; request_segment(r, i, &data, &len, &zeros); i++)
 		add_data_ref(r, data, len);
 }
 
@@ -215,13 +218,6 @@ static void add_hole_chunk(struct request *r, size_t at, size_t len, uint16_t fl
 	add_chunk_header(r->conn, &r->hdr, flags, NBD_REPLY_TYPE_OFFSET_HOLE, sizeof(payload));
 	nbd_encode_offset_hole(payload, r->hdr.offset + at, (uint32_t)len);
 	evbuffer_add(conn_output(r->conn), payload, sizeof(payload));
-}
-
-/* Is [p, p + n) all zero bytes? (n >= 16; memcmp does the long stretch) */
-static bool all_zero(const uint8_t *p, size_t n)
-{
-	static const uint8_t zero16[16];
-	return memcmp(p, zero16, 16) == 0 && memcmp(p, p + 16, n - 16) == 0;
 }
 
 /*
@@ -264,13 +260,14 @@ static void reply_read(struct request *r)
 	bool run_hole = false, have_run = false;
 	const uint8_t *data;
 	size_t seg_len;
-	for (size_t i = 0; request_segment(r, i, &data, &seg_len); i++) {
+	bool zeros;
+	for (size_t i = 0; request_segment(r, i, &data, &seg_len, &zeros); i++) {
 		for (size_t off = 0; off < seg_len;) {
 			size_t at = pos + off;
 			size_t n = CONN_HOLE_GRANULE - (size_t)((r->hdr.offset + at) % CONN_HOLE_GRANULE);
 			if (n > seg_len - off)
 				n = seg_len - off;
-			bool hole = n == CONN_HOLE_GRANULE && all_zero(data + off, n);
+			bool hole = zeros && n == CONN_HOLE_GRANULE && cache_all_zero(data + off, n);
 			bool joins = have_run && hole == run_hole &&
 				     (hole || run_data + (at - run_start) == data + off);
 			if (have_run && !joins) {

@@ -30,6 +30,12 @@ uint64_t cache_now_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+bool cache_all_zero(const uint8_t *p, size_t n)
+{
+	static const uint8_t zero16[16];
+	return memcmp(p, zero16, 16) == 0 && memcmp(p, p + 16, n - 16) == 0;
+}
+
 static uint64_t mix64(uint64_t x)
 {
 	x ^= x >> 33;

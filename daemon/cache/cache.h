@@ -127,9 +127,14 @@ enum cache_mode cache_export_mode(const struct cache_export *ce);
 uint64_t cache_export_error_seq(struct cache_export *ce);
 
 void cache_submit(struct cache_op *op);
-/* READ result: segment i of the reply, in order; false past the last. */
-bool cache_op_segment(const struct cache_op *op, size_t i, const uint8_t **data, size_t *len);
+/* READ result: segment i of the reply, in order; false past the last.
+ * *may_hold_zeros false: no 4 KiB block in it is all zeros (skip looking). */
+bool cache_op_segment(const struct cache_op *op, size_t i, const uint8_t **data, size_t *len,
+		      bool *may_hold_zeros);
 void cache_op_release(struct cache_op *op);
+
+/* Is [p, p + n) all zero bytes? (n >= 16) */
+bool cache_all_zero(const uint8_t *p, size_t n);
 
 void cache_get_stats(struct cache *c, struct cache_stats *out);
 /* Log the statistics (SIGUSR1). */

@@ -42,6 +42,10 @@ struct cache_entry {
 	uint8_t order;
 	uint8_t queue; /* CACHE_SMALL, CACHE_MAIN or CACHE_NOT_QUEUED */
 	bool writeback; /* a writeback of this entry is in flight */
+	/* A hint for sparse reads: false while no 4 KiB block of the entry
+	 * can be all zeros (fills found none, nothing was written since), so
+	 * a hit sends it as data without reading it first. */
+	bool may_hold_zeros;
 	bool on_dirty_list;
 	uint64_t dirty_since; /* monotonic ns, when it joined the dirty list */
 	struct cache_entry *fifo_prev, *fifo_next;

@@ -195,9 +195,20 @@ static void fill_done(struct backend_io *io, int result)
 		if (got < want)
 			memset((uint8_t *)io->buf + got, 0, want - got);
 	}
+	/* Once per fill, not per hit: does it hold an all-zero 4 KiB block? */
+	bool zeros = false;
+	if (result >= 0) {
+		uint64_t want = (uint64_t)f->count << ce->block_shift;
+		const uint8_t *p = io->buf;
+		for (uint64_t at = 0; at < want && !zeros; at += ARENA_FRAME_SIZE)
+			zeros = cache_all_zero(p + at, want - at < ARENA_FRAME_SIZE ? want - at
+										    : ARENA_FRAME_SIZE);
+	}
 	pthread_mutex_lock(&sh->lock);
 	uint64_t *busy = cache_busy_map(e), *uptodate = cache_uptodate_map(e);
 	bool keep = result >= 0 && e->invalidations == f->invalidations;
+	if (keep && zeros)
+		e->may_hold_zeros = true;
 	for (uint32_t b = f->first; b < f->first + f->count; b++) {
 		bit_clear(busy, b);
 		if (keep)
@@ -416,6 +427,7 @@ static bool write_commit(struct cache_op *op, bool *blocked)
 			bit_set(uptodate, b);
 		}
 		cache_mark_dirty(e, first, last - first + 1);
+		e->may_hold_zeros = true; /* not worth scanning the payload */
 		pthread_mutex_unlock(&sh->lock);
 		cache_waitq_wake(ce->cache);
 		cache_entry_unpin(e);
@@ -582,6 +594,8 @@ static void direct_apply(struct cache_entry *e, void *arg)
 		}
 	}
 	e->invalidations++;
+	if (ok)
+		e->may_hold_zeros = true;
 	cache_dirty_list_update(e);
 }
 
@@ -953,16 +967,20 @@ void cache_submit(struct cache_op *op)
 	op_run(op);
 }
 
-bool cache_op_segment(const struct cache_op *op, size_t i, const uint8_t **data, size_t *len)
+bool cache_op_segment(const struct cache_op *op, size_t i, const uint8_t **data, size_t *len,
+		      bool *may_hold_zeros)
 {
 	if (i >= op->npieces)
 		return false;
 	const struct cache_piece *p = &op->pieces[i];
-	if (p->entry)
+	if (p->entry) {
 		*data = arena_address(&op->ce->cache->arena, p->entry->frame) +
 			(size_t)(p->offset - cache_entry_offset(p->entry));
-	else
+		*may_hold_zeros = p->entry->may_hold_zeros;
+	} else {
 		*data = p->buf;
+		*may_hold_zeros = true;
+	}
 	*len = p->length;
 	return true;
 }
