@@ -35,21 +35,34 @@
 #define WB_TICK_MS 250
 #define WB_RETRY_NS 1000000000ull
 #define WB_SHUTDOWN_RETRY_SECONDS 5
+#define WB_GROUP_MAX 512	     /* entries in one writeback group */
+#define WB_GROUP_MAX_BYTES (8u << 20) /* device bytes one group may span */
 
 struct flush_job;
 
-struct wb_op {
+/* One entry of a writeback group: its dirty bits when the write began. */
+struct wb_member {
 	struct cache_entry *e;
+	uint8_t *mem; /* stable: the entry is pinned */
+	uint64_t *bits;
+};
+
+/* Adjacent entries written back together: a run of dirty blocks may
+ * cross from one entry into the next and is still one backend write. */
+struct wb_op {
 	struct writeback *wb;
 	struct flush_job *job;
 	unsigned pending;
 	int error;
-	uint64_t bits[]; /* the dirty bits being written */
+	unsigned n;
+	uint64_t bytes;
+	struct wb_member m[WB_GROUP_MAX];
 };
 
 struct wb_io {
 	struct backend_io io;
 	struct wb_op *op;
+	uint8_t *bounce; /* a run across entries, gathered; freed when done */
 };
 
 struct flush_job {
@@ -112,17 +125,23 @@ static void wb_op_put(struct wb_op *op)
 		return;
 	struct writeback *wb = op->wb;
 	struct cache *c = wb->cache;
-	struct cache_entry *e = op->e;
-	struct cache_export *ce = e->ce;
-	struct cache_shard *sh = cache_shard_for(c, ce, cache_entry_offset(e) >> CACHE_RANGE_SHIFT);
-	pthread_mutex_lock(&sh->lock);
-	if (op->error) {
-		for (uint32_t b = 0; b < e->nblocks; b++)
-			if (bit_test(op->bits, b))
-				cache_mark_dirty(e, b, 1);
+	struct cache_export *ce = op->m[0].e->ce;
+	for (unsigned i = 0; i < op->n; i++) {
+		struct cache_entry *e = op->m[i].e;
+		struct cache_shard *sh =
+			cache_shard_for(c, ce, cache_entry_offset(e) >> CACHE_RANGE_SHIFT);
+		pthread_mutex_lock(&sh->lock);
+		if (op->error) {
+			for (uint32_t b = 0; b < e->nblocks; b++)
+				if (bit_test(op->m[i].bits, b))
+					cache_mark_dirty(e, b, 1);
+		}
+		e->writeback = false;
+		cache_dirty_list_update(e);
+		pthread_mutex_unlock(&sh->lock);
+		cache_entry_unpin(e);
+		free(op->m[i].bits);
 	}
-	e->writeback = false;
-	cache_dirty_list_update(e);
 	pthread_mutex_lock(&ce->lock);
 	bool was_failing = ce->writeback_failing;
 	if (op->error) {
@@ -136,8 +155,6 @@ static void wb_op_put(struct wb_op *op)
 		ce->writeback_failing = false;
 	}
 	pthread_mutex_unlock(&ce->lock);
-	pthread_mutex_unlock(&sh->lock);
-	cache_entry_unpin(e);
 	if (op->error) {
 		atomic_fetch_add(&c->counters.writeback_errors, 1);
 		if (!was_failing)
@@ -164,6 +181,7 @@ static void wb_io_done(struct backend_io *io, int result)
 {
 	struct wb_io *w = (struct wb_io *)io;
 	struct wb_op *op = w->op;
+	free(w->bounce);
 	free(w);
 	if (result < 0 && !op->error)
 		op->error = result;
@@ -171,81 +189,167 @@ static void wb_io_done(struct backend_io *io, int result)
 }
 
 /*
- * Start writing e back. Returns 1 if started, 0 if there is nothing to
- * write (and nothing in flight), -EBUSY if it must wait (a writeback or a
- * direct operation in flight over it), or -ENOMEM.
+ * Take e into the group (shard lock held): copy and clear its dirty bits,
+ * mark it under writeback, pin it. 1 if taken, 0 if nothing is dirty,
+ * -EBUSY if it must wait (a writeback or a direct operation in flight
+ * over it), -ENOMEM.
+ */
+static int claim_locked(struct wb_op *op, struct cache_entry *e)
+{
+	struct cache_export *ce = e->ce;
+	if (e->writeback)
+		return -EBUSY;
+	if (e->ndirty == 0)
+		return 0;
+	pthread_mutex_lock(&ce->lock);
+	bool locked = cache_direct_overlaps(ce, cache_entry_offset(e), cache_entry_bytes(e));
+	pthread_mutex_unlock(&ce->lock);
+	if (locked)
+		return -EBUSY;
+	size_t words = (e->nblocks + 63) / 64;
+	uint64_t *bits = malloc(words * sizeof(uint64_t));
+	if (!bits)
+		return -ENOMEM;
+	memcpy(bits, cache_dirty_map(e), words * sizeof(uint64_t));
+	cache_clear_dirty(e, 0, e->nblocks);
+	e->writeback = true;
+	cache_entry_pin(e);
+	op->m[op->n++] = (struct wb_member){e, arena_address(&ce->cache->arena, e->frame), bits};
+	op->bytes += cache_entry_bytes(e);
+	return 1;
+}
+
+/*
+ * Grow the group with the entries that follow it in device space, while
+ * the dirty run goes on across the boundary (so the growth saves backend
+ * requests) and the group stays within its limits.
+ */
+static void group_extend(struct wb_op *op)
+{
+	struct cache *c = op->wb->cache;
+	while (op->n < WB_GROUP_MAX && op->bytes < WB_GROUP_MAX_BYTES) {
+		struct wb_member *last = &op->m[op->n - 1];
+		struct cache_export *ce = last->e->ce;
+		if (!bit_test(last->bits, last->e->nblocks - 1))
+			return;
+		uint64_t next = last->e->first_frame + (1ull << last->e->order);
+		if (next << ARENA_FRAME_SHIFT >= ce->size)
+			return;
+		struct cache_shard *sh =
+			cache_shard_for(c, ce, next >> (CACHE_RANGE_SHIFT - ARENA_FRAME_SHIFT));
+		pthread_mutex_lock(&sh->lock);
+		struct cache_entry *e = cache_lookup(ce, sh, next);
+		int rc = 0;
+		if (e && e->first_frame == next && !e->writeback && e->ndirty &&
+		    bit_test(cache_dirty_map(e), 0))
+			rc = claim_locked(op, e);
+		pthread_mutex_unlock(&sh->lock);
+		if (rc <= 0)
+			return;
+	}
+}
+
+/* Write the run from (i0, b0) up to (i1, b1) exclusive: one backend write. */
+static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, uint32_t b1)
+{
+	struct cache *c = op->wb->cache;
+	struct cache_export *ce = op->m[0].e->ce;
+	unsigned shift = ce->block_shift;
+	if (b1 == 0 && i1 > i0) { /* ends at an entry boundary */
+		i1--;
+		b1 = op->m[i1].e->nblocks;
+	}
+	uint64_t off = cache_entry_offset(op->m[i0].e) + ((uint64_t)b0 << shift);
+	uint64_t end = cache_entry_offset(op->m[i1].e) + ((uint64_t)b1 << shift);
+	if (end > ce->size)
+		end = ce->size;
+	struct wb_io *w = calloc(1, sizeof(*w));
+	if (!w)
+		return -ENOMEM;
+	if (i0 == i1) {
+		w->io.buf = op->m[i0].mem + ((size_t)b0 << shift);
+	} else {
+		w->bounce = malloc((size_t)(end - off));
+		if (!w->bounce) {
+			free(w);
+			return -ENOMEM;
+		}
+		size_t at = 0;
+		for (unsigned i = i0; i <= i1; i++) {
+			struct wb_member *m = &op->m[i];
+			uint32_t from = i == i0 ? b0 : 0, to = i == i1 ? b1 : m->e->nblocks;
+			size_t n = (size_t)(to - from) << shift;
+			if (at + n > end - off)
+				n = (size_t)(end - off) - at;
+			memcpy(w->bounce + at, m->mem + ((size_t)from << shift), n);
+			at += n;
+		}
+		w->io.buf = w->bounce;
+	}
+	w->op = op;
+	w->io.cmd = BACKEND_WRITE;
+	w->io.offset = off;
+	w->io.length = end - off;
+	w->io.done = wb_io_done;
+	op->pending++;
+	atomic_fetch_add(&c->counters.backend_writes, 1);
+	atomic_fetch_add(&c->counters.backend_write_bytes, end - off);
+	backend_submit(ce->backend, &op->wb->thread.ring, &w->io);
+	return 0;
+}
+
+/*
+ * Start writing e back, with the dirty entries right after it. Returns 1
+ * if started, 0 if there is nothing to write (and nothing in flight),
+ * -EBUSY if it must wait, or -ENOMEM.
  */
 static int entry_writeback(struct writeback *wb, struct cache_entry *e, struct flush_job *job)
 {
 	struct cache *c = wb->cache;
 	struct cache_export *ce = e->ce;
-	struct cache_shard *sh = cache_shard_for(c, ce, cache_entry_offset(e) >> CACHE_RANGE_SHIFT);
-	pthread_mutex_lock(&sh->lock);
-	if (e->writeback) {
-		pthread_mutex_unlock(&sh->lock);
-		return -EBUSY;
-	}
-	if (e->ndirty == 0) {
-		pthread_mutex_unlock(&sh->lock);
-		return 0;
-	}
-	pthread_mutex_lock(&ce->lock);
-	bool locked = cache_direct_overlaps(ce, cache_entry_offset(e), cache_entry_bytes(e));
-	pthread_mutex_unlock(&ce->lock);
-	if (locked) {
-		pthread_mutex_unlock(&sh->lock);
-		return -EBUSY;
-	}
-	size_t words = (e->nblocks + 63) / 64;
-	struct wb_op *op = calloc(1, sizeof(*op) + words * sizeof(uint64_t));
-	if (!op) {
-		pthread_mutex_unlock(&sh->lock);
+	struct wb_op *op = calloc(1, sizeof(*op));
+	if (!op)
 		return -ENOMEM;
-	}
-	memcpy(op->bits, cache_dirty_map(e), words * sizeof(uint64_t));
-	cache_clear_dirty(e, 0, e->nblocks);
-	e->writeback = true;
-	cache_entry_pin(e);
-	uint8_t *mem = arena_address(&c->arena, e->frame); /* stable while pinned */
-	pthread_mutex_unlock(&sh->lock);
-
-	op->e = e;
 	op->wb = wb;
 	op->job = job;
+	struct cache_shard *sh = cache_shard_for(c, ce, cache_entry_offset(e) >> CACHE_RANGE_SHIFT);
+	pthread_mutex_lock(&sh->lock);
+	int rc = claim_locked(op, e);
+	pthread_mutex_unlock(&sh->lock);
+	if (rc <= 0) {
+		free(op);
+		return rc;
+	}
+	group_extend(op);
 	op->pending = 1; /* held until every run is submitted */
 	wb->inflight++;
 	if (job)
 		job->inflight++;
-	unsigned shift = ce->block_shift;
-	uint32_t b = 0;
-	while (b < e->nblocks) {
-		if (!bit_test(op->bits, b)) {
-			b++;
-			continue;
+	/* Runs of dirty blocks over the group, as one block sequence. */
+	bool in_run = false;
+	unsigned ri = 0;
+	uint32_t rb = 0;
+	for (unsigned i = 0; i < op->n && !op->error; i++) {
+		struct wb_member *m = &op->m[i];
+		for (uint32_t b = 0; b < m->e->nblocks; b++) {
+			bool dirty = bit_test(m->bits, b);
+			if (dirty && !in_run) {
+				in_run = true;
+				ri = i;
+				rb = b;
+			} else if (!dirty && in_run) {
+				in_run = false;
+				if (submit_run(op, ri, rb, i, b) < 0) {
+					op->error = -ENOMEM;
+					break;
+				}
+			}
 		}
-		uint32_t run = b;
-		while (run < e->nblocks && bit_test(op->bits, run))
-			run++;
-		uint64_t off = cache_entry_offset(e) + ((uint64_t)b << shift);
-		uint64_t len = (uint64_t)(run - b) << shift;
-		if (off + len > ce->size)
-			len = ce->size - off;
-		struct wb_io *w = calloc(1, sizeof(*w));
-		if (!w) {
+	}
+	if (in_run && !op->error) {
+		unsigned last = op->n - 1;
+		if (submit_run(op, ri, rb, last, op->m[last].e->nblocks) < 0)
 			op->error = -ENOMEM;
-			break;
-		}
-		w->op = op;
-		w->io.cmd = BACKEND_WRITE;
-		w->io.offset = off;
-		w->io.length = len;
-		w->io.buf = mem + ((size_t)b << shift);
-		w->io.done = wb_io_done;
-		op->pending++;
-		atomic_fetch_add(&c->counters.backend_writes, 1);
-		atomic_fetch_add(&c->counters.backend_write_bytes, len);
-		backend_submit(ce->backend, &wb->thread.ring, &w->io);
-		b = run;
 	}
 	uring_submit(&wb->thread.ring);
 	wb_op_put(op); /* the hold: completes now if every write already has */
