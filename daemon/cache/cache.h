@@ -50,6 +50,7 @@ struct cache;
 struct cache_export;
 struct cache_entry;
 struct cache_piece;
+struct cache_span;
 
 /* Someone waiting for the cache to change (a fill or writeback to finish). */
 struct cache_waiter {
@@ -92,6 +93,8 @@ struct cache_op {
 	bool counted;	 /* hit / miss already counted */
 	bool running, rerun, finished;
 	struct cache_waiter waiter;
+	struct cache_span *spans; /* BLOCK_STATUS: dirty ranges, sorted */
+	size_t nspans;
 	struct backend_io io; /* direct operations */
 	struct cache_op *direct_next;
 };

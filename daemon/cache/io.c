@@ -240,7 +240,7 @@ static void bypass_done(struct backend_io *io, int result)
 
 static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offset,
 		       uint64_t length, void *buf, uint32_t first, uint32_t count,
-		       void (*done)(struct backend_io *, int))
+		       uint32_t invalidations, void (*done)(struct backend_io *, int))
 {
 	struct cache_fill *f = calloc(1, sizeof(*f));
 	if (!f)
@@ -252,8 +252,7 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
 	f->piece = p;
 	f->first = first;
 	f->count = count;
-	if (p->entry)
-		f->invalidations = p->entry->invalidations;
+	f->invalidations = invalidations;
 	f->io.cmd = BACKEND_READ;
 	f->io.offset = offset;
 	f->io.length = length;
@@ -329,7 +328,7 @@ static int op_examine(struct cache_op *op, bool *blocked)
 				return -ENOMEM;
 			p->issued = true;
 			atomic_fetch_add(&ce->cache->counters.bypass_reads, 1);
-			int rc = submit_read(op, p, p->offset, p->length, p->buf, 0, 0, bypass_done);
+			int rc = submit_read(op, p, p->offset, p->length, p->buf, 0, 0, 0, bypass_done);
 			if (rc < 0)
 				return rc;
 			continue;
@@ -349,16 +348,27 @@ static int op_examine(struct cache_op *op, bool *blocked)
 		if (piece_examine(op, p, runs, &nruns, &any_cached))
 			*blocked = true;
 		uint32_t frame = e->frame; /* stable: the entry is pinned */
+		uint32_t invalidations = e->invalidations;
 		pthread_mutex_unlock(&sh->lock);
 		if (!p->ready)
 			all_ready = false;
 		int rc = 0;
-		for (size_t k = 0; k < nruns && rc == 0; k++) {
+		size_t k;
+		for (k = 0; k < nruns && rc == 0; k++) {
 			uint64_t off = cache_entry_offset(e) + ((uint64_t)runs[k].first << ce->block_shift);
 			uint8_t *buf = arena_address(&ce->cache->arena, frame) +
 				       ((size_t)runs[k].first << ce->block_shift);
 			rc = submit_read(op, p, off, (uint64_t)runs[k].count << ce->block_shift, buf,
-					 runs[k].first, runs[k].count, fill_done);
+					 runs[k].first, runs[k].count, invalidations, fill_done);
+		}
+		if (rc < 0) {
+			/* The runs not submitted must not stay busy: nobody would clear them. */
+			pthread_mutex_lock(&sh->lock);
+			for (k = k - 1; k < nruns; k++)
+				for (uint32_t b = runs[k].first; b < runs[k].first + runs[k].count; b++)
+					bit_clear(cache_busy_map(e), b);
+			pthread_mutex_unlock(&sh->lock);
+			cache_waitq_wake(ce->cache);
 		}
 		if (runs != stack_runs)
 			free(runs);
@@ -443,6 +453,8 @@ static bool write_commit(struct cache_op *op, bool *blocked)
 
 static void op_wait(struct cache_op *op, uint64_t seq)
 {
+	if (op->rerun)
+		return; /* a completion ran inline: look again before waiting */
 	if (!cache_waitq_wait(op->ce->cache, &op->waiter, seq))
 		op->rerun = true;
 }
@@ -524,8 +536,10 @@ static int for_each_entry(struct cache_export *ce, uint64_t offset, uint64_t len
 	bool by_list = last - first >= 2 * nodes + 16;
 	if (by_list) {
 		int rc = cache_ranges_between(ce, first, last, &list, &n);
-		if (rc < 0)
+		/* Out of memory: walking by index needs none, if not too long. */
+		if (rc < 0 && last - first >= (1u << 20))
 			return rc;
+		by_list = rc == 0;
 	}
 	for (uint64_t k = 0; by_list ? k < n : first + k <= last; k++) {
 		uint64_t index = by_list ? list[k] : first + k;
@@ -577,6 +591,12 @@ static void direct_apply(struct cache_entry *e, void *arg)
 		if (!ok) {
 			if (bit_test(uptodate, blk) && !bit_test(dirty, blk))
 				bit_clear(uptodate, blk);
+			continue;
+		}
+		if (op->cmd == BACKEND_TRIM && full) {
+			/* The backend decides what a trimmed block reads as. */
+			cache_clear_dirty(e, blk, 1);
+			bit_clear(uptodate, blk);
 			continue;
 		}
 		bool up = bit_test(uptodate, blk);
@@ -697,58 +717,69 @@ static void direct_step(struct cache_op *op)
 		backend_submit(ce->backend, &op->worker->ring, &op->io);
 		return;
 	}
-	case 3: { /* apply to the cache */
-		int rc = 0;
+	case 3: /* apply to the cache */
 		if (op->length) {
 			if (!op->error && op->cmd == BACKEND_WRITE &&
-			    ce->mode == CACHE_MODE_WRITETHROUGH)
+			    ce->mode == CACHE_MODE_WRITETHROUGH) {
 				direct_populate(op);
-			else
-				rc = for_each_entry(ce, op->offset, op->length, direct_apply, op);
+			} else if (for_each_entry(ce, op->offset, op->length, direct_apply, op) < 0) {
+				/*
+				 * The backend has changed: the cache must follow or
+				 * serve stale data. Only memory can be missing here;
+				 * try again (the range stays registered meanwhile).
+				 */
+				log_warn("cache: out of memory applying a write to the cache; "
+					 "retrying");
+				op->rerun = true;
+				return;
+			}
 		}
 		direct_unregister(op);
-		op_finish(op, op->error ? op->error : rc);
+		op_finish(op, op->error);
 		return;
-	}
 	}
 }
 
 /* ---- block status ---- */
 
-struct dirty_span {
+struct cache_span {
 	uint64_t start, end;
 };
 
 static int cmp_span(const void *a, const void *b)
 {
-	const struct dirty_span *x = a, *y = b;
+	const struct cache_span *x = a, *y = b;
 	return x->start < y->start ? -1 : x->start > y->start;
 }
 
 static void emit_extent(struct cache_op *op, struct nbd_extent *out, size_t *n, uint64_t len,
-			uint32_t flags)
+			uint32_t flags, bool *full)
 {
+	if (*full)
+		return;
 	if (*n && out[*n - 1].flags == flags) {
 		out[*n - 1].length += len;
 		return;
 	}
-	if (*n == op->max_extents)
+	if (*n == op->max_extents) {
+		*full = true;
 		return;
+	}
 	out[(*n)++] = (struct nbd_extent){.length = len, .flags = flags};
 }
 
-static int span_add(struct dirty_span **spans, size_t *n, size_t *cap, uint64_t start,
+static int span_add(struct cache_span **spans, size_t *n, size_t *cap, uint64_t start,
 		    uint64_t end)
 {
 	if (*n == *cap) {
 		size_t c = *cap ? *cap * 2 : 16;
-		struct dirty_span *v = realloc(*spans, c * sizeof(*v));
+		struct cache_span *v = realloc(*spans, c * sizeof(*v));
 		if (!v)
 			return -ENOMEM;
 		*spans = v;
 		*cap = c;
 	}
-	(*spans)[(*n)++] = (struct dirty_span){start, end};
+	(*spans)[(*n)++] = (struct cache_span){start, end};
 	return 0;
 }
 
@@ -758,12 +789,10 @@ static int span_add(struct dirty_span **spans, size_t *n, size_t *cap, uint64_t 
  * export's dirty list (pinned under the export lock, see cache.h); an entry
  * being written back counts as dirty as a whole.
  */
-static int block_status_overlay(struct cache_op *op)
+static int collect_dirty_spans(struct cache_op *op)
 {
 	struct cache_export *ce = op->ce;
-	uint64_t start = op->offset, end = op->offset;
-	for (size_t i = 0; i < op->n_extents; i++)
-		end += op->extents[i].length;
+	uint64_t start = op->offset, end = op->offset + op->length;
 	size_t ne = 0, ecap = 0;
 	struct cache_entry **entries = NULL;
 	int rc = 0;
@@ -787,7 +816,7 @@ static int block_status_overlay(struct cache_op *op)
 	}
 	pthread_mutex_unlock(&ce->lock);
 	size_t n = 0, cap = 0;
-	struct dirty_span *spans = NULL;
+	struct cache_span *spans = NULL;
 	for (size_t i = 0; i < ne; i++) {
 		struct cache_entry *e = entries[i];
 		struct cache_shard *sh = shard_of(ce, cache_entry_offset(e));
@@ -815,17 +844,34 @@ static int block_status_overlay(struct cache_op *op)
 		cache_entry_unpin(e);
 	}
 	free(entries);
-	if (rc < 0 || n == 0) {
+	if (rc < 0) {
 		free(spans);
 		return rc;
 	}
 	qsort(spans, n, sizeof(*spans), cmp_span);
+	op->spans = spans;
+	op->nspans = n;
+	return 0;
+}
+
+/*
+ * The backend's extents, with every dirty block reported as data (the
+ * backend may still have a hole there). The dirty spans were collected
+ * before the backend was asked (collect_dirty_spans), so data written back
+ * in between is seen by one or the other.
+ */
+static int block_status_overlay(struct cache_op *op)
+{
+	uint64_t start = op->offset;
+	struct cache_span *spans = op->spans;
+	size_t n = op->nspans;
+	if (n == 0)
+		return 0;
 	struct nbd_extent *out = calloc(op->max_extents, sizeof(*out));
-	if (!out) {
-		free(spans);
+	if (!out)
 		return -ENOMEM;
-	}
 	size_t nout = 0, s = 0;
+	bool full = false;
 	uint64_t pos = start;
 	for (size_t i = 0; i < op->n_extents; i++) {
 		uint64_t xend = pos + op->extents[i].length;
@@ -834,14 +880,14 @@ static int block_status_overlay(struct cache_op *op)
 			while (s < n && spans[s].end <= pos)
 				s++;
 			if (flags == 0 || s == n || spans[s].start >= xend) {
-				emit_extent(op, out, &nout, xend - pos, flags);
+				emit_extent(op, out, &nout, xend - pos, flags, &full);
 				pos = xend;
 			} else if (spans[s].start > pos) {
-				emit_extent(op, out, &nout, spans[s].start - pos, flags);
+				emit_extent(op, out, &nout, spans[s].start - pos, flags, &full);
 				pos = spans[s].start;
 			} else {
 				uint64_t stop = spans[s].end < xend ? spans[s].end : xend;
-				emit_extent(op, out, &nout, stop - pos, 0);
+				emit_extent(op, out, &nout, stop - pos, 0, &full);
 				pos = stop;
 			}
 		}
@@ -849,7 +895,6 @@ static int block_status_overlay(struct cache_op *op)
 	memcpy(op->extents, out, nout * sizeof(*out));
 	op->n_extents = nout;
 	free(out);
-	free(spans);
 	return 0;
 }
 
@@ -860,6 +905,8 @@ static void passthrough_done(struct backend_io *io, int result)
 		op->n_extents = io->n_extents;
 		result = block_status_overlay(op);
 	}
+	free(op->spans);
+	op->spans = NULL;
 	op_finish(op, result);
 }
 
@@ -918,6 +965,8 @@ void cache_submit(struct cache_op *op)
 	op->error = 0;
 	op->stage = 0;
 	op->registered = op->counted = op->running = op->rerun = op->finished = false;
+	op->spans = NULL;
+	op->nspans = 0;
 	op->waiter.worker = op->worker;
 	op->waiter.task.run = op_task;
 	int rc = 0;
@@ -953,6 +1002,11 @@ void cache_submit(struct cache_op *op)
 		writeback_flush(op);
 		return;
 	case BACKEND_BLOCK_STATUS:
+		rc = collect_dirty_spans(op);
+		if (rc < 0) {
+			op_finish(op, rc);
+			return;
+		}
 		passthrough(op);
 		return;
 	case BACKEND_TRIM:

@@ -75,6 +75,7 @@ struct flush_job {
 	int error;
 	int stage; /* 0 writing, 1 flushing the backend, 2 done */
 	bool advancing, again; /* completions may run inside flush_advance */
+	bool waiting; /* on the waitq, or its waiter task posted */
 	struct backend_io flush_io;
 	struct cache_waiter waiter;
 	struct worker_task start, reply;
@@ -92,6 +93,7 @@ struct writeback {
 	unsigned inflight;
 	bool draining;
 	bool in_pass, pass_again; /* background_pass is re-entered by inline completions */
+	uint64_t jobs_ended;
 
 	/* shutdown */
 	struct worker_task stop_task;
@@ -106,12 +108,21 @@ struct writeback {
 static void flush_advance(struct flush_job *job);
 static void shutdown_pass(struct writeback *wb);
 
+/*
+ * Advance every job not already waiting to be woken. A job may end (and be
+ * freed) inside another's advance (completions can run inline), so the
+ * walk starts over whenever one ends.
+ */
 static void advance_all(struct writeback *wb)
 {
-	struct flush_job *job = wb->jobs;
-	while (job) {
+restart:;
+	uint64_t ended = wb->jobs_ended;
+	for (struct flush_job *job = wb->jobs; job;) {
 		struct flush_job *next = job->next;
-		flush_advance(job);
+		if (!job->waiting)
+			flush_advance(job);
+		if (wb->jobs_ended != ended)
+			goto restart;
 		job = next;
 	}
 }
@@ -459,6 +470,7 @@ static void flush_job_end(struct flush_job *job)
 	while (*pp != job)
 		pp = &(*pp)->next;
 	*pp = job->next;
+	wb->jobs_ended++;
 	for (size_t i = 0; i < job->n; i++)
 		if (job->entries[i])
 			cache_entry_unpin(job->entries[i]);
@@ -489,6 +501,7 @@ static void flush_waiter_task(struct worker_task *task)
 {
 	struct flush_job *job =
 		(struct flush_job *)((char *)task - offsetof(struct flush_job, waiter.task));
+	job->waiting = false;
 	flush_advance(job);
 }
 
@@ -544,8 +557,12 @@ static void flush_advance_once(struct flush_job *job)
 			uring_submit(&wb->thread.ring);
 			return;
 		}
-		if (cache_waitq_wait(wb->cache, &job->waiter, seq))
+		if (job->again)
+			return; /* flush_advance loops */
+		if (cache_waitq_wait(wb->cache, &job->waiter, seq)) {
+			job->waiting = true;
 			return;
+		}
 	}
 }
 
