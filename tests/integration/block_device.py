@@ -20,7 +20,6 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import nbdtest  # noqa: E402
-from nbdtest import log  # noqa: E402
 
 import nbd  # noqa: E402
 

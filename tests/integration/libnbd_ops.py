@@ -28,7 +28,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import nbdtest  # noqa: E402
 from nbdtest import Failed, clip_segments, expect_nbd_error, file_layout, log, \
-    merge_segments, read_at  # noqa: E402
+    read_at  # noqa: E402
 from nbdtest import require as expect  # noqa: E402  (raises Failed: ends the check)
 
 import nbd  # noqa: E402
@@ -53,25 +53,7 @@ def expect_bytes(got, want, what):
                      % (what, nbdtest.first_diff(got, want), len(got), len(want)))
 
 
-def status_map(h, offset, length, flags=0):
-    """Walk block status over [offset, offset+length) -> merged (start, end, flags)."""
-    segs = []
-    pos = offset
-    end = offset + length
-    for _ in range(10000):
-        if pos >= end:
-            break
-        got = []
-
-        def cb(ctx, off, entries, err):
-            if ctx == nbd.CONTEXT_BASE_ALLOCATION:
-                expect(off == pos, "extents for offset %d, asked %d" % (off, pos))
-                got.extend(entries)
-            return 0
-        h.block_status(end - pos, pos, cb, flags)
-        expect(got, "no base:allocation extents at %d" % pos)
-        pos = nbdtest.add_extents(segs, pos, end, zip(got[0::2], got[1::2]))
-    return merge_segments(segs)
+status_map = nbdtest.block_status_map
 
 
 def connect(d, export, meta=True, unix=True):

@@ -614,6 +614,7 @@ def block_status_map(h, offset, length, flags=0):
 
         def cb(ctx, off, entries, err):
             if ctx == nbd.CONTEXT_BASE_ALLOCATION:
+                require(off == pos, "extents for offset %d, asked %d" % (off, pos))
                 got.extend(entries)
             return 0
         h.block_status(end - pos, pos, cb, flags)
