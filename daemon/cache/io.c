@@ -848,7 +848,8 @@ static int collect_dirty_spans(struct cache_op *op)
 		free(spans);
 		return rc;
 	}
-	qsort(spans, n, sizeof(*spans), cmp_span);
+	if (n)
+		qsort(spans, n, sizeof(*spans), cmp_span);
 	op->spans = spans;
 	op->nspans = n;
 	return 0;
