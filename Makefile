@@ -27,8 +27,8 @@ ALL_CFLAGS = $(OPT) -std=c11 $(WARN) -D_FORTIFY_SOURCE=2 -fstack-protector-stron
 	  -D_GNU_SOURCE -D_FILE_OFFSET_BITS=64 -pthread -I. -MMD -MP $(SANITIZE) $(M32) $(CFLAGS)
 ALL_LDFLAGS = -pthread $(SANITIZE) $(M32) $(LDFLAGS)
 
-DAEMON_LIBS := $(shell pkg-config --libs libevent_pthreads liburing 2>/dev/null || echo -levent -levent_pthreads -luring)
-DAEMON_CFLAGS := $(shell pkg-config --cflags libevent liburing 2>/dev/null)
+DAEMON_LIBS := $(shell pkg-config --libs libevent_pthreads liburing libnbd 2>/dev/null || echo -levent -levent_pthreads -luring -lnbd)
+DAEMON_CFLAGS := $(shell pkg-config --cflags libevent liburing libnbd 2>/dev/null)
 
 # The codec: pure, no dependency.
 PROTO_SRC := $(wildcard proto/*.c)

@@ -25,7 +25,10 @@ int export_table_open(struct export_table *table, const struct options *opts,
 	for (size_t i = 0; i < opts->export_count; i++) {
 		const struct export_spec *spec = &opts->exports[i];
 		struct export *e = &table->exports[i];
-		int rc = backend_file_open(spec->backend, spec->readonly, &e->backend);
+		int rc = backend_nbd_handles(spec->backend)
+				 ? backend_nbd_open(spec->backend, spec->readonly,
+						    opts->backend_timeout, &e->backend)
+				 : backend_file_open(spec->backend, spec->readonly, &e->backend);
 		if (rc < 0) {
 			log_error("export '%s': cannot open %s: %s", spec->name, spec->backend,
 				  strerror(-rc));
@@ -40,6 +43,11 @@ int export_table_open(struct export_table *table, const struct options *opts,
 			return -ENOMEM;
 		}
 		e->readonly = spec->readonly || e->backend->readonly;
+		/* The cache works in blocks the backend accepts. */
+		struct export_spec fitted = *spec;
+		while (fitted.block_size < e->backend->min_block && fitted.block_size < 65536)
+			fitted.block_size *= 2;
+		spec = &fitted;
 		e->block_size = spec->block_size;
 		e->max_payload = NBD_DEFAULT_MAX_PAYLOAD;
 		e->cache_mode = spec->cache_mode;
@@ -53,6 +61,19 @@ int export_table_open(struct export_table *table, const struct options *opts,
 			 e->name, e->backend->ops->kind, spec->backend,
 			 (unsigned long long)e->backend->size, e->readonly ? ", read-only" : "",
 			 options_cache_mode_name(e->cache_mode), e->block_size);
+	}
+	return 0;
+}
+
+int export_table_start(struct export_table *table)
+{
+	for (size_t i = 0; i < table->count; i++) {
+		int rc = backend_start(table->exports[i].backend);
+		if (rc < 0) {
+			log_error("export '%s': cannot start its backend: %s", table->exports[i].name,
+				  strerror(-rc));
+			return rc;
+		}
 	}
 	return 0;
 }

@@ -38,6 +38,8 @@ struct export_table {
  * which export failed. */
 int export_table_open(struct export_table *table, const struct options *opts,
 		      struct cache *cache);
+/* Start the backends' threads, if they have any (after detaching). */
+int export_table_start(struct export_table *table);
 void export_table_close(struct export_table *table);
 /* The export of that name; "" is the first export (the default). */
 const struct export *export_find(const struct export_table *table, const char *name, size_t len);

@@ -85,7 +85,7 @@ static void enter_transmission(struct conn *c, const struct export *e)
 		.eflags = export_eflags(e, c->structured),
 		.size = export_size(e),
 		.max_payload = e->max_payload,
-		.min_block = 1,
+		.min_block = e->backend->min_block,
 	};
 	log_info("conn %llu: export \"%s\" negotiated structured=%d extended=%d meta=%d",
 		 (unsigned long long)c->id, e->name, c->structured, c->extended,
@@ -130,7 +130,7 @@ static void send_info(struct conn *c, uint32_t option, const struct export *e,
 				      strlen(e->description), NULL, 0);
 	}
 	/* Always sent: a client that ignores it loses nothing (minimum is 1). */
-	n = nbd_encode_info_block_size(buf, 1, e->block_size, e->max_payload);
+	n = nbd_encode_info_block_size(buf, e->backend->min_block, e->block_size, e->max_payload);
 	option_reply(c, option, NBD_REP_INFO, buf, n);
 }
 

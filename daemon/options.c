@@ -39,6 +39,9 @@ const char *options_usage(void)
 	       "                 [--cache-size SIZE] [--hugepages auto|require|off]\n"
 	       "                 [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]\n"
 	       "                 [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]\n"
+	       "                 [--backend-timeout SECONDS]\n"
+	       "BACKEND is a file or block device, an NBD URI (nbd://HOST[:PORT]/NAME,\n"
+	       "nbd+unix:///NAME?socket=PATH, nbds://...) or nbdkit:PLUGIN [ARG...].\n"
 	       "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
 	       "writearound or none. SIZE takes a K, M, G or T suffix. Default listen: "
 	       OPTIONS_DEFAULT_LISTEN " (when neither --listen nor --unix is given).\n"
@@ -332,6 +335,7 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 		{"dirty-high", required_argument, NULL, 'D'},
 		{"dirty-low", required_argument, NULL, 'd'},
 		{"dirty-expire", required_argument, NULL, 'E'},
+		{"backend-timeout", required_argument, NULL, 'T'},
 		{"help", no_argument, NULL, 'h'},
 		{"version", no_argument, NULL, 'V'},
 		{NULL, 0, NULL, 0},
@@ -345,10 +349,11 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 	out->dirty_high = OPTIONS_DEFAULT_DIRTY_HIGH;
 	out->dirty_low = OPTIONS_DEFAULT_DIRTY_LOW;
 	out->dirty_expire = OPTIONS_DEFAULT_DIRTY_EXPIRE;
+	out->backend_timeout = OPTIONS_DEFAULT_BACKEND_TIMEOUT;
 	optind = 1;
 	opterr = 0;
 	for (;;) {
-		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:C:H:B:M:S:D:d:E:hV", longopts, NULL);
+		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:C:H:B:M:S:D:d:E:T:hV", longopts, NULL);
 		if (c == -1)
 			break;
 		switch (c) {
@@ -494,6 +499,16 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 				goto error;
 			}
 			out->dirty_expire = (unsigned)v;
+			break;
+		}
+		case 'T': {
+			uint64_t v;
+			if (parse_u64(optarg, &v) < 0 || v == 0 || v > 86400) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--backend-timeout %s: expected 1..86400 seconds", optarg);
+				goto error;
+			}
+			out->backend_timeout = (unsigned)v;
 			break;
 		}
 		case 'h':

@@ -13,6 +13,10 @@
  *             [--cache-size SIZE] [--hugepages auto|require|off]
  *             [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]
  *             [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]
+ *             [--backend-timeout SECONDS]
+ *
+ * BACKEND is a file or block device path, an NBD URI (nbd://, nbds://,
+ * nbd+unix://...) or "nbdkit:PLUGIN [ARG...]".
  *
  * Per-export settings left out take the global value, whatever the order of
  * the options on the command line.
@@ -34,6 +38,7 @@
 #define OPTIONS_DEFAULT_DIRTY_HIGH 50
 #define OPTIONS_DEFAULT_DIRTY_LOW 25
 #define OPTIONS_DEFAULT_DIRTY_EXPIRE 30
+#define OPTIONS_DEFAULT_BACKEND_TIMEOUT 30
 
 /* What the cache does with an export's reads and writes (DESIGN.md). */
 enum cache_mode {
@@ -48,7 +53,7 @@ enum hugepages_policy { HUGEPAGES_AUTO, HUGEPAGES_REQUIRE, HUGEPAGES_OFF };
 
 struct export_spec {
 	char *name;
-	char *backend;	   /* a path for now; URIs come with the nbd backend */
+	char *backend;	   /* a path, an NBD URI or "nbdkit:PLUGIN ARG..." */
 	char *description; /* NULL when none */
 	bool readonly;
 	uint32_t block_size; /* power of two, 512..65536 */
@@ -77,6 +82,7 @@ struct options {
 	uint64_t seq_cutoff;
 	unsigned dirty_high, dirty_low; /* percent of cache_size */
 	unsigned dirty_expire;		/* seconds */
+	unsigned backend_timeout;	/* seconds a request waits for a lost backend */
 	bool help;
 	bool version;
 };

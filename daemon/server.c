@@ -241,6 +241,8 @@ int server_run(const struct options *opts)
 	s.accept_resume = evtimer_new(s.base, on_accept_resume, &s);
 	if (!s.accept_resume)
 		goto out_base;
+	if (export_table_start(&s.exports) < 0)
+		goto out_base;
 	rc = cache_start(s.cache);
 	if (rc < 0) {
 		log_error("cache: cannot start the writeback thread: %s", strerror(-rc));

@@ -445,7 +445,7 @@ static void request_start(struct request *r)
 		io->length = length;
 		io->buf = r->buf;
 		io->done = request_backend_done;
-		backend_submit(c->export->backend, &c->worker->ring, io);
+		backend_submit(c->export->backend, c->worker, io);
 		return;
 	}
 	struct cache_op *op = &r->op;

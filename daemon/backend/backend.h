@@ -3,8 +3,9 @@
  *
  * Owns: the asynchronous backend interface. A caller fills a struct
  * backend_io (command, offset, length, buffer, flags, done callback) and
- * calls backend_submit() from a worker thread, passing that worker's ring.
- * The done callback runs later on the same thread with 0 or -errno; it may
+ * calls backend_submit() from a worker thread (a struct worker: a
+ * connection worker or the writeback thread), passing that worker. The
+ * done callback runs later on the same thread with 0 or -errno; it may
  * also run before backend_submit() returns (a backend that can answer at
  * once, such as block status from lseek), so callers must not touch the
  * backend_io after submitting it except from the callback.
@@ -16,7 +17,9 @@
  * Locking: a backend is shared by every worker; its operations are
  * thread-safe (they use the caller's ring and positional I/O only).
  *
- * Implementations: file.c (regular file or block device, io_uring).
+ * Implementations: file.c (regular file or block device, io_uring on the
+ * worker's ring), nbd.c (another NBD server through libnbd, on the
+ * backend's own thread; completions are posted back to the worker).
  */
 #ifndef NBDCACHED_DAEMON_BACKEND_H
 #define NBDCACHED_DAEMON_BACKEND_H
@@ -26,6 +29,7 @@
 #include <stdint.h>
 
 #include "daemon/uring.h"
+#include "daemon/worker.h"
 #include "proto/nbd.h"
 
 enum backend_cmd {
@@ -59,8 +63,14 @@ struct backend_io {
 
 	/* Private to the backend. */
 	struct backend *backend;
+	struct worker *worker;
 	struct uring *ring;
 	struct uring_op op;
+	struct worker_task task;
+	int result;
+	uint32_t state; /* backend-specific flags */
+	uint64_t deadline_ns;
+	struct backend_io *queue_next, *deferred_next;
 	uint64_t progress;
 	int stage;
 };
@@ -68,6 +78,8 @@ struct backend_io {
 struct backend_ops {
 	const char *kind;
 	void (*submit)(struct backend *be, struct backend_io *io);
+	/* Optional: start threads (after the daemon has detached). */
+	int (*start)(struct backend *be);
 	void (*close)(struct backend *be);
 };
 
@@ -82,11 +94,23 @@ struct backend {
 
 /* Open a regular file or block device. readonly opens it O_RDONLY. */
 int backend_file_open(const char *path, bool readonly, struct backend **out);
+/* Is spec an NBD URI or "nbdkit:PLUGIN ..." (nbd.c)? */
+bool backend_nbd_handles(const char *spec);
+/* Connect to an NBD server (or start nbdkit) now; requests wait up to
+ * timeout_seconds for a lost connection to come back. */
+int backend_nbd_open(const char *spec, bool readonly, unsigned timeout_seconds,
+		     struct backend **out);
 
-static inline void backend_submit(struct backend *be, struct uring *ring, struct backend_io *io)
+static inline int backend_start(struct backend *be)
+{
+	return be->ops->start ? be->ops->start(be) : 0;
+}
+
+static inline void backend_submit(struct backend *be, struct worker *w, struct backend_io *io)
 {
 	io->backend = be;
-	io->ring = ring;
+	io->worker = w;
+	io->ring = &w->ring;
 	io->progress = 0;
 	io->stage = 0;
 	be->ops->submit(be, io);

@@ -261,7 +261,7 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
 	op->pending++;
 	atomic_fetch_add(&ce->cache->counters.backend_reads, 1);
 	atomic_fetch_add(&ce->cache->counters.backend_read_bytes, length);
-	backend_submit(ce->backend, &op->worker->ring, &f->io);
+	backend_submit(ce->backend, op->worker, &f->io);
 	return 0;
 }
 
@@ -714,7 +714,7 @@ static void direct_step(struct cache_op *op)
 			atomic_fetch_add(&c->counters.backend_write_bytes, op->length);
 			atomic_fetch_add(&c->counters.direct_writes, 1);
 		}
-		backend_submit(ce->backend, &op->worker->ring, &op->io);
+		backend_submit(ce->backend, op->worker, &op->io);
 		return;
 	}
 	case 3: /* apply to the cache */
@@ -920,7 +920,7 @@ static void passthrough(struct cache_op *op)
 	op->io.extents = op->extents;
 	op->io.max_extents = op->max_extents;
 	op->io.done = passthrough_done;
-	backend_submit(op->ce->backend, &op->worker->ring, &op->io);
+	backend_submit(op->ce->backend, op->worker, &op->io);
 }
 
 /* ---- entry points ---- */

@@ -305,7 +305,7 @@ static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, u
 	op->pending++;
 	atomic_fetch_add(&c->counters.backend_writes, 1);
 	atomic_fetch_add(&c->counters.backend_write_bytes, end - off);
-	backend_submit(ce->backend, &op->wb->thread.ring, &w->io);
+	backend_submit(ce->backend, &op->wb->thread, &w->io);
 	return 0;
 }
 
@@ -553,7 +553,7 @@ static void flush_advance_once(struct flush_job *job)
 			memset(&job->flush_io, 0, sizeof(job->flush_io));
 			job->flush_io.cmd = BACKEND_FLUSH;
 			job->flush_io.done = flush_backend_done;
-			backend_submit(job->ce->backend, &wb->thread.ring, &job->flush_io);
+			backend_submit(job->ce->backend, &wb->thread, &job->flush_io);
 			uring_submit(&wb->thread.ring);
 			return;
 		}
