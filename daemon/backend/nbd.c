@@ -304,6 +304,13 @@ static void wait_for_connection(struct nbd_backend *nb, struct backend_io *io)
 	}
 }
 
+/* Errors that say the connection broke, not that the server refused. */
+static bool connection_error(int e)
+{
+	return e == ENOTCONN || e == ESHUTDOWN || e == ECONNRESET || e == EPIPE ||
+	       e == ECONNABORTED || e == ETIMEDOUT;
+}
+
 static int chunk_complete(void *user_data, int *error)
 {
 	struct nbd_chunk *ch = user_data;
@@ -340,9 +347,8 @@ static void chunk_free(void *user_data)
 	struct backend_io *io = ch->io;
 	struct nbd_backend *nb = to_nbd(io->backend);
 	/* No nbd_* call here: libnbd holds the handle's lock (libnbd(3)). */
-	bool gone = ch->error == ENOTCONN || ch->error == ESHUTDOWN || ch->error == ECONNRESET ||
-		    ch->error == EPIPE;
-	bool lost = !(io->state & IO_ISSUING) && (!ch->completed || !ch->conn->live || gone);
+	bool lost = !(io->state & IO_ISSUING) &&
+		    (!ch->completed || !ch->conn->live || connection_error(ch->error));
 	if (lost)
 		io->state |= IO_RESTART;
 	else if (ch->error && !io->result)
@@ -430,11 +436,13 @@ static int issue_chunk(struct nbd_backend *nb, struct nbd_conn *c, struct backen
 	io->state &= ~IO_ISSUING;
 	if (cookie < 0) {
 		/* libnbd freed the closure (chunk_free ran) already. */
-		if (nbd_aio_is_dead(c->h) || nbd_aio_is_closed(c->h) || !nbd_aio_is_ready(c->h)) {
+		int e = nbd_get_errno();
+		if (connection_error(e) || nbd_aio_is_dead(c->h) || nbd_aio_is_closed(c->h)) {
 			io->state |= IO_RESTART; /* send it again on a new connection */
+			conn_lost(c);
 			return 0;
 		}
-		return -(nbd_get_errno() ? nbd_get_errno() : EIO);
+		return -(e ? e : EIO);
 	}
 	return 0;
 }
