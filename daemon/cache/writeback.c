@@ -37,6 +37,7 @@
 #define WB_SHUTDOWN_RETRY_SECONDS 5
 #define WB_GROUP_MAX 512	     /* entries in one writeback group */
 #define WB_GROUP_MAX_BYTES (8u << 20) /* device bytes one group may span */
+#define WB_FLUSH_WINDOW 64	      /* writeback groups one FLUSH keeps in flight */
 
 struct flush_job;
 
@@ -69,8 +70,13 @@ struct flush_job {
 	struct writeback *wb;
 	struct cache_op *op; /* NULL: shutdown */
 	struct cache_export *ce;
-	struct cache_entry **entries; /* pinned; NULL once handled */
-	size_t n;
+	/*
+	 * Every entry on the dirty list when the FLUSH came, pinned:
+	 * [0, nbusy) had to wait (a writeback or direct operation in flight
+	 * over them), [nbusy, cursor) are done, [cursor, n) are still to visit.
+	 */
+	struct cache_entry **entries;
+	size_t n, cursor, nbusy;
 	unsigned inflight;
 	int error;
 	int stage; /* 0 writing, 1 flushing the backend, 2 done */
@@ -471,9 +477,10 @@ static void flush_job_end(struct flush_job *job)
 		pp = &(*pp)->next;
 	*pp = job->next;
 	wb->jobs_ended++;
-	for (size_t i = 0; i < job->n; i++)
-		if (job->entries[i])
-			cache_entry_unpin(job->entries[i]);
+	for (size_t i = 0; i < job->nbusy; i++)
+		cache_entry_unpin(job->entries[i]);
+	for (size_t i = job->cursor; i < job->n; i++)
+		cache_entry_unpin(job->entries[i]);
 	free(job->entries);
 	job->entries = NULL;
 	if (job->op) {
@@ -524,6 +531,23 @@ static void flush_advance(struct flush_job *job)
 		flush_job_end(job);
 }
 
+/* Write back one entry for the job: false if it has to wait (-EBUSY). */
+static bool flush_entry(struct flush_job *job, struct cache_entry *e)
+{
+	int rc = entry_writeback(job->wb, e, job);
+	if (rc == -EBUSY)
+		return false;
+	if (rc < 0 && !job->error)
+		job->error = rc;
+	cache_entry_unpin(e);
+	return true;
+}
+
+/*
+ * Visit each entry once, keeping at most WB_FLUSH_WINDOW writebacks in
+ * flight, and come back only to those that had to wait: the cost follows
+ * the dirty data, whatever the number of completions.
+ */
 static void flush_advance_once(struct flush_job *job)
 {
 	struct writeback *wb = job->wb;
@@ -531,24 +555,21 @@ static void flush_advance_once(struct flush_job *job)
 		if (job->stage != 0)
 			return;
 		uint64_t seq = cache_waitq_seq(wb->cache);
-		bool waiting = false;
-		for (size_t i = 0; i < job->n; i++) {
-			struct cache_entry *e = job->entries[i];
-			if (!e)
-				continue;
-			int rc = entry_writeback(wb, e, job);
-			if (rc == -EBUSY) {
-				waiting = true;
-				continue;
-			}
-			if (rc < 0 && !job->error)
-				job->error = rc;
-			job->entries[i] = NULL;
-			cache_entry_unpin(e);
+		size_t keep = 0, i;
+		for (i = 0; i < job->nbusy && job->inflight < WB_FLUSH_WINDOW; i++)
+			if (!flush_entry(job, job->entries[i]))
+				job->entries[keep++] = job->entries[i];
+		for (; i < job->nbusy; i++)
+			job->entries[keep++] = job->entries[i];
+		job->nbusy = keep;
+		while (job->cursor < job->n && job->inflight < WB_FLUSH_WINDOW) {
+			struct cache_entry *e = job->entries[job->cursor++];
+			if (!flush_entry(job, e))
+				job->entries[job->nbusy++] = e; /* nbusy < cursor: a free slot */
 		}
 		if (job->inflight)
 			return; /* advanced again when they complete */
-		if (!waiting) {
+		if (job->nbusy == 0 && job->cursor == job->n) {
 			job->stage = 1;
 			memset(&job->flush_io, 0, sizeof(job->flush_io));
 			job->flush_io.cmd = BACKEND_FLUSH;
