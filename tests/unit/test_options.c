@@ -154,14 +154,14 @@ static void test_cache_settings(void **state)
 {
 	(void)state;
 	char *argv[] = {"nbdcached", "--export", "a=/x,cache-mode=none,block-size=512",
-			"--export", "b=/y,seq-cutoff=4M", "--cache-size", "2G",
+			"--export", "b=/y,seq-cutoff=4M", "--cache-size", "512M",
 			"--cache-mode", "writethrough", "--block-size", "65536",
 			"--seq-cutoff", "1M", "--dirty-high", "70", "--dirty-low", "10",
 			"--dirty-expire", "5", "--hugepages", "off", NULL};
 	struct options o;
 	char err[256] = "";
 	assert_int_equal(parse(argv, 21, &o, err, sizeof(err)), 0);
-	assert_int_equal(o.cache_size, 2ull << 30);
+	assert_int_equal(o.cache_size, 512ull << 20);
 	assert_int_equal(o.hugepages, HUGEPAGES_OFF);
 	assert_int_equal(o.dirty_high, 70);
 	assert_int_equal(o.dirty_low, 10);
