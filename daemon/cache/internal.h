@@ -93,6 +93,9 @@ struct cache_export {
 	bool writeback_failing;
 	int last_error;
 	uint64_t retry_at; /* monotonic ns: background writeback waits till then */
+	/* Writes the backend acknowledged, and how many of them the last
+	 * successful backend flush covered: equal means nothing to flush. */
+	atomic_uint_fast64_t backend_writes_done, backend_writes_flushed;
 	struct cache_export *next;
 };
 

@@ -661,6 +661,8 @@ static void direct_done(struct backend_io *io, int result)
 	struct cache_op *op = (struct cache_op *)((char *)io - offsetof(struct cache_op, io));
 	if (result < 0)
 		op->error = result;
+	else
+		atomic_fetch_add(&op->ce->backend_writes_done, 1);
 	op->stage = 3;
 	op->pending--;
 	op_run(op);
