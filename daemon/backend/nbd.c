@@ -31,6 +31,7 @@
 #include <errno.h>
 #include <event2/event.h>
 #include <libnbd.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,6 +46,8 @@
 #define NBD_COMPACT_MAX (0xffffffffu & ~(uint32_t)((1u << 20) - 1)) /* 32-bit lengths */
 #define NBD_BACKOFF_MIN_MS 100
 #define NBD_BACKOFF_MAX_MS 5000
+#define NBD_CONNECT_TIMEOUT_MS 10000 /* the first connection, and reconnecting */
+#define NBD_EXTRA_CONNECT_TIMEOUT_MS 2000 /* more connections for multi-conn */
 
 static const uint8_t zero_chunk[NBD_ZERO_CHUNK];
 
@@ -116,7 +119,14 @@ static struct nbd_backend *to_nbd(struct backend *be)
 
 /* ---- connections ---- */
 
-static struct nbd_handle *connect_handle(struct nbd_backend *nb, char *err, size_t errlen)
+/*
+ * A connected handle, or NULL with the reason in err. Asynchronous under
+ * the hood, so a server that accepts but never answers (or serves fewer
+ * connections than it advertises) costs NBD_CONNECT_TIMEOUT_MS, not the
+ * backend thread.
+ */
+static struct nbd_handle *connect_handle(struct nbd_backend *nb, unsigned timeout_ms, char *err,
+				       size_t errlen)
 {
 	struct nbd_handle *h = nbd_create();
 	if (!h) {
@@ -124,10 +134,36 @@ static struct nbd_handle *connect_handle(struct nbd_backend *nb, char *err, size
 		return NULL;
 	}
 	nbd_add_meta_context(h, LIBNBD_CONTEXT_BASE_ALLOCATION);
-	int rc = nb->uri ? nbd_connect_uri(h, nb->uri)
-			 : nbd_connect_systemd_socket_activation(h, nb->argv);
+	int rc = nb->uri ? nbd_aio_connect_uri(h, nb->uri)
+			 : nbd_aio_connect_systemd_socket_activation(h, nb->argv);
+	uint64_t deadline = now_ns() + (uint64_t)timeout_ms * 1000000u;
+	while (rc == 0 && !nbd_aio_is_ready(h)) {
+		if (nbd_aio_is_dead(h) || nbd_aio_is_closed(h)) {
+			rc = -1;
+			break;
+		}
+		uint64_t now = now_ns();
+		if (now >= deadline) {
+			snprintf(err, errlen, "no answer within %u ms", timeout_ms);
+			nbd_close(h);
+			return NULL;
+		}
+		unsigned dir = nbd_aio_get_direction(h);
+		struct pollfd pfd = {.fd = nbd_aio_get_fd(h),
+				     .events = (short)((dir & LIBNBD_AIO_DIRECTION_READ ? POLLIN : 0) |
+						       (dir & LIBNBD_AIO_DIRECTION_WRITE ? POLLOUT : 0))};
+		int wait_ms = (int)((deadline - now) / 1000000u) + 1;
+		if (pfd.fd < 0 || poll(&pfd, 1, wait_ms > 100 ? 100 : wait_ms) < 0) {
+			rc = -1;
+			break;
+		}
+		if (pfd.revents & (POLLIN | POLLHUP | POLLERR))
+			rc = nbd_aio_notify_read(h);
+		else if (pfd.revents & POLLOUT)
+			rc = nbd_aio_notify_write(h);
+	}
 	if (rc < 0) {
-		snprintf(err, errlen, "%s", nbd_get_error());
+		snprintf(err, errlen, "%s", nbd_get_error() ? nbd_get_error() : "connection failed");
 		nbd_close(h);
 		return NULL;
 	}
@@ -233,7 +269,9 @@ static void on_retry(evutil_socket_t fd, short what, void *arg)
 			opened++;
 			continue;
 		}
-		struct nbd_handle *h = connect_handle(nb, err, sizeof(err));
+		struct nbd_handle *h = connect_handle(
+			nb, i == 0 ? NBD_CONNECT_TIMEOUT_MS : NBD_EXTRA_CONNECT_TIMEOUT_MS, err,
+			sizeof(err));
 		if (!h)
 			break;
 		if ((uint64_t)nbd_get_size(h) != nb->base.size)
@@ -804,7 +842,7 @@ int backend_nbd_open(const char *spec, bool readonly, unsigned timeout_seconds,
 			goto err;
 	}
 	char err[256];
-	struct nbd_handle *h = connect_handle(nb, err, sizeof(err));
+	struct nbd_handle *h = connect_handle(nb, NBD_CONNECT_TIMEOUT_MS, err, sizeof(err));
 	if (!h) {
 		log_error("backend %s: %s", spec, err);
 		rc = -EIO;
@@ -832,9 +870,13 @@ int backend_nbd_open(const char *spec, bool readonly, unsigned timeout_seconds,
 	if (nb->multi_conn) {
 		for (unsigned i = 1; i < NBD_MAX_CONNS; i++) {
 			nb->conns[i].nb = nb;
-			nb->conns[i].h = connect_handle(nb, err, sizeof(err));
-			if (!nb->conns[i].h)
+			nb->conns[i].h =
+				connect_handle(nb, NBD_EXTRA_CONNECT_TIMEOUT_MS, err, sizeof(err));
+			if (!nb->conns[i].h) {
+				log_info("backend %s: connection %u: %s; using %u", spec, i + 1, err,
+					 i);
 				break;
+			}
 			nb->nconns++;
 		}
 	}
