@@ -458,6 +458,20 @@ class Daemon:
             fail("nbdcached exited with %d, expected %d" % (rc, expect_rc))
         return rc
 
+    def kill(self):
+        """SIGKILL by PID, unless it has exited already, and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def discard(self, show_log=False):
+        """kill(), the log shown when show_log, closed, the work dir removed."""
+        self.kill()
+        if show_log:
+            self.dump_log()
+        self.logf.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
     def __enter__(self):
         return self
 
@@ -466,11 +480,111 @@ class Daemon:
             self.stop()
             shutil.rmtree(self.tmp, ignore_errors=True)
         else:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+            self.kill()
             self.dump_log()
         return False
+
+
+class CheckedDaemon(Daemon):
+    """A Daemon whose failure to start is a Failed (ends one check, not the
+    whole test) and never leaves the process running: "nbdcached did not
+    start with WHAT (its log is above)", WHAT by default the --export specs.
+    ready_timeout: seconds to wait for the socket."""
+
+    def __init__(self, exports, *args, what=None, ready_timeout=15, **kw):
+        self.what = what
+        self.ready_timeout = ready_timeout
+        super().__init__(exports, *args, **kw)
+
+    def _wait_ready(self, timeout=None):
+        try:
+            super()._wait_ready(self.ready_timeout if timeout is None else timeout)
+        except SystemExit:
+            self.discard()
+            what = self.what
+            if what is None:
+                what = " ".join(a for a in self.args if "=" in a and "--" not in a)
+            raise Failed("nbdcached did not start with %s (its log is above)" % what)
+
+
+@contextlib.contextmanager
+def running_daemon(exports, extra=(), threads=2, **kw):
+    """A CheckedDaemon (kw: what, ready_timeout); stopped with SIGTERM (exit 0
+    required, else Failed) when the body ends normally, killed by PID with
+    its log shown when it raised."""
+    d = CheckedDaemon(exports, threads=threads, extra=list(extra), **kw)
+    ok = False
+    try:
+        yield d
+        ok = True
+    finally:
+        if not ok:
+            d.discard(show_log=True)
+    try:
+        d.stop(timeout=30)
+    except SystemExit:
+        raise Failed("nbdcached did not exit 0 within 30 s of SIGTERM (its log is above)")
+    finally:
+        shutil.rmtree(d.tmp, ignore_errors=True)
+
+
+class NbdServer:
+    """Another NBD server (nbdkit, qemu-nbd) on the Unix socket self.sock,
+    started here and stopped by its PID. A subclass sets sock, logpath and
+    label (for messages), then calls spawn(cmd, ready, waiting_for)."""
+
+    proc = None
+
+    def spawn(self, cmd, ready, waiting_for, log_mode="a"):
+        """Run cmd (output to logpath) and wait up to 10 s until ready() is
+        true; Failed when it exits first (with the end of its log) or, after
+        stop(), when the 10 s pass ("LABEL did not WAITING_FOR within 10 s")."""
+        log("+ " + " ".join(cmd))
+        with open(self.logpath, log_mode) as logf:
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        deadline = time.time() + 10
+        for _ in range(1000):
+            if self.proc.poll() is not None:
+                raise Failed("%s exited with %d at start: %s"
+                             % (self.label, self.proc.returncode, self.log_tail()))
+            if ready():
+                return self
+            if time.time() > deadline:
+                break
+            time.sleep(0.02)
+        self.stop()
+        raise Failed("%s did not %s within 10 s" % (self.label, waiting_for))
+
+    def log_tail(self):
+        try:
+            with open(self.logpath) as f:
+                return f.read()[-1500:].strip()
+        except OSError:
+            return ""
+
+    def uri(self):
+        return "nbd+unix:///?socket=%s" % self.sock
+
+    def handle(self, meta=False):
+        return libnbd_handle(self.uri(), meta)
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self, sig=signal.SIGKILL):
+        """Send sig to the server (by PID) and reap it (SIGKILL after 10 s)."""
+        if self.alive():
+            log("  %s %s (pid %d)" % (signal.Signals(sig).name, self.label, self.proc.pid))
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def stop(self):
+        self.kill(signal.SIGTERM)
 
 
 @contextlib.contextmanager
@@ -599,15 +713,15 @@ def require_same(got, want, what, base=0):
         raise Failed("%s: %s" % (what, d))
 
 
-def block_status_map(h, offset, length, flags=0):
-    """base:allocation over [offset, offset+length) as merged (start, end,
-    flags) segments, walking as many BLOCK_STATUS requests as needed (at most
-    10000). The handle must have negotiated base:allocation."""
+def block_status_walk(h, start, end, max_calls=10000, max_len=None, flags=0):
+    """base:allocation from `start` towards `end` in at most max_calls
+    BLOCK_STATUS requests, each for at most max_len bytes (None: all that is
+    left): (merged (start, end, flags) segments, where the walk stopped).
+    The handle must have negotiated base:allocation."""
     import nbd
     segs = []
-    pos = offset
-    end = offset + length
-    for _ in range(10000):
+    pos = start
+    for _ in range(max_calls):
         if pos >= end:
             break
         got = []
@@ -617,11 +731,21 @@ def block_status_map(h, offset, length, flags=0):
                 require(off == pos, "extents for offset %d, asked %d" % (off, pos))
                 got.extend(entries)
             return 0
-        h.block_status(end - pos, pos, cb, flags)
+        n = end - pos if max_len is None else min(end - pos, max_len)
+        h.block_status(n, pos, cb, flags)
         require(got, "no base:allocation extents at %d" % pos)
         pos = add_extents(segs, pos, end, zip(got[0::2], got[1::2]))
+    return merge_segments(segs), pos
+
+
+def block_status_map(h, offset, length, flags=0):
+    """base:allocation over [offset, offset+length) as merged (start, end,
+    flags) segments, walking as many BLOCK_STATUS requests as needed (at most
+    10000). The handle must have negotiated base:allocation."""
+    end = offset + length
+    segs, pos = block_status_walk(h, offset, end, flags=flags)
     require(pos >= end, "block status did not cover [%d, %d)" % (offset, end))
-    return merge_segments(segs)
+    return segs
 
 
 def aio_wait(pending, timeout=120):
