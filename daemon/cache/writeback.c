@@ -46,6 +46,7 @@ struct wb_member {
 	struct cache_entry *e;
 	uint8_t *mem; /* stable: the entry is pinned */
 	uint64_t *bits;
+	uint64_t bytes; /* dirty bytes taken: still counted dirty until written */
 };
 
 /* Adjacent entries written back together: a run of dirty blocks may
@@ -149,6 +150,7 @@ static void wb_op_put(struct wb_op *op)
 		struct cache_shard *sh =
 			cache_shard_for(c, ce, cache_entry_offset(e) >> CACHE_RANGE_SHIFT);
 		pthread_mutex_lock(&sh->lock);
+		atomic_fetch_sub(&c->counters.dirty_bytes, op->m[i].bytes);
 		if (op->error) {
 			for (uint32_t b = 0; b < e->nblocks; b++)
 				if (bit_test(op->m[i].bits, b))
@@ -231,10 +233,15 @@ static int claim_locked(struct wb_op *op, struct cache_entry *e)
 	if (!bits)
 		return -ENOMEM;
 	memcpy(bits, cache_dirty_map(e), words * sizeof(uint64_t));
+	uint64_t bytes = (uint64_t)e->ndirty << ce->block_shift;
 	cache_clear_dirty(e, 0, e->nblocks);
+	/* The data is not on the backend yet: it stays in dirty_bytes (the
+	 * watermarks and the stats) until the write completes. */
+	atomic_fetch_add(&ce->cache->counters.dirty_bytes, bytes);
 	e->writeback = true;
 	cache_entry_pin(e);
-	op->m[op->n++] = (struct wb_member){e, arena_address(&ce->cache->arena, e->frame), bits};
+	op->m[op->n++] =
+		(struct wb_member){e, arena_address(&ce->cache->arena, e->frame), bits, bytes};
 	op->bytes += cache_entry_bytes(e);
 	return 1;
 }
