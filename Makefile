@@ -27,8 +27,8 @@ ALL_CFLAGS = $(OPT) -std=c11 $(WARN) -D_FORTIFY_SOURCE=2 -fstack-protector-stron
 	  -D_GNU_SOURCE -D_FILE_OFFSET_BITS=64 -pthread -I. -MMD -MP $(SANITIZE) $(M32) $(CFLAGS)
 ALL_LDFLAGS = -pthread $(SANITIZE) $(M32) $(LDFLAGS)
 
-DAEMON_LIBS := $(shell pkg-config --libs libevent_pthreads liburing libnbd 2>/dev/null || echo -levent -levent_pthreads -luring -lnbd)
-DAEMON_CFLAGS := $(shell pkg-config --cflags libevent liburing libnbd 2>/dev/null)
+DAEMON_LIBS := $(shell pkg-config --libs libevent_pthreads liburing libnbd libsystemd 2>/dev/null || echo -levent -levent_pthreads -luring -lnbd -lsystemd)
+DAEMON_CFLAGS := $(shell pkg-config --cflags libevent liburing libnbd libsystemd 2>/dev/null)
 
 # The codec: pure, no dependency.
 PROTO_SRC := $(wildcard proto/*.c)
@@ -111,6 +111,7 @@ install: all
 	for m in man/*.1; do [ -e "$$m" ] && install -m 0644 $$m $(DESTDIR)$(PREFIX)/share/man/man1/; done; true
 	install -m 0644 man/*.8 $(DESTDIR)$(PREFIX)/share/man/man8/
 	sed 's|/usr/local|$(PREFIX)|g' systemd/nbdcached.service >$(DESTDIR)/lib/systemd/system/nbdcached.service
+	install -m 644 systemd/nbdcached.socket $(DESTDIR)/lib/systemd/system/nbdcached.socket
 	install -m 0644 configs/nbdcached.env $(DESTDIR)/etc/nbdcached/nbdcached.env.example
 
 clean:

@@ -551,6 +551,7 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 		if ((rc = push_string(&out->listen, &out->listen_count, OPTIONS_DEFAULT_LISTEN)) <
 		    0)
 			goto error;
+		out->listen_default = true;
 	}
 	return 0;
 error:

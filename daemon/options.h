@@ -69,6 +69,7 @@ struct options {
 	size_t listen_count;
 	char **unix_paths;
 	size_t unix_count;
+	bool listen_default; /* listen holds only the default (no --listen/--unix) */
 	struct export_spec *exports;
 	size_t export_count;
 	unsigned threads; /* 0: one per CPU */

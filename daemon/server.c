@@ -21,6 +21,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <systemd/sd-daemon.h>
 #include <unistd.h>
 
 #include "daemon/cache/cache.h"
@@ -176,7 +177,35 @@ static void on_signal(evutil_socket_t sig, short what, void *arg)
 	(void)what;
 	struct server *s = arg;
 	log_info("signal %d: shutting down", (int)sig);
+	sd_notify(0, "STOPPING=1\nSTATUS=stopping: finishing requests, writing dirty data back");
 	event_base_loopexit(s->base, NULL);
+}
+
+/* Tell systemd we are alive (WatchdogSec=), at half its interval. */
+static void on_watchdog(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	(void)arg;
+	sd_notify(0, "WATCHDOG=1");
+}
+
+/*
+ * Listening sockets passed by systemd (socket activation, LISTEN_FDS), or
+ * by systemd-socket-activate. Returns how many were adopted, or -errno.
+ */
+static int adopt_systemd_sockets(struct server *s, int n)
+{
+	for (int i = 0; i < n; i++) {
+		int fd = SD_LISTEN_FDS_START + i;
+		if (sd_is_socket(fd, AF_UNSPEC, SOCK_STREAM, 1) <= 0) {
+			log_error("socket activation: fd %d is not a listening stream socket", fd);
+			return -EINVAL;
+		}
+		s->listeners[s->listener_count++] = (struct listener){.fd = fd};
+		log_info("listening on fd %d (socket activation)", fd);
+	}
+	return n;
 }
 
 static void on_stats_signal(evutil_socket_t sig, short what, void *arg)
@@ -201,7 +230,7 @@ static int write_pidfile(const char *path)
 int server_run(const struct options *opts)
 {
 	struct server s = {0};
-	struct event *sigterm = NULL, *sigint = NULL, *sigusr1 = NULL;
+	struct event *sigterm = NULL, *sigint = NULL, *sigusr1 = NULL, *watchdog = NULL;
 	int status = 1;
 	unsigned threads = opts->threads;
 	if (threads == 0) {
@@ -217,10 +246,17 @@ int server_run(const struct options *opts)
 	}
 	if (export_table_open(&s.exports, opts, s.cache) < 0)
 		goto out_cache;
-	s.listeners = calloc(opts->listen_count + opts->unix_count, sizeof(*s.listeners));
+	int activated = sd_listen_fds(1);
+	if (activated < 0)
+		activated = 0;
+	s.listeners = calloc(opts->listen_count + opts->unix_count + (size_t)activated,
+			     sizeof(*s.listeners));
 	if (!s.listeners)
 		goto out_exports;
-	for (size_t i = 0; i < opts->listen_count; i++)
+	if (adopt_systemd_sockets(&s, activated) < 0)
+		goto out_listeners;
+	/* Sockets from systemd replace the default address, not --listen. */
+	for (size_t i = 0; i < opts->listen_count && !(activated && opts->listen_default); i++)
 		if (listen_tcp(&s, opts->listen[i]) < 0)
 			goto out_listeners;
 	for (size_t i = 0; i < opts->unix_count; i++)
@@ -283,6 +319,16 @@ int server_run(const struct options *opts)
 		}
 	}
 	log_info("ready: %zu export(s), %u worker thread(s)", s.exports.count, s.worker_count);
+	sd_notifyf(0, "READY=1\nMAINPID=%d\nSTATUS=serving %zu export(s)", (int)getpid(),
+		   s.exports.count);
+	uint64_t watchdog_usec = 0;
+	if (sd_watchdog_enabled(0, &watchdog_usec) > 0 && watchdog_usec) {
+		watchdog = event_new(s.base, -1, EV_PERSIST, on_watchdog, NULL);
+		struct timeval tv = {(time_t)(watchdog_usec / 2 / 1000000),
+				     (suseconds_t)(watchdog_usec / 2 % 1000000)};
+		if (watchdog)
+			event_add(watchdog, &tv);
+	}
 	event_base_dispatch(s.base);
 	status = 0;
 out_signals:
@@ -295,6 +341,8 @@ out_workers:
 		worker_join(&s.workers[i]);
 	free(s.workers);
 	/* Connections are gone: write every dirty block back before exit. */
+	if (watchdog)
+		event_free(watchdog);
 	if (sigusr1)
 		event_free(sigusr1);
 	if (sigterm)
