@@ -264,7 +264,10 @@ static void reply_read(struct request *r)
 	for (size_t i = 0; request_segment(r, i, &data, &seg_len, &zeros); i++) {
 		for (size_t off = 0; off < seg_len;) {
 			size_t at = pos + off;
-			size_t n = CONN_HOLE_GRANULE - (size_t)((r->hdr.offset + at) % CONN_HOLE_GRANULE);
+			/* A segment known to hold no zero block is one stretch of data. */
+			size_t n = zeros ? CONN_HOLE_GRANULE -
+						   (size_t)((r->hdr.offset + at) % CONN_HOLE_GRANULE)
+					 : seg_len - off;
 			if (n > seg_len - off)
 				n = seg_len - off;
 			bool hole = zeros && n == CONN_HOLE_GRANULE && cache_all_zero(data + off, n);

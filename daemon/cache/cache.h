@@ -91,6 +91,7 @@ struct cache_op {
 	size_t pieces_cap;
 	bool registered; /* direct op: its range is in the export's list */
 	bool counted;	 /* hit / miss already counted */
+	bool some_cached; /* a piece was all uptodate when it was pinned */
 	bool running, rerun, finished;
 	struct cache_waiter waiter;
 	struct cache_span *spans; /* BLOCK_STATUS: dirty ranges, sorted */

@@ -104,6 +104,8 @@ static struct cache_piece *piece_add(struct cache_op *op)
  * piece is a bypass piece. Returns 0, -ENOMEM, or -ENOSPC when a WRITE
  * could not get room for every piece (the caller goes direct).
  */
+static bool range_uptodate(struct cache_entry *e, uint64_t offset, uint64_t length);
+
 static int pieces_build(struct cache_op *op, bool allocate, bool need_all)
 {
 	struct cache_export *ce = op->ce;
@@ -115,19 +117,19 @@ static int pieces_build(struct cache_op *op, bool allocate, bool need_all)
 		struct cache_entry *e = cache_lookup(ce, sh, frame);
 		if (!e && allocate)
 			e = cache_entry_create(ce, sh, frame, order_for_length(end - pos));
-		if (e)
-			cache_entry_pin(e);
-		pthread_mutex_unlock(&sh->lock);
-		uint64_t piece_end;
-		if (e) {
-			piece_end = cache_entry_offset(e) + cache_entry_bytes(e);
-		} else {
-			if (need_all)
-				return -ENOSPC;
-			piece_end = (frame + 1) << ARENA_FRAME_SHIFT;
-		}
+		uint64_t piece_end = e ? cache_entry_offset(e) + cache_entry_bytes(e)
+				       : (frame + 1) << ARENA_FRAME_SHIFT;
 		if (piece_end > end)
 			piece_end = end;
+		/* A read hit is settled here, under the lock already held. */
+		bool hit = false;
+		if (e) {
+			cache_entry_pin(e);
+			hit = op->cmd != BACKEND_WRITE && range_uptodate(e, pos, piece_end - pos);
+		}
+		pthread_mutex_unlock(&sh->lock);
+		if (!e && need_all)
+			return -ENOSPC;
 		struct cache_piece *last = op->npieces ? &op->pieces[op->npieces - 1] : NULL;
 		if (!e && last && !last->entry && last->offset + last->length == pos &&
 		    last->length + (piece_end - pos) <= UINT32_MAX) {
@@ -142,6 +144,8 @@ static int pieces_build(struct cache_op *op, bool allocate, bool need_all)
 			p->offset = pos;
 			p->length = (uint32_t)(piece_end - pos);
 			p->entry = e;
+			p->ready = hit;
+			op->some_cached |= hit;
 		}
 		pos = piece_end;
 	}
@@ -168,6 +172,19 @@ static void piece_blocks(const struct cache_entry *e, uint64_t offset, uint64_t 
 	uint64_t base = cache_entry_offset(e);
 	*first = (uint32_t)((offset - base) >> shift);
 	*last = (uint32_t)((offset + length - 1 - base) >> shift);
+}
+
+/* Is every block of e that [offset, offset+length) touches uptodate?
+ * Shard lock held. */
+static bool range_uptodate(struct cache_entry *e, uint64_t offset, uint64_t length)
+{
+	uint32_t first, last;
+	piece_blocks(e, offset, length, &first, &last);
+	const uint64_t *uptodate = cache_uptodate_map(e);
+	for (uint32_t b = first; b <= last; b++)
+		if (!bit_test(uptodate, b))
+			return false;
+	return true;
 }
 
 /* Device range of block b of e, clipped to the export. */
@@ -313,7 +330,7 @@ static bool piece_examine(struct cache_op *op, struct cache_piece *p, struct run
 static int op_examine(struct cache_op *op, bool *blocked)
 {
 	struct cache_export *ce = op->ce;
-	bool any_cached = false, all_ready = true;
+	bool any_cached = op->some_cached, all_ready = true;
 	*blocked = false;
 	for (size_t i = 0; i < op->npieces; i++) {
 		struct cache_piece *p = &op->pieces[i];
@@ -968,6 +985,7 @@ void cache_submit(struct cache_op *op)
 	op->error = 0;
 	op->stage = 0;
 	op->registered = op->counted = op->running = op->rerun = op->finished = false;
+	op->some_cached = false;
 	op->spans = NULL;
 	op->nspans = 0;
 	op->waiter.worker = op->worker;
