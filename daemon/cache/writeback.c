@@ -58,7 +58,8 @@ struct wb_op {
 	int error;
 	unsigned n;
 	uint64_t bytes;
-	struct wb_member m[WB_GROUP_MAX];
+	unsigned cap;
+	struct wb_member *m; /* grown as the group grows: most groups are one entry */
 };
 
 struct wb_io {
@@ -191,6 +192,7 @@ static void wb_op_put(struct wb_op *op)
 			op->job->error = op->error;
 	}
 	wb->inflight--;
+	free(op->m);
 	free(op);
 	advance_all(wb);
 	if (wb->draining)
@@ -228,6 +230,14 @@ static int claim_locked(struct wb_op *op, struct cache_entry *e)
 	pthread_mutex_unlock(&ce->lock);
 	if (locked)
 		return -EBUSY;
+	if (op->n == op->cap) {
+		unsigned cap = op->cap ? op->cap * 4 : 1;
+		struct wb_member *m = realloc(op->m, cap * sizeof(*m));
+		if (!m)
+			return -ENOMEM;
+		op->m = m;
+		op->cap = cap;
+	}
 	size_t words = (e->nblocks + 63) / 64;
 	uint64_t *bits = malloc(words * sizeof(uint64_t));
 	if (!bits)
@@ -344,6 +354,7 @@ static int entry_writeback(struct writeback *wb, struct cache_entry *e, struct f
 	int rc = claim_locked(op, e);
 	pthread_mutex_unlock(&sh->lock);
 	if (rc <= 0) {
+		free(op->m);
 		free(op);
 		return rc;
 	}
