@@ -27,8 +27,9 @@ ALL_CFLAGS = $(OPT) -std=c11 $(WARN) -D_FORTIFY_SOURCE=2 -fstack-protector-stron
 	  -D_GNU_SOURCE -D_FILE_OFFSET_BITS=64 -pthread -I. -MMD -MP $(SANITIZE) $(M32) $(CFLAGS)
 ALL_LDFLAGS = -pthread $(SANITIZE) $(M32) $(LDFLAGS)
 
-DAEMON_LIBS := $(shell pkg-config --libs libevent_pthreads liburing libnbd libsystemd 2>/dev/null || echo -levent -levent_pthreads -luring -lnbd -lsystemd)
-DAEMON_CFLAGS := $(shell pkg-config --cflags libevent liburing libnbd libsystemd 2>/dev/null)
+DAEMON_LIBS := $(shell pkg-config --libs libevent_pthreads liburing libnbd libsystemd inih json-c 2>/dev/null || echo -levent -levent_pthreads -luring -lnbd -lsystemd -linih -ljson-c)
+DAEMON_CFLAGS := $(shell pkg-config --cflags libevent liburing libnbd libsystemd inih json-c 2>/dev/null)
+CTL_LIBS := $(shell pkg-config --libs json-c 2>/dev/null || echo -ljson-c)
 
 # The codec: pure, no dependency.
 PROTO_SRC := $(wildcard proto/*.c)
@@ -62,6 +63,10 @@ $(BUILD)/nbdcached: $(DAEMON_OBJ) $(CORE_OBJ) $(PROTO_OBJ)
 # Client programs: one .c each in client/, linked with the codec.
 $(BUILD)/%: $(BUILD)/obj/client/%.o $(PROTO_OBJ)
 	$(CC) $(ALL_LDFLAGS) -o $@ $^
+
+# nbdcachectl speaks JSON (json-c) to the control socket.
+$(BUILD)/nbdcachectl: $(BUILD)/obj/client/nbdcachectl.o
+	$(CC) $(ALL_LDFLAGS) -o $@ $^ $(CTL_LIBS)
 
 # Unit tests: one cmocka binary per module, linked with proto/ and the core.
 $(BUILD)/tests/unit/%: $(BUILD)/obj/tests/unit/%.o $(PROTO_OBJ) $(CORE_OBJ)
@@ -112,7 +117,15 @@ install: all
 	install -m 0644 man/*.8 $(DESTDIR)$(PREFIX)/share/man/man8/
 	sed 's|/usr/local|$(PREFIX)|g' systemd/nbdcached.service >$(DESTDIR)/lib/systemd/system/nbdcached.service
 	install -m 644 systemd/nbdcached.socket $(DESTDIR)/lib/systemd/system/nbdcached.socket
-	install -m 0644 configs/nbdcached.env $(DESTDIR)/etc/nbdcached/nbdcached.env.example
+	install -d $(DESTDIR)$(PREFIX)/share/man/man5 $(DESTDIR)$(PREFIX)/share/doc/nbdcached \
+		$(DESTDIR)$(PREFIX)/include/nbdcached
+	for m in man/*.5; do [ -e "$$m" ] && install -m 0644 $$m $(DESTDIR)$(PREFIX)/share/man/man5/; done; true
+	install -m 0644 include/nbdcached/control.h $(DESTDIR)$(PREFIX)/include/nbdcached/control.h
+	install -m 0644 configs/*.conf $(DESTDIR)$(PREFIX)/share/doc/nbdcached/
+	install -m 0644 configs/nbdcached.conf $(DESTDIR)/etc/nbdcached/nbdcached.conf.example
+	# The operator's config is never overwritten.
+	[ -e $(DESTDIR)/etc/nbdcached/nbdcached.conf ] || \
+		install -m 0644 configs/nbdcached.conf $(DESTDIR)/etc/nbdcached/nbdcached.conf
 
 clean:
 	rm -rf build build-asan build-i386 build-i386-root build-fuzz build-clang

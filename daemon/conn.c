@@ -20,6 +20,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "daemon/export.h"
 #include "daemon/log.h"
 #include "daemon/worker.h"
 
@@ -44,6 +45,11 @@ void conn_unref(struct conn *c)
 		return;
 	log_debug("conn %llu: freed", (unsigned long long)c->id);
 	worker_conn_removed(c->worker, c);
+	if (c->export) {
+		export_detach(c->export);
+		export_put(c->export);
+	}
+	export_put(c->meta_export);
 	if (c->timer)
 		event_free(c->timer);
 	free(c);

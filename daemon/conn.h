@@ -76,8 +76,8 @@ struct conn {
 	bool structured;
 	bool extended;
 	bool meta_selected; /* base:allocation selected for meta_export */
-	const struct export *meta_export; /* the export SET_META_CONTEXT named */
-	const struct export *export;
+	struct export *meta_export; /* the export SET_META_CONTEXT named (a reference) */
+	struct export *export;	    /* a reference, and an attachment (export_attach) */
 	struct nbd_session session;
 
 	/* Transmission (transmit.c). */

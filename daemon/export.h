@@ -1,14 +1,34 @@
 /*
  * daemon/export.h: an export is a name, a backend and its policy.
  *
- * Owns: the table of exports built from the command line, and what each
- * export advertises (size, transmission flags, block sizes). The table is
- * built before the workers start and is read-only afterwards, so every
- * thread may read it without a lock.
+ * Owns: the table of exports, what each export advertises (size,
+ * transmission flags, block sizes), and their life cycle across reloads.
+ *
+ *   export_table --lock--> [struct export *] ...     published versions
+ *                          |  name, description, readonly, limits (immutable)
+ *                          v
+ *                 struct export_backing              one per opened backend
+ *                   backend, cache export, connections, removed/closed
+ *
+ * A struct export is immutable once published and reference counted: the
+ * table holds one reference, each connection that found it holds one (from
+ * the option that named it to its close). A reload that changes an export
+ * publishes a new version on the same backing; connections keep the version
+ * they negotiated. A removed export leaves the table at once (new clients
+ * get "unknown export"); its backing stays open until its last connection
+ * has gone and its dirty data is written back (export_table_reap), then the
+ * backend is closed.
+ *
+ * Locking: the table lock guards the published array and the backings list;
+ * it is a leaf (nothing else is taken under it). References and connection
+ * counts are atomics. Reload and reap run on one thread (the control
+ * thread); lookups run on any worker.
  */
 #ifndef NBDCACHED_DAEMON_EXPORT_H
 #define NBDCACHED_DAEMON_EXPORT_H
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -17,21 +37,50 @@
 #include "daemon/cache/cache.h"
 #include "daemon/options.h"
 
+struct export_backing {
+	char *spec; /* the backend as configured: path, URI, nbdkit:... */
+	struct backend *backend;
+	struct cache_export *cache;
+	uint32_t block_size;	  /* the cache's block size for it */
+	atomic_uint versions;	  /* struct export versions referring to it */
+	atomic_uint connections;  /* connections in transmission */
+	bool removed;		  /* table lock: no version published any more */
+	bool closed;		  /* control thread: backend closed */
+	bool flushing;		  /* control thread: a reap flush is in flight */
+	bool reap_failing;	  /* control thread: its last reap flush failed */
+	uint64_t reap_retry_ns;	  /* control thread: no new reap flush before */
+	struct export_backing *next;
+};
+
 struct export {
+	atomic_uint refs;
 	char *name;
 	char *description; /* NULL when none */
 	bool readonly;
 	uint32_t block_size; /* preferred block size advertised */
 	uint32_t max_payload;
-	struct backend *backend;
-	struct cache_export *cache; /* how requests reach the backend */
-	enum cache_mode cache_mode;
+	unsigned max_connections; /* 0: unlimited */
+	unsigned dirty_high, dirty_low; /* percent, as configured */
 	uint64_t seq_cutoff; /* sequential reads beyond this bypass the cache */
+	struct backend *backend;    /* backing->backend */
+	struct cache_export *cache; /* backing->cache: how requests reach the backend */
+	struct export_backing *backing;
 };
 
 struct export_table {
-	struct export *exports;
+	pthread_mutex_t lock;
+	struct export **exports; /* published, in config order */
 	size_t count;
+	struct export_backing *backings; /* every backing not yet closed */
+	struct cache *cache;
+	unsigned backend_timeout;
+	bool started; /* backends' threads run (after the daemon detached) */
+};
+
+/* What a reload did, by export name (each array malloc'd, names too). */
+struct export_reload {
+	char **added, **changed, **removed, **refused;
+	size_t added_count, changed_count, removed_count, refused_count;
 };
 
 /* Open every export's backend and attach it to the cache. On error logs
@@ -40,9 +89,43 @@ int export_table_open(struct export_table *table, const struct options *opts,
 		      struct cache *cache);
 /* Start the backends' threads, if they have any (after detaching). */
 int export_table_start(struct export_table *table);
+/* Close every backend (connections are gone). */
 void export_table_close(struct export_table *table);
-/* The export of that name; "" is the first export (the default). */
-const struct export *export_find(const struct export_table *table, const char *name, size_t len);
+
+/* The export of that name, referenced; "" is the first export (the
+ * default). NULL when there is none. Any thread. */
+struct export *export_get(struct export_table *table, const char *name, size_t len);
+/* A snapshot of the published exports, each referenced; put each, free the
+ * array. */
+int export_list(struct export_table *table, struct export ***out, size_t *count);
+void export_ref(struct export *e);
+void export_put(struct export *e);
+/* A connection enters transmission on the export: false when it already has
+ * max_connections. export_detach() when the connection ends. */
+bool export_attach(struct export *e);
+void export_detach(struct export *e);
+
+/*
+ * Apply a new configuration: open and publish new exports, publish new
+ * versions of changed ones, unpublish removed ones. A change that cannot
+ * apply live (backend, block size, a read-only backend made writable, to or
+ * from cache mode none) is refused with a log line and the export keeps its
+ * old settings. Control thread only.
+ */
+int export_table_reload(struct export_table *table, const struct options *opts,
+			struct export_reload *out);
+void export_reload_free(struct export_reload *r);
+
+/*
+ * Close what removed exports leave behind once no connection uses them:
+ * write back their dirty data (through start_flush, which must eventually
+ * call export_reap_flushed), drop their cached blocks, close the backend.
+ * Control thread only; call it periodically.
+ */
+void export_table_reap(struct export_table *table,
+		       void (*start_flush)(struct export_backing *b, void *arg), void *arg);
+void export_reap_flushed(struct export_backing *b, int result);
+
 /* Transmission flags for an export, given what the client negotiated. */
 uint16_t export_eflags(const struct export *e, bool structured);
 static inline uint64_t export_size(const struct export *e)

@@ -17,6 +17,7 @@
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
 #include <event2/event.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "daemon/conn.h"
@@ -72,7 +73,8 @@ static void option_reply_prefixed(struct conn *c, uint32_t option, uint32_t type
 		evbuffer_add(out, b, b_len);
 }
 
-static void enter_transmission(struct conn *c, const struct export *e)
+/* Takes over the caller's reference to e, and its attachment. */
+static void enter_transmission(struct conn *c, struct export *e)
 {
 	c->export = e;
 	c->phase = CONN_TRANSMISSION;
@@ -81,7 +83,8 @@ static void enter_transmission(struct conn *c, const struct export *e)
 	c->session = (struct nbd_session){
 		.structured = c->structured,
 		.extended = c->extended,
-		.block_status = c->meta_selected && c->meta_export == e,
+		.block_status = c->meta_selected && c->meta_export &&
+				c->meta_export->backing == e->backing,
 		.eflags = export_eflags(e, c->structured),
 		.size = export_size(e),
 		.max_payload = e->max_payload,
@@ -94,10 +97,18 @@ static void enter_transmission(struct conn *c, const struct export *e)
 
 static void handle_export_name(struct conn *c, const char *data, uint32_t len)
 {
-	const struct export *e = export_find(c->worker->exports, data, len);
+	struct export *e = export_get(c->worker->exports, data, len);
 	if (c->extended || !e) {
+		export_put(e);
 		conn_kill(c, c->extended ? "EXPORT_NAME after extended headers"
 					 : "EXPORT_NAME of an unknown export");
+		return;
+	}
+	if (!export_attach(e)) {
+		log_warn("conn %llu: export '%s' has its %u connections", (unsigned long long)c->id,
+			 e->name, e->max_connections);
+		export_put(e);
+		conn_kill(c, "EXPORT_NAME of an export at its connection limit");
 		return;
 	}
 	uint8_t buf[NBD_EXPORT_NAME_REPLY_SIZE];
@@ -141,15 +152,25 @@ static void handle_info_go(struct conn *c, uint32_t option, const uint8_t *data,
 		option_error(c, option, NBD_REP_ERR_INVALID, "malformed INFO/GO request");
 		return;
 	}
-	const struct export *e = export_find(c->worker->exports, go.name, go.name_length);
+	struct export *e = export_get(c->worker->exports, go.name, go.name_length);
 	if (!e) {
 		option_error(c, option, NBD_REP_ERR_UNKNOWN, "no such export");
+		return;
+	}
+	if (option == NBD_OPT_GO && !export_attach(e)) {
+		log_warn("conn %llu: export '%s' has its %u connections", (unsigned long long)c->id,
+			 e->name, e->max_connections);
+		option_error(c, option, NBD_REP_ERR_POLICY,
+			     "the export has reached its maximum number of connections");
+		export_put(e);
 		return;
 	}
 	send_info(c, option, e, &go);
 	option_ack(c, option);
 	if (option == NBD_OPT_GO)
 		enter_transmission(c, e);
+	else
+		export_put(e);
 }
 
 static void handle_list(struct conn *c, uint32_t len)
@@ -158,9 +179,14 @@ static void handle_list(struct conn *c, uint32_t len)
 		option_error(c, NBD_OPT_LIST, NBD_REP_ERR_INVALID, "LIST takes no data");
 		return;
 	}
-	const struct export_table *t = c->worker->exports;
-	for (size_t i = 0; i < t->count; i++) {
-		const struct export *e = &t->exports[i];
+	struct export **list;
+	size_t count;
+	if (export_list(c->worker->exports, &list, &count) < 0) {
+		option_error(c, NBD_OPT_LIST, NBD_REP_ERR_UNSUP, "out of memory");
+		return;
+	}
+	for (size_t i = 0; i < count; i++) {
+		const struct export *e = list[i];
 		uint8_t prefix[4];
 		size_t name_len = strlen(e->name);
 		size_t n = nbd_encode_rep_server_prefix(prefix, (uint32_t)name_len);
@@ -168,6 +194,9 @@ static void handle_list(struct conn *c, uint32_t len)
 				      name_len, e->description,
 				      e->description ? strlen(e->description) : 0);
 	}
+	for (size_t i = 0; i < count; i++)
+		export_put(list[i]);
+	free(list);
 	option_ack(c, NBD_OPT_LIST);
 }
 
@@ -177,6 +206,7 @@ static void handle_meta(struct conn *c, uint32_t option, const uint8_t *data, ui
 	if (set) {
 		/* SET replaces the selection, even when it fails. */
 		c->meta_selected = false;
+		export_put(c->meta_export);
 		c->meta_export = NULL;
 	}
 	if (!c->structured) {
@@ -189,7 +219,7 @@ static void handle_meta(struct conn *c, uint32_t option, const uint8_t *data, ui
 		option_error(c, option, NBD_REP_ERR_INVALID, "malformed meta context request");
 		return;
 	}
-	const struct export *e = export_find(c->worker->exports, meta.name, meta.name_length);
+	struct export *e = export_get(c->worker->exports, meta.name, meta.name_length);
 	if (!e) {
 		option_error(c, option, NBD_REP_ERR_UNKNOWN, "no such export");
 		return;
@@ -202,6 +232,7 @@ static void handle_meta(struct conn *c, uint32_t option, const uint8_t *data, ui
 	while (nbd_meta_iter_next(&it, &q, &qlen)) {
 		if (!nbd_meta_query_valid(q, qlen)) {
 			option_error(c, option, NBD_REP_ERR_INVALID, "malformed meta context query");
+			export_put(e);
 			return;
 		}
 		if (set ? (qlen == strlen(NBD_META_BASE_ALLOCATION) &&
@@ -219,7 +250,9 @@ static void handle_meta(struct conn *c, uint32_t option, const uint8_t *data, ui
 	if (set && selected) {
 		c->meta_selected = true;
 		c->meta_export = e;
+		e = NULL;
 	}
+	export_put(e);
 	option_ack(c, option);
 }
 

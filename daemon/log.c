@@ -2,19 +2,41 @@
  * daemon/log.c: see log.h. Messages carry a UTC timestamp and the level; the
  * whole line is built first and written once, so concurrent threads cannot
  * interleave partial lines.
+ *
+ * Under systemd, stderr is a stream into the journal (JOURNAL_STREAM names
+ * its device and inode). Lines then start with the syslog priority in
+ * angle brackets ("<3>" for an error), which the journal turns into the
+ * entry's priority, and leave out the timestamp and pid it records itself.
  */
 #include "daemon/log.h"
 
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 static volatile int current_level = LOG_INFO;
 
 static const char *const level_names[] = {"error", "warn", "info", "debug"};
+static const char *const journal_priorities[] = {"<3>", "<4>", "<6>", "<7>"};
+static atomic_int to_journal = -1; /* -1: not yet known */
+
+/* Is stderr the journal stream systemd gave us? */
+static bool stderr_is_journal(void)
+{
+	const char *env = getenv("JOURNAL_STREAM");
+	unsigned long long dev, ino;
+	struct stat st;
+	if (!env || sscanf(env, "%llu:%llu", &dev, &ino) != 2 || fstat(STDERR_FILENO, &st) < 0)
+		return false;
+	return (unsigned long long)st.st_dev == dev && (unsigned long long)st.st_ino == ino;
+}
 
 int log_parse_level(const char *text, enum log_level *out)
 {
@@ -42,13 +64,21 @@ void log_msg(enum log_level level, const char *fmt, ...)
 	if ((int)level > current_level)
 		return;
 	char line[2048];
-	struct timespec ts;
-	struct tm tm;
-	clock_gettime(CLOCK_REALTIME, &ts);
-	gmtime_r(&ts.tv_sec, &tm);
-	int n = snprintf(line, sizeof(line), "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ nbdcached[%d] %s: ",
-			 tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min,
-			 tm.tm_sec, ts.tv_nsec / 1000000, (int)getpid(), level_names[level]);
+	int n;
+	if (to_journal < 0)
+		to_journal = stderr_is_journal(); /* every thread finds the same */
+	if (to_journal) {
+		n = snprintf(line, sizeof(line), "%s%s: ", journal_priorities[level],
+			     level_names[level]);
+	} else {
+		struct timespec ts;
+		struct tm tm;
+		clock_gettime(CLOCK_REALTIME, &ts);
+		gmtime_r(&ts.tv_sec, &tm);
+		n = snprintf(line, sizeof(line), "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ nbdcached[%d] %s: ",
+			     tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min,
+			     tm.tm_sec, ts.tv_nsec / 1000000, (int)getpid(), level_names[level]);
+	}
 	if (n < 0)
 		return;
 	va_list ap;

@@ -1,9 +1,14 @@
 /*
- * daemon/main.c: nbdcached's entry point: parse the command line, run the
- * server. Everything else lives in the modules named in DESIGN.md.
+ * daemon/main.c: nbdcached's entry point: read the command line and the
+ * config file, then run the server (or, with --check-config, report what
+ * would be served and exit). Everything else lives in the modules named in
+ * DESIGN.md.
  */
 #include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
 
+#include "daemon/config.h"
 #include "daemon/log.h"
 #include "daemon/options.h"
 #include "daemon/server.h"
@@ -12,12 +17,46 @@
 #define NBDCACHED_VERSION "0.1"
 #endif
 
+/*
+ * --check-config: the syntax and values are already checked; say what would
+ * be served. A file backend that does not exist yet is worth a warning, not
+ * a failure: images are often created after the config.
+ */
+static int check_config(const struct options *opts)
+{
+	for (size_t i = 0; i < opts->export_count; i++) {
+		const struct export_spec *e = &opts->exports[i];
+		struct stat st;
+		bool file = strstr(e->backend, "://") == NULL && strncmp(e->backend, "nbdkit:", 7) != 0;
+		if (file && stat(e->backend, &st) < 0)
+			fprintf(stderr, "nbdcached: warning: export '%s': %s: %m\n", e->name,
+				e->backend);
+		printf("export '%s': %s, cache %s, block size %u%s\n", e->name, e->backend,
+		       options_cache_mode_name(e->cache_mode), e->block_size,
+		       e->readonly ? ", read-only" : "");
+	}
+	size_t first, second;
+	if (options_shared_backend(opts, &first, &second))
+		fprintf(stderr,
+			"nbdcached: warning: exports '%s' and '%s' share the backend %s: each "
+			"caches it apart from the other, so neither sees the other's unflushed "
+			"writes\n",
+			opts->exports[first].name, opts->exports[second].name,
+			opts->exports[second].backend);
+	printf("config OK%s%s: %zu export(s)\n", opts->config_path ? ": " : "",
+	       opts->config_path ? opts->config_path : "", opts->export_count);
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	struct options opts;
-	char err[512];
-	if (options_parse(argc, argv, &opts, err, sizeof(err)) < 0) {
-		fprintf(stderr, "nbdcached: %s\n%s", err, options_usage());
+	char err[1024];
+	if (config_options(argc, argv, &opts, err, sizeof(err)) < 0) {
+		fprintf(stderr, "nbdcached: %s\n", err);
+		if (strncmp(err, "unknown or incomplete option", 28) == 0 ||
+		    strncmp(err, "unexpected argument", 19) == 0)
+			fputs(options_usage(), stderr);
 		return 2;
 	}
 	if (opts.help) {
@@ -30,8 +69,13 @@ int main(int argc, char **argv)
 		options_free(&opts);
 		return 0;
 	}
+	if (opts.check_config) {
+		int rc = check_config(&opts);
+		options_free(&opts);
+		return rc;
+	}
 	log_set_level(opts.log_level);
-	int status = server_run(&opts);
+	int status = server_run(&opts, argc, argv);
 	options_free(&opts);
 	return status;
 }

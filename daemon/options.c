@@ -32,10 +32,13 @@ static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
 
 const char *options_usage(void)
 {
-	return "usage: nbdcached [--foreground] [--listen HOST:PORT]... [--unix PATH]...\n"
-	       "                 [--export NAME=BACKEND[,readonly][,description=TEXT]"
-	       "[,cache-mode=MODE][,seq-cutoff=SIZE]]...\n"
+	return "usage: nbdcached [--config FILE] [--check-config] [--foreground]\n"
+	       "                 [--listen HOST:PORT]... [--unix PATH]... [--control PATH|none]\n"
+	       "                 [--export NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]\n"
+	       "                           [,cache-mode=MODE][,seq-cutoff=SIZE][,max-connections=N]\n"
+	       "                           [,dirty-high=PCT][,dirty-low=PCT]]...\n"
 	       "                 [--threads N] [--pidfile FILE] [--log-level LEVEL]\n"
+	       "                 [--user USER] [--group GROUP] [--max-connections N]\n"
 	       "                 [--cache-size SIZE] [--hugepages auto|require|off]\n"
 	       "                 [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]\n"
 	       "                 [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]\n"
@@ -45,17 +48,19 @@ const char *options_usage(void)
 	       "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
 	       "writearound or none. SIZE takes a K, M, G or T suffix. Default listen: "
 	       OPTIONS_DEFAULT_LISTEN " (when neither --listen nor --unix is given).\n"
-	       "The empty export name selects the first export.\n";
+	       "The empty export name selects the first export. FILE (nbdcached.conf(5)) is\n"
+	       OPTIONS_DEFAULT_CONFIG " when it exists and no --export is given;\n"
+	       "the command line wins over it. SIGHUP re-reads it.\n";
 }
 
 /* Parse a decimal unsigned number with optional K/M/G/T suffix (binary). */
-static int parse_u64(const char *text, uint64_t *out)
+int options_parse_size(const char *text, uint64_t *out)
 {
 	char *end;
-	if (text[0] == '\0' || text[0] == '-')
+	if (text[0] < '0' || text[0] > '9')
 		return -EINVAL;
 	errno = 0;
-	unsigned long long v = strtoull(text, &end, 0);
+	unsigned long long v = strtoull(text, &end, 10); /* "010" is ten, not eight */
 	if (errno != 0)
 		return -EINVAL;
 	unsigned shift = 0;
@@ -90,11 +95,12 @@ static char *dup_range(const char *p, size_t n)
 	return s;
 }
 
-static void export_spec_free(struct export_spec *e)
+void options_export_spec_free(struct export_spec *e)
 {
 	free(e->name);
 	free(e->backend);
 	free(e->description);
+	free(e->origin);
 	memset(e, 0, sizeof(*e));
 }
 
@@ -108,7 +114,8 @@ static bool is_known_key(const char *s, size_t n)
 {
 	return (n == 8 && memcmp(s, "readonly", 8) == 0) || starts_with(s, n, "description=") ||
 	       starts_with(s, n, "block-size=") || starts_with(s, n, "cache-mode=") ||
-	       starts_with(s, n, "seq-cutoff=");
+	       starts_with(s, n, "seq-cutoff=") || starts_with(s, n, "max-connections=") ||
+	       starts_with(s, n, "dirty-high=") || starts_with(s, n, "dirty-low=");
 }
 
 static const char *const cache_mode_names[] = {
@@ -125,7 +132,7 @@ const char *options_cache_mode_name(enum cache_mode mode)
 	return cache_mode_names[mode];
 }
 
-static int parse_cache_mode(const char *text, enum cache_mode *out)
+int options_parse_cache_mode(const char *text, enum cache_mode *out)
 {
 	for (int m = CACHE_MODE_WRITEBACK; m <= CACHE_MODE_NONE; m++) {
 		if (strcmp(text, cache_mode_names[m]) == 0) {
@@ -136,10 +143,10 @@ static int parse_cache_mode(const char *text, enum cache_mode *out)
 	return -EINVAL;
 }
 
-static int parse_block_size(const char *text, uint32_t *out)
+int options_parse_block_size(const char *text, uint32_t *out)
 {
 	uint64_t v;
-	if (parse_u64(text, &v) < 0 || !is_power_of_two(v) || v < 512 || v > 65536)
+	if (options_parse_size(text, &v) < 0 || !is_power_of_two(v) || v < 512 || v > 65536)
 		return -EINVAL;
 	*out = (uint32_t)v;
 	return 0;
@@ -212,7 +219,7 @@ int options_parse_export(const char *text, struct export_spec *out, char *err, s
 		} else if (starts_with(p, n, "block-size=")) {
 			char buf[32];
 			if (key_value(p, n, "block-size=", buf, sizeof(buf)) < 0 ||
-			    parse_block_size(buf, &out->block_size) < 0) {
+			    options_parse_block_size(buf, &out->block_size) < 0) {
 				rc = fail(err, errlen, -EINVAL,
 					  "--export: block-size %.*s must be a power of two from 512 "
 					  "to 65536",
@@ -223,7 +230,7 @@ int options_parse_export(const char *text, struct export_spec *out, char *err, s
 		} else if (starts_with(p, n, "cache-mode=")) {
 			char buf[32];
 			if (key_value(p, n, "cache-mode=", buf, sizeof(buf)) < 0 ||
-			    parse_cache_mode(buf, &out->cache_mode) < 0) {
+			    options_parse_cache_mode(buf, &out->cache_mode) < 0) {
 				rc = fail(err, errlen, -EINVAL,
 					  "--export: %.*s: expected writeback, writethrough, "
 					  "writearound or none",
@@ -233,11 +240,32 @@ int options_parse_export(const char *text, struct export_spec *out, char *err, s
 		} else if (starts_with(p, n, "seq-cutoff=")) {
 			char buf[32];
 			if (key_value(p, n, "seq-cutoff=", buf, sizeof(buf)) < 0 ||
-			    parse_u64(buf, &out->seq_cutoff) < 0) {
+			    options_parse_size(buf, &out->seq_cutoff) < 0) {
 				rc = fail(err, errlen, -EINVAL, "--export: bad %.*s", (int)n, p);
 				goto error;
 			}
 			out->has_seq_cutoff = true;
+		} else if (starts_with(p, n, "max-connections=")) {
+			char buf[32];
+			if (key_value(p, n, "max-connections=", buf, sizeof(buf)) < 0 ||
+			    options_parse_max_connections(buf, &out->max_connections) < 0) {
+				rc = fail(err, errlen, -EINVAL, "--export: bad %.*s (0..%d)", (int)n,
+					  p, OPTIONS_MAX_CONNECTIONS);
+				goto error;
+			}
+			out->has_max_connections = true;
+		} else if (starts_with(p, n, "dirty-high=") || starts_with(p, n, "dirty-low=")) {
+			bool high = starts_with(p, n, "dirty-high=");
+			char buf[32];
+			if (key_value(p, n, high ? "dirty-high=" : "dirty-low=", buf, sizeof(buf)) <
+				    0 ||
+			    options_parse_percent(buf, high ? &out->dirty_high : &out->dirty_low) <
+				    0) {
+				rc = fail(err, errlen, -EINVAL, "--export: bad %.*s (0..100)", (int)n,
+					  p);
+				goto error;
+			}
+			*(high ? &out->has_dirty_high : &out->has_dirty_low) = true;
 		} else {
 			rc = fail(err, errlen, -EINVAL, "--export %s: unknown option '%.*s'", text,
 				  (int)n, p);
@@ -249,7 +277,7 @@ int options_parse_export(const char *text, struct export_spec *out, char *err, s
 error:
 	if (rc == -ENOMEM)
 		fail(err, errlen, rc, "out of memory");
-	export_spec_free(out);
+	options_export_spec_free(out);
 	return rc;
 }
 
@@ -289,7 +317,7 @@ int options_split_host_port(const char *text, char *host, size_t hostlen, char *
 	return 0;
 }
 
-static int push_string(char ***vec, size_t *count, const char *s)
+int options_push_string(char ***vec, size_t *count, const char *s)
 {
 	char **v = realloc(*vec, (*count + 1) * sizeof(**vec));
 	if (!v)
@@ -311,10 +339,113 @@ void options_free(struct options *opts)
 		free(opts->unix_paths[i]);
 	free(opts->unix_paths);
 	for (size_t i = 0; i < opts->export_count; i++)
-		export_spec_free(&opts->exports[i]);
+		options_export_spec_free(&opts->exports[i]);
 	free(opts->exports);
 	free(opts->pidfile);
+	free(opts->config_path);
+	free(opts->control_path);
+	free(opts->user);
+	free(opts->group);
 	memset(opts, 0, sizeof(*opts));
+}
+
+int options_parse_hugepages(const char *text, enum hugepages_policy *out)
+{
+	if (strcmp(text, "auto") == 0)
+		*out = HUGEPAGES_AUTO;
+	else if (strcmp(text, "require") == 0)
+		*out = HUGEPAGES_REQUIRE;
+	else if (strcmp(text, "off") == 0)
+		*out = HUGEPAGES_OFF;
+	else
+		return -EINVAL;
+	return 0;
+}
+
+int options_parse_percent(const char *text, unsigned *out)
+{
+	uint64_t v;
+	if (options_parse_size(text, &v) < 0 || v > 100)
+		return -EINVAL;
+	*out = (unsigned)v;
+	return 0;
+}
+
+int options_parse_seconds(const char *text, unsigned *out)
+{
+	uint64_t v;
+	if (options_parse_size(text, &v) < 0 || v == 0 || v > 86400)
+		return -EINVAL;
+	*out = (unsigned)v;
+	return 0;
+}
+
+int options_parse_cache_size(const char *text, uint64_t *out)
+{
+	uint64_t v;
+	if (options_parse_size(text, &v) < 0 || v < OPTIONS_MIN_CACHE_SIZE ||
+	    v > (uint64_t)SIZE_MAX / 2)
+		return -EINVAL;
+	*out = v & ~(uint64_t)4095;
+	return 0;
+}
+
+int options_parse_threads(const char *text, unsigned *out)
+{
+	uint64_t v;
+	if (options_parse_size(text, &v) < 0 || v > OPTIONS_MAX_THREADS)
+		return -EINVAL;
+	*out = (unsigned)v;
+	return 0;
+}
+
+int options_parse_max_connections(const char *text, unsigned *out)
+{
+	uint64_t v;
+	if (options_parse_size(text, &v) < 0 || v > OPTIONS_MAX_CONNECTIONS)
+		return -EINVAL;
+	*out = (unsigned)v;
+	return 0;
+}
+
+int options_add_export(struct options *opts, struct export_spec *spec, char *err, size_t errlen)
+{
+	for (size_t i = 0; i < opts->export_count; i++) {
+		const struct export_spec *o = &opts->exports[i];
+		if (strcmp(o->name, spec->name) == 0)
+			return fail(err, errlen, -EEXIST, "duplicate export name '%s' (first at %s)",
+				    spec->name, o->origin ? o->origin : "the command line");
+	}
+	struct export_spec *v = realloc(opts->exports, (opts->export_count + 1) * sizeof(*v));
+	if (!v)
+		return fail(err, errlen, -ENOMEM, "out of memory");
+	opts->exports = v;
+	v[opts->export_count++] = *spec;
+	memset(spec, 0, sizeof(*spec));
+	return 0;
+}
+
+void options_defaults(struct options *out)
+{
+	memset(out, 0, sizeof(*out));
+	out->log_level = LOG_INFO;
+	out->cache_size = OPTIONS_DEFAULT_CACHE_SIZE;
+	out->block_size = OPTIONS_DEFAULT_BLOCK_SIZE;
+	out->cache_mode = CACHE_MODE_WRITEBACK;
+	out->dirty_high = OPTIONS_DEFAULT_DIRTY_HIGH;
+	out->dirty_low = OPTIONS_DEFAULT_DIRTY_LOW;
+	out->dirty_expire = OPTIONS_DEFAULT_DIRTY_EXPIRE;
+	out->backend_timeout = OPTIONS_DEFAULT_BACKEND_TIMEOUT;
+}
+
+static int set_string(char **slot, const char *value)
+{
+	char *copy = strdup(value);
+	if (!copy)
+		return -ENOMEM;
+	free(*slot);
+	*slot = copy;
+	return 0;
 }
 
 int options_parse(int argc, char **argv, struct options *out, char *err, size_t errlen)
@@ -336,24 +467,23 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 		{"dirty-low", required_argument, NULL, 'd'},
 		{"dirty-expire", required_argument, NULL, 'E'},
 		{"backend-timeout", required_argument, NULL, 'T'},
+		{"max-connections", required_argument, NULL, 'm'},
+		{"config", required_argument, NULL, 'c'},
+		{"check-config", no_argument, NULL, 'K'},
+		{"control", required_argument, NULL, 'x'},
+		{"user", required_argument, NULL, 'U'},
+		{"group", required_argument, NULL, 'G'},
 		{"help", no_argument, NULL, 'h'},
 		{"version", no_argument, NULL, 'V'},
 		{NULL, 0, NULL, 0},
 	};
 	int rc = 0;
-	memset(out, 0, sizeof(*out));
-	out->log_level = LOG_INFO;
-	out->cache_size = OPTIONS_DEFAULT_CACHE_SIZE;
-	out->block_size = OPTIONS_DEFAULT_BLOCK_SIZE;
-	out->cache_mode = CACHE_MODE_WRITEBACK;
-	out->dirty_high = OPTIONS_DEFAULT_DIRTY_HIGH;
-	out->dirty_low = OPTIONS_DEFAULT_DIRTY_LOW;
-	out->dirty_expire = OPTIONS_DEFAULT_DIRTY_EXPIRE;
-	out->backend_timeout = OPTIONS_DEFAULT_BACKEND_TIMEOUT;
+	options_defaults(out);
 	optind = 1;
 	opterr = 0;
 	for (;;) {
-		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:C:H:B:M:S:D:d:E:T:hV", longopts, NULL);
+		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:C:H:B:M:S:D:d:E:T:m:c:Kx:U:G:hV",
+				    longopts, NULL);
 		if (c == -1)
 			break;
 		switch (c) {
@@ -368,8 +498,9 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 					  "--listen %s: expected HOST:PORT or [IPV6]:PORT", optarg);
 				goto error;
 			}
-			if ((rc = push_string(&out->listen, &out->listen_count, optarg)) < 0)
+			if ((rc = options_push_string(&out->listen, &out->listen_count, optarg)) < 0)
 				goto error;
+			out->given |= OPT_GIVEN_LISTEN;
 			break;
 		}
 		case 'u':
@@ -378,50 +509,37 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 					  "--unix: path empty or longer than 107 bytes");
 				goto error;
 			}
-			if ((rc = push_string(&out->unix_paths, &out->unix_count, optarg)) < 0)
+			if ((rc = options_push_string(&out->unix_paths, &out->unix_count, optarg)) <
+			    0)
 				goto error;
+			out->given |= OPT_GIVEN_LISTEN;
 			break;
 		case 'e': {
 			struct export_spec spec;
 			rc = options_parse_export(optarg, &spec, err, errlen);
 			if (rc < 0)
 				goto error;
-			for (size_t i = 0; i < out->export_count; i++) {
-				if (strcmp(out->exports[i].name, spec.name) == 0) {
-					rc = fail(err, errlen, -EINVAL, "--export: duplicate name '%s'",
-						  spec.name);
-					export_spec_free(&spec);
-					goto error;
-				}
-			}
-			struct export_spec *v =
-				realloc(out->exports, (out->export_count + 1) * sizeof(*v));
-			if (!v) {
-				export_spec_free(&spec);
-				rc = -ENOMEM;
+			rc = options_add_export(out, &spec, err, errlen);
+			if (rc < 0) {
+				options_export_spec_free(&spec);
+				if (rc == -EEXIST)
+					rc = -EINVAL; /* the message says which name */
 				goto error;
 			}
-			out->exports = v;
-			v[out->export_count++] = spec;
 			break;
 		}
-		case 't': {
-			uint64_t v;
-			if (parse_u64(optarg, &v) < 0 || v > OPTIONS_MAX_THREADS) {
+		case 't':
+			if (options_parse_threads(optarg, &out->threads) < 0) {
 				rc = fail(err, errlen, -EINVAL, "--threads %s: expected 0..%d", optarg,
 					  OPTIONS_MAX_THREADS);
 				goto error;
 			}
-			out->threads = (unsigned)v;
+			out->given |= OPT_GIVEN_THREADS;
 			break;
-		}
 		case 'p':
-			free(out->pidfile);
-			out->pidfile = strdup(optarg);
-			if (!out->pidfile) {
-				rc = -ENOMEM;
+			if ((rc = set_string(&out->pidfile, optarg)) < 0)
 				goto error;
-			}
+			out->given |= OPT_GIVEN_PIDFILE;
 			break;
 		case 'L':
 			if (log_parse_level(optarg, &out->log_level) < 0) {
@@ -430,87 +548,116 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 					  optarg);
 				goto error;
 			}
+			out->given |= OPT_GIVEN_LOG_LEVEL;
 			break;
 		case 'C':
-			if (parse_u64(optarg, &out->cache_size) < 0 ||
-			    out->cache_size < OPTIONS_MIN_CACHE_SIZE ||
-			    out->cache_size > (uint64_t)SIZE_MAX / 2) {
+			if (options_parse_cache_size(optarg, &out->cache_size) < 0) {
 				rc = fail(err, errlen, -EINVAL,
 					  "--cache-size %s: expected a size from 1M up to half the "
 					  "address space",
 					  optarg);
 				goto error;
 			}
-			out->cache_size &= ~(uint64_t)4095;
+			out->given |= OPT_GIVEN_CACHE_SIZE;
 			break;
 		case 'H':
-			if (strcmp(optarg, "auto") == 0)
-				out->hugepages = HUGEPAGES_AUTO;
-			else if (strcmp(optarg, "require") == 0)
-				out->hugepages = HUGEPAGES_REQUIRE;
-			else if (strcmp(optarg, "off") == 0)
-				out->hugepages = HUGEPAGES_OFF;
-			else {
+			if (options_parse_hugepages(optarg, &out->hugepages) < 0) {
 				rc = fail(err, errlen, -EINVAL,
 					  "--hugepages %s: expected auto, require or off", optarg);
 				goto error;
 			}
+			out->given |= OPT_GIVEN_HUGEPAGES;
 			break;
 		case 'B':
-			if (parse_block_size(optarg, &out->block_size) < 0) {
+			if (options_parse_block_size(optarg, &out->block_size) < 0) {
 				rc = fail(err, errlen, -EINVAL,
 					  "--block-size %s: must be a power of two from 512 to 65536",
 					  optarg);
 				goto error;
 			}
+			out->given |= OPT_GIVEN_BLOCK_SIZE;
 			break;
 		case 'M':
-			if (parse_cache_mode(optarg, &out->cache_mode) < 0) {
+			if (options_parse_cache_mode(optarg, &out->cache_mode) < 0) {
 				rc = fail(err, errlen, -EINVAL,
 					  "--cache-mode %s: expected writeback, writethrough, "
 					  "writearound or none",
 					  optarg);
 				goto error;
 			}
+			out->given |= OPT_GIVEN_CACHE_MODE;
 			break;
 		case 'S':
-			if (parse_u64(optarg, &out->seq_cutoff) < 0) {
+			if (options_parse_size(optarg, &out->seq_cutoff) < 0) {
 				rc = fail(err, errlen, -EINVAL, "--seq-cutoff %s: expected a size",
 					  optarg);
 				goto error;
 			}
+			out->given |= OPT_GIVEN_SEQ_CUTOFF;
 			break;
 		case 'D':
-		case 'd': {
-			uint64_t v;
-			if (parse_u64(optarg, &v) < 0 || v > 100) {
+		case 'd':
+			if (options_parse_percent(optarg, c == 'D' ? &out->dirty_high
+								   : &out->dirty_low) < 0) {
 				rc = fail(err, errlen, -EINVAL, "--dirty-%s %s: expected 0..100",
 					  c == 'D' ? "high" : "low", optarg);
 				goto error;
 			}
-			*(c == 'D' ? &out->dirty_high : &out->dirty_low) = (unsigned)v;
+			out->given |= c == 'D' ? OPT_GIVEN_DIRTY_HIGH : OPT_GIVEN_DIRTY_LOW;
 			break;
-		}
-		case 'E': {
-			uint64_t v;
-			if (parse_u64(optarg, &v) < 0 || v == 0 || v > 86400) {
+		case 'E':
+			if (options_parse_seconds(optarg, &out->dirty_expire) < 0) {
 				rc = fail(err, errlen, -EINVAL,
 					  "--dirty-expire %s: expected 1..86400 seconds", optarg);
 				goto error;
 			}
-			out->dirty_expire = (unsigned)v;
+			out->given |= OPT_GIVEN_DIRTY_EXPIRE;
 			break;
-		}
-		case 'T': {
-			uint64_t v;
-			if (parse_u64(optarg, &v) < 0 || v == 0 || v > 86400) {
+		case 'T':
+			if (options_parse_seconds(optarg, &out->backend_timeout) < 0) {
 				rc = fail(err, errlen, -EINVAL,
 					  "--backend-timeout %s: expected 1..86400 seconds", optarg);
 				goto error;
 			}
-			out->backend_timeout = (unsigned)v;
+			out->given |= OPT_GIVEN_BACKEND_TIMEOUT;
 			break;
-		}
+		case 'm':
+			if (options_parse_max_connections(optarg, &out->max_connections) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--max-connections %s: expected 0..%d (0: unlimited)", optarg,
+					  OPTIONS_MAX_CONNECTIONS);
+				goto error;
+			}
+			out->given |= OPT_GIVEN_MAX_CONNECTIONS;
+			break;
+		case 'c':
+			if ((rc = set_string(&out->config_path, optarg)) < 0)
+				goto error;
+			break;
+		case 'K':
+			out->check_config = true;
+			break;
+		case 'x':
+			if (optarg[0] == '\0' || strlen(optarg) >= 108) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--control: path empty or longer than 107 bytes");
+				goto error;
+			}
+			if ((rc = set_string(&out->control_path, optarg)) < 0)
+				goto error;
+			out->given |= OPT_GIVEN_CONTROL;
+			break;
+		case 'U':
+		case 'G':
+			if (optarg[0] == '\0') {
+				rc = fail(err, errlen, -EINVAL, "--%s: empty name",
+					  c == 'U' ? "user" : "group");
+				goto error;
+			}
+			if ((rc = set_string(c == 'U' ? &out->user : &out->group, optarg)) < 0)
+				goto error;
+			out->given |= c == 'U' ? OPT_GIVEN_USER : OPT_GIVEN_GROUP;
+			break;
 		case 'h':
 			out->help = true;
 			break;
@@ -527,17 +674,44 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 		rc = fail(err, errlen, -EINVAL, "unexpected argument '%s'", argv[optind]);
 		goto error;
 	}
-	if (out->help || out->version)
+	if (out->help || out->version || out->config_path)
 		return 0;
-	if (out->export_count == 0) {
-		rc = fail(err, errlen, -EINVAL, "no export: give at least one --export NAME=PATH");
+	rc = options_finish(out, err, errlen);
+	if (rc < 0)
 		goto error;
+	return 0;
+error:
+	if (rc == -ENOMEM)
+		fail(err, errlen, rc, "out of memory");
+	options_free(out);
+	return rc;
+}
+
+bool options_shared_backend(const struct options *opts, size_t *first, size_t *second)
+{
+	for (size_t i = 0; i < opts->export_count; i++) {
+		const char *b = opts->exports[i].backend;
+		if (strncmp(b, "nbdkit:", 7) == 0)
+			continue; /* each one starts an nbdkit of its own */
+		for (size_t j = 0; j < i; j++) {
+			if (strcmp(opts->exports[j].backend, b) == 0) {
+				*first = j;
+				*second = i;
+				return true;
+			}
+		}
 	}
-	if (out->dirty_low > out->dirty_high) {
-		rc = fail(err, errlen, -EINVAL, "--dirty-low %u is above --dirty-high %u",
-			  out->dirty_low, out->dirty_high);
-		goto error;
-	}
+	return false;
+}
+
+int options_finish(struct options *out, char *err, size_t errlen)
+{
+	if (out->export_count == 0)
+		return fail(err, errlen, -EINVAL,
+			    "no export: give at least one --export NAME=PATH or a config file");
+	if (out->dirty_low > out->dirty_high)
+		return fail(err, errlen, -EINVAL, "dirty-low %u is above dirty-high %u",
+			    out->dirty_low, out->dirty_high);
 	for (size_t i = 0; i < out->export_count; i++) {
 		struct export_spec *e = &out->exports[i];
 		if (!e->has_block_size)
@@ -546,17 +720,24 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 			e->seq_cutoff = out->seq_cutoff;
 		if (e->cache_mode == CACHE_MODE_DEFAULT)
 			e->cache_mode = out->cache_mode;
+		if (!e->has_max_connections)
+			e->max_connections = out->max_connections;
+		if (!e->has_dirty_high)
+			e->dirty_high = out->dirty_high;
+		if (!e->has_dirty_low)
+			e->dirty_low = e->dirty_high < out->dirty_low ? e->dirty_high : out->dirty_low;
+		if (e->dirty_low > e->dirty_high)
+			return fail(err, errlen, -EINVAL,
+				    "export '%s'%s%s: dirty-low %u is above dirty-high %u", e->name,
+				    e->origin ? " at " : "", e->origin ? e->origin : "",
+				    e->dirty_low, e->dirty_high);
 	}
 	if (out->listen_count == 0 && out->unix_count == 0) {
-		if ((rc = push_string(&out->listen, &out->listen_count, OPTIONS_DEFAULT_LISTEN)) <
-		    0)
-			goto error;
+		int rc = options_push_string(&out->listen, &out->listen_count,
+					     OPTIONS_DEFAULT_LISTEN);
+		if (rc < 0)
+			return fail(err, errlen, rc, "out of memory");
 		out->listen_default = true;
 	}
 	return 0;
-error:
-	if (rc == -ENOMEM)
-		fail(err, errlen, rc, "out of memory");
-	options_free(out);
-	return rc;
 }

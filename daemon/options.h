@@ -6,9 +6,12 @@
  * Called once from main() before anything starts; not thread-safe, and
  * needs not be.
  *
- *   nbdcached [--foreground] [--listen HOST:PORT]... [--unix PATH]...
+ *   nbdcached [--config FILE] [--check-config] [--control PATH|none]
+ *             [--user USER] [--group GROUP]
+ *             [--foreground] [--listen HOST:PORT]... [--unix PATH]...
  *             [--export NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]
- *                       [,cache-mode=MODE][,seq-cutoff=SIZE]]...
+ *                       [,cache-mode=MODE][,seq-cutoff=SIZE][,max-connections=N]
+ *                       [,dirty-high=PCT][,dirty-low=PCT]]...
  *             [--threads N] [--pidfile FILE] [--log-level LEVEL]
  *             [--cache-size SIZE] [--hugepages auto|require|off]
  *             [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]
@@ -20,6 +23,12 @@
  *
  * Per-export settings left out take the global value, whatever the order of
  * the options on the command line.
+ *
+ * With a config file (config.h) the order is: defaults, then the file, then
+ * the command line, which wins for every setting it gives (options.given
+ * records which); exports from both are served. options_parse() leaves the
+ * per-export defaults unresolved when a config file is named: the caller
+ * loads it, then calls options_finish().
  */
 #ifndef NBDCACHED_DAEMON_OPTIONS_H
 #define NBDCACHED_DAEMON_OPTIONS_H
@@ -39,6 +48,8 @@
 #define OPTIONS_DEFAULT_DIRTY_LOW 25
 #define OPTIONS_DEFAULT_DIRTY_EXPIRE 30
 #define OPTIONS_DEFAULT_BACKEND_TIMEOUT 30
+#define OPTIONS_DEFAULT_CONFIG "/etc/nbdcached/nbdcached.conf"
+#define OPTIONS_MAX_CONNECTIONS 65536
 
 /* What the cache does with an export's reads and writes (DESIGN.md). */
 enum cache_mode {
@@ -59,8 +70,33 @@ struct export_spec {
 	uint32_t block_size; /* power of two, 512..65536 */
 	enum cache_mode cache_mode;
 	uint64_t seq_cutoff; /* bytes; 0: off */
+	unsigned max_connections; /* 0: unlimited */
+	unsigned dirty_high, dirty_low; /* percent of the cache */
 	/* Which of the above were given (the rest come from struct options). */
-	bool has_block_size, has_seq_cutoff;
+	bool has_block_size, has_seq_cutoff, has_max_connections, has_dirty_high, has_dirty_low;
+	/* Where it was defined: "FILE:LINE" or NULL (command line). */
+	char *origin;
+};
+
+/* Bits of options.given: global settings the command line gave. */
+enum options_given {
+	OPT_GIVEN_LISTEN = 1u << 0, /* --listen or --unix */
+	OPT_GIVEN_THREADS = 1u << 1,
+	OPT_GIVEN_PIDFILE = 1u << 2,
+	OPT_GIVEN_LOG_LEVEL = 1u << 3,
+	OPT_GIVEN_CACHE_SIZE = 1u << 4,
+	OPT_GIVEN_HUGEPAGES = 1u << 5,
+	OPT_GIVEN_BLOCK_SIZE = 1u << 6,
+	OPT_GIVEN_CACHE_MODE = 1u << 7,
+	OPT_GIVEN_SEQ_CUTOFF = 1u << 8,
+	OPT_GIVEN_DIRTY_HIGH = 1u << 9,
+	OPT_GIVEN_DIRTY_LOW = 1u << 10,
+	OPT_GIVEN_DIRTY_EXPIRE = 1u << 11,
+	OPT_GIVEN_BACKEND_TIMEOUT = 1u << 12,
+	OPT_GIVEN_CONTROL = 1u << 13,
+	OPT_GIVEN_USER = 1u << 14,
+	OPT_GIVEN_GROUP = 1u << 15,
+	OPT_GIVEN_MAX_CONNECTIONS = 1u << 16,
 };
 
 struct options {
@@ -70,6 +106,7 @@ struct options {
 	char **unix_paths;
 	size_t unix_count;
 	bool listen_default; /* listen holds only the default (no --listen/--unix) */
+	bool listen_from_config; /* listen and unix_paths came from the config file */
 	struct export_spec *exports;
 	size_t export_count;
 	unsigned threads; /* 0: one per CPU */
@@ -84,6 +121,12 @@ struct options {
 	unsigned dirty_high, dirty_low; /* percent of cache_size */
 	unsigned dirty_expire;		/* seconds */
 	unsigned backend_timeout;	/* seconds a request waits for a lost backend */
+	unsigned max_connections;	/* per export; 0: unlimited */
+	char *config_path;		/* NULL: none */
+	bool check_config;		/* validate, print a summary, exit */
+	char *control_path;		/* NULL: the default; "none": no control socket */
+	char *user, *group;		/* drop privileges to these after start-up */
+	unsigned given;			/* enum options_given */
 	bool help;
 	bool version;
 };
@@ -94,6 +137,30 @@ struct options {
  * daemon listens on OPTIONS_DEFAULT_LISTEN.
  */
 int options_parse(int argc, char **argv, struct options *out, char *err, size_t errlen);
+/* Resolve per-export defaults, check the whole, add the default listen
+ * address. Called by options_parse() unless a config file is named. */
+int options_finish(struct options *opts, char *err, size_t errlen);
+/* Do two exports name the same backend (not counting nbdkit: ones, which
+ * are separate processes)? Allowed (a read-only view of a disk, say), but
+ * their caches do not see each other's writes: worth a warning. */
+bool options_shared_backend(const struct options *opts, size_t *first, size_t *second);
+/* Set every global default (what options_parse() starts from). */
+void options_defaults(struct options *opts);
+/* Value parsers shared with the config file: 0 or -EINVAL. */
+int options_parse_size(const char *text, uint64_t *out);
+int options_parse_block_size(const char *text, uint32_t *out);
+int options_parse_cache_mode(const char *text, enum cache_mode *out);
+int options_parse_hugepages(const char *text, enum hugepages_policy *out);
+int options_parse_percent(const char *text, unsigned *out);
+int options_parse_seconds(const char *text, unsigned *out); /* 1..86400 */
+int options_parse_cache_size(const char *text, uint64_t *out);
+int options_parse_threads(const char *text, unsigned *out);
+int options_parse_max_connections(const char *text, unsigned *out);
+/* Append a copy of a string to a vector. */
+int options_push_string(char ***vec, size_t *count, const char *s);
+/* Add an export; -EEXIST (message in err) when the name is taken. */
+int options_add_export(struct options *opts, struct export_spec *spec, char *err, size_t errlen);
+void options_export_spec_free(struct export_spec *e);
 /* Parse one --export value (exposed for tests). */
 int options_parse_export(const char *text, struct export_spec *out, char *err, size_t errlen);
 /* Split "HOST:PORT", "[V6]:PORT" or ":PORT" into host (maybe "") and port. */

@@ -9,11 +9,14 @@
 #include "daemon/server.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <event2/event.h>
 #include <event2/listener.h>
 #include <event2/thread.h>
 #include <netdb.h>
+#include <grp.h>
 #include <netinet/in.h>
+#include <pwd.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,9 +28,11 @@
 #include <unistd.h>
 
 #include "daemon/cache/cache.h"
+#include "daemon/control.h"
 #include "daemon/export.h"
 #include "daemon/log.h"
 #include "daemon/worker.h"
+#include "include/nbdcached/control.h"
 
 struct listener {
 	int fd;
@@ -46,6 +51,7 @@ struct server {
 	uint64_t next_conn_id;
 	struct listener *listeners;
 	size_t listener_count;
+	struct control *control;
 };
 
 static int listen_tcp(struct server *s, const char *spec)
@@ -208,6 +214,59 @@ static int adopt_systemd_sockets(struct server *s, int n)
 	return n;
 }
 
+static void on_reload_signal(evutil_socket_t sig, short what, void *arg)
+{
+	(void)sig;
+	(void)what;
+	struct server *s = arg;
+	log_info("SIGHUP: reloading the configuration");
+	control_reload(s->control);
+}
+
+/*
+ * --user / --group: give up root once everything that needs it is done
+ * (hugepages reserved, sockets bound, backends opened). Supplementary
+ * groups are the user's.
+ */
+static int drop_privileges(const struct options *opts)
+{
+	if (!opts->user && !opts->group)
+		return 0;
+	gid_t gid = getgid();
+	uid_t uid = getuid();
+	if (opts->group) {
+		struct group *g = getgrnam(opts->group);
+		if (!g) {
+			log_error("--group %s: no such group", opts->group);
+			return -EINVAL;
+		}
+		gid = g->gr_gid;
+	}
+	if (opts->user) {
+		struct passwd *pw = getpwnam(opts->user);
+		if (!pw) {
+			log_error("--user %s: no such user", opts->user);
+			return -EINVAL;
+		}
+		uid = pw->pw_uid;
+		if (!opts->group)
+			gid = pw->pw_gid;
+		if (initgroups(opts->user, gid) < 0) {
+			log_error("--user %s: initgroups: %s", opts->user, strerror(errno));
+			return -errno;
+		}
+	} else if (setgroups(0, NULL) < 0) {
+		log_error("--group %s: setgroups: %s", opts->group, strerror(errno));
+		return -errno;
+	}
+	if (setgid(gid) < 0 || (opts->user && setuid(uid) < 0)) {
+		log_error("cannot drop privileges: %s", strerror(errno));
+		return -errno;
+	}
+	log_info("running as uid %d gid %d", (int)getuid(), (int)getgid());
+	return 0;
+}
+
 static void on_stats_signal(evutil_socket_t sig, short what, void *arg)
 {
 	(void)sig;
@@ -216,21 +275,24 @@ static void on_stats_signal(evutil_socket_t sig, short what, void *arg)
 	cache_log_stats(s->cache);
 }
 
-static int write_pidfile(const char *path)
+/* The pidfile is opened before privileges are dropped and written (through
+ * the open descriptor) when the daemon is ready. */
+static int write_pidfile(int fd)
 {
-	FILE *f = fopen(path, "w");
-	if (!f)
-		return -errno;
-	fprintf(f, "%d\n", (int)getpid());
-	if (fclose(f) != 0)
-		return -errno;
+	char text[32];
+	int n = snprintf(text, sizeof(text), "%d\n", (int)getpid());
+	if (ftruncate(fd, 0) < 0 || pwrite(fd, text, (size_t)n, 0) != n)
+		return errno ? -errno : -EIO;
 	return 0;
 }
 
-int server_run(const struct options *opts)
+int server_run(const struct options *opts, int argc, char **argv)
 {
 	struct server s = {0};
-	struct event *sigterm = NULL, *sigint = NULL, *sigusr1 = NULL, *watchdog = NULL;
+	struct event *sigterm = NULL, *sigint = NULL, *sigusr1 = NULL, *sighup = NULL,
+		     *watchdog = NULL;
+	int control_fd = -1, pidfile_fd = -1;
+	int *listen_fds = NULL;
 	int status = 1;
 	unsigned threads = opts->threads;
 	if (threads == 0) {
@@ -255,13 +317,27 @@ int server_run(const struct options *opts)
 		goto out_exports;
 	if (adopt_systemd_sockets(&s, activated) < 0)
 		goto out_listeners;
-	/* Sockets from systemd replace the default address, not --listen. */
-	for (size_t i = 0; i < opts->listen_count && !(activated && opts->listen_default); i++)
+	/* Sockets from systemd replace the default address and the config
+	 * file's, not --listen / --unix. */
+	bool replaced = activated && (opts->listen_default || opts->listen_from_config);
+	for (size_t i = 0; i < opts->listen_count && !replaced; i++)
 		if (listen_tcp(&s, opts->listen[i]) < 0)
 			goto out_listeners;
-	for (size_t i = 0; i < opts->unix_count; i++)
+	for (size_t i = 0; i < opts->unix_count && !replaced; i++)
 		if (listen_unix(&s, opts->unix_paths[i]) < 0)
 			goto out_listeners;
+	bool no_control = opts->control_path && strcmp(opts->control_path, "none") == 0;
+	if (!no_control && control_listen(opts->control_path, &control_fd) < 0)
+		goto out_listeners;
+	if (opts->pidfile) {
+		pidfile_fd = open(opts->pidfile, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+		if (pidfile_fd < 0) {
+			log_error("--pidfile %s: %s", opts->pidfile, strerror(errno));
+			goto out_listeners;
+		}
+	}
+	if (drop_privileges(opts) < 0)
+		goto out_listeners;
 
 	if (!opts->foreground && daemon(1, 0) < 0) {
 		log_error("daemon: %s", strerror(errno));
@@ -295,6 +371,32 @@ int server_run(const struct options *opts)
 		}
 		s.worker_count++;
 	}
+	listen_fds = calloc(s.listener_count ? s.listener_count : 1, sizeof(*listen_fds));
+	if (!listen_fds)
+		goto out_workers;
+	for (size_t i = 0; i < s.listener_count; i++)
+		listen_fds[i] = s.listeners[i].fd;
+	struct control_config ccfg = {
+		.exports = &s.exports,
+		.cache = s.cache,
+		.opts = opts,
+		.argc = argc,
+		.argv = argv,
+		.threads = s.worker_count,
+		.listen_fds = listen_fds,
+		.listen_count = s.listener_count,
+		.control_fd = control_fd,
+		.control_path = control_fd >= 0
+					? (opts->control_path ? opts->control_path
+							      : NBDCACHED_CONTROL_DEFAULT)
+					: NULL,
+	};
+	rc = control_start(&ccfg, &s.control);
+	if (rc < 0) {
+		log_error("control thread: %s", strerror(-rc));
+		goto out_workers;
+	}
+	control_fd = -1; /* the control thread's now */
 	for (size_t i = 0; i < s.listener_count; i++) {
 		struct listener *l = &s.listeners[i];
 		evutil_make_socket_nonblocking(l->fd);
@@ -306,13 +408,15 @@ int server_run(const struct options *opts)
 	sigterm = evsignal_new(s.base, SIGTERM, on_signal, &s);
 	sigint = evsignal_new(s.base, SIGINT, on_signal, &s);
 	sigusr1 = evsignal_new(s.base, SIGUSR1, on_stats_signal, &s);
-	if (!sigterm || !sigint || !sigusr1 || evsignal_add(sigterm, NULL) < 0 ||
-	    evsignal_add(sigint, NULL) < 0 || evsignal_add(sigusr1, NULL) < 0) {
+	sighup = evsignal_new(s.base, SIGHUP, on_reload_signal, &s);
+	if (!sigterm || !sigint || !sigusr1 || !sighup || evsignal_add(sigterm, NULL) < 0 ||
+	    evsignal_add(sigint, NULL) < 0 || evsignal_add(sigusr1, NULL) < 0 ||
+	    evsignal_add(sighup, NULL) < 0) {
 		log_error("cannot install signal handlers");
 		goto out_signals;
 	}
 	if (opts->pidfile) {
-		rc = write_pidfile(opts->pidfile);
+		rc = write_pidfile(pidfile_fd);
 		if (rc < 0) {
 			log_error("--pidfile %s: %s", opts->pidfile, strerror(-rc));
 			goto out_signals;
@@ -340,25 +444,37 @@ out_workers:
 	for (unsigned i = 0; i < s.worker_count; i++)
 		worker_join(&s.workers[i]);
 	free(s.workers);
+	/* After the workers (no connection is left to flush for), before the
+	 * cache writes everything back. */
+	control_stop(s.control);
+	free(listen_fds);
+	listen_fds = NULL;
 	/* Connections are gone: write every dirty block back before exit. */
 	if (watchdog)
 		event_free(watchdog);
 	if (sigusr1)
 		event_free(sigusr1);
+	if (sighup)
+		event_free(sighup);
 	if (sigterm)
 		event_free(sigterm);
 	if (sigint)
 		event_free(sigint);
 	cache_stop(s.cache);
-	if (opts->pidfile && status == 0)
-		unlink(opts->pidfile);
+	if (opts->pidfile && status == 0 && unlink(opts->pidfile) < 0)
+		log_debug("--pidfile %s: cannot remove it: %s", opts->pidfile, strerror(errno));
 out_base:
 	if (s.accept_resume)
 		event_free(s.accept_resume);
 	event_base_free(s.base);
 out_listeners:
+	if (pidfile_fd >= 0)
+		close(pidfile_fd);
 	close_listeners(&s);
 	free(s.listeners);
+	free(listen_fds);
+	if (control_fd >= 0)
+		close(control_fd);
 out_exports:
 	cache_stop(s.cache); /* no-op unless started */
 	export_table_close(&s.exports);

@@ -5,6 +5,7 @@
  * main thread's event loop, which only accepts connections and handles
  * signals. Accepted sockets are dealt round robin to the workers.
  *
+ * SIGHUP re-reads the config file (control.h does it, on its thread).
  * Shutdown (SIGTERM, SIGINT): stop accepting, let every worker finish its
  * in-flight requests, remove Unix sockets and the pidfile, exit 0.
  */
@@ -14,6 +15,6 @@
 #include "daemon/options.h"
 
 /* Run until a shutdown signal. Returns the process exit status. */
-int server_run(const struct options *opts);
+int server_run(const struct options *opts, int argc, char **argv);
 
 #endif

@@ -524,7 +524,7 @@ int transmit_step(struct conn *c)
 	if (req.payload_length && avail < hsize + req.payload_length)
 		return 0; /* wait for the whole payload */
 
-	bool cached = c->export->cache_mode != CACHE_MODE_NONE;
+	bool cached = cache_export_mode(c->export->cache) != CACHE_MODE_NONE;
 	size_t buf_len = 0, accounted = 0, max_extents = 0;
 	switch (req.type) {
 	case NBD_CMD_READ:

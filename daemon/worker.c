@@ -109,7 +109,7 @@ static void *worker_main(void *arg)
 	return NULL;
 }
 
-int worker_start(struct worker *w, unsigned index, const struct export_table *exports)
+int worker_start(struct worker *w, unsigned index, struct export_table *exports)
 {
 	memset(w, 0, sizeof(*w));
 	w->index = index;

@@ -43,7 +43,7 @@ struct worker {
 	struct uring ring;
 	struct event *wake;
 	struct event *stop_timer;
-	const struct export_table *exports;
+	struct export_table *exports;
 
 	pthread_mutex_t lock; /* guards pending, tasks and stop_requested */
 	struct worker_task *tasks, *tasks_tail;
@@ -56,7 +56,7 @@ struct worker {
 	unsigned conn_count;
 };
 
-int worker_start(struct worker *w, unsigned index, const struct export_table *exports);
+int worker_start(struct worker *w, unsigned index, struct export_table *exports);
 /* Thread-safe: give an accepted socket to this worker. Takes ownership of fd. */
 void worker_hand_off(struct worker *w, int fd, uint64_t id);
 /* Thread-safe: run task->run(task) on the worker's thread soon. */

@@ -38,6 +38,7 @@
 #include <time.h>
 
 #include "daemon/backend/backend.h"
+#include "daemon/clock.h"
 #include "daemon/log.h"
 
 #define NBD_MAX_CONNS 4
@@ -105,13 +106,6 @@ struct nbd_chunk {
 	uint64_t offset;  /* BLOCK_STATUS: where the extents start */
 };
 
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 static struct nbd_backend *to_nbd(struct backend *be)
 {
 	return (struct nbd_backend *)be;
@@ -136,13 +130,13 @@ static struct nbd_handle *connect_handle(struct nbd_backend *nb, unsigned timeou
 	nbd_add_meta_context(h, LIBNBD_CONTEXT_BASE_ALLOCATION);
 	int rc = nb->uri ? nbd_aio_connect_uri(h, nb->uri)
 			 : nbd_aio_connect_systemd_socket_activation(h, nb->argv);
-	uint64_t deadline = now_ns() + (uint64_t)timeout_ms * 1000000u;
+	uint64_t deadline = clock_now_ns() + (uint64_t)timeout_ms * 1000000u;
 	while (rc == 0 && !nbd_aio_is_ready(h)) {
 		if (nbd_aio_is_dead(h) || nbd_aio_is_closed(h)) {
 			rc = -1;
 			break;
 		}
-		uint64_t now = now_ns();
+		uint64_t now = clock_now_ns();
 		if (now >= deadline) {
 			snprintf(err, errlen, "no answer within %u ms", timeout_ms);
 			nbd_close(h);
@@ -618,7 +612,7 @@ static void start_request(struct nbd_backend *nb, struct backend_io *io)
 	default:
 		break;
 	}
-	io->deadline_ns = now_ns() + nb->timeout_ns;
+	io->deadline_ns = clock_now_ns() + nb->timeout_ns;
 	if (!nb->connected) {
 		wait_for_connection(nb, io);
 		return;
@@ -648,7 +642,7 @@ static void on_tick(evutil_socket_t fd, short what, void *arg)
 	(void)fd;
 	(void)what;
 	struct nbd_backend *nb = arg;
-	uint64_t now = now_ns();
+	uint64_t now = clock_now_ns();
 	struct backend_io **p = &nb->waiting;
 	while (*p) {
 		struct backend_io *io = *p;

@@ -286,6 +286,7 @@ static void entry_destroy(struct cache *c, struct cache_shard *sh, struct cache_
 	arena_free(&c->arena, e->frame, e->order);
 	atomic_fetch_sub(&c->counters.entries, 1);
 	atomic_fetch_sub(&c->counters.metadata_bytes, entry_size(e->nblocks));
+	atomic_fetch_sub(&e->ce->counters.cached_bytes, (uint64_t)ARENA_FRAME_SIZE << e->order);
 	free(e);
 }
 
@@ -339,9 +340,10 @@ static bool evict_one(struct cache *c, struct cache_shard *held_shard)
 		e->queue = CACHE_NOT_QUEUED;
 		if (q == &c->small)
 			c->ghost[entry_fingerprint(e) & c->ghost_mask] = entry_fingerprint(e);
+		struct cache_export *ce = e->ce;
 		entry_destroy(c, sh, e);
 		pthread_mutex_unlock(&sh->lock);
-		atomic_fetch_add(&c->counters.evictions, 1);
+		atomic_fetch_add(&ce->counters.evictions, 1);
 		return true;
 	}
 	return false;
@@ -437,6 +439,7 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
 	r->count++;
 	atomic_fetch_add(&c->counters.entries, 1);
 	atomic_fetch_add(&c->counters.metadata_bytes, entry_size(nblocks));
+	atomic_fetch_add(&ce->counters.cached_bytes, (uint64_t)ARENA_FRAME_SIZE << order);
 
 	pthread_mutex_lock(&c->evict_lock);
 	uint64_t fp = entry_fingerprint(e);
@@ -471,7 +474,7 @@ void cache_mark_dirty(struct cache_entry *e, uint32_t first, uint32_t count)
 		}
 	}
 	e->ndirty += added;
-	atomic_fetch_add(&ce->cache->counters.dirty_bytes, (uint64_t)added << ce->block_shift);
+	cache_dirty_bytes_add(ce, (uint64_t)added << ce->block_shift);
 	if (e->on_dirty_list)
 		return;
 	pthread_mutex_lock(&ce->lock);
@@ -499,7 +502,7 @@ void cache_clear_dirty(struct cache_entry *e, uint32_t first, uint32_t count)
 		}
 	}
 	e->ndirty -= removed;
-	atomic_fetch_sub(&ce->cache->counters.dirty_bytes, (uint64_t)removed << ce->block_shift);
+	cache_dirty_bytes_sub(ce, (uint64_t)removed << ce->block_shift);
 }
 
 void cache_dirty_list_update(struct cache_entry *e)
@@ -663,6 +666,7 @@ int cache_export_add(struct cache *c, struct backend *be, const struct export_sp
 	ce->min_order = ce->block_shift > ARENA_FRAME_SHIFT ? ce->block_shift - ARENA_FRAME_SHIFT : 0;
 	ce->mode = spec->cache_mode;
 	ce->seq_cutoff = spec->seq_cutoff;
+	cache_export_set_watermarks(ce, spec->dirty_high, spec->dirty_low);
 	pthread_mutex_init(&ce->lock, NULL);
 	pthread_mutex_lock(&c->exports_lock);
 	ce->id = ++c->export_count;
@@ -675,7 +679,84 @@ int cache_export_add(struct cache *c, struct backend *be, const struct export_sp
 
 enum cache_mode cache_export_mode(const struct cache_export *ce)
 {
-	return ce->mode;
+	return atomic_load(&ce->mode);
+}
+
+void cache_export_set_mode(struct cache_export *ce, enum cache_mode mode)
+{
+	atomic_store(&ce->mode, mode);
+	writeback_kick(ce->cache); /* dirty data left by writeback mode goes sooner */
+}
+
+void cache_export_set_watermarks(struct cache_export *ce, unsigned high_pct, unsigned low_pct)
+{
+	uint64_t unit = ce->cache->arena.size / 100;
+	atomic_store(&ce->dirty_high, unit * high_pct);
+	atomic_store(&ce->dirty_low, unit * low_pct);
+}
+
+void cache_set_writeback_policy(struct cache *c, unsigned high_pct, unsigned low_pct,
+				unsigned expire_seconds)
+{
+	atomic_store(&c->dirty_high, c->arena.size / 100 * high_pct);
+	atomic_store(&c->dirty_low, c->arena.size / 100 * low_pct);
+	atomic_store(&c->dirty_expire_ns, (uint64_t)expire_seconds * 1000000000u);
+	writeback_kick(c);
+}
+
+/*
+ * Evict every clean, idle entry of the export. The export's range list is
+ * copied under its lock first (the lock order puts shard locks before the
+ * export lock), then each range is looked up again under its shard lock.
+ */
+int cache_export_drop_clean(struct cache_export *ce, uint64_t *dropped, uint64_t *kept)
+{
+	struct cache *c = ce->cache;
+	*dropped = 0;
+	pthread_mutex_lock(&ce->lock);
+	size_t n = ce->range_count, i = 0;
+	uint64_t *indexes = malloc((n ? n : 1) * sizeof(*indexes));
+	if (!indexes) {
+		pthread_mutex_unlock(&ce->lock);
+		return -ENOMEM;
+	}
+	for (struct cache_range *r = ce->ranges; r && i < n; r = r->export_next)
+		indexes[i++] = r->index;
+	pthread_mutex_unlock(&ce->lock);
+	for (size_t k = 0; k < i; k++) {
+		struct cache_shard *sh = cache_shard_for(c, ce, indexes[k]);
+		pthread_mutex_lock(&sh->lock);
+		pthread_mutex_lock(&c->evict_lock);
+		struct cache_range *r = range_find(sh, ce, indexes[k]);
+		for (uint32_t j = r ? r->count : 0; r && j-- > 0;) {
+			struct cache_entry *e = r->entries[j];
+			if (!entry_evictable(e))
+				continue;
+			*dropped += cache_entry_bytes(e);
+			bool last = r->count == 1;
+			entry_destroy(c, sh, e);
+			if (last)
+				break; /* the range went with its last entry */
+		}
+		pthread_mutex_unlock(&c->evict_lock);
+		pthread_mutex_unlock(&sh->lock);
+	}
+	free(indexes);
+	*kept = atomic_load(&ce->counters.cached_bytes);
+	cache_waitq_wake(c); /* room for waiting allocations */
+	return 0;
+}
+
+int cache_export_retire(struct cache_export *ce)
+{
+	uint64_t dropped, kept;
+	int rc = cache_export_drop_clean(ce, &dropped, &kept);
+	if (rc < 0)
+		return rc;
+	if (kept || atomic_load(&ce->counters.dirty_bytes))
+		return -EBUSY;
+	atomic_store(&ce->retired, true);
+	return 0;
 }
 
 uint64_t cache_export_error_seq(struct cache_export *ce)
@@ -684,6 +765,58 @@ uint64_t cache_export_error_seq(struct cache_export *ce)
 	uint64_t seq = ce->error_seq;
 	pthread_mutex_unlock(&ce->lock);
 	return seq;
+}
+
+static void counters_load(const struct cache_counters *k, struct cache_export_stats *s)
+{
+	s->hits = atomic_load(&k->hits);
+	s->misses = atomic_load(&k->misses);
+	s->partial_hits = atomic_load(&k->partial_hits);
+	s->backend_reads = atomic_load(&k->backend_reads);
+	s->backend_read_bytes = atomic_load(&k->backend_read_bytes);
+	s->backend_writes = atomic_load(&k->backend_writes);
+	s->backend_write_bytes = atomic_load(&k->backend_write_bytes);
+	s->writeback_bytes = atomic_load(&k->writeback_bytes);
+	s->evictions = atomic_load(&k->evictions);
+	s->writeback_errors = atomic_load(&k->writeback_errors);
+	s->bypass_reads = atomic_load(&k->bypass_reads);
+	s->direct_writes = atomic_load(&k->direct_writes);
+	s->dirty_bytes = atomic_load(&k->dirty_bytes);
+	s->cached_bytes = atomic_load(&k->cached_bytes);
+}
+
+static void counters_sum(struct cache_export_stats *sum, const struct cache_export_stats *s)
+{
+	sum->hits += s->hits;
+	sum->misses += s->misses;
+	sum->partial_hits += s->partial_hits;
+	sum->backend_reads += s->backend_reads;
+	sum->backend_read_bytes += s->backend_read_bytes;
+	sum->backend_writes += s->backend_writes;
+	sum->backend_write_bytes += s->backend_write_bytes;
+	sum->writeback_bytes += s->writeback_bytes;
+	sum->evictions += s->evictions;
+	sum->writeback_errors += s->writeback_errors;
+	sum->bypass_reads += s->bypass_reads;
+	sum->direct_writes += s->direct_writes;
+}
+
+uint64_t cache_arena_free_by_order(struct cache *c, uint64_t bytes[ARENA_ORDERS])
+{
+	uint64_t total = 0;
+	pthread_mutex_lock(&c->arena.lock);
+	for (unsigned o = 0; o < ARENA_ORDERS; o++) {
+		bytes[o] = (c->arena.free_blocks[o] << o) << ARENA_FRAME_SHIFT;
+		total += bytes[o];
+	}
+	pthread_mutex_unlock(&c->arena.lock);
+	return total;
+}
+
+void cache_export_get_stats(struct cache_export *ce, struct cache_export_stats *out)
+{
+	memset(out, 0, sizeof(*out));
+	counters_load(&ce->counters, out);
 }
 
 void cache_get_stats(struct cache *c, struct cache_stats *s)
@@ -698,18 +831,26 @@ void cache_get_stats(struct cache *c, struct cache_stats *s)
 	s->free_2m_bytes = arena_free_frames_at_least(&c->arena, ARENA_MAX_ORDER) << ARENA_FRAME_SHIFT;
 	s->entries = atomic_load(&k->entries);
 	s->dirty_bytes = atomic_load(&k->dirty_bytes);
-	s->hits = atomic_load(&k->hits);
-	s->misses = atomic_load(&k->misses);
-	s->partial_hits = atomic_load(&k->partial_hits);
-	s->backend_reads = atomic_load(&k->backend_reads);
-	s->backend_read_bytes = atomic_load(&k->backend_read_bytes);
-	s->backend_writes = atomic_load(&k->backend_writes);
-	s->backend_write_bytes = atomic_load(&k->backend_write_bytes);
-	s->evictions = atomic_load(&k->evictions);
-	s->writeback_errors = atomic_load(&k->writeback_errors);
-	s->bypass_reads = atomic_load(&k->bypass_reads);
-	s->direct_writes = atomic_load(&k->direct_writes);
 	s->metadata_bytes = atomic_load(&k->metadata_bytes);
+	struct cache_export_stats sum = {0}, one;
+	pthread_mutex_lock(&c->exports_lock);
+	for (struct cache_export *ce = c->exports; ce; ce = ce->next) {
+		counters_load(&ce->counters, &one);
+		counters_sum(&sum, &one);
+	}
+	pthread_mutex_unlock(&c->exports_lock);
+	s->hits = sum.hits;
+	s->misses = sum.misses;
+	s->partial_hits = sum.partial_hits;
+	s->backend_reads = sum.backend_reads;
+	s->backend_read_bytes = sum.backend_read_bytes;
+	s->backend_writes = sum.backend_writes;
+	s->backend_write_bytes = sum.backend_write_bytes;
+	s->writeback_bytes = sum.writeback_bytes;
+	s->evictions = sum.evictions;
+	s->writeback_errors = sum.writeback_errors;
+	s->bypass_reads = sum.bypass_reads;
+	s->direct_writes = sum.direct_writes;
 }
 
 void cache_log_stats(struct cache *c)

@@ -105,6 +105,7 @@ struct cache_stats {
 	uint64_t hits, misses, partial_hits;
 	uint64_t backend_reads, backend_read_bytes, backend_writes, backend_write_bytes;
 	uint64_t evictions, writeback_errors, bypass_reads, direct_writes;
+	uint64_t writeback_bytes; /* written back by the writeback thread */
 	uint64_t metadata_bytes;
 	uint64_t free_2m_bytes;
 	const char *arena;
@@ -126,6 +127,20 @@ void cache_destroy(struct cache *c);
 int cache_export_add(struct cache *c, struct backend *be, const struct export_spec *spec,
 		     struct cache_export **out);
 enum cache_mode cache_export_mode(const struct cache_export *ce);
+/* Live policy changes (any thread): they apply to requests that start
+ * afterwards. Switching to or from CACHE_MODE_NONE is the caller's to refuse
+ * (that mode bypasses the cache, which would then hold stale data). */
+void cache_export_set_mode(struct cache_export *ce, enum cache_mode mode);
+void cache_export_set_watermarks(struct cache_export *ce, unsigned high_pct, unsigned low_pct);
+void cache_set_writeback_policy(struct cache *c, unsigned high_pct, unsigned low_pct,
+				unsigned expire_seconds);
+/* Evict the export's clean entries that nothing uses; *kept: the bytes its
+ * entries still hold (dirty, being written back, or pinned). Any thread. */
+int cache_export_drop_clean(struct cache_export *ce, uint64_t *dropped, uint64_t *kept);
+/* The export is gone and has no connection left: drop what it caches. Once
+ * it holds nothing (0) its backend may be closed; -EBUSY while dirty or
+ * pinned data remains (write it back first, then call again). */
+int cache_export_retire(struct cache_export *ce);
 /* The export's writeback error sequence: a connection samples it when it
  * starts, and FLUSH reports EIO once whenever it has moved since. */
 uint64_t cache_export_error_seq(struct cache_export *ce);
@@ -140,7 +155,20 @@ void cache_op_release(struct cache_op *op);
 /* Is [p, p + n) all zero bytes? (n >= 16) */
 bool cache_all_zero(const uint8_t *p, size_t n);
 
+/* One export's traffic (the cache's totals are the sums over exports). */
+struct cache_export_stats {
+	uint64_t hits, misses, partial_hits;
+	uint64_t backend_reads, backend_read_bytes, backend_writes, backend_write_bytes;
+	uint64_t writeback_bytes, evictions, writeback_errors, bypass_reads, direct_writes;
+	uint64_t dirty_bytes;  /* dirty, or being written back */
+	uint64_t cached_bytes; /* arena bytes its entries hold */
+};
+
 void cache_get_stats(struct cache *c, struct cache_stats *out);
+void cache_export_get_stats(struct cache_export *ce, struct cache_export_stats *out);
+/* Free arena bytes in free blocks of each order (0..9: 4 KiB << order);
+ * returns their sum. */
+uint64_t cache_arena_free_by_order(struct cache *c, uint64_t bytes[10]);
 /* Log the statistics (SIGUSR1). */
 void cache_log_stats(struct cache *c);
 

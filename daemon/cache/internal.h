@@ -73,6 +73,21 @@ struct cache_fifo {
 	uint64_t frames;
 };
 
+/*
+ * Counters. Each export counts its own traffic (struct cache_export); the
+ * cache's totals are their sums (plus what removed exports counted), so the
+ * hot path touches one counter, not two. dirty_bytes is kept in both: the
+ * cache-wide figure drives the watermarks. entries and metadata_bytes are
+ * the cache's only; cached_bytes the export's only.
+ */
+struct cache_counters {
+	atomic_uint_fast64_t hits, misses, partial_hits;
+	atomic_uint_fast64_t backend_reads, backend_read_bytes;
+	atomic_uint_fast64_t backend_writes, backend_write_bytes, writeback_bytes;
+	atomic_uint_fast64_t evictions, writeback_errors, bypass_reads, direct_writes;
+	atomic_uint_fast64_t dirty_bytes, entries, metadata_bytes, cached_bytes;
+};
+
 struct cache_export {
 	struct cache *cache;
 	unsigned id;
@@ -81,8 +96,12 @@ struct cache_export {
 	uint32_t block_size;
 	unsigned block_shift;
 	unsigned min_order;   /* an entry holds at least one block */
-	enum cache_mode mode;
-	uint64_t seq_cutoff;
+	_Atomic enum cache_mode mode; /* changed live (cache_export_set_mode) */
+	atomic_uint_fast64_t seq_cutoff;
+	/* The export's own watermarks in bytes (the cache-wide ones when not
+	 * set for it); draining: writeback thread only. */
+	atomic_uint_fast64_t dirty_high, dirty_low;
+	bool draining;
 
 	pthread_mutex_t lock; /* the export lock, see cache.h */
 	struct cache_entry *dirty_head, *dirty_tail; /* oldest first */
@@ -96,6 +115,10 @@ struct cache_export {
 	/* Writes the backend acknowledged, and how many of them the last
 	 * successful backend flush covered: equal means nothing to flush. */
 	atomic_uint_fast64_t backend_writes_done, backend_writes_flushed;
+	struct cache_counters counters;
+	/* Set once its export is gone and it holds nothing (cache_export_retire):
+	 * it stays on the list, skipped, so no thread walking it is surprised. */
+	atomic_bool retired;
 	struct cache_export *next;
 };
 
@@ -106,13 +129,6 @@ struct cache_waitq {
 	struct cache_waiter *head;
 };
 
-struct cache_counters {
-	atomic_uint_fast64_t hits, misses, partial_hits;
-	atomic_uint_fast64_t backend_reads, backend_read_bytes;
-	atomic_uint_fast64_t backend_writes, backend_write_bytes;
-	atomic_uint_fast64_t evictions, writeback_errors, bypass_reads, direct_writes;
-	atomic_uint_fast64_t dirty_bytes, entries, metadata_bytes;
-};
 
 struct writeback;
 
@@ -130,8 +146,8 @@ struct cache {
 	pthread_mutex_t exports_lock;
 	struct cache_export *exports;
 	unsigned export_count;
-	uint64_t dirty_high, dirty_low; /* bytes */
-	uint64_t dirty_expire_ns;
+	atomic_uint_fast64_t dirty_high, dirty_low; /* bytes; changed by a reload */
+	atomic_uint_fast64_t dirty_expire_ns;
 	struct writeback *writeback;
 };
 
@@ -181,6 +197,19 @@ static inline uint64_t cache_entry_bytes(const struct cache_entry *e)
 }
 
 /* Bit helpers over uint64_t words. */
+/* Dirty bytes move in the export's count and the cache's together. */
+static inline void cache_dirty_bytes_add(struct cache_export *ce, uint64_t bytes)
+{
+	atomic_fetch_add(&ce->counters.dirty_bytes, bytes);
+	atomic_fetch_add(&ce->cache->counters.dirty_bytes, bytes);
+}
+
+static inline void cache_dirty_bytes_sub(struct cache_export *ce, uint64_t bytes)
+{
+	atomic_fetch_sub(&ce->counters.dirty_bytes, bytes);
+	atomic_fetch_sub(&ce->cache->counters.dirty_bytes, bytes);
+}
+
 static inline bool bit_test(const uint64_t *map, uint32_t i)
 {
 	return (map[i >> 6] >> (i & 63)) & 1;

@@ -276,8 +276,8 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
 	f->io.buf = buf;
 	f->io.done = done;
 	op->pending++;
-	atomic_fetch_add(&ce->cache->counters.backend_reads, 1);
-	atomic_fetch_add(&ce->cache->counters.backend_read_bytes, length);
+	atomic_fetch_add(&ce->counters.backend_reads, 1);
+	atomic_fetch_add(&ce->counters.backend_read_bytes, length);
 	backend_submit(ce->backend, op->worker, &f->io);
 	return 0;
 }
@@ -344,7 +344,7 @@ static int op_examine(struct cache_op *op, bool *blocked)
 			if (!p->buf)
 				return -ENOMEM;
 			p->issued = true;
-			atomic_fetch_add(&ce->cache->counters.bypass_reads, 1);
+			atomic_fetch_add(&ce->counters.bypass_reads, 1);
 			int rc = submit_read(op, p, p->offset, p->length, p->buf, 0, 0, 0, bypass_done);
 			if (rc < 0)
 				return rc;
@@ -394,7 +394,7 @@ static int op_examine(struct cache_op *op, bool *blocked)
 	}
 	if (!op->counted && op->cmd == BACKEND_READ) {
 		op->counted = true;
-		struct cache_counters *k = &ce->cache->counters;
+		struct cache_counters *k = &ce->counters;
 		if (all_ready && op->npieces)
 			atomic_fetch_add(&k->hits, 1);
 		else if (any_cached)
@@ -511,7 +511,8 @@ static void cached_step(struct cache_op *op)
 			return;
 		}
 		struct cache *c = op->ce->cache;
-		if (atomic_load(&c->counters.dirty_bytes) > c->dirty_high)
+		if (atomic_load(&c->counters.dirty_bytes) > c->dirty_high ||
+		    atomic_load(&op->ce->counters.dirty_bytes) > atomic_load(&op->ce->dirty_high))
 			writeback_kick(c);
 		pieces_release(op);
 		op_finish(op, 0);
@@ -729,9 +730,9 @@ static void direct_step(struct cache_op *op)
 		op->io.flags = op->flags;
 		op->pending = 1;
 		if (op->cmd == BACKEND_WRITE) {
-			atomic_fetch_add(&c->counters.backend_writes, 1);
-			atomic_fetch_add(&c->counters.backend_write_bytes, op->length);
-			atomic_fetch_add(&c->counters.direct_writes, 1);
+			atomic_fetch_add(&ce->counters.backend_writes, 1);
+			atomic_fetch_add(&ce->counters.backend_write_bytes, op->length);
+			atomic_fetch_add(&ce->counters.direct_writes, 1);
 		}
 		backend_submit(ce->backend, op->worker, &op->io);
 		return;

@@ -151,7 +151,7 @@ static void wb_op_put(struct wb_op *op)
 		struct cache_shard *sh =
 			cache_shard_for(c, ce, cache_entry_offset(e) >> CACHE_RANGE_SHIFT);
 		pthread_mutex_lock(&sh->lock);
-		atomic_fetch_sub(&c->counters.dirty_bytes, op->m[i].bytes);
+		cache_dirty_bytes_sub(ce, op->m[i].bytes);
 		if (op->error) {
 			for (uint32_t b = 0; b < e->nblocks; b++)
 				if (bit_test(op->m[i].bits, b))
@@ -177,7 +177,7 @@ static void wb_op_put(struct wb_op *op)
 	}
 	pthread_mutex_unlock(&ce->lock);
 	if (op->error) {
-		atomic_fetch_add(&c->counters.writeback_errors, 1);
+		atomic_fetch_add(&ce->counters.writeback_errors, 1);
 		if (!was_failing)
 			log_error("cache: writeback to the backend failed: %s; the data stays dirty "
 				  "in the cache and FLUSH reports EIO until it is written",
@@ -203,12 +203,16 @@ static void wb_io_done(struct backend_io *io, int result)
 {
 	struct wb_io *w = (struct wb_io *)io;
 	struct wb_op *op = w->op;
+	uint64_t length = io->length;
 	free(w->bounce);
 	free(w);
 	if (result < 0 && !op->error)
 		op->error = result;
-	if (result >= 0)
-		atomic_fetch_add(&op->m[0].e->ce->backend_writes_done, 1);
+	if (result >= 0) {
+		struct cache_export *ce = op->m[0].e->ce;
+		atomic_fetch_add(&ce->backend_writes_done, 1);
+		atomic_fetch_add(&ce->counters.writeback_bytes, length); /* written, not tried */
+	}
 	wb_op_put(op);
 }
 
@@ -247,7 +251,7 @@ static int claim_locked(struct wb_op *op, struct cache_entry *e)
 	cache_clear_dirty(e, 0, e->nblocks);
 	/* The data is not on the backend yet: it stays in dirty_bytes (the
 	 * watermarks and the stats) until the write completes. */
-	atomic_fetch_add(&ce->cache->counters.dirty_bytes, bytes);
+	cache_dirty_bytes_add(ce, bytes);
 	e->writeback = true;
 	cache_entry_pin(e);
 	op->m[op->n++] =
@@ -289,7 +293,6 @@ static void group_extend(struct wb_op *op)
 /* Write the run from (i0, b0) up to (i1, b1) exclusive: one backend write. */
 static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, uint32_t b1)
 {
-	struct cache *c = op->wb->cache;
 	struct cache_export *ce = op->m[0].e->ce;
 	unsigned shift = ce->block_shift;
 	if (b1 == 0 && i1 > i0) { /* ends at an entry boundary */
@@ -329,8 +332,8 @@ static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, u
 	w->io.length = end - off;
 	w->io.done = wb_io_done;
 	op->pending++;
-	atomic_fetch_add(&c->counters.backend_writes, 1);
-	atomic_fetch_add(&c->counters.backend_write_bytes, end - off);
+	atomic_fetch_add(&ce->counters.backend_writes, 1);
+	atomic_fetch_add(&ce->counters.backend_write_bytes, end - off);
 	backend_submit(ce->backend, &op->wb->thread, &w->io);
 	return 0;
 }
@@ -426,11 +429,19 @@ static void background_pass_once(struct writeback *wb)
 	for (; ce && wb->inflight < WB_MAX_INFLIGHT; ce = ce->next) {
 		struct cache_entry *batch[WB_MAX_INFLIGHT];
 		size_t n = 0;
+		if (atomic_load(&ce->retired))
+			continue;
+		uint64_t ce_dirty = atomic_load(&ce->counters.dirty_bytes);
+		if (ce_dirty > atomic_load(&ce->dirty_high))
+			ce->draining = true;
+		if (ce_dirty <= atomic_load(&ce->dirty_low))
+			ce->draining = false;
+		bool drain = wb->draining || ce->draining;
 		pthread_mutex_lock(&ce->lock);
 		if (!ce->writeback_failing || now >= ce->retry_at) {
 			for (struct cache_entry *e = ce->dirty_head;
 			     e && n < WB_MAX_INFLIGHT - wb->inflight; e = e->dirty_next) {
-				if (!wb->draining && now - e->dirty_since < c->dirty_expire_ns)
+				if (!drain && now - e->dirty_since < c->dirty_expire_ns)
 					break; /* the list is oldest first */
 				if (e->writeback)
 					continue;

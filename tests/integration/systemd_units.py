@@ -135,6 +135,12 @@ def notify(tmp):
             expect(drain("WATCHDOG=1", 2), "no WATCHDOG=1 within 2 s (WATCHDOG_USEC=400000)")
             n_wd = sum("WATCHDOG=1" in m for m in got)
             log("  READY=1, then %d WATCHDOG=1 message(s) within 2 s" % n_wd)
+            got.clear()
+            d.proc.send_signal(signal.SIGHUP)
+            expect(drain("RELOADING=1", 10), "no RELOADING=1 after SIGHUP: %r" % got)
+            got[:] = got[[i for i, m in enumerate(got) if "RELOADING=1" in m][0] + 1:]
+            expect(drain("READY=1", 10), "no READY=1 after the reload: %r" % got)
+            log("  SIGHUP: RELOADING=1, then READY=1")
             d.proc.send_signal(signal.SIGTERM)
             expect(drain("STOPPING=1", 10), "no STOPPING=1 after SIGTERM: %r" % got)
             expect(d.proc.wait(30) == 0, "exit status %s" % d.proc.returncode)
@@ -153,8 +159,7 @@ def verify(tmp):
     for name in ("nbdcached.service", "nbdcached.socket"):
         text = open(os.path.join(units, name)).read()
         text = text.replace("/usr/local/sbin/nbdcached", nbdtest.NBDCACHED)
-        text = text.replace("EnvironmentFile=/etc/nbdcached/nbdcached.env",
-                            "EnvironmentFile=-" + os.path.join(tmp, "nbdcached.env"))
+        text = text.replace("/etc/nbdcached/nbdcached.conf", os.path.join(tmp, "nbdcached.conf"))
         with open(os.path.join(tmp, name), "w") as f:
             f.write(text)
     p = subprocess.run(["systemd-analyze", "verify", "--man=no",
@@ -166,9 +171,43 @@ def verify(tmp):
     expect(p.returncode == 0, "systemd-analyze verify failed: " + out)
 
 
+def journal(tmp):
+    """Under systemd (JOURNAL_STREAM names stderr) lines carry syslog
+    priorities for the journal and no timestamp of their own."""
+    img = os.path.join(tmp, "j.img")
+    nbdtest.sparse_file(img, 8 * MIB)
+    logpath = os.path.join(tmp, "nbdcached.log")
+    # The Daemon helper opens this path for the daemon's stderr: learn its
+    # inode first by creating it, then name it in JOURNAL_STREAM.
+    open(logpath, "w").close()
+    st = os.stat(logpath)
+    env = dict(os.environ, JOURNAL_STREAM="%d:%d" % (st.st_dev, st.st_ino))
+    d = nbdtest.Daemon([("j", img, "")], workdir=tmp, env=env)
+    try:
+        expect(os.stat(logpath).st_ino == st.st_ino, "the log file was replaced")
+        d.stop()
+    finally:
+        if d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait()
+    lines = [l for l in open(logpath).read().splitlines() if l]
+    log("  first lines: %r" % lines[:2])
+    expect(any(l.startswith("<6>info: ready:") for l in lines),
+           "no '<6>info: ready:' line in %r" % lines[:5])
+    expect(all(l[0] == "<" and l[2] == ">" for l in lines),
+           "a line without a priority prefix: %r" % [l for l in lines if l[:1] != "<"][:3])
+    # Without JOURNAL_STREAM (or with one naming another file): timestamps.
+    d = nbdtest.Daemon([("j", img, "")], workdir=tmp,
+                       env=dict(os.environ, JOURNAL_STREAM="1:1"))
+    d.stop()
+    first = open(logpath).read().splitlines()[0]
+    expect(first[:2] == "20" and "nbdcached[" in first, "plain line expected: %r" % first)
+
+
 def main():
     checks = nbdtest.Checks()
-    for name, fn in (("activation", activation), ("notify", notify), ("verify", verify)):
+    for name, fn in (("activation", activation), ("notify", notify), ("verify", verify),
+                     ("journal", journal)):
         with nbdtest.tempdir() as tmp:
             checks.run(name, fn, tmp)
     checks.finish("systemd")

@@ -29,6 +29,7 @@ TOP = os.environ.get("NBDCACHED_TOP") or os.path.abspath(
 BUILD = os.environ.get("BUILD", "build")
 NBDCACHED = os.environ.get("NBDCACHED") or os.path.join(TOP, BUILD, "nbdcached")
 NBDCACHE_IO = os.environ.get("NBDCACHE_IO") or os.path.join(TOP, BUILD, "nbdcache-io")
+NBDCACHECTL = os.environ.get("NBDCACHECTL") or os.path.join(TOP, BUILD, "nbdcachectl")
 
 EXIT_SKIP = 77
 HOLE_ZERO = 3          # NBD_STATE_HOLE | NBD_STATE_ZERO: base:allocation flags of a hole
@@ -297,6 +298,22 @@ def expect_nbd_error(fn, want_errno, what):
     raise Failed("%s: succeeded, expected %s" % (what, errno.errorcode[want_errno]))
 
 
+def control_request(path, request, timeout=60):
+    """One request on the daemon's control socket (include/nbdcached/control.h):
+    the reply as a dict."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall((json.dumps(request) + "\n").encode())
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                raise Failed("control socket closed before replying to %r" % request)
+            data += chunk
+    return json.loads(data)
+
+
 class Checks:
     """The failures of a whole test, so that one failure does not hide the next.
 
@@ -367,9 +384,11 @@ class Daemon:
         self.sock = os.path.join(self.tmp, "nbd.sock")
         self.pidfile = os.path.join(self.tmp, "nbdcached.pid")
         self.logpath = os.path.join(self.tmp, "nbdcached.log")
+        self.control = os.path.join(self.tmp, "control.sock")
         self.port = free_port() if tcp else None
         args = [NBDCACHED, "--foreground", "--unix", self.sock,
                 "--pidfile", self.pidfile, "--threads", str(threads),
+                "--control", self.control,
                 "--log-level", "debug" if os.environ.get("NBDCACHED_DEBUG") else "info"]
         if tcp:
             args += ["--listen", "127.0.0.1:%d" % self.port]

@@ -133,7 +133,13 @@ static void test_rejections(void **state)
 		{"--seq-cutoff", "-4", "expected a size"},
 		{"--dirty-high", "101", "0..100"},
 		{"--dirty-low", "x", "0..100"},
-		{"--dirty-low", "60", "above --dirty-high"},
+		{"--dirty-low", "60", "above dirty-high"},
+		{"--max-connections", "-1", "0..65536"},
+		{"--export", "a=/x,max-connections=70000", "bad max-connections"},
+		{"--export", "a=/x,dirty-high=101", "bad dirty-high"},
+		{"--export", "a=/x,dirty-high=10,dirty-low=20", "dirty-low 20 is above dirty-high 10"},
+		{"--control", "", "path empty"},
+		{"--user", "", "empty name"},
 		{"--dirty-expire", "0", "1..86400"},
 	};
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {

@@ -1,0 +1,667 @@
+/*
+ * daemon/config.c: see config.h.
+ *
+ * inih does the INI syntax; this file knows the keys. inih's handler does
+ * not get line numbers in Debian's build, so the file is fed through our
+ * own line reader, which counts lines: the handler then knows where it is,
+ * and every error message starts with FILE:LINE. The first error wins;
+ * inih keeps reading, later errors are dropped.
+ *
+ * Key names: dashes and underscores are the same (cache-size, cache_size);
+ * nbd-server's spellings are aliases (see the tables below).
+ */
+#include "daemon/config.h"
+
+#include <errno.h>
+#include <ini.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define CONFIG_MAX_LINE 8192
+
+struct config_ctx {
+	const char *path;
+	FILE *stream;
+	unsigned line;		/* the line inih is parsing */
+	unsigned section_line;	/* where the last [section] header was */
+	char *buf;		/* the line read */
+	size_t bufsize;
+	char *long_value;	/* the value of the last line too long for inih */
+	char *long_section;	/* the name of the last section too long for inih */
+	struct options *opts;	/* the command line so far */
+	struct options file;	/* what the file sets (globals and exports) */
+	unsigned set;		/* enum options_given bits the file set */
+	char *listenaddr, *port; /* nbd-server style, combined at the end */
+	char current[4097];	/* section of the export being filled */
+	struct export_spec *spec; /* the export of the current section */
+	unsigned spec_keys;	/* bits: which export keys were given */
+	int rc;
+	char *err;
+	size_t errlen;
+};
+
+static int config_fail(struct config_ctx *x, const char *fmt, ...)
+	__attribute__((format(printf, 2, 3)));
+
+/* Record the first error (with FILE:LINE) and tell inih this line failed. */
+static int config_fail(struct config_ctx *x, const char *fmt, ...)
+{
+	if (x->rc == 0) {
+		int n = snprintf(x->err, x->errlen, "%s:%u: ", x->path, x->line);
+		va_list ap;
+		va_start(ap, fmt);
+		if (n >= 0 && (size_t)n < x->errlen)
+			vsnprintf(x->err + n, x->errlen - (size_t)n, fmt, ap);
+		va_end(ap);
+		x->rc = -EINVAL;
+	}
+	return 0;
+}
+
+/*
+ * inih's reader: one line per call, counted. inih's line buffer is small
+ * (200 bytes in Debian's build) and a backend URI or a description may be
+ * longer, so a longer "key = value" line reaches inih as "key = \x1f" and
+ * the handler takes the value kept here (long_value) instead.
+ */
+static char *read_line(char *str, int num, void *stream)
+{
+	struct config_ctx *x = stream;
+	ssize_t n = getline(&x->buf, &x->bufsize, x->stream);
+	if (n < 0)
+		return NULL;
+	x->line++;
+	char *l = x->buf;
+	size_t lead = strspn(l, " \t");
+	if (l[lead] == '[') {
+		x->section_line = x->line;
+		/* inih keeps 50 bytes of a section name: a longer one reaches it
+		 * as "[\x1f]" and the handler takes the name kept here. */
+		char *close = strchr(l + lead, ']');
+		size_t len = close ? (size_t)(close - l - lead - 1) : 0;
+		if (close && len >= 40 && n <= CONFIG_MAX_LINE) {
+			free(x->long_section);
+			x->long_section = strndup(l + lead + 1, len);
+			snprintf(str, (size_t)num, "[\x1f]\n");
+			return str;
+		}
+	}
+	if (n < num - 1) {
+		memcpy(str, l, (size_t)n + 1);
+		return str;
+	}
+	char *eq = strpbrk(l, "=:");
+	size_t name_len = eq ? (size_t)(eq - l) : 0;
+	if (n > CONFIG_MAX_LINE || !eq || name_len + 8 > (size_t)num || strchr(";#", l[lead])) {
+		if (strchr(";#", l[lead]) && n <= CONFIG_MAX_LINE) {
+			str[0] = '\0'; /* a long comment */
+			return str;
+		}
+		if (x->rc == 0) {
+			if (n > CONFIG_MAX_LINE)
+				snprintf(x->err, x->errlen, "%s:%u: line longer than %d bytes",
+					 x->path, x->line, CONFIG_MAX_LINE);
+			else if (!eq)
+				snprintf(x->err, x->errlen, "%s:%u: syntax error: expected [section], "
+					 "key = value or a comment", x->path, x->line);
+			else
+				snprintf(x->err, x->errlen, "%s:%u: key name longer than %d bytes",
+					 x->path, x->line, num - 8);
+			x->rc = -EINVAL;
+		}
+		str[0] = '\0';
+		return str;
+	}
+	char *v = eq + 1;
+	v += strspn(v, " \t");
+	size_t vn = strlen(v);
+	while (vn && strchr(" \t\r\n", v[vn - 1]))
+		vn--;
+	free(x->long_value);
+	x->long_value = strndup(v, vn);
+	snprintf(str, (size_t)num, "%.*s= \x1f\n", (int)name_len, l);
+	return str;
+}
+
+/* "cache_size" and "cache-size" are the same key. */
+static bool key_is(const char *name, const char *key)
+{
+	for (; *name && *key; name++, key++) {
+		char a = *name == '_' ? '-' : *name;
+		if (a != *key)
+			return false;
+	}
+	return *name == '\0' && *key == '\0';
+}
+
+static int parse_bool(const char *v, bool *out)
+{
+	static const char *const yes[] = {"true", "yes", "on", "1"};
+	static const char *const no[] = {"false", "no", "off", "0"};
+	for (size_t i = 0; i < 4; i++) {
+		if (strcasecmp(v, yes[i]) == 0) {
+			*out = true;
+			return 0;
+		}
+		if (strcasecmp(v, no[i]) == 0) {
+			*out = false;
+			return 0;
+		}
+	}
+	return -EINVAL;
+}
+
+static int out_of_memory(struct config_ctx *x)
+{
+	x->rc = -ENOMEM;
+	return 0;
+}
+
+static int set_string(struct config_ctx *x, char **slot, const char *value)
+{
+	char *copy = strdup(value);
+	if (!copy)
+		return out_of_memory(x);
+	free(*slot);
+	*slot = copy;
+	return 1;
+}
+
+/* Keys of nbd-server that nbdcached does not implement: refused by name. */
+static const char *const nbd_server_unsupported[] = {
+	"allowlist", "includedir", "oldstyle",	"cacertfile", "certfile", "keyfile",
+	"tlsonly",   "tlsprio",	   "duallisten", "copyonwrite", "sparse-cow", "sdp",
+	"sync",	     "timeout",	   "filesize",	"virtstyle",  "prerun",	   "postrun",
+	"authfile",  "multifile",  "temporary", "treefiles",  "waitfile",  "splice",
+	"cowdir",    "rotational", "maxconnections-per-client", NULL,
+};
+
+static bool is_nbd_server_key(const char *name)
+{
+	for (size_t i = 0; nbd_server_unsupported[i]; i++)
+		if (key_is(name, nbd_server_unsupported[i]))
+			return true;
+	return false;
+}
+
+/* Bits of config_ctx.spec_keys, to refuse a key given twice. */
+enum {
+	K_BACKEND = 1u << 0,
+	K_READONLY = 1u << 1,
+	K_DESCRIPTION = 1u << 2,
+	K_BLOCK_SIZE = 1u << 3,
+	K_CACHE_MODE = 1u << 4,
+	K_SEQ_CUTOFF = 1u << 5,
+	K_MAX_CONNECTIONS = 1u << 6,
+	K_DIRTY_HIGH = 1u << 7,
+	K_DIRTY_LOW = 1u << 8,
+	K_FLAGS = 1u << 9,
+};
+
+static int once(struct config_ctx *x, unsigned *mask, unsigned bit, const char *name)
+{
+	if (*mask & bit)
+		return config_fail(x, "'%s' given twice", name);
+	*mask |= bit;
+	return 1;
+}
+
+static int generic_key(struct config_ctx *x, const char *name, const char *v)
+{
+	struct options *f = &x->file;
+	if (key_is(name, "listen")) {
+		/* Several addresses: repeat the key, or separate them by spaces. */
+		char *copy = strdup(v), *save = NULL;
+		if (!copy)
+			return out_of_memory(x);
+		for (char *t = strtok_r(copy, " \t,", &save); t; t = strtok_r(NULL, " \t,", &save)) {
+			char host[256], port[16];
+			if (options_split_host_port(t, host, sizeof(host), port, sizeof(port)) < 0) {
+				config_fail(x, "listen %s: expected HOST:PORT or [IPV6]:PORT", t);
+				free(copy);
+				return 0;
+			}
+			if (options_push_string(&f->listen, &f->listen_count, t) < 0) {
+				free(copy);
+				return out_of_memory(x);
+			}
+		}
+		free(copy);
+		x->set |= OPT_GIVEN_LISTEN;
+		return 1;
+	}
+	if (key_is(name, "unix") || key_is(name, "unixsock")) {
+		if (v[0] == '\0' || strlen(v) >= 108)
+			return config_fail(x, "%s: path empty or longer than 107 bytes", name);
+		if (options_push_string(&f->unix_paths, &f->unix_count, v) < 0)
+			return out_of_memory(x);
+		x->set |= OPT_GIVEN_LISTEN;
+		return 1;
+	}
+	if (key_is(name, "listenaddr")) {
+		if (x->listenaddr)
+			return config_fail(x, "'%s' given twice", name);
+		return set_string(x, &x->listenaddr, v);
+	}
+	if (key_is(name, "port")) {
+		char *end;
+		unsigned long p = strtoul(v, &end, 10);
+		if (v[0] == '\0' || *end || p == 0 || p > 65535)
+			return config_fail(x, "port %s: expected 1..65535", v);
+		if (x->port)
+			return config_fail(x, "'%s' given twice", name);
+		return set_string(x, &x->port, v);
+	}
+	struct {
+		const char *key;
+		unsigned bit;
+	} const globals[] = {
+		{"threads", OPT_GIVEN_THREADS},
+		{"pidfile", OPT_GIVEN_PIDFILE},
+		{"log-level", OPT_GIVEN_LOG_LEVEL},
+		{"cache-size", OPT_GIVEN_CACHE_SIZE},
+		{"hugepages", OPT_GIVEN_HUGEPAGES},
+		{"block-size", OPT_GIVEN_BLOCK_SIZE},
+		{"cache-mode", OPT_GIVEN_CACHE_MODE},
+		{"seq-cutoff", OPT_GIVEN_SEQ_CUTOFF},
+		{"dirty-high", OPT_GIVEN_DIRTY_HIGH},
+		{"dirty-low", OPT_GIVEN_DIRTY_LOW},
+		{"dirty-expire", OPT_GIVEN_DIRTY_EXPIRE},
+		{"backend-timeout", OPT_GIVEN_BACKEND_TIMEOUT},
+		{"control", OPT_GIVEN_CONTROL},
+		{"user", OPT_GIVEN_USER},
+		{"group", OPT_GIVEN_GROUP},
+		{"max-connections", OPT_GIVEN_MAX_CONNECTIONS},
+		{"maxconnections", OPT_GIVEN_MAX_CONNECTIONS},
+	};
+	unsigned bit = 0;
+	for (size_t i = 0; i < sizeof(globals) / sizeof(globals[0]); i++)
+		if (key_is(name, globals[i].key))
+			bit = globals[i].bit;
+	if (!bit) {
+		if (is_nbd_server_key(name))
+			return config_fail(x, "nbd-server key '%s' is not supported by nbdcached",
+					   name);
+		return config_fail(x, "unknown key '%s' in [generic]", name);
+	}
+	if (x->set & bit)
+		return config_fail(x, "'%s' given twice", name);
+	x->set |= bit;
+	switch (bit) {
+	case OPT_GIVEN_THREADS:
+		if (options_parse_threads(v, &f->threads) < 0)
+			return config_fail(x, "threads %s: expected 0..%d", v, OPTIONS_MAX_THREADS);
+		return 1;
+	case OPT_GIVEN_PIDFILE:
+		return set_string(x, &f->pidfile, v);
+	case OPT_GIVEN_LOG_LEVEL:
+		if (log_parse_level(v, &f->log_level) < 0)
+			return config_fail(x, "log-level %s: expected error, warn, info or debug", v);
+		return 1;
+	case OPT_GIVEN_CACHE_SIZE:
+		if (options_parse_cache_size(v, &f->cache_size) < 0)
+			return config_fail(x, "cache-size %s: expected a size from 1M (K, M, G, T "
+					      "suffixes)",
+					   v);
+		return 1;
+	case OPT_GIVEN_HUGEPAGES:
+		if (options_parse_hugepages(v, &f->hugepages) < 0)
+			return config_fail(x, "hugepages %s: expected auto, require or off", v);
+		return 1;
+	case OPT_GIVEN_BLOCK_SIZE:
+		if (options_parse_block_size(v, &f->block_size) < 0)
+			return config_fail(x, "block-size %s: must be a power of two from 512 to "
+					      "65536",
+					   v);
+		return 1;
+	case OPT_GIVEN_CACHE_MODE:
+		if (options_parse_cache_mode(v, &f->cache_mode) < 0)
+			return config_fail(x, "cache-mode %s: expected writeback, writethrough, "
+					      "writearound or none",
+					   v);
+		return 1;
+	case OPT_GIVEN_SEQ_CUTOFF:
+		if (options_parse_size(v, &f->seq_cutoff) < 0)
+			return config_fail(x, "seq-cutoff %s: expected a size", v);
+		return 1;
+	case OPT_GIVEN_DIRTY_HIGH:
+	case OPT_GIVEN_DIRTY_LOW:
+		if (options_parse_percent(v, bit == OPT_GIVEN_DIRTY_HIGH ? &f->dirty_high
+									 : &f->dirty_low) < 0)
+			return config_fail(x, "%s %s: expected 0..100", name, v);
+		return 1;
+	case OPT_GIVEN_DIRTY_EXPIRE:
+	case OPT_GIVEN_BACKEND_TIMEOUT:
+		if (options_parse_seconds(v, bit == OPT_GIVEN_DIRTY_EXPIRE ? &f->dirty_expire
+									   : &f->backend_timeout) < 0)
+			return config_fail(x, "%s %s: expected 1..86400 seconds", name, v);
+		return 1;
+	case OPT_GIVEN_CONTROL:
+		if (v[0] == '\0' || strlen(v) >= 108)
+			return config_fail(x, "control: path empty or longer than 107 bytes");
+		return set_string(x, &f->control_path, v);
+	case OPT_GIVEN_USER:
+	case OPT_GIVEN_GROUP:
+		if (v[0] == '\0')
+			return config_fail(x, "%s: empty name", name);
+		return set_string(x, bit == OPT_GIVEN_USER ? &f->user : &f->group, v);
+	case OPT_GIVEN_MAX_CONNECTIONS:
+		if (options_parse_max_connections(v, &f->max_connections) < 0)
+			return config_fail(x, "%s %s: expected 0..%d (0: unlimited)", name, v,
+					   OPTIONS_MAX_CONNECTIONS);
+		return 1;
+	}
+	return config_fail(x, "unknown key '%s'", name);
+}
+
+/* Finish the export of the section just left: it must name its backend. */
+static void finish_export(struct config_ctx *x)
+{
+	if (!x->spec)
+		return;
+	if (!x->spec->backend && x->rc == 0) {
+		/* Named where the section starts, not where it was found to end. */
+		snprintf(x->err, x->errlen, "%s: export '%s' has no backend (or exportname)",
+			 x->spec->origin, x->spec->name);
+		x->rc = -EINVAL;
+	}
+	x->spec = NULL;
+}
+
+static int start_export(struct config_ctx *x, const char *section)
+{
+	finish_export(x);
+	if (strlen(section) >= sizeof(x->current))
+		return config_fail(x, "section name longer than 4096 bytes");
+	strcpy(x->current, section);
+	if (section[0] == '\0')
+		return config_fail(x, "an export section needs a name");
+	for (size_t i = 0; i < x->file.export_count; i++)
+		if (strcmp(x->file.exports[i].name, section) == 0)
+			return config_fail(x, "export '%s' defined twice (first at %s)", section,
+					   x->file.exports[i].origin);
+	struct export_spec spec = {0};
+	char origin[4200];
+	snprintf(origin, sizeof(origin), "%s:%u", x->path, x->section_line);
+	spec.name = strdup(section);
+	spec.origin = strdup(origin);
+	if (!spec.name || !spec.origin ||
+	    options_add_export(&x->file, &spec, x->err, x->errlen) < 0) {
+		options_export_spec_free(&spec);
+		return out_of_memory(x);
+	}
+	x->spec = &x->file.exports[x->file.export_count - 1];
+	x->spec_keys = 0;
+	return 1;
+}
+
+static int export_key(struct config_ctx *x, const char *name, const char *v)
+{
+	struct export_spec *e = x->spec;
+	if (key_is(name, "backend") || key_is(name, "exportname")) {
+		if (!once(x, &x->spec_keys, K_BACKEND, name))
+			return 0;
+		if (v[0] == '\0')
+			return config_fail(x, "%s: empty", name);
+		return set_string(x, &e->backend, v);
+	}
+	if (key_is(name, "readonly")) {
+		if (!once(x, &x->spec_keys, K_READONLY, name))
+			return 0;
+		if (parse_bool(v, &e->readonly) < 0)
+			return config_fail(x, "readonly %s: expected true or false", v);
+		return 1;
+	}
+	if (key_is(name, "description")) {
+		if (!once(x, &x->spec_keys, K_DESCRIPTION, name))
+			return 0;
+		if (strlen(v) > 4096)
+			return config_fail(x, "description longer than 4096 bytes");
+		return set_string(x, &e->description, v);
+	}
+	if (key_is(name, "block-size")) {
+		if (!once(x, &x->spec_keys, K_BLOCK_SIZE, name))
+			return 0;
+		if (options_parse_block_size(v, &e->block_size) < 0)
+			return config_fail(x, "block-size %s: must be a power of two from 512 to "
+					      "65536",
+					   v);
+		e->has_block_size = true;
+		return 1;
+	}
+	if (key_is(name, "cache-mode")) {
+		if (!once(x, &x->spec_keys, K_CACHE_MODE, name))
+			return 0;
+		if (options_parse_cache_mode(v, &e->cache_mode) < 0)
+			return config_fail(x, "cache-mode %s: expected writeback, writethrough, "
+					      "writearound or none",
+					   v);
+		return 1;
+	}
+	if (key_is(name, "seq-cutoff")) {
+		if (!once(x, &x->spec_keys, K_SEQ_CUTOFF, name))
+			return 0;
+		if (options_parse_size(v, &e->seq_cutoff) < 0)
+			return config_fail(x, "seq-cutoff %s: expected a size", v);
+		e->has_seq_cutoff = true;
+		return 1;
+	}
+	if (key_is(name, "max-connections") || key_is(name, "maxconnections")) {
+		if (!once(x, &x->spec_keys, K_MAX_CONNECTIONS, name))
+			return 0;
+		if (options_parse_max_connections(v, &e->max_connections) < 0)
+			return config_fail(x, "%s %s: expected 0..%d (0: unlimited)", name, v,
+					   OPTIONS_MAX_CONNECTIONS);
+		e->has_max_connections = true;
+		return 1;
+	}
+	if (key_is(name, "dirty-high") || key_is(name, "dirty-low")) {
+		bool high = key_is(name, "dirty-high");
+		if (!once(x, &x->spec_keys, high ? K_DIRTY_HIGH : K_DIRTY_LOW, name))
+			return 0;
+		if (options_parse_percent(v, high ? &e->dirty_high : &e->dirty_low) < 0)
+			return config_fail(x, "%s %s: expected 0..100", name, v);
+		*(high ? &e->has_dirty_high : &e->has_dirty_low) = true;
+		return 1;
+	}
+	/* nbd-server's flush, fua and trim: nbdcached always honours them. */
+	if (key_is(name, "flush") || key_is(name, "fua") || key_is(name, "trim")) {
+		bool on;
+		if (parse_bool(v, &on) < 0)
+			return config_fail(x, "%s %s: expected true or false", name, v);
+		if (!on)
+			return config_fail(x, "%s cannot be turned off in nbdcached", name);
+		return 1;
+	}
+	if (is_nbd_server_key(name))
+		return config_fail(x, "nbd-server key '%s' is not supported by nbdcached", name);
+	return config_fail(x, "unknown key '%s' in export [%s]", name, x->current);
+}
+
+static int on_key(void *user, const char *section, const char *name, const char *value)
+{
+	struct config_ctx *x = user;
+	if (x->rc == -ENOMEM)
+		return 0;
+	if (strcmp(value, "\x1f") == 0) {
+		if (!x->long_value)
+			return out_of_memory(x);
+		value = x->long_value;
+	}
+	if (strcmp(section, "\x1f") == 0) {
+		if (!x->long_section)
+			return out_of_memory(x);
+		section = x->long_section;
+	}
+	if (strcmp(section, "generic") == 0) {
+		finish_export(x);
+		return generic_key(x, name, value);
+	}
+	if (!x->spec || strcmp(section, x->current) != 0) {
+		if (section[0] == '\0')
+			return config_fail(x, "'%s' outside a section: put it under [generic]",
+					   name);
+		if (!start_export(x, section))
+			return 0;
+	}
+	return export_key(x, name, value);
+}
+
+/* The file's settings go where the command line said nothing. */
+static int merge(struct config_ctx *x)
+{
+	struct options *o = x->opts, *f = &x->file;
+	unsigned take = x->set & ~o->given;
+	if (x->listenaddr || x->port) {
+		char spec[300];
+		const char *addr = x->listenaddr ? x->listenaddr : "";
+		bool v6 = strchr(addr, ':') != NULL;
+		snprintf(spec, sizeof(spec), "%s%s%s:%s", v6 ? "[" : "", addr, v6 ? "]" : "",
+			 x->port ? x->port : "10809");
+		if (options_push_string(&f->listen, &f->listen_count, spec) < 0)
+			return -ENOMEM;
+		take |= OPT_GIVEN_LISTEN & ~o->given;
+	}
+	if (take & OPT_GIVEN_LISTEN) {
+		o->listen_from_config = true;
+		for (size_t i = 0; i < f->listen_count; i++)
+			if (options_push_string(&o->listen, &o->listen_count, f->listen[i]) < 0)
+				return -ENOMEM;
+		for (size_t i = 0; i < f->unix_count; i++)
+			if (options_push_string(&o->unix_paths, &o->unix_count, f->unix_paths[i]) <
+			    0)
+				return -ENOMEM;
+	}
+#define TAKE(bit, field)                                                                           \
+	do {                                                                                       \
+		if (take & (bit))                                                                  \
+			o->field = f->field;                                                       \
+	} while (0)
+#define TAKE_STRING(bit, field)                                                                    \
+	do {                                                                                       \
+		if (take & (bit)) {                                                                \
+			free(o->field);                                                            \
+			o->field = f->field;                                                       \
+			f->field = NULL;                                                           \
+		}                                                                                  \
+	} while (0)
+	TAKE(OPT_GIVEN_THREADS, threads);
+	TAKE_STRING(OPT_GIVEN_PIDFILE, pidfile);
+	TAKE(OPT_GIVEN_LOG_LEVEL, log_level);
+	TAKE(OPT_GIVEN_CACHE_SIZE, cache_size);
+	TAKE(OPT_GIVEN_HUGEPAGES, hugepages);
+	TAKE(OPT_GIVEN_BLOCK_SIZE, block_size);
+	TAKE(OPT_GIVEN_CACHE_MODE, cache_mode);
+	TAKE(OPT_GIVEN_SEQ_CUTOFF, seq_cutoff);
+	TAKE(OPT_GIVEN_DIRTY_HIGH, dirty_high);
+	TAKE(OPT_GIVEN_DIRTY_LOW, dirty_low);
+	TAKE(OPT_GIVEN_DIRTY_EXPIRE, dirty_expire);
+	TAKE(OPT_GIVEN_BACKEND_TIMEOUT, backend_timeout);
+	TAKE(OPT_GIVEN_MAX_CONNECTIONS, max_connections);
+	TAKE_STRING(OPT_GIVEN_CONTROL, control_path);
+	TAKE_STRING(OPT_GIVEN_USER, user);
+	TAKE_STRING(OPT_GIVEN_GROUP, group);
+#undef TAKE
+#undef TAKE_STRING
+	/* The file's exports first, then the command line's. */
+	size_t n = f->export_count + o->export_count;
+	struct export_spec *all = calloc(n ? n : 1, sizeof(*all));
+	if (!all)
+		return -ENOMEM;
+	memcpy(all, f->exports, f->export_count * sizeof(*all));
+	memcpy(all + f->export_count, o->exports, o->export_count * sizeof(*all));
+	for (size_t i = f->export_count; i < n; i++)
+		for (size_t j = 0; j < f->export_count; j++)
+			if (strcmp(all[i].name, all[j].name) == 0) {
+				snprintf(x->err, x->errlen,
+					 "export '%s' is defined at %s and on the command line",
+					 all[i].name, all[j].origin);
+				free(all);
+				return -EINVAL;
+			}
+	free(o->exports);
+	free(f->exports);
+	o->exports = all;
+	o->export_count = n;
+	f->exports = NULL;
+	f->export_count = 0;
+	return 0;
+}
+
+int config_load(const char *path, struct options *opts, char *err, size_t errlen)
+{
+	struct config_ctx x = {.path = path, .opts = opts, .err = err, .errlen = errlen};
+	options_defaults(&x.file);
+	x.stream = fopen(path, "re");
+	if (!x.stream) {
+		int rc = -errno;
+		snprintf(err, errlen, "config %s: %s", path, strerror(-rc));
+		return rc == -ENOMEM ? rc : -EINVAL;
+	}
+	/* A run-time setting in Debian's inih: nbd-server configs indent their
+	 * keys, so an indented line is a key, never the continuation of the
+	 * line before. */
+	ini_allow_multiline = false;
+	int line = ini_parse_stream(read_line, &x, on_key, &x);
+	if (ferror(x.stream) && x.rc == 0) {
+		snprintf(err, errlen, "config %s: read error", path);
+		x.rc = -EINVAL;
+	}
+	fclose(x.stream);
+	if (x.rc == 0)
+		finish_export(&x);
+	if (x.rc == 0 && line > 0) {
+		/* A syntax error inih found itself (the handler said nothing). */
+		snprintf(err, errlen, "%s:%d: syntax error: expected [section], key = value or a "
+				      "comment",
+			 path, line);
+		x.rc = -EINVAL;
+	}
+	if (x.rc == 0 && line < 0) {
+		snprintf(err, errlen, "config %s: cannot read it", path);
+		x.rc = -EINVAL;
+	}
+	if (x.rc == 0)
+		x.rc = merge(&x);
+	if (x.rc == -ENOMEM)
+		snprintf(err, errlen, "out of memory");
+	free(x.listenaddr);
+	free(x.port);
+	free(x.buf);
+	free(x.long_value);
+	free(x.long_section);
+	options_free(&x.file);
+	return x.rc;
+}
+
+int config_options(int argc, char **argv, struct options *out, char *err, size_t errlen)
+{
+	int rc = options_parse(argc, argv, out, err, errlen);
+	if (rc < 0)
+		return rc;
+	if (out->help || out->version)
+		return 0;
+	if (!out->config_path && out->export_count == 0 &&
+	    access(OPTIONS_DEFAULT_CONFIG, F_OK) == 0) {
+		out->config_path = strdup(OPTIONS_DEFAULT_CONFIG);
+		if (!out->config_path) {
+			options_free(out);
+			snprintf(err, errlen, "out of memory");
+			return -ENOMEM;
+		}
+	}
+	if (out->config_path) {
+		rc = config_load(out->config_path, out, err, errlen);
+		if (rc == 0)
+			rc = options_finish(out, err, errlen);
+		if (rc < 0) {
+			options_free(out);
+			return rc;
+		}
+	}
+	return 0;
+}

@@ -1,0 +1,111 @@
+/*
+ * include/nbdcached/control.h: the control socket's protocol, for
+ * nbdcachectl and any other tool. This file is the schema.
+ *
+ * Transport: a Unix stream socket, by default NBDCACHED_CONTROL_DEFAULT
+ * (`--control PATH` on nbdcached and nbdcachectl), mode 0600: root only
+ * unless the operator loosens it. One JSON object per line (UTF-8, no
+ * newline inside an object) in each direction; a client may send several
+ * requests on one connection, and each gets exactly one reply, in order.
+ * A request line longer than NBDCACHED_CONTROL_MAX_REQUEST bytes closes the
+ * connection.
+ *
+ * Request:   {"command": NAME, ...arguments}
+ * Reply:     {"ok": true, ...fields}                 on success
+ *            {"ok": false, "error": TEXT, "errno": NAME}   on failure
+ *            NAME is a symbolic errno: "ENOENT" (no such export), "EINVAL"
+ *            (bad request or argument), "EIO" (the backend refused data),
+ *            "EBUSY", "ENOTSUP".
+ *
+ * Every number is a JSON integer (64-bit) unless marked (double). Sizes are
+ * bytes, times as named (_ns, _ms, _s). Counters only grow while the daemon
+ * runs; tools compute rates from two samples and "time_ms".
+ *
+ * Commands and their reply fields:
+ *
+ *   status
+ *     version (string), pid, uptime_ms, config (string or null: the config
+ *     file in use), exports (count), connections (count, all exports),
+ *     threads, arena (string: "hugetlb", "thp" or "plain"), cache_bytes,
+ *     used_bytes, dirty_bytes, removed_backends (exports removed by a
+ *     reload whose connections or dirty data are not finished yet: their
+ *     backends are still open),
+ *     listen: array of {type: "tcp", address (string, numeric), port} or
+ *             {type: "unix", path}: every listening socket, including the
+ *             ones systemd passed (socket activation)
+ *
+ *   exports
+ *     exports: array of EXPORT objects:
+ *       name, description (string or null), backend (string: the path, URI
+ *       or "nbdkit:..." as configured), kind (string: "file" or "nbd"),
+ *       size, readonly (bool), block_size, cache_mode (string: "writeback",
+ *       "writethrough", "writearound" or "none"), seq_cutoff,
+ *       max_connections (0: unlimited), connections, dirty_high, dirty_low
+ *       (percent of the cache; the global values unless set per export)
+ *     Only exports a client can connect to are listed; status counts the
+ *     ones a reload removed that are still finishing (removed_backends).
+ *
+ *   stats [export: NAME]
+ *     time_ms (monotonic clock, for rates),
+ *     cache: {cache_bytes, used_bytes, entries, dirty_bytes, hits, misses,
+ *             partial_hits, hit_ratio (double, 0..1; 0 when no reads),
+ *             backend_reads, backend_read_bytes, backend_writes,
+ *             backend_write_bytes, writeback_bytes, writeback_rate (bytes/s
+ *             over the last whole second), evictions, writeback_errors,
+ *             bypass_reads, direct_writes, metadata_bytes,
+ *             arena: {kind (string), free_bytes, free_bytes_by_order (array
+ *                     of 10: free bytes in free blocks of order 0..9, a
+ *                     block of order k being 4 KiB << k),
+ *                     fragmentation (double, 0..1: 1 - free bytes in free
+ *                     order-9 (2 MiB) blocks / free bytes; 0 when nothing
+ *                     is free)}}
+ *     exports: array of {name, connections, hits, misses, partial_hits,
+ *             hit_ratio (double), dirty_bytes, backend_reads,
+ *             backend_read_bytes, backend_writes, backend_write_bytes,
+ *             writeback_bytes, writeback_rate, evictions, writeback_errors,
+ *             cached_bytes (arena bytes its cache entries hold)}
+ *             (only the named export when "export" is given)
+ *     backend_writes and backend_write_bytes count what was sent to the
+ *     backend, failed writes included (writeback_errors counts those);
+ *     writeback_bytes counts what the writeback thread wrote successfully.
+ *     A READ counts once: a hit when every block came from the cache, a
+ *     miss when none did, a partial hit otherwise.
+ *
+ *   flush export: NAME
+ *     Writes back every block of the export that is dirty when the request
+ *     arrives, then flushes the backend; the reply comes when that is done:
+ *     export, flushed_bytes (dirty bytes when it started), time_ms.
+ *     Fails with "EIO" when the backend refuses (the data stays dirty).
+ *     Progress: poll "stats" for the export's dirty_bytes on a second
+ *     connection meanwhile.
+ *
+ *   drop-clean export: NAME
+ *     Evicts the export's clean, unpinned entries; dirty and in-use ones stay.
+ *     export, dropped_bytes, kept_bytes (cached bytes still held)
+ *
+ *   compact
+ *     One on-demand compaction pass over the arena (blocks the control
+ *     socket while it runs, never the I/O path): moved, skipped_pinned,
+ *     collapsed, freed_2m_chunks, time_ns, fragmentation_before,
+ *     fragmentation_after (double)
+ *
+ *   set-mode export: NAME, mode: MODE
+ *     Changes the export's cache mode live. Leaving writeback writes the
+ *     export's dirty data back first (the reply waits for it; on failure
+ *     the mode is unchanged and the reply is "EIO"). Switching to or from
+ *     "none" (which bypasses the cache) is refused with "ENOTSUP": set it
+ *     in the config and restart. export, mode, previous
+ *
+ *   reload
+ *     Re-reads the config file, as SIGHUP does: added, changed, removed and
+ *     refused (arrays of export names), refused_settings (array of strings,
+ *     one per global setting that needs a restart to change)
+ */
+#ifndef NBDCACHED_CONTROL_H
+#define NBDCACHED_CONTROL_H
+
+#define NBDCACHED_CONTROL_DEFAULT "/run/nbdcached/control.sock"
+#define NBDCACHED_CONTROL_MAX_REQUEST 65536
+#define NBDCACHED_ARENA_ORDERS 10
+
+#endif
