@@ -304,8 +304,8 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		return 1;
 	case OPT_GIVEN_CACHE_SIZE:
 		if (options_parse_cache_size(v, &f->cache_size) < 0)
-			return config_fail(x, "cache-size %s: expected a size from 1M (K, M, G, T "
-					      "suffixes)",
+			return config_fail(x, "cache-size %s: expected a size from 1M up to half the "
+					      "address space (K, M, G, T suffixes)",
 					   v);
 		return 1;
 	case OPT_GIVEN_HUGEPAGES:
@@ -572,8 +572,10 @@ static int merge(struct config_ctx *x)
 	struct export_spec *all = calloc(n ? n : 1, sizeof(*all));
 	if (!all)
 		return -ENOMEM;
-	memcpy(all, f->exports, f->export_count * sizeof(*all));
-	memcpy(all + f->export_count, o->exports, o->export_count * sizeof(*all));
+	if (f->export_count)
+		memcpy(all, f->exports, f->export_count * sizeof(*all));
+	if (o->export_count)
+		memcpy(all + f->export_count, o->exports, o->export_count * sizeof(*all));
 	for (size_t i = f->export_count; i < n; i++)
 		for (size_t j = 0; j < f->export_count; j++)
 			if (strcmp(all[i].name, all[j].name) == 0) {
