@@ -40,6 +40,8 @@ const char *options_usage(void)
 	       "                 [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]\n"
 	       "                 [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]\n"
 	       "                 [--backend-timeout SECONDS]\n"
+	       "                 [--compact on|off] [--compact-interval-ms MS]\n"
+	       "                 [--compact-threshold PERMILLE]\n"
 	       "BACKEND is a file or block device, an NBD URI (nbd://HOST[:PORT]/NAME,\n"
 	       "nbd+unix:///NAME?socket=PATH, nbds://...) or nbdkit:PLUGIN [ARG...].\n"
 	       "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
@@ -336,6 +338,9 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 		{"dirty-low", required_argument, NULL, 'd'},
 		{"dirty-expire", required_argument, NULL, 'E'},
 		{"backend-timeout", required_argument, NULL, 'T'},
+		{"compact", required_argument, NULL, 'c'},
+		{"compact-interval-ms", required_argument, NULL, 'I'},
+		{"compact-threshold", required_argument, NULL, 'F'},
 		{"help", no_argument, NULL, 'h'},
 		{"version", no_argument, NULL, 'V'},
 		{NULL, 0, NULL, 0},
@@ -350,10 +355,13 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 	out->dirty_low = OPTIONS_DEFAULT_DIRTY_LOW;
 	out->dirty_expire = OPTIONS_DEFAULT_DIRTY_EXPIRE;
 	out->backend_timeout = OPTIONS_DEFAULT_BACKEND_TIMEOUT;
+	out->compact = true;
+	out->compact_interval_ms = OPTIONS_DEFAULT_COMPACT_INTERVAL_MS;
+	out->compact_threshold = OPTIONS_DEFAULT_COMPACT_THRESHOLD;
 	optind = 1;
 	opterr = 0;
 	for (;;) {
-		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:C:H:B:M:S:D:d:E:T:hV", longopts, NULL);
+		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:C:H:B:M:S:D:d:E:T:c:I:F:hV", longopts, NULL);
 		if (c == -1)
 			break;
 		switch (c) {
@@ -509,6 +517,37 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 				goto error;
 			}
 			out->backend_timeout = (unsigned)v;
+			break;
+		}
+		case 'c':
+			if (strcmp(optarg, "on") == 0)
+				out->compact = true;
+			else if (strcmp(optarg, "off") == 0)
+				out->compact = false;
+			else {
+				rc = fail(err, errlen, -EINVAL, "--compact %s: expected on or off",
+					  optarg);
+				goto error;
+			}
+			break;
+		case 'I': {
+			uint64_t v;
+			if (parse_u64(optarg, &v) < 0 || v == 0 || v > 3600000) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--compact-interval-ms %s: expected 1..3600000", optarg);
+				goto error;
+			}
+			out->compact_interval_ms = (unsigned)v;
+			break;
+		}
+		case 'F': {
+			uint64_t v;
+			if (parse_u64(optarg, &v) < 0 || v > 1000) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--compact-threshold %s: expected 0..1000 (per mille)", optarg);
+				goto error;
+			}
+			out->compact_threshold = (unsigned)v;
 			break;
 		}
 		case 'h':

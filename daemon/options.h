@@ -14,6 +14,7 @@
  *             [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]
  *             [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]
  *             [--backend-timeout SECONDS]
+ *             [--compact on|off] [--compact-interval-ms MS] [--compact-threshold PERMILLE]
  *
  * BACKEND is a file or block device path, an NBD URI (nbd://, nbds://,
  * nbd+unix://...) or "nbdkit:PLUGIN [ARG...]".
@@ -39,6 +40,8 @@
 #define OPTIONS_DEFAULT_DIRTY_LOW 25
 #define OPTIONS_DEFAULT_DIRTY_EXPIRE 30
 #define OPTIONS_DEFAULT_BACKEND_TIMEOUT 30
+#define OPTIONS_DEFAULT_COMPACT_INTERVAL_MS 1000
+#define OPTIONS_DEFAULT_COMPACT_THRESHOLD 200 /* per mille */
 
 /* What the cache does with an export's reads and writes (DESIGN.md). */
 enum cache_mode {
@@ -84,6 +87,12 @@ struct options {
 	unsigned dirty_high, dirty_low; /* percent of cache_size */
 	unsigned dirty_expire;		/* seconds */
 	unsigned backend_timeout;	/* seconds a request waits for a lost backend */
+	/* Background compaction (daemon/cache/compact.h): on or off, how often
+	 * the compactor looks, and the fragmentation index (per mille) above
+	 * which it compacts without being nudged (0: on every look). */
+	bool compact;
+	unsigned compact_interval_ms;
+	unsigned compact_threshold;
 	bool help;
 	bool version;
 };

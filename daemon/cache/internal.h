@@ -93,6 +93,9 @@ struct cache_export {
 	bool writeback_failing;
 	int last_error;
 	uint64_t retry_at; /* monotonic ns: background writeback waits till then */
+	/* Where a READ continuing the last one would start: such a read is
+	 * sequential and asks for 2 MiB entries, filled whole (readahead). */
+	atomic_uint_fast64_t next_read;
 	/* Writes the backend acknowledged, and how many of them the last
 	 * successful backend flush covered: equal means nothing to flush. */
 	atomic_uint_fast64_t backend_writes_done, backend_writes_flushed;
@@ -112,9 +115,14 @@ struct cache_counters {
 	atomic_uint_fast64_t backend_writes, backend_write_bytes;
 	atomic_uint_fast64_t evictions, writeback_errors, bypass_reads, direct_writes;
 	atomic_uint_fast64_t dirty_bytes, entries, metadata_bytes;
+	atomic_uint_fast64_t entry_bytes, large_bytes; /* bytes in entries, in order-9 ones */
+	atomic_uint_fast64_t alloc_2m_attempts, alloc_2m_ok;
+	atomic_uint_fast64_t compact_moves, compact_skipped_pinned, compact_collapses;
+	atomic_uint_fast64_t compact_chunks_freed, compact_passes, compact_ns;
 };
 
 struct writeback;
+struct compactor;
 
 struct cache {
 	struct arena arena;
@@ -133,6 +141,7 @@ struct cache {
 	uint64_t dirty_high, dirty_low; /* bytes */
 	uint64_t dirty_expire_ns;
 	struct writeback *writeback;
+	struct compactor *compactor;
 };
 
 /* cache.c: index, entries, eviction */
@@ -155,6 +164,16 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
  * export lock. *out is malloc'd. */
 int cache_ranges_between(struct cache_export *ce, uint64_t first, uint64_t last,
 			 uint64_t **out, size_t *count);
+/* Size of an entry (handle) with nblocks blocks. */
+size_t cache_entry_struct_size(uint32_t nblocks);
+/* Collapse: the new entry ne takes the place of old[0..n) in the S3-FIFO
+ * queues (main if any of them was there). Takes the evict lock. */
+void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t n,
+			 struct cache_entry *ne);
+/* Evict clean entries until at least free_frames frames are free or none
+ * can go; a few at a time, so the I/O path is never kept waiting long.
+ * No lock held. Returns the entries evicted. */
+uint64_t cache_evict_until(struct cache *c, uint64_t free_frames);
 void cache_entry_pin(struct cache_entry *e);
 void cache_entry_unpin(struct cache_entry *e);
 void cache_entry_touch(struct cache_entry *e);
