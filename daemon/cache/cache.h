@@ -77,6 +77,7 @@ struct cache_op {
 	uint64_t offset, length;
 	const uint8_t *payload;	    /* WRITE */
 	bool no_allocate;	    /* READ: use cached data, cache nothing new */
+	bool sequential;	    /* READ: continues the connection's last read */
 	struct nbd_extent *extents; /* BLOCK_STATUS: room for max_extents */
 	size_t max_extents, n_extents;
 	uint64_t *seen_error;	    /* FLUSH: the connection's error sequence */
@@ -93,7 +94,7 @@ struct cache_op {
 	bool registered; /* direct op: its range is in the export's list */
 	bool counted;	 /* hit / miss already counted */
 	bool some_cached; /* a piece was all uptodate when it was pinned */
-	bool readahead;	  /* READ continuing the last one: 2 MiB entries, filled whole */
+	bool readahead;	  /* sequential READ: 2 MiB entries, filled whole */
 	bool running, rerun, finished;
 	struct cache_waiter waiter;
 	struct cache_span *spans; /* BLOCK_STATUS: dirty ranges, sorted */

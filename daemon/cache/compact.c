@@ -55,10 +55,12 @@
 /* A background pass stops compacting at this index (per mille). */
 #define BACKGROUND_TARGET 50
 /* After a nudge, keep this share of the arena free (1/RESERVE_DIVISOR),
- * within [RESERVE_MIN, RESERVE_MAX] chunks, so there is something to gather. */
+ * at least RESERVE_MIN_FRAMES (one chunk and a half: enough holes to empty
+ * a chunk into) and at most RESERVE_MAX_FRAMES or half the arena, so there
+ * is something to gather. */
 #define RESERVE_DIVISOR 32
-#define RESERVE_MIN_CHUNKS 2
-#define RESERVE_MAX_CHUNKS 64
+#define RESERVE_MIN_FRAMES (3 * ARENA_CHUNK_FRAMES / 2)
+#define RESERVE_MAX_FRAMES (64 * ARENA_CHUNK_FRAMES)
 
 struct compactor {
 	struct cache *cache;
@@ -409,11 +411,11 @@ static void run_pass(struct compactor *k, unsigned target, bool evict,
 	res->fragmentation_before = cache_fragmentation(c);
 	if (evict) {
 		uint64_t reserve = c->arena.nframes / RESERVE_DIVISOR;
-		if (reserve < RESERVE_MIN_CHUNKS * ARENA_CHUNK_FRAMES)
-			reserve = RESERVE_MIN_CHUNKS * ARENA_CHUNK_FRAMES;
-		if (reserve > RESERVE_MAX_CHUNKS * ARENA_CHUNK_FRAMES)
-			reserve = RESERVE_MAX_CHUNKS * ARENA_CHUNK_FRAMES;
-		if (reserve < c->arena.nframes / 2)
+		if (reserve < RESERVE_MIN_FRAMES)
+			reserve = RESERVE_MIN_FRAMES;
+		if (reserve > RESERVE_MAX_FRAMES)
+			reserve = RESERVE_MAX_FRAMES;
+		if (reserve <= c->arena.nframes / 2)
 			cache_evict_until(c, reserve);
 	}
 	compact_chunks(k, target, res);

@@ -93,9 +93,6 @@ struct cache_export {
 	bool writeback_failing;
 	int last_error;
 	uint64_t retry_at; /* monotonic ns: background writeback waits till then */
-	/* Where a READ continuing the last one would start: such a read is
-	 * sequential and asks for 2 MiB entries, filled whole (readahead). */
-	atomic_uint_fast64_t next_read;
 	/* Writes the backend acknowledged, and how many of them the last
 	 * successful backend flush covered: equal means nothing to flush. */
 	atomic_uint_fast64_t backend_writes_done, backend_writes_flushed;

@@ -1014,12 +1014,10 @@ void cache_submit(struct cache_op *op)
 	int rc = 0;
 	op->readahead = false;
 	switch (op->cmd) {
-	case BACKEND_READ: {
-		uint64_t prev = atomic_exchange(&ce->next_read, op->offset + op->length);
-		op->readahead = prev == op->offset && op->offset != 0 && !op->no_allocate;
+	case BACKEND_READ:
+		op->readahead = op->sequential && !op->no_allocate;
 		rc = pieces_build(op, !op->no_allocate, false);
 		break;
-	}
 	case BACKEND_CACHE:
 		if (op->length > CACHE_PREFETCH_MAX)
 			op->length = CACHE_PREFETCH_MAX;
