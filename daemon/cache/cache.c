@@ -381,6 +381,19 @@ static bool evict_one(struct cache *c, struct cache_shard *held_shard)
 	return false;
 }
 
+bool cache_entry_evict_cold(struct cache *c, struct cache_shard *sh, struct cache_entry *e)
+{
+	if (!entry_evictable(e) || atomic_load_explicit(&e->freq, memory_order_relaxed) != 0)
+		return false;
+	pthread_mutex_lock(&c->evict_lock);
+	if (e->queue == CACHE_SMALL)
+		c->ghost[entry_fingerprint(e) & c->ghost_mask] = entry_fingerprint(e);
+	entry_destroy(c, sh, e);
+	pthread_mutex_unlock(&c->evict_lock);
+	atomic_fetch_add(&c->counters.evictions, 1);
+	return true;
+}
+
 uint64_t cache_evict_until(struct cache *c, uint64_t free_frames)
 {
 	uint64_t evicted = 0;

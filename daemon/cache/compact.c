@@ -18,8 +18,11 @@
  *                                          entry left, one free 2 MiB block
  *
  *               A pinned entry ends the chunk's turn (the blocks already
- *               moved stay moved); so does a chunk with a block whose owner
- *               is not set yet (an entry being created).
+ *               moved stay moved); so does a block whose owner is not set
+ *               yet (an entry being created) and an entry that finds no
+ *               hole of its size. In a pass that a nudge started (room is
+ *               wanted: the arena is full), a clean entry not hit since it
+ *               was queued is evicted rather than moved.
  *   collapse    every range node of every export whose entries are all
  *               smaller than 2 MiB and together cover its 2 MiB, none pinned,
  *               gets one order-9 entry: the data copied in, the bits merged,
@@ -54,13 +57,14 @@
 #define SPARSE_BATCH 64
 /* A background pass stops compacting at this index (per mille). */
 #define BACKGROUND_TARGET 50
-/* After a nudge, keep this share of the arena free (1/RESERVE_DIVISOR),
- * at least RESERVE_MIN_FRAMES (one chunk and a half: enough holes to empty
- * a chunk into) and at most RESERVE_MAX_FRAMES or half the arena, so there
- * is something to gather. */
-#define RESERVE_DIVISOR 32
-#define RESERVE_MIN_FRAMES (3 * ARENA_CHUNK_FRAMES / 2)
-#define RESERVE_MAX_FRAMES (64 * ARENA_CHUNK_FRAMES)
+/* After a nudge (a large allocation fell back), keep this share of the
+ * arena free (1/RESERVE_DIVISOR), at least RESERVE_MIN_FRAMES (enough holes
+ * to empty a few chunks into) and at most RESERVE_MAX_FRAMES or a quarter
+ * of the arena, so that there is something to gather: a sequential stream
+ * eats a free 2 MiB block per 2 MiB it reads. */
+#define RESERVE_DIVISOR 16
+#define RESERVE_MIN_FRAMES (4 * ARENA_CHUNK_FRAMES)
+#define RESERVE_MAX_FRAMES (128 * ARENA_CHUNK_FRAMES)
 
 struct compactor {
 	struct cache *cache;
@@ -104,6 +108,14 @@ static uint64_t scattered_free_frames(struct cache *c)
 	return n;
 }
 
+/* Can a chunk be made whole? Moving needs as many free frames elsewhere as
+ * it holds; evicting (a nudged pass) needs only some free memory at all. */
+static bool worth_trying(struct cache *c, bool evict)
+{
+	uint64_t scattered = scattered_free_frames(c);
+	return evict ? scattered > 0 : scattered >= ARENA_CHUNK_FRAMES;
+}
+
 static bool entry_movable(struct cache_entry *e)
 {
 	if (atomic_load_explicit(&e->pins, memory_order_acquire) != 0 || e->writeback)
@@ -116,10 +128,11 @@ static bool entry_movable(struct cache_entry *e)
 	return true;
 }
 
-enum move_result { MOVE_DONE, MOVE_GONE, MOVE_PINNED, MOVE_NO_ROOM, MOVE_UNOWNED };
+enum move_result { MOVE_DONE, MOVE_EVICTED, MOVE_GONE, MOVE_PINNED, MOVE_NO_ROOM, MOVE_UNOWNED };
 
-/* Move the entry owning block b of the isolated chunk elsewhere. */
-static enum move_result move_block(struct cache *c, const struct arena_block *b)
+/* Move the entry owning block b of the isolated chunk elsewhere; with
+ * evict, a cold clean entry is evicted instead (room is wanted anyway). */
+static enum move_result move_block(struct cache *c, const struct arena_block *b, bool evict)
 {
 	struct arena *a = &c->arena;
 	struct cache_entry *e = b->owner;
@@ -147,6 +160,9 @@ static enum move_result move_block(struct cache *c, const struct arena_block *b)
 	result = MOVE_PINNED;
 	if (!entry_movable(e))
 		goto out;
+	result = MOVE_EVICTED;
+	if (evict && cache_entry_evict_cold(c, sh, e))
+		goto out;
 	/* Never break a free 2 MiB block to empty another chunk. */
 	int64_t to = arena_alloc_max(a, e->order, ARENA_MAX_ORDER - 1);
 	result = MOVE_NO_ROOM;
@@ -167,9 +183,10 @@ out:
 
 /*
  * Empty one chunk. Returns 1 if it came back whole, 0 if not, -ENOSPC if
- * there was no hole left for an entry (the caller stops).
+ * an entry found no hole of its size (the chunk's turn ends there).
  */
-static int evacuate(struct compactor *k, uint32_t chunk, struct cache_compact_result *res)
+static int evacuate(struct compactor *k, uint32_t chunk, bool evict,
+		    struct cache_compact_result *res)
 {
 	struct cache *c = k->cache;
 	size_t n;
@@ -177,10 +194,11 @@ static int evacuate(struct compactor *k, uint32_t chunk, struct cache_compact_re
 		return 0;
 	int rc = 0;
 	for (size_t i = 0; i < n && rc == 0; i++) {
-		switch (move_block(c, &k->blocks[i])) {
+		switch (move_block(c, &k->blocks[i], evict)) {
 		case MOVE_DONE:
 			res->moved++;
 			break;
+		case MOVE_EVICTED:
 		case MOVE_GONE:
 			break;
 		case MOVE_PINNED:
@@ -201,25 +219,32 @@ static int evacuate(struct compactor *k, uint32_t chunk, struct cache_compact_re
 	return rc == -ENOSPC ? rc : whole;
 }
 
-/* Compact until the index is at most target or nothing more can be done. */
-static void compact_chunks(struct compactor *k, unsigned target, struct cache_compact_result *res)
+/*
+ * Compact until the index is at most target or nothing more can be done:
+ * a batch of candidates that yields no whole chunk, or NO_ROOM_LIMIT chunks
+ * in a row whose entries found no hole of their size.
+ */
+#define NO_ROOM_LIMIT 8
+static void compact_chunks(struct compactor *k, unsigned target, bool evict,
+			   struct cache_compact_result *res)
 {
 	struct cache *c = k->cache;
 	uint32_t cand[SPARSE_BATCH];
 	uint32_t rounds = c->arena.nchunks + 1;
+	unsigned no_room = 0;
 	while (rounds--) {
-		if (cache_fragmentation(c) <= target ||
-		    scattered_free_frames(c) < ARENA_CHUNK_FRAMES)
+		if (cache_fragmentation(c) <= target || !worth_trying(c, evict))
 			return;
 		size_t n = arena_sparse_chunks(&c->arena, cand, SPARSE_BATCH);
 		bool progress = false;
 		for (size_t i = 0; i < n; i++) {
-			if (cache_fragmentation(c) <= target ||
-			    scattered_free_frames(c) < ARENA_CHUNK_FRAMES)
+			if (cache_fragmentation(c) <= target || !worth_trying(c, evict))
 				return;
-			int rc = evacuate(k, cand[i], res);
-			if (rc < 0)
+			int rc = evacuate(k, cand[i], evict, res);
+			if (rc < 0 && ++no_room >= NO_ROOM_LIMIT)
 				return;
+			if (rc >= 0)
+				no_room = 0;
 			if (rc > 0)
 				progress = true;
 		}
@@ -415,14 +440,15 @@ static void run_pass(struct compactor *k, unsigned target, bool evict,
 			reserve = RESERVE_MIN_FRAMES;
 		if (reserve > RESERVE_MAX_FRAMES)
 			reserve = RESERVE_MAX_FRAMES;
-		if (reserve <= c->arena.nframes / 2)
-			cache_evict_until(c, reserve);
+		if (reserve > c->arena.nframes / 4)
+			reserve = c->arena.nframes / 4;
+		cache_evict_until(c, reserve);
 	}
-	compact_chunks(k, target, res);
+	compact_chunks(k, target, evict, res);
 	uint64_t collapsed = res->collapsed;
 	collapse_all(c, res);
 	if (res->collapsed != collapsed)
-		compact_chunks(k, target, res);
+		compact_chunks(k, target, evict, res);
 	res->fragmentation_after = cache_fragmentation(c);
 	res->ns = elapsed_since(t0);
 	pthread_mutex_unlock(&k->pass_lock);
@@ -470,8 +496,10 @@ static void *compactor_main(void *arg)
 		unsigned frag = cache_fragmentation(c);
 		if (nudged || frag > k->threshold || k->threshold == 0) {
 			struct cache_compact_result res;
-			unsigned target = k->threshold < BACKGROUND_TARGET ? k->threshold
-									    : BACKGROUND_TARGET;
+			/* A nudge wants every free 2 MiB block it can get. */
+			unsigned target = nudged || k->threshold < BACKGROUND_TARGET
+						  ? 0
+						  : BACKGROUND_TARGET;
 			run_pass(k, target, nudged, &res);
 		}
 		pthread_mutex_lock(&k->lock);

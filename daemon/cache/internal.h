@@ -171,6 +171,10 @@ void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t
  * can go; a few at a time, so the I/O path is never kept waiting long.
  * No lock held. Returns the entries evicted. */
 uint64_t cache_evict_until(struct cache *c, uint64_t free_frames);
+/* Evict e now if it is clean, idle and was not hit since it was queued
+ * (compaction: cheaper than moving it when room is needed anyway). Shard
+ * lock held; takes the evict lock. */
+bool cache_entry_evict_cold(struct cache *c, struct cache_shard *sh, struct cache_entry *e);
 void cache_entry_pin(struct cache_entry *e);
 void cache_entry_unpin(struct cache_entry *e);
 void cache_entry_touch(struct cache_entry *e);
