@@ -137,8 +137,8 @@ struct cache_compact_result {
 	uint64_t moved;		 /* entries moved */
 	uint64_t skipped_pinned; /* entries not moved: pinned */
 	uint64_t collapsed;	 /* 2 MiB device ranges collapsed */
-	uint64_t chunks_freed;	 /* 2 MiB chunks made whole */
-	uint64_t ns;		 /* time the pass took */
+	uint64_t freed_2m_chunks; /* 2 MiB chunks made whole */
+	uint64_t time_ns;	  /* time the pass took */
 	unsigned fragmentation_before, fragmentation_after; /* per mille, see cache_stats */
 };
 

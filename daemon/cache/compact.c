@@ -215,7 +215,7 @@ static int evacuate(struct compactor *k, uint32_t chunk, bool evict,
 	}
 	bool whole = arena_unisolate(&c->arena);
 	if (whole)
-		res->chunks_freed++;
+		res->freed_2m_chunks++;
 	return rc == -ENOSPC ? rc : whole;
 }
 
@@ -450,15 +450,15 @@ static void run_pass(struct compactor *k, unsigned target, bool evict,
 	if (res->collapsed != collapsed)
 		compact_chunks(k, target, evict, res);
 	res->fragmentation_after = cache_fragmentation(c);
-	res->ns = elapsed_since(t0);
+	res->time_ns = elapsed_since(t0);
 	pthread_mutex_unlock(&k->pass_lock);
 	struct cache_counters *cn = &c->counters;
 	atomic_fetch_add(&cn->compact_moves, res->moved);
 	atomic_fetch_add(&cn->compact_skipped_pinned, res->skipped_pinned);
 	atomic_fetch_add(&cn->compact_collapses, res->collapsed);
-	atomic_fetch_add(&cn->compact_chunks_freed, res->chunks_freed);
+	atomic_fetch_add(&cn->compact_chunks_freed, res->freed_2m_chunks);
 	atomic_fetch_add(&cn->compact_passes, 1);
-	atomic_fetch_add(&cn->compact_ns, res->ns);
+	atomic_fetch_add(&cn->compact_ns, res->time_ns);
 }
 
 int cache_compact(struct cache *c, struct cache_compact_result *out)
@@ -468,9 +468,9 @@ int cache_compact(struct cache *c, struct cache_compact_result *out)
 	log_debug("cache: compaction pass: %llu moved, %llu pinned, %llu collapsed, %llu chunks "
 		  "freed, fragmentation %u -> %u per mille in %llu us",
 		  (unsigned long long)res.moved, (unsigned long long)res.skipped_pinned,
-		  (unsigned long long)res.collapsed, (unsigned long long)res.chunks_freed,
+		  (unsigned long long)res.collapsed, (unsigned long long)res.freed_2m_chunks,
 		  res.fragmentation_before, res.fragmentation_after,
-		  (unsigned long long)(res.ns / 1000));
+		  (unsigned long long)(res.time_ns / 1000));
 	if (out)
 		*out = res;
 	return 0;
