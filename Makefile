@@ -4,6 +4,9 @@
 #   make check      install missing Debian packages, build, run unit +
 #                   integration + interop tests (tests/run)
 #   make asan       the same suite under ASan + UBSan (build-asan/)
+#   make tsan       the unit tests and the cache concurrency tests
+#                   (cache_compact, cache_races) under ThreadSanitizer
+#                   (build-tsan/; suppressions in tests/tsan.supp)
 #   make i386       proto/, the dependency-free daemon core and their unit
 #                   tests built with -m32 and run (build-i386/); then the
 #                   whole project built in an i386 Debian chroot, its unit
@@ -48,7 +51,7 @@ DAEMON_OBJ := $(call obj,$(DAEMON_SRC))
 UNIT_BIN := $(patsubst tests/unit/%.c,$(BUILD)/tests/unit/%,$(UNIT_SRC))
 CLIENT_BIN := $(patsubst client/%.c,$(BUILD)/%,$(CLIENT_SRC))
 
-.PHONY: all check unit asan i386 fuzz run bench deps clean install
+.PHONY: all check unit asan tsan i386 fuzz run bench deps clean install
 .DEFAULT_GOAL := all
 
 all: $(BUILD)/nbdcached $(CLIENT_BIN) $(UNIT_BIN)
@@ -89,6 +92,15 @@ asan: deps
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:quarantine_size_mb=16 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 		BUILD=build-asan tests/run
 
+# TSan does not mix with ASan. libevent and liburing are not instrumented:
+# tests/tsan.supp lists the few reports that come from inside them.
+TSAN_RUN = TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp halt_on_error=1 second_deadlock_stack=1" BUILD=build-tsan
+tsan: deps
+	$(MAKE) BUILD=build-tsan CC=gcc SANITIZE="-fsanitize=thread -fno-omit-frame-pointer" OPT="-O1 -g" all
+	$(TSAN_RUN) tests/run --unit-only
+	$(TSAN_RUN) CACHE_COMPACT_SECONDS=10 tests/run --integration-only cache_compact
+	$(TSAN_RUN) tests/run --integration-only cache_races
+
 i386: deps
 	$(MAKE) BUILD=build-i386 M32=-m32 unit
 	scripts/i386-chroot
@@ -128,7 +140,7 @@ install: all
 		install -m 0644 configs/nbdcached.conf $(DESTDIR)/etc/nbdcached/nbdcached.conf
 
 clean:
-	rm -rf build build-asan build-i386 build-i386-root build-fuzz build-clang
+	rm -rf build build-asan build-tsan build-i386 build-i386-root build-fuzz build-clang
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
 .SECONDARY:

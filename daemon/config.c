@@ -277,6 +277,9 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		{"group", OPT_GIVEN_GROUP},
 		{"max-connections", OPT_GIVEN_MAX_CONNECTIONS},
 		{"maxconnections", OPT_GIVEN_MAX_CONNECTIONS},
+		{"compact", OPT_GIVEN_COMPACT},
+		{"compact-interval-ms", OPT_GIVEN_COMPACT_INTERVAL},
+		{"compact-threshold", OPT_GIVEN_COMPACT_THRESHOLD},
 	};
 	unsigned bit = 0;
 	for (size_t i = 0; i < sizeof(globals) / sizeof(globals[0]); i++)
@@ -349,6 +352,18 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		if (v[0] == '\0')
 			return config_fail(x, "%s: empty name", name);
 		return set_string(x, bit == OPT_GIVEN_USER ? &f->user : &f->group, v);
+	case OPT_GIVEN_COMPACT:
+		if (options_parse_compact(v, &f->compact) < 0)
+			return config_fail(x, "compact %s: expected on or off", v);
+		return 1;
+	case OPT_GIVEN_COMPACT_INTERVAL:
+		if (options_parse_compact_interval(v, &f->compact_interval_ms) < 0)
+			return config_fail(x, "compact-interval-ms %s: expected 1..3600000", v);
+		return 1;
+	case OPT_GIVEN_COMPACT_THRESHOLD:
+		if (options_parse_compact_threshold(v, &f->compact_threshold) < 0)
+			return config_fail(x, "compact-threshold %s: expected 0..1000 (per mille)", v);
+		return 1;
 	case OPT_GIVEN_MAX_CONNECTIONS:
 		if (options_parse_max_connections(v, &f->max_connections) < 0)
 			return config_fail(x, "%s %s: expected 0..%d (0: unlimited)", name, v,
@@ -562,6 +577,9 @@ static int merge(struct config_ctx *x)
 	TAKE(OPT_GIVEN_DIRTY_EXPIRE, dirty_expire);
 	TAKE(OPT_GIVEN_BACKEND_TIMEOUT, backend_timeout);
 	TAKE(OPT_GIVEN_MAX_CONNECTIONS, max_connections);
+	TAKE(OPT_GIVEN_COMPACT, compact);
+	TAKE(OPT_GIVEN_COMPACT_INTERVAL, compact_interval_ms);
+	TAKE(OPT_GIVEN_COMPACT_THRESHOLD, compact_threshold);
 	TAKE_STRING(OPT_GIVEN_CONTROL, control_path);
 	TAKE_STRING(OPT_GIVEN_USER, user);
 	TAKE_STRING(OPT_GIVEN_GROUP, group);

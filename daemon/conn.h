@@ -87,7 +87,7 @@ struct conn {
 	struct nbd_request discard_req;
 	uint32_t discard_error;
 	uint64_t seen_error; /* the export's writeback error sequence last reported */
-	uint64_t seq_next, seq_run; /* sequential read detection (--seq-cutoff) */
+	uint64_t seq_next, seq_run; /* sequential read detection (readahead, --seq-cutoff) */
 	bool closing; /* no more reading; close once drained */
 	bool reading; /* EV_READ enabled */
 };

@@ -379,19 +379,28 @@ static void cmd_stats(struct control_client *cl, const char *only)
 	add_u64(c, "direct_writes", s.direct_writes);
 	add_u64(c, "metadata_bytes", s.metadata_bytes);
 	json_object *arena = json_object_new_object();
-	uint64_t by_order[NBDCACHED_ARENA_ORDERS];
-	uint64_t free_bytes = cache_arena_free_by_order(ctl->cfg.cache, by_order);
+	uint64_t free_bytes = 0;
+	json_object *orders = json_object_new_array();
+	for (unsigned k = 0; k < NBDCACHED_ARENA_ORDERS; k++) {
+		free_bytes += s.free_bytes_by_order[k];
+		json_object_array_add(orders, json_object_new_int64((int64_t)s.free_bytes_by_order[k]));
+	}
 	add_string(arena, "kind", s.arena);
 	add_u64(arena, "free_bytes", free_bytes);
-	json_object *orders = json_object_new_array();
-	for (unsigned k = 0; k < NBDCACHED_ARENA_ORDERS; k++)
-		json_object_array_add(orders, json_object_new_int64((int64_t)by_order[k]));
 	json_object_object_add(arena, "free_bytes_by_order", orders);
-	json_object_object_add(
-		arena, "fragmentation",
-		json_object_new_double(free_bytes ? 1.0 - (double)by_order[NBDCACHED_ARENA_ORDERS - 1] /
-								  (double)free_bytes
-						  : 0.0));
+	json_object_object_add(arena, "fragmentation",
+			       json_object_new_double((double)s.fragmentation / 1000.0));
+	add_u64(arena, "large_bytes", s.large_bytes);
+	json_object_object_add(arena, "large_share",
+			       json_object_new_double((double)s.large_share / 1000.0));
+	add_u64(arena, "alloc_2m_attempts", s.alloc_2m_attempts);
+	add_u64(arena, "alloc_2m_ok", s.alloc_2m_ok);
+	add_u64(arena, "compact_moves", s.compact_moves);
+	add_u64(arena, "compact_skipped_pinned", s.compact_skipped_pinned);
+	add_u64(arena, "compact_collapses", s.compact_collapses);
+	add_u64(arena, "compact_chunks_freed", s.compact_chunks_freed);
+	add_u64(arena, "compact_passes", s.compact_passes);
+	add_u64(arena, "compact_ns", s.compact_ns);
 	json_object_object_add(c, "arena", arena);
 	json_object_object_add(o, "cache", c);
 	json_object *a = json_object_new_array();
@@ -589,9 +598,29 @@ static void cmd_drop_clean(struct control_client *cl, json_object *req)
 	export_put(e);
 }
 
+/* Blocks this thread for the pass (about 1 s per GiB at worst), never an
+ * NBD worker. */
 static void cmd_compact(struct control_client *cl)
 {
-	send_error(cl, ENOTSUP, "compaction is not available in this build");
+	struct cache_compact_result r;
+	cache_compact(cl->ctl->cfg.cache, &r);
+	log_info("cache: compaction pass (control socket): %llu moved, %llu pinned, %llu "
+		 "collapsed, %llu chunks freed, fragmentation %u -> %u per mille in %llu us",
+		 (unsigned long long)r.moved, (unsigned long long)r.skipped_pinned,
+		 (unsigned long long)r.collapsed, (unsigned long long)r.freed_2m_chunks,
+		 r.fragmentation_before, r.fragmentation_after,
+		 (unsigned long long)(r.time_ns / 1000u));
+	json_object *o = reply_ok();
+	add_u64(o, "moved", r.moved);
+	add_u64(o, "skipped_pinned", r.skipped_pinned);
+	add_u64(o, "collapsed", r.collapsed);
+	add_u64(o, "freed_2m_chunks", r.freed_2m_chunks);
+	add_u64(o, "time_ns", r.time_ns);
+	json_object_object_add(o, "fragmentation_before",
+			       json_object_new_double((double)r.fragmentation_before / 1000.0));
+	json_object_object_add(o, "fragmentation_after",
+			       json_object_new_double((double)r.fragmentation_after / 1000.0));
+	client_send(cl, o);
 }
 
 static void reload_now(struct control *ctl, struct control_client *cl);
@@ -789,6 +818,9 @@ static void refused_globals(const struct options *was, const struct options *now
 		{!same_opt_string(was->group, now->group), "group"},
 		{!same_opt_string(was->pidfile, now->pidfile), "pidfile"},
 		{was->backend_timeout != now->backend_timeout, "backend-timeout"},
+		{was->compact != now->compact, "compact"},
+		{was->compact_interval_ms != now->compact_interval_ms, "compact-interval-ms"},
+		{was->compact_threshold != now->compact_threshold, "compact-threshold"},
 	};
 	for (size_t i = 0; i < sizeof(checks) / sizeof(checks[0]); i++) {
 		if (!checks[i].changed)

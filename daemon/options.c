@@ -43,6 +43,8 @@ const char *options_usage(void)
 	       "                 [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]\n"
 	       "                 [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]\n"
 	       "                 [--backend-timeout SECONDS]\n"
+	       "                 [--compact on|off] [--compact-interval-ms MS]\n"
+	       "                 [--compact-threshold PERMILLE]\n"
 	       "BACKEND is a file or block device, an NBD URI (nbd://HOST[:PORT]/NAME,\n"
 	       "nbd+unix:///NAME?socket=PATH, nbds://...) or nbdkit:PLUGIN [ARG...].\n"
 	       "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
@@ -408,6 +410,35 @@ int options_parse_max_connections(const char *text, unsigned *out)
 	return 0;
 }
 
+int options_parse_compact(const char *text, bool *out)
+{
+	if (strcmp(text, "on") == 0)
+		*out = true;
+	else if (strcmp(text, "off") == 0)
+		*out = false;
+	else
+		return -EINVAL;
+	return 0;
+}
+
+int options_parse_compact_interval(const char *text, unsigned *out)
+{
+	uint64_t v;
+	if (options_parse_size(text, &v) < 0 || v == 0 || v > 3600000)
+		return -EINVAL;
+	*out = (unsigned)v;
+	return 0;
+}
+
+int options_parse_compact_threshold(const char *text, unsigned *out)
+{
+	uint64_t v;
+	if (options_parse_size(text, &v) < 0 || v > 1000)
+		return -EINVAL;
+	*out = (unsigned)v;
+	return 0;
+}
+
 int options_add_export(struct options *opts, struct export_spec *spec, char *err, size_t errlen)
 {
 	for (size_t i = 0; i < opts->export_count; i++) {
@@ -436,6 +467,9 @@ void options_defaults(struct options *out)
 	out->dirty_low = OPTIONS_DEFAULT_DIRTY_LOW;
 	out->dirty_expire = OPTIONS_DEFAULT_DIRTY_EXPIRE;
 	out->backend_timeout = OPTIONS_DEFAULT_BACKEND_TIMEOUT;
+	out->compact = true;
+	out->compact_interval_ms = OPTIONS_DEFAULT_COMPACT_INTERVAL_MS;
+	out->compact_threshold = OPTIONS_DEFAULT_COMPACT_THRESHOLD;
 }
 
 static int set_string(char **slot, const char *value)
@@ -473,6 +507,9 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 		{"control", required_argument, NULL, 'x'},
 		{"user", required_argument, NULL, 'U'},
 		{"group", required_argument, NULL, 'G'},
+		{"compact", required_argument, NULL, 'P'},
+		{"compact-interval-ms", required_argument, NULL, 'I'},
+		{"compact-threshold", required_argument, NULL, 'F'},
 		{"help", no_argument, NULL, 'h'},
 		{"version", no_argument, NULL, 'V'},
 		{NULL, 0, NULL, 0},
@@ -482,7 +519,7 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 	optind = 1;
 	opterr = 0;
 	for (;;) {
-		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:C:H:B:M:S:D:d:E:T:m:c:Kx:U:G:hV",
+		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:C:H:B:M:S:D:d:E:T:m:c:Kx:U:G:P:I:F:hV",
 				    longopts, NULL);
 		if (c == -1)
 			break;
@@ -657,6 +694,30 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 			if ((rc = set_string(c == 'U' ? &out->user : &out->group, optarg)) < 0)
 				goto error;
 			out->given |= c == 'U' ? OPT_GIVEN_USER : OPT_GIVEN_GROUP;
+			break;
+		case 'P':
+			if (options_parse_compact(optarg, &out->compact) < 0) {
+				rc = fail(err, errlen, -EINVAL, "--compact %s: expected on or off",
+					  optarg);
+				goto error;
+			}
+			out->given |= OPT_GIVEN_COMPACT;
+			break;
+		case 'I':
+			if (options_parse_compact_interval(optarg, &out->compact_interval_ms) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--compact-interval-ms %s: expected 1..3600000", optarg);
+				goto error;
+			}
+			out->given |= OPT_GIVEN_COMPACT_INTERVAL;
+			break;
+		case 'F':
+			if (options_parse_compact_threshold(optarg, &out->compact_threshold) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--compact-threshold %s: expected 0..1000 (per mille)", optarg);
+				goto error;
+			}
+			out->given |= OPT_GIVEN_COMPACT_THRESHOLD;
 			break;
 		case 'h':
 			out->help = true;

@@ -17,6 +17,7 @@
  *             [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]
  *             [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]
  *             [--backend-timeout SECONDS]
+ *             [--compact on|off] [--compact-interval-ms MS] [--compact-threshold PERMILLE]
  *
  * BACKEND is a file or block device path, an NBD URI (nbd://, nbds://,
  * nbd+unix://...) or "nbdkit:PLUGIN [ARG...]".
@@ -50,6 +51,8 @@
 #define OPTIONS_DEFAULT_BACKEND_TIMEOUT 30
 #define OPTIONS_DEFAULT_CONFIG "/etc/nbdcached/nbdcached.conf"
 #define OPTIONS_MAX_CONNECTIONS 65536
+#define OPTIONS_DEFAULT_COMPACT_INTERVAL_MS 1000
+#define OPTIONS_DEFAULT_COMPACT_THRESHOLD 200 /* per mille */
 
 /* What the cache does with an export's reads and writes (DESIGN.md). */
 enum cache_mode {
@@ -97,6 +100,9 @@ enum options_given {
 	OPT_GIVEN_USER = 1u << 14,
 	OPT_GIVEN_GROUP = 1u << 15,
 	OPT_GIVEN_MAX_CONNECTIONS = 1u << 16,
+	OPT_GIVEN_COMPACT = 1u << 17,
+	OPT_GIVEN_COMPACT_INTERVAL = 1u << 18,
+	OPT_GIVEN_COMPACT_THRESHOLD = 1u << 19,
 };
 
 struct options {
@@ -127,6 +133,12 @@ struct options {
 	char *control_path;		/* NULL: the default; "none": no control socket */
 	char *user, *group;		/* drop privileges to these after start-up */
 	unsigned given;			/* enum options_given */
+	/* Background compaction (daemon/cache/compact.h): on or off, how often
+	 * the compactor looks, and the fragmentation index (per mille) above
+	 * which it compacts without being nudged (0: on every look). */
+	bool compact;
+	unsigned compact_interval_ms;
+	unsigned compact_threshold;
 	bool help;
 	bool version;
 };
@@ -156,6 +168,9 @@ int options_parse_seconds(const char *text, unsigned *out); /* 1..86400 */
 int options_parse_cache_size(const char *text, uint64_t *out);
 int options_parse_threads(const char *text, unsigned *out);
 int options_parse_max_connections(const char *text, unsigned *out);
+int options_parse_compact(const char *text, bool *out);		  /* on, off */
+int options_parse_compact_interval(const char *text, unsigned *out); /* 1..3600000 */
+int options_parse_compact_threshold(const char *text, unsigned *out); /* 0..1000 */
 /* Append a copy of a string to a vector. */
 int options_push_string(char ***vec, size_t *count, const char *s);
 /* Add an export; -EEXIST (message in err) when the name is taken. */

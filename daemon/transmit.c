@@ -461,11 +461,16 @@ static void request_start(struct request *r)
 	op->payload = r->buf;
 	op->seen_error = &c->seen_error;
 	op->done = request_cache_done;
-	if (h->type == NBD_CMD_READ && c->export->seq_cutoff) {
-		/* A long sequential stream is read around the cache. */
-		c->seq_run = h->offset == c->seq_next ? c->seq_run + h->length : h->length;
+	op->sequential = false;
+	if (h->type == NBD_CMD_READ) {
+		/* A read continuing this connection's last one is sequential: the
+		 * cache reads ahead into 2 MiB entries; a long stream is read
+		 * around the cache when --seq-cutoff says so. */
+		op->sequential = h->offset == c->seq_next && h->offset != 0;
+		c->seq_run = op->sequential ? c->seq_run + h->length : h->length;
 		c->seq_next = h->offset + h->length;
-		op->no_allocate = c->seq_run > c->export->seq_cutoff;
+		if (c->export->seq_cutoff)
+			op->no_allocate = c->seq_run > c->export->seq_cutoff;
 	}
 	cache_submit(op);
 }

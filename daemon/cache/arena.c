@@ -11,7 +11,13 @@
  * merge into one block of the next. The arena may end in a short chunk
  * (a 1 MiB cache has no order-9 block), so a buddy past the end is never
  * free. Metadata costs 9 bytes a frame (0.2%), outside the arena, so the
- * arena itself is only touched when data is cached in it.
+ * arena itself is only touched when data is cached in it; the owner
+ * pointers add 4 or 8 bytes a frame, the chunk counts 2 bytes a chunk.
+ *
+ * An isolated chunk (compaction) keeps its free blocks off the free lists:
+ * they look allocated (state = order) and are listed in iso_frame /
+ * iso_order, with every block freed in the chunk meanwhile. They do not
+ * count in free_frames until un-isolated.
  */
 #include "daemon/cache/arena.h"
 
@@ -26,7 +32,6 @@
 
 #include "daemon/log.h"
 
-#define ARENA_NONE UINT32_MAX
 #define ARENA_FREE 0x80u
 #define ARENA_INSIDE 0x7fu
 
@@ -146,7 +151,11 @@ int arena_init(struct arena *a, size_t size, enum hugepages_policy policy)
 	a->next = malloc(a->nframes * sizeof(*a->next));
 	a->prev = malloc(a->nframes * sizeof(*a->prev));
 	a->state = malloc(a->nframes);
-	if (!a->next || !a->prev || !a->state)
+	a->owner = calloc(a->nframes, sizeof(*a->owner));
+	a->nchunks = a->nframes >> ARENA_MAX_ORDER;
+	a->chunk_used = calloc(a->nchunks ? a->nchunks : 1, sizeof(*a->chunk_used));
+	a->iso_chunk = ARENA_NONE;
+	if (!a->next || !a->prev || !a->state || !a->owner || !a->chunk_used)
 		goto err;
 	rc = policy == HUGEPAGES_OFF ? -EPERM : map_hugetlb(a, size);
 	if (rc < 0 && policy == HUGEPAGES_REQUIRE) {
@@ -178,6 +187,8 @@ err:
 	free(a->next);
 	free(a->prev);
 	free(a->state);
+	free(a->owner);
+	free(a->chunk_used);
 	memset(a, 0, sizeof(*a));
 	a->memfd = -1;
 	return rc;
@@ -194,19 +205,28 @@ void arena_destroy(struct arena *a)
 	free(a->next);
 	free(a->prev);
 	free(a->state);
+	free(a->owner);
+	free(a->chunk_used);
 	memset(a, 0, sizeof(*a));
 	a->memfd = -1;
 }
 
 int64_t arena_alloc(struct arena *a, unsigned order)
 {
+	return arena_alloc_max(a, order, ARENA_MAX_ORDER);
+}
+
+int64_t arena_alloc_max(struct arena *a, unsigned order, unsigned max_split)
+{
 	if (order > ARENA_MAX_ORDER)
 		return -EINVAL;
+	if (max_split > ARENA_MAX_ORDER)
+		max_split = ARENA_MAX_ORDER;
 	pthread_mutex_lock(&a->lock);
 	unsigned o = order;
-	while (o < ARENA_ORDERS && a->free_head[o] == ARENA_NONE)
+	while (o <= max_split && a->free_head[o] == ARENA_NONE)
 		o++;
-	if (o == ARENA_ORDERS) {
+	if (o > max_split) {
 		pthread_mutex_unlock(&a->lock);
 		return -ENOMEM;
 	}
@@ -219,13 +239,16 @@ int64_t arena_alloc(struct arena *a, unsigned order)
 	}
 	a->state[f] = (uint8_t)order;
 	a->free_frames -= 1u << order;
+	a->owner[f] = NULL;
+	if ((f >> ARENA_MAX_ORDER) < a->nchunks)
+		a->chunk_used[f >> ARENA_MAX_ORDER] += (uint16_t)(1u << order);
 	pthread_mutex_unlock(&a->lock);
 	return f;
 }
 
-void arena_free(struct arena *a, uint32_t frame, unsigned order)
+/* Put a block back on the free lists, merging buddies. Lock held. */
+static void free_locked(struct arena *a, uint32_t frame, unsigned order)
 {
-	pthread_mutex_lock(&a->lock);
 	a->free_frames += 1u << order;
 	while (order < ARENA_MAX_ORDER) {
 		uint32_t buddy = frame ^ (1u << order);
@@ -238,7 +261,112 @@ void arena_free(struct arena *a, uint32_t frame, unsigned order)
 		order++;
 	}
 	list_push(a, order, frame);
+}
+
+void arena_free(struct arena *a, uint32_t frame, unsigned order)
+{
+	pthread_mutex_lock(&a->lock);
+	a->owner[frame] = NULL;
+	uint32_t chunk = frame >> ARENA_MAX_ORDER;
+	if (chunk < a->nchunks)
+		a->chunk_used[chunk] -= (uint16_t)(1u << order);
+	if (chunk == a->iso_chunk) {
+		a->iso_frame[a->iso_n] = frame;
+		a->iso_order[a->iso_n] = (uint8_t)order;
+		a->iso_n++;
+	} else {
+		free_locked(a, frame, order);
+	}
 	pthread_mutex_unlock(&a->lock);
+}
+
+void arena_set_owner(struct arena *a, uint32_t frame, void *owner)
+{
+	pthread_mutex_lock(&a->lock);
+	a->owner[frame] = owner;
+	pthread_mutex_unlock(&a->lock);
+}
+
+void arena_free_by_order(struct arena *a, uint64_t out[ARENA_ORDERS])
+{
+	pthread_mutex_lock(&a->lock);
+	for (unsigned o = 0; o < ARENA_ORDERS; o++)
+		out[o] = a->free_blocks[o] << o;
+	pthread_mutex_unlock(&a->lock);
+}
+
+size_t arena_sparse_chunks(struct arena *a, uint32_t *out, size_t max)
+{
+	/* A counting sort by used frames: O(chunks), not O(chunks * 512). */
+	uint32_t start[ARENA_CHUNK_FRAMES + 1] = {0};
+	size_t n = 0;
+	pthread_mutex_lock(&a->lock);
+	for (uint32_t c = 0; c < a->nchunks; c++)
+		start[a->chunk_used[c]]++;
+	uint32_t at = 0;
+	for (uint32_t used = 1; used < ARENA_CHUNK_FRAMES; used++) {
+		uint32_t count = start[used];
+		start[used] = at;
+		at += count;
+	}
+	for (uint32_t c = 0; c < a->nchunks; c++) {
+		uint16_t used = a->chunk_used[c];
+		if (used == 0 || used >= ARENA_CHUNK_FRAMES || start[used] >= max)
+			continue;
+		out[start[used]++] = c;
+		n++;
+	}
+	pthread_mutex_unlock(&a->lock);
+	return n;
+}
+
+int arena_isolate_chunk(struct arena *a, uint32_t chunk, struct arena_block *out, size_t *n)
+{
+	*n = 0;
+	pthread_mutex_lock(&a->lock);
+	if (a->iso_chunk != ARENA_NONE) {
+		pthread_mutex_unlock(&a->lock);
+		return -EBUSY;
+	}
+	if (chunk >= a->nchunks) {
+		pthread_mutex_unlock(&a->lock);
+		return -EINVAL;
+	}
+	a->iso_chunk = chunk;
+	a->iso_n = 0;
+	uint32_t f = chunk << ARENA_MAX_ORDER, end = f + ARENA_CHUNK_FRAMES;
+	while (f < end) {
+		uint8_t st = a->state[f];
+		unsigned order = st & ~ARENA_FREE;
+		if (st & ARENA_FREE) {
+			list_remove(a, order, f);
+			a->state[f] = (uint8_t)order;
+			a->free_frames -= 1u << order;
+			a->iso_frame[a->iso_n] = f;
+			a->iso_order[a->iso_n] = (uint8_t)order;
+			a->iso_n++;
+		} else {
+			out[*n] = (struct arena_block){f, (uint8_t)order, a->owner[f]};
+			(*n)++;
+		}
+		f += 1u << order;
+	}
+	pthread_mutex_unlock(&a->lock);
+	return 0;
+}
+
+bool arena_unisolate(struct arena *a)
+{
+	pthread_mutex_lock(&a->lock);
+	uint32_t chunk = a->iso_chunk;
+	a->iso_chunk = ARENA_NONE;
+	for (uint32_t i = 0; i < a->iso_n; i++)
+		free_locked(a, a->iso_frame[i], a->iso_order[i]);
+	a->iso_n = 0;
+	bool whole = chunk != ARENA_NONE &&
+		     a->state[chunk << ARENA_MAX_ORDER] == (ARENA_FREE | ARENA_MAX_ORDER);
+	pthread_mutex_unlock(&a->lock);
+	return whole;
 }
 
 uint64_t arena_free_frames_at_least(struct arena *a, unsigned order)

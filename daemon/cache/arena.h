@@ -16,13 +16,23 @@
  * frame into a pointer only while the entry that owns it is pinned (see
  * cache.h), so a later compactor may move unpinned entries.
  *
- * Locking: arena->lock guards the free lists; it is innermost (cache.h).
+ * Compaction support (compact.c): each allocated block has an owner
+ * pointer (set by the cache, cleared when the block is freed), each chunk a
+ * count of its allocated frames, and one chunk at a time may be isolated:
+ * its free blocks leave the free lists and blocks freed inside it while it
+ * is isolated are held back, so nothing is allocated there while its
+ * entries move out. Un-isolating frees the held blocks at once; a chunk
+ * whose entries all moved out comes back as one 2 MiB block.
+ *
+ * Locking: arena->lock guards the free lists, the owners, the chunk counts
+ * and the isolated chunk; it is innermost (cache.h).
  * Dependency-free (pthread and mmap only), so it is unit tested on i386 too.
  */
 #ifndef NBDCACHED_DAEMON_CACHE_ARENA_H
 #define NBDCACHED_DAEMON_CACHE_ARENA_H
 
 #include <pthread.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -33,6 +43,8 @@
 #define ARENA_MAX_ORDER 9 /* 2 MiB */
 #define ARENA_ORDERS (ARENA_MAX_ORDER + 1)
 #define ARENA_CHUNK_SIZE ((size_t)ARENA_FRAME_SIZE << ARENA_MAX_ORDER)
+#define ARENA_CHUNK_FRAMES (1u << ARENA_MAX_ORDER)
+#define ARENA_NONE UINT32_MAX
 
 enum arena_kind { ARENA_HUGETLB, ARENA_THP, ARENA_PLAIN };
 
@@ -50,6 +62,21 @@ struct arena {
 	uint8_t *state;	       /* per frame, see arena.c */
 	uint64_t free_frames;
 	uint64_t free_blocks[ARENA_ORDERS];
+
+	void **owner;	     /* per frame: the owner of the block starting there */
+	uint16_t *chunk_used; /* per chunk: allocated frames */
+	uint32_t nchunks;     /* whole 2 MiB chunks (a short tail is not one) */
+	uint32_t iso_chunk;   /* the isolated chunk, or ARENA_NONE */
+	uint32_t iso_n;	      /* blocks held back in it */
+	uint32_t iso_frame[ARENA_CHUNK_FRAMES];
+	uint8_t iso_order[ARENA_CHUNK_FRAMES];
+};
+
+/* An allocated block of an isolated chunk (arena_isolate_chunk). */
+struct arena_block {
+	uint32_t frame;
+	uint8_t order;
+	void *owner;
 };
 
 /* Map size bytes (rounded down to 4 KiB) as policy allows. 0 or -errno. */
@@ -61,6 +88,31 @@ void arena_free(struct arena *a, uint32_t frame, unsigned order);
 const char *arena_kind_name(enum arena_kind kind);
 /* Free frames in blocks of at least 2^order frames (for stats and tests). */
 uint64_t arena_free_frames_at_least(struct arena *a, unsigned order);
+/* Free frames in free blocks of each order (a snapshot under the lock). */
+void arena_free_by_order(struct arena *a, uint64_t out[ARENA_ORDERS]);
+
+/*
+ * Like arena_alloc, but never splits a block larger than 2^max_split
+ * frames: the compactor must not break a free 2 MiB block to empty another.
+ */
+int64_t arena_alloc_max(struct arena *a, unsigned order, unsigned max_split);
+/* Record the owner of the allocated block starting at frame. */
+void arena_set_owner(struct arena *a, uint32_t frame, void *owner);
+/*
+ * Up to max whole chunks that hold allocated frames but are not full, the
+ * emptiest first (ties by chunk number). Returns how many were written.
+ */
+size_t arena_sparse_chunks(struct arena *a, uint32_t *out, size_t max);
+/*
+ * Isolate chunk: take its free blocks off the free lists and hold back
+ * whatever is freed in it from now on. Its allocated blocks are written to
+ * out (at most ARENA_CHUNK_FRAMES), their count to *n. -EBUSY if another
+ * chunk is isolated, -EINVAL if chunk is not a whole chunk.
+ */
+int arena_isolate_chunk(struct arena *a, uint32_t chunk, struct arena_block *out, size_t *n);
+/* End the isolation: free every held block. True if the chunk is now one
+ * free 2 MiB block. */
+bool arena_unisolate(struct arena *a);
 
 static inline uint8_t *arena_address(const struct arena *a, uint32_t frame)
 {

@@ -18,6 +18,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "daemon/cache/compact.h"
 #include "daemon/cache/internal.h"
 #include "daemon/log.h"
 
@@ -269,6 +270,36 @@ static size_t entry_size(uint32_t nblocks)
 	return sizeof(struct cache_entry) + 3 * ((nblocks + 63) / 64) * sizeof(uint64_t);
 }
 
+size_t cache_entry_struct_size(uint32_t nblocks)
+{
+	return entry_size(nblocks);
+}
+
+void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t n,
+			 struct cache_entry *ne)
+{
+	bool main = false;
+	unsigned char freq = 0;
+	pthread_mutex_lock(&c->evict_lock);
+	for (size_t i = 0; i < n; i++) {
+		struct cache_entry *e = old[i];
+		unsigned char f = atomic_load_explicit(&e->freq, memory_order_relaxed);
+		if (f > freq)
+			freq = f;
+		if (e->queue == CACHE_SMALL) {
+			fifo_remove(&c->small, e);
+		} else if (e->queue == CACHE_MAIN) {
+			fifo_remove(&c->main, e);
+			main = true;
+		}
+		e->queue = CACHE_NOT_QUEUED;
+	}
+	atomic_store_explicit(&ne->freq, freq, memory_order_relaxed);
+	ne->queue = main ? CACHE_MAIN : CACHE_SMALL;
+	fifo_append(main ? &c->main : &c->small, ne);
+	pthread_mutex_unlock(&c->evict_lock);
+}
+
 /* Remove an unpinned, clean, idle entry from everything and free it.
  * Shard lock and evict lock held. */
 static void entry_destroy(struct cache *c, struct cache_shard *sh, struct cache_entry *e)
@@ -285,6 +316,9 @@ static void entry_destroy(struct cache *c, struct cache_shard *sh, struct cache_
 		fifo_remove(&c->main, e);
 	arena_free(&c->arena, e->frame, e->order);
 	atomic_fetch_sub(&c->counters.entries, 1);
+	atomic_fetch_sub(&c->counters.entry_bytes, cache_entry_bytes(e));
+	if (e->order == ARENA_MAX_ORDER)
+		atomic_fetch_sub(&c->counters.large_bytes, cache_entry_bytes(e));
 	atomic_fetch_sub(&c->counters.metadata_bytes, entry_size(e->nblocks));
 	atomic_fetch_sub(&e->ce->counters.cached_bytes, (uint64_t)ARENA_FRAME_SIZE << e->order);
 	free(e);
@@ -349,6 +383,40 @@ static bool evict_one(struct cache *c, struct cache_shard *held_shard)
 	return false;
 }
 
+bool cache_entry_evict_cold(struct cache *c, struct cache_shard *sh, struct cache_entry *e)
+{
+	if (!entry_evictable(e) || atomic_load_explicit(&e->freq, memory_order_relaxed) != 0)
+		return false;
+	pthread_mutex_lock(&c->evict_lock);
+	if (e->queue == CACHE_SMALL)
+		c->ghost[entry_fingerprint(e) & c->ghost_mask] = entry_fingerprint(e);
+	struct cache_export *ce = e->ce;
+	entry_destroy(c, sh, e);
+	pthread_mutex_unlock(&c->evict_lock);
+	atomic_fetch_add(&ce->counters.evictions, 1);
+	return true;
+}
+
+uint64_t cache_evict_until(struct cache *c, uint64_t free_frames)
+{
+	uint64_t evicted = 0;
+	for (;;) {
+		pthread_mutex_lock(&c->arena.lock);
+		uint64_t now = c->arena.free_frames;
+		pthread_mutex_unlock(&c->arena.lock);
+		if (now >= free_frames)
+			return evicted;
+		unsigned batch = 0;
+		pthread_mutex_lock(&c->evict_lock);
+		while (batch < 16 && evict_one(c, NULL))
+			batch++;
+		pthread_mutex_unlock(&c->evict_lock);
+		evicted += batch;
+		if (batch < 16)
+			return evicted;
+	}
+}
+
 /* Frames of the given order, evicting up to max_evictions entries. */
 static int64_t alloc_evicting(struct cache *c, struct cache_shard *sh, unsigned order,
 			      unsigned max_evictions)
@@ -399,12 +467,20 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
 	if (want_order < ce->min_order)
 		want_order = ce->min_order;
 	unsigned order = fit_order(ce, r, device_frame, want_order);
+	unsigned fit = order;
 	/* Large entries are a hint: fall back to smaller orders, then evict. */
 	int64_t frame = alloc_evicting(c, sh, order, 32);
 	while (frame < 0 && order > ce->min_order)
 		frame = arena_alloc(&c->arena, --order);
 	if (frame < 0)
 		frame = alloc_evicting(c, sh, order, 256);
+	if (fit == ARENA_MAX_ORDER) {
+		atomic_fetch_add(&c->counters.alloc_2m_attempts, 1);
+		if (frame >= 0 && order == fit)
+			atomic_fetch_add(&c->counters.alloc_2m_ok, 1);
+	}
+	if (order < fit && fit > ce->min_order + 2)
+		compactor_nudge(c); /* it was not fragmentation alone if it fails */
 	if (frame < 0)
 		return NULL;
 	uint32_t nblocks = (uint32_t)(((uint64_t)ARENA_FRAME_SIZE << order) >> ce->block_shift);
@@ -437,7 +513,11 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
 	memmove(&r->entries[i + 1], &r->entries[i], (r->count - i) * sizeof(*r->entries));
 	r->entries[i] = e;
 	r->count++;
+	arena_set_owner(&c->arena, e->frame, e);
 	atomic_fetch_add(&c->counters.entries, 1);
+	atomic_fetch_add(&c->counters.entry_bytes, cache_entry_bytes(e));
+	if (order == ARENA_MAX_ORDER)
+		atomic_fetch_add(&c->counters.large_bytes, cache_entry_bytes(e));
 	atomic_fetch_add(&c->counters.metadata_bytes, entry_size(nblocks));
 	atomic_fetch_add(&ce->counters.cached_bytes, (uint64_t)ARENA_FRAME_SIZE << order);
 
@@ -597,6 +677,8 @@ int cache_create(const struct options *opts, struct cache **out)
 	atomic_store(&c->counters.metadata_bytes,
 		     (uint64_t)c->arena.nframes * 9 + (uint64_t)ghost * sizeof(*c->ghost));
 	rc = writeback_create(c);
+	if (rc == 0)
+		rc = compactor_create(c, opts);
 	if (rc < 0) {
 		cache_destroy(c);
 		return rc;
@@ -608,11 +690,15 @@ int cache_create(const struct options *opts, struct cache **out)
 
 int cache_start(struct cache *c)
 {
-	return writeback_start(c);
+	int rc = writeback_start(c);
+	if (rc == 0)
+		rc = compactor_start(c);
+	return rc;
 }
 
 void cache_stop(struct cache *c)
 {
+	compactor_stop(c);
 	writeback_stop(c);
 }
 
@@ -620,6 +706,7 @@ void cache_destroy(struct cache *c)
 {
 	if (!c)
 		return;
+	compactor_destroy(c);
 	writeback_destroy(c);
 	for (unsigned i = 0; i < CACHE_SHARDS; i++) {
 		struct cache_shard *sh = &c->shards[i];
@@ -801,18 +888,6 @@ static void counters_sum(struct cache_export_stats *sum, const struct cache_expo
 	sum->direct_writes += s->direct_writes;
 }
 
-uint64_t cache_arena_free_by_order(struct cache *c, uint64_t bytes[ARENA_ORDERS])
-{
-	uint64_t total = 0;
-	pthread_mutex_lock(&c->arena.lock);
-	for (unsigned o = 0; o < ARENA_ORDERS; o++) {
-		bytes[o] = (c->arena.free_blocks[o] << o) << ARENA_FRAME_SHIFT;
-		total += bytes[o];
-	}
-	pthread_mutex_unlock(&c->arena.lock);
-	return total;
-}
-
 void cache_export_get_stats(struct cache_export *ce, struct cache_export_stats *out)
 {
 	memset(out, 0, sizeof(*out));
@@ -851,17 +926,45 @@ void cache_get_stats(struct cache *c, struct cache_stats *s)
 	s->writeback_errors = sum.writeback_errors;
 	s->bypass_reads = sum.bypass_reads;
 	s->direct_writes = sum.direct_writes;
+	arena_free_by_order(&c->arena, s->free_bytes_by_order);
+	uint64_t free_all = 0;
+	for (unsigned o = 0; o < ARENA_ORDERS; o++) {
+		s->free_bytes_by_order[o] <<= ARENA_FRAME_SHIFT;
+		free_all += s->free_bytes_by_order[o];
+	}
+	s->fragmentation = free_all ? 1000 - s->free_bytes_by_order[ARENA_MAX_ORDER] * 1000 / free_all
+				    : 0;
+	uint64_t entry_bytes = atomic_load(&k->entry_bytes);
+	s->large_bytes = atomic_load(&k->large_bytes);
+	s->large_share = entry_bytes ? s->large_bytes * 1000 / entry_bytes : 0;
+	s->alloc_2m_attempts = atomic_load(&k->alloc_2m_attempts);
+	s->alloc_2m_ok = atomic_load(&k->alloc_2m_ok);
+	s->compact_moves = atomic_load(&k->compact_moves);
+	s->compact_skipped_pinned = atomic_load(&k->compact_skipped_pinned);
+	s->compact_collapses = atomic_load(&k->compact_collapses);
+	s->compact_chunks_freed = atomic_load(&k->compact_chunks_freed);
+	s->compact_passes = atomic_load(&k->compact_passes);
+	s->compact_ns = atomic_load(&k->compact_ns);
 }
 
 void cache_log_stats(struct cache *c)
 {
 	struct cache_stats s;
 	cache_get_stats(c, &s);
+	char by_order[ARENA_ORDERS * 24] = "";
+	size_t at = 0;
+	for (unsigned o = 0; o < ARENA_ORDERS; o++)
+		at += (size_t)snprintf(by_order + at, sizeof(by_order) - at, "%s%llu", o ? "," : "",
+				       (unsigned long long)s.free_bytes_by_order[o]);
 	log_info("stats: arena=%s cache_bytes=%llu used_bytes=%llu entries=%llu hits=%llu "
 		 "misses=%llu partial_hits=%llu backend_reads=%llu backend_read_bytes=%llu "
 		 "backend_writes=%llu backend_write_bytes=%llu dirty_bytes=%llu evictions=%llu "
 		 "writeback_errors=%llu bypass_reads=%llu direct_writes=%llu "
-		 "metadata_bytes=%llu free_2m_bytes=%llu",
+		 "metadata_bytes=%llu free_2m_bytes=%llu fragmentation=%llu "
+		 "free_bytes_by_order=%s large_bytes=%llu large_share=%llu alloc_2m_attempts=%llu "
+		 "alloc_2m_ok=%llu compact_moves=%llu compact_skipped_pinned=%llu "
+		 "compact_collapses=%llu compact_chunks_freed=%llu compact_passes=%llu "
+		 "compact_ns=%llu",
 		 s.arena, (unsigned long long)s.cache_bytes, (unsigned long long)s.used_bytes,
 		 (unsigned long long)s.entries, (unsigned long long)s.hits,
 		 (unsigned long long)s.misses, (unsigned long long)s.partial_hits,
@@ -870,5 +973,11 @@ void cache_log_stats(struct cache *c)
 		 (unsigned long long)s.dirty_bytes, (unsigned long long)s.evictions,
 		 (unsigned long long)s.writeback_errors, (unsigned long long)s.bypass_reads,
 		 (unsigned long long)s.direct_writes, (unsigned long long)s.metadata_bytes,
-		 (unsigned long long)s.free_2m_bytes);
+		 (unsigned long long)s.free_2m_bytes, (unsigned long long)s.fragmentation, by_order,
+		 (unsigned long long)s.large_bytes, (unsigned long long)s.large_share,
+		 (unsigned long long)s.alloc_2m_attempts, (unsigned long long)s.alloc_2m_ok,
+		 (unsigned long long)s.compact_moves, (unsigned long long)s.compact_skipped_pinned,
+		 (unsigned long long)s.compact_collapses,
+		 (unsigned long long)s.compact_chunks_freed, (unsigned long long)s.compact_passes,
+		 (unsigned long long)s.compact_ns);
 }

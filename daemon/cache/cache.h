@@ -20,7 +20,7 @@
  *   shard lock  ->  evict lock  ->  (other shard: try-lock only)
  *               ->  export lock ->  arena lock
  *   The evict lock is never taken while holding an export lock; the waitq
- *   lock is a leaf, taken alone.
+ *   lock and the compactor's lock are leaves, taken alone.
  *
  *   shard lock   index of its device ranges, and every field of their
  *                entries except pins and freq (atomics)
@@ -33,7 +33,8 @@
  *
  * Threads: cache_submit() runs on a worker thread and uses that worker's
  * ring; completions and retries come back to the same worker. Writeback and
- * FLUSH run on the cache's own writeback thread.
+ * FLUSH run on the cache's own writeback thread, background compaction on
+ * the compactor thread (compact.h).
  */
 #ifndef NBDCACHED_DAEMON_CACHE_H
 #define NBDCACHED_DAEMON_CACHE_H
@@ -76,6 +77,7 @@ struct cache_op {
 	uint64_t offset, length;
 	const uint8_t *payload;	    /* WRITE */
 	bool no_allocate;	    /* READ: use cached data, cache nothing new */
+	bool sequential;	    /* READ: continues the connection's last read */
 	struct nbd_extent *extents; /* BLOCK_STATUS: room for max_extents */
 	size_t max_extents, n_extents;
 	uint64_t *seen_error;	    /* FLUSH: the connection's error sequence */
@@ -92,6 +94,7 @@ struct cache_op {
 	bool registered; /* direct op: its range is in the export's list */
 	bool counted;	 /* hit / miss already counted */
 	bool some_cached; /* a piece was all uptodate when it was pinned */
+	bool readahead;	  /* sequential READ: 2 MiB entries, filled whole */
 	bool running, rerun, finished;
 	struct cache_waiter waiter;
 	struct cache_span *spans; /* BLOCK_STATUS: dirty ranges, sorted */
@@ -109,6 +112,35 @@ struct cache_stats {
 	uint64_t metadata_bytes;
 	uint64_t free_2m_bytes;
 	const char *arena;
+
+	/* Defragmentation (compact.h). */
+	uint64_t free_bytes_by_order[10]; /* free bytes in free blocks of order 0..9 */
+	/*
+	 * Fragmentation index, per mille: 1000 * (1 - free bytes in free 2 MiB
+	 * blocks / all free bytes); 0 when nothing is free. 0 means every free
+	 * byte can hold a 2 MiB entry, 1000 that none can.
+	 */
+	uint64_t fragmentation;
+	uint64_t large_bytes;	     /* cached in 2 MiB (order-9) entries */
+	uint64_t large_share;	     /* large_bytes per mille of the bytes in entries */
+	uint64_t alloc_2m_attempts; /* entries created that asked for order 9 */
+	uint64_t alloc_2m_ok;	     /* ... and got it */
+	uint64_t compact_moves;	     /* entries moved */
+	uint64_t compact_skipped_pinned; /* entries left in place: pinned */
+	uint64_t compact_collapses;	 /* 2 MiB ranges collapsed into one entry */
+	uint64_t compact_chunks_freed;	 /* 2 MiB chunks emptied by compaction */
+	uint64_t compact_passes;	 /* passes, background and on demand */
+	uint64_t compact_ns;		 /* time spent in passes */
+};
+
+/* One on-demand compaction pass (cache_compact). */
+struct cache_compact_result {
+	uint64_t moved;		 /* entries moved */
+	uint64_t skipped_pinned; /* entries not moved: pinned */
+	uint64_t collapsed;	 /* 2 MiB device ranges collapsed */
+	uint64_t freed_2m_chunks; /* 2 MiB chunks made whole */
+	uint64_t time_ns;	  /* time the pass took */
+	unsigned fragmentation_before, fragmentation_after; /* per mille, see cache_stats */
 };
 
 /* Map the arena (before the daemon detaches: a shortage fails at start). */
@@ -166,9 +198,15 @@ struct cache_export_stats {
 
 void cache_get_stats(struct cache *c, struct cache_stats *out);
 void cache_export_get_stats(struct cache_export *ce, struct cache_export_stats *out);
-/* Free arena bytes in free blocks of each order (0..9: 4 KiB << order);
- * returns their sum. */
-uint64_t cache_arena_free_by_order(struct cache *c, uint64_t bytes[10]);
+/*
+ * Run one full compaction pass now: compaction of the sparsest chunks as
+ * far as free memory allows, collapse of every 2 MiB device range covered
+ * by small unpinned entries, and compaction again. Fills *out (may be
+ * NULL). Blocks the calling thread, which must not be a worker (about 1 s
+ * per GiB of arena at worst); waits for a background pass to end first.
+ * Runs whether or not background compaction is on. Returns 0.
+ */
+int cache_compact(struct cache *c, struct cache_compact_result *out);
 /* Log the statistics (SIGUSR1). */
 void cache_log_stats(struct cache *c);
 

@@ -77,8 +77,8 @@ struct cache_fifo {
  * Counters. Each export counts its own traffic (struct cache_export); the
  * cache's totals are their sums (plus what removed exports counted), so the
  * hot path touches one counter, not two. dirty_bytes is kept in both: the
- * cache-wide figure drives the watermarks. entries and metadata_bytes are
- * the cache's only; cached_bytes the export's only.
+ * cache-wide figure drives the watermarks. entries, metadata_bytes and the
+ * compaction counters are the cache's only; cached_bytes the export's only.
  */
 struct cache_counters {
 	atomic_uint_fast64_t hits, misses, partial_hits;
@@ -86,6 +86,11 @@ struct cache_counters {
 	atomic_uint_fast64_t backend_writes, backend_write_bytes, writeback_bytes;
 	atomic_uint_fast64_t evictions, writeback_errors, bypass_reads, direct_writes;
 	atomic_uint_fast64_t dirty_bytes, entries, metadata_bytes, cached_bytes;
+	/* The cache's only (compact.c): */
+	atomic_uint_fast64_t entry_bytes, large_bytes; /* bytes in entries, in order-9 ones */
+	atomic_uint_fast64_t alloc_2m_attempts, alloc_2m_ok;
+	atomic_uint_fast64_t compact_moves, compact_skipped_pinned, compact_collapses;
+	atomic_uint_fast64_t compact_chunks_freed, compact_passes, compact_ns;
 };
 
 struct cache_export {
@@ -131,6 +136,7 @@ struct cache_waitq {
 
 
 struct writeback;
+struct compactor;
 
 struct cache {
 	struct arena arena;
@@ -149,6 +155,7 @@ struct cache {
 	atomic_uint_fast64_t dirty_high, dirty_low; /* bytes; changed by a reload */
 	atomic_uint_fast64_t dirty_expire_ns;
 	struct writeback *writeback;
+	struct compactor *compactor;
 };
 
 /* cache.c: index, entries, eviction */
@@ -171,6 +178,20 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
  * export lock. *out is malloc'd. */
 int cache_ranges_between(struct cache_export *ce, uint64_t first, uint64_t last,
 			 uint64_t **out, size_t *count);
+/* Size of an entry (handle) with nblocks blocks. */
+size_t cache_entry_struct_size(uint32_t nblocks);
+/* Collapse: the new entry ne takes the place of old[0..n) in the S3-FIFO
+ * queues (main if any of them was there). Takes the evict lock. */
+void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t n,
+			 struct cache_entry *ne);
+/* Evict clean entries until at least free_frames frames are free or none
+ * can go; a few at a time, so the I/O path is never kept waiting long.
+ * No lock held. Returns the entries evicted. */
+uint64_t cache_evict_until(struct cache *c, uint64_t free_frames);
+/* Evict e now if it is clean, idle and was not hit since it was queued
+ * (compaction: cheaper than moving it when room is needed anyway). Shard
+ * lock held; takes the evict lock. */
+bool cache_entry_evict_cold(struct cache *c, struct cache_shard *sh, struct cache_entry *e);
 void cache_entry_pin(struct cache_entry *e);
 void cache_entry_unpin(struct cache_entry *e);
 void cache_entry_touch(struct cache_entry *e);

@@ -116,7 +116,9 @@ static int pieces_build(struct cache_op *op, bool allocate, bool need_all)
 		pthread_mutex_lock(&sh->lock);
 		struct cache_entry *e = cache_lookup(ce, sh, frame);
 		if (!e && allocate)
-			e = cache_entry_create(ce, sh, frame, order_for_length(end - pos));
+			e = cache_entry_create(ce, sh, frame,
+					       op->readahead ? ARENA_MAX_ORDER
+							     : order_for_length(end - pos));
 		uint64_t piece_end = e ? cache_entry_offset(e) + cache_entry_bytes(e)
 				       : (frame + 1) << ARENA_FRAME_SHIFT;
 		if (piece_end > end)
@@ -285,7 +287,10 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
 /*
  * Examine one piece under its shard lock: mark the blocks this op will
  * fill busy and collect them as runs. Returns true if the piece must wait
- * for another operation's fill. Fills are submitted after unlocking.
+ * for another operation's fill. Fills are submitted after unlocking. A
+ * readahead READ also fills the rest of the entry after the piece (blocks
+ * that are neither uptodate nor busy), in the same backend requests: the
+ * next reads of a sequential stream find it there.
  */
 struct run {
 	uint32_t first, count;
@@ -299,8 +304,24 @@ static bool piece_examine(struct cache_op *op, struct cache_piece *p, struct run
 	piece_blocks(e, p->offset, p->length, &first, &last);
 	uint64_t *uptodate = cache_uptodate_map(e), *busy = cache_busy_map(e);
 	bool blocked = false, missing = false;
+	uint32_t fill_last = op->readahead && op->cmd == BACKEND_READ ? e->nblocks - 1 : last;
+	uint64_t end_block = (e->ce->size - cache_entry_offset(e) + e->ce->block_size - 1) >>
+			     e->ce->block_shift;
+	if (fill_last >= end_block)
+		fill_last = last > end_block - 1 ? last : (uint32_t)(end_block - 1);
 	*nruns = 0;
-	for (uint32_t b = first; b <= last; b++) {
+	for (uint32_t b = first; b <= fill_last; b++) {
+		if (b > last) { /* readahead: never waits, never counts as missing */
+			if (bit_test(uptodate, b) || bit_test(busy, b)) {
+				continue;
+			}
+			bit_set(busy, b);
+			if (*nruns && runs[*nruns - 1].first + runs[*nruns - 1].count == b)
+				runs[*nruns - 1].count++;
+			else
+				runs[(*nruns)++] = (struct run){b, 1};
+			continue;
+		}
 		if (bit_test(uptodate, b)) {
 			*any_cached = true;
 			continue;
@@ -992,8 +1013,10 @@ void cache_submit(struct cache_op *op)
 	op->waiter.worker = op->worker;
 	op->waiter.task.run = op_task;
 	int rc = 0;
+	op->readahead = false;
 	switch (op->cmd) {
 	case BACKEND_READ:
+		op->readahead = op->sequential && !op->no_allocate;
 		rc = pieces_build(op, !op->no_allocate, false);
 		break;
 	case BACKEND_CACHE:

@@ -58,7 +58,12 @@
  *                     block of order k being 4 KiB << k),
  *                     fragmentation (double, 0..1: 1 - free bytes in free
  *                     order-9 (2 MiB) blocks / free bytes; 0 when nothing
- *                     is free)}}
+ *                     is free), large_bytes (cached in 2 MiB entries),
+ *                     large_share (double, 0..1: large_bytes / bytes in
+ *                     entries), alloc_2m_attempts, alloc_2m_ok (entries
+ *                     that asked for 2 MiB, and got it), compact_moves,
+ *                     compact_skipped_pinned, compact_collapses,
+ *                     compact_chunks_freed, compact_passes, compact_ns}}
  *     exports: array of {name, connections, hits, misses, partial_hits,
  *             hit_ratio (double), dirty_bytes, backend_reads,
  *             backend_read_bytes, backend_writes, backend_write_bytes,
@@ -87,7 +92,7 @@
  *     One on-demand compaction pass over the arena (blocks the control
  *     socket while it runs, never the I/O path): moved, skipped_pinned,
  *     collapsed, freed_2m_chunks, time_ns, fragmentation_before,
- *     fragmentation_after (double)
+ *     fragmentation_after (double, as in stats)
  *
  *   set-mode export: NAME, mode: MODE
  *     Changes the export's cache mode live. Leaving writeback writes the

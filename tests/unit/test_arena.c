@@ -5,7 +5,10 @@
  * arena's size (1 MiB has no 2 MiB block; odd sizes end in a short chunk);
  * freeing everything merges the frames back into the largest blocks the
  * size allows; a random alloc/free sequence is checked against a model
- * (one owner per frame).
+ * (one owner per frame). Compaction support: chunks are listed emptiest
+ * first; an isolated chunk hands out nothing, holds back what is freed in
+ * it, and comes back as one 2 MiB block once its blocks are all freed;
+ * arena_alloc_max never splits a larger block than allowed.
  */
 #include <errno.h>
 #include <setjmp.h>
@@ -137,6 +140,76 @@ static void test_random_small(void **state)
 	check_random(1u << 20, 3);
 }
 
+/* Empty a chunk the way compact.c does: isolate, move its blocks elsewhere
+ * (arena_alloc_max below order 9), free them, un-isolate. */
+static void test_isolate_and_empty_a_chunk(void **state)
+{
+	(void)state;
+	struct arena a;
+	assert_int_equal(arena_init(&a, 8u << 20, HUGEPAGES_OFF), 0); /* 4 chunks */
+	assert_int_equal(a.nchunks, 4);
+	/* Fill everything with 4 KiB blocks, owner = frame + 1. */
+	for (uint32_t i = 0; i < a.nframes; i++) {
+		int64_t f = arena_alloc(&a, 0);
+		assert_true(f >= 0);
+		arena_set_owner(&a, (uint32_t)f, (void *)(uintptr_t)(f + 1));
+	}
+	/* Chunk 1 keeps 10 blocks, chunk 2 keeps 300, chunks 0 and 3 stay full
+	 * except for 400 frames freed in chunk 3. */
+	for (uint32_t i = 0; i < 512; i++) {
+		if (i >= 10)
+			arena_free(&a, 512 + i, 0);
+		if (i >= 300)
+			arena_free(&a, 1024 + i, 0);
+		if (i < 400)
+			arena_free(&a, 1536 + i, 0);
+	}
+	uint32_t cand[8];
+	size_t n = arena_sparse_chunks(&a, cand, 8);
+	assert_int_equal(n, 3);
+	assert_int_equal(cand[0], 1);
+	assert_int_equal(cand[1], 3);
+	assert_int_equal(cand[2], 2);
+	assert_int_equal(arena_sparse_chunks(&a, cand, 1), 1);
+	assert_int_equal(cand[0], 1);
+
+	struct arena_block blocks[ARENA_CHUNK_FRAMES];
+	assert_int_equal(arena_isolate_chunk(&a, 1, blocks, &n), 0);
+	assert_int_equal(n, 10);
+	size_t none;
+	struct arena_block other[ARENA_CHUNK_FRAMES];
+	assert_int_equal(arena_isolate_chunk(&a, 2, other, &none), -EBUSY);
+	for (size_t i = 0; i < n; i++) {
+		assert_int_equal(blocks[i].frame, 512 + i);
+		assert_int_equal(blocks[i].order, 0);
+		assert_ptr_equal(blocks[i].owner, (void *)(uintptr_t)(512 + i + 1));
+	}
+	/* Nothing comes from the isolated chunk, even when asked for order 8. */
+	int64_t f8 = arena_alloc_max(&a, 8, 8);
+	assert_true(f8 >= 0 && ((uint32_t)f8 >> ARENA_MAX_ORDER) == 3);
+	arena_free(&a, (uint32_t)f8, 8);
+	for (size_t i = 0; i < n; i++) {
+		int64_t f = arena_alloc_max(&a, 0, ARENA_MAX_ORDER - 1);
+		assert_true(f >= 0);
+		assert_int_not_equal((uint32_t)f >> ARENA_MAX_ORDER, 1);
+		arena_free(&a, blocks[i].frame, 0); /* held back */
+		assert_int_equal(arena_free_frames_at_least(&a, ARENA_MAX_ORDER), 0);
+	}
+	assert_true(arena_unisolate(&a));
+	assert_int_equal(arena_free_frames_at_least(&a, ARENA_MAX_ORDER), 512);
+	uint64_t by_order[ARENA_ORDERS];
+	arena_free_by_order(&a, by_order);
+	assert_int_equal(by_order[ARENA_MAX_ORDER], 512);
+	/* A chunk that cannot be emptied comes back as it was. */
+	uint64_t before = a.free_frames;
+	assert_int_equal(arena_isolate_chunk(&a, 2, blocks, &n), 0);
+	assert_true(n >= 300); /* and what moved in from chunk 1 */
+	assert_false(arena_unisolate(&a));
+	assert_int_equal(a.free_frames, before);
+	assert_int_equal(arena_isolate_chunk(&a, 4, blocks, &n), -EINVAL);
+	arena_destroy(&a);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -144,6 +217,7 @@ int main(void)
 		cmocka_unit_test(test_random_8m),
 		cmocka_unit_test(test_random_odd_size),
 		cmocka_unit_test(test_random_small),
+		cmocka_unit_test(test_isolate_and_empty_a_chunk),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

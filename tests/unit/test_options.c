@@ -141,6 +141,12 @@ static void test_rejections(void **state)
 		{"--control", "", "path empty"},
 		{"--user", "", "empty name"},
 		{"--dirty-expire", "0", "1..86400"},
+		{"--compact", "yes", "expected on or off"},
+		{"--compact", "", "expected on or off"},
+		{"--compact-interval-ms", "0", "1..3600000"},
+		{"--compact-interval-ms", "3600001", "1..3600000"},
+		{"--compact-threshold", "1001", "0..1000"},
+		{"--compact-threshold", "-1", "0..1000"},
 	};
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
 		char *argv[] = {"nbdcached", "--export", "ok=/tmp/x", (char *)cases[i].flag,
@@ -187,6 +193,34 @@ static void test_cache_settings(void **state)
 	assert_int_equal(o.hugepages, HUGEPAGES_AUTO);
 	assert_int_equal(o.exports[0].cache_mode, CACHE_MODE_WRITEBACK);
 	assert_int_equal(o.exports[0].seq_cutoff, 0);
+	options_free(&o);
+}
+
+/* Background compaction: on by default, off for a benchmark's baseline,
+ * and the knobs the tests use to make it run all the time. */
+static void test_compact_settings(void **state)
+{
+	(void)state;
+	struct options o;
+	char err[256] = "";
+	char *defaults[] = {"nbdcached", "--export", "a=/x", NULL};
+	assert_int_equal(parse(defaults, 3, &o, err, sizeof(err)), 0);
+	assert_true(o.compact);
+	assert_int_equal(o.compact_interval_ms, OPTIONS_DEFAULT_COMPACT_INTERVAL_MS);
+	assert_int_equal(o.compact_threshold, OPTIONS_DEFAULT_COMPACT_THRESHOLD);
+	options_free(&o);
+
+	char *off[] = {"nbdcached", "--compact", "off", "--export", "a=/x", NULL};
+	assert_int_equal(parse(off, 5, &o, err, sizeof(err)), 0);
+	assert_false(o.compact);
+	options_free(&o);
+
+	char *busy[] = {"nbdcached", "--export", "a=/x", "--compact", "off", "--compact", "on",
+			"--compact-interval-ms", "5", "--compact-threshold", "0", NULL};
+	assert_int_equal(parse(busy, 11, &o, err, sizeof(err)), 0);
+	assert_true(o.compact); /* the last one wins */
+	assert_int_equal(o.compact_interval_ms, 5);
+	assert_int_equal(o.compact_threshold, 0);
 	options_free(&o);
 }
 
@@ -255,6 +289,7 @@ int main(void)
 		cmocka_unit_test(test_unix_only_has_no_default_tcp),
 		cmocka_unit_test(test_rejections),
 		cmocka_unit_test(test_cache_settings),
+		cmocka_unit_test(test_compact_settings),
 		cmocka_unit_test(test_no_export_and_duplicates),
 		cmocka_unit_test(test_split_host_port),
 		cmocka_unit_test(test_help_and_version),
