@@ -60,6 +60,7 @@ BAD = [
     ("[a]\nbackend = /tmp/x\ndescription = " + "d" * 9000 + "\n", 3, "line longer than 8192"),
     ("[a]\nbackend = /tmp/x\n" + "k" * 300 + " = 1\n", 3, "key name longer than"),
     ("[generic]\ndirty-high = 0x10\n[a]\nbackend = /tmp/x\n", 2, "dirty-high 0x10"),
+    ("[generic]\ncompact = maybe\n[a]\nbackend = /tmp/x\n", 2, "compact maybe: expected on or off"),
 ]
 
 
