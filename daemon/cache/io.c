@@ -18,6 +18,12 @@
  * Hits touch neither the backend nor any lock but the shard's, and the
  * reply is sent straight from the arena (the pins last until it is sent).
  *
+ * Readahead: a READ that continues its connection's previous one (the
+ * caller sets op->sequential) asks for aligned 2 MiB entries, a hint the
+ * arena may not honour (cache.c falls back and nudges the compactor), and
+ * fills each entry from the piece on to its end in the same backend
+ * requests. A fill that fails is retried without reading ahead.
+ *
  * Direct operations (TRIM, WRITE_ZEROES, FUA writes, writes in
  * writethrough / writearound mode, and writes the cache has no room for)
  * go to the backend first and are then applied to whatever is cached:
