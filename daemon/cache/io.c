@@ -18,6 +18,12 @@
  * Hits touch neither the backend nor any lock but the shard's, and the
  * reply is sent straight from the arena (the pins last until it is sent).
  *
+ * Readahead: a READ that continues its connection's previous one (the
+ * caller sets op->sequential) asks for aligned 2 MiB entries, a hint the
+ * arena may not honour (cache.c falls back and nudges the compactor), and
+ * fills each entry from the piece on to its end in the same backend
+ * requests. A fill that fails is retried without reading ahead.
+ *
  * Direct operations (TRIM, WRITE_ZEROES, FUA writes, writes in
  * writethrough / writearound mode, and writes the cache has no room for)
  * go to the backend first and are then applied to whatever is cached:
@@ -57,6 +63,7 @@ struct cache_fill {
 	struct cache_piece *piece;
 	uint32_t first, count;
 	uint32_t invalidations;
+	bool ahead; /* reads ahead of the request: a failure retries without */
 };
 
 static void op_run(struct cache_op *op);
@@ -235,8 +242,13 @@ static void fill_done(struct backend_io *io, int result)
 	}
 	pthread_mutex_unlock(&sh->lock);
 	cache_waitq_wake(ce->cache);
-	if (result < 0 && !op->error)
+	if (result < 0 && f->ahead) {
+		/* The blocks asked for are examined again, without readahead:
+		 * an error past them is not this request's. */
+		op->readahead = false;
+	} else if (result < 0 && !op->error) {
 		op->error = result;
+	}
 	free(f);
 	if (--op->pending == 0)
 		op_run(op);
@@ -259,7 +271,7 @@ static void bypass_done(struct backend_io *io, int result)
 
 static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offset,
 		       uint64_t length, void *buf, uint32_t first, uint32_t count,
-		       uint32_t invalidations, void (*done)(struct backend_io *, int))
+		       uint32_t invalidations, bool ahead, void (*done)(struct backend_io *, int))
 {
 	struct cache_fill *f = calloc(1, sizeof(*f));
 	if (!f)
@@ -272,6 +284,7 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
 	f->first = first;
 	f->count = count;
 	f->invalidations = invalidations;
+	f->ahead = ahead;
 	f->io.cmd = BACKEND_READ;
 	f->io.offset = offset;
 	f->io.length = length;
@@ -294,6 +307,7 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
  */
 struct run {
 	uint32_t first, count;
+	bool ahead; /* holds readahead blocks */
 };
 
 static bool piece_examine(struct cache_op *op, struct cache_piece *p, struct run *runs,
@@ -319,7 +333,8 @@ static bool piece_examine(struct cache_op *op, struct cache_piece *p, struct run
 			if (*nruns && runs[*nruns - 1].first + runs[*nruns - 1].count == b)
 				runs[*nruns - 1].count++;
 			else
-				runs[(*nruns)++] = (struct run){b, 1};
+				runs[(*nruns)++] = (struct run){b, 1, false};
+			runs[*nruns - 1].ahead = true;
 			continue;
 		}
 		if (bit_test(uptodate, b)) {
@@ -341,7 +356,7 @@ static bool piece_examine(struct cache_op *op, struct cache_piece *p, struct run
 		if (*nruns && runs[*nruns - 1].first + runs[*nruns - 1].count == b)
 			runs[*nruns - 1].count++;
 		else
-			runs[(*nruns)++] = (struct run){b, 1};
+			runs[(*nruns)++] = (struct run){b, 1, false};
 	}
 	if (!missing)
 		p->ready = true;
@@ -366,7 +381,8 @@ static int op_examine(struct cache_op *op, bool *blocked)
 				return -ENOMEM;
 			p->issued = true;
 			atomic_fetch_add(&ce->counters.bypass_reads, 1);
-			int rc = submit_read(op, p, p->offset, p->length, p->buf, 0, 0, 0, bypass_done);
+			int rc = submit_read(op, p, p->offset, p->length, p->buf, 0, 0, 0, false,
+					     bypass_done);
 			if (rc < 0)
 				return rc;
 			continue;
@@ -397,7 +413,8 @@ static int op_examine(struct cache_op *op, bool *blocked)
 			uint8_t *buf = arena_address(&ce->cache->arena, frame) +
 				       ((size_t)runs[k].first << ce->block_shift);
 			rc = submit_read(op, p, off, (uint64_t)runs[k].count << ce->block_shift, buf,
-					 runs[k].first, runs[k].count, invalidations, fill_done);
+					 runs[k].first, runs[k].count, invalidations, runs[k].ahead,
+					 fill_done);
 		}
 		if (rc < 0) {
 			/* The runs not submitted must not stay busy: nobody would clear them. */

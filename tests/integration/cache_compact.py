@@ -29,10 +29,18 @@ collapse while requests are in flight.
         landing in a moved entry's old place would leave the new one
         holding other data).
 
+  readahead    a backend (nbdkit sh) whose reads fail with EIO over
+        [3 MiB, 4 MiB) of an 8 MiB export. A read continuing the previous
+        one gets a 2 MiB entry read whole: at 6 MiB it costs one backend
+        read of 2 MiB and the next 4 KiB is a hit; at 2 MiB the read ahead
+        runs into the bad range, and the read must still succeed (the
+        error is not its own); a read inside the bad range fails with EIO.
+
 Seeds are fixed (printed); CACHE_COMPACT_SEED changes the base seed,
 CACHE_COMPACT_SECONDS the concurrency run's length (default 20).
 """
 
+import errno
 import os
 import random
 import sys
@@ -270,6 +278,54 @@ def pinned_fill(tmp):
         nbdtest.shutdown_all([a, b])
 
 
+BAD_BACKEND = r'''#!/bin/sh
+case "$1" in
+get_size) echo 8388608 ;;
+pread)
+    if [ "$4" -lt 4194304 ] && [ $(($4 + $3)) -gt 3145728 ]; then
+        echo "EIO bad range" >&2
+        exit 1
+    fi
+    head -c "$3" /dev/zero ;;
+*) exit 2 ;;
+esac
+'''
+
+
+def readahead(tmp):
+    script = os.path.join(tmp, "bad.sh")
+    with open(script, "w") as f:
+        f.write(BAD_BACKEND)
+    os.chmod(script, 0o755)
+    keys = STAT_KEYS + ("backend_read_bytes",)
+    with nbdtest.Daemon([("disk", "nbdkit:sh " + script, "readonly")], threads=1,
+                        extra=["--cache-size", "16M"]) as d:
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        zero = bytes(4 * KIB)
+        require_same(h.pread(4 * KIB, 6 * MIB - 4 * KIB), zero, "read at 6 MiB - 4 KiB")
+        before = nbdtest.stats(d, keys=keys)
+        require_same(h.pread(4 * KIB, 6 * MIB), zero, "sequential read at 6 MiB")
+        mid = nbdtest.stats(d, keys=keys)
+        require_same(h.pread(4 * KIB, 6 * MIB + 4 * KIB), zero, "sequential read at 6 MiB + 4K")
+        after = nbdtest.stats(d, keys=keys)
+        log("  read ahead: %d backend reads, %d bytes; then %d more reads"
+            % (mid["backend_reads"] - before["backend_reads"],
+               mid["backend_read_bytes"] - before["backend_read_bytes"],
+               after["backend_reads"] - mid["backend_reads"]))
+        require(mid["backend_reads"] - before["backend_reads"] == 1 and
+                mid["backend_read_bytes"] - before["backend_read_bytes"] == 2 * MIB,
+                "a sequential 4 KiB read at 6 MiB did not read its 2 MiB entry in one request")
+        require(after["backend_reads"] == mid["backend_reads"],
+                "the next sequential read was not a hit")
+        require(mid["large_bytes"] >= 2 * MIB, "no 2 MiB entry was made")
+        require_same(h.pread(4 * KIB, 2 * MIB - 4 * KIB), zero, "read at 2 MiB - 4 KiB")
+        require_same(h.pread(4 * KIB, 2 * MIB), zero,
+                     "sequential read at 2 MiB, whose read ahead hits the bad range")
+        nbdtest.expect_nbd_error(lambda: h.pread(4 * KIB, 3 * MIB), errno.EIO,
+                                 "read inside the bad range")
+        h.shutdown()
+
+
 def main():
     checks = nbdtest.Checks(catch=(Failed, nbd.Error))
     log("seed %d" % SEED)
@@ -277,6 +333,7 @@ def main():
         checks.run("concurrency", concurrency, tmp)
         checks.run("pinned-send", pinned_send, tmp)
         checks.run("pinned-fill", pinned_fill, tmp)
+        checks.run("readahead", readahead, tmp)
     checks.finish("cache compaction")
 
 
