@@ -585,12 +585,8 @@ void cache_clear_dirty(struct cache_entry *e, uint32_t first, uint32_t count)
 	cache_dirty_bytes_sub(ce, (uint64_t)removed << ce->block_shift);
 }
 
-void cache_dirty_list_update(struct cache_entry *e)
+void cache_dirty_list_remove(struct cache_export *ce, struct cache_entry *e)
 {
-	if (!e->on_dirty_list || e->ndirty || e->writeback)
-		return;
-	struct cache_export *ce = e->ce;
-	pthread_mutex_lock(&ce->lock);
 	if (e->dirty_prev)
 		e->dirty_prev->dirty_next = e->dirty_next;
 	else
@@ -600,6 +596,15 @@ void cache_dirty_list_update(struct cache_entry *e)
 	else
 		ce->dirty_tail = e->dirty_prev;
 	e->on_dirty_list = false;
+}
+
+void cache_dirty_list_update(struct cache_entry *e)
+{
+	if (!e->on_dirty_list || e->ndirty || e->writeback)
+		return;
+	struct cache_export *ce = e->ce;
+	pthread_mutex_lock(&ce->lock);
+	cache_dirty_list_remove(ce, e);
 	pthread_mutex_unlock(&ce->lock);
 }
 

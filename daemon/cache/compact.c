@@ -293,20 +293,9 @@ static void dirty_list_take_over(struct cache_export *ce, struct cache_entry **o
 	else
 		ce->dirty_head = ne;
 	oldest->dirty_prev = ne;
-	for (size_t i = 0; i < n; i++) {
-		struct cache_entry *e = old[i];
-		if (!e->on_dirty_list)
-			continue;
-		if (e->dirty_prev)
-			e->dirty_prev->dirty_next = e->dirty_next;
-		else
-			ce->dirty_head = e->dirty_next;
-		if (e->dirty_next)
-			e->dirty_next->dirty_prev = e->dirty_prev;
-		else
-			ce->dirty_tail = e->dirty_prev;
-		e->on_dirty_list = false;
-	}
+	for (size_t i = 0; i < n; i++)
+		if (old[i]->on_dirty_list)
+			cache_dirty_list_remove(ce, old[i]);
 }
 
 /* Collapse the range node of index if it qualifies: 1 done, 0 not,

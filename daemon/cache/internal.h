@@ -207,6 +207,8 @@ void cache_mark_dirty(struct cache_entry *e, uint32_t first, uint32_t count);
 void cache_clear_dirty(struct cache_entry *e, uint32_t first, uint32_t count);
 /* Leave the dirty list if nothing is dirty or being written. Shard lock. */
 void cache_dirty_list_update(struct cache_entry *e);
+/* Unlink e from its export's dirty list (export lock held, e on it). */
+void cache_dirty_list_remove(struct cache_export *ce, struct cache_entry *e);
 
 static inline uint64_t cache_entry_offset(const struct cache_entry *e)
 {

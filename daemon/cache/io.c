@@ -310,6 +310,15 @@ struct run {
 	bool ahead; /* holds readahead blocks */
 };
 
+/* Block b joins the last run if it follows it, else starts a new one. */
+static void run_append(struct run *runs, size_t *nruns, uint32_t b)
+{
+	if (*nruns && runs[*nruns - 1].first + runs[*nruns - 1].count == b)
+		runs[*nruns - 1].count++;
+	else
+		runs[(*nruns)++] = (struct run){b, 1, false};
+}
+
 static bool piece_examine(struct cache_op *op, struct cache_piece *p, struct run *runs,
 			  size_t *nruns, bool *any_cached)
 {
@@ -330,10 +339,7 @@ static bool piece_examine(struct cache_op *op, struct cache_piece *p, struct run
 				continue;
 			}
 			bit_set(busy, b);
-			if (*nruns && runs[*nruns - 1].first + runs[*nruns - 1].count == b)
-				runs[*nruns - 1].count++;
-			else
-				runs[(*nruns)++] = (struct run){b, 1, false};
+			run_append(runs, nruns, b);
 			runs[*nruns - 1].ahead = true;
 			continue;
 		}
@@ -353,10 +359,7 @@ static bool piece_examine(struct cache_op *op, struct cache_piece *p, struct run
 			continue;
 		}
 		bit_set(busy, b);
-		if (*nruns && runs[*nruns - 1].first + runs[*nruns - 1].count == b)
-			runs[*nruns - 1].count++;
-		else
-			runs[(*nruns)++] = (struct run){b, 1, false};
+		run_append(runs, nruns, b);
 	}
 	if (!missing)
 		p->ready = true;
