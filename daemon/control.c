@@ -691,7 +691,8 @@ static void client_free(struct control_client *cl)
 	free(cl);
 }
 
-static void client_process(struct control_client *cl)
+/* Answer the complete lines read so far; false when the client was freed. */
+static bool client_process(struct control_client *cl)
 {
 	struct evbuffer *in = bufferevent_get_input(cl->bev);
 	while (!cl->wait && !cl->closing) {
@@ -702,13 +703,15 @@ static void client_process(struct control_client *cl)
 				log_warn("control: request longer than %d bytes; closing the client",
 					 NBDCACHED_CONTROL_MAX_REQUEST);
 				client_free(cl);
+				return false;
 			}
-			return;
+			return true;
 		}
 		if (len)
 			dispatch(cl, line, len);
 		free(line);
 	}
+	return true;
 }
 
 static void client_resume(struct control_client *cl)
@@ -741,7 +744,8 @@ static void on_client_event(struct bufferevent *bev, short what, void *arg)
 		/* Answer what was already read before going: a client may send a
 		 * request and shut down its side. */
 		if ((what & BEV_EVENT_EOF) && !cl->wait) {
-			client_process(cl);
+			if (!client_process(cl))
+				return;
 			if (!cl->wait && evbuffer_get_length(bufferevent_get_output(cl->bev))) {
 				cl->closing = true;
 				return;
@@ -969,7 +973,8 @@ int control_listen(const char *path, int *fd)
 		unlink(path);
 	mode_t old = umask(0077); /* root only (the owner) until the operator says otherwise */
 	int rc = 0;
-	if (bind(s, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(s, 16) < 0)
+	if (bind(s, (struct sockaddr *)&sa, sizeof(sa)) < 0 || chmod(path, 0600) < 0 ||
+	    listen(s, 16) < 0)
 		rc = -errno;
 	umask(old);
 	if (rc < 0) {

@@ -1,0 +1,105 @@
+#!/usr/bin/python3
+"""The control socket's protocol from the daemon's side
+(include/nbdcached/control.h): mode 0600; several requests in one write get
+their replies in order; bad JSON, a non-object, a missing or unknown command
+and a wrong argument type are EINVAL replies on a connection that stays
+usable; a request line over 64 KiB closes the connection and the daemon
+serves the next client; a second daemon cannot take a control socket in use;
+--control none runs without one."""
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import nbdtest  # noqa: E402
+from nbdtest import log  # noqa: E402
+
+MIB = 1 << 20
+CHECKS = nbdtest.Checks()
+expect = CHECKS.expect
+
+
+def lines(sock, n, timeout=10):
+    sock.settimeout(timeout)
+    data = b""
+    while data.count(b"\n") < n:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return [json.loads(l) for l in data.split(b"\n") if l]
+
+
+def protocol(tmp):
+    img = os.path.join(tmp, "p.img")
+    nbdtest.sparse_file(img, 4 * MIB)
+    with nbdtest.running_daemon([("p", img, "")]) as d:
+        mode = stat.S_IMODE(os.stat(d.control).st_mode)
+        expect(mode == 0o600, "control socket mode %o, want 600" % mode)
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(d.control)
+            s.sendall(b'{"command":"status"}\n{"command":"exports"}\n'
+                      b'not json\n[1,2]\n{"nocommand":1}\n{"command":"frob"}\n'
+                      b'{"command":"stats","export":7}\n{"command":"flush"}\n'
+                      b'{"command":"stats","export":"p"}\n')
+            r = lines(s, 9)
+            log("  %d replies: %s" % (len(r), [x.get("errno", "ok") for x in r]))
+            expect(len(r) == 9, "9 replies to 9 requests, got %d" % len(r))
+            if len(r) == 9:
+                expect(r[0]["ok"] and r[0]["pid"] == d.pid, "status first: %r" % r[0])
+                expect(r[1]["ok"] and r[1]["exports"][0]["name"] == "p", "then exports")
+                for i in range(2, 8):
+                    expect(not r[i]["ok"] and r[i]["errno"] == "EINVAL",
+                           "reply %d must be EINVAL: %r" % (i, r[i]))
+                expect("frob" in r[5]["error"], "unknown command named: %r" % r[5])
+                expect(r[8]["ok"] and [e["name"] for e in r[8]["exports"]] == ["p"],
+                       "the connection still serves after errors: %r" % r[8])
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(d.control)
+            s.settimeout(10)
+            try:
+                s.sendall(b"x" * (80 * 1024))
+                closed = s.recv(100) == b""
+            except (ConnectionResetError, BrokenPipeError):
+                closed = True
+            expect(closed, "a request over 64 KiB did not close the connection")
+        st = nbdtest.control_request(d.control, {"command": "status"})
+        expect(st["ok"], "the next client is served")
+        # A second daemon cannot take a control socket that answers.
+        img2 = os.path.join(tmp, "q.img")
+        nbdtest.sparse_file(img2, MIB)
+        p = subprocess.run([nbdtest.NBDCACHED, "--foreground", "--unix",
+                            os.path.join(tmp, "q.sock"), "--control", d.control,
+                            "--export", "q=" + img2], capture_output=True, text=True,
+                           timeout=30)
+        log("  second daemon on the same --control: exit %d" % p.returncode)
+        expect(p.returncode == 1 and "in use by another running daemon" in p.stderr,
+               "second daemon: %d %r" % (p.returncode, p.stderr[-300:]))
+        st = nbdtest.control_request(d.control, {"command": "status"})
+        expect(st["pid"] == d.pid, "the first daemon still owns its control socket")
+
+
+def no_control(tmp):
+    img = os.path.join(tmp, "n.img")
+    nbdtest.sparse_file(img, MIB)
+    with nbdtest.running_daemon([("n", img, "")], extra=["--control", "none"]) as d:
+        time.sleep(0.2)
+        expect("control socket" not in d.log_text(), "--control none still made a socket")
+        h = nbdtest.libnbd_handle(d.unix_uri("n"))
+        expect(h.get_size() == MIB, "served without a control socket")
+        h.shutdown()
+
+
+def main():
+    for name, fn in (("protocol", protocol), ("no_control", no_control)):
+        with nbdtest.tempdir() as tmp:
+            CHECKS.run(name, fn, tmp)
+    CHECKS.finish("control socket")
+
+
+if __name__ == "__main__":
+    main()
