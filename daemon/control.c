@@ -203,8 +203,8 @@ static void sample_rates(struct control *ctl)
 	free(list);
 	struct cache_stats cs;
 	cache_get_stats(ctl->cfg.cache, &cs);
-	ctl->cache_rate = cs.writeback_bytes - ctl->cache_last_bytes;
-	ctl->cache_last_bytes = cs.writeback_bytes;
+	ctl->cache_rate = cs.traffic.writeback_bytes - ctl->cache_last_bytes;
+	ctl->cache_last_bytes = cs.traffic.writeback_bytes;
 }
 
 /* ---- commands ---- */
@@ -278,7 +278,7 @@ static void cmd_status(struct control_client *cl)
 	add_string(o, "arena", s.arena);
 	add_u64(o, "cache_bytes", s.cache_bytes);
 	add_u64(o, "used_bytes", s.used_bytes);
-	add_u64(o, "dirty_bytes", s.dirty_bytes);
+	add_u64(o, "dirty_bytes", s.traffic.dirty_bytes);
 	add_u64(o, "removed_backends", removed);
 	json_object_object_add(o, "listen", listen_array(&ctl->cfg));
 	client_send(cl, o);
@@ -357,26 +357,13 @@ static void cmd_stats(struct control_client *cl, const char *only)
 	json_object *o = reply_ok();
 	add_u64(o, "time_ms", clock_now_ns() / 1000000u);
 	json_object *c = json_object_new_object();
-	struct cache_export_stats t = {
-		.hits = s.hits,
-		.misses = s.misses,
-		.partial_hits = s.partial_hits,
-		.dirty_bytes = s.dirty_bytes,
-		.backend_reads = s.backend_reads,
-		.backend_read_bytes = s.backend_read_bytes,
-		.backend_writes = s.backend_writes,
-		.backend_write_bytes = s.backend_write_bytes,
-		.writeback_bytes = s.writeback_bytes,
-		.evictions = s.evictions,
-		.writeback_errors = s.writeback_errors,
-	};
 	add_u64(c, "cache_bytes", s.cache_bytes);
 	add_u64(c, "used_bytes", s.used_bytes);
 	add_u64(c, "entries", s.entries);
-	traffic_fields(c, &t);
+	traffic_fields(c, &s.traffic);
 	add_u64(c, "writeback_rate", ctl->cache_rate);
-	add_u64(c, "bypass_reads", s.bypass_reads);
-	add_u64(c, "direct_writes", s.direct_writes);
+	add_u64(c, "bypass_reads", s.traffic.bypass_reads);
+	add_u64(c, "direct_writes", s.traffic.direct_writes);
 	add_u64(c, "metadata_bytes", s.metadata_bytes);
 	json_object *arena = json_object_new_object();
 	uint64_t free_bytes = 0;

@@ -28,6 +28,15 @@ static void backing_free(struct export_backing *b)
 	free(b);
 }
 
+/* The cache works in blocks the backend accepts: the configured size,
+ * doubled up to the backend's minimum. */
+static uint32_t fitted_block_size(uint32_t block_size, const struct backend *be)
+{
+	while (block_size < be->min_block && block_size < 65536)
+		block_size *= 2;
+	return block_size;
+}
+
 /* Open a backend for spec and give it its place in the cache. */
 static int backing_open(struct export_table *t, const struct export_spec *spec,
 			struct export_backing **out)
@@ -50,10 +59,8 @@ static int backing_open(struct export_table *t, const struct export_spec *spec,
 		backing_free(b);
 		return rc;
 	}
-	/* The cache works in blocks the backend accepts. */
 	struct export_spec fitted = *spec;
-	while (fitted.block_size < b->backend->min_block && fitted.block_size < 65536)
-		fitted.block_size *= 2;
+	fitted.block_size = fitted_block_size(spec->block_size, b->backend);
 	b->block_size = fitted.block_size;
 	if (t->started && (rc = backend_start(b->backend)) < 0) {
 		log_error("export '%s': cannot start its backend: %s", spec->name, strerror(-rc));
@@ -349,10 +356,7 @@ int export_table_reload(struct export_table *t, const struct options *opts,
 				break;
 			continue;
 		}
-		uint32_t fitted = spec->block_size;
-		while (fitted < old->backend->min_block && fitted < 65536)
-			fitted *= 2;
-		const char *why = refusal(old, spec, fitted);
+		const char *why = refusal(old, spec, fitted_block_size(spec->block_size, old->backend));
 		if (why) {
 			log_warn("reload: export '%s' keeps its old settings: %s", spec->name, why);
 			next[n++] = old; /* the reference export_get took is the table's now */

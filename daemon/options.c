@@ -364,22 +364,24 @@ int options_parse_hugepages(const char *text, enum hugepages_policy *out)
 	return 0;
 }
 
-int options_parse_percent(const char *text, unsigned *out)
+/* A number (K/M/G/T suffixes allowed) from min to max. */
+static int parse_unsigned_in(const char *text, uint64_t min, uint64_t max, unsigned *out)
 {
 	uint64_t v;
-	if (options_parse_size(text, &v) < 0 || v > 100)
+	if (options_parse_size(text, &v) < 0 || v < min || v > max)
 		return -EINVAL;
 	*out = (unsigned)v;
 	return 0;
 }
 
+int options_parse_percent(const char *text, unsigned *out)
+{
+	return parse_unsigned_in(text, 0, 100, out);
+}
+
 int options_parse_seconds(const char *text, unsigned *out)
 {
-	uint64_t v;
-	if (options_parse_size(text, &v) < 0 || v == 0 || v > 86400)
-		return -EINVAL;
-	*out = (unsigned)v;
-	return 0;
+	return parse_unsigned_in(text, 1, 86400, out);
 }
 
 int options_parse_cache_size(const char *text, uint64_t *out)
@@ -394,20 +396,12 @@ int options_parse_cache_size(const char *text, uint64_t *out)
 
 int options_parse_threads(const char *text, unsigned *out)
 {
-	uint64_t v;
-	if (options_parse_size(text, &v) < 0 || v > OPTIONS_MAX_THREADS)
-		return -EINVAL;
-	*out = (unsigned)v;
-	return 0;
+	return parse_unsigned_in(text, 0, OPTIONS_MAX_THREADS, out);
 }
 
 int options_parse_max_connections(const char *text, unsigned *out)
 {
-	uint64_t v;
-	if (options_parse_size(text, &v) < 0 || v > OPTIONS_MAX_CONNECTIONS)
-		return -EINVAL;
-	*out = (unsigned)v;
-	return 0;
+	return parse_unsigned_in(text, 0, OPTIONS_MAX_CONNECTIONS, out);
 }
 
 int options_parse_compact(const char *text, bool *out)
@@ -423,20 +417,12 @@ int options_parse_compact(const char *text, bool *out)
 
 int options_parse_compact_interval(const char *text, unsigned *out)
 {
-	uint64_t v;
-	if (options_parse_size(text, &v) < 0 || v == 0 || v > 3600000)
-		return -EINVAL;
-	*out = (unsigned)v;
-	return 0;
+	return parse_unsigned_in(text, 1, 3600000, out);
 }
 
 int options_parse_compact_threshold(const char *text, unsigned *out)
 {
-	uint64_t v;
-	if (options_parse_size(text, &v) < 0 || v > 1000)
-		return -EINVAL;
-	*out = (unsigned)v;
-	return 0;
+	return parse_unsigned_in(text, 0, 1000, out);
 }
 
 int options_add_export(struct options *opts, struct export_spec *spec, char *err, size_t errlen)

@@ -138,6 +138,18 @@ static int map_anonymous(struct arena *a, size_t size, bool want_thp)
 	return 0;
 }
 
+/* Free the bookkeeping arrays and leave the arena empty (no mapping). */
+static void free_tables(struct arena *a)
+{
+	free(a->next);
+	free(a->prev);
+	free(a->state);
+	free(a->owner);
+	free(a->chunk_used);
+	memset(a, 0, sizeof(*a));
+	a->memfd = -1;
+}
+
 int arena_init(struct arena *a, size_t size, enum hugepages_policy policy)
 {
 	memset(a, 0, sizeof(*a));
@@ -184,13 +196,7 @@ int arena_init(struct arena *a, size_t size, enum hugepages_policy policy)
 	a->free_frames = a->nframes;
 	return 0;
 err:
-	free(a->next);
-	free(a->prev);
-	free(a->state);
-	free(a->owner);
-	free(a->chunk_used);
-	memset(a, 0, sizeof(*a));
-	a->memfd = -1;
+	free_tables(a);
 	return rc;
 }
 
@@ -202,13 +208,7 @@ void arena_destroy(struct arena *a)
 	if (a->memfd >= 0)
 		close(a->memfd);
 	pthread_mutex_destroy(&a->lock);
-	free(a->next);
-	free(a->prev);
-	free(a->state);
-	free(a->owner);
-	free(a->chunk_used);
-	memset(a, 0, sizeof(*a));
-	a->memfd = -1;
+	free_tables(a);
 }
 
 int64_t arena_alloc(struct arena *a, unsigned order)

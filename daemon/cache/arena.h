@@ -114,6 +114,19 @@ int arena_isolate_chunk(struct arena *a, uint32_t chunk, struct arena_block *out
  * free 2 MiB block. */
 bool arena_unisolate(struct arena *a);
 
+/*
+ * The fragmentation index of free memory described by arena_free_by_order()
+ * (frames per order), per mille: 1000 * (1 - free frames in free 2 MiB
+ * blocks / all free frames); 0 when nothing is free.
+ */
+static inline unsigned arena_fragmentation(const uint64_t free_by_order[ARENA_ORDERS])
+{
+	uint64_t all = 0;
+	for (unsigned o = 0; o < ARENA_ORDERS; o++)
+		all += free_by_order[o];
+	return all ? (unsigned)(1000 - free_by_order[ARENA_MAX_ORDER] * 1000 / all) : 0;
+}
+
 static inline uint8_t *arena_address(const struct arena *a, uint32_t frame)
 {
 	return a->base + ((size_t)frame << ARENA_FRAME_SHIFT);

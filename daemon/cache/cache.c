@@ -908,40 +908,24 @@ void cache_get_stats(struct cache *c, struct cache_stats *s)
 	pthread_mutex_lock(&c->arena.lock);
 	s->used_bytes = (uint64_t)(c->arena.nframes - c->arena.free_frames) << ARENA_FRAME_SHIFT;
 	pthread_mutex_unlock(&c->arena.lock);
-	s->free_2m_bytes = arena_free_frames_at_least(&c->arena, ARENA_MAX_ORDER) << ARENA_FRAME_SHIFT;
 	s->entries = atomic_load(&k->entries);
-	s->dirty_bytes = atomic_load(&k->dirty_bytes);
 	s->metadata_bytes = atomic_load(&k->metadata_bytes);
-	struct cache_export_stats sum = {0}, one;
+	struct cache_export_stats one;
 	pthread_mutex_lock(&c->exports_lock);
 	for (struct cache_export *ce = c->exports; ce; ce = ce->next) {
 		counters_load(&ce->counters, &one);
-		counters_sum(&sum, &one);
+		counters_sum(&s->traffic, &one);
 	}
 	pthread_mutex_unlock(&c->exports_lock);
-	s->hits = sum.hits;
-	s->misses = sum.misses;
-	s->partial_hits = sum.partial_hits;
-	s->backend_reads = sum.backend_reads;
-	s->backend_read_bytes = sum.backend_read_bytes;
-	s->backend_writes = sum.backend_writes;
-	s->backend_write_bytes = sum.backend_write_bytes;
-	s->writeback_bytes = sum.writeback_bytes;
-	s->evictions = sum.evictions;
-	s->writeback_errors = sum.writeback_errors;
-	s->bypass_reads = sum.bypass_reads;
-	s->direct_writes = sum.direct_writes;
+	s->traffic.dirty_bytes = atomic_load(&k->dirty_bytes);
+	s->traffic.cached_bytes = atomic_load(&k->entry_bytes);
 	arena_free_by_order(&c->arena, s->free_bytes_by_order);
-	uint64_t free_all = 0;
-	for (unsigned o = 0; o < ARENA_ORDERS; o++) {
+	s->fragmentation = arena_fragmentation(s->free_bytes_by_order);
+	for (unsigned o = 0; o < ARENA_ORDERS; o++)
 		s->free_bytes_by_order[o] <<= ARENA_FRAME_SHIFT;
-		free_all += s->free_bytes_by_order[o];
-	}
-	s->fragmentation = free_all ? 1000 - s->free_bytes_by_order[ARENA_MAX_ORDER] * 1000 / free_all
-				    : 0;
-	uint64_t entry_bytes = atomic_load(&k->entry_bytes);
+	s->free_2m_bytes = s->free_bytes_by_order[ARENA_MAX_ORDER];
 	s->large_bytes = atomic_load(&k->large_bytes);
-	s->large_share = entry_bytes ? s->large_bytes * 1000 / entry_bytes : 0;
+	s->large_share = s->traffic.cached_bytes ? s->large_bytes * 1000 / s->traffic.cached_bytes : 0;
 	s->alloc_2m_attempts = atomic_load(&k->alloc_2m_attempts);
 	s->alloc_2m_ok = atomic_load(&k->alloc_2m_ok);
 	s->compact_moves = atomic_load(&k->compact_moves);
@@ -971,13 +955,13 @@ void cache_log_stats(struct cache *c)
 		 "compact_collapses=%llu compact_chunks_freed=%llu compact_passes=%llu "
 		 "compact_ns=%llu",
 		 s.arena, (unsigned long long)s.cache_bytes, (unsigned long long)s.used_bytes,
-		 (unsigned long long)s.entries, (unsigned long long)s.hits,
-		 (unsigned long long)s.misses, (unsigned long long)s.partial_hits,
-		 (unsigned long long)s.backend_reads, (unsigned long long)s.backend_read_bytes,
-		 (unsigned long long)s.backend_writes, (unsigned long long)s.backend_write_bytes,
-		 (unsigned long long)s.dirty_bytes, (unsigned long long)s.evictions,
-		 (unsigned long long)s.writeback_errors, (unsigned long long)s.bypass_reads,
-		 (unsigned long long)s.direct_writes, (unsigned long long)s.metadata_bytes,
+		 (unsigned long long)s.entries, (unsigned long long)s.traffic.hits,
+		 (unsigned long long)s.traffic.misses, (unsigned long long)s.traffic.partial_hits,
+		 (unsigned long long)s.traffic.backend_reads, (unsigned long long)s.traffic.backend_read_bytes,
+		 (unsigned long long)s.traffic.backend_writes, (unsigned long long)s.traffic.backend_write_bytes,
+		 (unsigned long long)s.traffic.dirty_bytes, (unsigned long long)s.traffic.evictions,
+		 (unsigned long long)s.traffic.writeback_errors, (unsigned long long)s.traffic.bypass_reads,
+		 (unsigned long long)s.traffic.direct_writes, (unsigned long long)s.metadata_bytes,
 		 (unsigned long long)s.free_2m_bytes, (unsigned long long)s.fragmentation, by_order,
 		 (unsigned long long)s.large_bytes, (unsigned long long)s.large_share,
 		 (unsigned long long)s.alloc_2m_attempts, (unsigned long long)s.alloc_2m_ok,

@@ -103,12 +103,22 @@ struct cache_op {
 	struct cache_op *direct_next;
 };
 
-struct cache_stats {
-	uint64_t cache_bytes, used_bytes, entries, dirty_bytes;
+/*
+ * Traffic: one export's (cache_export_get_stats), or the whole cache's in
+ * struct cache_stats, where every counter is the sum over the exports and
+ * dirty_bytes and cached_bytes are the cache's own.
+ */
+struct cache_export_stats {
 	uint64_t hits, misses, partial_hits;
 	uint64_t backend_reads, backend_read_bytes, backend_writes, backend_write_bytes;
-	uint64_t evictions, writeback_errors, bypass_reads, direct_writes;
-	uint64_t writeback_bytes; /* written back by the writeback thread */
+	uint64_t writeback_bytes, evictions, writeback_errors, bypass_reads, direct_writes;
+	uint64_t dirty_bytes;  /* dirty, or being written back */
+	uint64_t cached_bytes; /* arena bytes its entries hold */
+};
+
+struct cache_stats {
+	uint64_t cache_bytes, used_bytes, entries;
+	struct cache_export_stats traffic;
 	uint64_t metadata_bytes;
 	uint64_t free_2m_bytes;
 	const char *arena;
@@ -186,15 +196,6 @@ void cache_op_release(struct cache_op *op);
 
 /* Is [p, p + n) all zero bytes? (n >= 16) */
 bool cache_all_zero(const uint8_t *p, size_t n);
-
-/* One export's traffic (the cache's totals are the sums over exports). */
-struct cache_export_stats {
-	uint64_t hits, misses, partial_hits;
-	uint64_t backend_reads, backend_read_bytes, backend_writes, backend_write_bytes;
-	uint64_t writeback_bytes, evictions, writeback_errors, bypass_reads, direct_writes;
-	uint64_t dirty_bytes;  /* dirty, or being written back */
-	uint64_t cached_bytes; /* arena bytes its entries hold */
-};
 
 void cache_get_stats(struct cache *c, struct cache_stats *out);
 void cache_export_get_stats(struct cache_export *ce, struct cache_export_stats *out);

@@ -89,13 +89,9 @@ static uint64_t elapsed_since(uint64_t t0)
 
 unsigned cache_fragmentation(struct cache *c)
 {
-	uint64_t by_order[ARENA_ORDERS], all = 0;
+	uint64_t by_order[ARENA_ORDERS];
 	arena_free_by_order(&c->arena, by_order);
-	for (unsigned o = 0; o < ARENA_ORDERS; o++)
-		all += by_order[o];
-	if (all == 0)
-		return 0;
-	return (unsigned)(1000 - by_order[ARENA_MAX_ORDER] * 1000 / all);
+	return arena_fragmentation(by_order);
 }
 
 /* Free frames not in free 2 MiB blocks: what compaction can gather. */
