@@ -511,8 +511,8 @@ static void print_status(json_object *r)
 
 static void print_exports(json_object *r)
 {
-	static const char *const headers[] = {"NAME",	"KIND",	  "SIZE",  "BLOCK",
-					      "MODE",	"ACCESS", "CONNS", "DIRTY",
+	static const char *const headers[] = {"NAME",	"KIND",	   "SIZE",	 "BLOCK",
+					      "MODE",	"ACCESS",  "CONNS",	 "DIRTY",
 					      "SEQCUT", "BACKEND", "DESCRIPTION"};
 	struct table t = {
 	    .columns = ARRAY_SIZE(headers), .headers = headers, .align = "llrrllrrrll"};

@@ -26,26 +26,26 @@
 struct config_ctx {
 	const char *path;
 	FILE *stream;
-	unsigned line;		/* the line inih is parsing */
-	unsigned section_line;	/* where the last [section] header was */
-	char *buf;		/* the line read */
+	unsigned line;	       /* the line inih is parsing */
+	unsigned section_line; /* where the last [section] header was */
+	char *buf;	       /* the line read */
 	size_t bufsize;
-	char *long_value;	/* the value of the last line too long for inih */
-	char *long_section;	/* the name of the last section too long for inih */
-	struct options *opts;	/* the command line so far */
-	struct options file;	/* what the file sets (globals and exports) */
-	unsigned set;		/* enum options_given bits the file set */
-	char *listenaddr, *port; /* nbd-server style, combined at the end */
-	char current[4097];	/* section of the export being filled */
+	char *long_value;	  /* the value of the last line too long for inih */
+	char *long_section;	  /* the name of the last section too long for inih */
+	struct options *opts;	  /* the command line so far */
+	struct options file;	  /* what the file sets (globals and exports) */
+	unsigned set;		  /* enum options_given bits the file set */
+	char *listenaddr, *port;  /* nbd-server style, combined at the end */
+	char current[4097];	  /* section of the export being filled */
 	struct export_spec *spec; /* the export of the current section */
-	unsigned spec_keys;	/* bits: which export keys were given */
+	unsigned spec_keys;	  /* bits: which export keys were given */
 	int rc;
 	char *err;
 	size_t errlen;
 };
 
 static int config_fail(struct config_ctx *x, const char *fmt, ...)
-	__attribute__((format(printf, 2, 3)));
+    __attribute__((format(printf, 2, 3)));
 
 /* Record the first error (with FILE:LINE) and tell inih this line failed. */
 static int config_fail(struct config_ctx *x, const char *fmt, ...)
@@ -106,8 +106,10 @@ static char *read_line(char *str, int num, void *stream)
 				snprintf(x->err, x->errlen, "%s:%u: line longer than %d bytes",
 					 x->path, x->line, CONFIG_MAX_LINE);
 			else if (!eq)
-				snprintf(x->err, x->errlen, "%s:%u: syntax error: expected [section], "
-					 "key = value or a comment", x->path, x->line);
+				snprintf(x->err, x->errlen,
+					 "%s:%u: syntax error: expected [section], "
+					 "key = value or a comment",
+					 x->path, x->line);
 			else
 				snprintf(x->err, x->errlen, "%s:%u: key name longer than %d bytes",
 					 x->path, x->line, num - 8);
@@ -173,11 +175,16 @@ static int set_string(struct config_ctx *x, char **slot, const char *value)
 
 /* Keys of nbd-server that nbdcached does not implement: refused by name. */
 static const char *const nbd_server_unsupported[] = {
-	"allowlist", "includedir", "oldstyle",	"cacertfile", "certfile", "keyfile",
-	"tlsonly",   "tlsprio",	   "duallisten", "copyonwrite", "sparse-cow", "sdp",
-	"sync",	     "timeout",	   "filesize",	"virtstyle",  "prerun",	   "postrun",
-	"authfile",  "multifile",  "temporary", "treefiles",  "waitfile",  "splice",
-	"cowdir",    "rotational", "maxconnections-per-client", NULL,
+    "allowlist",   "includedir", "oldstyle",
+    "cacertfile",  "certfile",	 "keyfile",
+    "tlsonly",	   "tlsprio",	 "duallisten",
+    "copyonwrite", "sparse-cow", "sdp",
+    "sync",	   "timeout",	 "filesize",
+    "virtstyle",   "prerun",	 "postrun",
+    "authfile",	   "multifile",	 "temporary",
+    "treefiles",   "waitfile",	 "splice",
+    "cowdir",	   "rotational", "maxconnections-per-client",
+    NULL,
 };
 
 static bool is_nbd_server_key(const char *name)
@@ -218,9 +225,11 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		char *copy = strdup(v), *save = NULL;
 		if (!copy)
 			return out_of_memory(x);
-		for (char *t = strtok_r(copy, " \t,", &save); t; t = strtok_r(NULL, " \t,", &save)) {
+		for (char *t = strtok_r(copy, " \t,", &save); t;
+		     t = strtok_r(NULL, " \t,", &save)) {
 			char host[256], port[16];
-			if (options_split_host_port(t, host, sizeof(host), port, sizeof(port)) < 0) {
+			if (options_split_host_port(t, host, sizeof(host), port, sizeof(port)) <
+			    0) {
 				config_fail(x, "listen %s: expected HOST:PORT or [IPV6]:PORT", t);
 				free(copy);
 				return 0;
@@ -260,26 +269,26 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		const char *key;
 		unsigned bit;
 	} const globals[] = {
-		{"threads", OPT_GIVEN_THREADS},
-		{"pidfile", OPT_GIVEN_PIDFILE},
-		{"log-level", OPT_GIVEN_LOG_LEVEL},
-		{"cache-size", OPT_GIVEN_CACHE_SIZE},
-		{"hugepages", OPT_GIVEN_HUGEPAGES},
-		{"block-size", OPT_GIVEN_BLOCK_SIZE},
-		{"cache-mode", OPT_GIVEN_CACHE_MODE},
-		{"seq-cutoff", OPT_GIVEN_SEQ_CUTOFF},
-		{"dirty-high", OPT_GIVEN_DIRTY_HIGH},
-		{"dirty-low", OPT_GIVEN_DIRTY_LOW},
-		{"dirty-expire", OPT_GIVEN_DIRTY_EXPIRE},
-		{"backend-timeout", OPT_GIVEN_BACKEND_TIMEOUT},
-		{"control", OPT_GIVEN_CONTROL},
-		{"user", OPT_GIVEN_USER},
-		{"group", OPT_GIVEN_GROUP},
-		{"max-connections", OPT_GIVEN_MAX_CONNECTIONS},
-		{"maxconnections", OPT_GIVEN_MAX_CONNECTIONS},
-		{"compact", OPT_GIVEN_COMPACT},
-		{"compact-interval-ms", OPT_GIVEN_COMPACT_INTERVAL},
-		{"compact-threshold", OPT_GIVEN_COMPACT_THRESHOLD},
+	    {"threads", OPT_GIVEN_THREADS},
+	    {"pidfile", OPT_GIVEN_PIDFILE},
+	    {"log-level", OPT_GIVEN_LOG_LEVEL},
+	    {"cache-size", OPT_GIVEN_CACHE_SIZE},
+	    {"hugepages", OPT_GIVEN_HUGEPAGES},
+	    {"block-size", OPT_GIVEN_BLOCK_SIZE},
+	    {"cache-mode", OPT_GIVEN_CACHE_MODE},
+	    {"seq-cutoff", OPT_GIVEN_SEQ_CUTOFF},
+	    {"dirty-high", OPT_GIVEN_DIRTY_HIGH},
+	    {"dirty-low", OPT_GIVEN_DIRTY_LOW},
+	    {"dirty-expire", OPT_GIVEN_DIRTY_EXPIRE},
+	    {"backend-timeout", OPT_GIVEN_BACKEND_TIMEOUT},
+	    {"control", OPT_GIVEN_CONTROL},
+	    {"user", OPT_GIVEN_USER},
+	    {"group", OPT_GIVEN_GROUP},
+	    {"max-connections", OPT_GIVEN_MAX_CONNECTIONS},
+	    {"maxconnections", OPT_GIVEN_MAX_CONNECTIONS},
+	    {"compact", OPT_GIVEN_COMPACT},
+	    {"compact-interval-ms", OPT_GIVEN_COMPACT_INTERVAL},
+	    {"compact-threshold", OPT_GIVEN_COMPACT_THRESHOLD},
 	};
 	unsigned bit = 0;
 	for (size_t i = 0; i < sizeof(globals) / sizeof(globals[0]); i++)
@@ -303,12 +312,14 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		return set_string(x, &f->pidfile, v);
 	case OPT_GIVEN_LOG_LEVEL:
 		if (log_parse_level(v, &f->log_level) < 0)
-			return config_fail(x, "log-level %s: expected error, warn, info or debug", v);
+			return config_fail(x, "log-level %s: expected error, warn, info or debug",
+					   v);
 		return 1;
 	case OPT_GIVEN_CACHE_SIZE:
 		if (options_parse_cache_size(v, &f->cache_size) < 0)
-			return config_fail(x, "cache-size %s: expected a size from 1M up to half the "
-					      "address space (K, M, G, T suffixes)",
+			return config_fail(x,
+					   "cache-size %s: expected a size from 1M up to half the "
+					   "address space (K, M, G, T suffixes)",
 					   v);
 		return 1;
 	case OPT_GIVEN_HUGEPAGES:
@@ -317,14 +328,16 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		return 1;
 	case OPT_GIVEN_BLOCK_SIZE:
 		if (options_parse_block_size(v, &f->block_size) < 0)
-			return config_fail(x, "block-size %s: must be a power of two from 512 to "
-					      "65536",
+			return config_fail(x,
+					   "block-size %s: must be a power of two from 512 to "
+					   "65536",
 					   v);
 		return 1;
 	case OPT_GIVEN_CACHE_MODE:
 		if (options_parse_cache_mode(v, &f->cache_mode) < 0)
-			return config_fail(x, "cache-mode %s: expected writeback, writethrough, "
-					      "writearound or none",
+			return config_fail(x,
+					   "cache-mode %s: expected writeback, writethrough, "
+					   "writearound or none",
 					   v);
 		return 1;
 	case OPT_GIVEN_SEQ_CUTOFF:
@@ -339,8 +352,9 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		return 1;
 	case OPT_GIVEN_DIRTY_EXPIRE:
 	case OPT_GIVEN_BACKEND_TIMEOUT:
-		if (options_parse_seconds(v, bit == OPT_GIVEN_DIRTY_EXPIRE ? &f->dirty_expire
-									   : &f->backend_timeout) < 0)
+		if (options_parse_seconds(v, bit == OPT_GIVEN_DIRTY_EXPIRE
+						 ? &f->dirty_expire
+						 : &f->backend_timeout) < 0)
 			return config_fail(x, "%s %s: expected 1..86400 seconds", name, v);
 		return 1;
 	case OPT_GIVEN_CONTROL:
@@ -362,7 +376,8 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		return 1;
 	case OPT_GIVEN_COMPACT_THRESHOLD:
 		if (options_parse_compact_threshold(v, &f->compact_threshold) < 0)
-			return config_fail(x, "compact-threshold %s: expected 0..1000 (per mille)", v);
+			return config_fail(x, "compact-threshold %s: expected 0..1000 (per mille)",
+					   v);
 		return 1;
 	case OPT_GIVEN_MAX_CONNECTIONS:
 		if (options_parse_max_connections(v, &f->max_connections) < 0)
@@ -442,8 +457,9 @@ static int export_key(struct config_ctx *x, const char *name, const char *v)
 		if (!once(x, &x->spec_keys, K_BLOCK_SIZE, name))
 			return 0;
 		if (options_parse_block_size(v, &e->block_size) < 0)
-			return config_fail(x, "block-size %s: must be a power of two from 512 to "
-					      "65536",
+			return config_fail(x,
+					   "block-size %s: must be a power of two from 512 to "
+					   "65536",
 					   v);
 		e->has_block_size = true;
 		return 1;
@@ -452,8 +468,9 @@ static int export_key(struct config_ctx *x, const char *name, const char *v)
 		if (!once(x, &x->spec_keys, K_CACHE_MODE, name))
 			return 0;
 		if (options_parse_cache_mode(v, &e->cache_mode) < 0)
-			return config_fail(x, "cache-mode %s: expected writeback, writethrough, "
-					      "writearound or none",
+			return config_fail(x,
+					   "cache-mode %s: expected writeback, writethrough, "
+					   "writearound or none",
 					   v);
 		return 1;
 	}
@@ -636,8 +653,9 @@ int config_load(const char *path, struct options *opts, char *err, size_t errlen
 		finish_export(&x);
 	if (x.rc == 0 && line > 0) {
 		/* A syntax error inih found itself (the handler said nothing). */
-		snprintf(err, errlen, "%s:%d: syntax error: expected [section], key = value or a "
-				      "comment",
+		snprintf(err, errlen,
+			 "%s:%d: syntax error: expected [section], key = value or a "
+			 "comment",
 			 path, line);
 		x.rc = -EINVAL;
 	}

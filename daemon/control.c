@@ -54,10 +54,10 @@ struct control_wait {
 	struct cache_op op;
 	struct control_client *client; /* NULL: the client left meanwhile */
 	struct export *export;
-	struct export_backing *reap;   /* a reap flush: no client */
+	struct export_backing *reap; /* a reap flush: no client */
 	uint64_t seen_error;
 	uint64_t started_ns, dirty_at_start;
-	enum cache_mode set_mode;      /* set-mode: the mode to set after the flush */
+	enum cache_mode set_mode; /* set-mode: the mode to set after the flush */
 	enum cache_mode previous;
 	bool is_set_mode;
 	struct control *ctl;
@@ -138,7 +138,7 @@ static json_object *reply_ok(void)
 }
 
 static void send_error(struct control_client *cl, int err, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
+    __attribute__((format(printf, 3, 4)));
 
 static void send_error(struct control_client *cl, int err, const char *fmt, ...)
 {
@@ -324,8 +324,8 @@ static void traffic_fields(json_object *x, const struct cache_export_stats *s)
 	add_u64(x, "misses", s->misses);
 	add_u64(x, "partial_hits", s->partial_hits);
 	json_object_object_add(
-		x, "hit_ratio",
-		json_object_new_double(ratio(s->hits, s->hits + s->misses + s->partial_hits)));
+	    x, "hit_ratio",
+	    json_object_new_double(ratio(s->hits, s->hits + s->misses + s->partial_hits)));
 	add_u64(x, "dirty_bytes", s->dirty_bytes);
 	add_u64(x, "backend_reads", s->backend_reads);
 	add_u64(x, "backend_read_bytes", s->backend_read_bytes);
@@ -370,7 +370,8 @@ static void cmd_stats(struct control_client *cl, const char *only)
 	json_object *orders = json_object_new_array();
 	for (unsigned k = 0; k < NBDCACHED_ARENA_ORDERS; k++) {
 		free_bytes += s.free_bytes_by_order[k];
-		json_object_array_add(orders, json_object_new_int64((int64_t)s.free_bytes_by_order[k]));
+		json_object_array_add(orders,
+				      json_object_new_int64((int64_t)s.free_bytes_by_order[k]));
 	}
 	add_string(arena, "kind", s.arena);
 	add_u64(arena, "free_bytes", free_bytes);
@@ -417,7 +418,8 @@ out:
 static struct export *find_export(struct control_client *cl, json_object *req)
 {
 	json_object *v;
-	if (!json_object_object_get_ex(req, "export", &v) || !json_object_is_type(v, json_type_string)) {
+	if (!json_object_object_get_ex(req, "export", &v) ||
+	    !json_object_is_type(v, json_type_string)) {
 		send_error(cl, EINVAL, "this command needs \"export\": NAME");
 		return NULL;
 	}
@@ -443,11 +445,11 @@ static int start_flush(struct control *ctl, struct control_wait *w, struct cache
 	w->started_ns = clock_now_ns();
 	w->seen_error = cache_export_error_seq(ce);
 	w->op = (struct cache_op){
-		.ce = ce,
-		.worker = &ctl->worker,
-		.cmd = BACKEND_FLUSH,
-		.seen_error = &w->seen_error,
-		.done = wait_done_task,
+	    .ce = ce,
+	    .worker = &ctl->worker,
+	    .cmd = BACKEND_FLUSH,
+	    .seen_error = &w->seen_error,
+	    .done = wait_done_task,
 	};
 	ctl->pending++;
 	cache_submit(&w->op);
@@ -462,7 +464,8 @@ static void maybe_finish_stop(struct control *ctl)
 
 static void wait_done_task(struct cache_op *op, int result)
 {
-	struct control_wait *w = (struct control_wait *)((char *)op - offsetof(struct control_wait, op));
+	struct control_wait *w =
+	    (struct control_wait *)((char *)op - offsetof(struct control_wait, op));
 	struct control *ctl = w->ctl;
 	cache_op_release(op);
 	ctl->pending--;
@@ -474,10 +477,11 @@ static void wait_done_task(struct cache_op *op, int result)
 		if (result < 0) {
 			if (w->is_set_mode) /* "on failure the mode is unchanged" */
 				cache_export_set_mode(w->export->cache, w->previous);
-			send_error(cl, -result,
-				   "%s: writing back '%s' failed: %s; the data stays dirty in the cache",
-				   w->is_set_mode ? "set-mode" : "flush", w->export->name,
-				   strerror(-result));
+			send_error(
+			    cl, -result,
+			    "%s: writing back '%s' failed: %s; the data stays dirty in the cache",
+			    w->is_set_mode ? "set-mode" : "flush", w->export->name,
+			    strerror(-result));
 		} else if (w->is_set_mode) {
 			cache_export_set_mode(w->export->cache, w->set_mode);
 			log_info("export '%s': cache mode %s (was %s), set from the control socket",
@@ -515,17 +519,19 @@ static void cmd_flush(struct control_client *cl, json_object *req, bool set_mode
 		if (!json_object_object_get_ex(req, "mode", &v) ||
 		    !json_object_is_type(v, json_type_string) ||
 		    options_parse_cache_mode(json_object_get_string(v), &mode) < 0) {
-			send_error(cl, EINVAL,
-				   "set-mode needs \"mode\": writeback, writethrough, writearound or "
-				   "none");
+			send_error(
+			    cl, EINVAL,
+			    "set-mode needs \"mode\": writeback, writethrough, writearound or "
+			    "none");
 			export_put(e);
 			return;
 		}
 		if ((mode == CACHE_MODE_NONE) != (previous == CACHE_MODE_NONE)) {
-			send_error(cl, ENOTSUP,
-				   "mode none bypasses the cache: switching '%s' to or from it needs "
-				   "a restart (set it in the config)",
-				   e->name);
+			send_error(
+			    cl, ENOTSUP,
+			    "mode none bypasses the cache: switching '%s' to or from it needs "
+			    "a restart (set it in the config)",
+			    e->name);
 			export_put(e);
 			return;
 		}
@@ -687,8 +693,9 @@ static bool client_process(struct control_client *cl)
 		char *line = evbuffer_readln(in, &len, EVBUFFER_EOL_LF);
 		if (!line) {
 			if (evbuffer_get_length(in) > NBDCACHED_CONTROL_MAX_REQUEST) {
-				log_warn("control: request longer than %d bytes; closing the client",
-					 NBDCACHED_CONTROL_MAX_REQUEST);
+				log_warn(
+				    "control: request longer than %d bytes; closing the client",
+				    NBDCACHED_CONTROL_MAX_REQUEST);
 				client_free(cl);
 				return false;
 			}
@@ -797,21 +804,20 @@ static void refused_globals(const struct options *was, const struct options *now
 		bool changed;
 		const char *name;
 	} const checks[] = {
-		{was->cache_size != now->cache_size, "cache-size"},
-		{was->hugepages != now->hugepages, "hugepages"},
-		{was->threads != now->threads, "threads"},
-		{!same_strings(was->listen, was->listen_count, now->listen, now->listen_count) ||
-			 !same_strings(was->unix_paths, was->unix_count, now->unix_paths,
-				       now->unix_count),
-		 "listen"},
-		{!same_opt_string(was->control_path, now->control_path), "control"},
-		{!same_opt_string(was->user, now->user), "user"},
-		{!same_opt_string(was->group, now->group), "group"},
-		{!same_opt_string(was->pidfile, now->pidfile), "pidfile"},
-		{was->backend_timeout != now->backend_timeout, "backend-timeout"},
-		{was->compact != now->compact, "compact"},
-		{was->compact_interval_ms != now->compact_interval_ms, "compact-interval-ms"},
-		{was->compact_threshold != now->compact_threshold, "compact-threshold"},
+	    {was->cache_size != now->cache_size, "cache-size"},
+	    {was->hugepages != now->hugepages, "hugepages"},
+	    {was->threads != now->threads, "threads"},
+	    {!same_strings(was->listen, was->listen_count, now->listen, now->listen_count) ||
+		 !same_strings(was->unix_paths, was->unix_count, now->unix_paths, now->unix_count),
+	     "listen"},
+	    {!same_opt_string(was->control_path, now->control_path), "control"},
+	    {!same_opt_string(was->user, now->user), "user"},
+	    {!same_opt_string(was->group, now->group), "group"},
+	    {!same_opt_string(was->pidfile, now->pidfile), "pidfile"},
+	    {was->backend_timeout != now->backend_timeout, "backend-timeout"},
+	    {was->compact != now->compact, "compact"},
+	    {was->compact_interval_ms != now->compact_interval_ms, "compact-interval-ms"},
+	    {was->compact_threshold != now->compact_threshold, "compact-threshold"},
 	};
 	for (size_t i = 0; i < sizeof(checks) / sizeof(checks[0]); i++) {
 		if (!checks[i].changed)
@@ -866,9 +872,12 @@ static void reload_now(struct control *ctl, struct control_client *cl)
 		} else {
 			json_object *o = reply_ok();
 			json_object_object_add(o, "added", names_array(r.added, r.added_count));
-			json_object_object_add(o, "changed", names_array(r.changed, r.changed_count));
-			json_object_object_add(o, "removed", names_array(r.removed, r.removed_count));
-			json_object_object_add(o, "refused", names_array(r.refused, r.refused_count));
+			json_object_object_add(o, "changed",
+					       names_array(r.changed, r.changed_count));
+			json_object_object_add(o, "removed",
+					       names_array(r.removed, r.removed_count));
+			json_object_object_add(o, "refused",
+					       names_array(r.refused, r.refused_count));
 			json_object_object_add(o, "refused_settings", refused);
 			client_send(cl, o);
 		}
@@ -880,7 +889,8 @@ static void reload_now(struct control *ctl, struct control_client *cl)
 
 static void reload_task(struct worker_task *task)
 {
-	struct control *ctl = (struct control *)((char *)task - offsetof(struct control, reload_task));
+	struct control *ctl =
+	    (struct control *)((char *)task - offsetof(struct control, reload_task));
 	pthread_mutex_lock(&ctl->reload_lock);
 	ctl->reload_posted = false;
 	pthread_mutex_unlock(&ctl->reload_lock);
@@ -943,9 +953,10 @@ int control_listen(const char *path, int *fd)
 	if (connect(s, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
 		close(s);
 		if (is_default) {
-			log_warn("control socket %s is in use by another nbdcached; running without "
-				 "one (give --control PATH)",
-				 path);
+			log_warn(
+			    "control socket %s is in use by another nbdcached; running without "
+			    "one (give --control PATH)",
+			    path);
 			return 0;
 		}
 		log_error("--control %s: in use by another running daemon", path);
@@ -980,7 +991,8 @@ int control_listen(const char *path, int *fd)
 
 static void start_task(struct worker_task *task)
 {
-	struct control *ctl = (struct control *)((char *)task - offsetof(struct control, start_task));
+	struct control *ctl =
+	    (struct control *)((char *)task - offsetof(struct control, start_task));
 	ctl->tick = event_new(ctl->worker.base, -1, EV_PERSIST, on_tick, ctl);
 	struct timeval tv = {1, 0};
 	if (ctl->tick)
@@ -999,7 +1011,8 @@ static void start_task(struct worker_task *task)
 
 static void stop_task(struct worker_task *task)
 {
-	struct control *ctl = (struct control *)((char *)task - offsetof(struct control, stop_task));
+	struct control *ctl =
+	    (struct control *)((char *)task - offsetof(struct control, stop_task));
 	ctl->stopping = true;
 	if (ctl->listener)
 		evconnlistener_free(ctl->listener);

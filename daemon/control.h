@@ -30,8 +30,8 @@ struct control_config {
 	const struct options *opts; /* as started; outlives the control thread */
 	int argc;		    /* the command line, re-read at each reload */
 	char **argv;
-	unsigned threads;	   /* NBD worker threads */
-	const int *listen_fds;	   /* NBD listening sockets, for "status" */
+	unsigned threads;      /* NBD worker threads */
+	const int *listen_fds; /* NBD listening sockets, for "status" */
 	size_t listen_count;
 	int control_fd;		  /* a bound, listening Unix socket; -1: none */
 	const char *control_path; /* to unlink at stop */

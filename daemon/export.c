@@ -49,10 +49,10 @@ static int backing_open(struct export_table *t, const struct export_spec *spec,
 		free(b);
 		return -ENOMEM;
 	}
-	int rc = backend_nbd_handles(spec->backend)
-			 ? backend_nbd_open(spec->backend, spec->readonly, t->backend_timeout,
-					    &b->backend)
-			 : backend_file_open(spec->backend, spec->readonly, &b->backend);
+	int rc =
+	    backend_nbd_handles(spec->backend)
+		? backend_nbd_open(spec->backend, spec->readonly, t->backend_timeout, &b->backend)
+		: backend_file_open(spec->backend, spec->readonly, &b->backend);
 	if (rc < 0) {
 		log_error("export '%s': cannot open %s: %s", spec->name, spec->backend,
 			  strerror(-rc));
@@ -310,8 +310,7 @@ static bool backing_in_use(struct export_table *t, const char *spec)
 	return used;
 }
 
-int export_table_reload(struct export_table *t, const struct options *opts,
-			struct export_reload *r)
+int export_table_reload(struct export_table *t, const struct options *opts, struct export_reload *r)
 {
 	memset(r, 0, sizeof(*r));
 	struct export **next = calloc(opts->export_count ? opts->export_count : 1, sizeof(*next));
@@ -325,10 +324,11 @@ int export_table_reload(struct export_table *t, const struct options *opts,
 		if (!old) {
 			struct export_backing *b;
 			if (backing_in_use(t, spec->backend)) {
-				log_warn("reload: export '%s' not added: backend %s is still open for "
-					 "another export (a removed one is closed once its "
-					 "connections end; reload again then)",
-					 spec->name, spec->backend);
+				log_warn(
+				    "reload: export '%s' not added: backend %s is still open for "
+				    "another export (a removed one is closed once its "
+				    "connections end; reload again then)",
+				    spec->name, spec->backend);
 				rc = push_name(&r->refused, &r->refused_count, spec->name);
 				if (rc < 0)
 					break;
@@ -356,7 +356,8 @@ int export_table_reload(struct export_table *t, const struct options *opts,
 				break;
 			continue;
 		}
-		const char *why = refusal(old, spec, fitted_block_size(spec->block_size, old->backend));
+		const char *why =
+		    refusal(old, spec, fitted_block_size(spec->block_size, old->backend));
 		if (why) {
 			log_warn("reload: export '%s' keeps its old settings: %s", spec->name, why);
 			next[n++] = old; /* the reference export_get took is the table's now */
@@ -416,9 +417,10 @@ int export_table_reload(struct export_table *t, const struct options *opts,
 	for (size_t i = 0; i < old_count; i++) {
 		struct export *e = old_table[i];
 		if (e->backing->removed) {
-			log_info("export '%s' removed: new connections are refused; %u connection(s) "
-				 "finish first",
-				 e->name, atomic_load(&e->backing->connections));
+			log_info(
+			    "export '%s' removed: new connections are refused; %u connection(s) "
+			    "finish first",
+			    e->name, atomic_load(&e->backing->connections));
 			if (push_name(&r->removed, &r->removed_count, e->name) < 0)
 				rc = -ENOMEM;
 		}
@@ -458,7 +460,8 @@ void export_table_reap(struct export_table *t,
 	while (*p) {
 		struct export_backing *b = *p;
 		if (!b->removed || b->flushing || atomic_load(&b->versions) ||
-		    atomic_load(&b->connections) || (b->reap_failing && clock_now_ns() < b->reap_retry_ns)) {
+		    atomic_load(&b->connections) ||
+		    (b->reap_failing && clock_now_ns() < b->reap_retry_ns)) {
 			p = &b->next;
 			continue;
 		}

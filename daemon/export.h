@@ -41,29 +41,30 @@ struct export_backing {
 	char *spec; /* the backend as configured: path, URI, nbdkit:... */
 	struct backend *backend;
 	struct cache_export *cache;
-	uint32_t block_size;	  /* the cache's block size for it */
-	atomic_uint versions;	  /* struct export versions referring to it */
-	atomic_uint connections;  /* connections in transmission */
-	bool removed;		  /* table lock: no version published any more */
-	bool closed;		  /* control thread: backend closed */
-	bool flushing;		  /* control thread: a reap flush is in flight */
-	bool reap_failing;	  /* control thread: its last reap flush failed */
-	uint64_t reap_retry_ns;	  /* control thread: no new reap flush before */
+	uint32_t block_size;	 /* the cache's block size for it */
+	atomic_uint versions;	 /* struct export versions referring to it */
+	atomic_uint connections; /* connections in transmission */
+	bool removed;		 /* table lock: no version published any more */
+	bool closed;		 /* control thread: backend closed */
+	bool flushing;		 /* control thread: a reap flush is in flight */
+	bool reap_failing;	 /* control thread: its last reap flush failed */
+	uint64_t reap_retry_ns;	 /* control thread: no new reap flush before */
 	struct export_backing *next;
 };
 
-struct export {
+struct export
+{
 	atomic_uint refs;
 	char *name;
 	char *description; /* NULL when none */
 	bool readonly;
 	uint32_t block_size; /* preferred block size advertised */
 	uint32_t max_payload;
-	unsigned max_connections; /* 0: unlimited */
+	unsigned max_connections;	/* 0: unlimited */
 	unsigned dirty_high, dirty_low; /* percent, as configured */
-	uint64_t seq_cutoff; /* sequential reads beyond this bypass the cache */
-	struct backend *backend;    /* backing->backend */
-	struct cache_export *cache; /* backing->cache: how requests reach the backend */
+	uint64_t seq_cutoff;		/* sequential reads beyond this bypass the cache */
+	struct backend *backend;	/* backing->backend */
+	struct cache_export *cache;	/* backing->cache: how requests reach the backend */
 	struct export_backing *backing;
 };
 
@@ -85,8 +86,7 @@ struct export_reload {
 
 /* Open every export's backend and attach it to the cache. On error logs
  * which export failed. */
-int export_table_open(struct export_table *table, const struct options *opts,
-		      struct cache *cache);
+int export_table_open(struct export_table *table, const struct options *opts, struct cache *cache);
 /* Start the backends' threads, if they have any (after detaching). */
 int export_table_start(struct export_table *table);
 /* Close every backend (connections are gone). */
