@@ -24,6 +24,7 @@
 #ifndef NBDCACHED_DAEMON_BACKEND_H
 #define NBDCACHED_DAEMON_BACKEND_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -90,6 +91,16 @@ struct backend {
 	bool can_trim;	   /* TRIM does something */
 	bool can_zero;	   /* WRITE_ZEROES is native (fast) */
 	uint32_t min_block; /* smallest aligned unit for efficient I/O */
+	/*
+	 * Moves whenever writes the backend acknowledged may have been lost
+	 * before a backend flush covered them (a connection to a remote
+	 * server lost or declared dead). The cache samples it around each
+	 * backend flush: a flush only makes durable what was written before
+	 * it on connections that were not lost meanwhile, so when it moved,
+	 * the cache writes its unstable data again (cache.h). A file backend
+	 * never moves it: its failures come back as the FLUSH's own error.
+	 */
+	atomic_uint_fast64_t loss_seq;
 };
 
 /* Open a regular file or block device. readonly opens it O_RDONLY. */
