@@ -465,9 +465,9 @@ void export_table_reap(struct export_table *t,
 			p = &b->next;
 			continue;
 		}
-		struct cache_export_stats s;
-		cache_export_get_stats(b->cache, &s);
-		if (s.dirty_bytes) {
+		/* Dirty, unstable, or written since the last backend flush: a
+		 * flush round first (the backend is closed only once durable). */
+		if (cache_export_unflushed(b->cache)) {
 			b->flushing = true;
 			pthread_mutex_unlock(&t->lock);
 			start_flush(b, arg); /* may complete at once */

@@ -187,6 +187,26 @@ static void on_signal(evutil_socket_t sig, short what, void *arg)
 	event_base_loopexit(s->base, NULL);
 }
 
+/*
+ * Stopping with data still to write back (about once a second): each
+ * second in which some of it became durable extends systemd's stop
+ * timeout (TimeoutStopSec=) by STOP_EXTEND_SECONDS, so a slow backend is
+ * not cut off by SIGKILL while it makes progress; one that takes nothing
+ * for that long is (nbdcached(8), "SIGNALS").
+ */
+#define STOP_EXTEND_SECONDS 30
+
+static void on_stop_progress(uint64_t remaining, void *arg)
+{
+	uint64_t *last = arg;
+	if (remaining < *last) {
+		sd_notifyf(0, "EXTEND_TIMEOUT_USEC=%llu\nSTATUS=stopping: %llu bytes to write back",
+			   (unsigned long long)STOP_EXTEND_SECONDS * 1000000u,
+			   (unsigned long long)remaining);
+	}
+	*last = remaining;
+}
+
 /* Tell systemd we are alive (WatchdogSec=), at half its interval. */
 static void on_watchdog(evutil_socket_t fd, short what, void *arg)
 {
@@ -460,7 +480,9 @@ out_workers:
 		event_free(sigterm);
 	if (sigint)
 		event_free(sigint);
-	cache_stop(s.cache);
+	uint64_t stop_left = UINT64_MAX;
+	if (cache_stop(s.cache, on_stop_progress, &stop_left) < 0)
+		status = 1;
 	if (opts->pidfile && status == 0 && unlink(opts->pidfile) < 0)
 		log_debug("--pidfile %s: cannot remove it: %s", opts->pidfile, strerror(errno));
 out_base:
@@ -476,7 +498,7 @@ out_listeners:
 	if (control_fd >= 0)
 		close(control_fd);
 out_exports:
-	cache_stop(s.cache); /* no-op unless started */
+	cache_stop(s.cache, NULL, NULL); /* no-op unless started */
 	export_table_close(&s.exports);
 out_cache:
 	cache_destroy(s.cache);

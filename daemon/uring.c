@@ -18,6 +18,8 @@
 
 #include "daemon/log.h"
 
+#define URING_SUBMIT_TRIES 64
+
 static void uring_on_eventfd(evutil_socket_t fd, short what, void *arg)
 {
 	(void)what;
@@ -35,6 +37,13 @@ static void uring_on_retry(evutil_socket_t fd, short what, void *arg)
 	(void)fd;
 	(void)what;
 	struct uring *u = arg;
+	struct uring_op *op = u->failed_head;
+	u->failed_head = u->failed_tail = NULL;
+	while (op) {
+		struct uring_op *next = op->failed_next;
+		op->complete(op, op->failed_res);
+		op = next;
+	}
 	uring_reap(u);
 	uring_submit(u);
 }
@@ -96,11 +105,26 @@ void uring_close(struct uring *u)
 struct io_uring_sqe *uring_get_sqe(struct uring *u, struct uring_op *op)
 {
 	struct io_uring_sqe *sqe;
-	while (!(sqe = io_uring_get_sqe(&u->ring))) {
-		int rc = uring_submit(u);
-		if (rc < 0 && rc != -EAGAIN && rc != -EBUSY)
-			log_error("io_uring submit: %s", strerror(-rc));
-		if (rc == -EAGAIN || rc == -EBUSY)
+	int rc = 0;
+	/* Bounded: a kernel that keeps refusing must not spin the worker. */
+	for (unsigned tries = 0; !(sqe = io_uring_get_sqe(&u->ring)); tries++) {
+		if (tries == URING_SUBMIT_TRIES) {
+			log_error("io_uring submit: %s; failing the request",
+				  strerror(rc < 0 ? -rc : EAGAIN));
+			op->failed_res = rc < 0 ? rc : -EAGAIN;
+			op->failed_next = NULL;
+			if (u->failed_tail)
+				u->failed_tail->failed_next = op;
+			else
+				u->failed_head = op;
+			u->failed_tail = op;
+			struct timeval now = {0, 0};
+			evtimer_add(u->retry, &now);
+			memset(&u->scratch, 0, sizeof(u->scratch));
+			return &u->scratch;
+		}
+		rc = uring_submit(u);
+		if (rc == -EAGAIN || rc == -EBUSY || rc == -EINTR)
 			uring_reap(u);
 	}
 	io_uring_sqe_set_data(sqe, op);

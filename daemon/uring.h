@@ -24,6 +24,9 @@ struct event;
 struct uring_op {
 	/* res: the CQE result (>= 0, or -errno). */
 	void (*complete)(struct uring_op *op, int res);
+	/* Private: an op the ring could not take, completed from the loop. */
+	struct uring_op *failed_next;
+	int failed_res;
 };
 
 struct uring {
@@ -33,13 +36,20 @@ struct uring {
 	struct event *retry; /* resubmits after a refused io_uring_enter */
 	unsigned unsubmitted;
 	unsigned inflight;
+	/* Ops refused for good (the submission queue stayed full): each is
+	 * prepared into scratch, never submitted, and completed with its
+	 * error from the event loop (uring_get_sqe). */
+	struct io_uring_sqe scratch;
+	struct uring_op *failed_head, *failed_tail;
 };
 
 int uring_init(struct uring *u, struct event_base *base, unsigned entries);
 void uring_close(struct uring *u);
 /*
  * An SQE whose user_data is set to op. Never NULL: when the submission
- * queue is full, the queued SQEs are submitted first.
+ * queue is full, the queued SQEs are submitted first; if the kernel keeps
+ * refusing them, op completes with that error from the event loop (soon,
+ * never inside this call) and the SQE returned is a scratch one.
  */
 struct io_uring_sqe *uring_get_sqe(struct uring *u, struct uring_op *op);
 /* Submit what was prepared. Returns 0 or -errno. */

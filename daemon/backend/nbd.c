@@ -240,6 +240,7 @@ static void conn_lost(struct nbd_conn *c)
 			nb->connected = true;
 	if (nb->unflushed)
 		nb->lost_writes = true;
+	atomic_fetch_add(&nb->base.loss_seq, 1); /* the cache writes its unstable data again */
 	if (first && !nb->connected)
 		log_error("backend %s: backend connection lost (%s); reconnecting", nb->name,
 			  why ? why : "closed");

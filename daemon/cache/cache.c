@@ -327,7 +327,7 @@ static void entry_destroy(struct cache *c, struct cache_shard *sh, struct cache_
 static bool entry_evictable(struct cache_entry *e)
 {
 	return atomic_load_explicit(&e->pins, memory_order_acquire) == 0 && !e->on_dirty_list &&
-	       !e->writeback && e->ndirty == 0;
+	       !e->writeback && e->ndirty == 0 && !e->on_unstable_list;
 }
 
 /*
@@ -608,6 +608,95 @@ void cache_dirty_list_update(struct cache_entry *e)
 	pthread_mutex_unlock(&ce->lock);
 }
 
+/* ---- unstable state: written back, not yet flushed ---- */
+
+void cache_mark_unstable(struct cache_entry *e, uint32_t blocks, uint64_t seq)
+{
+	struct cache_export *ce = e->ce;
+	uint32_t room = e->nblocks - e->nunstable;
+	uint32_t added = blocks < room ? blocks : room;
+	e->nunstable += added;
+	atomic_fetch_add(&ce->counters.unstable_bytes, (uint64_t)added << ce->block_shift);
+	pthread_mutex_lock(&ce->lock);
+	if (e->on_unstable_list) { /* to the tail: the list stays in write order */
+		if (e->unstable_prev)
+			e->unstable_prev->unstable_next = e->unstable_next;
+		else
+			ce->unstable_head = e->unstable_next;
+		if (e->unstable_next)
+			e->unstable_next->unstable_prev = e->unstable_prev;
+		else
+			ce->unstable_tail = e->unstable_prev;
+	}
+	e->unstable_next = NULL;
+	e->unstable_prev = ce->unstable_tail;
+	if (!ce->unstable_head)
+		ce->unstable_since = cache_now_ns();
+	if (ce->unstable_tail)
+		ce->unstable_tail->unstable_next = e;
+	else
+		ce->unstable_head = e;
+	ce->unstable_tail = e;
+	e->on_unstable_list = true;
+	if (seq > e->unstable_seq)
+		e->unstable_seq = seq;
+	pthread_mutex_unlock(&ce->lock);
+}
+
+void cache_unstable_settle(struct cache_entry *e, bool redirty)
+{
+	struct cache_export *ce = e->ce;
+	if (!e->on_unstable_list)
+		return;
+	if (redirty) {
+		const uint64_t *uptodate = cache_uptodate_map(e);
+		for (uint32_t b = 0; b < e->nblocks; b++)
+			if (bit_test(uptodate, b))
+				cache_mark_dirty(e, b, 1);
+	}
+	atomic_fetch_sub(&ce->counters.unstable_bytes, (uint64_t)e->nunstable << ce->block_shift);
+	e->nunstable = 0;
+	e->unstable_seq = 0;
+	pthread_mutex_lock(&ce->lock);
+	if (e->unstable_prev)
+		e->unstable_prev->unstable_next = e->unstable_next;
+	else
+		ce->unstable_head = e->unstable_next;
+	if (e->unstable_next)
+		e->unstable_next->unstable_prev = e->unstable_prev;
+	else
+		ce->unstable_tail = e->unstable_prev;
+	e->on_unstable_list = false;
+	e->unstable_prev = e->unstable_next = NULL;
+	pthread_mutex_unlock(&ce->lock);
+}
+
+int cache_unstable_collect(struct cache_export *ce, uint64_t seq, struct cache_entry ***out,
+			   size_t *count)
+{
+	pthread_mutex_lock(&ce->lock);
+	size_t n = 0;
+	for (struct cache_entry *e = ce->unstable_head; e; e = e->unstable_next)
+		if (e->unstable_seq <= seq)
+			n++;
+	struct cache_entry **v = malloc((n ? n : 1) * sizeof(*v));
+	if (!v) {
+		pthread_mutex_unlock(&ce->lock);
+		return -ENOMEM;
+	}
+	size_t i = 0;
+	for (struct cache_entry *e = ce->unstable_head; e && i < n; e = e->unstable_next) {
+		if (e->unstable_seq <= seq) {
+			cache_entry_pin(e); /* on the unstable list: it cannot be evicted */
+			v[i++] = e;
+		}
+	}
+	pthread_mutex_unlock(&ce->lock);
+	*out = v;
+	*count = i;
+	return 0;
+}
+
 /* ---- waiting ---- */
 
 uint64_t cache_waitq_seq(struct cache *c)
@@ -701,10 +790,10 @@ int cache_start(struct cache *c)
 	return rc;
 }
 
-void cache_stop(struct cache *c)
+int cache_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg), void *arg)
 {
 	compactor_stop(c);
-	writeback_stop(c);
+	return writeback_stop(c, progress, arg);
 }
 
 void cache_destroy(struct cache *c)
@@ -845,10 +934,17 @@ int cache_export_retire(struct cache_export *ce)
 	int rc = cache_export_drop_clean(ce, &dropped, &kept);
 	if (rc < 0)
 		return rc;
-	if (kept || atomic_load(&ce->counters.dirty_bytes))
+	if (kept || cache_export_unflushed(ce))
 		return -EBUSY;
 	atomic_store(&ce->retired, true);
 	return 0;
+}
+
+bool cache_export_unflushed(struct cache_export *ce)
+{
+	return atomic_load(&ce->counters.dirty_bytes) ||
+	       atomic_load(&ce->counters.unstable_bytes) ||
+	       atomic_load(&ce->backend_writes_done) != atomic_load(&ce->backend_writes_flushed);
 }
 
 uint64_t cache_export_error_seq(struct cache_export *ce)
@@ -875,6 +971,10 @@ static void counters_load(const struct cache_counters *k, struct cache_export_st
 	s->direct_writes = atomic_load(&k->direct_writes);
 	s->dirty_bytes = atomic_load(&k->dirty_bytes);
 	s->cached_bytes = atomic_load(&k->cached_bytes);
+	s->unstable_bytes = atomic_load(&k->unstable_bytes);
+	s->backend_flushes = atomic_load(&k->backend_flushes);
+	s->backend_flush_errors = atomic_load(&k->backend_flush_errors);
+	s->losses = atomic_load(&k->losses);
 }
 
 static void counters_sum(struct cache_export_stats *sum, const struct cache_export_stats *s)
@@ -891,6 +991,10 @@ static void counters_sum(struct cache_export_stats *sum, const struct cache_expo
 	sum->writeback_errors += s->writeback_errors;
 	sum->bypass_reads += s->bypass_reads;
 	sum->direct_writes += s->direct_writes;
+	sum->unstable_bytes += s->unstable_bytes;
+	sum->backend_flushes += s->backend_flushes;
+	sum->backend_flush_errors += s->backend_flush_errors;
+	sum->losses += s->losses;
 }
 
 void cache_export_get_stats(struct cache_export *ce, struct cache_export_stats *out)

@@ -19,17 +19,42 @@
  *
  *   shard lock  ->  evict lock  ->  (other shard: try-lock only)
  *               ->  export lock ->  arena lock
+ *   evict lock  ->  export lock (entry_destroy -> range_destroy)
  *   The evict lock is never taken while holding an export lock; the waitq
  *   lock and the compactor's lock are leaves, taken alone.
  *
  *   shard lock   index of its device ranges, and every field of their
  *                entries except pins and freq (atomics)
- *   export lock  the export's dirty list, its range list, its direct (write
- *                to backend) operations in flight and its error sequence;
+ *   export lock  the export's dirty and unstable lists, its range list,
+ *                its direct (write to backend) operations in flight and
+ *                its error sequence;
  *                an entry on the dirty list may be pinned under this lock
  *                alone, because it cannot be evicted without leaving that
  *                list first
  *   evict lock   the S3-FIFO queues and the ghost table
+ *
+ * Durability (one model per export, kept here and in writeback.c):
+ *
+ *   dirty     written by a client into the cache only; not evictable
+ *   unstable  written back: the backend acknowledged it, no backend flush
+ *             sent after that write has succeeded yet (as NFS's unstable
+ *             writes before COMMIT); still not evictable
+ *   clean     a backend flush sent after its write succeeded, and the
+ *             backend's loss_seq did not move meanwhile
+ *
+ *   A backend flush that fails, or a move of the backend's loss_seq (a
+ *   connection to a remote server lost), turns every unstable entry dirty
+ *   again: the cache writes it again, so no acknowledged byte depends on
+ *   a flush that did not happen. FLUSH runs in rounds (writeback.c): a
+ *   round writes back the dirty list as it was when the round started,
+ *   then flushes the backend; FLUSHes that arrive meanwhile share the
+ *   next round. A FLUSH fails with EIO when its round could not write or
+ *   flush (the data stays, and the next FLUSH tries again). Direct writes
+ *   (FUA aside) are unstable on the backend too, and where the cache does
+ *   not hold them they cannot be written again: their loss moves the
+ *   export's error sequence, and every connection's next FLUSH reports it
+ *   once. Shutdown writes everything back and flushes; what it cannot make
+ *   durable it keeps retrying, and says how many bytes.
  *
  * Threads: cache_submit() runs on a worker thread and uses that worker's
  * ring; completions and retries come back to the same worker. Writeback and
@@ -101,6 +126,8 @@ struct cache_op {
 	size_t nspans;
 	struct backend_io io; /* direct operations */
 	struct cache_op *direct_next;
+	struct cache_op *flush_next; /* FLUSH: waiting for or in a flush round */
+	uint64_t write_seq;	     /* direct write: backend_writes_done after it */
 };
 
 /*
@@ -114,6 +141,9 @@ struct cache_export_stats {
 	uint64_t writeback_bytes, evictions, writeback_errors, bypass_reads, direct_writes;
 	uint64_t dirty_bytes;  /* dirty, or being written back */
 	uint64_t cached_bytes; /* arena bytes its entries hold */
+	uint64_t unstable_bytes; /* written back, waiting for a backend flush */
+	uint64_t backend_flushes, backend_flush_errors;
+	uint64_t losses; /* times the backend may have lost unflushed writes */
 };
 
 struct cache_stats {
@@ -158,12 +188,15 @@ int cache_create(const struct options *opts, struct cache **out);
 /* Start the writeback thread (after fork). */
 int cache_start(struct cache *c);
 /*
- * Write back everything, then stop the writeback thread. Blocks. When the
- * backend refuses the data it says so and retries every few seconds,
- * keeping the data: only a second SIGTERM/SIGINT (default action) ends the
- * process then.
+ * Write back everything and flush the backends, then stop the writeback
+ * thread. Blocks, calling progress(bytes not durable yet) about once a
+ * second. When a backend refuses the data it says so and retries every
+ * few seconds, keeping the data: a second SIGTERM/SIGINT then ends the
+ * process with exit status 1, saying how many bytes are lost. Returns 0,
+ * or -EIO when writes that went to a backend directly (not through the
+ * cache) may have been lost at exit.
  */
-void cache_stop(struct cache *c);
+int cache_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg), void *arg);
 void cache_destroy(struct cache *c);
 
 int cache_export_add(struct cache *c, struct backend *be, const struct export_spec *spec,
@@ -183,8 +216,12 @@ int cache_export_drop_clean(struct cache_export *ce, uint64_t *dropped, uint64_t
  * it holds nothing (0) its backend may be closed; -EBUSY while dirty or
  * pinned data remains (write it back first, then call again). */
 int cache_export_retire(struct cache_export *ce);
-/* The export's writeback error sequence: a connection samples it when it
- * starts, and FLUSH reports EIO once whenever it has moved since. */
+/* Is anything of the export not durable yet: dirty, unstable, or a
+ * backend write no backend flush covered? (The reaper flushes until not.) */
+bool cache_export_unflushed(struct cache_export *ce);
+/* The export's error sequence (see "Durability" above): a connection
+ * samples it when it starts, and FLUSH reports EIO once whenever it has
+ * moved since. */
 uint64_t cache_export_error_seq(struct cache_export *ce);
 
 void cache_submit(struct cache_op *op);

@@ -323,6 +323,9 @@ static int collapse_range(struct cache *c, struct cache_export *ce, uint64_t ind
 			res->skipped_pinned++;
 			goto out;
 		}
+		/* Waiting for a backend flush: the flush settles it by handle. */
+		if (r->entries[i]->on_unstable_list)
+			goto out;
 	}
 	frame = arena_alloc(a, ARENA_MAX_ORDER);
 	if (frame < 0) {

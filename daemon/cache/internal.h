@@ -23,6 +23,8 @@
 #include "daemon/cache/arena.h"
 #include "daemon/cache/cache.h"
 
+struct flush_job;
+
 #define CACHE_SHARDS 64
 #define CACHE_RANGE_SHIFT 21 /* 2 MiB device ranges */
 #define CACHE_NOT_QUEUED 0
@@ -47,9 +49,15 @@ struct cache_entry {
 	 * a hit sends it as data without reading it first. */
 	bool may_hold_zeros;
 	bool on_dirty_list;
+	bool on_unstable_list; /* written back, no backend flush since: see cache.h */
+	uint32_t nunstable;    /* blocks written back since the last flush (<= nblocks) */
 	uint64_t dirty_since; /* monotonic ns, when it joined the dirty list */
+	/* backend_writes_done after its latest write back: a backend flush sent
+	 * once that many writes were done makes the entry clean. */
+	uint64_t unstable_seq;
 	struct cache_entry *fifo_prev, *fifo_next;
 	struct cache_entry *dirty_prev, *dirty_next;
+	struct cache_entry *unstable_prev, *unstable_next;
 	uint64_t bits[]; /* uptodate, dirty, busy: words_per_map each */
 };
 
@@ -86,6 +94,7 @@ struct cache_counters {
 	atomic_uint_fast64_t backend_writes, backend_write_bytes, writeback_bytes;
 	atomic_uint_fast64_t evictions, writeback_errors, bypass_reads, direct_writes;
 	atomic_uint_fast64_t dirty_bytes, entries, metadata_bytes, cached_bytes;
+	atomic_uint_fast64_t unstable_bytes, backend_flushes, backend_flush_errors, losses;
 	/* The cache's only (compact.c): */
 	atomic_uint_fast64_t entry_bytes, large_bytes; /* bytes in entries, in order-9 ones */
 	atomic_uint_fast64_t alloc_2m_attempts, alloc_2m_ok;
@@ -110,16 +119,35 @@ struct cache_export {
 
 	pthread_mutex_t lock; /* the export lock, see cache.h */
 	struct cache_entry *dirty_head, *dirty_tail; /* oldest first */
+	/* Written back, waiting for a backend flush; oldest write first. */
+	struct cache_entry *unstable_head, *unstable_tail;
 	struct cache_range *ranges;
 	uint64_t range_count;
 	struct cache_op *direct; /* direct operations in flight */
-	uint64_t error_seq;	 /* bumped when writeback starts failing */
+	/* Moves when acknowledged data the cache does not hold (a direct write
+	 * no flush covered yet) may be lost: each connection's next FLUSH
+	 * reports EIO once (cache.h, "Durability"). */
+	uint64_t error_seq;
 	bool writeback_failing;
 	int last_error;
 	uint64_t retry_at; /* monotonic ns: background writeback waits till then */
-	/* Writes the backend acknowledged, and how many of them the last
-	 * successful backend flush covered: equal means nothing to flush. */
+	/* The log of writeback failures (writeback.c, note_failure_locked). */
+	uint64_t failure_log_ns, recovery_log_ns, failures_unlogged;
+	bool failure_logged;
+	/* Writes the backend acknowledged (writeback and direct), and how many
+	 * of them the last successful backend flush covered: equal means
+	 * nothing to flush. direct_*: the direct writes (not FUA) among them,
+	 * which the cache cannot write again. */
 	atomic_uint_fast64_t backend_writes_done, backend_writes_flushed;
+	atomic_uint_fast64_t direct_writes_done, direct_writes_flushed;
+	/* Writeback thread only: the backend's loss_seq already acted on, the
+	 * flush round running (writeback.c) and the FLUSHes waiting for the
+	 * next one. */
+	uint64_t loss_seen;
+	struct flush_job *round;
+	struct cache_op *flush_waiting_head, *flush_waiting_tail;
+	bool shutdown_waiting; /* the next round is the shutdown's */
+	uint64_t unstable_since; /* monotonic ns: the unstable list became non-empty */
 	struct cache_counters counters;
 	/* Set once its export is gone and it holds nothing (cache_export_retire):
 	 * it stays on the list, skipped, so no thread walking it is surprised. */
@@ -209,6 +237,17 @@ void cache_clear_dirty(struct cache_entry *e, uint32_t first, uint32_t count);
 void cache_dirty_list_update(struct cache_entry *e);
 /* Unlink e from its export's dirty list (export lock held, e on it). */
 void cache_dirty_list_remove(struct cache_export *ce, struct cache_entry *e);
+/* Blocks of e were written back by the write numbered seq (backend_writes_done
+ * after it): e stays unevictable until a backend flush covers it. Shard lock. */
+void cache_mark_unstable(struct cache_entry *e, uint32_t blocks, uint64_t seq);
+/* A backend flush covered e: it is clean (shard lock held, takes the
+ * export lock). redirty: the flush failed or the backend lost writes, so
+ * every uptodate block of e is dirty again (written again) instead. */
+void cache_unstable_settle(struct cache_entry *e, bool redirty);
+/* Pin and collect the entries of the unstable list whose unstable_seq is
+ * at most seq (all of them: UINT64_MAX); *out malloc'd. Takes the export lock. */
+int cache_unstable_collect(struct cache_export *ce, uint64_t seq, struct cache_entry ***out,
+			   size_t *count);
 
 static inline uint64_t cache_entry_offset(const struct cache_entry *e)
 {
@@ -261,7 +300,9 @@ int writeback_start(struct cache *c);
 void writeback_kick(struct cache *c);
 /* FLUSH: hand op to the writeback thread; op->done runs on op->worker. */
 void writeback_flush(struct cache_op *op);
-void writeback_stop(struct cache *c);
+/* Write everything back and flush; blocks, calling progress about once a
+ * second. 0, or -EIO when writes that went to a backend directly were lost. */
+int writeback_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg), void *arg);
 void writeback_destroy(struct cache *c);
 /* io.c: is a direct operation in flight over [offset, offset+length)?
  * Export lock held. */

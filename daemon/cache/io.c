@@ -40,6 +40,7 @@
  *             dirty ones stay
  */
 #include <errno.h>
+#include <event2/event.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -569,6 +570,25 @@ static void cached_step(struct cache_op *op)
 
 /* ---- direct operations ---- */
 
+static void op_retry_timer(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	op_run(arg);
+}
+
+/*
+ * Run op again in a while, from the worker's event loop: a step that
+ * cannot progress now (out of memory) must neither spin on the worker nor
+ * keep its other connections waiting.
+ */
+static void op_retry_later(struct cache_op *op)
+{
+	struct timeval tv = {0, 10000};
+	if (event_base_once(op->worker->base, -1, EV_TIMEOUT, op_retry_timer, op, &tv) < 0)
+		worker_post(op->worker, &op->waiter.task); /* runs op_task: op_run */
+}
+
 bool cache_direct_overlaps(struct cache_export *ce, uint64_t offset, uint64_t length)
 {
 	for (struct cache_op *d = ce->direct; d; d = d->direct_next)
@@ -642,6 +662,7 @@ static void direct_apply(struct cache_entry *e, void *arg)
 		 *busy = cache_busy_map(e);
 	uint8_t *mem = arena_address(&ce->cache->arena, e->frame);
 	bool populate = ok && op->cmd == BACKEND_WRITE && ce->mode == CACHE_MODE_WRITETHROUGH;
+	uint32_t touched = 0;
 	for (uint32_t blk = first; blk <= last; blk++) {
 		uint64_t bs, be;
 		block_range(e, blk, &bs, &be);
@@ -666,6 +687,7 @@ static void direct_apply(struct cache_entry *e, void *arg)
 				memcpy(mem + (x - base), op->payload + (x - op->offset), y - x);
 			else
 				memset(mem + (x - base), 0, y - x);
+			touched++;
 		}
 		if (full) {
 			bit_set(uptodate, blk);
@@ -675,6 +697,10 @@ static void direct_apply(struct cache_entry *e, void *arg)
 	e->invalidations++;
 	if (ok)
 		e->may_hold_zeros = true;
+	/* The cached copy is the one to write again if the backend loses
+	 * the write before a flush: it stays until one covers it. */
+	if (touched && op->write_seq)
+		cache_mark_unstable(e, touched, op->write_seq);
 	cache_dirty_list_update(e);
 }
 
@@ -718,10 +744,13 @@ static void direct_unregister(struct cache_op *op)
 static void direct_done(struct backend_io *io, int result)
 {
 	struct cache_op *op = (struct cache_op *)((char *)io - offsetof(struct cache_op, io));
-	if (result < 0)
+	if (result < 0) {
 		op->error = result;
-	else
-		atomic_fetch_add(&op->ce->backend_writes_done, 1);
+	} else if (!(op->flags & BACKEND_FUA)) {
+		/* Acknowledged, not durable until a backend flush (cache.h). */
+		op->write_seq = atomic_fetch_add(&op->ce->backend_writes_done, 1) + 1;
+		atomic_fetch_add(&op->ce->direct_writes_done, 1);
+	}
 	op->stage = 3;
 	op->pending--;
 	op_run(op);
@@ -791,7 +820,7 @@ static void direct_step(struct cache_op *op)
 				 */
 				log_warn("cache: out of memory applying a write to the cache; "
 					 "retrying");
-				op->rerun = true;
+				op_retry_later(op);
 				return;
 			}
 		}
@@ -844,75 +873,59 @@ static int span_add(struct cache_span **spans, size_t *n, size_t *cap, uint64_t 
 	return 0;
 }
 
+struct span_walk {
+	struct cache_span *spans;
+	size_t n, cap;
+	int rc;
+};
+
+/* Shard lock held: the dirty runs of e (all of e while written back). */
+static void span_collect(struct cache_entry *e, void *arg)
+{
+	struct span_walk *w = arg;
+	if (w->rc < 0)
+		return;
+	if (e->writeback) {
+		w->rc = span_add(&w->spans, &w->n, &w->cap, cache_entry_offset(e),
+				 cache_entry_offset(e) + cache_entry_bytes(e));
+		return;
+	}
+	if (e->ndirty == 0)
+		return;
+	const uint64_t *dirty = cache_dirty_map(e);
+	for (uint32_t b = 0; b < e->nblocks && w->rc == 0; b++) {
+		if (!bit_test(dirty, b))
+			continue;
+		uint32_t r = b;
+		while (r < e->nblocks && bit_test(dirty, r))
+			r++;
+		uint64_t bs, be, rs, re;
+		block_range(e, b, &bs, &be);
+		block_range(e, r - 1, &rs, &re);
+		w->rc = span_add(&w->spans, &w->n, &w->cap, bs, re);
+		b = r;
+	}
+}
+
 /*
- * The backend's extents, with every block that holds dirty data reported
- * as data: the backend may still have a hole there. Entries come from the
- * export's dirty list (pinned under the export lock, see cache.h); an entry
- * being written back counts as dirty as a whole.
+ * The dirty runs in the range asked, from the index (for_each_entry): the
+ * cost follows what is cached there, not the export's dirty data. An
+ * entry being written back counts as dirty as a whole.
  */
 static int collect_dirty_spans(struct cache_op *op)
 {
-	struct cache_export *ce = op->ce;
-	uint64_t start = op->offset, end = op->offset + op->length;
-	size_t ne = 0, ecap = 0;
-	struct cache_entry **entries = NULL;
-	int rc = 0;
-	pthread_mutex_lock(&ce->lock);
-	for (struct cache_entry *e = ce->dirty_head; e; e = e->dirty_next) {
-		uint64_t eo = cache_entry_offset(e), ee = eo + cache_entry_bytes(e);
-		if (ee <= start || eo >= end)
-			continue;
-		if (ne == ecap) {
-			size_t c = ecap ? ecap * 2 : 16;
-			struct cache_entry **v = realloc(entries, c * sizeof(*v));
-			if (!v) {
-				rc = -ENOMEM;
-				break;
-			}
-			entries = v;
-			ecap = c;
-		}
-		cache_entry_pin(e);
-		entries[ne++] = e;
-	}
-	pthread_mutex_unlock(&ce->lock);
-	size_t n = 0, cap = 0;
-	struct cache_span *spans = NULL;
-	for (size_t i = 0; i < ne; i++) {
-		struct cache_entry *e = entries[i];
-		struct cache_shard *sh = shard_of(ce, cache_entry_offset(e));
-		pthread_mutex_lock(&sh->lock);
-		if (e->writeback) {
-			if (rc == 0)
-				rc = span_add(&spans, &n, &cap, cache_entry_offset(e),
-					      cache_entry_offset(e) + cache_entry_bytes(e));
-		} else {
-			uint64_t *dirty = cache_dirty_map(e);
-			for (uint32_t b = 0; b < e->nblocks && rc == 0; b++) {
-				if (!bit_test(dirty, b))
-					continue;
-				uint32_t r = b;
-				while (r < e->nblocks && bit_test(dirty, r))
-					r++;
-				uint64_t bs, be, rs, re;
-				block_range(e, b, &bs, &be);
-				block_range(e, r - 1, &rs, &re);
-				rc = span_add(&spans, &n, &cap, bs, re);
-				b = r;
-			}
-		}
-		pthread_mutex_unlock(&sh->lock);
-		cache_entry_unpin(e);
-	}
-	free(entries);
+	struct span_walk w = {0};
+	int rc = op->length ? for_each_entry(op->ce, op->offset, op->length, span_collect, &w) : 0;
+	if (rc == 0)
+		rc = w.rc;
 	if (rc < 0) {
-		free(spans);
+		free(w.spans);
 		return rc;
 	}
-	if (n)
-		qsort(spans, n, sizeof(*spans), cmp_span);
-	op->spans = spans;
-	op->nspans = n;
+	if (w.n)
+		qsort(w.spans, w.n, sizeof(*w.spans), cmp_span);
+	op->spans = w.spans;
+	op->nspans = w.n;
 	return 0;
 }
 
@@ -1030,6 +1043,7 @@ void cache_submit(struct cache_op *op)
 	op->some_cached = false;
 	op->spans = NULL;
 	op->nspans = 0;
+	op->write_seq = 0;
 	op->waiter.worker = op->worker;
 	op->waiter.task.run = op_task;
 	int rc = 0;

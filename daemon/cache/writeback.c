@@ -1,31 +1,42 @@
 /*
- * daemon/cache/writeback.c: dirty data back to the backend.
+ * daemon/cache/writeback.c: dirty data back to the backend, and the
+ * backend flushes that make it durable (the durability model: cache.h).
  *
  * One writeback thread, an event loop with its own io_uring (it is a
  * struct worker without connections). It writes back:
  *
  *   - in the background, oldest first: entries dirty for longer than
  *     --dirty-expire, and everything while dirty data is above
- *     --dirty-high, until it is below --dirty-low;
- *   - for FLUSH: every entry on the export's dirty list when the FLUSH
- *     arrived (which holds every block dirtied by a write completed
- *     before it, on any connection), then the backend is flushed. The
- *     cost follows the dirty data, not the export size;
+ *     --dirty-high, until it is below --dirty-low; and it sends its own
+ *     backend flushes so written-back data does not stay unstable long;
+ *   - for FLUSH, in rounds: a round writes back every entry on the
+ *     export's dirty list when it starts (which holds every block dirtied
+ *     by a write completed before it, on any connection), then flushes
+ *     the backend. One round runs per export at a time; FLUSHes that
+ *     arrive meanwhile wait for the next round and share it (group
+ *     commit), so 128 concurrent FLUSHes cost at most two rounds, and a
+ *     round costs what is dirty, not the export size;
  *   - at shutdown: everything, retrying while the backend refuses.
  *
- * Writing back an entry: under its shard lock, copy its dirty bits, clear
- * them and set entry->writeback (it stays on the dirty list and pinned);
- * each run of adjacent dirty blocks is one backend write straight from the
- * arena. A write that lands again meanwhile just sets the bits again. If a
- * backend write fails the copied bits are set dirty again: nothing is
- * dropped, and the export's error sequence moves once per failing spell,
- * so each connection's next FLUSH reports it once.
+ * Writing back an entry: under its shard lock, take the dirty blocks no
+ * write is copying into (busy), clear their dirty bits and mark them busy
+ * (a write to them waits, so the backend never gets a torn block), set
+ * entry->writeback (it stays on the dirty list, pinned); each run of
+ * adjacent taken blocks is one backend write straight from the arena.
+ * When the writes complete the blocks are unstable (success) or dirty
+ * again (failure): nothing is dropped.
+ *
+ * A backend flush makes clean the unstable entries written before it was
+ * sent, unless the backend's loss_seq moved (a connection was lost) or
+ * the flush failed: then every unstable entry is dirty again and written
+ * again, and a round retries (a few times) or reports EIO.
  */
 #include <errno.h>
 #include <event2/event.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "daemon/cache/internal.h"
@@ -37,16 +48,18 @@
 #define WB_SHUTDOWN_RETRY_SECONDS 5
 #define WB_GROUP_MAX 512	     /* entries in one writeback group */
 #define WB_GROUP_MAX_BYTES (8u << 20) /* device bytes one group may span */
-#define WB_FLUSH_WINDOW 64	      /* writeback groups one FLUSH keeps in flight */
+#define WB_FLUSH_WINDOW 64	      /* writeback groups one round keeps in flight */
+#define WB_UNSTABLE_NS 100000000ull   /* background flush once unstable this long */
+#define WB_LOSS_RETRIES 3	      /* a round writes again after a loss this often */
+#define WB_LOG_INTERVAL_NS 10000000000ull /* writeback failures: one line per 10 s */
 
-struct flush_job;
-
-/* One entry of a writeback group: its dirty bits when the write began. */
+/* One entry of a writeback group: the blocks taken when the write began. */
 struct wb_member {
 	struct cache_entry *e;
 	uint8_t *mem; /* stable: the entry is pinned */
 	uint64_t *bits;
-	uint64_t bytes; /* dirty bytes taken: still counted dirty until written */
+	uint32_t blocks; /* taken */
+	uint64_t bytes;	 /* dirty bytes taken: still counted dirty until written */
 };
 
 /* Adjacent entries written back together: a run of dirty blocks may
@@ -58,6 +71,7 @@ struct wb_op {
 	int error;
 	unsigned n;
 	uint64_t bytes;
+	uint64_t seq; /* backend_writes_done after the last of its writes */
 	unsigned cap;
 	struct wb_member *m; /* grown as the group grows: most groups are one entry */
 };
@@ -68,12 +82,19 @@ struct wb_io {
 	uint8_t *bounce; /* a run across entries, gathered; freed when done */
 };
 
+/*
+ * A flush round of one export: writes back the dirty list as it was when
+ * the round started, then flushes the backend, and answers every FLUSH
+ * that joined it. A background round (background) only flushes; a
+ * shutdown round has no FLUSH to answer.
+ */
 struct flush_job {
 	struct writeback *wb;
-	struct cache_op *op; /* NULL: shutdown */
 	struct cache_export *ce;
+	struct cache_op *members; /* FLUSHes answered when it ends (op->flush_next) */
+	bool shutdown, background;
 	/*
-	 * Every entry on the dirty list when the FLUSH came, pinned:
+	 * Every entry on the dirty list when the round started, pinned:
 	 * [0, nbusy) had to wait (a writeback or direct operation in flight
 	 * over them), [nbusy, cursor) are done, [cursor, n) are still to visit.
 	 */
@@ -84,10 +105,12 @@ struct flush_job {
 	int stage; /* 0 writing, 1 flushing the backend, 2 done */
 	bool advancing, again; /* completions may run inside flush_advance */
 	bool waiting; /* on the waitq, or its waiter task posted */
+	unsigned loss_retries;
 	uint64_t writes_covered; /* backend_writes_done when the flush was sent */
+	uint64_t direct_covered; /* direct_writes_done then */
+	uint64_t loss_at_send;	 /* the backend's loss_seq then */
 	struct backend_io flush_io;
 	struct cache_waiter waiter;
-	struct worker_task start, reply;
 	struct flush_job *next;
 };
 
@@ -109,6 +132,8 @@ struct writeback {
 	struct event *retry;
 	unsigned shutdown_jobs;
 	int shutdown_error;
+	uint64_t shutdown_lost; /* direct writes lost while stopping (no client to tell) */
+	bool stopping;
 	pthread_mutex_t lock;
 	pthread_cond_t cond;
 	bool stopped;
@@ -116,6 +141,7 @@ struct writeback {
 
 static void flush_advance(struct flush_job *job);
 static void shutdown_pass(struct writeback *wb);
+static void round_start(struct writeback *wb, struct cache_export *ce, bool background);
 
 /*
  * Advance every job not already waiting to be woken. A job may end (and be
@@ -138,6 +164,55 @@ restart:;
 
 static void background_pass(struct writeback *wb);
 
+/*
+ * A writeback or backend flush of ce failed: say so, at most once per
+ * WB_LOG_INTERVAL_NS with the count of failures in between, and the end
+ * of a failing spell at most as often (a backend that fails every other
+ * request must not flood the log). Export lock held.
+ */
+static void note_failure_locked(struct cache_export *ce, int error, const char *what)
+{
+	uint64_t now = cache_now_ns();
+	ce->writeback_failing = true;
+	ce->last_error = error;
+	ce->retry_at = now + WB_RETRY_NS;
+	if (ce->failure_log_ns && now - ce->failure_log_ns < WB_LOG_INTERVAL_NS) {
+		ce->failures_unlogged++;
+		return;
+	}
+	uint64_t more = ce->failures_unlogged;
+	ce->failures_unlogged = 0;
+	ce->failure_log_ns = now;
+	ce->failure_logged = true;
+	if (more)
+		log_error("cache: %s failed: %s (and %llu more failures in the last %llu s); the "
+			  "data stays in the cache, is written again, and FLUSH reports EIO until "
+			  "it is durable",
+			  what, strerror(-error), (unsigned long long)more,
+			  (unsigned long long)(WB_LOG_INTERVAL_NS / 1000000000u));
+	else
+		log_error("cache: %s failed: %s; the data stays in the cache, is written again, "
+			  "and FLUSH reports EIO until it is durable",
+			  what, strerror(-error));
+}
+
+/* A backend write or flush of ce succeeded: the failing spell is over. */
+static void note_success(struct cache_export *ce)
+{
+	uint64_t now = cache_now_ns();
+	pthread_mutex_lock(&ce->lock);
+	bool say = ce->writeback_failing && ce->failure_logged &&
+		   (!ce->recovery_log_ns || now - ce->recovery_log_ns >= WB_LOG_INTERVAL_NS);
+	ce->writeback_failing = false;
+	if (say) {
+		ce->failure_logged = false;
+		ce->recovery_log_ns = now;
+	}
+	pthread_mutex_unlock(&ce->lock);
+	if (say)
+		log_info("cache: writing to the backend works again");
+}
+
 /* Drop one reference to op; the last one finishes the writeback. */
 static void wb_op_put(struct wb_op *op)
 {
@@ -147,43 +222,36 @@ static void wb_op_put(struct wb_op *op)
 	struct cache *c = wb->cache;
 	struct cache_export *ce = op->m[0].e->ce;
 	for (unsigned i = 0; i < op->n; i++) {
-		struct cache_entry *e = op->m[i].e;
+		struct wb_member *m = &op->m[i];
+		struct cache_entry *e = m->e;
 		struct cache_shard *sh =
 			cache_shard_for(c, ce, cache_entry_offset(e) >> CACHE_RANGE_SHIFT);
+		size_t words = (e->nblocks + 63) / 64;
 		pthread_mutex_lock(&sh->lock);
-		cache_dirty_bytes_sub(ce, op->m[i].bytes);
+		cache_dirty_bytes_sub(ce, m->bytes);
+		uint64_t *busy = cache_busy_map(e);
+		for (size_t w = 0; w < words; w++)
+			busy[w] &= ~m->bits[w];
 		if (op->error) {
 			for (uint32_t b = 0; b < e->nblocks; b++)
-				if (bit_test(op->m[i].bits, b))
+				if (bit_test(m->bits, b))
 					cache_mark_dirty(e, b, 1);
+		} else {
+			cache_mark_unstable(e, m->blocks, op->seq);
 		}
 		e->writeback = false;
 		cache_dirty_list_update(e);
 		pthread_mutex_unlock(&sh->lock);
 		cache_entry_unpin(e);
-		free(op->m[i].bits);
+		free(m->bits);
 	}
-	pthread_mutex_lock(&ce->lock);
-	bool was_failing = ce->writeback_failing;
 	if (op->error) {
-		if (!was_failing) {
-			ce->writeback_failing = true;
-			ce->error_seq++;
-		}
-		ce->last_error = op->error;
-		ce->retry_at = cache_now_ns() + WB_RETRY_NS;
-	} else {
-		ce->writeback_failing = false;
-	}
-	pthread_mutex_unlock(&ce->lock);
-	if (op->error) {
+		pthread_mutex_lock(&ce->lock);
+		note_failure_locked(ce, op->error, "writeback to the backend");
+		pthread_mutex_unlock(&ce->lock);
 		atomic_fetch_add(&ce->counters.writeback_errors, 1);
-		if (!was_failing)
-			log_error("cache: writeback to the backend failed: %s; the data stays dirty "
-				  "in the cache and FLUSH reports EIO until it is written",
-				  strerror(-op->error));
-	} else if (was_failing) {
-		log_info("cache: writeback to the backend works again");
+	} else if (ce->writeback_failing) { /* a racy peek; note_success locks */
+		note_success(ce);
 	}
 	cache_waitq_wake(c);
 	if (op->job) {
@@ -210,17 +278,20 @@ static void wb_io_done(struct backend_io *io, int result)
 		op->error = result;
 	if (result >= 0) {
 		struct cache_export *ce = op->m[0].e->ce;
-		atomic_fetch_add(&ce->backend_writes_done, 1);
+		uint64_t seq = atomic_fetch_add(&ce->backend_writes_done, 1) + 1;
+		if (seq > op->seq)
+			op->seq = seq;
 		atomic_fetch_add(&ce->counters.writeback_bytes, length); /* written, not tried */
 	}
 	wb_op_put(op);
 }
 
 /*
- * Take e into the group (shard lock held): copy and clear its dirty bits,
- * mark it under writeback, pin it. 1 if taken, 0 if nothing is dirty,
- * -EBUSY if it must wait (a writeback or a direct operation in flight
- * over it), -ENOMEM.
+ * Take e into the group (shard lock held): its dirty blocks that no write
+ * is copying into (busy) are taken, their dirty bits cleared and marked
+ * busy; e is marked under writeback and pinned. 1 if taken, 0 if nothing
+ * is dirty, -EBUSY if it must wait (a writeback or a direct operation in
+ * flight over it, or every dirty block being written into), -ENOMEM.
  */
 static int claim_locked(struct wb_op *op, struct cache_entry *e)
 {
@@ -246,16 +317,28 @@ static int claim_locked(struct wb_op *op, struct cache_entry *e)
 	uint64_t *bits = malloc(words * sizeof(uint64_t));
 	if (!bits)
 		return -ENOMEM;
-	memcpy(bits, cache_dirty_map(e), words * sizeof(uint64_t));
-	uint64_t bytes = (uint64_t)e->ndirty << ce->block_shift;
-	cache_clear_dirty(e, 0, e->nblocks);
+	uint64_t *dirty = cache_dirty_map(e), *busy = cache_busy_map(e);
+	uint32_t taken = 0;
+	for (size_t w = 0; w < words; w++) {
+		bits[w] = dirty[w] & ~busy[w];
+		taken += (uint32_t)__builtin_popcountll(bits[w]);
+	}
+	if (taken == 0) {
+		free(bits);
+		return -EBUSY;
+	}
+	for (size_t w = 0; w < words; w++) {
+		dirty[w] &= ~bits[w];
+		busy[w] |= bits[w];
+	}
 	/* The data is not on the backend yet: it stays in dirty_bytes (the
 	 * watermarks and the stats) until the write completes. */
-	cache_dirty_bytes_add(ce, bytes);
+	e->ndirty -= taken;
+	uint64_t bytes = (uint64_t)taken << ce->block_shift;
 	e->writeback = true;
 	cache_entry_pin(e);
-	op->m[op->n++] =
-		(struct wb_member){e, arena_address(&ce->cache->arena, e->frame), bits, bytes};
+	op->m[op->n++] = (struct wb_member){e, arena_address(&ce->cache->arena, e->frame), bits,
+					    taken, bytes};
 	op->bytes += cache_entry_bytes(e);
 	return 1;
 }
@@ -282,14 +365,13 @@ static void group_extend(struct wb_op *op)
 		struct cache_entry *e = cache_lookup(ce, sh, next);
 		int rc = 0;
 		if (e && e->first_frame == next && !e->writeback && e->ndirty &&
-		    bit_test(cache_dirty_map(e), 0))
+		    bit_test(cache_dirty_map(e), 0) && !bit_test(cache_busy_map(e), 0))
 			rc = claim_locked(op, e);
 		pthread_mutex_unlock(&sh->lock);
 		if (rc <= 0)
 			return;
 	}
 }
-
 /* Write the run from (i0, b0) up to (i1, b1) exclusive: one backend write. */
 static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, uint32_t b1)
 {
@@ -449,11 +531,16 @@ static void background_pass_once(struct writeback *wb)
 				batch[n++] = e;
 			}
 		}
+		bool flush_due = ce->unstable_head && !ce->round &&
+				 (drain || now - ce->unstable_since >= WB_UNSTABLE_NS) &&
+				 (!ce->writeback_failing || now >= ce->retry_at);
 		pthread_mutex_unlock(&ce->lock);
 		for (size_t i = 0; i < n; i++) {
 			entry_writeback(wb, batch[i], NULL);
 			cache_entry_unpin(batch[i]);
 		}
+		if (flush_due)
+			round_start(wb, ce, true);
 	}
 }
 
@@ -479,63 +566,234 @@ void writeback_kick(struct cache *c)
 	worker_post(&wb->thread, &wb->kick_task);
 }
 
-/* ---- FLUSH ---- */
+/* ---- FLUSH rounds ---- */
 
 static void flush_reply_task(struct worker_task *task)
 {
-	struct flush_job *job = (struct flush_job *)((char *)task - offsetof(struct flush_job, reply));
-	struct cache_op *op = job->op;
-	int result = job->error;
-	free(job);
-	if (result < 0) {
-		result = -EIO;
-	} else if (op->seen_error) {
+	struct cache_op *op = (struct cache_op *)((char *)task - offsetof(struct cache_op, waiter.task));
+	int result = op->error < 0 ? -EIO : 0;
+	if (op->seen_error) {
+		/* Data the cache does not hold was lost since this connection
+		 * last heard of it: said once per connection. */
 		uint64_t seq = cache_export_error_seq(op->ce);
 		if (*op->seen_error != seq) {
 			*op->seen_error = seq;
 			result = -EIO;
 		}
 	}
-	if (result < 0 && op->seen_error)
-		*op->seen_error = cache_export_error_seq(op->ce);
 	op->done(op, result);
+}
+
+/*
+ * Every unstable entry of ce (or those written before the flush that
+ * covered seq) becomes clean, or, with redirty, dirty again. Writeback
+ * thread; takes shard and export locks.
+ */
+static void unstable_settle_all(struct cache_export *ce, uint64_t seq, bool redirty)
+{
+	struct cache_entry **v;
+	size_t n;
+	if (cache_unstable_collect(ce, seq, &v, &n) < 0) {
+		/* Out of memory: one at a time from the head, no allocation. */
+		for (unsigned guard = 0; guard < 1u << 30; guard++) {
+			pthread_mutex_lock(&ce->lock);
+			struct cache_entry *e = ce->unstable_head;
+			if (e && e->unstable_seq > seq)
+				e = NULL;
+			if (e)
+				cache_entry_pin(e);
+			pthread_mutex_unlock(&ce->lock);
+			if (!e)
+				return;
+			struct cache_shard *sh = cache_shard_for(ce->cache, ce,
+								 cache_entry_offset(e) >> CACHE_RANGE_SHIFT);
+			pthread_mutex_lock(&sh->lock);
+			cache_unstable_settle(e, redirty);
+			pthread_mutex_unlock(&sh->lock);
+			cache_entry_unpin(e);
+		}
+		return;
+	}
+	for (size_t i = 0; i < n; i++) {
+		struct cache_entry *e = v[i];
+		struct cache_shard *sh =
+			cache_shard_for(ce->cache, ce, cache_entry_offset(e) >> CACHE_RANGE_SHIFT);
+		pthread_mutex_lock(&sh->lock);
+		/* Written back again since it was collected: not covered. */
+		if (e->on_unstable_list && (redirty || e->unstable_seq <= seq))
+			cache_unstable_settle(e, redirty);
+		pthread_mutex_unlock(&sh->lock);
+		cache_entry_unpin(e);
+	}
+	free(v);
+	if (redirty)
+		cache_waitq_wake(ce->cache);
+}
+
+/*
+ * The backend may have lost writes no successful flush covered (a failed
+ * flush, a lost connection): what the cache holds is written again; direct
+ * writes it does not hold are lost for good, which every connection's
+ * next FLUSH reports (error_seq).
+ */
+static void lost_unflushed(struct writeback *wb, struct cache_export *ce)
+{
+	atomic_fetch_add(&ce->counters.losses, 1);
+	unstable_settle_all(ce, UINT64_MAX, true);
+	uint64_t direct = atomic_load(&ce->direct_writes_done);
+	if (direct != atomic_load(&ce->direct_writes_flushed)) {
+		atomic_store(&ce->direct_writes_flushed, direct);
+		pthread_mutex_lock(&ce->lock);
+		ce->error_seq++;
+		pthread_mutex_unlock(&ce->lock);
+		if (wb->stopping)
+			wb->shutdown_lost++;
+		log_error("cache: the backend may have lost writes that went to it directly (not "
+			  "through the cache) before a flush covered them; every connection's next "
+			  "FLUSH reports EIO");
+	}
+}
+
+/* Take every entry on the dirty list, pinned. */
+static int round_snapshot(struct flush_job *job)
+{
+	struct cache_export *ce = job->ce;
+	pthread_mutex_lock(&ce->lock);
+	size_t n = 0;
+	for (struct cache_entry *e = ce->dirty_head; e; e = e->dirty_next)
+		n++;
+	struct cache_entry **v = malloc((n ? n : 1) * sizeof(*v));
+	if (!v) {
+		pthread_mutex_unlock(&ce->lock);
+		return -ENOMEM;
+	}
+	size_t i = 0;
+	for (struct cache_entry *e = ce->dirty_head; e; e = e->dirty_next) {
+		cache_entry_pin(e); /* on the dirty list: see cache.h */
+		v[i++] = e;
+	}
+	pthread_mutex_unlock(&ce->lock);
+	free(job->entries);
+	job->entries = v;
+	job->n = i;
+	job->cursor = job->nbusy = 0;
+	return 0;
+}
+
+static void round_unpin(struct flush_job *job)
+{
+	for (size_t i = 0; i < job->nbusy; i++)
+		cache_entry_unpin(job->entries[i]);
+	for (size_t i = job->cursor; i < job->n; i++)
+		cache_entry_unpin(job->entries[i]);
+	job->n = job->cursor = job->nbusy = 0;
 }
 
 static void flush_job_end(struct flush_job *job)
 {
 	struct writeback *wb = job->wb;
+	struct cache_export *ce = job->ce;
 	struct flush_job **pp = &wb->jobs;
 	while (*pp != job)
 		pp = &(*pp)->next;
 	*pp = job->next;
 	wb->jobs_ended++;
-	for (size_t i = 0; i < job->nbusy; i++)
-		cache_entry_unpin(job->entries[i]);
-	for (size_t i = job->cursor; i < job->n; i++)
-		cache_entry_unpin(job->entries[i]);
+	ce->round = NULL;
+	round_unpin(job);
 	free(job->entries);
-	job->entries = NULL;
-	if (job->op) {
-		worker_post(job->op->worker, &job->reply);
-		return;
+	for (struct cache_op *op = job->members, *next; op; op = next) {
+		next = op->flush_next;
+		op->error = job->error;
+		op->waiter.task.run = flush_reply_task;
+		worker_post(op->worker, &op->waiter.task);
 	}
-	if (job->error && !wb->shutdown_error)
+	bool shutdown = job->shutdown;
+	if (shutdown && job->error && !wb->shutdown_error)
 		wb->shutdown_error = job->error;
 	free(job);
-	if (--wb->shutdown_jobs == 0)
+	/* FLUSHes (or the shutdown) that came meanwhile: the next round. */
+	if (ce->flush_waiting_head || ce->shutdown_waiting)
+		round_start(wb, ce, false);
+	if (shutdown && --wb->shutdown_jobs == 0)
 		shutdown_pass(wb);
+}
+
+/* Go back to writing: a loss turned unstable data dirty again. */
+static bool round_retry(struct flush_job *job)
+{
+	if (job->background || job->loss_retries++ >= WB_LOSS_RETRIES)
+		return false;
+	round_unpin(job);
+	if (round_snapshot(job) < 0)
+		return false;
+	job->stage = 0;
+	job->again = true;
+	return true;
 }
 
 static void flush_backend_done(struct backend_io *io, int result)
 {
 	struct flush_job *job = (struct flush_job *)((char *)io - offsetof(struct flush_job, flush_io));
-	if (result < 0 && !job->error)
-		job->error = result;
-	if (result >= 0)
-		atomic_store(&job->ce->backend_writes_flushed, job->writes_covered);
+	struct cache_export *ce = job->ce;
+	uint64_t loss = atomic_load(&ce->backend->loss_seq);
 	job->stage = 2;
-	if (!job->advancing)
-		flush_job_end(job);
+	if (result >= 0 && loss == job->loss_at_send) {
+		uint64_t flushed = atomic_load(&ce->backend_writes_flushed);
+		if (job->writes_covered > flushed)
+			atomic_store(&ce->backend_writes_flushed, job->writes_covered);
+		if (job->direct_covered > atomic_load(&ce->direct_writes_flushed))
+			atomic_store(&ce->direct_writes_flushed, job->direct_covered);
+		unstable_settle_all(ce, job->writes_covered, false);
+		note_success(ce);
+	} else {
+		if (result < 0) {
+			atomic_fetch_add(&ce->counters.backend_flush_errors, 1);
+			pthread_mutex_lock(&ce->lock);
+			note_failure_locked(ce, result, "a backend flush");
+			pthread_mutex_unlock(&ce->lock);
+		}
+		ce->loss_seen = loss;
+		lost_unflushed(job->wb, ce);
+		if (result < 0 || !round_retry(job))
+			job->error = result < 0 ? result : -EIO;
+	}
+	if (!job->advancing) {
+		if (job->stage == 2)
+			flush_job_end(job);
+		else
+			flush_advance(job);
+	}
+}
+
+/* Stage 1: everything is written; flush the backend if anything needs it. */
+static void round_flush(struct flush_job *job)
+{
+	struct cache_export *ce = job->ce;
+	uint64_t loss = atomic_load(&ce->backend->loss_seq);
+	if (loss != ce->loss_seen) {
+		ce->loss_seen = loss;
+		lost_unflushed(job->wb, ce);
+		if (!round_retry(job)) {
+			job->error = job->background ? 0 : -EIO;
+			job->stage = 2;
+		}
+		return;
+	}
+	job->stage = 1;
+	job->writes_covered = atomic_load(&ce->backend_writes_done);
+	job->direct_covered = atomic_load(&ce->direct_writes_done);
+	job->loss_at_send = loss;
+	if (job->writes_covered == atomic_load(&ce->backend_writes_flushed)) {
+		/* Everything acknowledged is covered by a flush already. */
+		job->stage = 2;
+		return;
+	}
+	atomic_fetch_add(&ce->counters.backend_flushes, 1);
+	memset(&job->flush_io, 0, sizeof(job->flush_io));
+	job->flush_io.cmd = BACKEND_FLUSH;
+	job->flush_io.done = flush_backend_done;
+	backend_submit(ce->backend, &job->wb->thread, &job->flush_io);
+	uring_submit(&job->wb->thread.ring);
 }
 
 static void flush_waiter_task(struct worker_task *task)
@@ -565,7 +823,7 @@ static void flush_advance(struct flush_job *job)
 		flush_job_end(job);
 }
 
-/* Write back one entry for the job: false if it has to wait (-EBUSY). */
+/* Write back one entry for the round: false if it has to wait (-EBUSY). */
 static bool flush_entry(struct flush_job *job, struct cache_entry *e)
 {
 	int rc = entry_writeback(job->wb, e, job);
@@ -604,20 +862,13 @@ static void flush_advance_once(struct flush_job *job)
 		if (job->inflight)
 			return; /* advanced again when they complete */
 		if (job->nbusy == 0 && job->cursor == job->n) {
-			job->stage = 1;
-			job->writes_covered = atomic_load(&job->ce->backend_writes_done);
-			if (!job->op && job->writes_covered ==
-					       atomic_load(&job->ce->backend_writes_flushed)) {
-				/* Shutdown, nothing written since the last flush:
-				 * no need to wait for a backend that may be gone. */
+			if (job->error) {
+				/* Some data could not be written: nothing to flush for
+				 * this round's FLUSHes, which report EIO. */
 				job->stage = 2;
 				return;
 			}
-			memset(&job->flush_io, 0, sizeof(job->flush_io));
-			job->flush_io.cmd = BACKEND_FLUSH;
-			job->flush_io.done = flush_backend_done;
-			backend_submit(job->ce->backend, &wb->thread, &job->flush_io);
-			uring_submit(&wb->thread.ring);
+			round_flush(job);
 			return;
 		}
 		if (job->again)
@@ -629,25 +880,47 @@ static void flush_advance_once(struct flush_job *job)
 	}
 }
 
-static void flush_start_task(struct worker_task *task)
+/*
+ * Start ce's next round (none may be running): it answers every FLUSH
+ * waiting now. A background round only flushes what is unstable.
+ */
+static void round_start(struct writeback *wb, struct cache_export *ce, bool background)
 {
-	struct flush_job *job = (struct flush_job *)((char *)task - offsetof(struct flush_job, start));
-	struct cache_export *ce = job->ce;
-	pthread_mutex_lock(&ce->lock);
-	size_t n = 0;
-	for (struct cache_entry *e = ce->dirty_head; e; e = e->dirty_next)
-		n++;
-	job->entries = calloc(n ? n : 1, sizeof(*job->entries));
-	if (job->entries) {
-		for (struct cache_entry *e = ce->dirty_head; e; e = e->dirty_next) {
-			cache_entry_pin(e); /* on the dirty list: see cache.h */
-			job->entries[job->n++] = e;
+	struct flush_job *job = calloc(1, sizeof(*job));
+	struct cache_op *members = ce->flush_waiting_head;
+	bool shutdown = ce->shutdown_waiting;
+	if (!job) {
+		if (!members && !shutdown)
+			return; /* a background round: the next pass tries again */
+		/* Cannot even track a round: answer EIO (the data stays). */
+		ce->flush_waiting_head = ce->flush_waiting_tail = NULL;
+		ce->shutdown_waiting = false;
+		for (struct cache_op *op = members, *next; op; op = next) {
+			next = op->flush_next;
+			op->error = -ENOMEM;
+			op->waiter.task.run = flush_reply_task;
+			worker_post(op->worker, &op->waiter.task);
 		}
+		if (shutdown) {
+			wb->shutdown_error = -ENOMEM;
+			if (--wb->shutdown_jobs == 0)
+				shutdown_pass(wb);
+		}
+		return;
 	}
-	pthread_mutex_unlock(&ce->lock);
-	job->next = job->wb->jobs;
-	job->wb->jobs = job;
-	if (!job->entries) {
+	job->wb = wb;
+	job->ce = ce;
+	job->members = members;
+	job->shutdown = shutdown;
+	job->background = background && !members && !shutdown;
+	ce->flush_waiting_head = ce->flush_waiting_tail = NULL;
+	ce->shutdown_waiting = false;
+	job->waiter.worker = &wb->thread;
+	job->waiter.task.run = flush_waiter_task;
+	ce->round = job;
+	job->next = wb->jobs;
+	wb->jobs = job;
+	if (!job->background && round_snapshot(job) < 0) {
 		job->error = -ENOMEM;
 		job->stage = 2;
 		flush_job_end(job);
@@ -656,31 +929,28 @@ static void flush_start_task(struct worker_task *task)
 	flush_advance(job);
 }
 
-static struct flush_job *flush_job_new(struct writeback *wb, struct cache_export *ce,
-				       struct cache_op *op)
+/* On the writeback thread: the FLUSH joins the export's next round. */
+static void flush_arrive_task(struct worker_task *task)
 {
-	struct flush_job *job = calloc(1, sizeof(*job));
-	if (!job)
-		return NULL;
-	job->wb = wb;
-	job->ce = ce;
-	job->op = op;
-	job->start.run = flush_start_task;
-	job->reply.run = flush_reply_task;
-	job->waiter.worker = &wb->thread;
-	job->waiter.task.run = flush_waiter_task;
-	return job;
+	struct cache_op *op = (struct cache_op *)((char *)task - offsetof(struct cache_op, waiter.task));
+	struct cache_export *ce = op->ce;
+	op->flush_next = NULL;
+	if (ce->flush_waiting_tail)
+		ce->flush_waiting_tail->flush_next = op;
+	else
+		ce->flush_waiting_head = op;
+	ce->flush_waiting_tail = op;
+	if (!ce->round)
+		round_start(ce->cache->writeback, ce, false);
 }
 
 void writeback_flush(struct cache_op *op)
 {
 	struct writeback *wb = op->ce->cache->writeback;
-	struct flush_job *job = flush_job_new(wb, op->ce, op);
-	if (!job) {
-		op->done(op, -ENOMEM);
-		return;
-	}
-	worker_post(&wb->thread, &job->start);
+	op->error = 0;
+	op->waiter.worker = op->worker;
+	op->waiter.task.run = flush_arrive_task;
+	worker_post(&wb->thread, &op->waiter.task);
 }
 
 /* ---- life cycle ---- */
@@ -716,37 +986,58 @@ int writeback_start(struct cache *c)
 	return 0;
 }
 
+/* Bytes not durable yet: dirty, being written, or unstable. */
+static struct cache_export *exports_head(struct cache *c)
+{
+	pthread_mutex_lock(&c->exports_lock);
+	struct cache_export *ce = c->exports;
+	pthread_mutex_unlock(&c->exports_lock);
+	return ce;
+}
+
+static uint64_t not_durable_bytes(struct cache *c)
+{
+	uint64_t n = atomic_load(&c->counters.dirty_bytes);
+	for (struct cache_export *ce = exports_head(c); ce; ce = ce->next)
+		if (!atomic_load(&ce->retired))
+			n += atomic_load(&ce->counters.unstable_bytes);
+	return n;
+}
+
 static void on_retry(evutil_socket_t fd, short what, void *arg)
 {
 	(void)fd;
 	(void)what;
 	struct writeback *wb = arg;
 	wb->shutdown_error = 0;
-	wb->shutdown_jobs = 1; /* held while the jobs are started */
-	for (struct cache_export *ce = wb->cache->exports; ce; ce = ce->next) {
-		struct flush_job *job = flush_job_new(wb, ce, NULL);
-		if (!job) {
-			wb->shutdown_error = -ENOMEM;
+	wb->shutdown_jobs = 1; /* held while the rounds are started */
+	for (struct cache_export *ce = exports_head(wb->cache); ce; ce = ce->next) {
+		/* A retired export's backend is closed: it holds nothing. */
+		if (atomic_load(&ce->retired))
 			continue;
-		}
 		wb->shutdown_jobs++;
-		flush_start_task(&job->start);
+		ce->shutdown_waiting = true;
+		if (!ce->round)
+			round_start(wb, ce, false);
 	}
 	if (--wb->shutdown_jobs == 0)
 		shutdown_pass(wb);
 }
 
-/* Every shutdown job has ended: done, or say so and try again later. */
+static bool anything_unflushed(struct cache *c)
+{
+	for (struct cache_export *ce = exports_head(c); ce; ce = ce->next)
+		if (!atomic_load(&ce->retired) && cache_export_unflushed(ce))
+			return true;
+	return false;
+}
+
+/* Every shutdown round has ended: done, or say so and try again later. */
 static void shutdown_pass(struct writeback *wb)
 {
-	uint64_t dirty = atomic_load(&wb->cache->counters.dirty_bytes);
-	if (dirty == 0) {
-		/* Nothing is kept: a backend that cannot flush now is its own
-		 * business (its data was acknowledged before). */
-		if (wb->shutdown_error)
-			log_warn("cache: the backend flush at exit failed: %s",
-				 strerror(-wb->shutdown_error));
-		log_info("cache: every dirty block is written back");
+	struct cache *c = wb->cache;
+	if (!anything_unflushed(c)) {
+		log_info("cache: every dirty block is written back and flushed");
 		event_free(wb->tick);
 		wb->tick = NULL;
 		if (wb->retry) {
@@ -759,9 +1050,9 @@ static void shutdown_pass(struct writeback *wb)
 		pthread_mutex_unlock(&wb->lock);
 		return;
 	}
-	log_error("cache: %llu dirty bytes cannot be written back (%s); keeping them and "
-		  "retrying every %d s; send SIGTERM again to exit without them",
-		  (unsigned long long)dirty,
+	log_error("cache: %llu bytes are not durable yet (%s); keeping them and retrying every "
+		  "%d s; send SIGTERM again to exit without them",
+		  (unsigned long long)not_durable_bytes(c),
 		  wb->shutdown_error ? strerror(-wb->shutdown_error) : "written again meanwhile",
 		  WB_SHUTDOWN_RETRY_SECONDS);
 	if (!wb->retry)
@@ -776,30 +1067,59 @@ static void stop_task(struct worker_task *task)
 	struct writeback *wb = (struct writeback *)((char *)task - offsetof(struct writeback, stop_task));
 	if (wb->tick)
 		event_del(wb->tick);
+	wb->stopping = true;
 	on_retry(-1, 0, wb);
 }
 
-void writeback_stop(struct cache *c)
+static volatile sig_atomic_t stop_abandoned;
+
+static void on_second_signal(int sig)
+{
+	(void)sig;
+	stop_abandoned = 1;
+}
+
+int writeback_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg), void *arg)
 {
 	struct writeback *wb = c->writeback;
 	if (!wb || !wb->started)
-		return;
-	uint64_t dirty = atomic_load(&c->counters.dirty_bytes);
-	if (dirty)
-		log_info("cache: writing back %llu dirty bytes before exit",
-			 (unsigned long long)dirty);
-	/* A second SIGTERM / SIGINT now ends the process, as promised above. */
-	signal(SIGTERM, SIG_DFL);
-	signal(SIGINT, SIG_DFL);
+		return 0;
+	uint64_t left = not_durable_bytes(c);
+	if (left)
+		log_info("cache: writing back %llu bytes before exit", (unsigned long long)left);
+	/* A second SIGTERM / SIGINT now gives up, as promised above. */
+	stop_abandoned = 0;
+	signal(SIGTERM, on_second_signal);
+	signal(SIGINT, on_second_signal);
 	wb->stop_task.run = stop_task;
 	worker_post(&wb->thread, &wb->stop_task);
 	pthread_mutex_lock(&wb->lock);
-	while (!wb->stopped)
-		pthread_cond_wait(&wb->cond, &wb->lock);
+	while (!wb->stopped) {
+		struct timespec until;
+		clock_gettime(CLOCK_REALTIME, &until);
+		until.tv_sec += 1;
+		pthread_cond_timedwait(&wb->cond, &wb->lock, &until);
+		if (wb->stopped)
+			break;
+		if (stop_abandoned) {
+			pthread_mutex_unlock(&wb->lock);
+			log_error("cache: exiting on a second signal with %llu bytes not durable: "
+				  "they are lost",
+				  (unsigned long long)not_durable_bytes(c));
+			_exit(1);
+		}
+		if (progress)
+			progress(not_durable_bytes(c), arg);
+	}
 	pthread_mutex_unlock(&wb->lock);
 	worker_request_stop(&wb->thread);
 	worker_join(&wb->thread);
 	wb->started = false;
+	if (wb->shutdown_lost) {
+		log_error("cache: writes that went to a backend directly were lost at exit");
+		return -EIO;
+	}
+	return 0;
 }
 
 void writeback_destroy(struct cache *c)

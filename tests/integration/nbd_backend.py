@@ -77,33 +77,11 @@ RECONNECTED = "backend reconnected"
 
 # ---- nbdkit peers and the daemon ----
 
-class Nbdkit(nbdtest.NbdServer):
-    """nbdkit -f -U SOCK -P PIDFILE ARGS..., started and stopped by PID."""
+class Nbdkit(nbdtest.Nbdkit):
+    """An nbdkit stopped with the others at the end (PEERS)."""
 
     def __init__(self, tmp, name, args, sock=None):
-        self.name = name
-        self.label = "nbdkit " + name
-        self.sock = sock or os.path.join(tmp, name + ".sock")
-        self.pidfile = os.path.join(tmp, name + ".pid")
-        self.logpath = os.path.join(tmp, name + ".log")
-        self.args = list(args)
-        PEERS.append(self)
-        self.start()
-
-    def start(self):
-        for p in (self.sock, self.pidfile):
-            if os.path.lexists(p):
-                os.unlink(p)          # a killed nbdkit leaves its socket behind
-        cmd = [NBDKIT, "-f", "-U", self.sock, "-P", self.pidfile] + self.args
-        return self.spawn(cmd, self.pidfile_written, "write its pidfile")
-
-    def pidfile_written(self):
-        """nbdkit writes the pidfile once it listens."""
-        try:
-            with open(self.pidfile) as f:
-                return f.read().strip() == str(self.proc.pid)
-        except OSError:
-            return False
+        super().__init__(tmp, name, args, sock=sock, peers=PEERS)
 
 
 def stop_peers():

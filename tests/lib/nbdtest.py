@@ -606,6 +606,38 @@ class NbdServer:
         self.kill(signal.SIGTERM)
 
 
+class Nbdkit(NbdServer):
+    """nbdkit -f -U SOCK -P PIDFILE ARGS..., started and stopped by PID.
+    peers: a list this one is appended to (the caller stops them all)."""
+
+    def __init__(self, tmp, name, args, sock=None, peers=None):
+        self.name = name
+        self.label = "nbdkit " + name
+        self.sock = sock or os.path.join(tmp, name + ".sock")
+        self.pidfile = os.path.join(tmp, name + ".pid")
+        self.logpath = os.path.join(tmp, name + ".log")
+        self.args = list(args)
+        if peers is not None:
+            peers.append(self)
+        self.start()
+
+    def start(self):
+        for p in (self.sock, self.pidfile):
+            if os.path.lexists(p):
+                os.unlink(p)          # a killed nbdkit leaves its socket behind
+        cmd = [os.environ.get("NBDKIT", "nbdkit"), "-f", "-U", self.sock,
+               "-P", self.pidfile] + self.args
+        return self.spawn(cmd, self.pidfile_written, "write its pidfile")
+
+    def pidfile_written(self):
+        """nbdkit writes the pidfile once it listens."""
+        try:
+            with open(self.pidfile) as f:
+                return f.read().strip() == str(self.proc.pid)
+        except OSError:
+            return False
+
+
 @contextlib.contextmanager
 def tempdir(prefix="nbdcached-test-", base=None):
     d = tempfile.mkdtemp(prefix=prefix, dir=base)
