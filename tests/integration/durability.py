@@ -19,6 +19,9 @@
   stop-notify systemd: stopping with dirty data on a slow backend (nbdkit
               delay filter) sends EXTEND_TIMEOUT_USEC while the data drains,
               then STOPPING, and exits 0 with the backend exact
+  stop-failing stopping while the backend refuses every write: the daemon
+              keeps the data and says so; a second SIGTERM ends it with exit
+              status 1 and the number of bytes lost
 
 Every check runs; the failures are listed at the end.
 """
@@ -283,13 +286,51 @@ def stop_notify(tmp):
     kit.stop()
 
 
+def stop_failing(tmp):
+    """Stopping while the backend refuses every write: the data is kept and
+    retried; a second SIGTERM ends the daemon with exit status 1 and says
+    how many bytes are not durable."""
+    img = os.path.join(tmp, "refuse.img")
+    nbdtest.sparse_file(img, 16 * MIB)
+    efile = os.path.join(tmp, "refuse.fail")
+    open(efile, "w").close()
+    kit = nbdtest.Nbdkit(tmp, "refuse", ["--filter=error", "file", img, "error=EIO",
+                                         "error-pwrite-rate=100%", "error-pwrite-file=" + efile],
+                         peers=PEERS)
+    d = nbdtest.CheckedDaemon([("r", kit.uri(), "cache-mode=writeback")],
+                              extra=["--cache-size", "64M", "--dirty-expire", "3600"])
+    try:
+        h = nbdtest.libnbd_handle(d.unix_uri("r"))
+        h.pwrite(b"\x17" * (64 * KIB), 0)
+        h.shutdown()
+        os.kill(d.pid, signal.SIGTERM)
+        expect(wait_until(lambda: "not durable yet" in d.log_text(), 15),
+               "stop-failing: no line saying what is not durable")
+        expect(d.alive(), "stop-failing: the daemon exited with its data not written")
+        os.kill(d.pid, signal.SIGTERM)
+        try:
+            rc = d.proc.wait(timeout=15)
+        except Exception:
+            rc = None
+        text = d.log_text()
+        log("stop-failing: exit status %s" % rc)
+        expect(rc == 1, "stop-failing: a second SIGTERM with 65536 bytes not durable "
+               "exited %s, not 1" % rc)
+        expect("65536 bytes not durable" in text,
+               "stop-failing: the exit does not say how many bytes are lost")
+    finally:
+        d.kill()
+        d.logf.close()
+    kit.stop()
+
+
 def main():
     if not nbdtest.shutil.which("nbdkit"):
         nbdtest.fail("nbdkit not found")
     with nbdtest.tempdir() as tmp:
         try:
             for name, fn in (("torn", torn), ("reaper", reaper), ("log-flood", log_flood),
-                             ("stop-notify", stop_notify)):
+                             ("stop-notify", stop_notify), ("stop-failing", stop_failing)):
                 CHECKS.run(name, fn, tmp)
         finally:
             for p in PEERS:
