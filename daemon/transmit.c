@@ -394,6 +394,9 @@ static void request_backend_done(struct backend_io *io, int result)
 {
 	struct request *r = (struct request *)((char *)io - offsetof(struct request, io));
 	r->n_extents = io->n_extents;
+	if (result >= 0 && !(io->flags & BACKEND_FUA) &&
+	    (io->cmd == BACKEND_WRITE || io->cmd == BACKEND_TRIM || io->cmd == BACKEND_ZERO))
+		cache_export_note_direct_write(r->conn->export->cache);
 	request_finish(r, result);
 }
 
@@ -440,7 +443,8 @@ static void request_start(struct request *r)
 			flags |= BACKEND_FAST_ONLY;
 	}
 	uint64_t length = h->type == NBD_CMD_WRITE ? r->buf_len : h->length;
-	if (!r->cached) {
+	/* FLUSH goes through the cache in every mode: it owns durability. */
+	if (!r->cached && h->type != NBD_CMD_FLUSH) {
 		struct backend_io *io = &r->io;
 		io->cmd = backend_cmd_of(h->type);
 		io->flags = flags;

@@ -940,6 +940,12 @@ int cache_export_retire(struct cache_export *ce)
 	return 0;
 }
 
+void cache_export_note_direct_write(struct cache_export *ce)
+{
+	atomic_fetch_add(&ce->backend_writes_done, 1);
+	atomic_fetch_add(&ce->direct_writes_done, 1);
+}
+
 bool cache_export_unflushed(struct cache_export *ce)
 {
 	return atomic_load(&ce->counters.dirty_bytes) ||

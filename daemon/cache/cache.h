@@ -225,6 +225,10 @@ bool cache_export_unflushed(struct cache_export *ce);
 uint64_t cache_export_error_seq(struct cache_export *ce);
 
 void cache_submit(struct cache_op *op);
+/* Mode none: a write, TRIM or WRITE_ZEROES (not FUA) went to the backend
+ * around the cache and succeeded; it is not durable until a backend flush
+ * (the export's FLUSH goes through cache_submit in every mode). */
+void cache_export_note_direct_write(struct cache_export *ce);
 /* READ result: segment i of the reply, in order; false past the last.
  * *may_hold_zeros false: no 4 KiB block in it is all zeros (skip looking). */
 bool cache_op_segment(const struct cache_op *op, size_t i, const uint8_t **data, size_t *len,
