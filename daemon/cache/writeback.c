@@ -846,6 +846,16 @@ static void flush_advance_once(struct flush_job *job)
 	for (;;) {
 		if (job->stage != 0)
 			return;
+		if (job->error) {
+			/* The round fails whatever comes next: its FLUSHes get
+			 * EIO as soon as what is in flight is back, not after
+			 * every other entry has been tried too (a backend that
+			 * times out would make that minutes). */
+			round_unpin(job);
+			if (job->inflight == 0)
+				job->stage = 2;
+			return;
+		}
 		uint64_t seq = cache_waitq_seq(wb->cache);
 		size_t keep = 0, i;
 		for (i = 0; i < job->nbusy && job->inflight < WB_FLUSH_WINDOW; i++)
@@ -862,12 +872,6 @@ static void flush_advance_once(struct flush_job *job)
 		if (job->inflight)
 			return; /* advanced again when they complete */
 		if (job->nbusy == 0 && job->cursor == job->n) {
-			if (job->error) {
-				/* Some data could not be written: nothing to flush for
-				 * this round's FLUSHes, which report EIO. */
-				job->stage = 2;
-				return;
-			}
 			round_flush(job);
 			return;
 		}
