@@ -273,11 +273,28 @@ class NbdkitFault(nbdtest.NbdServer):
             os.unlink(self.fault_file)
 
     def pause(self):
-        """SIGSTOP by PID: the socket stays, nothing answers."""
+        """SIGSTOP by PID: the socket stays, nothing answers. Returns once
+        every thread of it is stopped (Failed after 5 s)."""
         if self.alive():
             log("  SIGSTOP %s (pid %d)" % (self.label, self.proc.pid))
             self.proc.send_signal(signal.SIGSTOP)
             self.paused = True
+            if not _wait(self._all_stopped, 5):
+                raise Failed("%s (pid %d) not stopped 5 s after SIGSTOP"
+                             % (self.label, self.proc.pid))
+
+    def _all_stopped(self):
+        """Every thread in state T (stopped)."""
+        tasks = "/proc/%d/task" % self.proc.pid
+        try:
+            for tid in os.listdir(tasks):
+                with open("%s/%s/stat" % (tasks, tid)) as f:
+                    # The state follows the parenthesised command name.
+                    if f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+                        return False
+        except OSError:
+            return False
+        return True
 
     def resume(self):
         if self.alive() and self.paused:
