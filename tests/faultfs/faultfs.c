@@ -64,10 +64,10 @@
 struct data_file {
 	dev_t dev;
 	ino_t ino;
-	int fd;		 /* O_RDWR on the source file, shared by every open */
+	int fd;			      /* O_RDWR on the source file, shared by every open */
 	struct undo_fd_target target; /* fd, for the undo log */
-	unsigned opens;	 /* guarded by files_lock */
-	bool detached;	 /* unlinked: no longer in the list */
+	unsigned opens;		      /* guarded by files_lock */
+	bool detached;		      /* unlinked: no longer in the list */
 	pthread_mutex_t lock;
 	struct undo_log undo;
 	struct data_file *next;
@@ -163,8 +163,8 @@ static void file_put(struct data_file *f)
 static void file_detach(const char *path)
 {
 	struct stat st;
-	if (fstatat(src_dirfd, rel(path), &st, AT_SYMLINK_NOFOLLOW) < 0 ||
-	    !S_ISREG(st.st_mode) || st.st_nlink > 1)
+	if (fstatat(src_dirfd, rel(path), &st, AT_SYMLINK_NOFOLLOW) < 0 || !S_ISREG(st.st_mode) ||
+	    st.st_nlink > 1)
 		return;
 	pthread_mutex_lock(&files_lock);
 	struct data_file *free_now = NULL;
@@ -609,28 +609,28 @@ static void ffs_destroy(void *data)
 }
 
 static const struct fuse_operations ffs_ops = {
-	.init = ffs_init,
-	.destroy = ffs_destroy,
-	.getattr = ffs_getattr,
-	.readdir = ffs_readdir,
-	.mkdir = ffs_mkdir,
-	.rmdir = ffs_rmdir,
-	.unlink = ffs_unlink,
-	.rename = ffs_rename,
-	.chmod = ffs_chmod,
-	.chown = ffs_chown,
-	.utimens = ffs_utimens,
-	.truncate = ffs_truncate,
-	.open = ffs_open,
-	.create = ffs_create,
-	.read = ffs_read,
-	.write = ffs_write,
-	.fsync = ffs_fsync,
-	.fallocate = ffs_fallocate,
-	.lseek = ffs_lseek,
-	.flush = ffs_flush,
-	.release = ffs_release,
-	.statfs = ffs_statfs,
+    .init = ffs_init,
+    .destroy = ffs_destroy,
+    .getattr = ffs_getattr,
+    .readdir = ffs_readdir,
+    .mkdir = ffs_mkdir,
+    .rmdir = ffs_rmdir,
+    .unlink = ffs_unlink,
+    .rename = ffs_rename,
+    .chmod = ffs_chmod,
+    .chown = ffs_chown,
+    .utimens = ffs_utimens,
+    .truncate = ffs_truncate,
+    .open = ffs_open,
+    .create = ffs_create,
+    .read = ffs_read,
+    .write = ffs_write,
+    .fsync = ffs_fsync,
+    .fallocate = ffs_fallocate,
+    .lseek = ffs_lseek,
+    .flush = ffs_flush,
+    .release = ffs_release,
+    .statfs = ffs_statfs,
 };
 
 int main(int argc, char **argv)

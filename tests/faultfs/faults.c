@@ -22,24 +22,24 @@ enum fault_mode {
 };
 
 static const char *const mode_names[] = {
-	[MODE_OK] = "ok",
-	[MODE_FAIL_READ] = "fail-read",
-	[MODE_FAIL_WRITE] = "fail-write",
-	[MODE_FAIL_FSYNC] = "fail-fsync",
-	[MODE_FAIL_FSYNC_ONCE] = "fail-fsync-once",
-	[MODE_FAIL_ALL] = "fail-all",
-	[MODE_STALL] = "stall",
+    [MODE_OK] = "ok",
+    [MODE_FAIL_READ] = "fail-read",
+    [MODE_FAIL_WRITE] = "fail-write",
+    [MODE_FAIL_FSYNC] = "fail-fsync",
+    [MODE_FAIL_FSYNC_ONCE] = "fail-fsync-once",
+    [MODE_FAIL_ALL] = "fail-all",
+    [MODE_STALL] = "stall",
 };
 
 static const char *const counter_names[FAULT_COUNTERS] = {
-	[FAULT_READS] = "reads",
-	[FAULT_WRITES] = "writes",
-	[FAULT_BYTES_WRITTEN] = "bytes_written",
-	[FAULT_FALLOCATES] = "fallocates",
-	[FAULT_FSYNCS_OK] = "fsyncs_ok",
-	[FAULT_FSYNCS_FAILED] = "fsyncs_failed",
-	[FAULT_ROLLBACKS] = "rollbacks",
-	[FAULT_POWER_LOSSES] = "power_losses",
+    [FAULT_READS] = "reads",
+    [FAULT_WRITES] = "writes",
+    [FAULT_BYTES_WRITTEN] = "bytes_written",
+    [FAULT_FALLOCATES] = "fallocates",
+    [FAULT_FSYNCS_OK] = "fsyncs_ok",
+    [FAULT_FSYNCS_FAILED] = "fsyncs_failed",
+    [FAULT_ROLLBACKS] = "rollbacks",
+    [FAULT_POWER_LOSSES] = "power_losses",
 };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -240,12 +240,13 @@ size_t fault_status(char *buf, size_t size, const struct fault_undo_summary *und
 	pthread_mutex_unlock(&lock);
 	if (w >= 0 && (size_t)w < size - n) {
 		n += (size_t)w;
-		w = snprintf(buf + n, size - n,
-			     ", \"undo_files\": %llu, \"undo_bytes\": %llu, \"undo_buffered_bytes\": "
-			     "%llu, \"undo_ranges\": %llu, \"undo_overflow\": %s}\n",
-			     (unsigned long long)undo->files, (unsigned long long)undo->bytes,
-			     (unsigned long long)undo->buffered_bytes,
-			     (unsigned long long)undo->ranges, undo->overflow ? "true" : "false");
+		w = snprintf(
+		    buf + n, size - n,
+		    ", \"undo_files\": %llu, \"undo_bytes\": %llu, \"undo_buffered_bytes\": "
+		    "%llu, \"undo_ranges\": %llu, \"undo_overflow\": %s}\n",
+		    (unsigned long long)undo->files, (unsigned long long)undo->bytes,
+		    (unsigned long long)undo->buffered_bytes, (unsigned long long)undo->ranges,
+		    undo->overflow ? "true" : "false");
 	}
 	if (w >= 0 && (size_t)w < size - n)
 		n += (size_t)w;

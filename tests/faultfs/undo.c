@@ -53,8 +53,8 @@ static int fd_pread(struct undo_target *t, void *buf, uint64_t n, uint64_t offse
 {
 	uint64_t done = 0;
 	while (done < n) {
-		ssize_t r = pread(fd_of(t), (char *)buf + done, (size_t)(n - done),
-				  (off_t)(offset + done));
+		ssize_t r =
+		    pread(fd_of(t), (char *)buf + done, (size_t)(n - done), (off_t)(offset + done));
 		if (r < 0 && errno == EINTR)
 			continue;
 		if (r < 0)
@@ -136,8 +136,7 @@ static int start(struct undo_log *log, struct undo_target *t)
 static int save_piece(struct undo_log *log, struct undo_target *t, uint64_t offset, uint64_t n,
 		      struct undo_range ***link)
 {
-	if (log->count >= UNDO_LIMIT_RANGES ||
-	    undo_total_bytes() + n > UNDO_LIMIT_BYTES) {
+	if (log->count >= UNDO_LIMIT_RANGES || undo_total_bytes() + n > UNDO_LIMIT_BYTES) {
 		log->overflow = true;
 		return 0;
 	}

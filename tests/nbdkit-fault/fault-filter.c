@@ -65,9 +65,9 @@ static const struct {
 	const char *word;
 	unsigned bits;
 } words[] = {
-	{"read", F_READ},   {"write", F_WRITE},	    {"flush", F_FLUSH}, {"trim", F_TRIM},
-	{"zero", F_ZERO},   {"extents", F_EXTENTS}, {"cache", F_CACHE}, {"all", F_ALL},
-	{"stall", F_STALL},
+    {"read", F_READ},	{"write", F_WRITE}, {"flush", F_FLUSH},
+    {"trim", F_TRIM},	{"zero", F_ZERO},   {"extents", F_EXTENTS},
+    {"cache", F_CACHE}, {"all", F_ALL},	    {"stall", F_STALL},
 };
 
 static char *fault_file;
@@ -262,8 +262,8 @@ static void fault_unload(void)
 
 /* ---- commands ---- */
 
-static int fault_pread(nbdkit_next *next, void *handle, void *buf, uint32_t count,
-		       uint64_t offset, uint32_t flags, int *err)
+static int fault_pread(nbdkit_next *next, void *handle, void *buf, uint32_t count, uint64_t offset,
+		       uint32_t flags, int *err)
 {
 	(void)handle;
 	if (gate(F_READ, flags, "read", err) < 0)
@@ -377,20 +377,20 @@ static int fault_cache(nbdkit_next *next, void *handle, uint32_t count, uint64_t
 }
 
 static struct nbdkit_filter filter = {
-	.name = "fault",
-	.longname = "nbdcached test fault filter",
-	.config = fault_config,
-	.config_complete = fault_config_complete,
-	.config_help = "fault-file=PATH       File naming the commands to fail (or stall).\n"
-		       "drop-unflushed=BOOL  A failed flush loses unflushed writes.",
-	.unload = fault_unload,
-	.pread = fault_pread,
-	.pwrite = fault_pwrite,
-	.flush = fault_flush,
-	.trim = fault_trim,
-	.zero = fault_zero,
-	.extents = fault_extents,
-	.cache = fault_cache,
+    .name = "fault",
+    .longname = "nbdcached test fault filter",
+    .config = fault_config,
+    .config_complete = fault_config_complete,
+    .config_help = "fault-file=PATH       File naming the commands to fail (or stall).\n"
+		   "drop-unflushed=BOOL  A failed flush loses unflushed writes.",
+    .unload = fault_unload,
+    .pread = fault_pread,
+    .pwrite = fault_pwrite,
+    .flush = fault_flush,
+    .trim = fault_trim,
+    .zero = fault_zero,
+    .extents = fault_extents,
+    .cache = fault_cache,
 };
 
 NBDKIT_REGISTER_FILTER(filter)
