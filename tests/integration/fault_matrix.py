@@ -408,9 +408,9 @@ class Run:
                     break
 
     def join_stuck(self):
-        """Wait (10 s at most) for the calls the fault held; False if some
+        """Wait (5 s at most) for the calls the fault held; False if some
         still hang (reported once)."""
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 5
         for c in self.calls:
             c.join(max(0.0, deadline - time.monotonic()))
         still = [c for c in self.calls if c.is_alive()]
@@ -420,7 +420,7 @@ class Run:
             self.stuck.clear()
         if still and not self.reported_hang:
             self.reported_hang = True
-            self.expect(False, "%d call(s) still without a reply 10 s after the fault was "
+            self.expect(False, "%d call(s) still without a reply 5 s after the fault was "
                         "cleared" % len(still))
         return not still
 
