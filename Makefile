@@ -50,11 +50,14 @@ CORE_OBJ := $(call obj,$(CORE_SRC))
 DAEMON_OBJ := $(call obj,$(DAEMON_SRC))
 UNIT_BIN := $(patsubst tests/unit/%.c,$(BUILD)/tests/unit/%,$(UNIT_SRC))
 CLIENT_BIN := $(patsubst client/%.c,$(BUILD)/%,$(CLIENT_SRC))
+# Fault injection tools for the tests (tests/faultfs, tests/nbdkit-fault);
+# scripts/i386-chroot builds without them (TEST_TOOLS=).
+TEST_TOOLS ?= $(BUILD)/tests/faultfs $(BUILD)/tests/nbdkit-fault-filter.so
 
 .PHONY: all check unit asan tsan i386 fuzz run bench deps clean install
 .DEFAULT_GOAL := all
 
-all: $(BUILD)/nbdcached $(CLIENT_BIN) $(UNIT_BIN)
+all: $(BUILD)/nbdcached $(CLIENT_BIN) $(UNIT_BIN) $(TEST_TOOLS)
 
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -75,6 +78,20 @@ $(BUILD)/nbdcachectl: $(BUILD)/obj/client/nbdcachectl.o
 $(BUILD)/tests/unit/%: $(BUILD)/obj/tests/unit/%.o $(PROTO_OBJ) $(CORE_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_LDFLAGS) -o $@ $^ -lcmocka
+
+# faultfs: a FUSE passthrough that fails, stalls and undoes I/O on command.
+FAULTFS_OBJ := $(call obj,$(wildcard tests/faultfs/*.c))
+$(FAULTFS_OBJ): ALL_CFLAGS += $(shell pkg-config --cflags fuse3 2>/dev/null)
+$(BUILD)/tests/faultfs: $(FAULTFS_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_LDFLAGS) -o $@ $^ $(shell pkg-config --libs fuse3 2>/dev/null || echo -lfuse3)
+
+# An nbdkit filter failing commands on command. Never sanitized: it is
+# loaded into Debian's nbdkit, which has no sanitizer runtime.
+$(BUILD)/tests/nbdkit-fault-filter.so: tests/nbdkit-fault/fault-filter.c tests/faultfs/undo.c tests/faultfs/undo.h
+	@mkdir -p $(dir $@)
+	$(CC) $(OPT) -std=c11 $(WARN) -D_GNU_SOURCE -D_FILE_OFFSET_BITS=64 -I. -fPIC -shared -pthread \
+		-o $@ $(filter %.c,$^) $(LDFLAGS)
 
 deps:
 	@scripts/deps
