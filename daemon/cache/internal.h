@@ -1,6 +1,7 @@
 /*
  * daemon/cache/internal.h: what the cache's own modules share (cache.c,
- * io.c, writeback.c). Nothing outside daemon/cache/ includes this.
+ * io.c, writeback.c, flush.c, compact.c). Nothing outside daemon/cache/
+ * includes this.
  *
  * The index: a hash of (export, 2 MiB device range) to a range node, which
  * lists the entries inside that range sorted by device frame. Memory follows
@@ -298,7 +299,8 @@ uint64_t cache_now_ns(void);
 int writeback_create(struct cache *c);
 int writeback_start(struct cache *c);
 void writeback_kick(struct cache *c);
-/* FLUSH: hand op to the writeback thread; op->done runs on op->worker. */
+/* flush.c: FLUSH joins the export's next round on the writeback thread;
+ * op->done runs on op->worker. */
 void writeback_flush(struct cache_op *op);
 /* Write everything back and flush; blocks, calling progress about once a
  * second. 0, or -EIO when writes that went to a backend directly were lost. */

@@ -1,0 +1,563 @@
+/*
+ * daemon/cache/flush.c: FLUSH rounds, the backend flushes that make data
+ * durable, and the final flush at shutdown (the durability model: cache.h).
+ *
+ * A round belongs to one export and runs on the writeback thread:
+ *
+ *   FLUSH --post--> flush_arrive_task: join ce's waiting list
+ *                   no round running? flush_round_start
+ *   round  stage 0  write back every entry of the dirty list as it was at
+ *                   the start (writeback_entry, at most WB_FLUSH_WINDOW
+ *                   groups in flight; entries that must wait are visited
+ *                   again when the cache changes)
+ *          stage 1  the backend's loss_seq moved? every unstable entry is
+ *                   dirty again: write again (a few times) or fail. Else
+ *                   flush the backend, unless every write is covered
+ *                   already; success makes clean the unstable entries
+ *                   written before it was sent, failure makes them dirty
+ *          stage 2  answer the round's FLUSHes; start the next round for
+ *                   those that came meanwhile (group commit)
+ *
+ * A background round (stage 1 only) keeps unstable data short-lived; the
+ * shutdown runs one round per export and retries every few seconds while
+ * a backend refuses.
+ */
+#include <errno.h>
+#include <event2/event.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "daemon/cache/writeback.h"
+#include "daemon/log.h"
+
+#define WB_SHUTDOWN_RETRY_SECONDS 5
+#define WB_FLUSH_WINDOW 64 /* writeback groups one round keeps in flight */
+#define WB_LOSS_RETRIES 3  /* a round writes again after a loss this often */
+
+/*
+ * A flush round of one export: writes back the dirty list as it was when
+ * the round started, then flushes the backend, and answers every FLUSH
+ * that joined it. A background round (background) only flushes; a
+ * shutdown round has no FLUSH to answer.
+ */
+struct flush_job {
+	struct writeback *wb;
+	struct cache_export *ce;
+	struct cache_op *members; /* FLUSHes answered when it ends (op->flush_next) */
+	bool shutdown, background;
+	/*
+	 * Every entry on the dirty list when the round started, pinned:
+	 * [0, nbusy) had to wait (a writeback or direct operation in flight
+	 * over them), [nbusy, cursor) are done, [cursor, n) are still to visit.
+	 */
+	struct cache_entry **entries;
+	size_t n, cursor, nbusy;
+	unsigned inflight;
+	int error;
+	int stage; /* 0 writing, 1 flushing the backend, 2 done */
+	bool advancing, again; /* completions may run inside flush_advance */
+	bool waiting; /* on the waitq, or its waiter task posted */
+	unsigned loss_retries;
+	uint64_t writes_covered; /* backend_writes_done when the flush was sent */
+	uint64_t direct_covered; /* direct_writes_done then */
+	uint64_t loss_at_send;	 /* the backend's loss_seq then */
+	struct backend_io flush_io;
+	struct cache_waiter waiter;
+	struct flush_job *next;
+};
+
+static void flush_advance(struct flush_job *job);
+static void shutdown_pass(struct writeback *wb);
+
+/*
+ * Advance every job not already waiting to be woken. A job may end (and be
+ * freed) inside another's advance (completions can run inline), so the
+ * walk starts over whenever one ends.
+ */
+void flush_advance_all(struct writeback *wb)
+{
+restart:;
+	uint64_t ended = wb->jobs_ended;
+	for (struct flush_job *job = wb->jobs; job;) {
+		struct flush_job *next = job->next;
+		if (!job->waiting)
+			flush_advance(job);
+		if (wb->jobs_ended != ended)
+			goto restart;
+		job = next;
+	}
+}
+
+/* ---- FLUSH rounds ---- */
+
+static void flush_reply_task(struct worker_task *task)
+{
+	struct cache_op *op = (struct cache_op *)((char *)task - offsetof(struct cache_op, waiter.task));
+	int result = op->error < 0 ? -EIO : 0;
+	if (op->seen_error) {
+		/* Data the cache does not hold was lost since this connection
+		 * last heard of it: said once per connection. */
+		uint64_t seq = cache_export_error_seq(op->ce);
+		if (*op->seen_error != seq) {
+			*op->seen_error = seq;
+			result = -EIO;
+		}
+	}
+	op->done(op, result);
+}
+
+/*
+ * Every unstable entry of ce (or those written before the flush that
+ * covered seq) becomes clean, or, with redirty, dirty again. Writeback
+ * thread; takes shard and export locks.
+ */
+static void unstable_settle_all(struct cache_export *ce, uint64_t seq, bool redirty)
+{
+	struct cache_entry **v;
+	size_t n;
+	if (cache_unstable_collect(ce, seq, &v, &n) < 0) {
+		/* Out of memory: one at a time from the head, no allocation. */
+		for (unsigned guard = 0; guard < 1u << 30; guard++) {
+			pthread_mutex_lock(&ce->lock);
+			struct cache_entry *e = ce->unstable_head;
+			if (e && e->unstable_seq > seq)
+				e = NULL;
+			if (e)
+				cache_entry_pin(e);
+			pthread_mutex_unlock(&ce->lock);
+			if (!e)
+				return;
+			struct cache_shard *sh = cache_shard_for(ce->cache, ce,
+								 cache_entry_offset(e) >> CACHE_RANGE_SHIFT);
+			pthread_mutex_lock(&sh->lock);
+			cache_unstable_settle(e, redirty);
+			pthread_mutex_unlock(&sh->lock);
+			cache_entry_unpin(e);
+		}
+		return;
+	}
+	for (size_t i = 0; i < n; i++) {
+		struct cache_entry *e = v[i];
+		struct cache_shard *sh =
+			cache_shard_for(ce->cache, ce, cache_entry_offset(e) >> CACHE_RANGE_SHIFT);
+		pthread_mutex_lock(&sh->lock);
+		/* Written back again since it was collected: not covered. */
+		if (e->on_unstable_list && (redirty || e->unstable_seq <= seq))
+			cache_unstable_settle(e, redirty);
+		pthread_mutex_unlock(&sh->lock);
+		cache_entry_unpin(e);
+	}
+	free(v);
+	if (redirty)
+		cache_waitq_wake(ce->cache);
+}
+
+/*
+ * The backend may have lost writes no successful flush covered (a failed
+ * flush, a lost connection): what the cache holds is written again; direct
+ * writes it does not hold are lost for good, which every connection's
+ * next FLUSH reports (error_seq).
+ */
+static void lost_unflushed(struct writeback *wb, struct cache_export *ce)
+{
+	atomic_fetch_add(&ce->counters.losses, 1);
+	unstable_settle_all(ce, UINT64_MAX, true);
+	uint64_t direct = atomic_load(&ce->direct_writes_done);
+	if (direct != atomic_load(&ce->direct_writes_flushed)) {
+		atomic_store(&ce->direct_writes_flushed, direct);
+		pthread_mutex_lock(&ce->lock);
+		ce->error_seq++;
+		pthread_mutex_unlock(&ce->lock);
+		if (wb->stopping)
+			wb->shutdown_lost++;
+		log_error("cache: the backend may have lost writes that went to it directly (not "
+			  "through the cache) before a flush covered them; every connection's next "
+			  "FLUSH reports EIO");
+	}
+}
+
+/* Take every entry on the dirty list, pinned. */
+static int round_snapshot(struct flush_job *job)
+{
+	struct cache_export *ce = job->ce;
+	pthread_mutex_lock(&ce->lock);
+	size_t n = 0;
+	for (struct cache_entry *e = ce->dirty_head; e; e = e->dirty_next)
+		n++;
+	struct cache_entry **v = malloc((n ? n : 1) * sizeof(*v));
+	if (!v) {
+		pthread_mutex_unlock(&ce->lock);
+		return -ENOMEM;
+	}
+	size_t i = 0;
+	for (struct cache_entry *e = ce->dirty_head; e; e = e->dirty_next) {
+		cache_entry_pin(e); /* on the dirty list: see cache.h */
+		v[i++] = e;
+	}
+	pthread_mutex_unlock(&ce->lock);
+	free(job->entries);
+	job->entries = v;
+	job->n = i;
+	job->cursor = job->nbusy = 0;
+	return 0;
+}
+
+static void round_unpin(struct flush_job *job)
+{
+	for (size_t i = 0; i < job->nbusy; i++)
+		cache_entry_unpin(job->entries[i]);
+	for (size_t i = job->cursor; i < job->n; i++)
+		cache_entry_unpin(job->entries[i]);
+	job->n = job->cursor = job->nbusy = 0;
+}
+
+static void flush_job_end(struct flush_job *job)
+{
+	struct writeback *wb = job->wb;
+	struct cache_export *ce = job->ce;
+	struct flush_job **pp = &wb->jobs;
+	while (*pp != job)
+		pp = &(*pp)->next;
+	*pp = job->next;
+	wb->jobs_ended++;
+	ce->round = NULL;
+	round_unpin(job);
+	free(job->entries);
+	for (struct cache_op *op = job->members, *next; op; op = next) {
+		next = op->flush_next;
+		op->error = job->error;
+		op->waiter.task.run = flush_reply_task;
+		worker_post(op->worker, &op->waiter.task);
+	}
+	bool shutdown = job->shutdown;
+	if (shutdown && job->error && !wb->shutdown_error)
+		wb->shutdown_error = job->error;
+	free(job);
+	/* FLUSHes (or the shutdown) that came meanwhile: the next round. */
+	if (ce->flush_waiting_head || ce->shutdown_waiting)
+		flush_round_start(wb, ce, false);
+	if (shutdown && --wb->shutdown_jobs == 0)
+		shutdown_pass(wb);
+}
+
+/* Go back to writing: a loss turned unstable data dirty again. */
+static bool round_retry(struct flush_job *job)
+{
+	if (job->background || job->loss_retries++ >= WB_LOSS_RETRIES)
+		return false;
+	round_unpin(job);
+	if (round_snapshot(job) < 0)
+		return false;
+	job->stage = 0;
+	job->again = true;
+	return true;
+}
+
+static void flush_backend_done(struct backend_io *io, int result)
+{
+	struct flush_job *job = (struct flush_job *)((char *)io - offsetof(struct flush_job, flush_io));
+	struct cache_export *ce = job->ce;
+	uint64_t loss = atomic_load(&ce->backend->loss_seq);
+	job->stage = 2;
+	if (result >= 0 && loss == job->loss_at_send) {
+		uint64_t flushed = atomic_load(&ce->backend_writes_flushed);
+		if (job->writes_covered > flushed)
+			atomic_store(&ce->backend_writes_flushed, job->writes_covered);
+		if (job->direct_covered > atomic_load(&ce->direct_writes_flushed))
+			atomic_store(&ce->direct_writes_flushed, job->direct_covered);
+		unstable_settle_all(ce, job->writes_covered, false);
+		writeback_note_success(ce);
+	} else {
+		if (result < 0) {
+			atomic_fetch_add(&ce->counters.backend_flush_errors, 1);
+			pthread_mutex_lock(&ce->lock);
+			writeback_note_failure_locked(ce, result, "a backend flush");
+			pthread_mutex_unlock(&ce->lock);
+		}
+		ce->loss_seen = loss;
+		lost_unflushed(job->wb, ce);
+		if (result < 0 || !round_retry(job))
+			job->error = result < 0 ? result : -EIO;
+	}
+	if (!job->advancing) {
+		if (job->stage == 2)
+			flush_job_end(job);
+		else
+			flush_advance(job);
+	}
+}
+
+/* Stage 1: everything is written; flush the backend if anything needs it. */
+static void round_flush(struct flush_job *job)
+{
+	struct cache_export *ce = job->ce;
+	uint64_t loss = atomic_load(&ce->backend->loss_seq);
+	if (loss != ce->loss_seen) {
+		ce->loss_seen = loss;
+		lost_unflushed(job->wb, ce);
+		if (!round_retry(job)) {
+			job->error = job->background ? 0 : -EIO;
+			job->stage = 2;
+		}
+		return;
+	}
+	job->stage = 1;
+	job->writes_covered = atomic_load(&ce->backend_writes_done);
+	job->direct_covered = atomic_load(&ce->direct_writes_done);
+	job->loss_at_send = loss;
+	if (job->writes_covered == atomic_load(&ce->backend_writes_flushed)) {
+		/* Everything acknowledged is covered by a flush already. */
+		job->stage = 2;
+		return;
+	}
+	atomic_fetch_add(&ce->counters.backend_flushes, 1);
+	memset(&job->flush_io, 0, sizeof(job->flush_io));
+	job->flush_io.cmd = BACKEND_FLUSH;
+	job->flush_io.done = flush_backend_done;
+	backend_submit(ce->backend, &job->wb->thread, &job->flush_io);
+	uring_submit(&job->wb->thread.ring);
+}
+
+static void flush_waiter_task(struct worker_task *task)
+{
+	struct flush_job *job =
+		(struct flush_job *)((char *)task - offsetof(struct flush_job, waiter.task));
+	job->waiting = false;
+	flush_advance(job);
+}
+
+static void flush_advance_once(struct flush_job *job);
+
+/* Re-entrant: a writeback may complete inside entry_writeback (tmpfs). */
+static void flush_advance(struct flush_job *job)
+{
+	if (job->advancing) {
+		job->again = true;
+		return;
+	}
+	job->advancing = true;
+	do {
+		job->again = false;
+		flush_advance_once(job);
+	} while (job->again && job->stage == 0);
+	job->advancing = false;
+	if (job->stage == 2)
+		flush_job_end(job);
+}
+
+/* Write back one entry for the round: false if it has to wait (-EBUSY). */
+static bool flush_entry(struct flush_job *job, struct cache_entry *e)
+{
+	int rc = writeback_entry(job->wb, e, job);
+	if (rc == -EBUSY)
+		return false;
+	if (rc < 0 && !job->error)
+		job->error = rc;
+	cache_entry_unpin(e);
+	return true;
+}
+
+/*
+ * Visit each entry once, keeping at most WB_FLUSH_WINDOW writebacks in
+ * flight, and come back only to those that had to wait: the cost follows
+ * the dirty data, whatever the number of completions.
+ */
+static void flush_advance_once(struct flush_job *job)
+{
+	struct writeback *wb = job->wb;
+	for (;;) {
+		if (job->stage != 0)
+			return;
+		if (job->error) {
+			/* The round fails whatever comes next: its FLUSHes get
+			 * EIO as soon as what is in flight is back, not after
+			 * every other entry has been tried too (a backend that
+			 * times out would make that minutes). */
+			round_unpin(job);
+			if (job->inflight == 0)
+				job->stage = 2;
+			return;
+		}
+		uint64_t seq = cache_waitq_seq(wb->cache);
+		size_t keep = 0, i;
+		for (i = 0; i < job->nbusy && job->inflight < WB_FLUSH_WINDOW; i++)
+			if (!flush_entry(job, job->entries[i]))
+				job->entries[keep++] = job->entries[i];
+		for (; i < job->nbusy; i++)
+			job->entries[keep++] = job->entries[i];
+		job->nbusy = keep;
+		while (job->cursor < job->n && job->inflight < WB_FLUSH_WINDOW) {
+			struct cache_entry *e = job->entries[job->cursor++];
+			if (!flush_entry(job, e))
+				job->entries[job->nbusy++] = e; /* nbusy < cursor: a free slot */
+		}
+		if (job->inflight)
+			return; /* advanced again when they complete */
+		if (job->nbusy == 0 && job->cursor == job->n) {
+			round_flush(job);
+			return;
+		}
+		if (job->again)
+			return; /* flush_advance loops */
+		if (cache_waitq_wait(wb->cache, &job->waiter, seq)) {
+			job->waiting = true;
+			return;
+		}
+	}
+}
+
+/*
+ * Start ce's next round (none may be running): it answers every FLUSH
+ * waiting now. A background round only flushes what is unstable.
+ */
+void flush_round_start(struct writeback *wb, struct cache_export *ce, bool background)
+{
+	struct flush_job *job = calloc(1, sizeof(*job));
+	struct cache_op *members = ce->flush_waiting_head;
+	bool shutdown = ce->shutdown_waiting;
+	if (!job) {
+		if (!members && !shutdown)
+			return; /* a background round: the next pass tries again */
+		/* Cannot even track a round: answer EIO (the data stays). */
+		ce->flush_waiting_head = ce->flush_waiting_tail = NULL;
+		ce->shutdown_waiting = false;
+		for (struct cache_op *op = members, *next; op; op = next) {
+			next = op->flush_next;
+			op->error = -ENOMEM;
+			op->waiter.task.run = flush_reply_task;
+			worker_post(op->worker, &op->waiter.task);
+		}
+		if (shutdown) {
+			wb->shutdown_error = -ENOMEM;
+			if (--wb->shutdown_jobs == 0)
+				shutdown_pass(wb);
+		}
+		return;
+	}
+	job->wb = wb;
+	job->ce = ce;
+	job->members = members;
+	job->shutdown = shutdown;
+	job->background = background && !members && !shutdown;
+	ce->flush_waiting_head = ce->flush_waiting_tail = NULL;
+	ce->shutdown_waiting = false;
+	job->waiter.worker = &wb->thread;
+	job->waiter.task.run = flush_waiter_task;
+	ce->round = job;
+	job->next = wb->jobs;
+	wb->jobs = job;
+	if (!job->background && round_snapshot(job) < 0) {
+		job->error = -ENOMEM;
+		job->stage = 2;
+		flush_job_end(job);
+		return;
+	}
+	flush_advance(job);
+}
+
+/* On the writeback thread: the FLUSH joins the export's next round. */
+static void flush_arrive_task(struct worker_task *task)
+{
+	struct cache_op *op = (struct cache_op *)((char *)task - offsetof(struct cache_op, waiter.task));
+	struct cache_export *ce = op->ce;
+	op->flush_next = NULL;
+	if (ce->flush_waiting_tail)
+		ce->flush_waiting_tail->flush_next = op;
+	else
+		ce->flush_waiting_head = op;
+	ce->flush_waiting_tail = op;
+	if (!ce->round)
+		flush_round_start(ce->cache->writeback, ce, false);
+}
+
+void writeback_flush(struct cache_op *op)
+{
+	struct writeback *wb = op->ce->cache->writeback;
+	op->error = 0;
+	op->waiter.worker = op->worker;
+	op->waiter.task.run = flush_arrive_task;
+	worker_post(&wb->thread, &op->waiter.task);
+}
+
+bool flush_round_running(const struct cache_export *ce)
+{
+	return ce->round != NULL;
+}
+
+void flush_write_started(struct flush_job *job)
+{
+	job->inflight++;
+}
+
+void flush_write_done(struct flush_job *job, int error)
+{
+	job->inflight--;
+	if (error && !job->error)
+		job->error = error;
+}
+
+static void on_retry(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	flush_shutdown_start(arg);
+}
+
+void flush_shutdown_start(struct writeback *wb)
+{
+	wb->shutdown_error = 0;
+	wb->shutdown_jobs = 1; /* held while the rounds are started */
+	for (struct cache_export *ce = writeback_exports(wb->cache); ce; ce = ce->next) {
+		/* A retired export's backend is closed: it holds nothing. */
+		if (atomic_load(&ce->retired))
+			continue;
+		wb->shutdown_jobs++;
+		ce->shutdown_waiting = true;
+		if (!ce->round)
+			flush_round_start(wb, ce, false);
+	}
+	if (--wb->shutdown_jobs == 0)
+		shutdown_pass(wb);
+}
+
+static bool anything_unflushed(struct cache *c)
+{
+	for (struct cache_export *ce = writeback_exports(c); ce; ce = ce->next)
+		if (!atomic_load(&ce->retired) && cache_export_unflushed(ce))
+			return true;
+	return false;
+}
+
+/* Every shutdown round has ended: done, or say so and try again later. */
+static void shutdown_pass(struct writeback *wb)
+{
+	struct cache *c = wb->cache;
+	if (!anything_unflushed(c)) {
+		log_info("cache: every dirty block is written back and flushed");
+		event_free(wb->tick);
+		wb->tick = NULL;
+		if (wb->retry) {
+			event_free(wb->retry);
+			wb->retry = NULL;
+		}
+		pthread_mutex_lock(&wb->lock);
+		wb->stopped = true;
+		pthread_cond_signal(&wb->cond);
+		pthread_mutex_unlock(&wb->lock);
+		return;
+	}
+	log_error("cache: %llu bytes are not durable yet (%s); keeping them and retrying every "
+		  "%d s; send SIGTERM again to exit without them",
+		  (unsigned long long)writeback_not_durable_bytes(c),
+		  wb->shutdown_error ? strerror(-wb->shutdown_error) : "written again meanwhile",
+		  WB_SHUTDOWN_RETRY_SECONDS);
+	if (!wb->retry)
+		wb->retry = evtimer_new(wb->thread.base, on_retry, wb);
+	struct timeval tv = {WB_SHUTDOWN_RETRY_SECONDS, 0};
+	if (wb->retry)
+		evtimer_add(wb->retry, &tv);
+}
+
