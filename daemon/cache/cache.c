@@ -610,6 +610,21 @@ void cache_dirty_list_update(struct cache_entry *e)
 
 /* ---- unstable state: written back, not yet flushed ---- */
 
+/* Export lock held, e on the unstable list. */
+static void unstable_list_unlink(struct cache_export *ce, struct cache_entry *e)
+{
+	if (e->unstable_prev)
+		e->unstable_prev->unstable_next = e->unstable_next;
+	else
+		ce->unstable_head = e->unstable_next;
+	if (e->unstable_next)
+		e->unstable_next->unstable_prev = e->unstable_prev;
+	else
+		ce->unstable_tail = e->unstable_prev;
+	e->unstable_prev = e->unstable_next = NULL;
+	e->on_unstable_list = false;
+}
+
 void cache_mark_unstable(struct cache_entry *e, uint32_t blocks, uint64_t seq)
 {
 	struct cache_export *ce = e->ce;
@@ -618,16 +633,8 @@ void cache_mark_unstable(struct cache_entry *e, uint32_t blocks, uint64_t seq)
 	e->nunstable += added;
 	atomic_fetch_add(&ce->counters.unstable_bytes, (uint64_t)added << ce->block_shift);
 	pthread_mutex_lock(&ce->lock);
-	if (e->on_unstable_list) { /* to the tail: the list stays in write order */
-		if (e->unstable_prev)
-			e->unstable_prev->unstable_next = e->unstable_next;
-		else
-			ce->unstable_head = e->unstable_next;
-		if (e->unstable_next)
-			e->unstable_next->unstable_prev = e->unstable_prev;
-		else
-			ce->unstable_tail = e->unstable_prev;
-	}
+	if (e->on_unstable_list) /* to the tail: the list stays in write order */
+		unstable_list_unlink(ce, e);
 	e->unstable_next = NULL;
 	e->unstable_prev = ce->unstable_tail;
 	if (!ce->unstable_head)
@@ -658,26 +665,24 @@ void cache_unstable_settle(struct cache_entry *e, bool redirty)
 	e->nunstable = 0;
 	e->unstable_seq = 0;
 	pthread_mutex_lock(&ce->lock);
-	if (e->unstable_prev)
-		e->unstable_prev->unstable_next = e->unstable_next;
-	else
-		ce->unstable_head = e->unstable_next;
-	if (e->unstable_next)
-		e->unstable_next->unstable_prev = e->unstable_prev;
-	else
-		ce->unstable_tail = e->unstable_prev;
-	e->on_unstable_list = false;
-	e->unstable_prev = e->unstable_next = NULL;
+	unstable_list_unlink(ce, e);
 	pthread_mutex_unlock(&ce->lock);
 }
 
-int cache_unstable_collect(struct cache_export *ce, uint64_t seq, struct cache_entry ***out,
-			   size_t *count)
+/* The entry after e on the dirty or the unstable list. */
+static struct cache_entry *list_next(const struct cache_entry *e, enum cache_list list)
+{
+	return list == CACHE_LIST_DIRTY ? e->dirty_next : e->unstable_next;
+}
+
+int cache_list_pin(struct cache_export *ce, enum cache_list list, uint64_t seq,
+		   struct cache_entry ***out, size_t *count)
 {
 	pthread_mutex_lock(&ce->lock);
+	struct cache_entry *head = list == CACHE_LIST_DIRTY ? ce->dirty_head : ce->unstable_head;
 	size_t n = 0;
-	for (struct cache_entry *e = ce->unstable_head; e; e = e->unstable_next)
-		if (e->unstable_seq <= seq)
+	for (struct cache_entry *e = head; e; e = list_next(e, list))
+		if (list == CACHE_LIST_DIRTY || e->unstable_seq <= seq)
 			n++;
 	struct cache_entry **v = malloc((n ? n : 1) * sizeof(*v));
 	if (!v) {
@@ -685,9 +690,10 @@ int cache_unstable_collect(struct cache_export *ce, uint64_t seq, struct cache_e
 		return -ENOMEM;
 	}
 	size_t i = 0;
-	for (struct cache_entry *e = ce->unstable_head; e && i < n; e = e->unstable_next) {
-		if (e->unstable_seq <= seq) {
-			cache_entry_pin(e); /* on the unstable list: it cannot be evicted */
+	for (struct cache_entry *e = head; e && i < n; e = list_next(e, list)) {
+		if (list == CACHE_LIST_DIRTY || e->unstable_seq <= seq) {
+			/* On the list: it cannot be evicted (see cache.h). */
+			cache_entry_pin(e);
 			v[i++] = e;
 		}
 	}

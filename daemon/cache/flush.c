@@ -118,7 +118,7 @@ static void unstable_settle_all(struct cache_export *ce, uint64_t seq, bool redi
 {
 	struct cache_entry **v;
 	size_t n;
-	if (cache_unstable_collect(ce, seq, &v, &n) < 0) {
+	if (cache_list_pin(ce, CACHE_LIST_UNSTABLE, seq, &v, &n) < 0) {
 		/* Out of memory: one at a time from the head, no allocation. */
 		for (unsigned guard = 0; guard < 1u << 30; guard++) {
 			pthread_mutex_lock(&ce->lock);
@@ -182,25 +182,14 @@ static void lost_unflushed(struct writeback *wb, struct cache_export *ce)
 /* Take every entry on the dirty list, pinned. */
 static int round_snapshot(struct flush_job *job)
 {
-	struct cache_export *ce = job->ce;
-	pthread_mutex_lock(&ce->lock);
-	size_t n = 0;
-	for (struct cache_entry *e = ce->dirty_head; e; e = e->dirty_next)
-		n++;
-	struct cache_entry **v = malloc((n ? n : 1) * sizeof(*v));
-	if (!v) {
-		pthread_mutex_unlock(&ce->lock);
-		return -ENOMEM;
-	}
-	size_t i = 0;
-	for (struct cache_entry *e = ce->dirty_head; e; e = e->dirty_next) {
-		cache_entry_pin(e); /* on the dirty list: see cache.h */
-		v[i++] = e;
-	}
-	pthread_mutex_unlock(&ce->lock);
+	struct cache_entry **v;
+	size_t n;
+	int rc = cache_list_pin(job->ce, CACHE_LIST_DIRTY, 0, &v, &n);
+	if (rc < 0)
+		return rc;
 	free(job->entries);
 	job->entries = v;
-	job->n = i;
+	job->n = n;
 	job->cursor = job->nbusy = 0;
 	return 0;
 }

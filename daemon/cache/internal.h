@@ -245,10 +245,12 @@ void cache_mark_unstable(struct cache_entry *e, uint32_t blocks, uint64_t seq);
  * export lock). redirty: the flush failed or the backend lost writes, so
  * every uptodate block of e is dirty again (written again) instead. */
 void cache_unstable_settle(struct cache_entry *e, bool redirty);
-/* Pin and collect the entries of the unstable list whose unstable_seq is
- * at most seq (all of them: UINT64_MAX); *out malloc'd. Takes the export lock. */
-int cache_unstable_collect(struct cache_export *ce, uint64_t seq, struct cache_entry ***out,
-			   size_t *count);
+/* Pin and collect the entries of the export's dirty list, or of its
+ * unstable list those whose unstable_seq is at most seq (all of them:
+ * UINT64_MAX); *out malloc'd. Takes the export lock. */
+enum cache_list { CACHE_LIST_DIRTY, CACHE_LIST_UNSTABLE };
+int cache_list_pin(struct cache_export *ce, enum cache_list list, uint64_t seq,
+		   struct cache_entry ***out, size_t *count);
 
 static inline uint64_t cache_entry_offset(const struct cache_entry *e)
 {

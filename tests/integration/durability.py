@@ -48,15 +48,7 @@ expect = CHECKS.expect
 PEERS = []
 
 
-def wait_until(cond, timeout, step=0.05):
-    deadline = time.time() + timeout
-    for _ in range(int(timeout / step) + 2):  # bounded
-        if cond():
-            return True
-        if time.time() > deadline:
-            break
-        time.sleep(step)
-    return cond()
+wait_until = nbdtest.wait_until
 
 
 def stats(d, export=None):
@@ -193,14 +185,21 @@ def reaper(tmp):
     kit.stop()
 
 
+def failing_writes(tmp, name, img, rate):
+    """nbdkit serving img whose writes fail with EIO at rate (nbdkit's error
+    filter) while the returned error file exists."""
+    efile = os.path.join(tmp, name + ".fail")
+    open(efile, "w").close()
+    kit = nbdtest.Nbdkit(tmp, name, ["--filter=error", "file", img, "error=EIO",
+                                     "error-pwrite-rate=" + rate, "error-pwrite-file=" + efile],
+                         peers=PEERS)
+    return kit, efile
+
+
 def log_flood(tmp):
     img = os.path.join(tmp, "flood.img")
     nbdtest.sparse_file(img, 16 * MIB)
-    efile = os.path.join(tmp, "flood.fail")
-    open(efile, "w").close()
-    kit = nbdtest.Nbdkit(tmp, "flood", ["--filter=error", "file", img, "error=EIO",
-                                        "error-pwrite-rate=50%", "error-pwrite-file=" + efile],
-                         peers=PEERS)
+    kit, efile = failing_writes(tmp, "flood", img, "50%")
     d = nbdtest.CheckedDaemon([("f", kit.uri(), "cache-mode=writeback")],
                               extra=["--cache-size", "64M", "--dirty-expire", "1"])
     try:
@@ -292,11 +291,7 @@ def stop_failing(tmp):
     how many bytes are not durable."""
     img = os.path.join(tmp, "refuse.img")
     nbdtest.sparse_file(img, 16 * MIB)
-    efile = os.path.join(tmp, "refuse.fail")
-    open(efile, "w").close()
-    kit = nbdtest.Nbdkit(tmp, "refuse", ["--filter=error", "file", img, "error=EIO",
-                                         "error-pwrite-rate=100%", "error-pwrite-file=" + efile],
-                         peers=PEERS)
+    kit, efile = failing_writes(tmp, "refuse", img, "100%")
     d = nbdtest.CheckedDaemon([("r", kit.uri(), "cache-mode=writeback")],
                               extra=["--cache-size", "64M", "--dirty-expire", "3600"])
     try:

@@ -76,14 +76,7 @@ def require_fuse():
 
 
 def _wait(cond, timeout, step=0.02):
-    deadline = time.time() + timeout
-    for _ in range(int(timeout / step) + 2):
-        if cond():
-            return True
-        if time.time() > deadline:
-            break
-        time.sleep(step)
-    return cond()
+    return nbdtest.wait_until(cond, timeout, step)
 
 
 class FaultFS:

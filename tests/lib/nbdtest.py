@@ -56,6 +56,19 @@ def check(cond, msg):
         fail(msg)
 
 
+def wait_until(cond, timeout, step=0.05):
+    """Poll cond() every step seconds for up to timeout seconds (bounded);
+    its last value."""
+    deadline = time.time() + timeout
+    for _ in range(int(timeout / step) + 2):
+        if cond():
+            return True
+        if time.time() > deadline:
+            break
+        time.sleep(step)
+    return cond()
+
+
 def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
