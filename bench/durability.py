@@ -15,10 +15,12 @@ sync-writers: synchronous writers, nbdcached (writeback) against nbdkit
   (fsync=1), and at iodepth 32 with a FLUSH after every 32 (fsync=32).
 
 slow-readers: a well-behaved fio client (4 KiB random reads, iodepth 8) on
-  a warm cache, alone and while 32 other connections (to a second export of
-  the same daemon, a cold file) each send four 32 MiB READs and never read
-  a byte of the replies: its IOPS, its export's hit ratio, the daemon's
-  RSS and how many of the slow connections are still open.
+  a warm cache, alone and while 32 other connections each send four 32 MiB
+  READs and never read a byte of the replies: its IOPS, its export's hit
+  ratio, the daemon's RSS and how many of the slow connections are still
+  open. Twice, each with a fresh daemon: "cold", the slow clients on a
+  second export (another file, not cached), and "warm", on the same export
+  as the well-behaved client (the cached working set).
 
 Every wait is bounded (a FLUSH cell by --flush-timeout, fio by --seconds
 + 120 s, the setup writes by a pass over the file at 1 MiB/s); a cell
@@ -31,6 +33,7 @@ import gc
 import json
 import os
 import random
+import select
 import signal
 import socket
 import statistics
@@ -781,6 +784,18 @@ def slow_client(sockpath, export, offsets, length):
     return s
 
 
+def open_count(socks):
+    """How many of socks the server has not closed (no POLLHUP/POLLRDHUP:
+    their unread replies hide an EOF from recv)."""
+    n = 0
+    for sk in socks:
+        p = select.poll()
+        p.register(sk, select.POLLHUP | select.POLLRDHUP | select.POLLERR)
+        if not p.poll(0):
+            n += 1
+    return n
+
+
 class RssSampler(threading.Thread):
     def __init__(self, h, pid, period=0.5):
         super().__init__(daemon=True)
@@ -796,25 +811,110 @@ class RssSampler(threading.Thread):
             self.stop.wait(self.period)
 
 
+SLOW_VARIANTS = [
+    # (name, the slow clients' export, what it says)
+    ("cold", "slow", "slow clients read export 'slow' (another file, not cached: their READs "
+                     "miss and compete for cache memory)"),
+    ("warm", "bench", "slow clients read export 'bench' (the warm working set: their READs "
+                      "hit and pin cached entries)"),
+]
+
+
+def slow_variant(variant, slow_export, args, tmp, h, argv, paths, res):
+    """One daemon: warm the working set, the well-behaved run alone, then
+    the slow clients connect, then the well-behaved run again. Fills res."""
+    sock = os.path.join(tmp, "nbd.sock")
+    control = os.path.join(tmp, "control.sock")
+    uri = "nbd+unix:///bench?socket=" + sock
+    n_slow, rsize, per = args.slow_clients, args.slow_read_size, args.slow_reads
+    wl = ["--rw=randread", "--bs=4k", "--iodepth=%d" % WELL_IODEPTH]
+    slow_socks = []
+    try:
+        with h.running_server("slow-readers-%s" % variant, argv, sock, tmp) as (proc, _):
+            res["rss_start"] = h.memory(proc.pid)["rss"]
+            h.run_fio("warmup-%s" % variant, uri, args.size, h.WARMUP, 0, tmp)
+            for phase in ("alone", "slow"):
+                s_pre = ctl_stats(h, control)
+                if phase == "slow":
+                    size = paths[slow_export][1]
+                    nchunks = size // rsize
+                    rng = random.Random(2)
+                    for i in range(n_slow):
+                        offs = [((i * per + k) % nchunks) * rsize for k in range(per)]
+                        rng.shuffle(offs)
+                        slow_socks.append(slow_client(sock, slow_export, offs, rsize))
+                    time.sleep(SLOW_SETTLE)
+                    res["rss_settled"] = h.memory(proc.pid)["rss"]
+                s0 = ctl_stats(h, control)
+                sampler = RssSampler(h, proc.pid)
+                sampler.start()
+                cpu0 = h.cpu_seconds(proc.pid)
+                try:
+                    job = run_fio_job(h, "well-behaved-%s-%s" % (variant, phase), uri, args.size,
+                                      wl, args.seconds, tmp)
+                finally:
+                    sampler.stop.set()
+                    sampler.join()
+                cpu = h.cpu_seconds(proc.pid) - cpu0
+                s1 = ctl_stats(h, control)
+                e0, e1 = export_stats(s0, "bench"), export_stats(s1, "bench")
+                looked = sum(e1[k] - e0[k] for k in ("hits", "misses", "partial_hits"))
+                c0, c1, cp = s0["cache"], s1["cache"], s_pre["cache"]
+                clooked = sum(c1[k] - c0[k] for k in ("hits", "misses", "partial_hits"))
+                r = res[phase] = {
+                    "iops": job["read"]["iops"],
+                    "p99_us": job["read"]["clat_ns"]["percentile"]["99.000000"] / 1e3,
+                    "hit": (e1["hits"] - e0["hits"]) / looked if looked else None,
+                    "misses": e1["misses"] - e0["misses"],
+                    "all_hit": (c1["hits"] - c0["hits"]) / clooked if clooked else None,
+                    "evictions": c1["evictions"] - cp["evictions"],
+                    "bypass": c1["bypass_reads"] - cp["bypass_reads"],
+                    "backend_reads": c1["backend_read_bytes"] - cp["backend_read_bytes"],
+                    "used": c1["used_bytes"],
+                    "rss_max": max(sampler.samples) if sampler.samples else None,
+                    "cpu_s": cpu,
+                    "slow_conns": open_count(slow_socks) if phase == "slow" else None,
+                }
+                print("  %s, %s: %.0f IOPS, 'bench' hit ratio %s, RSS max %.0f MiB%s"
+                      % (variant, phase, r["iops"], "n/a" if r["hit"] is None
+                         else "%.4f" % r["hit"], (r["rss_max"] or 0) / MiB,
+                         ", slow connections open at the end %d" % r["slow_conns"]
+                         if phase == "slow" else ""), flush=True)
+            for sk in slow_socks:
+                sk.close()
+            slow_socks = []
+            time.sleep(1)
+            res["rss_after_close"] = h.memory(proc.pid)["rss"]
+            res["daemon_alive"] = proc.poll() is None
+    except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+        print("  %s: FAILED: %s" % (variant, e), flush=True)
+    finally:
+        for sk in slow_socks:
+            sk.close()
+
+
 def run_slow_readers(args, tmp, h):
     path = os.path.join(tmp, "bench.img")
     slow_path = os.path.join(tmp, "slow.img")
     sock = os.path.join(tmp, "nbd.sock")
     control = os.path.join(tmp, "control.sock")
-    uri = "nbd+unix:///bench?socket=" + sock
     n_slow, rsize, per = args.slow_clients, args.slow_read_size, args.slow_reads
     slow_size = max(args.size * 2, rsize * per)
+    if args.size < rsize:
+        raise SystemExit("bench/run: --size must be at least --slow-read-size")
+    paths = {"bench": (path, args.size), "slow": (slow_path, slow_size)}
     argv = nbdcached_argv(h, args, sock, control, [("bench", path), ("slow", slow_path)])
-    wl = ["--rw=randread", "--bs=4k", "--iodepth=%d" % WELL_IODEPTH]
     print("slow-readers: nbdcached %s" % " ".join(argv[1:]).replace(tmp, "TMP"))
     print("well-behaved client: fio ioengine=nbd, export 'bench' (%d MiB, all of it the "
-          "working set, read once before: warm), %s, one job, %ds, alone and then with the "
-          "slow clients" % (args.size // MiB, " ".join(wl), args.seconds))
-    print("slow clients: %d connections to export 'slow' (%d MiB, cold), each sends %d READs "
-          "of %d MiB (simple replies, SO_RCVBUF 4 KiB) and never reads; the measured run "
-          "starts %.0f s after they sent; the daemon's unread-reply deadline is %d s"
-          % (n_slow, slow_size // MiB, per, rsize // MiB, SLOW_SETTLE, SLOW_DEADLINE),
-          flush=True)
+          "working set, read once before: warm), --rw=randread --bs=4k --iodepth=%d, one job, "
+          "%ds, alone and then with the slow clients" % (args.size // MiB, WELL_IODEPTH,
+                                                         args.seconds))
+    print("slow clients: %d connections, each sends %d READs of %d MiB (simple replies, "
+          "SO_RCVBUF 4 KiB) and never reads; the measured run starts %.0f s after they sent; "
+          "the daemon's unread-reply deadline is %d s" % (n_slow, per, rsize // MiB, SLOW_SETTLE,
+                                                        SLOW_DEADLINE))
+    print("two variants, each a fresh daemon (warm-up, alone, with): %s" % "; ".join(
+        "%s: %s" % (v, what) for v, _, what in SLOW_VARIANTS), flush=True)
     if args.seconds + SLOW_SETTLE >= SLOW_DEADLINE:
         print("note: --seconds %d + %.0f s >= %d s: the daemon may drop the slow clients during "
               "the run" % (args.seconds, SLOW_SETTLE, SLOW_DEADLINE))
@@ -823,110 +923,61 @@ def run_slow_readers(args, tmp, h):
     h.make_file(slow_path, slow_size)
     h.read_whole_file(path)
     h.read_whole_file(slow_path)
-    print("files written (and read once: page cache hot) in %.1fs" % (time.time() - t0),
-          flush=True)
-    res = {}
-    slow_socks = []
-    try:
-        with h.running_server("slow-readers", argv, sock, tmp) as (proc, _):
-            res["rss_start"] = h.memory(proc.pid)["rss"]
-            h.run_fio("warmup", uri, args.size, h.WARMUP, 0, tmp)
-            for phase in ("alone", "slow"):
-                if phase == "slow":
-                    rng = random.Random(2)
-                    nchunks = slow_size // rsize
-                    for i in range(n_slow):
-                        offs = [((i * per + k) % nchunks) * rsize for k in range(per)]
-                        rng.shuffle(offs)
-                        slow_socks.append(slow_client(sock, "slow", offs, rsize))
-                    time.sleep(SLOW_SETTLE)
-                    st = ctl_stats(h, control)
-                    res["slow_conns_start"] = export_stats(st, "slow")["connections"]
-                    res["rss_settled"] = h.memory(proc.pid)["rss"]
-                s0 = ctl_stats(h, control)
-                sampler = RssSampler(h, proc.pid)
-                sampler.start()
-                cpu0 = h.cpu_seconds(proc.pid)
-                try:
-                    job = run_fio_job(h, "well-behaved-%s" % phase, uri, args.size, wl,
-                                      args.seconds, tmp)
-                finally:
-                    sampler.stop.set()
-                    sampler.join()
-                cpu = h.cpu_seconds(proc.pid) - cpu0
-                s1 = ctl_stats(h, control)
-                e0, e1 = export_stats(s0, "bench"), export_stats(s1, "bench")
-                looked = sum(e1[k] - e0[k] for k in ("hits", "misses", "partial_hits"))
-                c0, c1 = s0["cache"], s1["cache"]
-                clooked = sum(c1[k] - c0[k] for k in ("hits", "misses", "partial_hits"))
-                r = res[phase] = {
-                    "iops": job["read"]["iops"],
-                    "p99_us": job["read"]["clat_ns"]["percentile"]["99.000000"] / 1e3,
-                    "hit": (e1["hits"] - e0["hits"]) / looked if looked else None,
-                    "misses": e1["misses"] - e0["misses"],
-                    "all_hit": (c1["hits"] - c0["hits"]) / clooked if clooked else None,
-                    "evictions": c1["evictions"] - c0["evictions"],
-                    "slow_backend_reads": (export_stats(s1, "slow")["backend_read_bytes"]
-                                           - export_stats(s0, "slow")["backend_read_bytes"]),
-                    "rss_max": max(sampler.samples) if sampler.samples else None,
-                    "rss_end": h.memory(proc.pid)["rss"],
-                    "cpu_s": cpu,
-                    "slow_conns": export_stats(s1, "slow")["connections"],
-                }
-                print("  %s: %.0f IOPS, hit ratio %s, RSS max %.0f MiB, slow connections "
-                      "open at the end %d" % (phase, r["iops"], "n/a" if r["hit"] is None
-                                              else "%.4f" % r["hit"],
-                                              (r["rss_max"] or 0) / MiB, r["slow_conns"]),
-                      flush=True)
-            for s in slow_socks:
-                s.close()
-            slow_socks = []
-            time.sleep(1)
-            res["rss_after_close"] = h.memory(proc.pid)["rss"]
-            res["daemon_alive"] = proc.poll() is None
-    except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
-        print("  FAILED: %s" % e, flush=True)
-    finally:
-        for s in slow_socks:
-            s.close()
-    print()
+    print("files written (bench %d MiB, slow %d MiB; read once: page cache hot) in %.1fs"
+          % (args.size // MiB, slow_size // MiB, time.time() - t0), flush=True)
+    results = {}
+    for variant, slow_export, _ in SLOW_VARIANTS:
+        print("variant %s ..." % variant, flush=True)
+        results[variant] = {}
+        slow_variant(variant, slow_export, args, tmp, h, argv, paths, results[variant])
+    print_slow_readers(results, args)
+
+
+def print_slow_readers(results, args):
     rows = [("well-behaved IOPS", "iops", "%.0f"), ("well-behaved p99 us", "p99_us", "%.0f"),
             ("'bench' export hit ratio", "hit", "%.4f"), ("'bench' export misses", "misses", "%d"),
-            ("whole cache hit ratio", "all_hit", "%.4f"), ("evictions", "evictions", "%d"),
-            ("'slow' backend bytes read (MiB)", "slow_backend_reads", None),
+            ("whole cache hit ratio", "all_hit", "%.4f"),
+            ("evictions (incl. settle)", "evictions", "%d"),
+            ("bypassed reads (incl. settle)", "bypass", "%d"),
+            ("backend MiB read (incl. settle)", "backend_reads", None),
+            ("cache used MiB at the end", "used", None),
             ("daemon RSS max during the run (MiB)", "rss_max", None),
-            ("daemon RSS at the end of the run (MiB)", "rss_end", None),
             ("daemon CPU s", "cpu_s", "%.1f"),
             ("slow connections open at the end", "slow_conns", "%d")]
-    print("%-42s %14s %14s %10s" % ("SLOW-READERS", "alone", "with %d slow" % n_slow, "with/alone"))
-    for label, key, fmt in rows:
-        cells, vals = [], []
-        for phase in ("alone", "slow"):
-            v = res.get(phase, {}).get(key)
-            vals.append(v)
-            if v is None:
-                cells.append("n/a")
-            elif fmt is None:
-                cells.append("%.1f" % (v / MiB))
-            else:
-                cells.append(fmt % v)
-        q = ratio(vals[1], vals[0]) if key in ("iops", "p99_us", "hit", "rss_max") else None
-        print("%-42s %14s %14s %10s" % (label, cells[0], cells[1], "" if q is None else "%.2f" % q))
-    print("daemon RSS: %s at start, %s after the slow clients settled, %s 1 s after they "
-          "closed; daemon %s" % tuple(
-              ["n/a" if res.get(k) is None else "%.1f MiB" % (res[k] / MiB)
-               for k in ("rss_start", "rss_settled", "rss_after_close")]
-              + ["still running" if res.get("daemon_alive") else "NOT running (or not reached)"]))
-    a, b = res.get("alone", {}).get("iops"), res.get("slow", {}).get("iops")
-    q = ratio(b, a)
-    print("TARGET well-behaved IOPS with/alone >= %.2f: %s" % (
-        SLOW_TARGET, "n/a" if q is None else "%.2f %s" % (q, "MET" if q >= SLOW_TARGET
-                                                          else "NOT MET")))
-    ha, hb = res.get("alone", {}).get("hit"), res.get("slow", {}).get("hit")
-    q = ratio(hb, ha)
-    print("TARGET 'bench' hit ratio with/alone >= %.2f: %s" % (
-        SLOW_TARGET, "n/a" if q is None else "%.2f %s" % (q, "MET" if q >= SLOW_TARGET
-                                                          else "NOT MET")))
+    for variant, _, what in SLOW_VARIANTS:
+        res = results.get(variant, {})
+        print()
+        print("SLOW-READERS %s: %s" % (variant, what))
+        print("%-42s %14s %14s %10s" % ("", "alone", "with %d slow" % args.slow_clients,
+                                        "with/alone"))
+        for label, key, fmt in rows:
+            cells, vals = [], []
+            for phase in ("alone", "slow"):
+                v = res.get(phase, {}).get(key)
+                vals.append(v)
+                if v is None:
+                    cells.append("n/a")
+                elif fmt is None:
+                    cells.append("%.1f" % (v / MiB))
+                else:
+                    cells.append(fmt % v)
+            q = ratio(vals[1], vals[0]) if key in ("iops", "p99_us", "hit", "rss_max") else None
+            print("%-42s %14s %14s %10s" % (label, cells[0], cells[1],
+                                            "" if q is None else "%.2f" % q))
+        print("daemon RSS: %s at start, %s after the slow clients settled, %s 1 s after they "
+              "closed; daemon %s" % tuple(
+                  ["n/a" if res.get(k) is None else "%.1f MiB" % (res[k] / MiB)
+                   for k in ("rss_start", "rss_settled", "rss_after_close")]
+                  + ["still running" if res.get("daemon_alive")
+                     else "NOT running (or not reached)"]))
+    print()
+    for variant, _, _ in SLOW_VARIANTS:
+        res = results.get(variant, {})
+        for key, label in (("iops", "well-behaved IOPS"), ("hit", "'bench' hit ratio")):
+            q = ratio(res.get("slow", {}).get(key), res.get("alone", {}).get(key))
+            print("TARGET %s: %s with/alone >= %.2f: %s" % (
+                variant, label, SLOW_TARGET, "n/a" if q is None else "%.2f %s" % (
+                    q, "MET" if q >= SLOW_TARGET else "NOT MET")))
 
 
 def run(args, tmp, h):
