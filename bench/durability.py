@@ -650,6 +650,39 @@ def run_fio_job(h, name, uri, size, opts, seconds, outdir):
     return job
 
 
+def sync_server_round(name, argv, args, tmp, h, path, control, uri):
+    """One server, the workloads in order on a freshly fsync()ed file:
+    {wname: metrics}, {wname: nbdcached stats delta text}."""
+    sock = os.path.join(tmp, "nbd.sock")
+    out, stats = {}, {}
+    fsync_file(path)
+    with h.running_server("sync-%s" % name, argv, sock, tmp) as (proc, _):
+        for wname, opts in SYNC_WORKLOADS:
+            before = h.cpu_seconds(proc.pid)
+            s0 = ctl_stats(h, control)["cache"] if name == "nbdcached" else None
+            job = run_fio_job(h, "%s-%s" % (name, wname), uri, args.size, opts, args.seconds,
+                              tmp)
+            cpu = h.cpu_seconds(proc.pid) - before
+            w, sy = job["write"], job["sync"]
+            r = out[wname] = {
+                "iops": w["iops"], "ios": w["total_ios"],
+                "p99_us": w["clat_ns"]["percentile"]["99.000000"] / 1e3,
+                "syncs": sy["total_ios"],
+                "sync_mean_us": sy["lat_ns"]["mean"] / 1e3,
+                "sync_p99_us": sy["lat_ns"].get("percentile", {}).get("99.000000", 0) / 1e3,
+                "cpu_us_per_io": cpu / w["total_ios"] * 1e6 if w["total_ios"] else 0,
+            }
+            if s0 is not None:
+                s1 = ctl_stats(h, control)["cache"]
+                stats[wname] = " ".join(
+                    "%s=+%d" % (k, s1[k] - s0[k]) for k in
+                    ("backend_writes", "backend_write_bytes", "writeback_bytes",
+                     "direct_writes")) + " dirty_bytes=%d" % s1["dirty_bytes"]
+            print("  %s %s: %.0f write IOPS, %d FLUSHes (mean %.0f us)"
+                  % (name, wname, r["iops"], r["syncs"], r["sync_mean_us"]), flush=True)
+    return out, stats
+
+
 def run_sync_writers(args, tmp, h):
     path = os.path.join(tmp, "bench.img")
     sock = os.path.join(tmp, "nbd.sock")
@@ -660,81 +693,68 @@ def run_sync_writers(args, tmp, h):
         "nbdkit": nbdkit_file_argv(sock, path),
     }
     names = [s for s in specs if not args.servers or s in args.servers]
+    if "nbdkit" in names and h.unavailable({"needs": ["nbdkit"]}):
+        print("nbdkit: n/a (not installed)")
+        names.remove("nbdkit")
+    rounds = args.rounds
     print("sync-writers: a %d MiB file (written, fsync()ed) served by nbdcached (writeback, "
           "default watermarks and expiry: %s) and by nbdkit file (default threads; FLUSH is "
           "fdatasync)" % (args.size // MiB, " ".join(specs["nbdcached"][1:]).replace(tmp, "TMP")))
     print("client: fio ioengine=nbd (libnbd), one job, time based %ds: %s" % (
         args.seconds, "; ".join("%s: %s" % (w, " ".join(o)) for w, o in SYNC_WORKLOADS)))
     print("(fio's fsync=N sends an NBD FLUSH after every N writes at iodepth 1; at iodepth 32 "
-          "it keeps sending FLUSHes while one is in flight: see the FLUSHes column. Each server "
-          "starts on a freshly fsync()ed file and runs the workloads in this order)", flush=True)
+          "it keeps sending FLUSHes while one is in flight: see the FLUSHes column.) %d "
+          "round(s), the servers' order reversed each round; each server starts on a freshly "
+          "fsync()ed file and runs the workloads in this order; the table shows the median "
+          "over the rounds" % rounds, flush=True)
     t0 = time.time()
     h.make_file(path, args.size)
     fsync_file(path)
     print("file written and fsync()ed in %.1fs" % (time.time() - t0), flush=True)
-    results, stats = {}, {}
-    for name in names:
-        if name == "nbdkit":
-            reason = h.unavailable({"needs": ["nbdkit"]})
-            if reason:
-                print("nbdkit: n/a (%s)" % reason)
-                continue
-        print("running %s ..." % name, flush=True)
-        results[name] = {}
-        fsync_file(path)
-        try:
-            with h.running_server("sync-%s" % name, specs[name], sock, tmp) as (proc, _):
-                for wname, opts in SYNC_WORKLOADS:
-                    before = h.cpu_seconds(proc.pid)
-                    s0 = ctl_stats(h, control)["cache"] if name == "nbdcached" else None
-                    job = run_fio_job(h, "%s-%s" % (name, wname), uri, args.size, opts,
-                                      args.seconds, tmp)
-                    cpu = h.cpu_seconds(proc.pid) - before
-                    w, sy = job["write"], job["sync"]
-                    r = results[name][wname] = {
-                        "iops": w["iops"], "ios": w["total_ios"],
-                        "p99_us": w["clat_ns"]["percentile"]["99.000000"] / 1e3,
-                        "syncs": sy["total_ios"],
-                        "sync_mean_us": sy["lat_ns"]["mean"] / 1e3,
-                        "sync_p99_us": (sy["lat_ns"].get("percentile", {})
-                                        .get("99.000000", 0) / 1e3),
-                        "cpu_us_per_io": cpu / w["total_ios"] * 1e6 if w["total_ios"] else 0,
-                    }
-                    if s0 is not None:
-                        s1 = ctl_stats(h, control)["cache"]
-                        stats["%s %s" % (name, wname)] = " ".join(
-                            "%s=+%d" % (k, s1[k] - s0[k]) for k in
-                            ("backend_writes", "backend_write_bytes", "writeback_bytes",
-                             "direct_writes")) + " dirty_bytes=%d" % s1["dirty_bytes"]
-                    print("  %s: %.0f write IOPS, %d FLUSHes (mean %.0f us)"
-                          % (wname, r["iops"], r["syncs"], r["sync_mean_us"]), flush=True)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            print("  %s: FAILED: %s" % (name, e), flush=True)
+    per_round = {n: [] for n in names}    # name -> [{wname: metrics}] per round
+    stats = {}
+    for rnd in range(rounds):
+        order = names if rnd % 2 == 0 else names[::-1]
+        print("round %d: %s" % (rnd + 1, ", ".join(order)), flush=True)
+        for name in order:
+            try:
+                out, st = sync_server_round(name, specs[name], args, tmp, h, path, control, uri)
+                per_round[name].append(out)
+                for k, v in st.items():
+                    stats["round %d %s" % (rnd + 1, k)] = v
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                print("  %s: FAILED: %s" % (name, e), flush=True)
+                per_round[name].append({})
+
+    def median_of(name, wname, key):
+        vals = [r[wname][key] for r in per_round.get(name, []) if wname in r]
+        return statistics.median(vals) if vals else None
     print()
     cols = [("iops", "write IOPS", "%.0f"), ("p99_us", "wr p99 us", "%.0f"),
             ("syncs", "FLUSHes", "%d"), ("sync_mean_us", "FLUSH us", "%.0f"),
             ("sync_p99_us", "FLUSH p99", "%.0f"), ("cpu_us_per_io", "CPU us/wr", "%.1f")]
-    print("%-26s %-10s %s" % ("workload", "server", " ".join("%10s" % c[1] for c in cols)))
+    print("%-26s %-10s %s   (median of %d round(s))" % (
+        "workload", "server", " ".join("%10s" % c[1] for c in cols), rounds))
     for wname, _ in SYNC_WORKLOADS:
         for name in names:
-            r = results.get(name, {}).get(wname)
-            cells = ["%10s" % (fmt % r[k]) for k, _, fmt in cols] if r else [
-                "%10s" % ("FAILED" if name in results else "n/a")]
+            cells = []
+            for k, _, fmt in cols:
+                v = median_of(name, wname, k)
+                cells.append("%10s" % ("FAILED" if v is None else fmt % v))
             print("%-26s %-10s %s" % (wname, name, " ".join(cells)))
     if len(names) == 2:
         print()
-        print("RATIOS nbdcached/nbdkit (write IOPS: above 1 is better; FLUSH latency, "
-              "CPU: below 1 is better)")
+        print("RATIOS nbdcached/nbdkit of the medians (write IOPS: above 1 is better; FLUSH "
+              "latency, CPU: below 1 is better); IOPS ratio of each round")
         for wname, _ in SYNC_WORKLOADS:
-            a = results.get("nbdcached", {}).get(wname)
-            b = results.get("nbdkit", {}).get(wname)
-            if not a or not b:
-                print("  %-26s n/a" % wname)
-                continue
-            print("  %-26s IOPS %s  FLUSH mean %s  CPU/write %s" % (
-                wname, fmt_ratio(ratio(a["iops"], b["iops"])),
-                fmt_ratio(ratio(a["sync_mean_us"], b["sync_mean_us"])),
-                fmt_ratio(ratio(a["cpu_us_per_io"], b["cpu_us_per_io"]))))
+            m = {k: fmt_ratio(ratio(median_of("nbdcached", wname, k), median_of("nbdkit", wname, k)))
+                 for k in ("iops", "sync_mean_us", "cpu_us_per_io")}
+            each = []
+            for a, b in zip(per_round["nbdcached"], per_round["nbdkit"]):
+                each.append(fmt_ratio(ratio(a.get(wname, {}).get("iops"),
+                                            b.get(wname, {}).get("iops"))))
+            print("  %-26s IOPS %s  FLUSH mean %s  CPU/write %s   rounds: %s" % (
+                wname, m["iops"], m["sync_mean_us"], m["cpu_us_per_io"], " ".join(each)))
     if stats:
         print()
         print("STATS nbdcached over each run (control socket)")
