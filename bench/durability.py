@@ -273,7 +273,7 @@ def block_status_cell(nbd, uri, offsets, seconds=BS_SECONDS, iterations=BS_ITERA
         c.close()
 
 
-def write_dirty_set(nbd, uri, offsets, size):
+def write_dirty_set(nbd, uri, offsets):
     """The scattered 4 KiB writes, WRITE_QD in flight on one connection;
     seconds taken."""
     buf = nbd.Buffer.from_bytearray(bytearray(os.urandom(BLOCK)))
@@ -401,7 +401,7 @@ def flush_scale_server(name, h, nbd, args, tmp, path, layout, res):
     with h.running_server("%s-a" % name, argv, sock, tmp, stop_signal=stop):
         res["bs_clean_far"] = block_status_cell(nbd, uri, layout["far"])
         res["bs_clean_between"] = block_status_cell(nbd, uri, layout["between"])
-        res["write_s"] = write_dirty_set(nbd, uri, layout["dirty"], args.size)
+        res["write_s"] = write_dirty_set(nbd, uri, layout["dirty"])
         print("  %s: %d scattered 4 KiB writes in %.1fs" % (name, n, res["write_s"]), flush=True)
         check_dirty(n * BLOCK, "before (a)")
         res["bs_dirty_far"] = block_status_cell(nbd, uri, layout["far"])
@@ -432,7 +432,7 @@ def flush_scale_server(name, h, nbd, args, tmp, path, layout, res):
     # Setup 2: the dirty set, then (b).
     fsync_file(path)
     with h.running_server("%s-b" % name, argv, sock, tmp, stop_signal=stop):
-        write_dirty_set(nbd, uri, layout["dirty"], args.size)
+        write_dirty_set(nbd, uri, layout["dirty"])
         check_dirty(n * BLOCK, "before (b)")
         total, done_at, failed, conns = concurrent_flushes(nbd, uri, layout["tiny_b"], timeout)
         res["b"], res["b_done"], res["b_failed"] = total, done_at, failed
@@ -448,7 +448,7 @@ def flush_scale_server(name, h, nbd, args, tmp, path, layout, res):
     # Setup 3: the dirty set, then (c).
     fsync_file(path)
     with h.running_server("%s-c" % name, argv, sock, tmp, stop_signal=stop):
-        write_dirty_set(nbd, uri, layout["dirty"], args.size)
+        write_dirty_set(nbd, uri, layout["dirty"])
         check_dirty(n * BLOCK, "before (c)")
         total, lat, err, c = serial_pairs(nbd, uri, layout["tiny_c"], timeout)
         c.close()
@@ -569,7 +569,8 @@ def print_flush_scale(results, names, args):
     print("%-52s %s" % ("    (c) first FLUSH (ms)", " ".join(
         "%16s" % ("n/a" if not results.get(n, {}).get("c_lat") else
                   "%.1f" % (results[n]["c_lat"][0] * 1e3)) for n in names)))
-    print("%-52s %s" % ("    (c) mean of the other FLUSHes (ms)", " ".join("%16s" % c for c in cells)))
+    print("%-52s %s" % ("    (c) mean of the other FLUSHes (ms)",
+                        " ".join("%16s" % c for c in cells)))
     print()
     print("%-52s %s" % ("BLOCK_STATUS 4 KiB REQ_ONE, mean/p50/p99 us", " ".join(
         "%16s" % c for c in names)))
@@ -747,7 +748,8 @@ def run_sync_writers(args, tmp, h):
         print("RATIOS nbdcached/nbdkit of the medians (write IOPS: above 1 is better; FLUSH "
               "latency, CPU: below 1 is better); IOPS ratio of each round")
         for wname, _ in SYNC_WORKLOADS:
-            m = {k: fmt_ratio(ratio(median_of("nbdcached", wname, k), median_of("nbdkit", wname, k)))
+            m = {k: fmt_ratio(ratio(median_of("nbdcached", wname, k),
+                                    median_of("nbdkit", wname, k)))
                  for k in ("iops", "sync_mean_us", "cpu_us_per_io")}
             each = []
             for a, b in zip(per_round["nbdcached"], per_round["nbdkit"]):
