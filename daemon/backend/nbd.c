@@ -307,7 +307,11 @@ static void conn_schedule(struct nbd_conn *c, unsigned delay_ms)
 	}
 	c->state = CONN_IDLE;
 	struct timeval tv = {delay_ms / 1000, (delay_ms % 1000) * 1000};
-	evtimer_add(c->timer, &tv);
+	if (evtimer_add(c->timer, &tv) < 0) {
+		log_error("backend %s: connection %u: cannot arm its timer; left closed", nb->name,
+			  c->index + 1);
+		c->state = CONN_OFF;
+	}
 }
 
 /*
@@ -418,7 +422,10 @@ static void conn_connect(struct nbd_conn *c)
 		return;
 	}
 	struct timeval tv = {NBD_CONNECT_TIMEOUT_MS / 1000, (NBD_CONNECT_TIMEOUT_MS % 1000) * 1000};
-	evtimer_add(c->timer, &tv);
+	if (evtimer_add(c->timer, &tv) < 0) {
+		conn_fail(c, "cannot arm its timer", false);
+		return;
+	}
 	if (conn_settle(c) && nbd_aio_is_ready(c->h))
 		conn_ready(c);
 }
@@ -898,7 +905,8 @@ static void tick_arm(struct nbd_backend *nb)
 	if (evtimer_pending(nb->tick, NULL))
 		return;
 	struct timeval tv = {0, NBD_TICK_MS * 1000};
-	evtimer_add(nb->tick, &tv);
+	if (evtimer_add(nb->tick, &tv) < 0)
+		log_error("backend %s: cannot arm the deadline timer", nb->name);
 }
 
 /*
