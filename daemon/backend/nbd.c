@@ -25,9 +25,10 @@
  * Connecting is asynchronous (only the first connection, in
  * backend_nbd_open, is waited for), so a server that accepts but never
  * answers costs one slot, not the thread. A failed slot is tried again
- * after 0.1 s, doubling to 5 s. An extra slot whose first attempt fails is
- * given up (the server serves fewer connections than it advertises); while
- * the server reached through slot 0 lacks multi-conn, only slot 0 is used.
+ * after 0.1 s, doubling to 5 s. An extra slot that fails NBD_EXTRA_ATTEMPTS
+ * times before it ever worked is given up (the server serves fewer
+ * connections than it advertises); while the server reached through slot
+ * 0 lacks multi-conn, only slot 0 is used.
  *
  * Requests. A request is cut into chunks the server accepts (its maximum
  * block size; 32-bit lengths for TRIM, WRITE_ZEROES and BLOCK_STATUS), at
@@ -89,7 +90,8 @@
 #define NBD_BACKOFF_MIN_MS 100
 #define NBD_BACKOFF_MAX_MS 5000
 #define NBD_CONNECT_TIMEOUT_MS 10000
-#define NBD_TICK_MS 100 /* how often deadlines are looked at, while any is set */
+#define NBD_EXTRA_ATTEMPTS 3 /* an extra slot that never worked is given up after these */
+#define NBD_TICK_MS 100	     /* how often deadlines are looked at, while any is set */
 #define NBD_ADVANCE_PASSES 8
 
 static const uint8_t zero_chunk[NBD_ZERO_CHUNK];
@@ -122,9 +124,10 @@ struct nbd_conn {
 	unsigned backoff_ms; /* before the next attempt */
 	bool ever_ready;
 	bool given_up;
-	bool multi_conn; /* this handle's server advertises it */
-	bool wrote;	 /* a command that writes was sent on this handle */
-	int broken;	 /* errno of a command that failed with a connection error */
+	unsigned failures; /* failed attempts before it ever worked */
+	bool multi_conn;   /* this handle's server advertises it */
+	bool wrote;	   /* a command that writes was sent on this handle */
+	int broken;	   /* errno of a command that failed with a connection error */
 	struct nbd_chunk *oldest, *newest; /* what libnbd holds, by age */
 };
 
@@ -335,7 +338,7 @@ static void conn_fail(struct nbd_conn *c, const char *why, bool kill)
 	} else if (c->state == CONN_CONNECTING) {
 		log_debug("backend %s: connection %u: connecting failed: %s", nb->name,
 			  c->index + 1, why);
-		if (c->index > 0 && !c->ever_ready) {
+		if (c->index > 0 && !c->ever_ready && ++c->failures >= NBD_EXTRA_ATTEMPTS) {
 			c->given_up = true;
 			log_info("backend %s: connection %u: %s; using fewer", nb->name,
 				 c->index + 1, why);
