@@ -149,6 +149,25 @@ def flush_until_ok(d, h, what, tries=40, timeout=40):
     raise Failed("%s: no FLUSH succeeded (%d tries): %s" % (what, len(errors), errors[-3:]))
 
 
+def sigstop(proc):
+    """SIGSTOP by PID, then wait (up to 5 s) until every thread of it is
+    stopped: the signal alone does not stop a thread that is running."""
+    proc.send_signal(signal.SIGSTOP)
+
+    def stopped():
+        try:
+            tasks = os.listdir("/proc/%d/task" % proc.pid)
+            states = []
+            for t in tasks:
+                with open("/proc/%d/task/%s/stat" % (proc.pid, t)) as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            return False
+        return all(st == "T" for st in states)
+    require(wait_until(stopped, 5, step=0.01), "test setup: pid %d not stopped 5 s after "
+            "SIGSTOP" % proc.pid)
+
+
 def cpu_seconds(pid):
     """utime + stime of the process, in seconds."""
     with open("/proc/%d/stat" % pid) as f:
@@ -380,8 +399,8 @@ def stalled_flush():
                     h.flush()
                     h.pwrite(b, 8 * MIB + 512)
                     log("  SIGSTOP nbdkit (pid %d)" % kit.proc.pid)
-                    kit.proc.send_signal(signal.SIGSTOP)
                     stopped = True
+                    sigstop(kit.proc)
                     cookie = h.aio_flush()
                     err, took = wait_command(h, cookie, 20)
                     require(err is not False, "FLUSH with the backend stopped is still pending "
@@ -417,14 +436,17 @@ def stalled_shutdown():
         d = None
         try:
             d = nbdtest.CheckedDaemon([("n", kit.uri(), "cache-mode=none")],
-                                      extra=["--cache-size", "16M", "--backend-timeout", "2"])
+                                      extra=["--cache-size", "16M", "--backend-timeout", "2",
+                                             "--log-level", "debug"])
             h = nbdtest.libnbd_handle(d.unix_uri("n"))
             h.pread(4096, 0)
-            kit.proc.send_signal(signal.SIGSTOP)
             try:
+                sigstop(kit.proc)
                 buf = nbd.Buffer(64 * KIB)
                 h.aio_pread(buf, 5 * MIB)
-                time.sleep(0.3)
+                require(wait_until(lambda: "offset %d length" % (5 * MIB) in d.log_text(), 10),
+                        "test setup: the daemon did not log the read within 10 s")
+                time.sleep(0.2)     # on its way to the backend
                 t0 = time.monotonic()
                 d.proc.send_signal(signal.SIGTERM)
                 gone = wait_until(lambda: not d.alive(), 15)
