@@ -22,6 +22,8 @@
  *     |                 |  NBD_CONNECT_TIMEOUT_MS        |  pending longer than
  *     +---- backoff ----+-------------------------------+  --backend-timeout
  *
+ * (OFF: a slot not wanted, or given up.)
+ *
  * Connecting is asynchronous (only the first connection, in
  * backend_nbd_open, is waited for), so a server that accepts but never
  * answers costs one slot, not the thread. A failed slot is tried again
