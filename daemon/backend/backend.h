@@ -71,6 +71,7 @@ struct backend_io {
 	int result;
 	uint32_t state; /* backend-specific flags */
 	uint64_t deadline_ns;
+	uint64_t loss_seq_seen; /* nbd: backend loss_seq when the request (re)started */
 	struct backend_io *queue_next, *deferred_next;
 	uint64_t progress;
 	int stage;

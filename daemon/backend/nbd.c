@@ -5,37 +5,81 @@
  * itself through libnbd's systemd socket activation (nbdkit exits with us).
  *
  * The backend owns one thread with its own libevent loop; it drives every
- * libnbd connection of the backend (one, or several when the server
- * advertises multi-conn) through nbd_aio_* calls, with each handle's socket
- * watched in the direction libnbd asks for. backend_submit() may be called
- * from any worker: it queues the request and wakes the backend thread;
- * the completion is posted back to the submitting worker (worker_post).
+ * libnbd handle of the backend through nbd_aio_* calls, each handle's
+ * socket watched in the direction libnbd asks for. backend_submit() may be
+ * called from any worker: it queues the request and wakes the backend
+ * thread; the completion is posted back to the submitting worker.
  *
  *   worker --submit--> queue --wake--> backend thread --aio--> server
  *   worker <--post---- done  <-------- free callback  <------- reply
  *
- * A request is cut into chunks the server accepts (its maximum block size;
- * 32-bit lengths for TRIM, WRITE_ZEROES and BLOCK_STATUS), at most
- * NBD_WINDOW in flight. What the server lacks is emulated or answered
- * honestly: no WRITE_ZEROES -> zeros are written; no FUA -> a flush after
- * the write; no FAST_ZERO -> ENOTSUP; no TRIM or CACHE -> nothing to do;
- * no base:allocation -> everything is data.
+ * Connections. One slot, or NBD_MAX_CONNS when the server advertises
+ * multi-conn (URIs only: each nbdkit: handle is a process of its own).
+ * Each slot lives on its own:
  *
- * A lost connection is reconnected with backoff (0.1 s doubling to 5 s).
- * Requests in flight when it broke are sent again, requests wait up to
- * --backend-timeout seconds and then fail with EIO. Writes the old
- * connection acknowledged but never flushed may be lost with the server:
- * the next FLUSH says so, once, with EIO. Each change of state is logged
- * once.
+ *   IDLE --timer--> CONNECTING --handshake done--> READY
+ *     ^                 |  no handshake within          |  EOF, error, a reply
+ *     |                 |  NBD_CONNECT_TIMEOUT_MS        |  pending longer than
+ *     +---- backoff ----+-------------------------------+  --backend-timeout
+ *
+ * (OFF: a slot not wanted, or given up.)
+ *
+ * Connecting is asynchronous (only the first connection, in
+ * backend_nbd_open, is waited for), so a server that accepts but never
+ * answers costs one slot, not the thread. A failed slot is tried again
+ * after 0.1 s, doubling to 5 s. An extra slot that fails NBD_EXTRA_ATTEMPTS
+ * times before it ever worked is given up (the server serves fewer
+ * connections than it advertises); while the server reached through slot
+ * 0 lacks multi-conn, only slot 0 is used.
+ *
+ * Requests. A request is cut into chunks the server accepts (its maximum
+ * block size; 32-bit lengths for TRIM, WRITE_ZEROES and BLOCK_STATUS), at
+ * most NBD_WINDOW in flight, spread over the ready connections. What the
+ * server lacks is emulated or answered honestly: no WRITE_ZEROES -> zeros
+ * are written; no FUA -> a flush after the write; no FAST_ZERO -> ENOTSUP;
+ * no TRIM or CACHE -> nothing to do; no base:allocation -> all data.
+ *
+ * A FLUSH covers every write completed before it was sent: one flush when
+ * every ready connection advertises multi-conn, else one on each.
+ *
+ * Failures. A chunk lost with its connection sends the whole request
+ * again, on another connection or once one is back, while the request is
+ * younger than --backend-timeout; after that it fails with EIO, as does a
+ * request that waited that long for a connection. A connection whose
+ * oldest command has had no reply for --backend-timeout is closed. When no
+ * connection had any reply meanwhile the server is silent: every
+ * connection is closed, and until a handshake succeeds again a request
+ * that finds no connection fails at once. So no request waits much longer
+ * than the timeout. An error the server returns is the request's error; a
+ * connection error (ESHUTDOWN) also closes the connection.
+ *
+ * Durability is the cache's: a connection lost after commands that write
+ * were sent on it moves base.loss_seq (backend.h), since writes the server
+ * acknowledged may be gone with it. An emulated FUA write whose flush
+ * completes after loss_seq moved is sent again. A write sent on a
+ * connection declared dead may still be carried out by a server that was
+ * only slow; nothing on the client side can take it back.
+ *
+ * The backend going down (no ready connection left) and coming back are
+ * logged once each; single connections at debug level.
+ *
+ * libnbd ownership (libnbd(3) "Callback lifetimes", lib/rw.c): every
+ * nbd_aio_* command's free callback runs exactly once. When the call
+ * returns -1 it has already run; otherwise the command was queued, and the
+ * callbacks run when it retires: when the reply comes, when the connection
+ * dies (even inside the very nbd_aio_* call that queued it), or in
+ * nbd_close(). So a chunk belongs to libnbd from the call on, and only
+ * chunk_free() accounts for it.
  */
 #include <errno.h>
 #include <event2/event.h>
 #include <libnbd.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "daemon/backend/backend.h"
 #include "daemon/clock.h"
@@ -47,25 +91,46 @@
 #define NBD_COMPACT_MAX (0xffffffffu & ~(uint32_t)((1u << 20) - 1)) /* 32-bit lengths */
 #define NBD_BACKOFF_MIN_MS 100
 #define NBD_BACKOFF_MAX_MS 5000
-#define NBD_CONNECT_TIMEOUT_MS 10000 /* the first connection, and reconnecting */
-#define NBD_EXTRA_CONNECT_TIMEOUT_MS 2000 /* more connections for multi-conn */
+#define NBD_CONNECT_TIMEOUT_MS 10000
+#define NBD_EXTRA_ATTEMPTS 3 /* an extra slot that never worked is given up after these */
+#define NBD_TICK_MS 100	     /* how often deadlines are looked at, while any is set */
+#define NBD_ADVANCE_PASSES 8
 
 static const uint8_t zero_chunk[NBD_ZERO_CHUNK];
 
 /* backend_io.state */
 #define IO_DEFERRED (1u << 0) /* on nb->deferred */
-#define IO_RESTART (1u << 1)  /* a chunk was lost with its connection */
-#define IO_FLUSHING (1u << 2) /* FUA emulated: the write is done, flush now */
-#define IO_ISSUING (1u << 3)  /* inside an nbd_aio_* call */
+#define IO_WAITING (1u << 1)  /* on nb->waiting, for a connection */
+#define IO_RESTART (1u << 2)  /* a chunk was lost with its connection */
+#define IO_FLUSHING (1u << 3) /* FUA emulated: the write is done, flush now */
+
+enum conn_state {
+	CONN_OFF,	 /* not wanted, or given up */
+	CONN_IDLE,	 /* the timer starts the next attempt */
+	CONN_CONNECTING, /* the timer is the handshake's deadline */
+	CONN_READY,
+};
 
 struct nbd_backend;
+struct nbd_chunk;
 
 struct nbd_conn {
 	struct nbd_backend *nb;
-	struct nbd_handle *h;
-	struct event *ev;
-	unsigned dir; /* the direction ev waits for */
-	bool live;
+	unsigned index;
+	enum conn_state state;
+	struct nbd_handle *h; /* CONNECTING, READY */
+	struct event *ev;     /* h's socket, in direction dir */
+	int fd;
+	unsigned dir;
+	struct event *timer;
+	unsigned backoff_ms; /* before the next attempt */
+	bool ever_ready;
+	bool given_up;
+	unsigned failures; /* failed attempts before it ever worked */
+	bool multi_conn;   /* this handle's server advertises it */
+	bool wrote;	   /* a command that writes was sent on this handle */
+	int broken;	   /* errno of a command that failed with a connection error */
+	struct nbd_chunk *oldest, *newest; /* what libnbd holds, by age */
 };
 
 struct nbd_backend {
@@ -74,13 +139,15 @@ struct nbd_backend {
 	char *uri;   /* NULL for nbdkit */
 	char **argv; /* nbdkit command line, NULL-terminated */
 	uint64_t timeout_ns;
-	bool can_flush, can_fua, can_fast_zero, can_cache, can_block_status, multi_conn;
+	unsigned timeout_s;
+	bool can_flush, can_fua, can_fast_zero, can_cache, can_block_status;
 	uint32_t max_block;
+	unsigned max_conns; /* slots: NBD_MAX_CONNS with multi-conn, else 1 */
 
 	pthread_t thread;
 	bool started;
 	struct event_base *loop;
-	struct event *wake, *retry, *tick;
+	struct event *wake, *tick;
 
 	pthread_mutex_t lock; /* guards the submit queue and stop */
 	struct backend_io *queue_head, *queue_tail;
@@ -88,22 +155,23 @@ struct nbd_backend {
 
 	/* Backend thread only. */
 	struct nbd_conn conns[NBD_MAX_CONNS];
-	unsigned nconns, next_conn;
-	bool connected;
-	unsigned backoff_ms;
-	struct backend_io *waiting; /* for a connection, in arrival order */
-	struct backend_io *deferred; /* touched by libnbd callbacks: look again */
-	uint64_t unflushed;	    /* writes acknowledged since the last flush */
-	bool lost_writes;	    /* a lost connection took some of those */
+	unsigned want_conns; /* max_conns, or 1 while slot 0's server lacks multi-conn */
+	unsigned nready, next_conn;
+	bool down;   /* the loss of the last ready connection was logged */
+	bool silent; /* no reply on any connection for --backend-timeout, no handshake since */
+	uint64_t last_reply_ns;
+	struct backend_io *waiting, *waiting_tail; /* for a connection, in arrival order */
+	struct backend_io *deferred;		   /* touched by libnbd callbacks: look again */
 };
 
 /* One libnbd command: a chunk of a request. */
 struct nbd_chunk {
 	struct backend_io *io;
 	struct nbd_conn *conn;
-	int error;	  /* from the completion callback */
-	bool completed;	  /* the completion callback ran */
-	uint64_t offset;  /* BLOCK_STATUS: where the extents start */
+	struct nbd_chunk *older, *newer; /* conn's list */
+	uint64_t sent_ns;
+	int error;	/* from the completion callback */
+	bool completed; /* the completion callback ran */
 };
 
 static struct nbd_backend *to_nbd(struct backend *be)
@@ -111,26 +179,42 @@ static struct nbd_backend *to_nbd(struct backend *be)
 	return (struct nbd_backend *)be;
 }
 
+static void process_deferred(struct nbd_backend *nb);
+static void issue_waiting(struct nbd_backend *nb);
+static void tick_arm(struct nbd_backend *nb);
+
 /* ---- connections ---- */
 
-/*
- * A connected handle, or NULL with the reason in err. Asynchronous under
- * the hood, so a server that accepts but never answers (or serves fewer
- * connections than it advertises) costs NBD_CONNECT_TIMEOUT_MS, not the
- * backend thread.
- */
-static struct nbd_handle *connect_handle(struct nbd_backend *nb, unsigned timeout_ms, char *err,
-				       size_t errlen)
+/* A new handle with its connection started, or NULL with the reason in err. */
+static struct nbd_handle *handle_begin(struct nbd_backend *nb, char *err, size_t errlen)
 {
 	struct nbd_handle *h = nbd_create();
 	if (!h) {
 		snprintf(err, errlen, "%s", nbd_get_error());
 		return NULL;
 	}
-	nbd_add_meta_context(h, LIBNBD_CONTEXT_BASE_ALLOCATION);
-	int rc = nb->uri ? nbd_aio_connect_uri(h, nb->uri)
-			 : nbd_aio_connect_systemd_socket_activation(h, nb->argv);
-	uint64_t deadline = clock_now_ns() + (uint64_t)timeout_ms * 1000000u;
+	if (nbd_add_meta_context(h, LIBNBD_CONTEXT_BASE_ALLOCATION) < 0 ||
+	    (nb->uri ? nbd_aio_connect_uri(h, nb->uri)
+		     : nbd_aio_connect_systemd_socket_activation(h, nb->argv)) < 0) {
+		snprintf(err, errlen, "%s", nbd_get_error() ? nbd_get_error() : "connect failed");
+		nbd_close(h);
+		return NULL;
+	}
+	return h;
+}
+
+/*
+ * The first connection, waited for (at most NBD_CONNECT_TIMEOUT_MS): the
+ * export's size and capabilities come from it. Later ones are driven by
+ * the backend thread's loop.
+ */
+static struct nbd_handle *connect_first(struct nbd_backend *nb, char *err, size_t errlen)
+{
+	struct nbd_handle *h = handle_begin(nb, err, errlen);
+	if (!h)
+		return NULL;
+	uint64_t deadline = clock_now_ns() + (uint64_t)NBD_CONNECT_TIMEOUT_MS * 1000000u;
+	int rc = 0;
 	while (rc == 0 && !nbd_aio_is_ready(h)) {
 		if (nbd_aio_is_dead(h) || nbd_aio_is_closed(h)) {
 			rc = -1;
@@ -138,14 +222,15 @@ static struct nbd_handle *connect_handle(struct nbd_backend *nb, unsigned timeou
 		}
 		uint64_t now = clock_now_ns();
 		if (now >= deadline) {
-			snprintf(err, errlen, "no answer within %u ms", timeout_ms);
+			snprintf(err, errlen, "no answer within %u ms", NBD_CONNECT_TIMEOUT_MS);
 			nbd_close(h);
 			return NULL;
 		}
 		unsigned dir = nbd_aio_get_direction(h);
 		struct pollfd pfd = {.fd = nbd_aio_get_fd(h),
-				     .events = (short)((dir & LIBNBD_AIO_DIRECTION_READ ? POLLIN : 0) |
-						       (dir & LIBNBD_AIO_DIRECTION_WRITE ? POLLOUT : 0))};
+				     .events =
+					 (short)((dir & LIBNBD_AIO_DIRECTION_READ ? POLLIN : 0) |
+						 (dir & LIBNBD_AIO_DIRECTION_WRITE ? POLLOUT : 0))};
 		int wait_ms = (int)((deadline - now) / 1000000u) + 1;
 		if (pfd.fd < 0 || poll(&pfd, 1, wait_ms > 100 ? 100 : wait_ms) < 0) {
 			rc = -1;
@@ -157,185 +242,253 @@ static struct nbd_handle *connect_handle(struct nbd_backend *nb, unsigned timeou
 			rc = nbd_aio_notify_write(h);
 	}
 	if (rc < 0) {
-		snprintf(err, errlen, "%s", nbd_get_error() ? nbd_get_error() : "connection failed");
+		snprintf(err, errlen, "%s",
+			 nbd_get_error() ? nbd_get_error() : "connection failed");
 		nbd_close(h);
 		return NULL;
 	}
 	return h;
 }
 
-static void conn_watch(struct nbd_conn *c);
-static void process_deferred(struct nbd_backend *nb);
+static void conn_on_event(evutil_socket_t fd, short what, void *arg);
+
+/* Watch what libnbd wants next on c's socket; false if it cannot be. */
+static bool conn_watch(struct nbd_conn *c)
+{
+	unsigned dir = nbd_aio_get_direction(c->h);
+	int fd = nbd_aio_get_fd(c->h);
+	if (c->ev && c->dir == dir && c->fd == fd)
+		return true;
+	if (c->ev) {
+		event_free(c->ev);
+		c->ev = NULL;
+	}
+	if (fd < 0)
+		return false;
+	short what = (dir & LIBNBD_AIO_DIRECTION_READ ? EV_READ : 0) |
+		     (dir & LIBNBD_AIO_DIRECTION_WRITE ? EV_WRITE : 0);
+	c->ev = event_new(c->nb->loop, fd, what | EV_PERSIST, conn_on_event, c);
+	if (!c->ev || event_add(c->ev, NULL) < 0)
+		return false;
+	c->dir = dir;
+	c->fd = fd;
+	return true;
+}
+
+/*
+ * Close c's handle. libnbd retires every command it still holds inside
+ * nbd_close(): their chunk_free() marks the requests to be sent again.
+ * An nbdkit we started is killed first when it stopped answering, so that
+ * nbd_close() does not wait for it.
+ */
+static void conn_close(struct nbd_conn *c, bool kill)
+{
+	if (c->ev) {
+		event_free(c->ev);
+		c->ev = NULL;
+	}
+	evtimer_del(c->timer);
+	struct nbd_handle *h = c->h;
+	c->h = NULL;
+	c->state = CONN_OFF;
+	if (h) {
+		if (kill && c->nb->argv)
+			nbd_kill_subprocess(h, SIGKILL);
+		nbd_close(h);
+	}
+	if (c->oldest)
+		log_error("backend %s: connection %u: commands left after close", c->nb->name,
+			  c->index + 1);
+	c->oldest = c->newest = NULL;
+}
+
+/* The next attempt in delay_ms, if the slot is wanted. */
+static void conn_schedule(struct nbd_conn *c, unsigned delay_ms)
+{
+	struct nbd_backend *nb = c->nb;
+	if (c->index >= nb->want_conns || c->given_up) {
+		c->state = CONN_OFF;
+		return;
+	}
+	c->state = CONN_IDLE;
+	struct timeval tv = {delay_ms / 1000, (delay_ms % 1000) * 1000};
+	if (evtimer_add(c->timer, &tv) < 0) {
+		log_error("backend %s: connection %u: cannot arm its timer; left closed", nb->name,
+			  c->index + 1);
+		c->state = CONN_OFF;
+	}
+}
+
+/*
+ * c failed: close it and try again later. Writes acknowledged on a ready
+ * connection may be lost with it (loss_seq). Never calls back into the
+ * requests: the ones it held are deferred (chunk_free).
+ */
+static void conn_fail(struct nbd_conn *c, const char *why, bool kill)
+{
+	struct nbd_backend *nb = c->nb;
+	if (c->state == CONN_READY) {
+		nb->nready--;
+		if (c->wrote)
+			atomic_fetch_add(&nb->base.loss_seq, 1);
+		log_debug("backend %s: connection %u lost (%s)", nb->name, c->index + 1, why);
+		if (nb->nready == 0 && !nb->down) {
+			nb->down = true;
+			log_error("backend %s: backend connection lost (%s); reconnecting",
+				  nb->name, why);
+		}
+	} else if (c->state == CONN_CONNECTING) {
+		log_debug("backend %s: connection %u: connecting failed: %s", nb->name,
+			  c->index + 1, why);
+		if (c->index > 0 && !c->ever_ready && ++c->failures >= NBD_EXTRA_ATTEMPTS) {
+			c->given_up = true;
+			log_info("backend %s: connection %u: %s; using fewer", nb->name,
+				 c->index + 1, why);
+		}
+	}
+	conn_close(c, kill);
+	unsigned delay = c->backoff_ms;
+	c->backoff_ms = delay * 2 > NBD_BACKOFF_MAX_MS ? NBD_BACKOFF_MAX_MS : delay * 2;
+	conn_schedule(c, delay);
+}
+
+/* The error libnbd gave for the last failed call, copied (later calls change it). */
+static void last_error(char *buf, size_t len, const char *fallback)
+{
+	const char *e = nbd_get_error();
+	snprintf(buf, len, "%s", e && *e ? e : fallback);
+}
+
+/* After a libnbd call on c: close it if it died, else watch it. False if it failed. */
+static bool conn_settle(struct nbd_conn *c)
+{
+	char why[256];
+	if (nbd_aio_is_dead(c->h) || nbd_aio_is_closed(c->h)) {
+		last_error(why, sizeof(why), "closed");
+		conn_fail(c, why, false);
+		return false;
+	}
+	if (c->broken) {
+		snprintf(why, sizeof(why), "a command failed: %s", strerror(c->broken));
+		conn_fail(c, why, false);
+		return false;
+	}
+	if (!conn_watch(c)) {
+		conn_fail(c, "cannot watch its socket", false);
+		return false;
+	}
+	return true;
+}
+
+static void conn_set_want(struct nbd_backend *nb, unsigned want);
+
+/* The handshake is done: c takes requests. */
+static void conn_ready(struct nbd_conn *c)
+{
+	struct nbd_backend *nb = c->nb;
+	evtimer_del(c->timer);
+	c->multi_conn = nb->uri && nbd_can_multi_conn(c->h) == 1;
+	int64_t size = nbd_get_size(c->h);
+	if (size < 0 || (uint64_t)size != nb->base.size)
+		log_warn("backend %s: size changed to %lld after reconnecting", nb->name,
+			 (long long)size);
+	if (c->index > 0 && !c->multi_conn) {
+		/* Without multi-conn the NBD standard asks for one connection. */
+		log_debug("backend %s: connection %u: no multi-conn; closed", nb->name,
+			  c->index + 1);
+		conn_close(c, false);
+		return;
+	}
+	c->state = CONN_READY;
+	c->ever_ready = true;
+	c->wrote = false;
+	c->broken = 0;
+	nb->nready++;
+	nb->silent = false;
+	log_debug("backend %s: connection %u ready", nb->name, c->index + 1);
+	if (nb->down) {
+		nb->down = false;
+		log_info("backend %s: backend reconnected", nb->name);
+	}
+	if (c->index == 0)
+		conn_set_want(nb, c->multi_conn ? nb->max_conns : 1);
+	issue_waiting(nb);
+}
+
+/* Start an attempt on an idle slot. */
+static void conn_connect(struct nbd_conn *c)
+{
+	char err[256];
+	c->state = CONN_CONNECTING;
+	c->broken = 0;
+	c->h = handle_begin(c->nb, err, sizeof(err));
+	if (!c->h) {
+		conn_fail(c, err, false);
+		return;
+	}
+	struct timeval tv = {NBD_CONNECT_TIMEOUT_MS / 1000, (NBD_CONNECT_TIMEOUT_MS % 1000) * 1000};
+	if (evtimer_add(c->timer, &tv) < 0) {
+		conn_fail(c, "cannot arm its timer", false);
+		return;
+	}
+	if (conn_settle(c) && nbd_aio_is_ready(c->h))
+		conn_ready(c);
+}
+
+/* Slots [0, want) are kept connected; the others are left as they are. */
+static void conn_set_want(struct nbd_backend *nb, unsigned want)
+{
+	nb->want_conns = want;
+	for (unsigned i = 1; i < want; i++) {
+		struct nbd_conn *c = &nb->conns[i];
+		if (c->state == CONN_OFF && !c->given_up)
+			conn_schedule(c, 0);
+	}
+}
+
+static void conn_on_timer(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	struct nbd_conn *c = arg;
+	char why[64];
+	if (c->state == CONN_IDLE) {
+		conn_connect(c);
+	} else if (c->state == CONN_CONNECTING) {
+		snprintf(why, sizeof(why), "no handshake within %u s",
+			 NBD_CONNECT_TIMEOUT_MS / 1000);
+		conn_fail(c, why, true);
+	}
+	process_deferred(c->nb);
+}
 
 static void conn_on_event(evutil_socket_t fd, short what, void *arg)
 {
 	(void)fd;
 	struct nbd_conn *c = arg;
+	if (c->state != CONN_CONNECTING && c->state != CONN_READY)
+		return;
 	if (what & EV_READ)
 		nbd_aio_notify_read(c->h);
-	if ((what & EV_WRITE) && c->live)
+	if ((what & EV_WRITE) && !nbd_aio_is_dead(c->h) && !nbd_aio_is_closed(c->h))
 		nbd_aio_notify_write(c->h);
-	conn_watch(c);
+	if (conn_settle(c) && c->state == CONN_CONNECTING && nbd_aio_is_ready(c->h))
+		conn_ready(c);
 	process_deferred(c->nb);
 }
 
-static void conn_lost(struct nbd_conn *c);
-
-/* Wait for what libnbd wants next on this connection. */
-static void conn_watch(struct nbd_conn *c)
-{
-	if (!c->live)
-		return;
-	if (nbd_aio_is_dead(c->h) || nbd_aio_is_closed(c->h)) {
-		conn_lost(c);
-		return;
-	}
-	unsigned dir = nbd_aio_get_direction(c->h);
-	short what = (dir & LIBNBD_AIO_DIRECTION_READ ? EV_READ : 0) |
-		     (dir & LIBNBD_AIO_DIRECTION_WRITE ? EV_WRITE : 0);
-	if (c->ev && c->dir == dir)
-		return;
-	if (c->ev) {
-		event_free(c->ev);
-		c->ev = NULL;
-	}
-	c->dir = dir;
-	c->ev = event_new(c->nb->loop, nbd_aio_get_fd(c->h), what | EV_PERSIST, conn_on_event, c);
-	if (c->ev)
-		event_add(c->ev, NULL);
-}
-
-static void conn_open(struct nbd_conn *c, struct nbd_handle *h)
-{
-	c->h = h;
-	c->live = true;
-	c->dir = ~0u;
-	conn_watch(c);
-}
-
-static void issue_waiting(struct nbd_backend *nb);
-static void schedule_reconnect(struct nbd_backend *nb);
-static void process_deferred(struct nbd_backend *nb);
-
-/*
- * The server went away. Closing the handle retires every command still in
- * flight (their free callbacks run and put the requests back in the
- * waiting list); then the connection is tried again.
- */
-static void conn_lost(struct nbd_conn *c)
-{
-	struct nbd_backend *nb = c->nb;
-	if (!c->live)
-		return;
-	c->live = false;
-	if (c->ev) {
-		event_free(c->ev);
-		c->ev = NULL;
-	}
-	const char *why = nbd_get_error();
-	bool first = nb->connected;
-	nb->connected = false;
-	for (unsigned i = 0; i < nb->nconns; i++)
-		if (nb->conns[i].live && &nb->conns[i] != c)
-			nb->connected = true;
-	if (nb->unflushed)
-		nb->lost_writes = true;
-	atomic_fetch_add(&nb->base.loss_seq, 1); /* the cache writes its unstable data again */
-	if (first && !nb->connected)
-		log_error("backend %s: backend connection lost (%s); reconnecting", nb->name,
-			  why ? why : "closed");
-	struct nbd_handle *h = c->h;
-	c->h = NULL;
-	nbd_close(h);
-	if (!nb->connected)
-		schedule_reconnect(nb);
-}
-
-static void on_retry(evutil_socket_t fd, short what, void *arg)
-{
-	(void)fd;
-	(void)what;
-	struct nbd_backend *nb = arg;
-	char err[256];
-	unsigned want = nb->multi_conn ? nb->nconns : 1;
-	unsigned opened = 0;
-	for (unsigned i = 0; i < want; i++) {
-		if (nb->conns[i].live) {
-			opened++;
-			continue;
-		}
-		struct nbd_handle *h = connect_handle(
-			nb, i == 0 ? NBD_CONNECT_TIMEOUT_MS : NBD_EXTRA_CONNECT_TIMEOUT_MS, err,
-			sizeof(err));
-		if (!h)
-			break;
-		if ((uint64_t)nbd_get_size(h) != nb->base.size)
-			log_warn("backend %s: size changed to %lld after reconnecting", nb->name,
-				 (long long)nbd_get_size(h));
-		conn_open(&nb->conns[i], h);
-		opened++;
-	}
-	if (opened == 0) {
-		log_debug("backend %s: reconnect failed: %s", nb->name, err);
-		nb->backoff_ms = nb->backoff_ms * 2 > NBD_BACKOFF_MAX_MS ? NBD_BACKOFF_MAX_MS
-								       : nb->backoff_ms * 2;
-		schedule_reconnect(nb);
-		return;
-	}
-	nb->connected = true;
-	nb->backoff_ms = NBD_BACKOFF_MIN_MS;
-	log_info("backend %s: backend reconnected", nb->name);
-	issue_waiting(nb);
-}
-
-static void schedule_reconnect(struct nbd_backend *nb)
-{
-	if (nb->stop || evtimer_pending(nb->retry, NULL))
-		return;
-	struct timeval tv = {nb->backoff_ms / 1000, (nb->backoff_ms % 1000) * 1000};
-	evtimer_add(nb->retry, &tv);
-}
-
+/* The next ready connection, round robin. */
 static struct nbd_conn *pick_conn(struct nbd_backend *nb)
 {
-	for (unsigned k = 0; k < nb->nconns; k++) {
-		struct nbd_conn *c = &nb->conns[nb->next_conn++ % nb->nconns];
-		if (c->live)
+	for (unsigned k = 0; k < NBD_MAX_CONNS; k++) {
+		struct nbd_conn *c = &nb->conns[nb->next_conn++ % NBD_MAX_CONNS];
+		if (c->state == CONN_READY)
 			return c;
 	}
 	return NULL;
 }
 
-/* ---- requests ---- */
-
-static void io_done_task(struct worker_task *task)
-{
-	struct backend_io *io = (struct backend_io *)((char *)task - offsetof(struct backend_io, task));
-	io->done(io, io->result);
-}
-
-/* Hand the finished request back to the worker that submitted it. */
-static void io_finish(struct backend_io *io, int result)
-{
-	io->result = result;
-	io->task.run = io_done_task;
-	worker_post(io->worker, &io->task);
-}
-
-static void pump(struct nbd_backend *nb, struct backend_io *io);
-
-static void wait_for_connection(struct nbd_backend *nb, struct backend_io *io)
-{
-	io->queue_next = NULL;
-	struct backend_io **p = &nb->waiting;
-	while (*p)
-		p = &(*p)->queue_next;
-	*p = io;
-	if (!evtimer_pending(nb->tick, NULL)) {
-		struct timeval tv = {0, 200000};
-		evtimer_add(nb->tick, &tv);
-	}
-}
+/* ---- chunks: what libnbd holds ---- */
 
 /* Errors that say the connection broke, not that the server refused. */
 static bool connection_error(int e)
@@ -344,140 +497,185 @@ static bool connection_error(int e)
 	       e == ECONNABORTED || e == ETIMEDOUT;
 }
 
+static void defer(struct nbd_backend *nb, struct backend_io *io)
+{
+	if (io->state & IO_DEFERRED)
+		return;
+	io->state |= IO_DEFERRED;
+	io->deferred_next = nb->deferred;
+	nb->deferred = io;
+}
+
 static int chunk_complete(void *user_data, int *error)
 {
 	struct nbd_chunk *ch = user_data;
 	ch->completed = true;
 	ch->error = *error;
-	return 1; /* retire the command */
+	return 1; /* retire the command: chunk_free follows */
 }
 
 static int extent_callback(void *user_data, const char *metacontext, uint64_t offset,
 			   uint32_t *entries, size_t nr_entries, int *error)
 {
 	(void)error;
+	(void)offset;
 	struct nbd_chunk *ch = user_data;
 	struct backend_io *io = ch->io;
 	if (strcmp(metacontext, LIBNBD_CONTEXT_BASE_ALLOCATION) != 0 || io->n_extents)
 		return 0;
-	(void)offset;
 	for (size_t i = 0; i + 1 < nr_entries && io->n_extents < io->max_extents; i += 2)
 		io->extents[io->n_extents++] =
-			(struct nbd_extent){.length = entries[i], .flags = entries[i + 1]};
+		    (struct nbd_extent){.length = entries[i], .flags = entries[i + 1]};
 	return 0;
 }
 
 /*
- * The command is gone from libnbd (answered, or its connection closed):
- * account for it. A chunk that never completed, or failed because the
- * connection died, sends the whole request again after reconnecting.
- * libnbd may call this inside its own calls, so the request is only
- * marked here and looked at again by process_deferred().
+ * libnbd is done with the command (answered, refused, or its connection
+ * gone): account for it, exactly once. Called with the handle's lock held,
+ * possibly inside any nbd_* call on it, so no nbd_* call here and nothing
+ * but marks: process_deferred() moves the request along.
+ *
+ * Freed without completing (the call failed, or nbd_close()) or completed
+ * with a connection error: the request is sent again; an error the server
+ * returned is the request's.
  */
 static void chunk_free(void *user_data)
 {
 	struct nbd_chunk *ch = user_data;
 	struct backend_io *io = ch->io;
-	struct nbd_backend *nb = to_nbd(io->backend);
-	/* No nbd_* call here: libnbd holds the handle's lock (libnbd(3)). */
-	bool lost = !(io->state & IO_ISSUING) &&
-		    (!ch->completed || !ch->conn->live || connection_error(ch->error));
-	if (lost)
+	struct nbd_conn *c = ch->conn;
+	if (!ch->completed) {
 		io->state |= IO_RESTART;
-	else if (ch->error && !io->result)
-		io->result = -ch->error;
+	} else if (ch->error == 0) {
+		c->backoff_ms = NBD_BACKOFF_MIN_MS; /* the server works: reconnect at once */
+		c->nb->last_reply_ns = clock_now_ns();
+	} else if (connection_error(ch->error)) {
+		io->state |= IO_RESTART;
+		c->broken = ch->error;
+	} else {
+		c->nb->last_reply_ns = clock_now_ns();
+		if (!io->result)
+			io->result = -ch->error;
+	}
+	*(ch->older ? &ch->older->newer : &c->oldest) = ch->newer;
+	*(ch->newer ? &ch->newer->older : &c->newest) = ch->older;
 	free(ch);
 	io->stage--;
-	if (!(io->state & IO_DEFERRED)) {
-		io->state |= IO_DEFERRED;
-		io->deferred_next = nb->deferred;
-		nb->deferred = io;
-	}
+	defer(c->nb, io);
 }
 
-/* Outside libnbd: move every request a callback touched along. */
-static void process_deferred(struct nbd_backend *nb)
+static bool cmd_writes(enum backend_cmd cmd)
 {
-	while (nb->deferred) {
-		struct backend_io *io = nb->deferred;
-		nb->deferred = io->deferred_next;
-		io->state &= ~IO_DEFERRED;
-		if (io->stage > 0)
-			continue; /* its other chunks will bring it back */
-		if (io->state & IO_RESTART) {
-			io->state = 0;
-			io->progress = 0;
-			io->result = 0;
-			io->n_extents = 0;
-			if (nb->connected)
-				pump(nb, io);
-			else
-				wait_for_connection(nb, io);
-			continue;
-		}
-		pump(nb, io);
-	}
+	return cmd == BACKEND_WRITE || cmd == BACKEND_ZERO || cmd == BACKEND_TRIM;
 }
 
-/* Issue one command for io on c: [offset, offset+len) of the request. */
-static int issue_chunk(struct nbd_backend *nb, struct nbd_conn *c, struct backend_io *io,
-		       uint64_t at, uint64_t len)
+/* The command the request sends now: its own, or the flush of an emulated FUA. */
+static enum backend_cmd io_phase_cmd(const struct backend_io *io)
+{
+	return io->state & IO_FLUSHING ? BACKEND_FLUSH : io->cmd;
+}
+
+/* Send cmd for [at, at+len) of io on c. */
+static void issue_chunk(struct nbd_backend *nb, struct nbd_conn *c, struct backend_io *io,
+			enum backend_cmd cmd, uint64_t at, uint64_t len)
 {
 	struct nbd_chunk *ch = calloc(1, sizeof(*ch));
-	if (!ch)
-		return -ENOMEM;
+	if (!ch) {
+		if (!io->result)
+			io->result = -ENOMEM;
+		return;
+	}
 	ch->io = io;
 	ch->conn = c;
-	ch->offset = io->offset + at;
-	nbd_completion_callback cb = {.callback = chunk_complete, .user_data = ch, .free = chunk_free};
-	uint32_t fua = (io->flags & BACKEND_FUA) && nb->can_fua ? LIBNBD_CMD_FLAG_FUA : 0;
-	int64_t cookie = -1;
+	ch->sent_ns = clock_now_ns();
+	ch->older = c->newest;
+	*(c->newest ? &c->newest->newer : &c->oldest) = ch;
+	c->newest = ch;
 	io->stage++;
-	io->state |= IO_ISSUING; /* a failing call frees the closure at once */
-	switch (io->state & IO_FLUSHING ? BACKEND_FLUSH : io->cmd) {
+	if (cmd_writes(cmd))
+		c->wrote = true;
+	nbd_completion_callback cb = {
+	    .callback = chunk_complete, .user_data = ch, .free = chunk_free};
+	uint32_t fua = (io->flags & BACKEND_FUA) && nb->can_fua ? LIBNBD_CMD_FLAG_FUA : 0;
+	uint64_t offset = io->offset + at;
+	int64_t cookie = -1;
+	switch (cmd) {
 	case BACKEND_READ:
-		cookie = nbd_aio_pread(c->h, (char *)io->buf + at, len, io->offset + at, cb, 0);
+		cookie = nbd_aio_pread(c->h, (char *)io->buf + at, len, offset, cb, 0);
 		break;
 	case BACKEND_WRITE:
-		cookie = nbd_aio_pwrite(c->h, (char *)io->buf + at, len, io->offset + at, cb, fua);
+		cookie = nbd_aio_pwrite(c->h, (char *)io->buf + at, len, offset, cb, fua);
 		break;
 	case BACKEND_ZERO:
 		if (!nb->base.can_zero) { /* emulated: zeros written */
-			cookie = nbd_aio_pwrite(c->h, zero_chunk, len, io->offset + at, cb, fua);
+			cookie = nbd_aio_pwrite(c->h, zero_chunk, len, offset, cb, fua);
 			break;
 		}
-		cookie = nbd_aio_zero(c->h, len, io->offset + at, cb,
-				      fua | (io->flags & BACKEND_NO_HOLE ? LIBNBD_CMD_FLAG_NO_HOLE : 0) |
-					      (io->flags & BACKEND_FAST_ONLY ? LIBNBD_CMD_FLAG_FAST_ZERO
-									    : 0));
+		cookie = nbd_aio_zero(
+		    c->h, len, offset, cb,
+		    fua | (io->flags & BACKEND_NO_HOLE ? LIBNBD_CMD_FLAG_NO_HOLE : 0) |
+			(io->flags & BACKEND_FAST_ONLY ? LIBNBD_CMD_FLAG_FAST_ZERO : 0));
 		break;
 	case BACKEND_TRIM:
-		cookie = nbd_aio_trim(c->h, len, io->offset + at, cb, fua);
+		cookie = nbd_aio_trim(c->h, len, offset, cb, fua);
 		break;
 	case BACKEND_FLUSH:
 		cookie = nbd_aio_flush(c->h, cb, 0);
 		break;
 	case BACKEND_CACHE:
-		cookie = nbd_aio_cache(c->h, len, io->offset + at, cb, 0);
+		cookie = nbd_aio_cache(c->h, len, offset, cb, 0);
 		break;
 	case BACKEND_BLOCK_STATUS: {
 		nbd_extent_callback ecb = {.callback = extent_callback, .user_data = ch};
-		cookie = nbd_aio_block_status(c->h, len, io->offset + at, ecb, cb, 0);
+		cookie = nbd_aio_block_status(c->h, len, offset, ecb, cb, 0);
 		break;
 	}
 	}
-	io->state &= ~IO_ISSUING;
+	/* ch is libnbd's now: it may be freed already. */
 	if (cookie < 0) {
-		/* libnbd freed the closure (chunk_free ran) already. */
 		int e = nbd_get_errno();
-		if (connection_error(e) || nbd_aio_is_dead(c->h) || nbd_aio_is_closed(c->h)) {
-			io->state |= IO_RESTART; /* send it again on a new connection */
-			conn_lost(c);
-			return 0;
+		char why[256];
+		last_error(why, sizeof(why), "command refused");
+		if (nbd_aio_is_dead(c->h) || nbd_aio_is_closed(c->h) || connection_error(e)) {
+			conn_fail(c, why, false);
+			return;
 		}
-		return -(e ? e : EIO);
+		/* libnbd refused the command itself (bounds, flags, size). */
+		log_debug("backend %s: %s", nb->name, why);
+		if (!io->result)
+			io->result = -(e ? e : EIO);
 	}
-	return 0;
+	if (conn_settle(c))
+		tick_arm(nb);
+}
+
+/* ---- requests ---- */
+
+static void io_done_task(struct worker_task *task)
+{
+	struct backend_io *io =
+	    (struct backend_io *)((char *)task - offsetof(struct backend_io, task));
+	io->done(io, io->result);
+}
+
+/* Hand the finished request back to its worker; io is not ours any more. */
+static void io_finish(struct backend_io *io, int result)
+{
+	io->result = result;
+	io->task.run = io_done_task;
+	worker_post(io->worker, &io->task);
+}
+
+static void wait_for_connection(struct nbd_backend *nb, struct backend_io *io)
+{
+	io->state |= IO_WAITING;
+	io->queue_next = NULL;
+	if (nb->waiting_tail)
+		nb->waiting_tail->queue_next = io;
+	else
+		nb->waiting = io;
+	nb->waiting_tail = io;
+	tick_arm(nb);
 }
 
 /* Largest chunk of this command the server takes. */
@@ -489,79 +687,155 @@ static uint64_t chunk_limit(struct nbd_backend *nb, enum backend_cmd cmd)
 		return nb->max_block;
 	case BACKEND_ZERO:
 		return nb->base.can_zero ? NBD_COMPACT_MAX : NBD_ZERO_CHUNK;
-	case BACKEND_FLUSH:
-		return UINT64_MAX;
 	default:
 		return NBD_COMPACT_MAX;
 	}
 }
 
-/* The request is complete: maybe with a flush for FUA, then back to its worker. */
-static void request_complete(struct nbd_backend *nb, struct backend_io *io)
+/* What the current phase sends in all: bytes, or one command. */
+static uint64_t phase_length(const struct backend_io *io)
 {
-	int result = io->result;
-	bool flushed = io->cmd == BACKEND_FLUSH || (io->state & IO_FLUSHING);
-	if (result == 0 && !flushed &&
-	    (io->cmd == BACKEND_WRITE || io->cmd == BACKEND_ZERO || io->cmd == BACKEND_TRIM))
-		nb->unflushed++;
-	if (flushed && result == 0) {
-		if (nb->lost_writes) {
-			nb->lost_writes = false;
-			result = -EIO;
-			log_warn("backend %s: writes acknowledged before the connection was lost "
-				 "may be gone; this FLUSH reports EIO",
-				 nb->name);
-		}
-		nb->unflushed = 0;
-	}
-	io_finish(io, result);
+	enum backend_cmd cmd = io_phase_cmd(io);
+	return cmd == BACKEND_FLUSH || cmd == BACKEND_BLOCK_STATUS ? 1 : io->length;
 }
 
-/* Issue what the window allows; finish the request when nothing is left. */
-static void pump(struct nbd_backend *nb, struct backend_io *io)
+/* A flush on every ready connection, or on one if each covers them all. */
+static void issue_flush(struct nbd_backend *nb, struct backend_io *io)
 {
-	bool flushing = io->state & IO_FLUSHING;
-	enum backend_cmd cmd = flushing ? BACKEND_FLUSH : io->cmd;
-	uint64_t length = flushing ? 0 : io->length;
-	uint64_t limit = chunk_limit(nb, cmd);
-	while (io->stage < NBD_WINDOW && io->result == 0 && !(io->state & IO_RESTART) &&
-	       (io->progress < length || (io->progress == 0 && length == 0))) {
-		struct nbd_conn *c = pick_conn(nb);
-		if (!c) {
-			if (io->stage == 0)
-				wait_for_connection(nb, io);
-			return;
-		}
-		uint64_t n = length - io->progress < limit ? length - io->progress : limit;
-		uint64_t at = io->progress;
-		/* One command answers a FLUSH or a BLOCK_STATUS. */
-		io->progress = cmd == BACKEND_FLUSH || cmd == BACKEND_BLOCK_STATUS ? UINT64_MAX - 1
-										   : at + n;
-		int rc = issue_chunk(nb, c, io, at, n);
-		if (rc < 0 && !io->result)
-			io->result = rc;
-		conn_watch(c);
-	}
-	if (io->stage > 0 || (io->state & IO_RESTART))
-		return; /* chunk_free / process_deferred bring it back */
-	if (io->result == 0 && !flushing && (io->flags & BACKEND_FUA) && !nb->can_fua &&
-	    nb->can_flush && (cmd == BACKEND_WRITE || cmd == BACKEND_ZERO || cmd == BACKEND_TRIM)) {
-		/* FUA emulated: once the write is done, flush. */
-		nb->unflushed++;
-		io->state |= IO_FLUSHING;
-		io->progress = 0;
-		pump(nb, io);
+	bool one = true;
+	for (unsigned i = 0; i < NBD_MAX_CONNS; i++)
+		if (nb->conns[i].state == CONN_READY && !nb->conns[i].multi_conn)
+			one = false;
+	if (one) {
+		issue_chunk(nb, pick_conn(nb), io, BACKEND_FLUSH, 0, 0);
 		return;
 	}
-	request_complete(nb, io);
+	for (unsigned i = 0; i < NBD_MAX_CONNS; i++)
+		if (nb->conns[i].state == CONN_READY)
+			issue_chunk(nb, &nb->conns[i], io, BACKEND_FLUSH, 0, 0);
+}
+
+/* Send what the window allows of the current phase. Never finishes io. */
+static void pump(struct nbd_backend *nb, struct backend_io *io)
+{
+	enum backend_cmd cmd = io_phase_cmd(io);
+	uint64_t length = phase_length(io), limit = chunk_limit(nb, cmd);
+	while (io->stage < NBD_WINDOW && io->progress < length && io->result == 0 &&
+	       !(io->state & IO_RESTART) && nb->nready > 0) {
+		uint64_t at = io->progress;
+		if (cmd == BACKEND_FLUSH) {
+			io->progress = 1;
+			issue_flush(nb, io);
+		} else if (cmd == BACKEND_BLOCK_STATUS) {
+			io->progress = 1;
+			issue_chunk(nb, pick_conn(nb), io, cmd, 0, io->length);
+		} else {
+			uint64_t n = length - at < limit ? length - at : limit;
+			io->progress = at + n;
+			issue_chunk(nb, pick_conn(nb), io, cmd, at, n);
+		}
+	}
+}
+
+/* Send the request from its start. */
+static void io_reset(struct nbd_backend *nb, struct backend_io *io)
+{
+	io->state &= ~(IO_RESTART | IO_FLUSHING);
+	io->progress = 0;
+	io->result = 0;
+	io->n_extents = 0;
+	io->loss_seq_seen = atomic_load(&nb->base.loss_seq);
+}
+
+static bool needs_flush_after(struct nbd_backend *nb, const struct backend_io *io)
+{
+	return (io->flags & BACKEND_FUA) && !nb->can_fua && nb->can_flush && cmd_writes(io->cmd);
+}
+
+/*
+ * Move io along, outside libnbd: the one place that finishes, restarts or
+ * continues a request. Each pass sends, waits, finishes or changes phase.
+ */
+static void io_advance(struct nbd_backend *nb, struct backend_io *io)
+{
+	for (unsigned pass = 0; pass < NBD_ADVANCE_PASSES; pass++) {
+		if (io->state & (IO_DEFERRED | IO_WAITING))
+			return; /* process_deferred() or a connection brings it back */
+		if (io->stage > 0) {
+			pump(nb, io);
+			return; /* its chunks come back through chunk_free() */
+		}
+		if (io->result) {
+			io_finish(io, io->result);
+			return;
+		}
+		if (io->state & IO_RESTART) {
+			if (clock_now_ns() >= io->deadline_ns) {
+				io_finish(io, -EIO);
+				return;
+			}
+			io_reset(nb, io);
+		}
+		if (io->progress < phase_length(io)) {
+			if (nb->nready == 0 && nb->silent) {
+				io_finish(io, -EIO); /* it would only wait as long again */
+				return;
+			}
+			if (nb->nready == 0) {
+				wait_for_connection(nb, io);
+				return;
+			}
+			pump(nb, io);
+			continue;
+		}
+		if (!(io->state & IO_FLUSHING) && needs_flush_after(nb, io)) {
+			io->state |= IO_FLUSHING;
+			io->progress = 0;
+			continue;
+		}
+		if ((io->state & IO_FLUSHING) &&
+		    atomic_load(&nb->base.loss_seq) != io->loss_seq_seen) {
+			io->state |= IO_RESTART; /* the write may be gone with a connection */
+			continue;
+		}
+		io_finish(io, 0);
+		return;
+	}
+	/* Cannot happen: every pass above returns or changes something. */
+	log_error("backend %s: a request made no progress in %u passes", nb->name,
+		  NBD_ADVANCE_PASSES);
+	if (io->stage == 0 && !(io->state & (IO_DEFERRED | IO_WAITING)))
+		io_finish(io, -EIO);
+}
+
+/* Outside libnbd: move every request a callback touched along. */
+static void process_deferred(struct nbd_backend *nb)
+{
+	while (nb->deferred) {
+		struct backend_io *io = nb->deferred;
+		nb->deferred = io->deferred_next;
+		io->state &= ~IO_DEFERRED;
+		io_advance(nb, io);
+	}
+}
+
+/* A connection is ready: the requests that waited for one go. */
+static void issue_waiting(struct nbd_backend *nb)
+{
+	struct backend_io *io = nb->waiting;
+	nb->waiting = nb->waiting_tail = NULL;
+	while (io) {
+		struct backend_io *next = io->queue_next;
+		io->state &= ~IO_WAITING;
+		io_advance(nb, io);
+		io = next;
+	}
 }
 
 /* Answer at once what the server does not do; else start the request. */
 static void start_request(struct nbd_backend *nb, struct backend_io *io)
 {
 	io->stage = 0;
-	io->progress = 0;
-	io->result = 0;
 	io->state = 0;
 	io->n_extents = 0;
 	switch (io->cmd) {
@@ -574,7 +848,7 @@ static void start_request(struct nbd_backend *nb, struct backend_io *io)
 		break;
 	case BACKEND_FLUSH:
 		if (!nb->can_flush) {
-			request_complete(nb, io);
+			io_finish(io, 0);
 			return;
 		}
 		break;
@@ -611,54 +885,86 @@ static void start_request(struct nbd_backend *nb, struct backend_io *io)
 			io->length = NBD_COMPACT_MAX;
 		break;
 	default:
-		break;
-	}
-	io->deadline_ns = clock_now_ns() + nb->timeout_ns;
-	if (!nb->connected) {
-		wait_for_connection(nb, io);
+		io_finish(io, -EINVAL);
 		return;
 	}
-	pump(nb, io);
+	io->deadline_ns = clock_now_ns() + nb->timeout_ns;
+	io_reset(nb, io);
+	io_advance(nb, io);
 }
 
-static void issue_waiting(struct nbd_backend *nb)
+/* ---- deadlines ---- */
+
+static bool tick_needed(struct nbd_backend *nb)
 {
-	struct backend_io *io = nb->waiting;
-	nb->waiting = NULL;
-	while (io) {
-		struct backend_io *next = io->queue_next;
-		io->stage = 0;
-		io->progress = 0;
-		io->result = 0;
-		io->state &= IO_FLUSHING;
-		pump(nb, io);
-		io = next;
-	}
-	process_deferred(nb);
+	if (nb->waiting)
+		return true;
+	for (unsigned i = 0; i < NBD_MAX_CONNS; i++)
+		if (nb->conns[i].oldest)
+			return true;
+	return false;
 }
 
-/* Requests that waited too long for a connection fail with EIO. */
+static void tick_arm(struct nbd_backend *nb)
+{
+	if (evtimer_pending(nb->tick, NULL))
+		return;
+	struct timeval tv = {0, NBD_TICK_MS * 1000};
+	if (evtimer_add(nb->tick, &tv) < 0)
+		log_error("backend %s: cannot arm the deadline timer", nb->name);
+}
+
+/*
+ * A connection whose oldest command has had no reply for --backend-timeout
+ * is dead; if no connection had any reply meanwhile, the server is silent
+ * and every connection is closed. Their requests are sent again while
+ * their time lasts. Until a handshake succeeds again, requests that find
+ * no connection fail at once (they would only wait as long again); others
+ * fail with EIO once they have waited --backend-timeout for a connection.
+ */
 static void on_tick(evutil_socket_t fd, short what, void *arg)
 {
 	(void)fd;
 	(void)what;
 	struct nbd_backend *nb = arg;
 	uint64_t now = clock_now_ns();
-	struct backend_io **p = &nb->waiting;
+	char why[64];
+	snprintf(why, sizeof(why), "no reply within %u s", nb->timeout_s);
+	for (unsigned i = 0; i < NBD_MAX_CONNS; i++) {
+		struct nbd_conn *c = &nb->conns[i];
+		if (c->state != CONN_READY || !c->oldest ||
+		    now - c->oldest->sent_ns < nb->timeout_ns)
+			continue;
+		if (nb->last_reply_ns < c->oldest->sent_ns) {
+			log_warn("backend %s: %s on any connection; closing them", nb->name, why);
+			nb->silent = true;
+			for (unsigned k = 0; k < NBD_MAX_CONNS; k++)
+				if (nb->conns[k].state == CONN_READY)
+					conn_fail(&nb->conns[k], why, true);
+			break;
+		}
+		log_warn("backend %s: connection %u: %s; closing it", nb->name, i + 1, why);
+		conn_fail(c, why, true);
+	}
+	struct backend_io **p = &nb->waiting, *last = NULL;
 	while (*p) {
 		struct backend_io *io = *p;
-		if (now >= io->deadline_ns) {
+		if (now >= io->deadline_ns || (nb->silent && nb->nready == 0)) {
 			*p = io->queue_next;
+			io->state &= ~IO_WAITING;
 			io_finish(io, -EIO);
 		} else {
+			last = io;
 			p = &io->queue_next;
 		}
 	}
-	if (nb->waiting) {
-		struct timeval tv = {0, 200000};
-		evtimer_add(nb->tick, &tv);
-	}
+	nb->waiting_tail = last;
+	process_deferred(nb);
+	if (tick_needed(nb))
+		tick_arm(nb);
 }
+
+/* ---- the thread ---- */
 
 static void on_wake(evutil_socket_t fd, short what, void *arg)
 {
@@ -697,9 +1003,9 @@ static void nbd_submit(struct backend *be, struct backend_io *io)
 static void *backend_thread(void *arg)
 {
 	struct nbd_backend *nb = arg;
-	for (unsigned i = 0; i < nb->nconns; i++)
-		if (nb->conns[i].h)
-			conn_open(&nb->conns[i], nb->conns[i].h);
+	struct nbd_conn *first = &nb->conns[0];
+	if (conn_settle(first))
+		conn_set_want(nb, first->multi_conn ? nb->max_conns : 1);
 	event_base_loop(nb->loop, EVLOOP_NO_EXIT_ON_EMPTY);
 	return NULL;
 }
@@ -711,40 +1017,22 @@ static int nbd_start(struct backend *be)
 	if (!nb->loop)
 		return -ENOMEM;
 	nb->wake = event_new(nb->loop, -1, 0, on_wake, nb);
-	nb->retry = evtimer_new(nb->loop, on_retry, nb);
 	nb->tick = evtimer_new(nb->loop, on_tick, nb);
-	if (!nb->wake || !nb->retry || !nb->tick)
+	if (!nb->wake || !nb->tick)
 		return -ENOMEM;
+	for (unsigned i = 0; i < NBD_MAX_CONNS; i++) {
+		nb->conns[i].timer = evtimer_new(nb->loop, conn_on_timer, &nb->conns[i]);
+		if (!nb->conns[i].timer)
+			return -ENOMEM;
+	}
 	int rc = -pthread_create(&nb->thread, NULL, backend_thread, nb);
 	if (rc == 0)
 		nb->started = true;
 	return rc;
 }
 
-static void nbd_backend_close(struct backend *be)
+static void free_backend(struct nbd_backend *nb)
 {
-	struct nbd_backend *nb = to_nbd(be);
-	if (nb->started) {
-		pthread_mutex_lock(&nb->lock);
-		nb->stop = true;
-		pthread_mutex_unlock(&nb->lock);
-		event_active(nb->wake, EV_READ, 0);
-		pthread_join(nb->thread, NULL);
-	}
-	for (unsigned i = 0; i < NBD_MAX_CONNS; i++) {
-		if (nb->conns[i].ev)
-			event_free(nb->conns[i].ev);
-		if (nb->conns[i].h)
-			nbd_close(nb->conns[i].h); /* stops an nbdkit we started */
-	}
-	if (nb->wake)
-		event_free(nb->wake);
-	if (nb->retry)
-		event_free(nb->retry);
-	if (nb->tick)
-		event_free(nb->tick);
-	if (nb->loop)
-		event_base_free(nb->loop);
 	if (nb->argv)
 		for (char **a = nb->argv; *a; a++)
 			free(*a);
@@ -755,17 +1043,60 @@ static void nbd_backend_close(struct backend *be)
 	free(nb);
 }
 
+/*
+ * After the thread: every request must have come back by now (the workers
+ * wait for theirs). Any left cannot be answered (their workers are gone);
+ * say so. Closing a handle frees what libnbd still holds (chunk_free).
+ */
+static void nbd_backend_close(struct backend *be)
+{
+	struct nbd_backend *nb = to_nbd(be);
+	if (nb->started) {
+		pthread_mutex_lock(&nb->lock);
+		nb->stop = true;
+		pthread_mutex_unlock(&nb->lock);
+		event_active(nb->wake, EV_READ, 0);
+		pthread_join(nb->thread, NULL);
+	}
+	bool left = nb->waiting || nb->queue_head || nb->deferred;
+	for (unsigned i = 0; i < NBD_MAX_CONNS; i++) {
+		struct nbd_conn *c = &nb->conns[i];
+		left = left || c->oldest;
+		if (c->ev)
+			event_free(c->ev);
+		c->ev = NULL;
+		if (c->h) {
+			if (c->state == CONN_READY && !c->oldest)
+				nbd_aio_disconnect(c->h, 0);
+			nbd_close(c->h); /* stops an nbdkit we started */
+			c->h = NULL;
+		}
+		if (c->timer)
+			event_free(c->timer);
+	}
+	if (left)
+		log_error("backend %s: closed with requests unanswered", nb->name);
+	if (nb->wake)
+		event_free(nb->wake);
+	if (nb->tick)
+		event_free(nb->tick);
+	if (nb->loop)
+		event_base_free(nb->loop);
+	free_backend(nb);
+}
+
 static const struct backend_ops nbd_ops = {
-	.kind = "nbd",
-	.submit = nbd_submit,
-	.start = nbd_start,
-	.close = nbd_backend_close,
+    .kind = "nbd",
+    .submit = nbd_submit,
+    .start = nbd_start,
+    .close = nbd_backend_close,
 };
 
 bool backend_nbd_handles(const char *spec)
 {
-	static const char *const prefixes[] = {"nbd://", "nbds://", "nbd+unix://", "nbds+unix://",
-					      "nbd+vsock://", "nbds+vsock://", "nbdkit:"};
+	static const char *const prefixes[] = {"nbd://",       "nbds://",      "nbd+unix://",
+					       "nbds+unix://", "nbd+vsock://", "nbds+vsock://",
+					       "nbdkit:"};
 	for (size_t i = 0; i < sizeof(prefixes) / sizeof(prefixes[0]); i++)
 		if (strncmp(spec, prefixes[i], strlen(prefixes[i])) == 0)
 			return true;
@@ -818,9 +1149,16 @@ int backend_nbd_open(const char *spec, bool readonly, unsigned timeout_seconds,
 		return -ENOMEM;
 	pthread_mutex_init(&nb->lock, NULL);
 	nb->base.ops = &nbd_ops;
+	atomic_init(&nb->base.loss_seq, 0);
 	nb->name = strdup(spec);
+	nb->timeout_s = timeout_seconds;
 	nb->timeout_ns = (uint64_t)timeout_seconds * 1000000000u;
-	nb->backoff_ms = NBD_BACKOFF_MIN_MS;
+	for (unsigned i = 0; i < NBD_MAX_CONNS; i++) {
+		nb->conns[i].nb = nb;
+		nb->conns[i].index = i;
+		nb->conns[i].fd = -1;
+		nb->conns[i].backoff_ms = NBD_BACKOFF_MIN_MS;
+	}
 	int rc = -ENOMEM;
 	if (!nb->name)
 		goto err;
@@ -837,7 +1175,7 @@ int backend_nbd_open(const char *spec, bool readonly, unsigned timeout_seconds,
 			goto err;
 	}
 	char err[256];
-	struct nbd_handle *h = connect_handle(nb, NBD_CONNECT_TIMEOUT_MS, err, sizeof(err));
+	struct nbd_handle *h = connect_first(nb, err, sizeof(err));
 	if (!h) {
 		log_error("backend %s: %s", spec, err);
 		rc = -EIO;
@@ -853,40 +1191,27 @@ int backend_nbd_open(const char *spec, bool readonly, unsigned timeout_seconds,
 	nb->can_fast_zero = nbd_can_fast_zero(h) == 1;
 	nb->can_cache = nbd_can_cache(h) == 1;
 	nb->can_block_status = nbd_can_meta_context(h, LIBNBD_CONTEXT_BASE_ALLOCATION) == 1;
-	nb->multi_conn = nbd_can_multi_conn(h) == 1 && nb->uri;
 	int64_t minimum = nbd_get_block_size(h, LIBNBD_SIZE_MINIMUM);
 	int64_t maximum = nbd_get_block_size(h, LIBNBD_SIZE_MAXIMUM);
 	nb->base.min_block = minimum > 1 ? (uint32_t)minimum : 1;
 	nb->max_block = maximum > 0 && maximum < (32 << 20) ? (uint32_t)maximum : (32u << 20);
-	nb->conns[0].nb = nb;
-	nb->conns[0].h = h;
-	nb->nconns = 1;
-	nb->connected = true;
-	if (nb->multi_conn) {
-		for (unsigned i = 1; i < NBD_MAX_CONNS; i++) {
-			nb->conns[i].nb = nb;
-			nb->conns[i].h =
-				connect_handle(nb, NBD_EXTRA_CONNECT_TIMEOUT_MS, err, sizeof(err));
-			if (!nb->conns[i].h) {
-				log_info("backend %s: connection %u: %s; using %u", spec, i + 1, err,
-					 i);
-				break;
-			}
-			nb->nconns++;
-		}
-	}
-	for (unsigned i = 0; i < NBD_MAX_CONNS; i++)
-		nb->conns[i].nb = nb;
+	struct nbd_conn *first = &nb->conns[0];
+	first->h = h;
+	first->state = CONN_READY;
+	first->ever_ready = true;
+	first->multi_conn = nb->uri && nbd_can_multi_conn(h) == 1;
+	nb->max_conns = first->multi_conn ? NBD_MAX_CONNS : 1;
+	nb->want_conns = 1; /* the others connect once the thread runs */
+	nb->nready = 1;
 	log_info("backend %s: %llu bytes, %u connection(s)%s%s%s%s%s", spec,
-		 (unsigned long long)nb->base.size, nb->nconns, nb->base.readonly ? ", read-only" : "",
-		 nb->base.can_trim ? ", trim" : "", nb->base.can_zero ? ", zero" : ", zero emulated",
+		 (unsigned long long)nb->base.size, nb->max_conns,
+		 nb->base.readonly ? ", read-only" : "", nb->base.can_trim ? ", trim" : "",
+		 nb->base.can_zero ? ", zero" : ", zero emulated",
 		 nb->can_fua ? ", fua" : ", fua emulated",
 		 nb->can_block_status ? ", base:allocation" : "");
 	*out = &nb->base;
 	return 0;
 err:
-	free(nb->name);
-	free(nb->uri);
-	free(nb);
+	free_backend(nb);
 	return rc;
 }

@@ -1,0 +1,808 @@
+#!/usr/bin/python3
+"""nbd_backend_faults: an NBD backend that dies, stalls, hangs up or changes.
+
+Each backend is an nbdkit on a Unix socket, started and stopped by PID
+(the Nbdkit class of nbd_backend.py), some behind a small proxy started
+here that can cut one connection or hold a new one unanswered. The daemon
+reaches it as nbd+unix:///?socket=SOCK.
+
+  1  the backend goes away while the daemon holds dirty data (writeback,
+     nbdkit file plugin): 1 MiB written, nbdkit SIGTERM, the data still
+     reads back from the cache, nbdkit started again on the same socket,
+     FLUSH (retried while it fails) succeeds, the daemon never dies and the
+     backend file holds exactly the written bytes. Repeated RUNS times
+     (default 15): a daemon that dies once fails.
+  1b the proxy cuts a random connection every 50 ms for 3 s while 24
+     disjoint writes of 2 MiB - 4 KiB (cache-mode=none, 2 client connections) are in
+     flight: every write succeeds (sent again on another connection), the
+     daemon lives, the backend file holds every byte.
+  2  the backend stops answering (SIGSTOP), --backend-timeout 3: a FLUSH
+     that has dirty data to write fails within 3 + 1 s; cached data still
+     reads; after SIGCONT a FLUSH succeeds and the backend file holds
+     exactly the written bytes.
+  3  the same stall with cache-mode=none and a read in flight: SIGTERM ends
+     the daemon (exit 0) within 15 s.
+  4  multi-conn through the proxy (4 connections): one connection cut by
+     the proxy is reconnected on its own within 5 s while the others serve
+     requests; all cut with the first new connection held unanswered in
+     the handshake: a read that misses, submitted while connecting,
+     completes within 3 s, and once the held connection is given up (the
+     connect timeout, 10 s) 4 connections are back.
+  5  the backend restarted without multi-conn (nbdkit multi-conn filter,
+     log filter): after FLUSH, every connection that carried a write has
+     a flush sent after that write's reply (nbdkit's log), and the backend
+     file holds the bytes.
+  6  the backend answers reads with ESHUTDOWN (error filter): a read fails
+     within the timeout (2 s) + 2 s and the daemon uses under half a CPU
+     meanwhile (no retry spin); once the fault is gone reads succeed.
+  7  the backend shrinks (restarted on a truncated file): a read past its
+     new end fails within 5 s, reads below it still work, the daemon lives.
+  8  acknowledged writes lost with the server (memory plugin, writeback
+     --dirty-expire 1): once the background writeback has written 1 MiB
+     (dirty_bytes 0, the backend holds it, nothing flushed), nbdkit is
+     killed and an empty one started on the same socket; FLUSH (retried
+     while it fails) succeeds and the new backend holds the data. This
+     relies on the cache writing again what it had not flushed when the
+     backend's loss_seq moved (backend.h); the backend only reports it.
+
+Every check runs; failures are listed at the end. Seeds are fixed.
+Environment: NBDKIT (default "nbdkit"), RUNS (check 1, default 15), ONLY
+(a comma-separated list of check numbers to run, default all).
+"""
+
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import nbdtest  # noqa: E402
+from nbdtest import Failed, log, require, require_same, running_daemon  # noqa: E402
+
+import nbd  # noqa: E402
+from nbd_backend import Nbdkit, stop_peers  # noqa: E402
+
+KIB = 1024
+MIB = 1024 * KIB
+SIZE = 64 * MIB
+SEED = 1947
+NBDKIT = os.environ.get("NBDKIT", "nbdkit")
+RUNS = int(os.environ.get("RUNS", "15"))
+PAUSE = float(os.environ.get("PAUSE", "0.3"))
+CHECKS = nbdtest.Checks(catch=(Failed, nbd.Error))
+expect = CHECKS.expect
+
+LOST = "backend connection lost"
+RECONNECTED = "backend reconnected"
+
+
+# ---- helpers ----
+
+def image(tmp, size=SIZE, name="back.img"):
+    return nbdtest.sparse_file(os.path.join(tmp, name), size)
+
+
+def file_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def alive(d, when):
+    if not d.alive():
+        d.dump_log()
+        raise Failed("the daemon died (%s), exit %s" % (when, d.proc.returncode))
+
+
+def wait_until(cond, timeout, step=0.05):
+    """True once cond() is true, polled for `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    for _ in range(int(timeout / step) + 2):
+        if cond():
+            return True
+        if time.monotonic() > deadline:
+            break
+        time.sleep(step)
+    return cond()
+
+
+def wait_command(h, cookie, timeout):
+    """Wait for one aio command: (None, seconds) when it succeeded,
+    (nbd.Error, seconds) when it failed, (False, seconds) when it is still
+    pending after `timeout` seconds."""
+    t0 = time.monotonic()
+    for _ in range(int(timeout * 20) + 2):
+        try:
+            if h.aio_command_completed(cookie):
+                return None, time.monotonic() - t0
+        except nbd.Error as e:
+            return e, time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            break
+        h.poll(50)
+    return False, time.monotonic() - t0
+
+
+def flush_until_ok(d, h, what, tries=40, timeout=40):
+    """FLUSH until one succeeds (each failure logged); Failed when none
+    does or the daemon dies."""
+    deadline = time.monotonic() + timeout
+    errors = []
+    for attempt in range(tries):
+        alive(d, "%s, FLUSH %d" % (what, attempt + 1))
+        try:
+            h.flush()
+            log("  %s: FLUSH %d succeeded" % (what, attempt + 1))
+            return
+        except nbd.Error as e:
+            errors.append(e.string)
+            log("  %s: FLUSH %d failed: %s" % (what, attempt + 1, e.string))
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    raise Failed("%s: no FLUSH succeeded (%d tries): %s" % (what, len(errors), errors[-3:]))
+
+
+def sigstop(proc):
+    """SIGSTOP by PID, then wait (up to 5 s) until every thread of it is
+    stopped: the signal alone does not stop a thread that is running."""
+    proc.send_signal(signal.SIGSTOP)
+
+    def stopped():
+        try:
+            tasks = os.listdir("/proc/%d/task" % proc.pid)
+            states = []
+            for t in tasks:
+                with open("/proc/%d/task/%s/stat" % (proc.pid, t)) as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            return False
+        return all(st == "T" for st in states)
+    require(wait_until(stopped, 5, step=0.01), "test setup: pid %d not stopped 5 s after "
+            "SIGSTOP" % proc.pid)
+
+
+def cpu_seconds(pid):
+    """utime + stime of the process, in seconds."""
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Proxy:
+    """A Unix-socket proxy in front of the socket `upstream`: each accepted
+    connection is forwarded to a new upstream connection, or, while
+    `stall` > 0, held open and never answered. cut() closes one forwarded
+    connection at both ends, as a server that dropped it."""
+
+    def __init__(self, path, upstream):
+        self.path, self.upstream = path, upstream
+        self.lock = threading.Lock()
+        self.pairs = []         # [client, server, open] per forwarded connection
+        self.held = []          # connections held unanswered
+        self.accepted = 0
+        self.stall = 0
+        self.stopping = False
+        self.lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.lsock.bind(path)
+        self.lsock.listen(16)
+        self.lsock.settimeout(0.1)
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def uri(self):
+        return "nbd+unix:///?socket=%s" % self.path
+
+    def _accept(self):
+        for _ in range(10 ** 7):
+            if self.stopping:
+                return
+            try:
+                c, _ = self.lsock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            c.settimeout(None)
+            with self.lock:
+                self.accepted += 1
+                if self.stall > 0:
+                    self.stall -= 1
+                    self.held.append(c)
+                    continue
+            u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                u.connect(self.upstream)
+            except OSError:
+                c.close()
+                u.close()
+                continue
+            pair = [c, u, True]
+            with self.lock:
+                self.pairs.append(pair)
+            for src, dst in ((c, u), (u, c)):
+                threading.Thread(target=self._pump, args=(pair, src, dst), daemon=True).start()
+
+    def _pump(self, pair, src, dst):
+        try:
+            for _ in range(10 ** 8):
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        self._close(pair)
+
+    def _close(self, pair):
+        with self.lock:
+            if not pair[2]:
+                return
+            pair[2] = False
+        for s in pair[:2]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def live(self):
+        with self.lock:
+            return [p for p in self.pairs if p[2]]
+
+    def cut(self, pair):
+        self._close(pair)
+
+    def held_closed(self):
+        """How many held connections the client has closed."""
+        n = 0
+        with self.lock:
+            held = list(self.held)
+        for c in held:
+            try:
+                if c.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b"":
+                    n += 1
+            except BlockingIOError:
+                pass
+            except OSError:
+                n += 1
+        return n
+
+    def close(self):
+        self.stopping = True
+        self.thread.join(5)
+        self.lsock.close()
+        for p in list(self.pairs):
+            self._close(p)
+        for c in self.held:
+            c.close()
+
+
+# ---- 1: the backend goes away with dirty data in the cache ----
+
+def dies_with_dirty_data(run):
+    r = random.Random(SEED + run)
+    off = r.randrange(0, SIZE // MIB - 1) * MIB + r.choice((0, 4096, 12345))
+    data = r.randbytes(MIB)
+    with nbdtest.tempdir() as tmp:
+        img = image(tmp)
+        sock = os.path.join(tmp, "b.sock")
+        kit = Nbdkit(tmp, "file", ["file", img], sock=sock)
+        try:
+            with running_daemon([("r", kit.uri(), "cache-mode=writeback")],
+                                extra=["--cache-size", "64M", "--dirty-expire", "3600"]) as d:
+                h = nbdtest.libnbd_handle(d.unix_uri("r"))
+                old = kit.proc
+                try:
+                    h.pwrite(data, off)
+                    # nbdkit ends an idle connection only when a request
+                    # comes: the daemon's next write meets a closing server.
+                    log("  SIGTERM nbdkit (pid %d), not waiting for it" % old.pid)
+                    old.send_signal(signal.SIGTERM)
+                    require_same(h.pread(MIB, off), data,
+                                 "run %d: read back from the cache with the backend going away"
+                                 % run, base=off)
+                    time.sleep(PAUSE)
+                    kit.start()
+                    flush_until_ok(d, h, "run %d" % run)
+                    alive(d, "run %d, after FLUSH" % run)
+                finally:
+                    nbdtest.shutdown_all([h])
+                    try:
+                        old.wait(10)
+                    except subprocess.TimeoutExpired:
+                        old.kill()
+                        old.wait()
+                text = d.log_text()
+                expect("double free" not in text, "run %d: 'double free' in the log" % run)
+                lost = [ln for ln in text.splitlines() if LOST in ln]
+                log("  run %d: %s" % (run, lost[0].split(": ", 2)[-1] if lost else
+                                      "the daemon did not lose its backend connection"))
+            want = bytearray(SIZE)
+            want[off:off + MIB] = data
+            # Nothing was written back before nbdkit went away (dirty-expire
+            # 3600), so this does not rely on the cache's loss_seq handling.
+            require_same(file_bytes(img), want, "run %d: backend file after FLUSH" % run)
+        finally:
+            kit.stop()
+
+
+def check_dies_with_dirty_data():
+    for run in range(RUNS):
+        if not CHECKS.run("1 backend gone with dirty data, run %d/%d" % (run + 1, RUNS),
+                          dies_with_dirty_data, run):
+            break
+
+
+def cuts_during_writes(d, h, proxy, img):
+    r = random.Random(SEED + 50)
+    require(wait_until(lambda: len(proxy.live()) == 4, 5),
+            "test setup: %d connections through the proxy, expected 4" % len(proxy.live()))
+    h2 = nbdtest.libnbd_handle(d.unix_uri("p"))
+    model, pending = [], []
+    try:
+        for k in range(24):
+            off = k * 2 * MIB + r.randrange(0, 4096)
+            data = r.randbytes(2 * MIB - 4096)      # disjoint: in flight together
+            hk = (h, h2)[k % 2]
+            pending.append((hk, hk.aio_pwrite(nbd.Buffer.from_bytearray(bytearray(data)), off)))
+            model.append((off, data))
+        stop = threading.Event()
+        cuts = []
+
+        def cutter():
+            for _ in range(60):
+                if stop.wait(0.05):
+                    return
+                live = proxy.live()
+                if live:
+                    proxy.cut(r.choice(live))
+                    cuts.append(time.monotonic())
+        t = threading.Thread(target=cutter, daemon=True)
+        t.start()
+        try:
+            nbdtest.aio_wait(pending, timeout=60)
+        finally:
+            stop.set()
+            t.join(10)
+        log("  %d connections cut while the writes were in flight" % len(cuts))
+        alive(d, "after the cuts")
+        h.flush()
+    finally:
+        nbdtest.shutdown_all([h2])
+    require_same(file_bytes(img), nbdtest.model_bytes(model, 0, SIZE),
+                 "backend file after writes through connections being cut")
+
+
+# ---- 2, 3: the backend stops answering ----
+
+def stalled_flush():
+    r = random.Random(SEED + 100)
+    a, b = r.randbytes(MIB), r.randbytes(MIB)
+    with nbdtest.tempdir() as tmp:
+        img = image(tmp)
+        kit = Nbdkit(tmp, "stall", ["file", img])
+        stopped = False
+        try:
+            with running_daemon([("s", kit.uri(), "cache-mode=writeback")],
+                                extra=["--cache-size", "64M", "--dirty-expire", "3600",
+                                       "--backend-timeout", "3"]) as d:
+                h = nbdtest.libnbd_handle(d.unix_uri("s"))
+                try:
+                    h.pwrite(a, 0)
+                    h.flush()
+                    h.pwrite(b, 8 * MIB + 512)
+                    log("  SIGSTOP nbdkit (pid %d)" % kit.proc.pid)
+                    stopped = True
+                    sigstop(kit.proc)
+                    cookie = h.aio_flush()
+                    err, took = wait_command(h, cookie, 20)
+                    require(err is not False, "FLUSH with the backend stopped is still pending "
+                            "after %.0f s (--backend-timeout 3)" % took)
+                    log("  FLUSH with the backend stopped: %s after %.2f s"
+                        % ("ok" if err is None else err.string, took))
+                    expect(err is not None, "FLUSH succeeded with the backend stopped")
+                    expect(took <= 4.0, "FLUSH took %.2f s with --backend-timeout 3" % took)
+                    require_same(h.pread(MIB, 8 * MIB + 512), b,
+                                 "cached read with the backend stopped", base=8 * MIB + 512)
+                    alive(d, "with the backend stopped")
+                    kit.proc.send_signal(signal.SIGCONT)
+                    stopped = False
+                    flush_until_ok(d, h, "after SIGCONT")
+                finally:
+                    if stopped:
+                        kit.proc.send_signal(signal.SIGCONT)
+                    nbdtest.shutdown_all([h])
+            want = bytearray(SIZE)
+            want[0:MIB] = a
+            want[8 * MIB + 512:9 * MIB + 512] = b
+            require_same(file_bytes(img), want, "backend file after the stall and FLUSH")
+        finally:
+            if stopped:
+                kit.proc.send_signal(signal.SIGCONT)
+            kit.stop()
+
+
+def stalled_shutdown():
+    with nbdtest.tempdir() as tmp:
+        img = image(tmp)
+        kit = Nbdkit(tmp, "stall2", ["file", img])
+        d = None
+        try:
+            d = nbdtest.CheckedDaemon([("n", kit.uri(), "cache-mode=none")],
+                                      extra=["--cache-size", "16M", "--backend-timeout", "2",
+                                             "--log-level", "debug"])
+            h = nbdtest.libnbd_handle(d.unix_uri("n"))
+            h.pread(4096, 0)
+            try:
+                sigstop(kit.proc)
+                buf = nbd.Buffer(64 * KIB)
+                h.aio_pread(buf, 5 * MIB)
+                require(wait_until(lambda: "offset %d length" % (5 * MIB) in d.log_text(), 10),
+                        "test setup: the daemon did not log the read within 10 s")
+                time.sleep(0.2)     # on its way to the backend
+                t0 = time.monotonic()
+                d.proc.send_signal(signal.SIGTERM)
+                gone = wait_until(lambda: not d.alive(), 15)
+                took = time.monotonic() - t0
+                require(gone, "the daemon did not exit within 15 s of SIGTERM with a read "
+                        "in flight on a stopped backend (--backend-timeout 2)")
+                log("  exited %d, %.2f s after SIGTERM" % (d.proc.returncode, took))
+                expect(d.proc.returncode == 0, "exit %d after SIGTERM" % d.proc.returncode)
+                text = d.log_text()
+                expect("Sanitizer" not in text and "runtime error:" not in text,
+                       "sanitizer report in the daemon log")
+            finally:
+                kit.proc.send_signal(signal.SIGCONT)
+                try:
+                    h.shutdown()
+                except nbd.Error:
+                    pass
+        finally:
+            if d is not None:
+                if d.alive():
+                    d.dump_log()
+                d.discard()
+            kit.stop()
+
+
+# ---- 4: connections one by one ----
+
+def with_proxy(fn):
+    with nbdtest.tempdir() as tmp:
+        img = image(tmp)
+        kit = Nbdkit(tmp, "px", ["file", img])
+        proxy = Proxy(os.path.join(tmp, "proxy.sock"), kit.sock)
+        try:
+            with running_daemon([("p", proxy.uri(), "cache-mode=none")],
+                                extra=["--cache-size", "16M"]) as d:
+                h = nbdtest.libnbd_handle(d.unix_uri("p"))
+                try:
+                    fn(d, h, proxy, img)
+                finally:
+                    nbdtest.shutdown_all([h])
+        finally:
+            proxy.close()
+            kit.stop()
+
+
+def traffic(d, h, r, seconds, what):
+    """Writes (FUA) and reads that go to the backend for `seconds`: each
+    must succeed within 2 s."""
+    end = time.monotonic() + seconds
+    for k in range(1000):
+        if time.monotonic() > end:
+            break
+        off = r.randrange(0, SIZE // 4096 - 16) * 4096
+        data = r.randbytes(64 * KIB)
+        t0 = time.monotonic()
+        h.pwrite(data, off, nbd.CMD_FLAG_FUA)
+        require_same(h.pread(len(data), off), data, "%s: read back #%d" % (what, k), base=off)
+        took = time.monotonic() - t0
+        require(took < 2, "%s: a write and read took %.2f s" % (what, took))
+    alive(d, what)
+
+
+def one_connection_cut(d, h, proxy, img):
+    r = random.Random(SEED + 400)
+    require(wait_until(lambda: len(proxy.live()) == 4, 5),
+            "test setup: %d connections through the proxy, expected 4 (multi-conn)"
+            % len(proxy.live()))
+    before = proxy.accepted
+    proxy.cut(proxy.live()[1])
+    log("  cut one of 4 connections")
+    traffic(d, h, r, 1.0, "one connection cut")
+    back = wait_until(lambda: proxy.accepted > before and len(proxy.live()) == 4, 5)
+    log("  %d connection(s) live, %d accepted since the cut"
+        % (len(proxy.live()), proxy.accepted - before))
+    require(back, "the cut connection was not reconnected within 5 s while the others live "
+            "(%d live)" % len(proxy.live()))
+    traffic(d, h, r, 0.5, "after the reconnect")
+
+
+def handshake_held(d, h, proxy, img):
+    r = random.Random(SEED + 500)
+    require(wait_until(lambda: len(proxy.live()) == 4, 5),
+            "test setup: %d connections through the proxy, expected 4" % len(proxy.live()))
+    data = r.randbytes(64 * KIB)
+    with open(img, "r+b") as f:
+        f.seek(40 * MIB)
+        f.write(data)
+    with proxy.lock:
+        proxy.stall = 1
+    for p in proxy.live():
+        proxy.cut(p)
+    log("  cut all 4 connections; the next new one is held unanswered")
+    buf = nbd.Buffer(len(data))
+    cookie = h.aio_pread(buf, 40 * MIB)
+    err, took = wait_command(h, cookie, 15)
+    log("  read submitted while reconnecting: %s after %.2f s"
+        % ("pending" if err is False else "ok" if err is None else err.string, took))
+    require(err is None and took <= 3, "a read submitted while reconnecting, with one new "
+            "connection held in the handshake, %s after %.2f s (expected success within 3 s)"
+            % ("pending" if err is False else "done" if err is None else "failed", took))
+    require_same(buf.to_bytearray(), data, "the read submitted while reconnecting",
+                 base=40 * MIB)
+    traffic(d, h, r, 1.0, "with one connection held in the handshake")
+    given_up = wait_until(lambda: proxy.held_closed() == 1, 14)
+    expect(given_up, "the connection held in the handshake was not closed within 14 s")
+    back = wait_until(lambda: len(proxy.live()) == 4, 5)
+    expect(back, "%d connections live after the held one was given up, expected 4"
+           % len(proxy.live()))
+    traffic(d, h, r, 0.5, "after the held connection was given up")
+
+
+# ---- 5: a FLUSH covers every connection ----
+
+LOG_LINE = re.compile(r"connection=(\d+) (\.\.\.)?(\w+) id=(\d+)(.*)")
+
+
+def flush_coverage():
+    r = random.Random(SEED + 600)
+    with nbdtest.tempdir() as tmp:
+        img = image(tmp)
+        sock = os.path.join(tmp, "b.sock")
+        nlog = os.path.join(tmp, "nbdkit-requests.log")
+        kit = Nbdkit(tmp, "mc", ["file", img], sock=sock)
+        try:
+            with running_daemon([("f", kit.uri(), "cache-mode=writeback")],
+                                extra=["--cache-size", "64M", "--dirty-expire", "3600"]) as d:
+                h = nbdtest.libnbd_handle(d.unix_uri("f"))
+                try:
+                    model = flush_coverage_steps(d, h, r, tmp, sock, nlog, kit)
+                finally:
+                    nbdtest.shutdown_all([h])
+            want = nbdtest.model_bytes(model, 0, SIZE)
+            require_same(file_bytes(img), want, "backend file after FLUSH")
+        finally:
+            kit.stop()
+            stop_peers()
+
+
+def flush_coverage_steps(d, h, r, tmp, sock, nlog, kit):
+    model = []
+    data = r.randbytes(MIB)
+    h.pwrite(data, 0)
+    model.append((0, data))
+    h.flush()
+    kit.kill(signal.SIGKILL)
+    img = os.path.join(tmp, "back.img")
+    kit2 = Nbdkit(tmp, "nomc", ["--filter=log", "--filter=multi-conn", "file", img,
+                                "multi-conn-mode=disable", "logfile=" + nlog], sock=sock)
+    direct = kit2.handle()
+    require(not direct.can_multi_conn(), "test setup: the multi-conn filter still advertises "
+            "multi-conn")
+    nbdtest.shutdown_all([direct])
+    for k in range(24):
+        off = (2 + k) * MIB + r.randrange(0, 4096)
+        data = r.randbytes(128 * KIB)
+        for attempt in range(40):
+            try:
+                h.pwrite(data, off)
+                break
+            except nbd.Error:
+                time.sleep(0.25)    # the backend is coming back
+        model.append((off, data))
+    flush_until_ok(d, h, "no multi-conn")
+    with open(nlog) as f:
+        lines = f.read().splitlines()
+    last_write, flushes = {}, {}
+    for i, ln in enumerate(lines):
+        m = LOG_LINE.search(ln)
+        if not m:
+            continue
+        conn, reply, kind = m.group(1), m.group(2), m.group(3)
+        if kind == "Write" and reply and "return=0" in m.group(5):
+            last_write[conn] = i
+        elif kind == "Flush" and not reply:
+            flushes.setdefault(conn, []).append(i)
+    log("  connections with writes: %s; with flushes: %s"
+        % (sorted(last_write), sorted(flushes)))
+    for conn, i in sorted(last_write.items()):
+        expect(any(j > i for j in flushes.get(conn, [])),
+               "connection %s of a backend without multi-conn: no flush sent after its "
+               "last write's reply" % conn)
+    return model
+
+
+# ---- 6: ESHUTDOWN ----
+
+def eshutdown():
+    data = random.Random(SEED + 700).randbytes(256 * KIB)
+    with nbdtest.tempdir() as tmp:
+        img = image(tmp)
+        with open(img, "r+b") as f:
+            f.seek(3 * MIB)
+            f.write(data)
+        efile = os.path.join(tmp, "fail-pread")
+        kit = Nbdkit(tmp, "esd", ["--filter=error", "file", img, "error=ESHUTDOWN",
+                                  "error-pread-rate=1", "error-pread-file=" + efile])
+        try:
+            with running_daemon([("e", kit.uri(), "cache-mode=none")],
+                                extra=["--cache-size", "16M", "--backend-timeout", "2"]) as d:
+                h = nbdtest.libnbd_handle(d.unix_uri("e"))
+                try:
+                    open(efile, "w").close()
+                    cpu0, t0 = cpu_seconds(d.pid), time.monotonic()
+                    cookie = h.aio_pread(nbd.Buffer(64 * KIB), 3 * MIB)
+                    err, took = wait_command(h, cookie, 10)
+                    cpu = cpu_seconds(d.pid) - cpu0
+                    wall = time.monotonic() - t0
+                    log("  read with ESHUTDOWN injected: %s after %.2f s; daemon CPU %.2f s"
+                        % ("pending" if err is False else "ok" if err is None else err.string,
+                           took, cpu))
+                    require(err is not False, "a read answered with ESHUTDOWN is still pending "
+                            "after %.0f s (--backend-timeout 2)" % took)
+                    expect(err is not None, "a read answered with ESHUTDOWN succeeded")
+                    expect(took <= 4, "a read answered with ESHUTDOWN failed after %.2f s" % took)
+                    expect(cpu < wall / 2, "the daemon used %.2f s of CPU in %.2f s while the "
+                           "backend said ESHUTDOWN" % (cpu, wall))
+                    alive(d, "after ESHUTDOWN")
+                    os.unlink(efile)
+                    got = None
+                    for _ in range(20):
+                        try:
+                            got = h.pread(len(data), 3 * MIB)
+                            break
+                        except nbd.Error:
+                            time.sleep(0.25)
+                    require(got is not None, "reads still fail after the fault went away")
+                    require_same(got, data, "read after the fault went away", base=3 * MIB)
+                finally:
+                    if os.path.exists(efile):
+                        os.unlink(efile)
+                    nbdtest.shutdown_all([h])
+        finally:
+            kit.stop()
+
+
+# ---- 7: the backend shrinks ----
+
+def shrinks():
+    data = random.Random(SEED + 800).randbytes(64 * KIB)
+    with nbdtest.tempdir() as tmp:
+        img = image(tmp)
+        with open(img, "r+b") as f:
+            f.seek(MIB)
+            f.write(data)
+        sock = os.path.join(tmp, "b.sock")
+        kit = Nbdkit(tmp, "big", ["file", img], sock=sock)
+        try:
+            with running_daemon([("s", kit.uri(), "cache-mode=none")],
+                                extra=["--cache-size", "16M", "--backend-timeout", "3"]) as d:
+                h = nbdtest.libnbd_handle(d.unix_uri("s"))
+                try:
+                    require_same(h.pread(len(data), MIB), data, "read before the change",
+                                 base=MIB)
+                    kit.kill(signal.SIGKILL)
+                    os.truncate(img, SIZE // 2)
+                    kit.start()
+                    got = None
+                    for _ in range(40):
+                        try:
+                            got = h.pread(len(data), MIB)
+                            break
+                        except nbd.Error:
+                            time.sleep(0.25)
+                    require(got is not None, "reads fail after the backend came back smaller")
+                    require_same(got, data, "read below the new end", base=MIB)
+                    cookie = h.aio_pread(nbd.Buffer(64 * KIB), SIZE - MIB)
+                    err, took = wait_command(h, cookie, 10)
+                    log("  read past the new end: %s after %.2f s"
+                        % ("pending" if err is False else "ok" if err is None else err.string,
+                           took))
+                    require(err is not False, "a read past the backend's new end is still "
+                            "pending after %.0f s" % took)
+                    expect(err is not None, "a read past the backend's new end succeeded")
+                    expect(took <= 5, "a read past the backend's new end took %.2f s" % took)
+                    alive(d, "after the read past the new end")
+                    require_same(h.pread(len(data), MIB), data, "read below the new end again",
+                                 base=MIB)
+                finally:
+                    nbdtest.shutdown_all([h])
+        finally:
+            kit.stop()
+
+
+# ---- 8: acknowledged writes lost with the server ----
+
+def acked_writes_lost():
+    data = random.Random(SEED + 900).randbytes(MIB)
+    off = 5 * MIB + 4096
+    with nbdtest.tempdir() as tmp:
+        sock = os.path.join(tmp, "b.sock")
+        kit = Nbdkit(tmp, "mem1", ["memory", "size=%d" % SIZE], sock=sock)
+        try:
+            with running_daemon([("m", kit.uri(), "cache-mode=writeback")],
+                                extra=["--cache-size", "64M", "--dirty-expire", "1"]) as d:
+                h = nbdtest.libnbd_handle(d.unix_uri("m"))
+                try:
+                    h.pwrite(data, off)
+                    require(wait_until(lambda: nbdtest.stats(d)["dirty_bytes"] == 0, 10),
+                            "test setup: still dirty 10 s after the write (--dirty-expire 1)")
+                    direct = kit.handle()
+                    require_same(direct.pread(MIB, off), data, "test setup: the backend after "
+                                 "the background writeback", base=off)
+                    nbdtest.shutdown_all([direct])
+                    kit.kill(signal.SIGKILL)
+                    kit = Nbdkit(tmp, "mem2", ["memory", "size=%d" % SIZE], sock=sock)
+                    flush_until_ok(d, h, "after the backend lost acknowledged writes")
+                    direct = kit.handle()
+                    got = direct.pread(MIB, off)
+                    nbdtest.shutdown_all([direct])
+                    # Needs the cache to rewrite unflushed data when
+                    # loss_seq moved (the lead's daemon/cache change).
+                    require_same(got, data, "the new backend after FLUSH: writes the old one "
+                                 "acknowledged but never flushed (needs the cache's loss_seq "
+                                 "handling)", base=off)
+                    require_same(h.pread(MIB, off), data, "read through the daemon", base=off)
+                finally:
+                    nbdtest.shutdown_all([h])
+        finally:
+            kit.stop()
+
+
+def main():
+    if shutil.which(NBDKIT) is None:
+        nbdtest.fail("%s not found (install nbdkit)" % NBDKIT)
+    only = os.environ.get("ONLY", "")
+    t0 = time.time()
+    checks = (
+        ("1", check_dies_with_dirty_data, None),
+        ("1", "1b connections cut while writes are in flight",
+         lambda: with_proxy(cuts_during_writes)),
+        ("2", "2 backend stopped: FLUSH fails within the timeout, then succeeds",
+         stalled_flush),
+        ("3", "3 backend stopped: SIGTERM with a read in flight", stalled_shutdown),
+        ("4", "4 one connection cut: reconnected on its own",
+         lambda: with_proxy(one_connection_cut)),
+        ("4", "4 all cut, one new connection held in the handshake",
+         lambda: with_proxy(handshake_held)),
+        ("5", "5 backend without multi-conn: FLUSH covers every connection", flush_coverage),
+        ("6", "6 ESHUTDOWN replies: EIO within the timeout, no spin", eshutdown),
+        ("7", "7 the backend shrinks", shrinks),
+        ("8", "8 acknowledged writes lost with the server (needs the cache change)",
+         acked_writes_lost),
+    )
+    try:
+        for key, name, fn in checks:
+            if only and key not in only.split(","):
+                continue
+            if fn is None:
+                name()
+            else:
+                CHECKS.run(name, fn)
+    finally:
+        stop_peers()
+    log("total %.1fs" % (time.time() - t0))
+    CHECKS.finish("NBD backend faults")
+
+
+if __name__ == "__main__":
+    main()
