@@ -61,6 +61,7 @@ struct flush_job {
 	bool advancing, again; /* completions may run inside flush_advance */
 	bool waiting; /* on the waitq, or its waiter task posted */
 	unsigned loss_retries;
+	uint64_t errors_at_start; /* the export's writeback_errors when it started */
 	uint64_t writes_covered; /* backend_writes_done when the flush was sent */
 	uint64_t direct_covered; /* direct_writes_done then */
 	uint64_t loss_at_send;	 /* the backend's loss_seq then */
@@ -360,6 +361,12 @@ static void flush_advance_once(struct flush_job *job)
 	for (;;) {
 		if (job->stage != 0)
 			return;
+		/* Any writeback of the export failed since the round began (a
+		 * background one over an entry the round waits for, say): the
+		 * backend is failing, and the round with it. */
+		if (!job->error &&
+		    atomic_load(&job->ce->counters.writeback_errors) != job->errors_at_start)
+			job->error = -EIO;
 		if (job->error) {
 			/* The round fails whatever comes next: its FLUSHes get
 			 * EIO as soon as what is in flight is back, not after
@@ -435,6 +442,7 @@ void flush_round_start(struct writeback *wb, struct cache_export *ce, bool backg
 	ce->shutdown_waiting = false;
 	job->waiter.worker = &wb->thread;
 	job->waiter.task.run = flush_waiter_task;
+	job->errors_at_start = atomic_load(&ce->counters.writeback_errors);
 	ce->round = job;
 	job->next = wb->jobs;
 	wb->jobs = job;
