@@ -134,7 +134,10 @@ static void unstable_settle_all(struct cache_export *ce, uint64_t seq, bool redi
 			struct cache_shard *sh = cache_shard_for(ce->cache, ce,
 								 cache_entry_offset(e) >> CACHE_RANGE_SHIFT);
 			pthread_mutex_lock(&sh->lock);
-			cache_unstable_settle(e, redirty);
+			/* Written again (a direct write applied) since the export
+			 * lock was dropped: not covered, as below. */
+			if (redirty || e->unstable_seq <= seq)
+				cache_unstable_settle(e, redirty);
 			pthread_mutex_unlock(&sh->lock);
 			cache_entry_unpin(e);
 		}
@@ -299,7 +302,11 @@ static void round_flush(struct flush_job *job)
 	job->direct_covered = atomic_load(&ce->direct_writes_done);
 	job->loss_at_send = loss;
 	if (job->writes_covered == atomic_load(&ce->backend_writes_flushed)) {
-		/* Everything acknowledged is covered by a flush already. */
+		/* Everything acknowledged is covered by a flush already. An
+		 * entry may still be unstable: a direct write counted before
+		 * that flush was sent and applied to the cache (marked
+		 * unstable) after it settled. The flush covered it. */
+		unstable_settle_all(ce, job->writes_covered, false);
 		job->stage = 2;
 		return;
 	}
