@@ -798,6 +798,9 @@ int cache_start(struct cache *c)
 
 int cache_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg), void *arg)
 {
+	/* A second signal must not take the default action while the
+	 * compactor stops: it gives up the retries, with exit status 1. */
+	writeback_catch_second_signal();
 	compactor_stop(c);
 	return writeback_stop(c, progress, arg);
 }
@@ -1069,7 +1072,8 @@ void cache_log_stats(struct cache *c)
 		 "free_bytes_by_order=%s large_bytes=%llu large_share=%llu alloc_2m_attempts=%llu "
 		 "alloc_2m_ok=%llu compact_moves=%llu compact_skipped_pinned=%llu "
 		 "compact_collapses=%llu compact_chunks_freed=%llu compact_passes=%llu "
-		 "compact_ns=%llu",
+		 "compact_ns=%llu unstable_bytes=%llu backend_flushes=%llu "
+		 "backend_flush_errors=%llu losses=%llu",
 		 s.arena, (unsigned long long)s.cache_bytes, (unsigned long long)s.used_bytes,
 		 (unsigned long long)s.entries, (unsigned long long)s.traffic.hits,
 		 (unsigned long long)s.traffic.misses, (unsigned long long)s.traffic.partial_hits,
@@ -1084,5 +1088,8 @@ void cache_log_stats(struct cache *c)
 		 (unsigned long long)s.compact_moves, (unsigned long long)s.compact_skipped_pinned,
 		 (unsigned long long)s.compact_collapses,
 		 (unsigned long long)s.compact_chunks_freed, (unsigned long long)s.compact_passes,
-		 (unsigned long long)s.compact_ns);
+		 (unsigned long long)s.compact_ns, (unsigned long long)s.traffic.unstable_bytes,
+		 (unsigned long long)s.traffic.backend_flushes,
+		 (unsigned long long)s.traffic.backend_flush_errors,
+		 (unsigned long long)s.traffic.losses);
 }

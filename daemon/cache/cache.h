@@ -4,7 +4,7 @@
  *
  * Owns: the arena (arena.h), the index from (export, device range) to cache
  * entries, each entry's per-block state, eviction (S3-FIFO), writeback
- * (writeback.c) and the statistics. transmit.c turns each NBD command into
+ * (writeback.c, flush.c) and the statistics. transmit.c turns each NBD command into
  * one struct cache_op and calls cache_submit(); everything else here is
  * internal (internal.h).
  *
@@ -33,7 +33,7 @@
  *                list first
  *   evict lock   the S3-FIFO queues and the ghost table
  *
- * Durability (one model per export, kept here and in writeback.c):
+ * Durability (one model per export, kept here, in writeback.c and flush.c):
  *
  *   dirty     written by a client into the cache only; not evictable
  *   unstable  written back: the backend acknowledged it, no backend flush
@@ -45,7 +45,7 @@
  *   A backend flush that fails, or a move of the backend's loss_seq (a
  *   connection to a remote server lost), turns every unstable entry dirty
  *   again: the cache writes it again, so no acknowledged byte depends on
- *   a flush that did not happen. FLUSH runs in rounds (writeback.c): a
+ *   a flush that did not happen. FLUSH runs in rounds (flush.c): a
  *   round writes back the dirty list as it was when the round started,
  *   then flushes the backend; FLUSHes that arrive meanwhile share the
  *   next round. A FLUSH fails with EIO when its round could not write or
@@ -128,6 +128,8 @@ struct cache_op {
 	struct cache_op *direct_next;
 	struct cache_op *flush_next; /* FLUSH: waiting for or in a flush round */
 	uint64_t write_seq;	     /* direct write: backend_writes_done after it */
+	uint64_t loss_at_submit;     /* direct: the backend's loss_seq when sent */
+	bool maybe_lost;	     /* direct: a connection was lost meanwhile */
 };
 
 /*

@@ -132,7 +132,7 @@ struct cache_export {
 	bool writeback_failing;
 	int last_error;
 	uint64_t retry_at; /* monotonic ns: background writeback waits till then */
-	/* The log of writeback failures (writeback.c, note_failure_locked). */
+	/* The log of writeback failures (writeback.c, writeback_note_failure_locked). */
 	uint64_t failure_log_ns, recovery_log_ns, failures_unlogged;
 	bool failure_logged;
 	/* Writes the backend acknowledged (writeback and direct), and how many
@@ -142,7 +142,7 @@ struct cache_export {
 	atomic_uint_fast64_t backend_writes_done, backend_writes_flushed;
 	atomic_uint_fast64_t direct_writes_done, direct_writes_flushed;
 	/* Writeback thread only: the backend's loss_seq already acted on, the
-	 * flush round running (writeback.c) and the FLUSHes waiting for the
+	 * flush round running (flush.c) and the FLUSHes waiting for the
 	 * next one. */
 	uint64_t loss_seen;
 	struct flush_job *round;
@@ -307,6 +307,8 @@ void writeback_flush(struct cache_op *op);
 /* Write everything back and flush; blocks, calling progress about once a
  * second. 0, or -EIO when writes that went to a backend directly were lost. */
 int writeback_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg), void *arg);
+/* From now on a SIGTERM / SIGINT ends writeback_stop's retries (exit 1). */
+void writeback_catch_second_signal(void);
 void writeback_destroy(struct cache *c);
 /* io.c: is a direct operation in flight over [offset, offset+length)?
  * Export lock held. */

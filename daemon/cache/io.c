@@ -669,8 +669,16 @@ static void direct_apply(struct cache_entry *e, void *arg)
 		uint64_t x = bs > a ? bs : a, y = be < b ? be : b;
 		bool full = x == bs && y == be;
 		if (!ok) {
-			if (bit_test(uptodate, blk) && !bit_test(dirty, blk))
-				bit_clear(uptodate, blk);
+			/* The backend's bytes are unknown now. A clean copy is
+			 * forgotten; one of an unstable entry may be the only
+			 * copy of acknowledged data not yet flushed: it is
+			 * written again instead. */
+			if (bit_test(uptodate, blk) && !bit_test(dirty, blk)) {
+				if (e->on_unstable_list)
+					cache_mark_dirty(e, blk, 1);
+				else
+					bit_clear(uptodate, blk);
+			}
 			continue;
 		}
 		if (op->cmd == BACKEND_TRIM && full) {
@@ -693,6 +701,8 @@ static void direct_apply(struct cache_entry *e, void *arg)
 			bit_set(uptodate, blk);
 			cache_clear_dirty(e, blk, 1);
 		}
+		if (op->maybe_lost && x < y && bit_test(uptodate, blk))
+			cache_mark_dirty(e, blk, 1); /* written again: see direct_done */
 	}
 	e->invalidations++;
 	if (ok)
@@ -744,12 +754,24 @@ static void direct_unregister(struct cache_op *op)
 static void direct_done(struct backend_io *io, int result)
 {
 	struct cache_op *op = (struct cache_op *)((char *)io - offsetof(struct cache_op, io));
+	struct cache_export *ce = op->ce;
 	if (result < 0) {
 		op->error = result;
 	} else if (!(op->flags & BACKEND_FUA)) {
 		/* Acknowledged, not durable until a backend flush (cache.h). */
-		op->write_seq = atomic_fetch_add(&op->ce->backend_writes_done, 1) + 1;
-		atomic_fetch_add(&op->ce->direct_writes_done, 1);
+		op->write_seq = atomic_fetch_add(&ce->backend_writes_done, 1) + 1;
+		atomic_fetch_add(&ce->direct_writes_done, 1);
+		if (atomic_load(&ce->backend->loss_seq) != op->loss_at_submit) {
+			/* A connection was lost meanwhile: the server may have
+			 * lost this write, and a flush round may have acted on
+			 * the loss before it was counted. What the cache holds
+			 * of it is written again (direct_apply); the rest is
+			 * reported to every connection's next FLUSH. */
+			op->maybe_lost = true;
+			pthread_mutex_lock(&ce->lock);
+			ce->error_seq++;
+			pthread_mutex_unlock(&ce->lock);
+		}
 	}
 	op->stage = 3;
 	op->pending--;
@@ -799,6 +821,7 @@ static void direct_step(struct cache_op *op)
 		op->io.cmd = op->cmd;
 		op->io.flags = op->flags;
 		op->pending = 1;
+		op->loss_at_submit = atomic_load(&ce->backend->loss_seq);
 		if (op->cmd == BACKEND_WRITE) {
 			atomic_fetch_add(&ce->counters.backend_writes, 1);
 			atomic_fetch_add(&ce->counters.backend_write_bytes, op->length);
@@ -1044,6 +1067,7 @@ void cache_submit(struct cache_op *op)
 	op->spans = NULL;
 	op->nspans = 0;
 	op->write_seq = 0;
+	op->maybe_lost = false;
 	op->waiter.worker = op->worker;
 	op->waiter.task.run = op_task;
 	int rc = 0;

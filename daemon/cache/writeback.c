@@ -52,6 +52,7 @@ struct wb_member {
 struct wb_op {
 	struct writeback *wb;
 	struct flush_job *job;
+	uint64_t loss_at_submit; /* the backend's loss_seq before the writes went */
 	unsigned pending;
 	int error;
 	unsigned n;
@@ -126,6 +127,10 @@ static void wb_op_put(struct wb_op *op)
 	struct writeback *wb = op->wb;
 	struct cache *c = wb->cache;
 	struct cache_export *ce = op->m[0].e->ce;
+	/* A connection was lost since the writes went: the server may have
+	 * acknowledged them and lost them, and a loss the flush rounds acted
+	 * on already may not have seen these blocks yet. Written again. */
+	bool maybe_lost = atomic_load(&ce->backend->loss_seq) != op->loss_at_submit;
 	for (unsigned i = 0; i < op->n; i++) {
 		struct wb_member *m = &op->m[i];
 		struct cache_entry *e = m->e;
@@ -137,7 +142,7 @@ static void wb_op_put(struct wb_op *op)
 		uint64_t *busy = cache_busy_map(e);
 		for (size_t w = 0; w < words; w++)
 			busy[w] &= ~m->bits[w];
-		if (op->error) {
+		if (op->error || maybe_lost) {
 			for (uint32_t b = 0; b < e->nblocks; b++)
 				if (bit_test(m->bits, b))
 					cache_mark_dirty(e, b, 1);
@@ -348,6 +353,7 @@ int writeback_entry(struct writeback *wb, struct cache_entry *e, struct flush_jo
 		return rc;
 	}
 	group_extend(op);
+	op->loss_at_submit = atomic_load(&ce->backend->loss_seq);
 	op->pending = 1; /* held until every run is submitted */
 	wb->inflight++;
 	if (job)
@@ -538,6 +544,13 @@ static void on_second_signal(int sig)
 	stop_abandoned = 1;
 }
 
+void writeback_catch_second_signal(void)
+{
+	stop_abandoned = 0;
+	signal(SIGTERM, on_second_signal);
+	signal(SIGINT, on_second_signal);
+}
+
 int writeback_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg), void *arg)
 {
 	struct writeback *wb = c->writeback;
@@ -546,10 +559,6 @@ int writeback_stop(struct cache *c, void (*progress)(uint64_t remaining, void *a
 	uint64_t left = writeback_not_durable_bytes(c);
 	if (left)
 		log_info("cache: writing back %llu bytes before exit", (unsigned long long)left);
-	/* A second SIGTERM / SIGINT now gives up, as promised above. */
-	stop_abandoned = 0;
-	signal(SIGTERM, on_second_signal);
-	signal(SIGINT, on_second_signal);
 	wb->stop_task.run = stop_task;
 	worker_post(&wb->thread, &wb->stop_task);
 	pthread_mutex_lock(&wb->lock);
