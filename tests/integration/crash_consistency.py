@@ -235,9 +235,26 @@ def first_bad_byte(got, srcs, p, q):
     return None
 
 
+def count_bad_bytes(got, srcs, p, q):
+    """How many bytes of [p, q) (got indexed from p) match no source."""
+    bad = 0
+    for a in range(p - p % PIECE, q, PIECE):
+        lo, hi = max(a, p) - p, min(a + PIECE, q) - p
+        g = got[lo:hi]
+        if any(g == s[lo:hi] for _, s in srcs):
+            continue
+        bad += sum(1 for i in range(lo, hi) if all(s[i] != got[i] for _, s in srcs))
+    return bad
+
+
+BAD_BYTES_SCAN = 4 * MIB     # bytes of failing segments scanned byte by byte at most
+
+
 def check_file(got, initial, ops, flush_mark, max_report=5):
     """Every byte of `got` (the backend file) against the model. Returns
-    (violations (at most max_report, one per segment), bad segments, stats)."""
+    (violations (at most max_report, one per segment), bad segments, stats);
+    stats["bad"] counts the bad bytes in the first BAD_BYTES_SCAN bytes of
+    failing segments."""
     writes = [op for op in ops if op.is_write()]
     starts, ends = {}, {}
     for op in writes:
@@ -245,7 +262,7 @@ def check_file(got, initial, ops, flush_mark, max_report=5):
         ends.setdefault(op.off + op.n, []).append(op)
     points = sorted(set(starts) | set(ends) | {0, len(got)})
     active = {}
-    st = dict(bytes=0, required=0, multi=0, newer=0, untouched=0)
+    st = dict(bytes=0, required=0, multi=0, newer=0, untouched=0, bad=0, bad_scanned=0)
     violations = []
     bad_segments = 0
     for p, q in zip(points, points[1:]):
@@ -275,6 +292,9 @@ def check_file(got, initial, ops, flush_mark, max_report=5):
         if bad is None:
             continue                   # a mix of allowed sources, byte by byte
         bad_segments += 1
+        if st["bad_scanned"] < BAD_BYTES_SCAN:
+            st["bad_scanned"] += n
+            st["bad"] += count_bad_bytes(g, srcs, p, q)
         if len(violations) < max_report:
             i = bad - p
             violations.append(Violation(
@@ -524,16 +544,16 @@ class Trial:
             del handles[:]              # closed by libnbd when collected
         if self.died_early:
             log(text[-6000:])
-            raise Failed("%s: the daemon died before the kill" % self.name())
+            raise Failed("the daemon died before the kill")
         if "Sanitizer" in text or "runtime error:" in text:
             log(text[-8000:])
-            raise Failed("%s: sanitizer report in the daemon log" % self.name())
-        require(not self.unexpected, "%s: requests failed before the kill: %s"
-                % (self.name(), "; ".join(self.unexpected[:5])))
+            raise Failed("sanitizer report in the daemon log")
+        require(not self.unexpected, "requests failed before the kill: %s"
+                % "; ".join(self.unexpected[:5]))
         if power_loss is not None:
             power_loss()
-        require(os.path.getsize(source) == SIZE, "%s: the backend file has %d bytes"
-                % (self.name(), os.path.getsize(source)))
+        require(os.path.getsize(source) == SIZE, "the backend file has %d bytes"
+                % os.path.getsize(source))
         with open(source, "rb") as f:
             got = f.read()
         t1 = time.monotonic()
@@ -565,16 +585,18 @@ class Trial:
             for k, v in sorted(lat.items())))
         if violations:
             self.report(violations, nbad)
-            raise Failed("%s: %d segment(s) of the backend file hold data the model does not "
-                         "allow (rerun: CRASH_SEED=%d CRASH_TRIALS=1 CRASH_MODE=%s)"
-                         % (self.name(), nbad, self.seed, self.mode))
+            raise Failed("%s%d byte(s) in %d segment(s) of the backend file hold data the "
+                         "model does not allow (rerun: CRASH_SEED=%d CRASH_TRIALS=1 "
+                         "CRASH_MODE=%s)"
+                         % ("at least " if st["bad_scanned"] >= BAD_BYTES_SCAN
+                            else "", st["bad"], nbad, self.seed, self.mode))
         return st, got
 
     def report(self, violations, nbad):
         for v in violations:
             req = "none (no guaranteed write)" if v.required is None else "0x%02x" % v.required
-            log("  VIOLATION %s: offset %d: found 0x%02x, required %s, allowed {%s}"
-                % (self.name(), v.offset, v.found, req,
+            log("  VIOLATION trial %d seed %d: offset %d: found 0x%02x, required %s, allowed {%s}"
+                % (self.k, self.seed, v.offset, v.found, req,
                    ", ".join("0x%02x" % a for a in v.allowed)))
             log("    initial byte 0x%02x; flush mark @%d; writes covering it, by issue:"
                 % (self.initial[v.offset], self.flush_mark))
