@@ -2,25 +2,32 @@
 """crash_consistency: what a writeback export has promised survives a crash.
 
 Each trial starts a daemon with a 32 MiB file-backed writeback export
-(block size 4096 or 512, a 2-8 MiB cache so that eviction and writeback
-run, and one of three writeback profiles: "lazy" keeps most data dirty at
-the crash, "eager" writes back almost at once, "default" is the daemon's
-defaults). Four libnbd connections (two Unix, two TCP) are driven by one
-thread with aio, 1 to 16 requests in flight on each: WRITE (10% with
-FUA), WRITE_ZEROES (with or without NO_HOLE and FUA), TRIM, FLUSH and
-READ, 1 byte to 1 MiB, unaligned too, 60% of them in a 3 MiB hot region
-so that writes overlap. After a random delay (or at the Nth FLUSH or FUA
-completion) the daemon gets SIGKILL; the replies already on the sockets
-are still read (a reply the daemon sent is a promise even if it died
-right after). Then every byte of the backend file is checked against the
-model below.
+(block size 4096 or 512) and one of four cache profiles (PROFILES): "lazy"
+(16 MiB cache, no expiry, high watermark 95%) and "tight" (4 MiB, no
+expiry, 90%) keep data dirty until the crash, "eager" (2 MiB, expiry 1 s,
+10%) writes back almost at once, "default" (4 MiB) is the daemon's
+defaults; every cache is smaller than what a trial writes, so eviction,
+writeback and direct writes all happen. Four libnbd connections (two
+Unix, two TCP) are driven by one thread with aio, 1 to 16 requests in
+flight on each: WRITE, WRITE_ZEROES (with or without NO_HOLE), TRIM,
+FLUSH and READ, 1 byte to 1 MiB, unaligned too, 60% of them in a 3 MiB
+hot region so that writes overlap; each trial picks how often it flushes
+(never to 1 request in 9) and how often a write, zero or trim has FUA
+(never to 30%). After a random delay of up to 1.5 s (in a quarter of the
+trials: at the first FLUSH or FUA reply after it) the daemon's cache
+counters are read from its control socket and it gets SIGKILL; the
+replies already on the sockets are still read (a reply the daemon sent
+is a promise even if it died right after). Then every byte of the
+backend file is checked against the model below.
 
 Modes. "kill": SIGKILL only; the daemon's writes sit in the page cache
 of the backend file and survive, so this checks that data reaches the
 file before a FLUSH or FUA write is acknowledged. "power": the export is
-served through tests/lib/faults.py's FUSE passthrough (when that module
-exists) and, after the SIGKILL, fs.power_loss() rolls the file back to
-its last fsync: this checks that the daemon really synced.
+served through tests/lib/faults.py's FUSE passthrough, faultfs (when
+that module exists and the kernel has FUSE), and after the SIGKILL
+fs.power_loss() rolls the file back to its last successful fsync: this
+checks that the daemon really synced. (faultfs counts a write with
+RWF_DSYNC, the daemon's FUA, as an fsync of the whole file.)
 
 The model. Every request gets a tick (one counter, one thread) when it is
 issued (taken before the aio call: no later than it is sent) and when its
@@ -57,12 +64,13 @@ equal one allowed source as a whole, else each 512-byte piece, else each
 byte, must match one of them. Every byte of the file is checked. A
 self-test makes sure the checker flags a byte outside the allowed set.
 
-Environment: CRASH_TRIALS (default 30), CRASH_SEED (seed of the first
+Environment: CRASH_TRIALS (default 30, or 40 when both modes run),
+CRASH_SEED (seed of the first
 trial; trial i uses CRASH_SEED + i; rerun one trial with CRASH_SEED=S
 CRASH_TRIALS=1, which repeats its configuration and operation sequence,
 not the exact interleaving with the kill), CRASH_MODE (kill, power or
-both; default both when tests/lib/faults.py exists, else kill; with both,
-odd seeds use power), CRASH_SECONDS (time budget; past it no new trial
+both; default both when tests/lib/faults.py exists and /dev/fuse too,
+else kill; with both, odd seeds use power), CRASH_SECONDS (time budget; past it no new trial
 starts), CRASH_TRIM (1 default, 0: no TRIM).
 """
 
@@ -90,9 +98,10 @@ MIB = 1024 * KIB
 SIZE = 32 * MIB
 HOT = (3 * MIB + 777, 6 * MIB + 777)
 CONNS = 4
-TRIALS = int(os.environ.get("CRASH_TRIALS", "30"))
 BASE_SEED = int(os.environ.get("CRASH_SEED", "20240917"))
-MODE = os.environ.get("CRASH_MODE", "") or ("both" if faults else "kill")
+MODE = os.environ.get("CRASH_MODE", "") or (
+    "both" if faults and os.path.exists("/dev/fuse") else "kill")
+TRIALS = int(os.environ.get("CRASH_TRIALS", "30" if MODE == "kill" else "40"))
 SECONDS = float(os.environ.get("CRASH_SECONDS", str(60 + 4 * TRIALS)))
 WITH_TRIM = os.environ.get("CRASH_TRIM", "1") != "0"
 WRITE_BUDGET = 96 * MIB      # bytes of write data per trial (kept for the check)
@@ -102,15 +111,18 @@ INF = float("inf")
 
 # name -> (cache size, daemon options)
 PROFILES = {
-    "lazy": ("8M", ["--dirty-expire", "3600", "--dirty-high", "95", "--dirty-low", "90"]),
+    "lazy": ("16M", ["--dirty-expire", "3600", "--dirty-high", "95", "--dirty-low", "90"]),
+    "tight": ("4M", ["--dirty-expire", "3600", "--dirty-high", "90", "--dirty-low", "60"]),
     "default": ("4M", []),
     "eager": ("2M", ["--dirty-expire", "1", "--dirty-high", "10", "--dirty-low", "2"]),
 }
 # kind -> weight; a trial picks the weight of FLUSH (FLUSH_WEIGHTS) and how
-# often a write has FUA (FUA_RATES): rare flushes leave much dirty data.
+# often a write, zero or trim has FUA (FUA_RATES): rare flushes and FUAs
+# leave much dirty data in the cache, and much unsynced data in the file
+# for a power loss to undo.
 WEIGHTS = (("write", 50), ("zero", 8), ("trim", 5 if WITH_TRIM else 0), ("read", 20))
-FLUSH_WEIGHTS = (1, 2, 5, 10)
-FUA_RATES = (0.02, 0.1, 0.3)
+FLUSH_WEIGHTS = (0, 1, 1, 2, 5, 10)
+FUA_RATES = (0, 0, 0.02, 0.1, 0.3)
 
 
 def pick_len(r):
@@ -338,7 +350,7 @@ class Trial:
         self.fua_rate = r.choice(FUA_RATES)
         self.kill_after = r.uniform(0.03, 1.5)
         # else SIGKILL at the first FLUSH or FUA reply read after kill_after
-        self.kill_at_once = r.random() < 0.75
+        self.kill_at_once = r.random() < 0.75 or (self.flush_weight == 0 and self.fua_rate == 0)
         self.armed = False
         self.kinds = [kd for kd, w in WEIGHTS + (("flush", self.flush_weight),)
                       for _ in range(w)]
@@ -352,6 +364,8 @@ class Trial:
         self.died_early = False
         self.unexpected = []            # errors before the kill
         self.daemon = None
+        self.power_note = ""
+        self.stats_note = ""
 
     def name(self):
         return "trial %d (seed %d, %s, bs %d, %s, depth %d, flush %d%%, fua %d%%, kill %s%.3fs)" % (
@@ -365,7 +379,20 @@ class Trial:
 
     # ---- the kill ----
 
+    def snapshot(self):
+        """The cache's counters from the control socket, just before the
+        kill (a few milliseconds of the daemon's time; none if it fails)."""
+        try:
+            c = nbdtest.control_request(self.daemon.control, {"command": "stats"},
+                                        timeout=1)["cache"]
+            self.stats_note = ("; before the kill: dirty %d, evictions %d, written back %d, "
+                               "direct writes %d" % (c["dirty_bytes"], c["evictions"],
+                                                     c["writeback_bytes"], c["direct_writes"]))
+        except (OSError, ValueError, KeyError, Failed) as e:
+            self.stats_note = "; no stats before the kill (%s)" % e
+
     def timer_fired(self):
+        self.snapshot()
         if self.kill_at_once:
             self.kill_now()
         else:
@@ -416,9 +443,9 @@ class Trial:
             self.written += op.n
         elif kind == "zero":
             op.flags = r.choice((0, 0, nbd.CMD_FLAG_NO_HOLE))
-            op.fua = r.random() < 0.2
+            op.fua = r.random() < self.fua_rate
         elif kind == "trim":
-            op.fua = r.random() < 0.2
+            op.fua = r.random() < self.fua_rate
         if op.fua:
             op.flags |= nbd.CMD_FLAG_FUA
         cb = lambda err, op=op: self.done(op, err)   # noqa: E731
@@ -451,7 +478,7 @@ class Trial:
         t0 = time.monotonic()
         timer = threading.Timer(self.kill_after, self.timer_fired)
         timer.start()
-        limit = self.kill_after + 5
+        limit = self.kill_after + 2
         try:
             for _ in range(10 ** 7):
                 now = time.monotonic()
@@ -505,8 +532,17 @@ class Trial:
         if self.mode == "power":
             with faults.FaultFS(os.path.join(tmp, "faultfs")) as fs:
                 self.prepare(fs.source("disk.img"))
+
+                def power_loss():
+                    c = fs.counters()
+                    require(not c.get("undo_overflow"), "faultfs's undo log overflowed: %r" % c)
+                    self.power_note = ("; the power loss undid %d bytes in %d ranges "
+                                       "(%d fsyncs before)" % (c.get("undo_bytes", -1),
+                                                               c.get("undo_ranges", -1),
+                                                               c.get("fsyncs_ok", -1)))
+                    fs.power_loss()
                 return self.crash_and_check(fs.path("disk.img"), fs.source("disk.img"), tmp,
-                                            fs.power_loss)
+                                            power_loss)
         path = os.path.join(tmp, "disk.img")
         self.prepare(path)
         return self.crash_and_check(path, path, tmp, None)
@@ -570,12 +606,12 @@ class Trial:
             counts[key] = (a + 1, b + (op.ack is not None))
         log("  %s: %.2fs of load, %d requests (%s), flushes completed %d, %d bytes checked "
             "in %.2fs: %d with a required value, %d of them with acknowledged newer data, "
-            "%d with several allowed values, %d never written"
+            "%d with several allowed values, %d never written%s%s"
             % (self.name(), elapsed, len(self.ops),
                " ".join("%s=%d/%d" % (k, a, b) for k, (a, b) in sorted(counts.items())),
                sum(1 for op in self.ops if op.kind == "flush" and op.ack is not None),
                st["bytes"], check_time, st["required"], st["newer"], st["multi"],
-               st["untouched"]))
+               st["untouched"], self.stats_note, self.power_note))
         lat = {}
         for op in self.ops:
             if op.t_ack is not None:
@@ -616,9 +652,10 @@ def main():
     nbdtest.check(require_mode, "CRASH_MODE must be kill, power or both, not %r" % MODE)
     if MODE in ("power", "both") and faults is None:
         nbdtest.fail("CRASH_MODE=%s needs tests/lib/faults.py" % MODE)
+    why = ("" if MODE != "kill" else " (no tests/lib/faults.py: no power loss)" if not faults
+           else " (no /dev/fuse: no power loss)" if not os.path.exists("/dev/fuse") else "")
     log("crash_consistency: %d trial(s) from seed %d, mode %s%s, budget %gs"
-        % (TRIALS, BASE_SEED, MODE, "" if faults else " (no tests/lib/faults.py: no power loss)",
-           SECONDS))
+        % (TRIALS, BASE_SEED, MODE, why, SECONDS))
     initial = random.Random(BASE_SEED ^ 0x5eed).randbytes(SIZE)
     checks = nbdtest.Checks(catch=(Failed, nbd.Error))
     t0 = time.monotonic()
@@ -635,8 +672,7 @@ def main():
         result = []
 
         def one(trial=trial, result=result):
-            with nbdtest.tempdir(prefix="crash-", base=None if trial.mode == "power" else base) \
-                    as tmp:
+            with nbdtest.tempdir(prefix="crash-", base=base) as tmp:
                 result.append(trial.run(tmp))
         if checks.run(trial.name(), one, header=False):
             done[trial.mode] += 1
