@@ -539,7 +539,15 @@ class Trial:
                 self.prepare(fs.source("disk.img"))
 
                 def power_loss():
+                    # A request of the dead daemon that faultfs had already
+                    # taken may still be carried out: wait until its counters
+                    # stop moving, so that nothing lands after the power loss.
                     c = fs.counters()
+                    for _ in range(100):
+                        time.sleep(0.02)
+                        c, before = fs.counters(), c
+                        if c == before:
+                            break
                     require(not c.get("undo_overflow"), "faultfs's undo log overflowed: %r" % c)
                     self.power_note = ("; the power loss undid %d bytes in %d ranges "
                                        "(%d fsyncs before)" % (c.get("undo_bytes", -1),
