@@ -24,10 +24,14 @@ Modes. "kill": SIGKILL only; the daemon's writes sit in the page cache
 of the backend file and survive, so this checks that data reaches the
 file before a FLUSH or FUA write is acknowledged. "power": the export is
 served through tests/lib/faults.py's FUSE passthrough, faultfs (when
-that module exists and the kernel has FUSE), and after the SIGKILL
-fs.power_loss() rolls the file back to its last successful fsync: this
-checks that the daemon really synced. (faultfs counts a write with
-RWF_DSYNC, the daemon's FUA, as an fsync of the whole file.)
+that module exists and the kernel has FUSE), in half the trials with
+every backend operation delayed 1 or 3 ms so that more of them are in
+flight at the kill. After the SIGKILL the file is checked as it is (as
+in "kill": faultfs writes through), then fs.power_loss() rolls it back to
+its last successful fsync and it is checked again: this checks that the
+daemon really synced. (faultfs counts a write with RWF_DSYNC, the
+daemon's FUA, as an fsync of the whole file.) The log says how many 4 KiB
+blocks each power loss changed.
 
 The model. Every request gets a tick (one counter, one thread) when it is
 issued (taken before the aio call: no later than it is sent) and when its
@@ -352,6 +356,9 @@ class Trial:
         self.kill_after = r.uniform(0.03, 1.5)
         # else SIGKILL at the first FLUSH or FUA reply read after kill_after
         self.kill_at_once = r.random() < 0.75 or (self.flush_weight == 0 and self.fua_rate == 0)
+        # power mode: every faultfs data operation sleeps this long first,
+        # which keeps more backend I/O in flight at the kill
+        self.fs_delay_ms = r.choice((0, 0, 1, 3))
         self.armed = False
         self.kinds = [kd for kd, w in WEIGHTS + (("flush", self.flush_weight),)
                       for _ in range(w)]
@@ -366,12 +373,18 @@ class Trial:
         self.unexpected = []            # errors before the kill
         self.daemon = None
         self.power_note = ""
+        self.summarized = False
+        self.power_changed = 0
+        self.elapsed = 0.0
+        self.checked = 0
         self.scratch = memoryview(bytearray(MIB))
         self.stats_note = ""
 
     def name(self):
-        return "trial %d (seed %d, %s, bs %d, %s, depth %d, flush %d%%, fua %d%%, kill %s%.3fs)" % (
-            self.k, self.seed, self.mode, self.bs, self.profile, self.depth,
+        return "trial %d (seed %d, %s%s, bs %d, %s, depth %d, flush %d%%, fua %d%%, kill %s%.3fs)" % (
+            self.k, self.seed, self.mode,
+            " delay %d ms" % self.fs_delay_ms if self.mode == "power" else "",
+            self.bs, self.profile, self.depth,
             self.flush_weight * 100 // (len(self.kinds)), self.fua_rate * 100,
             "" if self.kill_at_once else "at the first FLUSH/FUA reply after ", self.kill_after)
 
@@ -534,31 +547,41 @@ class Trial:
     # ---- one trial ----
 
     def run(self, tmp):
-        if self.mode == "power":
-            with faults.FaultFS(os.path.join(tmp, "faultfs")) as fs:
-                self.prepare(fs.source("disk.img"))
-
-                def power_loss():
-                    # A request of the dead daemon that faultfs had already
-                    # taken may still be carried out: wait until its counters
-                    # stop moving, so that nothing lands after the power loss.
-                    c = fs.counters()
-                    for _ in range(100):
-                        time.sleep(0.02)
-                        c, before = fs.counters(), c
-                        if c == before:
-                            break
-                    require(not c.get("undo_overflow"), "faultfs's undo log overflowed: %r" % c)
-                    self.power_note = ("; the power loss undid %d bytes in %d ranges "
-                                       "(%d fsyncs before)" % (c.get("undo_bytes", -1),
-                                                               c.get("undo_ranges", -1),
-                                                               c.get("fsyncs_ok", -1)))
-                    fs.power_loss()
-                return self.crash_and_check(fs.path("disk.img"), fs.source("disk.img"), tmp,
-                                            power_loss)
-        path = os.path.join(tmp, "disk.img")
-        self.prepare(path)
-        return self.crash_and_check(path, path, tmp, None)
+        """The trial; returns the stats of the last check and the file it saw."""
+        if self.mode == "kill":
+            path = os.path.join(tmp, "disk.img")
+            self.prepare(path)
+            self.crash(path, tmp)
+            return self.verify(path, "after the kill")
+        with faults.FaultFS(os.path.join(tmp, "faultfs")) as fs:
+            self.prepare(fs.source("disk.img"))
+            if self.fs_delay_ms:
+                fs.set("delay-ms %d" % self.fs_delay_ms)
+            self.crash(fs.path("disk.img"), tmp)
+            # A request of the dead daemon that faultfs had already taken
+            # may still be carried out: wait until its counters stop moving,
+            # so that nothing lands after the check or the power loss.
+            c = fs.counters()
+            for _ in range(100):
+                time.sleep(0.02)
+                c, before = fs.counters(), c
+                if c == before:
+                    break
+            require(not c.get("undo_overflow"), "faultfs's undo log overflowed: %r" % c)
+            # faultfs passes every write through: the source file is what
+            # the daemon wrote, as after a kill; check that first.
+            _, before = self.verify(fs.source("disk.img"), "after the kill")
+            fs.power_loss()
+            with open(fs.source("disk.img"), "rb") as f:
+                after = f.read()
+            changed = sum(1 for a in range(0, SIZE, 4096)
+                          if before[a:a + 4096] != after[a:a + 4096])
+            self.power_note = ("; the power loss changed %d 4 KiB blocks (its undo log: %d bytes "
+                               "in %d ranges, %d fsyncs before)"
+                               % (changed, c.get("undo_bytes", -1), c.get("undo_ranges", -1),
+                                  c.get("fsyncs_ok", -1)))
+            self.power_changed = changed
+            return self.verify(fs.source("disk.img"), "after the power loss")
 
     def prepare(self, path):
         with open(path, "wb") as f:
@@ -566,7 +589,8 @@ class Trial:
             f.flush()
             os.fsync(f.fileno())
 
-    def crash_and_check(self, serve, source, tmp, power_loss):
+    def crash(self, serve, tmp):
+        """Start the daemon on `serve`, drive it, SIGKILL it, reap it."""
         cache, args = PROFILES[self.profile]
         extra = ["--cache-mode", "writeback", "--cache-size", cache, "--block-size",
                  str(self.bs)] + args
@@ -585,7 +609,7 @@ class Trial:
                     "the export lacks CAN_MULTI_CONN, FLUSH or FUA")
             require(h.can_zero() and (h.can_trim() or not WITH_TRIM),
                     "the export lacks WRITE_ZEROES or TRIM")
-            elapsed = self.drive(handles)
+            self.elapsed = self.drive(handles)
         finally:
             d.kill()                    # SIGKILL (if not yet) and reap, by PID
             text = d.log_text()
@@ -599,10 +623,11 @@ class Trial:
             raise Failed("sanitizer report in the daemon log")
         require(not self.unexpected, "requests failed before the kill: %s"
                 % "; ".join(self.unexpected[:5]))
-        if power_loss is not None:
-            power_loss()
-        require(os.path.getsize(source) == SIZE, "the backend file has %d bytes"
-                % os.path.getsize(source))
+
+    def verify(self, source, stage):
+        """Check every byte of the file `source` against the model."""
+        require(os.path.getsize(source) == SIZE, "%s: the backend file has %d bytes"
+                % (stage, os.path.getsize(source)))
         with open(source, "rb") as f:
             got = f.read()
         t1 = time.monotonic()
@@ -611,41 +636,49 @@ class Trial:
         with open(source, "rb") as f:
             again = f.read()
         if again != got:
-            log("  NOTE %s: the backend file changed after the daemon was reaped" % self.name())
+            log("  NOTE %s: the backend file changed while it was checked %s"
+                % (self.name(), stage))
+        if not self.summarized:
+            self.summarize()
+        log("    %s: %d bytes checked in %.2fs: %d with a required value, %d of them with "
+            "acknowledged newer data, %d with several allowed values, %d never written%s"
+            % (stage, st["bytes"], check_time, st["required"], st["newer"], st["multi"],
+               st["untouched"], self.power_note if "power" in stage else ""))
+        self.checked += st["bytes"]
+        if violations:
+            self.report(violations, stage)
+            raise Failed("%s: %s%d byte(s) in %d segment(s) of the backend file hold data the "
+                         "model does not allow (rerun: CRASH_SEED=%d CRASH_TRIALS=1 "
+                         "CRASH_MODE=%s)"
+                         % (stage, "at least " if st["bad_scanned"] >= BAD_BYTES_SCAN else "",
+                            st["bad"], nbad, self.seed, self.mode))
+        return st, got
+
+    def summarize(self):
+        self.summarized = True
         counts = {}
+        lat = {}
         for op in self.ops:
             key = op.kind + ("+fua" if op.fua else "")
             a, b = counts.get(key, (0, 0))
             counts[key] = (a + 1, b + (op.ack is not None))
-        log("  %s: %.2fs of load, %d requests (%s), flushes completed %d, %d bytes checked "
-            "in %.2fs: %d with a required value, %d of them with acknowledged newer data, "
-            "%d with several allowed values, %d never written%s%s"
-            % (self.name(), elapsed, len(self.ops),
-               " ".join("%s=%d/%d" % (k, a, b) for k, (a, b) in sorted(counts.items())),
-               sum(1 for op in self.ops if op.kind == "flush" and op.ack is not None),
-               st["bytes"], check_time, st["required"], st["newer"], st["multi"],
-               st["untouched"], self.stats_note, self.power_note))
-        lat = {}
-        for op in self.ops:
             if op.t_ack is not None:
                 lat.setdefault(op.kind, []).append(op.t_ack - op.t_issue)
+        log("  %s: %.2fs of load, %d requests (%s issued/acknowledged), %d flushes "
+            "completed%s"
+            % (self.name(), self.elapsed, len(self.ops),
+               " ".join("%s=%d/%d" % (k, a, b) for k, (a, b) in sorted(counts.items())),
+               sum(1 for op in self.ops if op.kind == "flush" and op.ack is not None),
+               self.stats_note))
         log("    latency ms (mean/max): %s" % " ".join(
             "%s=%.1f/%.1f" % (k, 1000 * sum(v) / len(v), 1000 * max(v))
             for k, v in sorted(lat.items())))
-        if violations:
-            self.report(violations, nbad)
-            raise Failed("%s%d byte(s) in %d segment(s) of the backend file hold data the "
-                         "model does not allow (rerun: CRASH_SEED=%d CRASH_TRIALS=1 "
-                         "CRASH_MODE=%s)"
-                         % ("at least " if st["bad_scanned"] >= BAD_BYTES_SCAN
-                            else "", st["bad"], nbad, self.seed, self.mode))
-        return st, got
 
-    def report(self, violations, nbad):
+    def report(self, violations, stage):
         for v in violations:
             req = "none (no guaranteed write)" if v.required is None else "0x%02x" % v.required
-            log("  VIOLATION trial %d seed %d: offset %d: found 0x%02x, required %s, allowed {%s}"
-                % (self.k, self.seed, v.offset, v.found, req,
+            log("  VIOLATION trial %d seed %d %s: offset %d: found 0x%02x, required %s, allowed {%s}"
+                % (self.k, self.seed, stage, v.offset, v.found, req,
                    ", ".join("0x%02x" % a for a in v.allowed)))
             log("    initial byte 0x%02x; flush mark @%d; writes covering it, by issue:"
                 % (self.initial[v.offset], self.flush_mark))
@@ -674,6 +707,7 @@ def main():
     t0 = time.monotonic()
     done = {"kill": 0, "power": 0}
     checked = 0
+    power_changed = 0
     self_tested = False
     base = nbdtest.shm_dir()
     for k in range(TRIALS):
@@ -690,7 +724,8 @@ def main():
         if checks.run(trial.name(), one, header=False):
             done[trial.mode] += 1
             st, got = result[0]
-            checked += st["bytes"]
+            checked += trial.checked
+            power_changed += trial.power_changed
             if not self_tested and self_test(got, initial, trial.ops, trial.flush_mark):
                 self_tested = True
                 log("  checker self-test passed (a byte outside the allowed set is flagged)")
@@ -702,8 +737,9 @@ def main():
         if rss > MAX_RSS:
             checks.add("this test's own memory grew to %d MiB after trial %d" % (rss >> 20, k))
             break
-    log("%d kill trial(s) and %d power-loss trial(s) passed, %d bytes checked, %.1fs"
-        % (done["kill"], done["power"], checked, time.monotonic() - t0))
+    log("%d kill trial(s) and %d power-loss trial(s) passed, %d bytes checked, power losses "
+        "changed %d 4 KiB blocks, %.1fs" % (done["kill"], done["power"], checked, power_changed,
+                                           time.monotonic() - t0))
     if not self_tested and not checks.failures:
         checks.add("the checker self-test never found a byte with a required value")
     checks.finish("crash consistency", unit="trial")
