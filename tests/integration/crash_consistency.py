@@ -216,8 +216,9 @@ class Violation:
 
 
 def segment_sources(active, flush_mark, initial, p, q):
-    """The allowed sources for [p, q) covered by the writes `active`:
-    (list of (label, bytes), the required source or None, the ops)."""
+    """The allowed sources of [p, q), a range covered by the same writes
+    `active`: (a list of (op, its bytes of [p, q)), op None for the initial
+    content; the guaranteed write whose value is required, or None)."""
     g = -1
     req = None
     for op in active:
@@ -238,9 +239,10 @@ def segment_sources(active, flush_mark, initial, p, q):
     return srcs, req
 
 
-def first_bad_byte(got, srcs, p, q):
-    """The first device offset in [p, q) whose byte in `got` (indexed from
-    p) matches no source, or None."""
+def bad_bytes(got, srcs, p, q):
+    """The device offsets in [p, q) whose byte in `got` (indexed from p)
+    matches no source, in order: a PIECE that equals one source as a whole
+    is skipped at once, only the others are looked at byte by byte."""
     for a in range(p - p % PIECE, q, PIECE):
         lo, hi = max(a, p) - p, min(a + PIECE, q) - p
         g = got[lo:hi]
@@ -248,20 +250,7 @@ def first_bad_byte(got, srcs, p, q):
             continue
         for i in range(lo, hi):
             if all(s[i] != got[i] for _, s in srcs):
-                return p + i
-    return None
-
-
-def count_bad_bytes(got, srcs, p, q):
-    """How many bytes of [p, q) (got indexed from p) match no source."""
-    bad = 0
-    for a in range(p - p % PIECE, q, PIECE):
-        lo, hi = max(a, p) - p, min(a + PIECE, q) - p
-        g = got[lo:hi]
-        if any(g == s[lo:hi] for _, s in srcs):
-            continue
-        bad += sum(1 for i in range(lo, hi) if all(s[i] != got[i] for _, s in srcs))
-    return bad
+                yield p + i
 
 
 BAD_BYTES_SCAN = 4 * MIB     # bytes of failing segments scanned byte by byte at most
@@ -305,13 +294,14 @@ def check_file(got, initial, ops, flush_mark, max_report=5):
                 st["multi"] += n
         if any(g == s for _, s in srcs):
             continue
-        bad = first_bad_byte(g, srcs, p, q)
+        offsets = bad_bytes(g, srcs, p, q)
+        bad = next(offsets, None)
         if bad is None:
             continue                   # a mix of allowed sources, byte by byte
         bad_segments += 1
         if st["bad_scanned"] < BAD_BYTES_SCAN:
             st["bad_scanned"] += n
-            st["bad"] += count_bad_bytes(g, srcs, p, q)
+            st["bad"] += 1 + sum(1 for _ in offsets)
         if len(violations) < max_report:
             i = bad - p
             violations.append(Violation(
@@ -333,7 +323,7 @@ def self_test(got, initial, ops, flush_mark):
         if len(allowed) == 256:
             continue
         bad = next(v for v in range(256) if v not in allowed)
-        require(first_bad_byte(bytes([bad]), srcs, p, p + 1) == p,
+        require(next(bad_bytes(bytes([bad]), srcs, p, p + 1), None) == p,
                 "self-test: byte 0x%02x at %d (allowed %s) not flagged" % (bad, p, sorted(allowed)))
         mutated = bytearray(got)
         mutated[p] = bad
