@@ -13,6 +13,8 @@
 #                   tests run there and the integration suite run against
 #                   the i386 daemon (scripts/i386-chroot)
 #   make fuzz       libFuzzer targets, each for FUZZ_SECONDS
+#   make soak       the crash-consistency test at length: CRASH_TRIALS
+#                   trials (default 300), from CRASH_SEED (default: the clock)
 #   make run        the daemon on the embedded default (see README.md)
 #   make bench      bench/ against nbdkit and qemu-nbd, ratios printed
 
@@ -54,7 +56,7 @@ CLIENT_BIN := $(patsubst client/%.c,$(BUILD)/%,$(CLIENT_SRC))
 # scripts/i386-chroot builds without them (TEST_TOOLS=).
 TEST_TOOLS ?= $(BUILD)/tests/faultfs $(BUILD)/tests/nbdkit-fault-filter.so
 
-.PHONY: all check unit asan tsan i386 fuzz run bench deps clean install
+.PHONY: all check unit asan tsan i386 fuzz soak run bench deps clean install
 .DEFAULT_GOAL := all
 
 all: $(BUILD)/nbdcached $(CLIENT_BIN) $(UNIT_BIN) $(TEST_TOOLS)
@@ -130,6 +132,12 @@ build-fuzz/%: tests/fuzz/%.c $(PROTO_SRC) proto/nbd.h
 
 fuzz: deps $(FUZZ_BIN)
 	FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/fuzz $(FUZZ_BIN)
+
+soak: deps
+	$(MAKE) all
+	CRASH_TRIALS=$${CRASH_TRIALS:-300} CRASH_SEED=$${CRASH_SEED:-$$(date +%s)} \
+		TEST_TIMEOUT=$${TEST_TIMEOUT:-7200} BUILD=$(BUILD) tests/run --integration-only crash_consistency; \
+	rc=$$?; grep -E '^(crash_consistency:|[0-9]+ kill trial)' $(BUILD)/test-logs/integration_crash_consistency.py.log; exit $$rc
 
 run: deps $(BUILD)/nbdcached
 	@scripts/run-default
