@@ -53,6 +53,16 @@
  * than the timeout. An error the server returns is the request's error; a
  * connection error (ESHUTDOWN) also closes the connection.
  *
+ * A connection given up with commands in flight is not simply closed: its
+ * socket is kept (a duplicate, after nbd_close() retired the commands) and
+ * read, the replies discarded, until the server closes it (its write side
+ * is shut when no request is half sent), or it was quiet for
+ * NBD_DRAIN_QUIET_MS after answering, or NBD_DRAIN_MAX_MS passed. A server
+ * that resumes after a stop then finds its client still reading: nbdkit
+ * 1.32.4 to 1.33.9 abort when a client hangs up while several threads
+ * have replies to send (RHBZ#2173054), and the backend would be gone for
+ * good. (Not for nbdkit: backends: nbd_close() waits for that process.)
+ *
  * Durability is the cache's: a connection lost after commands that write
  * were sent on it moves base.loss_seq (backend.h), since writes the server
  * acknowledged may be gone with it. An emulated FUA write whose flush
@@ -73,6 +83,7 @@
  */
 #include <errno.h>
 #include <event2/event.h>
+#include <fcntl.h>
 #include <libnbd.h>
 #include <poll.h>
 #include <pthread.h>
@@ -80,6 +91,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "daemon/backend/backend.h"
 #include "daemon/clock.h"
@@ -95,6 +108,9 @@
 #define NBD_EXTRA_ATTEMPTS 3 /* an extra slot that never worked is given up after these */
 #define NBD_TICK_MS 100	     /* how often deadlines are looked at, while any is set */
 #define NBD_ADVANCE_PASSES 8
+#define NBD_DRAIN_MAX 16	      /* given-up sockets read at once */
+#define NBD_DRAIN_QUIET_MS 1000	      /* a half-sent request: closed after this quiet */
+#define NBD_DRAIN_MAX_MS 60000	      /* longest a given-up socket is read */
 
 static const uint8_t zero_chunk[NBD_ZERO_CHUNK];
 
@@ -113,6 +129,17 @@ enum conn_state {
 
 struct nbd_backend;
 struct nbd_chunk;
+
+/* The socket of a given-up connection, read until the server is done with it. */
+struct nbd_drain {
+	struct nbd_backend *nb;
+	struct nbd_drain *next;
+	struct event *ev; /* readable, or NBD_DRAIN_QUIET_MS without data */
+	int fd;
+	bool half_sent; /* a request was half sent: the write side stays open */
+	bool answered;	/* the server sent something since */
+	uint64_t deadline_ns;
+};
 
 struct nbd_conn {
 	struct nbd_backend *nb;
@@ -162,6 +189,8 @@ struct nbd_backend {
 	uint64_t last_reply_ns;
 	struct backend_io *waiting, *waiting_tail; /* for a connection, in arrival order */
 	struct backend_io *deferred;		   /* touched by libnbd callbacks: look again */
+	struct nbd_drain *drains;
+	unsigned ndrains;
 };
 
 /* One libnbd command: a chunk of a request. */
@@ -275,6 +304,81 @@ static bool conn_watch(struct nbd_conn *c)
 	return true;
 }
 
+static void drain_end(struct nbd_drain *d)
+{
+	struct nbd_backend *nb = d->nb;
+	struct nbd_drain **p = &nb->drains;
+	while (*p != d)
+		p = &(*p)->next;
+	*p = d->next;
+	nb->ndrains--;
+	if (d->ev)
+		event_free(d->ev);
+	close(d->fd);
+	free(d);
+}
+
+static void drain_on_event(evutil_socket_t fd, short what, void *arg)
+{
+	struct nbd_drain *d = arg;
+	static char sink[65536];
+	if (what & EV_READ) {
+		for (unsigned i = 0; i < 16; i++) {
+			ssize_t n = read(fd, sink, sizeof(sink));
+			if (n > 0) {
+				d->answered = true;
+				continue;
+			}
+			if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+				break;
+			drain_end(d); /* the server closed it, or it broke */
+			return;
+		}
+	} else if (d->half_sent && d->answered) {
+		drain_end(d); /* answered, then quiet: nothing more is coming */
+		return;
+	}
+	if (clock_now_ns() >= d->deadline_ns)
+		drain_end(d);
+}
+
+/*
+ * Keep h's socket open and read after nbd_close(h) (the file header says
+ * why). False if it cannot be: the caller just closes.
+ */
+static bool drain_start(struct nbd_backend *nb, struct nbd_handle *h)
+{
+	int fd = nbd_aio_get_fd(h);
+	if (fd < 0 || nb->ndrains >= NBD_DRAIN_MAX)
+		return false;
+	struct nbd_drain *d = calloc(1, sizeof(*d));
+	if (!d)
+		return false;
+	d->nb = nb;
+	d->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+	if (d->fd < 0) {
+		free(d);
+		return false;
+	}
+	d->half_sent = (nbd_aio_get_direction(h) & LIBNBD_AIO_DIRECTION_WRITE) != 0;
+	d->deadline_ns = clock_now_ns() + (uint64_t)NBD_DRAIN_MAX_MS * 1000000u;
+	struct timeval quiet = {NBD_DRAIN_QUIET_MS / 1000, (NBD_DRAIN_QUIET_MS % 1000) * 1000};
+	d->ev = event_new(nb->loop, d->fd, EV_READ | EV_PERSIST, drain_on_event, d);
+	if (!d->ev || event_add(d->ev, &quiet) < 0) {
+		if (d->ev)
+			event_free(d->ev);
+		close(d->fd);
+		free(d);
+		return false;
+	}
+	if (!d->half_sent)
+		shutdown(d->fd, SHUT_WR); /* the server sees EOF after whole requests */
+	d->next = nb->drains;
+	nb->drains = d;
+	nb->ndrains++;
+	return true;
+}
+
 /*
  * Close c's handle. libnbd retires every command it still holds inside
  * nbd_close(): their chunk_free() marks the requests to be sent again.
@@ -294,6 +398,11 @@ static void conn_close(struct nbd_conn *c, bool kill)
 	if (h) {
 		if (kill && c->nb->argv)
 			nbd_kill_subprocess(h, SIGKILL);
+		if (!c->nb->argv && !nbd_aio_is_dead(h) && !nbd_aio_is_closed(h) &&
+		    (c->oldest || nbd_aio_in_flight(h) > 0) && drain_start(c->nb, h))
+			log_debug("backend %s: connection %u: its socket is read until the server "
+				  "is done with it",
+				  c->nb->name, c->index + 1);
 		nbd_close(h);
 	}
 	if (c->oldest)
@@ -1074,6 +1183,8 @@ static void nbd_backend_close(struct backend *be)
 		if (c->timer)
 			event_free(c->timer);
 	}
+	while (nb->drains)
+		drain_end(nb->drains);
 	if (left)
 		log_error("backend %s: closed with requests unanswered", nb->name);
 	if (nb->wake)

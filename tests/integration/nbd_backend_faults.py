@@ -46,6 +46,15 @@ reaches it as nbd+unix:///?socket=SOCK.
      while it fails) succeeds and the new backend holds the data. This
      relies on the cache writing again what it had not flushed when the
      backend's loss_seq moved (backend.h); the backend only reports it.
+  9  the backend stops answering (SIGSTOP) for 6 s with 4 KiB writes in
+     flight on every connection (cache-mode=none, --backend-timeout 2, multi-conn
+     nbdkit file plugin), so that the daemon gives up the connections
+     while nbdkit still holds requests and tries new ones while it is
+     stopped; after SIGCONT a write, its read and FLUSH succeed within
+     5 s, and nbdkit is still running (nbdkit 1.32.4-1.33.9 abort when a
+     client hangs up with replies pending on several threads,
+     RHBZ#2173054: the daemon must not hang up so). Repeated RUNS9 times
+     (default 3), each with its own daemon and nbdkit.
 
 Every check runs; failures are listed at the end. Seeds are fixed.
 Environment: NBDKIT (default "nbdkit"), RUNS (check 1, default 15), ONLY
@@ -77,6 +86,7 @@ SIZE = 64 * MIB
 SEED = 1947
 NBDKIT = os.environ.get("NBDKIT", "nbdkit")
 RUNS = int(os.environ.get("RUNS", "15"))
+RUNS9 = int(os.environ.get("RUNS9", "3"))
 PAUSE = float(os.environ.get("PAUSE", "0.3"))
 CHECKS = nbdtest.Checks(catch=(Failed, nbd.Error))
 expect = CHECKS.expect
@@ -783,6 +793,125 @@ def acked_writes_lost():
             kit.stop()
 
 
+# ---- 9: a long stop with requests in flight, then SIGCONT ----
+
+def stopped_with_writes_in_flight(run):
+    r = random.Random(SEED + 1000 + run)
+    with nbdtest.tempdir() as tmp:
+        img = image(tmp)
+        kit = Nbdkit(tmp, "long%d" % run, ["file", img])
+        stopped = False
+        try:
+            with running_daemon([("l", kit.uri(), "cache-mode=none")],
+                                extra=["--backend-timeout", "2"]) as d:
+                hs = [nbdtest.libnbd_handle(d.unix_uri("l")) for _ in range(2)]
+                busy = threading.Event()
+                quit_writers = threading.Event()
+
+                def writer(h, k):
+                    """Up to 32 writes of 4 KiB in flight until told to stop: small
+                    requests, so that many are whole in nbdkit's socket buffer."""
+                    wr = random.Random(SEED + 2000 + 10 * run + k)
+                    buf = nbd.Buffer.from_bytearray(bytearray(wr.randbytes(4 * KIB)))
+                    pending = []
+                    for _ in range(100000):
+                        if quit_writers.is_set():
+                            break
+                        while len(pending) < 32:
+                            off = wr.randrange(0, SIZE // 4096) * 4096
+                            pending.append(h.aio_pwrite(buf, off))
+                        busy.set()
+                        h.poll(20)
+                        for c in list(pending):
+                            try:
+                                if h.aio_command_completed(c):
+                                    pending.remove(c)
+                            except nbd.Error:
+                                pending.remove(c)
+                    for _ in range(200):          # let what is pending come back
+                        if not h.aio_in_flight():
+                            break
+                        h.poll(50)
+                threads = [threading.Thread(target=writer, args=(h, k), daemon=True)
+                           for k, h in enumerate(hs)]
+                for t in threads:
+                    t.start()
+                try:
+                    require(busy.wait(10), "test setup: no write in flight within 10 s")
+                    time.sleep(0.3)
+                    log("  SIGSTOP nbdkit (pid %d) with writes in flight" % kit.proc.pid)
+                    stopped = True
+                    sigstop(kit.proc)
+                    require(wait_until(lambda: LOST in d.log_text(), 10),
+                            "the daemon did not give up the stopped backend within 10 s")
+                    time.sleep(4.5)               # reconnects tried while it is stopped
+                    quit_writers.set()
+                    for t in threads:
+                        t.join(15)
+                    alive(d, "with the backend stopped")
+                    log("  SIGCONT nbdkit")
+                    kit.proc.send_signal(signal.SIGCONT)
+                    stopped = False
+                    t0 = time.monotonic()
+                    data = r.randbytes(MIB)
+                    off = 32 * MIB + 4096
+                    h = hs[0]
+                    ok = False
+                    errors = []
+                    for _ in range(100):
+                        try:
+                            h.pwrite(data, off)
+                            got = h.pread(MIB, off)
+                            h.flush()
+                            ok = got == data
+                            if ok:
+                                break
+                            errors.append("read back different bytes")
+                        except nbd.Error as e:
+                            errors.append(e.string)
+                        if time.monotonic() - t0 > 5 or kit.proc.poll() is not None:
+                            break
+                        time.sleep(0.1)
+                    took = time.monotonic() - t0
+                    log("  after SIGCONT: %s after %.2f s (%d failures)"
+                        % ("write, read, FLUSH ok" if ok else "still failing", took,
+                           len(errors)))
+                    expect(kit.proc.poll() is None, "nbdkit exited (status %s) after SIGCONT: "
+                           "%s" % (kit.proc.poll(), kit_log_tail(kit)))
+                    require(ok, "write, read and FLUSH did not all succeed within 5 s of "
+                            "SIGCONT: %s" % errors[-3:])
+                    alive(d, "after SIGCONT")
+                finally:
+                    quit_writers.set()
+                    if stopped:
+                        kit.proc.send_signal(signal.SIGCONT)
+                        stopped = False
+                    for t in threads:
+                        t.join(15)
+                    nbdtest.shutdown_all(hs)
+            require_same(file_bytes(img)[off:off + MIB], data,
+                         "backend file after the FLUSH that followed SIGCONT", base=off)
+        finally:
+            if stopped:
+                kit.proc.send_signal(signal.SIGCONT)
+            kit.stop()
+
+
+def kit_log_tail(kit):
+    try:
+        with open(kit.logpath, errors="replace") as f:
+            return " | ".join(f.read().splitlines()[-3:])
+    except (OSError, AttributeError):
+        return "(no nbdkit log)"
+
+
+def check_stopped_with_writes_in_flight():
+    for run in range(RUNS9):
+        if not CHECKS.run("9 backend stopped 6 s with writes in flight, run %d/%d"
+                          % (run + 1, RUNS9), lambda run=run: stopped_with_writes_in_flight(run)):
+            break
+
+
 def main():
     if shutil.which(NBDKIT) is None:
         nbdtest.fail("%s not found (install nbdkit)" % NBDKIT)
@@ -804,6 +933,7 @@ def main():
         ("7", "7 the backend shrinks", shrinks),
         ("8", "8 acknowledged writes lost with the server (needs the cache change)",
          acked_writes_lost),
+        ("9", check_stopped_with_writes_in_flight, None),
     )
     try:
         for key, name, fn in checks:
