@@ -35,6 +35,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "daemon/budget.h"
 #include "daemon/clock.h"
 #include "daemon/config.h"
 #include "daemon/log.h"
@@ -403,6 +404,20 @@ static void cmd_stats(struct control_client *cl, const char *only)
 	add_u64(arena, "compact_ns", s.compact_ns);
 	json_object_object_add(c, "arena", arena);
 	json_object_object_add(o, "cache", c);
+	struct budget_stats b;
+	budget_get_stats(&b);
+	json_object *clients = json_object_new_object();
+	add_u64(clients, "connections", b.clients);
+	add_u64(clients, "max_clients", b.max_clients);
+	add_u64(clients, "refused", b.refused_clients);
+	add_u64(clients, "reply_bytes", b.reply_bytes);
+	add_u64(clients, "max_reply_bytes", b.max_reply_bytes);
+	add_u64(clients, "pinned_reply_bytes", b.pinned_reply_bytes);
+	add_u64(clients, "max_pinned_reply_bytes", b.max_pinned_reply_bytes);
+	add_u64(clients, "copied_replies", b.copied_replies);
+	add_u64(clients, "copied_reply_bytes", b.copied_reply_bytes);
+	add_u64(clients, "budget_waits", b.budget_waits);
+	json_object_object_add(o, "clients", clients);
 	json_object *a = json_object_new_array();
 	for (size_t i = 0; i < n; i++) {
 		struct export *e = list[i];
@@ -934,6 +949,9 @@ static void refused_globals(const struct options *was, const struct options *now
 	    {was->compact != now->compact, "compact"},
 	    {was->compact_interval_ms != now->compact_interval_ms, "compact-interval-ms"},
 	    {was->compact_threshold != now->compact_threshold, "compact-threshold"},
+	    {was->max_clients != now->max_clients, "max-clients"},
+	    {was->max_reply_memory != now->max_reply_memory, "max-reply-memory"},
+	    {was->max_pinned_replies != now->max_pinned_replies, "max-pinned-replies"},
 	};
 	for (size_t i = 0; i < sizeof(checks) / sizeof(checks[0]); i++) {
 		if (!checks[i].changed)
