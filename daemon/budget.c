@@ -65,7 +65,7 @@ int budget_start(const struct options *opts, struct worker *workers, unsigned co
 	budget.slot_count = count;
 	budget.max_clients = opts->max_clients;
 	budget.max_reply_bytes = opts->max_reply_memory;
-	budget.max_pinned_bytes = opts->max_pinned_replies;
+	budget.max_pinned_bytes = options_pinned_replies(opts);
 	budget.wake = wake;
 	for (unsigned i = 0; i < count; i++) {
 		budget.slots[i].worker = &workers[i];

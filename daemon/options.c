@@ -426,6 +426,13 @@ int options_parse_compact_threshold(const char *text, unsigned *out)
 	return parse_unsigned_in(text, 0, 1000, out);
 }
 
+uint64_t options_pinned_replies(const struct options *opts)
+{
+	if (opts->max_pinned_replies == OPTIONS_PINNED_DEFAULT)
+		return opts->cache_size / 8;
+	return opts->max_pinned_replies;
+}
+
 int options_parse_max_clients(const char *text, unsigned *out)
 {
 	return parse_unsigned_in(text, 0, OPTIONS_MAX_CONNECTIONS, out);
@@ -817,8 +824,6 @@ int options_finish(struct options *out, char *err, size_t errlen)
 	if (out->dirty_low > out->dirty_high)
 		return fail(err, errlen, -EINVAL, "dirty-low %u is above dirty-high %u",
 			    out->dirty_low, out->dirty_high);
-	if (out->max_pinned_replies == OPTIONS_PINNED_DEFAULT)
-		out->max_pinned_replies = out->cache_size / 8;
 	for (size_t i = 0; i < out->export_count; i++) {
 		struct export_spec *e = &out->exports[i];
 		if (!e->has_block_size)

@@ -58,7 +58,7 @@
 #define OPTIONS_DEFAULT_MAX_CLIENTS 1024
 #define OPTIONS_DEFAULT_MAX_REPLY_MEMORY (512ull << 20)
 #define OPTIONS_MIN_REPLY_MEMORY (64ull << 20) /* two of the largest requests */
-/* max_pinned_replies until options_finish(): 1/8 of cache_size. */
+/* max_pinned_replies when not given: 1/8 of cache_size (options_pinned_replies). */
 #define OPTIONS_PINNED_DEFAULT UINT64_MAX
 
 /* What the cache does with an export's reads and writes (DESIGN.md). */
@@ -154,7 +154,7 @@ struct options {
 	 * arena bytes pinned by unsent replies (past it replies are copied). */
 	unsigned max_clients;
 	uint64_t max_reply_memory;
-	uint64_t max_pinned_replies;
+	uint64_t max_pinned_replies; /* as given; see options_pinned_replies() */
 	bool help;
 	bool version;
 };
@@ -187,6 +187,8 @@ int options_parse_max_connections(const char *text, unsigned *out);
 int options_parse_compact(const char *text, bool *out);		  /* on, off */
 int options_parse_compact_interval(const char *text, unsigned *out); /* 1..3600000 */
 int options_parse_compact_threshold(const char *text, unsigned *out); /* 0..1000 */
+/* The pinned-reply limit in force: as given, or 1/8 of cache_size. */
+uint64_t options_pinned_replies(const struct options *opts);
 int options_parse_max_clients(const char *text, unsigned *out);	      /* 0..65536 */
 int options_parse_reply_memory(const char *text, uint64_t *out); /* 64M..half the address space */
 int options_parse_pinned_replies(const char *text, uint64_t *out); /* a size */

@@ -235,7 +235,7 @@ static void test_budget_settings(void **state)
 	assert_int_equal(parse(defaults, 5, &o, err, sizeof(err)), 0);
 	assert_int_equal(o.max_clients, OPTIONS_DEFAULT_MAX_CLIENTS);
 	assert_true(o.max_reply_memory == OPTIONS_DEFAULT_MAX_REPLY_MEMORY);
-	assert_true(o.max_pinned_replies == (32ull << 20)); /* 1/8 of the cache */
+	assert_true(options_pinned_replies(&o) == (32ull << 20)); /* 1/8 of the cache */
 	options_free(&o);
 
 	char *given[] = {"nbdcached",	       "--max-clients",	       "0",
@@ -245,7 +245,7 @@ static void test_budget_settings(void **state)
 	assert_int_equal(parse(given, 9, &o, err, sizeof(err)), 0);
 	assert_int_equal(o.max_clients, 0);
 	assert_true(o.max_reply_memory == (1ull << 30));
-	assert_true(o.max_pinned_replies == 0);
+	assert_true(options_pinned_replies(&o) == 0);
 	options_free(&o);
 
 	char *small[] = {"nbdcached", "--max-reply-memory", "1M", "--export", "a=/x", NULL};
