@@ -65,6 +65,8 @@ void conn_unref(struct conn *c)
 	export_put(c->meta_export);
 	if (c->timer)
 		event_free(c->timer);
+	if (c->hangup)
+		event_free(c->hangup);
 	free(c);
 }
 
@@ -82,6 +84,8 @@ void conn_kill(struct conn *c, const char *why)
 		c->budget_waiting = false;
 		budget_wait_done(c->worker);
 	}
+	if (c->hangup)
+		event_del(c->hangup);
 	/* What the output holds goes with it; so does a half-read request. */
 	evbuffer_remove_cb_entry(bufferevent_get_output(bev), c->output_cb);
 	conn_output_sync(c); /* down to the references, freed with the buffer */
@@ -218,7 +222,23 @@ static uint64_t conn_held(struct conn *c)
 	return c->reserved + c->output_counted;
 }
 
-/* Register as a waiter for cost; false if budget came back meanwhile. */
+static void conn_on_hangup(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	struct conn *c = arg;
+	conn_ref(c);
+	conn_kill(c, "client closed the connection while waiting for reply memory");
+	conn_unref(c);
+}
+
+/*
+ * Register as a waiter for cost; false if budget came back meanwhile.
+ * While it waits nothing reads the socket: a client that goes away would
+ * be noticed only once room came back (and after a request was served for
+ * nobody), so the hang-up is watched on its own (EV_CLOSED, epoll's
+ * RDHUP).
+ */
 static bool conn_wait(struct conn *c, uint64_t cost)
 {
 	budget_wait(c->worker, cost);
@@ -228,6 +248,11 @@ static bool conn_wait(struct conn *c, uint64_t cost)
 	}
 	c->budget_waiting = true;
 	c->budget_cost = cost;
+	if (!c->hangup)
+		c->hangup = event_new(c->worker->base, bufferevent_getfd(c->bev),
+				      EV_CLOSED | EV_PERSIST, conn_on_hangup, c);
+	if (c->hangup)
+		event_add(c->hangup, NULL);
 	return true;
 }
 
@@ -254,6 +279,8 @@ static void conn_stop_waiting(struct conn *c)
 {
 	c->budget_waiting = false;
 	budget_wait_done(c->worker);
+	if (c->hangup)
+		event_del(c->hangup);
 	conn_update_reading(c);
 }
 

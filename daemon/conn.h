@@ -107,6 +107,7 @@ struct conn {
 	uint64_t reserved; /* reply bytes reserved for requests not answered yet */
 	uint64_t admitted; /* ... of which for the request whose payload is arriving */
 	bool budget_waiting; /* refused; reading again at conn_budget_wake() */
+	struct event *hangup; /* while waiting: the client closing (not read otherwise) */
 	uint64_t budget_cost; /* ... what it waits for (0: any room) */
 	struct evbuffer_cb_entry *output_cb; /* counts the output buffer */
 	uint64_t output_refs;	 /* bytes the output references (whole, until freed) */
