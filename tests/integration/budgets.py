@@ -371,7 +371,7 @@ def never_readers(tmp, big):
             for n in hostile:
                 n.r.close()
             del h
-        for _ in range(50):
+        for _ in range(150):
             st = stats(d)
             if not client_stat(st, "reply_bytes"):
                 break
