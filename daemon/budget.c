@@ -28,7 +28,7 @@
 struct budget_slot {
 	struct worker *worker;
 	struct worker_task task;
-	atomic_uint waiting; /* connections of this worker that wait */
+	atomic_uint waiting;	     /* connections of this worker that wait */
 	atomic_uint_least64_t least; /* the smallest cost one of them waits for */
 	atomic_bool posted;	     /* the task is posted and has not started */
 };
@@ -49,7 +49,8 @@ static struct {
 
 static void wake_task(struct worker_task *task)
 {
-	struct budget_slot *s = (struct budget_slot *)((char *)task - offsetof(struct budget_slot, task));
+	struct budget_slot *s =
+	    (struct budget_slot *)((char *)task - offsetof(struct budget_slot, task));
 	atomic_store(&s->posted, false);
 	/* The connections still refused say again what they wait for. */
 	atomic_store(&s->least, UINT64_MAX);
@@ -145,7 +146,8 @@ static void wake_waiters(void)
 	for (unsigned i = 0; i < budget.slot_count && !budget.stopped; i++) {
 		struct budget_slot *s = &budget.slots[i];
 		uint64_t least = atomic_load(&s->least);
-		if (atomic_load(&s->waiting) && used + (least ? least : 1) <= budget.max_reply_bytes &&
+		if (atomic_load(&s->waiting) &&
+		    used + (least ? least : 1) <= budget.max_reply_bytes &&
 		    !atomic_exchange(&s->posted, true))
 			worker_post(s->worker, &s->task);
 	}
