@@ -110,22 +110,52 @@ static void conn_arm_timer(struct conn *c, int seconds)
 #define STALL_NS ((uint64_t)CONN_STALL_TIMEOUT * 1000000000u)
 
 /*
+ * In transmission: how long until a stall deadline, 0 if one has passed,
+ * UINT64_MAX if none runs. Two of them: replies that do not move (the
+ * client does not read), and an admitted request whose payload does not
+ * come (it holds its reservation in the budget meanwhile).
+ */
+static uint64_t conn_stall_left(struct conn *c, const char **why)
+{
+	uint64_t now = clock_now_ns(), left = UINT64_MAX;
+	if (evbuffer_get_length(conn_output(c)) > 0) {
+		uint64_t still = now - c->output_moved_ns;
+		*why = "client has not read its replies for " STRINGIFY(CONN_STALL_TIMEOUT) " s";
+		left = still < STALL_NS ? STALL_NS - still : 0;
+	}
+	if (c->admitted && left) {
+		uint64_t still = now - c->payload_moved_ns;
+		uint64_t payload_left = still < STALL_NS ? STALL_NS - still : 0;
+		if (payload_left == 0)
+			*why = "client sent no more of a request's payload for " STRINGIFY(
+			    CONN_STALL_TIMEOUT) " s";
+		if (payload_left < left)
+			left = payload_left;
+	}
+	return left;
+}
+
+/*
  * The connection's one timer: the negotiation deadline; in transmission
- * the stall check, armed when the output stops being empty and run again
- * until it is empty or has not moved for CONN_STALL_TIMEOUT; the close
- * deadline once closing.
+ * the stall checks (conn_stall_left), armed when there is something to
+ * watch and run again until a deadline passes or nothing is left to
+ * watch; the close deadline once closing.
  */
 static void conn_on_timer(evutil_socket_t fd, short what, void *arg)
 {
 	(void)fd;
 	(void)what;
 	struct conn *c = arg;
+	const char *why = c->closing ? "client did not read its last replies in time"
+				     : "negotiation did not finish in time";
 	if (c->phase == CONN_TRANSMISSION && !c->closing) {
-		if (!c->bev || evbuffer_get_length(conn_output(c)) == 0)
+		if (!c->bev)
 			return;
-		uint64_t still = clock_now_ns() - c->output_moved_ns;
-		if (still < STALL_NS) {
-			conn_arm_timer_ns(c, STALL_NS - still);
+		uint64_t left = conn_stall_left(c, &why);
+		if (left == UINT64_MAX)
+			return;
+		if (left > 0) {
+			conn_arm_timer_ns(c, left);
 			return;
 		}
 	}
@@ -138,11 +168,24 @@ static void conn_on_timer(evutil_socket_t fd, short what, void *arg)
 	if (c->bev)
 		setsockopt(bufferevent_getfd(c->bev), SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
 	conn_ref(c);
-	conn_kill(c, c->closing ? "client did not read its last replies in time"
-		     : c->phase == CONN_TRANSMISSION
-			 ? "client has not read its replies for " STRINGIFY(CONN_STALL_TIMEOUT) " s"
-			 : "negotiation did not finish in time");
+	conn_kill(c, why);
 	conn_unref(c);
+}
+
+static void conn_watch_stall(struct conn *c)
+{
+	if (c->phase == CONN_TRANSMISSION && !c->closing && c->timer &&
+	    !evtimer_pending(c->timer, NULL))
+		conn_arm_timer(c, CONN_STALL_TIMEOUT);
+}
+
+void conn_payload_progress(struct conn *c, size_t avail, bool started)
+{
+	if (started || avail >= c->payload_seen + CONN_STALL_PROGRESS) {
+		c->payload_seen = avail;
+		c->payload_moved_ns = clock_now_ns();
+	}
+	conn_watch_stall(c);
 }
 
 /*
@@ -189,9 +232,7 @@ static void conn_on_output(struct evbuffer *buf, const struct evbuffer_cb_info *
 		c->output_moved_ns = clock_now_ns();
 		c->output_moved_bytes = 0;
 	}
-	if (c->phase == CONN_TRANSMISSION && !c->closing && c->timer &&
-	    !evtimer_pending(c->timer, NULL))
-		conn_arm_timer(c, CONN_STALL_TIMEOUT);
+	conn_watch_stall(c);
 }
 
 void conn_negotiation_done(struct conn *c)
@@ -321,9 +362,10 @@ void conn_update_reading(struct conn *c)
 	bool want = c->inflight < CONN_MAX_INFLIGHT &&
 		    c->inflight_bytes < CONN_MAX_INFLIGHT_BYTES &&
 		    evbuffer_get_length(conn_output(c)) < max_output && !c->budget_waiting;
-	/* Replies that bypass admission (refusals, errors) are small, but many. */
-	if (want && c->phase == CONN_TRANSMISSION && !budget_fits(0, conn_held(c)) &&
-	    conn_wait(c, 0))
+	/* Replies that bypass admission (refusals, errors) are small, but many.
+	 * An admitted payload is read whatever: its room is reserved. */
+	if (want && c->phase == CONN_TRANSMISSION && !c->admitted &&
+	    !budget_fits(0, conn_held(c)) && conn_wait(c, 0))
 		want = false;
 	if (want == c->reading)
 		return;

@@ -27,9 +27,10 @@
  * is read, every output buffer is counted as it grows and drains, and a
  * connection the budget refuses stops reading until conn_budget_wake().
  *
- * Stall: replies that do not move for CONN_STALL_TIMEOUT seconds (no byte
- * of the output buffer taken by the socket) end the connection, however
- * many replies are queued meanwhile.
+ * Stall: replies that do not move for CONN_STALL_TIMEOUT seconds (less
+ * than CONN_STALL_PROGRESS of the output buffer taken by the socket) end
+ * the connection, however many replies are queued meanwhile; so does an
+ * admitted request's payload that does not come (it holds reply memory).
  */
 #ifndef NBDCACHED_DAEMON_CONN_H
 #define NBDCACHED_DAEMON_CONN_H
@@ -106,6 +107,8 @@ struct conn {
 	/* The daemon-wide budget (budget.h). */
 	uint64_t reserved; /* reply bytes reserved for requests not answered yet */
 	uint64_t admitted; /* ... of which for the request whose payload is arriving */
+	size_t payload_seen;	   /* input bytes when that payload last moved */
+	uint64_t payload_moved_ns; /* ... and when */
 	bool budget_waiting; /* refused; reading again at conn_budget_wake() */
 	struct event *hangup; /* while waiting: the client closing (not read otherwise) */
 	uint64_t budget_cost; /* ... what it waits for (0: any room) */
@@ -137,6 +140,10 @@ void conn_update_reading(struct conn *c);
 bool conn_admit(struct conn *c, uint64_t cost);
 /* The output buffer or its references changed: count it in the budget. */
 void conn_output_sync(struct conn *c);
+/* An admitted request waits for its payload, avail bytes of input so far
+ * (started: it was just admitted). The stall deadline applies to it too:
+ * CONN_STALL_TIMEOUT without CONN_STALL_PROGRESS more bytes ends it. */
+void conn_payload_progress(struct conn *c, size_t avail, bool started);
 /* Give back reply bytes reserved by conn_admit(). */
 void conn_unreserve(struct conn *c, uint64_t bytes);
 /* Worker thread w: budget came back; retry its waiting connections. */

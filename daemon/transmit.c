@@ -72,9 +72,12 @@ struct request {
 
 /*
  * What a request may hold from when it is read until it is answered: the
- * request itself, its data (READ and WRITE lengths; CACHE fills up to its
- * length of the cache), its extents and the block status reply they make.
- * Counted per connection (CONN_MAX_INFLIGHT_BYTES) and daemon-wide.
+ * request itself, its data (READ and WRITE lengths; a CACHE fills its
+ * length of the cache, counted up to the maximum payload: with extended
+ * headers it may name a terabyte, which no budget could admit), its
+ * extents and the block status reply they make. Counted per connection
+ * (CONN_MAX_INFLIGHT_BYTES) and daemon-wide; never above the maximum
+ * payload and a little, so a request always fits an empty budget.
  */
 static uint64_t request_cost(const struct conn *c, const struct nbd_request *req,
 			     size_t max_extents)
@@ -82,8 +85,10 @@ static uint64_t request_cost(const struct conn *c, const struct nbd_request *req
 	uint64_t cost = sizeof(struct request);
 	switch (req->type) {
 	case NBD_CMD_READ:
-	case NBD_CMD_CACHE:
 		cost += req->length;
+		break;
+	case NBD_CMD_CACHE:
+		cost += req->length < c->session.max_payload ? req->length : c->session.max_payload;
 		break;
 	case NBD_CMD_WRITE:
 		cost += req->payload_length;
@@ -661,11 +666,14 @@ int transmit_step(struct conn *c)
 	}
 	/* Admitted before its payload is read: a refused request stays unread. */
 	uint64_t cost = request_cost(c, &req, max_extents);
-	if (!c->admitted && !conn_admit(c, cost))
+	bool started = !c->admitted;
+	if (started && !conn_admit(c, cost))
 		return 0;
 	c->admitted = cost;
-	if (req.payload_length && avail < hsize + req.payload_length)
+	if (req.payload_length && avail < hsize + req.payload_length) {
+		conn_payload_progress(c, avail, started);
 		return 0; /* wait for the whole payload */
+	}
 
 	evbuffer_drain(in, hsize);
 	struct request *r = request_new(c, &req, buf_len, cost, max_extents);

@@ -33,7 +33,9 @@ memory, the number of connections, and the stall deadline.
    27 s to 38 s after its first reply byte reached it (CONN_STALL_TIMEOUT,
    30 s without taking 64 KiB of its replies, whatever was queued
    meanwhile), none before it was sent anything, and none that was sent
-   replies more than 38 s earlier is still connected. Once all are gone,
+   replies more than 38 s earlier is still connected. A client whose WRITE
+   payload stops after 1 MiB of 32 (its request admitted, holding reply
+   memory) is disconnected 27 s to 38 s later. Once all are gone,
    reply_bytes and pinned_reply_bytes are 0 again.
 4. --max-clients. A daemon with --max-clients 4: four connections get
    their greeting, the fifth is closed at once without one, the log says
@@ -314,11 +316,23 @@ def never_readers(tmp, big):
         peak = [base]
         stop = threading.Event()
 
+        # A WRITE whose 32 MiB payload stops after 1 MiB: admitted, it holds
+        # its reservation; the stall deadline applies to it as well.
+        half = raw.RawClient(d.sock)
+        half.open("big")
+        half.s.sendall(half.encode_request(raw.CMD_WRITE, 0, 32 * MIB)[1] + bytes(MIB))
+        half_sent = time.monotonic()
+        half_poll = select.poll()
+        half_poll.register(half.s, HUP | select.POLLIN)
+        half_closed = []
+
         def monitor():
             while not stop.is_set():
                 peak[0] = max(peak[0], nbdtest.rss(d.pid))
                 for n in list(hostile):
                     n.look()
+                if not half_closed and half_poll.poll(0):
+                    half_closed.append(time.monotonic() - half_sent)
                 time.sleep(0.05)
 
         t = threading.Thread(target=monitor, daemon=True)
@@ -371,12 +385,19 @@ def never_readers(tmp, big):
             late = [n for n in served if n.closed is None and end - n.first_data > STALL_TIMEOUT + 8]
             expect(not late, "%d non-readers still connected more than %d s after their first "
                    "reply byte" % (len(late), STALL_TIMEOUT + 8))
+            log("     the half-sent WRITE: %s" % ("reset after %.1f s" % half_closed[0]
+                                                  if half_closed else "still connected"))
+            expect(half_closed and STALL_TIMEOUT - 3 <= half_closed[0] <= STALL_TIMEOUT + 8,
+                   "a WRITE whose payload stopped coming: connection %s (deadline %d s)"
+                   % ("ended after %.1f s" % half_closed[0] if half_closed else "still open",
+                      STALL_TIMEOUT))
             bounded("libnbd read after", 20, qd1_iops, h, 0.5, rnd)
             bounded("libnbd shutdown", 10, h.shutdown)
         finally:
             stop.set()
             for n in hostile:
                 n.r.close()
+            half.close()
             del h
         for _ in range(150):
             st = stats(d)
