@@ -142,16 +142,19 @@ static void wake_waiters(void)
 	if (atomic_load(&budget.waiting) == 0)
 		return;
 	uint64_t used = atomic_load(&budget.reply_bytes);
-	pthread_mutex_lock(&budget.post_lock);
-	for (unsigned i = 0; i < budget.slot_count && !budget.stopped; i++) {
+	for (unsigned i = 0; i < budget.slot_count; i++) {
 		struct budget_slot *s = &budget.slots[i];
 		uint64_t least = atomic_load(&s->least);
-		if (atomic_load(&s->waiting) &&
-		    used + (least ? least : 1) <= budget.max_reply_bytes &&
-		    !atomic_exchange(&s->posted, true))
+		if (!atomic_load(&s->waiting) ||
+		    used + (least ? least : 1) > budget.max_reply_bytes ||
+		    atomic_exchange(&s->posted, true))
+			continue;
+		/* The lock only orders posting against budget_stop(). */
+		pthread_mutex_lock(&budget.post_lock);
+		if (!budget.stopped)
 			worker_post(s->worker, &s->task);
+		pthread_mutex_unlock(&budget.post_lock);
 	}
-	pthread_mutex_unlock(&budget.post_lock);
 }
 
 void budget_release(uint64_t bytes)
