@@ -289,6 +289,9 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 	    {"compact", OPT_GIVEN_COMPACT},
 	    {"compact-interval-ms", OPT_GIVEN_COMPACT_INTERVAL},
 	    {"compact-threshold", OPT_GIVEN_COMPACT_THRESHOLD},
+	    {"max-clients", OPT_GIVEN_MAX_CLIENTS},
+	    {"max-reply-memory", OPT_GIVEN_MAX_REPLY_MEMORY},
+	    {"max-pinned-replies", OPT_GIVEN_MAX_PINNED_REPLIES},
 	};
 	unsigned bit = 0;
 	for (size_t i = 0; i < sizeof(globals) / sizeof(globals[0]); i++)
@@ -378,6 +381,22 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		if (options_parse_compact_threshold(v, &f->compact_threshold) < 0)
 			return config_fail(x, "compact-threshold %s: expected 0..1000 (per mille)",
 					   v);
+		return 1;
+	case OPT_GIVEN_MAX_CLIENTS:
+		if (options_parse_max_clients(v, &f->max_clients) < 0)
+			return config_fail(x, "max-clients %s: expected 0..%d (0: unlimited)", v,
+					   OPTIONS_MAX_CONNECTIONS);
+		return 1;
+	case OPT_GIVEN_MAX_REPLY_MEMORY:
+		if (options_parse_reply_memory(v, &f->max_reply_memory) < 0)
+			return config_fail(x,
+					   "max-reply-memory %s: expected a size from 64M up to half "
+					   "the address space (K, M, G, T suffixes)",
+					   v);
+		return 1;
+	case OPT_GIVEN_MAX_PINNED_REPLIES:
+		if (options_parse_pinned_replies(v, &f->max_pinned_replies) < 0)
+			return config_fail(x, "max-pinned-replies %s: expected a size", v);
 		return 1;
 	case OPT_GIVEN_MAX_CONNECTIONS:
 		if (options_parse_max_connections(v, &f->max_connections) < 0)
@@ -597,6 +616,9 @@ static int merge(struct config_ctx *x)
 	TAKE(OPT_GIVEN_COMPACT, compact);
 	TAKE(OPT_GIVEN_COMPACT_INTERVAL, compact_interval_ms);
 	TAKE(OPT_GIVEN_COMPACT_THRESHOLD, compact_threshold);
+	TAKE(OPT_GIVEN_MAX_CLIENTS, max_clients);
+	TAKE(OPT_GIVEN_MAX_REPLY_MEMORY, max_reply_memory);
+	TAKE(OPT_GIVEN_MAX_PINNED_REPLIES, max_pinned_replies);
 	TAKE_STRING(OPT_GIVEN_CONTROL, control_path);
 	TAKE_STRING(OPT_GIVEN_USER, user);
 	TAKE_STRING(OPT_GIVEN_GROUP, group);

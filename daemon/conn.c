@@ -4,8 +4,16 @@
  * The read callback hands the input buffer to the phase's step function
  * until it needs more bytes; then every SQE those steps prepared is
  * submitted in one io_uring_enter. Reading pauses while too many requests
- * or too many reply bytes are pending, and resumes from conn_update_reading()
- * when replies complete or the output drains.
+ * or too many reply bytes are pending, or while the daemon-wide budget
+ * refuses the connection, and resumes from conn_update_reading() when
+ * replies complete, the output drains or the budget has room again.
+ *
+ * The output buffer's callback keeps two facts: what it holds, in the
+ * budget (conn_output_sync), and when the replies last moved, for the
+ * stall deadline. That deadline is ours, not libevent's write timeout, so
+ * that its meaning is written down: CONN_STALL_TIMEOUT seconds in which
+ * the socket took less than CONN_STALL_PROGRESS bytes of the replies. A
+ * stalled connection is reset, not closed (conn_on_timer).
  */
 #include "daemon/conn.h"
 
@@ -20,6 +28,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "daemon/budget.h"
+#include "daemon/clock.h"
 #include "daemon/export.h"
 #include "daemon/log.h"
 #include "daemon/worker.h"
@@ -44,6 +54,9 @@ void conn_unref(struct conn *c)
 	if (--c->refs > 0)
 		return;
 	log_debug("conn %llu: freed", (unsigned long long)c->id);
+	if (c->budget_waiting)
+		budget_wait_done(c->worker);
+	budget_client_remove();
 	worker_conn_removed(c->worker, c);
 	if (c->export) {
 		export_detach(c->export);
@@ -52,6 +65,8 @@ void conn_unref(struct conn *c)
 	export_put(c->meta_export);
 	if (c->timer)
 		event_free(c->timer);
+	if (c->hangup)
+		event_free(c->hangup);
 	free(c);
 }
 
@@ -65,27 +80,159 @@ void conn_kill(struct conn *c, const char *why)
 	c->reading = false;
 	if (c->timer)
 		evtimer_del(c->timer);
+	if (c->budget_waiting) {
+		c->budget_waiting = false;
+		budget_wait_done(c->worker);
+	}
+	if (c->hangup)
+		event_del(c->hangup);
+	/* What the output holds goes with it; so does a half-read request. */
+	evbuffer_remove_cb_entry(bufferevent_get_output(bev), c->output_cb);
+	conn_output_sync(c); /* down to the references, freed with the buffer */
+	conn_unreserve(c, c->admitted);
+	c->admitted = 0;
 	bufferevent_free(bev);
 	conn_unref(c);
 }
 
-/* The connection's one timer: a negotiation deadline, then a close deadline. */
+static void conn_arm_timer_ns(struct conn *c, uint64_t ns)
+{
+	struct timeval tv = {(time_t)(ns / 1000000000u), (suseconds_t)(ns % 1000000000u / 1000u)};
+	if (c->timer)
+		evtimer_add(c->timer, &tv);
+}
+
+static void conn_arm_timer(struct conn *c, int seconds)
+{
+	conn_arm_timer_ns(c, (uint64_t)seconds * 1000000000u);
+}
+
+#define STALL_NS ((uint64_t)CONN_STALL_TIMEOUT * 1000000000u)
+
+/*
+ * In transmission: how long until a stall deadline, 0 if one has passed,
+ * UINT64_MAX if none runs. Two of them: replies that do not move (the
+ * client does not read), and an admitted request whose payload does not
+ * come (it holds its reservation in the budget meanwhile).
+ */
+static uint64_t conn_stall_left(struct conn *c, const char **why)
+{
+	uint64_t now = clock_now_ns(), left = UINT64_MAX;
+	if (evbuffer_get_length(conn_output(c)) > 0) {
+		uint64_t still = now - c->output_moved_ns;
+		*why = "client has not read its replies for " STRINGIFY(CONN_STALL_TIMEOUT) " s";
+		left = still < STALL_NS ? STALL_NS - still : 0;
+	}
+	if (c->admitted && left) {
+		uint64_t still = now - c->payload_moved_ns;
+		uint64_t payload_left = still < STALL_NS ? STALL_NS - still : 0;
+		if (payload_left == 0)
+			*why = "client sent no more of a request's payload for " STRINGIFY(
+			    CONN_STALL_TIMEOUT) " s";
+		if (payload_left < left)
+			left = payload_left;
+	}
+	return left;
+}
+
+/*
+ * The connection's one timer: the negotiation deadline; in transmission
+ * the stall checks (conn_stall_left), armed when there is something to
+ * watch and run again until a deadline passes or nothing is left to
+ * watch; the close deadline once closing.
+ */
 static void conn_on_timer(evutil_socket_t fd, short what, void *arg)
 {
 	(void)fd;
 	(void)what;
 	struct conn *c = arg;
+	const char *why = c->closing ? "client did not read its last replies in time"
+				     : "negotiation did not finish in time";
+	if (c->phase == CONN_TRANSMISSION && !c->closing) {
+		if (!c->bev)
+			return;
+		uint64_t left = conn_stall_left(c, &why);
+		if (left == UINT64_MAX)
+			return;
+		if (left > 0) {
+			conn_arm_timer_ns(c, left);
+			return;
+		}
+	}
+	/*
+	 * Reset, not close: a FIN would wait behind the unread replies for a
+	 * window the client never opens, and the kernel would keep them (and
+	 * the client would not learn it was cut off) for minutes.
+	 */
+	struct linger reset = {.l_onoff = 1, .l_linger = 0};
+	if (c->bev)
+		setsockopt(bufferevent_getfd(c->bev), SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
 	conn_ref(c);
-	conn_kill(c, c->closing ? "client did not read its last replies in time"
-				: "negotiation did not finish in time");
+	conn_kill(c, why);
 	conn_unref(c);
 }
 
-static void conn_arm_timer(struct conn *c, int seconds)
+static void conn_watch_stall(struct conn *c)
 {
-	struct timeval tv = {seconds, 0};
-	if (c->timer)
-		evtimer_add(c->timer, &tv);
+	if (c->phase == CONN_TRANSMISSION && !c->closing && c->timer &&
+	    !evtimer_pending(c->timer, NULL))
+		conn_arm_timer(c, CONN_STALL_TIMEOUT);
+}
+
+void conn_payload_progress(struct conn *c, size_t avail, bool started)
+{
+	if (started || avail >= c->payload_seen + CONN_STALL_PROGRESS) {
+		c->payload_seen = avail;
+		c->payload_moved_ns = clock_now_ns();
+	}
+	conn_watch_stall(c);
+}
+
+/*
+ * What the output buffer holds, in the budget: its bytes, but at least the
+ * whole of the data it references. A reference is freed only once all of
+ * it is sent, and the socket may have taken most of it (a kernel buffers
+ * megabytes for a client that reads nothing): its length alone would let
+ * such memory go uncounted.
+ */
+void conn_output_sync(struct conn *c)
+{
+	/* Once killed, the references live until libevent frees the buffer. */
+	uint64_t held = c->bev ? evbuffer_get_length(conn_output(c)) : 0;
+	if (held < c->output_refs)
+		held = c->output_refs;
+	if (held > c->output_counted)
+		budget_add(held - c->output_counted);
+	else
+		budget_release(c->output_counted - held);
+	c->output_counted = held;
+}
+
+/*
+ * Every change of the output buffer: the budget's count, and the stall
+ * clock, which starts when the buffer stops being empty and again whenever
+ * the socket took CONN_STALL_PROGRESS from it. Adding replies does not
+ * move it.
+ */
+static void conn_on_output(struct evbuffer *buf, const struct evbuffer_cb_info *info, void *arg)
+{
+	(void)buf;
+	struct conn *c = arg;
+	conn_output_sync(c);
+	if (info->n_deleted) {
+		c->output_moved_bytes += info->n_deleted;
+		if (c->output_moved_bytes >= CONN_STALL_PROGRESS) {
+			c->output_moved_ns = clock_now_ns();
+			c->output_moved_bytes = 0;
+		}
+	}
+	if (!info->n_added)
+		return;
+	if (info->orig_size == 0) {
+		c->output_moved_ns = clock_now_ns();
+		c->output_moved_bytes = 0;
+	}
+	conn_watch_stall(c);
 }
 
 void conn_negotiation_done(struct conn *c)
@@ -110,6 +257,96 @@ static bool conn_drained(struct conn *c)
 	return c->inflight == 0 && evbuffer_get_length(conn_output(c)) == 0;
 }
 
+/* What the connection holds in the budget: reservations and its output. */
+static uint64_t conn_held(struct conn *c)
+{
+	return c->reserved + c->output_counted;
+}
+
+static void conn_on_hangup(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	struct conn *c = arg;
+	conn_ref(c);
+	conn_kill(c, "client closed the connection while waiting for reply memory");
+	conn_unref(c);
+}
+
+/*
+ * Register as a waiter for cost; false if budget came back meanwhile.
+ * While it waits nothing reads the socket: a client that goes away would
+ * be noticed only once room came back (and after a request was served for
+ * nobody), so the hang-up is watched on its own (EV_CLOSED, epoll's
+ * RDHUP).
+ */
+static bool conn_wait(struct conn *c, uint64_t cost)
+{
+	budget_wait(c->worker, cost);
+	if (budget_fits(cost, conn_held(c))) {
+		budget_wait_done(c->worker);
+		return false;
+	}
+	c->budget_waiting = true;
+	c->budget_cost = cost;
+	if (!c->hangup)
+		c->hangup = event_new(c->worker->base, bufferevent_getfd(c->bev),
+				      EV_CLOSED | EV_PERSIST, conn_on_hangup, c);
+	if (c->hangup)
+		event_add(c->hangup, NULL);
+	return true;
+}
+
+bool conn_admit(struct conn *c, uint64_t cost)
+{
+	while (!budget_reserve(cost, conn_held(c))) {
+		if (conn_wait(c, cost)) {
+			c->reading = false;
+			bufferevent_disable(c->bev, EV_READ);
+			return false;
+		}
+	}
+	c->reserved += cost;
+	return true;
+}
+
+void conn_unreserve(struct conn *c, uint64_t bytes)
+{
+	c->reserved -= bytes;
+	budget_release(bytes);
+}
+
+static void conn_stop_waiting(struct conn *c)
+{
+	c->budget_waiting = false;
+	budget_wait_done(c->worker);
+	if (c->hangup)
+		event_del(c->hangup);
+	conn_update_reading(c);
+}
+
+/*
+ * Retry the waiting connections that fit now; the others say again what
+ * they wait for (and look once more, so that no release is missed).
+ */
+void conn_budget_wake(struct worker *w)
+{
+	struct conn *c = w->conns;
+	while (c) {
+		conn_ref(c);
+		if (c->budget_waiting && c->bev) {
+			if (!budget_fits(c->budget_cost, conn_held(c)))
+				budget_wait_more(w, c->budget_cost);
+			if (budget_fits(c->budget_cost, conn_held(c)))
+				conn_stop_waiting(c);
+		}
+		struct conn *next = c->next;
+		conn_unref(c);
+		c = next;
+	}
+	uring_submit(&w->ring);
+}
+
 void conn_update_reading(struct conn *c)
 {
 	if (!c->bev)
@@ -124,7 +361,12 @@ void conn_update_reading(struct conn *c)
 		c->phase == CONN_TRANSMISSION ? CONN_MAX_OUTPUT : CONN_MAX_NEGOTIATION_OUTPUT;
 	bool want = c->inflight < CONN_MAX_INFLIGHT &&
 		    c->inflight_bytes < CONN_MAX_INFLIGHT_BYTES &&
-		    evbuffer_get_length(conn_output(c)) < max_output;
+		    evbuffer_get_length(conn_output(c)) < max_output && !c->budget_waiting;
+	/* Replies that bypass admission (refusals, errors) are small, but many.
+	 * An admitted payload is read whatever: its room is reserved. */
+	if (want && c->phase == CONN_TRANSMISSION && !c->admitted &&
+	    !budget_fits(0, conn_held(c)) && conn_wait(c, 0))
+		want = false;
 	if (want == c->reading)
 		return;
 	c->reading = want;
@@ -165,7 +407,11 @@ static void conn_on_write(struct bufferevent *bev, void *arg)
 	(void)bev;
 	struct conn *c = arg;
 	conn_ref(c);
-	conn_update_reading(c);
+	/* Its own replies drained: what it holds may fit its reserve now. */
+	if (c->budget_waiting && budget_fits(c->budget_cost, conn_held(c)))
+		conn_stop_waiting(c);
+	else
+		conn_update_reading(c);
 	conn_unref(c);
 }
 
@@ -186,6 +432,7 @@ int conn_start(struct worker *w, int fd, uint64_t id)
 	struct conn *c = calloc(1, sizeof(*c));
 	if (!c) {
 		close(fd);
+		budget_client_remove();
 		return -ENOMEM;
 	}
 	evutil_make_socket_nonblocking(fd);
@@ -199,6 +446,7 @@ int conn_start(struct worker *w, int fd, uint64_t id)
 	if (!c->bev) {
 		close(fd);
 		free(c);
+		budget_client_remove();
 		return -ENOMEM;
 	}
 	worker_conn_added(w, c);
@@ -210,20 +458,23 @@ int conn_start(struct worker *w, int fd, uint64_t id)
 	bufferevent_setwatermark(c->bev, EV_WRITE, CONN_MAX_OUTPUT / 2, 0);
 	/* A client gets CONN_NEGOTIATION_TIMEOUT seconds, in all, to negotiate. */
 	c->timer = evtimer_new(w->base, conn_on_timer, c);
-	if (!c->timer) {
+	/*
+	 * Replies that make no progress for CONN_STALL_TIMEOUT end the
+	 * connection: while its output is backed up the connection reads
+	 * nothing (not even a DISC), so without it a client could park its
+	 * buffers here forever.
+	 */
+	c->output_cb = evbuffer_add_cb(bufferevent_get_output(c->bev), conn_on_output, c);
+	if (!c->timer || !c->output_cb) {
+		if (c->timer)
+			event_free(c->timer);
 		worker_conn_removed(w, c);
 		bufferevent_free(c->bev);
 		free(c);
+		budget_client_remove();
 		return -ENOMEM;
 	}
 	conn_arm_timer(c, CONN_NEGOTIATION_TIMEOUT);
-	/*
-	 * Replies that make no progress for this long end the connection: while
-	 * its output is backed up the connection reads nothing (not even a
-	 * DISC), so without it a client could park its buffers here forever.
-	 */
-	struct timeval stall = {CONN_STALL_TIMEOUT, 0};
-	bufferevent_set_timeouts(c->bev, NULL, &stall);
 	c->reading = true;
 	bufferevent_enable(c->bev, EV_READ | EV_WRITE);
 	log_debug("conn %llu: accepted on worker %u", (unsigned long long)id, w->index);

@@ -19,9 +19,18 @@
  * buffer after the client has gone.
  *
  * Bounds: at most CONN_MAX_INFLIGHT requests and CONN_MAX_INFLIGHT_BYTES of
- * request buffers per connection; beyond that the connection stops reading
- * until replies drain, so a client cannot make the daemon allocate without
- * limit.
+ * requests alive (each costs what it may hold: itself, its data, its block
+ * status room; CACHE and FLUSH too) per connection; beyond that the
+ * connection stops reading until replies drain, so a client cannot make
+ * the daemon allocate without limit. All connections together are bounded
+ * by daemon/budget.h: each request is admitted (budget_reserve) before it
+ * is read, every output buffer is counted as it grows and drains, and a
+ * connection the budget refuses stops reading until conn_budget_wake().
+ *
+ * Stall: replies that do not move for CONN_STALL_TIMEOUT seconds (less
+ * than CONN_STALL_PROGRESS of the output buffer taken by the socket) end
+ * the connection, however many replies are queued meanwhile; so does an
+ * admitted request's payload that does not come (it holds reply memory).
  */
 #ifndef NBDCACHED_DAEMON_CONN_H
 #define NBDCACHED_DAEMON_CONN_H
@@ -38,6 +47,7 @@ struct export;
 struct bufferevent;
 struct event;
 struct evbuffer;
+struct evbuffer_cb_entry;
 
 #define CONN_MAX_INFLIGHT 128
 #define CONN_MAX_INFLIGHT_BYTES (96u << 20)
@@ -50,6 +60,9 @@ struct evbuffer;
 #define CONN_CLOSE_TIMEOUT 10
 /* Seconds pending replies may go without the client reading any of them. */
 #define CONN_STALL_TIMEOUT 30
+/* ... and the clock moves only once the client took this much of them (or
+ * all): a kernel that takes a few bytes now and then is not a reader. */
+#define CONN_STALL_PROGRESS (64u << 10)
 #define STRINGIFY_(x) #x
 #define STRINGIFY(x) STRINGIFY_(x)
 /* Negotiation stops reading while this much of its output is unread. */
@@ -65,7 +78,7 @@ struct conn {
 	uint64_t id;
 	struct worker *worker;
 	struct bufferevent *bev; /* NULL once killed */
-	struct event *timer;	 /* negotiation deadline, then close deadline */
+	struct event *timer;	 /* negotiation, then stall, then close deadline */
 	struct conn *prev, *next;
 	enum conn_phase phase;
 	unsigned refs;
@@ -82,7 +95,7 @@ struct conn {
 
 	/* Transmission (transmit.c). */
 	unsigned inflight;	 /* requests without a reply yet */
-	uint64_t inflight_bytes; /* request buffers alive */
+	uint64_t inflight_bytes; /* what live requests cost (request_cost) */
 	uint64_t discard;	 /* payload bytes still to drop */
 	struct nbd_request discard_req;
 	uint32_t discard_error;
@@ -90,6 +103,20 @@ struct conn {
 	uint64_t seq_next, seq_run; /* sequential read detection (readahead, --seq-cutoff) */
 	bool closing; /* no more reading; close once drained */
 	bool reading; /* EV_READ enabled */
+
+	/* The daemon-wide budget (budget.h). */
+	uint64_t reserved; /* reply bytes reserved for requests not answered yet */
+	uint64_t admitted; /* ... of which for the request whose payload is arriving */
+	size_t payload_seen;	   /* input bytes when that payload last moved */
+	uint64_t payload_moved_ns; /* ... and when */
+	bool budget_waiting; /* refused; reading again at conn_budget_wake() */
+	struct event *hangup; /* while waiting: the client closing (not read otherwise) */
+	uint64_t budget_cost; /* ... what it waits for (0: any room) */
+	struct evbuffer_cb_entry *output_cb; /* counts the output buffer */
+	uint64_t output_refs;	 /* bytes the output references (whole, until freed) */
+	uint64_t output_counted; /* what the output counts in the budget now */
+	uint64_t output_moved_ns;    /* the output was last empty, or last drained */
+	uint64_t output_moved_bytes; /* drained since then */
 };
 
 /* Adopt an accepted socket on the current worker thread. */
@@ -108,6 +135,19 @@ struct evbuffer *conn_output(struct conn *c);
 struct evbuffer *conn_input(struct conn *c);
 /* Re-evaluate whether to read more (after a reply or a drained output). */
 void conn_update_reading(struct conn *c);
+/* Reserve cost reply bytes for the next request (budget_reserve); false:
+ * refused, the connection stopped reading until conn_budget_wake(). */
+bool conn_admit(struct conn *c, uint64_t cost);
+/* The output buffer or its references changed: count it in the budget. */
+void conn_output_sync(struct conn *c);
+/* An admitted request waits for its payload, avail bytes of input so far
+ * (started: it was just admitted). The stall deadline applies to it too:
+ * CONN_STALL_TIMEOUT without CONN_STALL_PROGRESS more bytes ends it. */
+void conn_payload_progress(struct conn *c, size_t avail, bool started);
+/* Give back reply bytes reserved by conn_admit(). */
+void conn_unreserve(struct conn *c, uint64_t bytes);
+/* Worker thread w: budget came back; retry its waiting connections. */
+void conn_budget_wake(struct worker *w);
 /* Parse and act on whatever complete messages the input buffer holds. */
 void conn_process_input(struct conn *c);
 

@@ -35,6 +35,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "daemon/budget.h"
 #include "daemon/clock.h"
 #include "daemon/config.h"
 #include "daemon/log.h"
@@ -46,6 +47,15 @@
 #endif
 
 #define CONTROL_MAX_RATES 1024
+/*
+ * A client whose unread replies reach CONTROL_MAX_OUTPUT is not read (and
+ * its requests not answered) until they drain below half of it; at most
+ * CONTROL_MAX_CLIENTS clients at a time. So all of them together hold at
+ * most CONTROL_MAX_CLIENTS x (CONTROL_MAX_OUTPUT + one reply + one
+ * request line).
+ */
+#define CONTROL_MAX_OUTPUT (1u << 20)
+#define CONTROL_MAX_CLIENTS 64
 
 struct control_client;
 
@@ -67,7 +77,8 @@ struct control_client {
 	struct control *ctl;
 	struct bufferevent *bev;
 	struct control_wait *wait; /* a request in progress */
-	bool closing;		   /* close once the output drained */
+	bool eof;		   /* the client shut its side: answer what was read */
+	bool closing;		   /* nothing more to answer: close once the output drained */
 	struct control_client *prev, *next;
 };
 
@@ -84,6 +95,8 @@ struct control {
 	struct evconnlistener *listener;
 	struct event *tick;
 	struct control_client *clients;
+	unsigned client_count;
+	bool refusing; /* at CONTROL_MAX_CLIENTS: refusal logged for this spell */
 	unsigned pending; /* cache ops in flight */
 	bool stopping;
 	uint64_t started_ns;
@@ -391,6 +404,20 @@ static void cmd_stats(struct control_client *cl, const char *only)
 	add_u64(arena, "compact_ns", s.compact_ns);
 	json_object_object_add(c, "arena", arena);
 	json_object_object_add(o, "cache", c);
+	struct budget_stats b;
+	budget_get_stats(&b);
+	json_object *clients = json_object_new_object();
+	add_u64(clients, "connections", b.clients);
+	add_u64(clients, "max_clients", b.max_clients);
+	add_u64(clients, "refused", b.refused_clients);
+	add_u64(clients, "reply_bytes", b.reply_bytes);
+	add_u64(clients, "max_reply_bytes", b.max_reply_bytes);
+	add_u64(clients, "pinned_reply_bytes", b.pinned_reply_bytes);
+	add_u64(clients, "max_pinned_reply_bytes", b.max_pinned_reply_bytes);
+	add_u64(clients, "copied_replies", b.copied_replies);
+	add_u64(clients, "copied_reply_bytes", b.copied_reply_bytes);
+	add_u64(clients, "budget_waits", b.budget_waits);
+	json_object_object_add(o, "clients", clients);
 	json_object *a = json_object_new_array();
 	for (size_t i = 0; i < n; i++) {
 		struct export *e = list[i];
@@ -618,17 +645,86 @@ static void cmd_compact(struct control_client *cl)
 
 static void reload_now(struct control *ctl, struct control_client *cl);
 
+/* Keys in the text: strings followed by a colon (strict JSON: only '"' quotes). */
+static size_t keys_in_text(const char *text, size_t len)
+{
+	size_t keys = 0;
+	for (size_t i = 0; i < len; i++) {
+		if (text[i] != '"')
+			continue;
+		for (i++; i < len && text[i] != '"'; i++)
+			if (text[i] == '\\')
+				i++;
+		size_t j = i + 1;
+		while (j < len && strchr(" \t\r\n", text[j]))
+			j++;
+		if (j < len && text[j] == ':')
+			keys++;
+	}
+	return keys;
+}
+
+/* Keys json-c kept, at every depth (its tokener bounds the depth). */
+static size_t keys_in_tree(json_object *o)
+{
+	size_t keys = 0;
+	if (json_object_is_type(o, json_type_object)) {
+		json_object_object_foreach(o, key, value)
+		{
+			(void)key;
+			keys += 1 + keys_in_tree(value);
+		}
+	} else if (json_object_is_type(o, json_type_array)) {
+		for (size_t i = 0; i < json_object_array_length(o); i++)
+			keys += keys_in_tree(json_object_array_get_idx(o, i));
+	}
+	return keys;
+}
+
+/*
+ * One request: strict JSON, one object, nothing but white space after it,
+ * no key twice in any object. json-c keeps the last of duplicate keys
+ * without a word, so {"command":"status","command":"reload"} would reload:
+ * a duplicate shows as fewer keys in the tree than in the text (each one
+ * drops at least itself). NULL, with *why set, when refused.
+ */
+static json_object *parse_request(const char *line, size_t len, const char **why)
+{
+	*why = "expected one JSON object per line with \"command\": NAME";
+	json_tokener *tok = json_tokener_new();
+	if (!tok)
+		return NULL;
+	json_tokener_set_flags(tok, JSON_TOKENER_STRICT);
+	json_object *req = json_tokener_parse_ex(tok, line, (int)len);
+	bool complete = json_tokener_get_error(tok) == json_tokener_success;
+	size_t end = json_tokener_get_parse_end(tok);
+	json_tokener_free(tok);
+	if (!req || !complete || !json_object_is_type(req, json_type_object))
+		goto refuse;
+	for (size_t i = end; i < len; i++) {
+		if (!strchr(" \t\r", line[i])) {
+			*why = "text after the JSON object (one object per line)";
+			goto refuse;
+		}
+	}
+	if (keys_in_tree(req) != keys_in_text(line, end)) {
+		*why = "a key given twice in one object";
+		goto refuse;
+	}
+	return req;
+refuse:
+	json_object_put(req);
+	return NULL;
+}
+
 static void dispatch(struct control_client *cl, const char *line, size_t len)
 {
-	json_tokener *tok = json_tokener_new();
-	json_object *req = tok ? json_tokener_parse_ex(tok, line, (int)len) : NULL;
-	bool complete = tok && json_tokener_get_error(tok) == json_tokener_success;
-	json_tokener_free(tok);
+	const char *why;
+	json_object *req = parse_request(line, len, &why);
 	json_object *v;
-	if (!req || !complete || !json_object_is_type(req, json_type_object) ||
-	    !json_object_object_get_ex(req, "command", &v) ||
+	if (!req || !json_object_object_get_ex(req, "command", &v) ||
 	    !json_object_is_type(v, json_type_string)) {
-		send_error(cl, EINVAL, "expected one JSON object per line with \"command\": NAME");
+		send_error(cl, EINVAL, "%s", req ? "expected \"command\": NAME" : why);
 		json_object_put(req);
 		return;
 	}
@@ -681,14 +777,24 @@ static void client_free(struct control_client *cl)
 		cl->next->prev = cl->prev;
 	if (cl->bev)
 		bufferevent_free(cl->bev);
+	cl->ctl->client_count--;
 	free(cl);
 }
 
-/* Answer the complete lines read so far; false when the client was freed. */
+static size_t client_unread(struct control_client *cl)
+{
+	return evbuffer_get_length(bufferevent_get_output(cl->bev));
+}
+
+/*
+ * Answer the complete lines read so far, while no request waits and fewer
+ * than CONTROL_MAX_OUTPUT bytes of replies are unread; then read more only
+ * if that still holds. False when the client was freed.
+ */
 static bool client_process(struct control_client *cl)
 {
 	struct evbuffer *in = bufferevent_get_input(cl->bev);
-	while (!cl->wait && !cl->closing) {
+	while (!cl->wait && !cl->closing && client_unread(cl) < CONTROL_MAX_OUTPUT) {
 		size_t len;
 		char *line = evbuffer_readln(in, &len, EVBUFFER_EOL_LF);
 		if (!line) {
@@ -699,12 +805,24 @@ static bool client_process(struct control_client *cl)
 				client_free(cl);
 				return false;
 			}
-			return true;
+			if (cl->eof) {
+				/* Everything it sent is answered: close once it is read. */
+				if (client_unread(cl) == 0) {
+					client_free(cl);
+					return false;
+				}
+				cl->closing = true;
+			}
+			break;
 		}
 		if (len)
 			dispatch(cl, line, len);
 		free(line);
 	}
+	if (!cl->wait && !cl->eof && !cl->closing && client_unread(cl) < CONTROL_MAX_OUTPUT)
+		bufferevent_enable(cl->bev, EV_READ);
+	else
+		bufferevent_disable(cl->bev, EV_READ);
 	return true;
 }
 
@@ -712,7 +830,6 @@ static void client_resume(struct control_client *cl)
 {
 	if (!cl->bev)
 		return;
-	bufferevent_enable(cl->bev, EV_READ);
 	client_process(cl);
 }
 
@@ -722,29 +839,32 @@ static void on_client_read(struct bufferevent *bev, void *arg)
 	client_process(arg);
 }
 
+/* The output drained below the low watermark (half of CONTROL_MAX_OUTPUT). */
 static void on_client_write(struct bufferevent *bev, void *arg)
 {
 	(void)bev;
 	struct control_client *cl = arg;
-	if (cl->closing)
-		client_free(cl);
+	if (cl->closing) {
+		if (client_unread(cl) == 0)
+			client_free(cl);
+		return;
+	}
+	client_process(cl);
 }
 
 static void on_client_event(struct bufferevent *bev, short what, void *arg)
 {
 	(void)bev;
 	struct control_client *cl = arg;
-	if (what & (BEV_EVENT_EOF | BEV_EVENT_ERROR)) {
-		/* Answer what was already read before going: a client may send a
-		 * request and shut down its side. */
-		if ((what & BEV_EVENT_EOF) && !cl->wait) {
-			if (!client_process(cl))
-				return;
-			if (!cl->wait && evbuffer_get_length(bufferevent_get_output(cl->bev))) {
-				cl->closing = true;
-				return;
-			}
-		}
+	if (what & BEV_EVENT_EOF) {
+		/* Answer what was already read before going: a client may send
+		 * requests and shut down its side. */
+		cl->eof = true;
+		if (!cl->wait)
+			client_process(cl);
+		return; /* else answered when the request completes */
+	}
+	if (what & BEV_EVENT_ERROR) {
 		if (cl->wait) {
 			cl->closing = true; /* answered (to no one) when it completes */
 			return;
@@ -760,6 +880,15 @@ static void on_accept(struct evconnlistener *l, evutil_socket_t fd, struct socka
 	(void)sa;
 	(void)len;
 	struct control *ctl = arg;
+	if (ctl->client_count >= CONTROL_MAX_CLIENTS) {
+		if (!ctl->refusing)
+			log_warn("control: %d clients connected; refusing more until one leaves",
+				 CONTROL_MAX_CLIENTS);
+		ctl->refusing = true;
+		close(fd);
+		return;
+	}
+	ctl->refusing = false;
 	struct control_client *cl = calloc(1, sizeof(*cl));
 	if (!cl) {
 		close(fd);
@@ -776,7 +905,9 @@ static void on_accept(struct evconnlistener *l, evutil_socket_t fd, struct socka
 	if (ctl->clients)
 		ctl->clients->prev = cl;
 	ctl->clients = cl;
+	ctl->client_count++;
 	bufferevent_setcb(cl->bev, on_client_read, on_client_write, on_client_event, cl);
+	bufferevent_setwatermark(cl->bev, EV_WRITE, CONTROL_MAX_OUTPUT / 2, 0);
 	bufferevent_enable(cl->bev, EV_READ | EV_WRITE);
 }
 
@@ -818,6 +949,9 @@ static void refused_globals(const struct options *was, const struct options *now
 	    {was->compact != now->compact, "compact"},
 	    {was->compact_interval_ms != now->compact_interval_ms, "compact-interval-ms"},
 	    {was->compact_threshold != now->compact_threshold, "compact-threshold"},
+	    {was->max_clients != now->max_clients, "max-clients"},
+	    {was->max_reply_memory != now->max_reply_memory, "max-reply-memory"},
+	    {was->max_pinned_replies != now->max_pinned_replies, "max-pinned-replies"},
 	};
 	for (size_t i = 0; i < sizeof(checks) / sizeof(checks[0]); i++) {
 		if (!checks[i].changed)

@@ -44,7 +44,8 @@ const char *options_usage(void)
 	       "                 [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]\n"
 	       "                 [--backend-timeout SECONDS]\n"
 	       "                 [--compact on|off] [--compact-interval-ms MS]\n"
-	       "                 [--compact-threshold PERMILLE]\n"
+	       "                 [--compact-threshold PERMILLE] [--max-clients N]\n"
+	       "                 [--max-reply-memory SIZE] [--max-pinned-replies SIZE]\n"
 	       "BACKEND is a file or block device, an NBD URI (nbd://HOST[:PORT]/NAME,\n"
 	       "nbd+unix:///NAME?socket=PATH, nbds://...) or nbdkit:PLUGIN [ARG...].\n"
 	       "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
@@ -425,6 +426,37 @@ int options_parse_compact_threshold(const char *text, unsigned *out)
 	return parse_unsigned_in(text, 0, 1000, out);
 }
 
+uint64_t options_pinned_replies(const struct options *opts)
+{
+	if (opts->max_pinned_replies == OPTIONS_PINNED_DEFAULT)
+		return opts->cache_size / 8;
+	return opts->max_pinned_replies;
+}
+
+int options_parse_max_clients(const char *text, unsigned *out)
+{
+	return parse_unsigned_in(text, 0, OPTIONS_MAX_CONNECTIONS, out);
+}
+
+int options_parse_reply_memory(const char *text, uint64_t *out)
+{
+	uint64_t v;
+	if (options_parse_size(text, &v) < 0 || v < OPTIONS_MIN_REPLY_MEMORY ||
+	    v > (uint64_t)SIZE_MAX / 2)
+		return -EINVAL;
+	*out = v;
+	return 0;
+}
+
+int options_parse_pinned_replies(const char *text, uint64_t *out)
+{
+	uint64_t v;
+	if (options_parse_size(text, &v) < 0 || v == OPTIONS_PINNED_DEFAULT)
+		return -EINVAL;
+	*out = v;
+	return 0;
+}
+
 int options_add_export(struct options *opts, struct export_spec *spec, char *err, size_t errlen)
 {
 	for (size_t i = 0; i < opts->export_count; i++) {
@@ -456,6 +488,9 @@ void options_defaults(struct options *out)
 	out->compact = true;
 	out->compact_interval_ms = OPTIONS_DEFAULT_COMPACT_INTERVAL_MS;
 	out->compact_threshold = OPTIONS_DEFAULT_COMPACT_THRESHOLD;
+	out->max_clients = OPTIONS_DEFAULT_MAX_CLIENTS;
+	out->max_reply_memory = OPTIONS_DEFAULT_MAX_REPLY_MEMORY;
+	out->max_pinned_replies = OPTIONS_PINNED_DEFAULT;
 }
 
 static int set_string(char **slot, const char *value)
@@ -496,6 +531,9 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 		{"compact", required_argument, NULL, 'P'},
 		{"compact-interval-ms", required_argument, NULL, 'I'},
 		{"compact-threshold", required_argument, NULL, 'F'},
+		{"max-clients", required_argument, NULL, 'N'},
+		{"max-reply-memory", required_argument, NULL, 'R'},
+		{"max-pinned-replies", required_argument, NULL, 'Q'},
 		{"help", no_argument, NULL, 'h'},
 		{"version", no_argument, NULL, 'V'},
 		{NULL, 0, NULL, 0},
@@ -505,7 +543,7 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 	optind = 1;
 	opterr = 0;
 	for (;;) {
-		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:C:H:B:M:S:D:d:E:T:m:c:Kx:U:G:P:I:F:hV",
+		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:C:H:B:M:S:D:d:E:T:m:c:Kx:U:G:P:I:F:N:R:Q:hV",
 				    longopts, NULL);
 		if (c == -1)
 			break;
@@ -704,6 +742,33 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 				goto error;
 			}
 			out->given |= OPT_GIVEN_COMPACT_THRESHOLD;
+			break;
+		case 'N':
+			if (options_parse_max_clients(optarg, &out->max_clients) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--max-clients %s: expected 0..%d (0: unlimited)", optarg,
+					  OPTIONS_MAX_CONNECTIONS);
+				goto error;
+			}
+			out->given |= OPT_GIVEN_MAX_CLIENTS;
+			break;
+		case 'R':
+			if (options_parse_reply_memory(optarg, &out->max_reply_memory) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--max-reply-memory %s: expected a size from 64M up to half "
+					  "the address space",
+					  optarg);
+				goto error;
+			}
+			out->given |= OPT_GIVEN_MAX_REPLY_MEMORY;
+			break;
+		case 'Q':
+			if (options_parse_pinned_replies(optarg, &out->max_pinned_replies) < 0) {
+				rc = fail(err, errlen, -EINVAL, "--max-pinned-replies %s: expected a size",
+					  optarg);
+				goto error;
+			}
+			out->given |= OPT_GIVEN_MAX_PINNED_REPLIES;
 			break;
 		case 'h':
 			out->help = true;

@@ -18,6 +18,7 @@
  *             [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]
  *             [--backend-timeout SECONDS]
  *             [--compact on|off] [--compact-interval-ms MS] [--compact-threshold PERMILLE]
+ *             [--max-clients N] [--max-reply-memory SIZE] [--max-pinned-replies SIZE]
  *
  * BACKEND is a file or block device path, an NBD URI (nbd://, nbds://,
  * nbd+unix://...) or "nbdkit:PLUGIN [ARG...]".
@@ -53,6 +54,12 @@
 #define OPTIONS_MAX_CONNECTIONS 65536
 #define OPTIONS_DEFAULT_COMPACT_INTERVAL_MS 1000
 #define OPTIONS_DEFAULT_COMPACT_THRESHOLD 200 /* per mille */
+/* Limits on what all clients together hold (daemon/budget.h). */
+#define OPTIONS_DEFAULT_MAX_CLIENTS 1024
+#define OPTIONS_DEFAULT_MAX_REPLY_MEMORY (512ull << 20)
+#define OPTIONS_MIN_REPLY_MEMORY (64ull << 20) /* two of the largest requests */
+/* max_pinned_replies when not given: 1/8 of cache_size (options_pinned_replies). */
+#define OPTIONS_PINNED_DEFAULT UINT64_MAX
 
 /* What the cache does with an export's reads and writes (DESIGN.md). */
 enum cache_mode {
@@ -103,6 +110,9 @@ enum options_given {
 	OPT_GIVEN_COMPACT = 1u << 17,
 	OPT_GIVEN_COMPACT_INTERVAL = 1u << 18,
 	OPT_GIVEN_COMPACT_THRESHOLD = 1u << 19,
+	OPT_GIVEN_MAX_CLIENTS = 1u << 20,
+	OPT_GIVEN_MAX_REPLY_MEMORY = 1u << 21,
+	OPT_GIVEN_MAX_PINNED_REPLIES = 1u << 22,
 };
 
 struct options {
@@ -139,6 +149,12 @@ struct options {
 	bool compact;
 	unsigned compact_interval_ms;
 	unsigned compact_threshold;
+	/* What all clients together may hold (daemon/budget.h): connections
+	 * (0: unlimited), bytes of requests in service and unsent replies, and
+	 * arena bytes pinned by unsent replies (past it replies are copied). */
+	unsigned max_clients;
+	uint64_t max_reply_memory;
+	uint64_t max_pinned_replies; /* as given; see options_pinned_replies() */
 	bool help;
 	bool version;
 };
@@ -171,6 +187,11 @@ int options_parse_max_connections(const char *text, unsigned *out);
 int options_parse_compact(const char *text, bool *out);		  /* on, off */
 int options_parse_compact_interval(const char *text, unsigned *out); /* 1..3600000 */
 int options_parse_compact_threshold(const char *text, unsigned *out); /* 0..1000 */
+/* The pinned-reply limit in force: as given, or 1/8 of cache_size. */
+uint64_t options_pinned_replies(const struct options *opts);
+int options_parse_max_clients(const char *text, unsigned *out);	      /* 0..65536 */
+int options_parse_reply_memory(const char *text, uint64_t *out); /* 64M..half the address space */
+int options_parse_pinned_replies(const char *text, uint64_t *out); /* a size */
 /* Append a copy of a string to a vector. */
 int options_push_string(char ***vec, size_t *count, const char *s);
 /* Add an export; -EEXIST (message in err) when the name is taken. */

@@ -27,7 +27,9 @@
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include "daemon/budget.h"
 #include "daemon/cache/cache.h"
+#include "daemon/conn.h"
 #include "daemon/control.h"
 #include "daemon/export.h"
 #include "daemon/log.h"
@@ -52,6 +54,8 @@ struct server {
 	struct listener *listeners;
 	size_t listener_count;
 	struct control *control;
+	unsigned max_clients;
+	bool refusing; /* at --max-clients: said so once for this spell */
 };
 
 static int listen_tcp(struct server *s, const char *spec)
@@ -131,6 +135,24 @@ static void on_accept(struct evconnlistener *l, evutil_socket_t fd, struct socka
 	(void)sa;
 	(void)len;
 	struct server *s = arg;
+	/* Accept and close, not leave in the backlog: the client learns at
+	 * once, and the listener does not fire again and again. */
+	if (!budget_client_add()) {
+		if (!s->refusing)
+			log_warn("%u clients connected (--max-clients): refusing new connections "
+				 "until one closes",
+				 s->max_clients);
+		s->refusing = true;
+		evutil_closesocket(fd);
+		return;
+	}
+	if (s->refusing) {
+		struct budget_stats st;
+		budget_get_stats(&st);
+		log_info("accepting connections again (%llu refused in all)",
+			 (unsigned long long)st.refused_clients);
+		s->refusing = false;
+	}
 	struct worker *w = &s->workers[s->next_worker++ % s->worker_count];
 	worker_hand_off(w, fd, ++s->next_conn_id);
 }
@@ -391,6 +413,9 @@ int server_run(const struct options *opts, int argc, char **argv)
 		}
 		s.worker_count++;
 	}
+	s.max_clients = opts->max_clients;
+	if (budget_start(opts, s.workers, s.worker_count, conn_budget_wake) < 0)
+		goto out_workers;
 	listen_fds = calloc(s.listener_count ? s.listener_count : 1, sizeof(*listen_fds));
 	if (!listen_fds)
 		goto out_workers;
@@ -460,9 +485,12 @@ out_workers:
 	close_listeners(&s);
 	for (unsigned i = 0; i < s.worker_count; i++)
 		worker_request_stop(&s.workers[i]);
+	/* Closing connections read nothing more: no budget wake-ups to post. */
+	budget_stop();
 	/* The signal events stay installed meanwhile: a second SIGTERM is absorbed. */
 	for (unsigned i = 0; i < s.worker_count; i++)
 		worker_join(&s.workers[i]);
+	budget_free();
 	free(s.workers);
 	/* After the workers (no connection is left to flush for), before the
 	 * cache writes everything back. */

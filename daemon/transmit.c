@@ -10,8 +10,16 @@
  * different requests never interleave on the wire.
  *
  * Read data is not copied again: the reply references the request buffer
- * (evbuffer_add_reference) and the buffer is freed when libevent has sent
- * it.
+ * or, for a cached read, the arena (evbuffer_add_reference), and is freed
+ * or unpinned when libevent has sent it. The arena bytes unsent replies pin
+ * are bounded daemon-wide (budget_pin, --max-pinned-replies): past that, a
+ * cached read's data is copied into the request's own buffer and the cache
+ * op released at once, so slow readers never hold the cache still.
+ *
+ * Each request is admitted against the daemon-wide budget (conn_admit)
+ * for what it costs (request_cost) before it is read, payload included; it
+ * gives that reservation back once its reply is queued, where the output
+ * buffer's count takes over.
  *
  *   struct request            refs: 1 while the request is live
  *   +-----------+                   + 1 per output-buffer reference
@@ -29,11 +37,16 @@
 #include <event2/event.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
+#include "daemon/budget.h"
 #include "daemon/conn.h"
 #include "daemon/export.h"
 #include "daemon/log.h"
 #include "daemon/worker.h"
+
+/* Copies of cached read data this large are mmap'd (request_copy_out). */
+#define COPY_MMAP_MIN (1u << 20)
 
 /* Largest extent a compact (32-bit) block status descriptor carries. */
 #define COMPACT_EXTENT_MAX 0xfffff000u
@@ -44,16 +57,54 @@ struct request {
 	bool cached;	      /* through op (the cache), else io (the backend) */
 	struct backend_io io; /* cache mode none */
 	struct cache_op op;
-	uint8_t *buf;	 /* WRITE payload; READ data when not cached */
+	uint8_t *buf;	 /* WRITE payload; READ data when not cached or copied */
 	size_t buf_len;
-	size_t accounted; /* bytes counted in conn->inflight_bytes */
+	bool copied;	       /* cached READ copied into buf, op released */
+	bool copy_may_hold_zeros;
+	bool buf_mapped;       /* buf is an mmap of buf_len bytes (a large copy) */
+	uint64_t accounted; /* bytes counted in conn->inflight_bytes */
+	uint64_t reserved;  /* reply bytes reserved (conn->reserved) until answered */
+	uint64_t pinned;    /* arena bytes counted by budget_pin until sent */
 	unsigned refs;
 	struct nbd_extent *extents;
 	size_t n_extents;
 };
 
+/*
+ * What a request may hold from when it is read until it is answered: the
+ * request itself, its data (READ and WRITE lengths; a CACHE fills its
+ * length of the cache, counted up to the maximum payload: with extended
+ * headers it may name a terabyte, which no budget could admit), its
+ * extents and the block status reply they make. Counted per connection
+ * (CONN_MAX_INFLIGHT_BYTES) and daemon-wide; never above the maximum
+ * payload and a little, so a request always fits an empty budget.
+ */
+static uint64_t request_cost(const struct conn *c, const struct nbd_request *req,
+			     size_t max_extents)
+{
+	uint64_t cost = sizeof(struct request);
+	switch (req->type) {
+	case NBD_CMD_READ:
+		cost += req->length;
+		break;
+	case NBD_CMD_CACHE:
+		cost += req->length < c->session.max_payload ? req->length : c->session.max_payload;
+		break;
+	case NBD_CMD_WRITE:
+		cost += req->payload_length;
+		break;
+	case NBD_CMD_BLOCK_STATUS:
+		cost += max_extents * sizeof(struct nbd_extent) +
+			nbd_block_status_size(c->extended, max_extents);
+		break;
+	default:
+		break;
+	}
+	return cost;
+}
+
 static struct request *request_new(struct conn *c, const struct nbd_request *hdr, size_t buf_len,
-				   size_t accounted, size_t max_extents)
+				   uint64_t accounted, size_t max_extents)
 {
 	struct request *r = calloc(1, sizeof(*r));
 	if (!r)
@@ -72,6 +123,8 @@ static struct request *request_new(struct conn *c, const struct nbd_request *hdr
 	r->hdr = *hdr;
 	r->buf_len = buf_len;
 	r->accounted = accounted;
+	r->reserved = c->admitted; /* the reservation made for its header */
+	c->admitted = 0;
 	r->refs = 1;
 	r->io.extents = r->extents;
 	r->io.max_extents = max_extents;
@@ -93,9 +146,14 @@ static void request_put(struct request *r)
 		return;
 	struct conn *c = r->conn;
 	c->inflight_bytes -= r->accounted;
-	if (r->cached)
+	if (r->cached && !r->copied)
 		cache_op_release(&r->op);
-	free(r->buf);
+	if (r->pinned)
+		budget_unpin(r->pinned);
+	if (r->buf_mapped)
+		munmap(r->buf, r->buf_len);
+	else
+		free(r->buf);
 	free(r->extents);
 	free(r);
 	/*
@@ -108,8 +166,10 @@ static void request_put(struct request *r)
 static void request_buf_release(const void *data, size_t len, void *arg)
 {
 	(void)data;
-	(void)len;
-	request_put(arg);
+	struct request *r = arg;
+	r->conn->output_refs -= len;
+	conn_output_sync(r->conn);
+	request_put(r);
 }
 
 /* Queue a chunk header (structured or extended form). */
@@ -171,7 +231,10 @@ static void add_data_ref(struct request *r, const uint8_t *data, size_t len)
 	if (evbuffer_add_reference(conn_output(r->conn), data, len, request_buf_release, r) < 0) {
 		r->refs--;
 		conn_kill(r->conn, "out of memory queueing a reply");
+		return;
 	}
+	r->conn->output_refs += len;
+	conn_output_sync(r->conn);
 }
 
 /* One data chunk at request offset at: its header, then the data. */
@@ -190,14 +253,68 @@ static void add_data_chunk_header(struct request *r, size_t at, size_t len, uint
 static bool request_segment(const struct request *r, size_t i, const uint8_t **data, size_t *len,
 			    bool *may_hold_zeros)
 {
-	if (r->cached)
+	if (r->cached && !r->copied)
 		return cache_op_segment(&r->op, i, data, len, may_hold_zeros);
 	if (i > 0)
 		return false;
 	*data = r->buf;
 	*len = r->buf_len;
-	*may_hold_zeros = true;
+	*may_hold_zeros = !r->cached || r->copy_may_hold_zeros;
 	return true;
+}
+
+/*
+ * A cached read's data, out of the cache into the request's own buffer;
+ * the op is released now (its entries unpinned). False when out of memory.
+ */
+static bool request_copy_out(struct request *r, size_t len)
+{
+	/*
+	 * Large copies are mapped, not malloc'd: freeing one gives the memory
+	 * back at once, where glibc would raise its mmap threshold and keep
+	 * the next ones in a heap that slow readers leave full of holes.
+	 */
+	bool mapped = len >= COPY_MMAP_MIN;
+	uint8_t *buf = mapped ? mmap(NULL, len, PROT_READ | PROT_WRITE,
+				      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+			      : malloc(len);
+	if (mapped && buf == MAP_FAILED)
+		buf = NULL;
+	if (!buf)
+		return false;
+	const uint8_t *data;
+	size_t n, at = 0;
+	bool zeros, any_zeros = false;
+	for (size_t i = 0; request_segment(r, i, &data, &n, &zeros); i++) {
+		memcpy(buf + at, data, n);
+		at += n;
+		any_zeros |= zeros;
+	}
+	cache_op_release(&r->op);
+	r->copied = true;
+	r->buf_mapped = mapped;
+	r->copy_may_hold_zeros = any_zeros;
+	r->buf = buf;
+	r->buf_len = at;
+	budget_count_copy(at);
+	return true;
+}
+
+/*
+ * Before a cached read's reply references the arena: pin its bytes in the
+ * daemon-wide count, or copy them out when that is full. Without memory
+ * for the copy the reply pins anyway (counted, over the limit).
+ */
+static void request_hold_data(struct request *r, size_t len)
+{
+	if (!r->cached)
+		return;
+	if (!budget_pin(len, false)) {
+		if (request_copy_out(r, len))
+			return;
+		budget_pin(len, true);
+	}
+	r->pinned = len;
 }
 
 /* All of the read data, as references to its segments. */
@@ -238,6 +355,7 @@ static void reply_read(struct request *r)
 		reply_ok(c, &r->hdr);
 		return;
 	}
+	request_hold_data(r, len);
 	if (!c->structured) {
 		uint8_t buf[NBD_SIMPLE_REPLY_SIZE];
 		size_t n = nbd_encode_simple_reply(buf, r->hdr.cookie, 0);
@@ -385,6 +503,9 @@ static void request_finish(struct request *r, int result)
 	}
 	conn_ref(c);
 	c->inflight--;
+	/* The reply is in the output buffer now, counted there. */
+	conn_unreserve(c, r->reserved);
+	r->reserved = 0;
 	request_put(r);
 	conn_update_reading(c);
 	conn_unref(c);
@@ -530,20 +651,16 @@ int transmit_step(struct conn *c)
 		reply_refused(c, &req, (uint32_t)verdict);
 		return 1;
 	}
-	if (req.payload_length && avail < hsize + req.payload_length)
-		return 0; /* wait for the whole payload */
-
 	bool cached = cache_export_mode(c->export->cache) != CACHE_MODE_NONE;
-	size_t buf_len = 0, accounted = 0, max_extents = 0;
+	size_t buf_len = 0, max_extents = 0;
 	switch (req.type) {
 	case NBD_CMD_READ:
-		/* Cached reads are sent from the arena; bypassed parts allocate
-		 * there, so count them either way. */
-		accounted = (size_t)req.length;
-		buf_len = cached ? 0 : accounted;
+		/* Cached reads are sent from the arena, or copied (the cost
+		 * counts them either way). */
+		buf_len = cached ? 0 : (size_t)req.length;
 		break;
 	case NBD_CMD_WRITE:
-		buf_len = accounted = (size_t)req.payload_length;
+		buf_len = (size_t)req.payload_length;
 		break;
 	case NBD_CMD_BLOCK_STATUS:
 		max_extents = (req.flags & NBD_CMD_FLAG_REQ_ONE) ? 1 : CONN_MAX_EXTENTS;
@@ -551,9 +668,22 @@ int transmit_step(struct conn *c)
 	default:
 		break;
 	}
+	/* Admitted before its payload is read: a refused request stays unread. */
+	uint64_t cost = request_cost(c, &req, max_extents);
+	bool started = !c->admitted;
+	if (started && !conn_admit(c, cost))
+		return 0;
+	c->admitted = cost;
+	if (req.payload_length && avail < hsize + req.payload_length) {
+		conn_payload_progress(c, avail, started);
+		return 0; /* wait for the whole payload */
+	}
+
 	evbuffer_drain(in, hsize);
-	struct request *r = request_new(c, &req, buf_len, accounted, max_extents);
+	struct request *r = request_new(c, &req, buf_len, cost, max_extents);
 	if (!r) {
+		conn_unreserve(c, c->admitted);
+		c->admitted = 0;
 		if (req.payload_length) {
 			c->discard = req.payload_length;
 			c->discard_req = req;

@@ -8,7 +8,11 @@
  * newline inside an object) in each direction; a client may send several
  * requests on one connection, and each gets exactly one reply, in order.
  * A request line longer than NBDCACHED_CONTROL_MAX_REQUEST bytes closes the
- * connection.
+ * connection. A request is strict JSON: one object, no key twice in any
+ * object, nothing but white space after it; anything else is an "EINVAL"
+ * reply (and runs nothing). While a client has 1 MiB of replies unread the
+ * daemon reads no more of its requests, until it has read half of them; at
+ * most 64 clients are connected at a time (more are closed at once).
  *
  * Request:   {"command": NAME, ...arguments}
  * Reply:     {"ok": true, ...fields}                 on success
@@ -64,6 +68,17 @@
  *                     that asked for 2 MiB, and got it), compact_moves,
  *                     compact_skipped_pinned, compact_collapses,
  *                     compact_chunks_freed, compact_passes, compact_ns}}
+ *     clients: {connections (NBD connections open, all exports, negotiating
+ *             ones too), max_clients (--max-clients; 0: unlimited), refused
+ *             (connections closed at once for being over it), reply_bytes
+ *             (requests in service and replies not yet sent, all
+ *             connections: what --max-reply-memory bounds), max_reply_bytes,
+ *             pinned_reply_bytes (cache memory that unsent READ replies
+ *             hold pinned), max_pinned_reply_bytes (--max-pinned-replies),
+ *             copied_replies, copied_reply_bytes (READ replies copied out
+ *             of the cache because the pinned ones were at the limit),
+ *             budget_waits (times a connection stopped reading to wait for
+ *             reply memory)}
  *     exports: array of {name, connections, hits, misses, partial_hits,
  *             hit_ratio (double), dirty_bytes, backend_reads,
  *             backend_read_bytes, backend_writes, backend_write_bytes,

@@ -61,6 +61,10 @@ BAD = [
     ("[a]\nbackend = /tmp/x\n" + "k" * 300 + " = 1\n", 3, "key name longer than"),
     ("[generic]\ndirty-high = 0x10\n[a]\nbackend = /tmp/x\n", 2, "dirty-high 0x10"),
     ("[generic]\ncompact = maybe\n[a]\nbackend = /tmp/x\n", 2, "compact maybe: expected on or off"),
+    ("[generic]\nmax-reply-memory = 1M\n[a]\nbackend = /tmp/x\n", 2, "max-reply-memory 1M"),
+    ("[generic]\nmax-clients = -1\n[a]\nbackend = /tmp/x\n", 2, "max-clients -1"),
+    ("[generic]\nmax-pinned-replies = some\n[a]\nbackend = /tmp/x\n", 2,
+     "max-pinned-replies some"),
 ]
 
 
@@ -185,14 +189,21 @@ def command_line_wins(tmp):
     conf = os.path.join(tmp, "c.conf")
     with open(conf, "w") as f:
         f.write("[generic]\ncache-size = 64M\ncache-mode = writethrough\n"
-                "dirty-high = 010\ndirty-low = 5\n\n[a]\nbackend = %s\n"
+                "dirty-high = 010\ndirty-low = 5\nmax-clients = 7\nmax-reply-memory = 100M\n"
+                "\n[a]\nbackend = %s\n"
                 "description = %s\n\n[%s]\nbackend = %s\n" % (img, LONG, LONG_NAME, img3))
     img2 = os.path.join(tmp, "b.img")
     nbdtest.sparse_file(img2, 4 * MIB)
-    d = nbdtest.CheckedDaemon([("b", img2, "")], extra=["--config", conf, "--cache-size", "16M"])
+    d = nbdtest.CheckedDaemon([("b", img2, "")], extra=["--config", conf, "--cache-size", "16M",
+                                                         "--max-clients", "9"])
     try:
         st = nbdtest.control_request(d.control, {"command": "status"})
         expect(st["cache_bytes"] == 16 * MIB, "--cache-size 16M wins over the file's 64M")
+        cl = nbdtest.control_request(d.control, {"command": "stats"})["clients"]
+        expect(cl["max_clients"] == 9, "--max-clients 9 wins over the file's 7: %r" % cl)
+        expect(cl["max_reply_bytes"] == 100 * MIB, "the file's max-reply-memory: %r" % cl)
+        expect(cl["max_pinned_reply_bytes"] == 2 * MIB,
+               "max-pinned-replies defaults to 1/8 of the cache size in force: %r" % cl)
         ex = nbdtest.control_request(d.control, {"command": "exports"})["exports"]
         names = [e["name"] for e in ex]
         expect(names == ["a", LONG_NAME, "b"],

@@ -5,7 +5,16 @@ their replies in order; bad JSON, a non-object, a missing or unknown command
 and a wrong argument type are EINVAL replies on a connection that stays
 usable; a request line over 64 KiB closes the connection and the daemon
 serves the next client; a second daemon cannot take a control socket in use;
---control none runs without one."""
+--control none runs without one.
+
+Hostile requests: a duplicate key (`{"command":"status","command":"reload"}`,
+at the top or nested) and text after the object (another object, or a
+word) are EINVAL replies and run nothing (no reload is logged); trailing
+white space is fine. A client that pipelines 200000 `stats` requests and
+reads no reply makes the daemon stop reading it once about 1 MiB of
+replies is unread: the daemon's RSS grows by less than 32 MiB (it grew by
+hundreds of MiB before), another client is served meanwhile, and the
+flooding client then reads well-formed replies."""
 import json
 import os
 import socket
@@ -31,7 +40,7 @@ def lines(sock, n, timeout=10):
         if not chunk:
             break
         data += chunk
-    return [json.loads(l) for l in data.split(b"\n") if l]
+    return [json.loads(l) for l in data.split(b"\n")[:-1] if l]   # complete lines only
 
 
 def protocol(tmp):
@@ -83,6 +92,64 @@ def protocol(tmp):
         expect(st["pid"] == d.pid, "the first daemon still owns its control socket")
 
 
+def hostile(tmp):
+    img = os.path.join(tmp, "h.img")
+    nbdtest.sparse_file(img, 4 * MIB)
+    with nbdtest.running_daemon([("h", img, "")]) as d:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(d.control)
+            s.sendall(b'{"command":"status","command":"reload"}\n'
+                      b'{"command":"stats","x":{"a":1,"a":2}}\n'
+                      b'{"command":"status"} x\n'
+                      b'{"command":"status"}{"command":"reload"}\n'
+                      b'{"command":"status"}  \r\n')
+            r = lines(s, 5)
+            log("  %d replies: %s" % (len(r), [x.get("errno", "ok") for x in r]))
+            expect(len(r) == 5, "5 replies to 5 requests, got %d" % len(r))
+            for i, what in enumerate(("a duplicate key", "a nested duplicate key",
+                                      "a word after the object", "a second object")):
+                if i < len(r):
+                    expect(not r[i]["ok"] and r[i].get("errno") == "EINVAL",
+                           "%s must be EINVAL: %r" % (what, r[i]))
+            if len(r) == 5:
+                expect(r[4]["ok"] and r[4].get("pid") == d.pid,
+                       "trailing white space is fine: %r" % r[4])
+        time.sleep(0.3)
+        expect("reload" not in d.log_text(), "a rejected request ran a reload")
+
+        base = nbdtest.rss(d.pid)
+        count = 200000
+        wire = b'{"command":"stats"}\n' * count
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(d.control)
+            s.setblocking(False)
+            mv = memoryview(wire)
+            sent, peak = 0, base
+            t0 = last = time.monotonic()
+            while sent < len(wire) and time.monotonic() - t0 < 30 and time.monotonic() - last < 2:
+                try:
+                    sent += s.send(mv[sent:sent + 65536])
+                    last = time.monotonic()
+                except BlockingIOError:
+                    time.sleep(0.01)
+                peak = max(peak, nbdtest.rss(d.pid))
+            for _ in range(10):
+                time.sleep(0.1)
+                peak = max(peak, nbdtest.rss(d.pid))
+            log("  sent %d of %d stats requests in %.1f s; daemon RSS %d MiB at start, peak %d MiB"
+                % (sent // 20, count, time.monotonic() - t0, base >> 20, peak >> 20))
+            expect(peak - base < 32 * MIB, "the daemon's RSS grew by %d MiB with unread stats "
+                   "replies (limit 32 MiB)" % ((peak - base) >> 20))
+            expect(sent < len(wire), "the daemon read all %d requests without their replies "
+                   "being read" % count)
+            st = nbdtest.control_request(d.control, {"command": "status"}, timeout=10)
+            expect(st["ok"], "another client is served during the flood")
+            s.setblocking(True)
+            r = lines(s, 50)
+            expect(len(r) >= 50 and all(x["ok"] and "cache" in x for x in r[:50]),
+                   "the flooding client's first replies are stats replies")
+
+
 def no_control(tmp):
     img = os.path.join(tmp, "n.img")
     nbdtest.sparse_file(img, MIB)
@@ -95,7 +162,7 @@ def no_control(tmp):
 
 
 def main():
-    for name, fn in (("protocol", protocol), ("no_control", no_control)):
+    for name, fn in (("protocol", protocol), ("hostile", hostile), ("no_control", no_control)):
         with nbdtest.tempdir() as tmp:
             CHECKS.run(name, fn, tmp)
     CHECKS.finish("control socket")

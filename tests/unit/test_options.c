@@ -224,6 +224,38 @@ static void test_compact_settings(void **state)
 	options_free(&o);
 }
 
+/* The daemon-wide budgets: defaults, the pinned share following the cache
+ * size, 0 pinned bytes allowed, too little reply memory refused. */
+static void test_budget_settings(void **state)
+{
+	(void)state;
+	struct options o;
+	char err[256] = "";
+	char *defaults[] = {"nbdcached", "--export", "a=/x", "--cache-size", "256M", NULL};
+	assert_int_equal(parse(defaults, 5, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.max_clients, OPTIONS_DEFAULT_MAX_CLIENTS);
+	assert_true(o.max_reply_memory == OPTIONS_DEFAULT_MAX_REPLY_MEMORY);
+	assert_true(options_pinned_replies(&o) == (32ull << 20)); /* 1/8 of the cache */
+	options_free(&o);
+
+	char *given[] = {"nbdcached",	       "--max-clients",	       "0",
+			 "--max-reply-memory", "1G",		       "--max-pinned-replies",
+			 "0",		       "--export",	       "a=/x",
+			 NULL};
+	assert_int_equal(parse(given, 9, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.max_clients, 0);
+	assert_true(o.max_reply_memory == (1ull << 30));
+	assert_true(options_pinned_replies(&o) == 0);
+	options_free(&o);
+
+	char *small[] = {"nbdcached", "--max-reply-memory", "1M", "--export", "a=/x", NULL};
+	assert_int_equal(parse(small, 5, &o, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, "--max-reply-memory 1M"));
+	char *many[] = {"nbdcached", "--max-clients", "70000", "--export", "a=/x", NULL};
+	assert_int_equal(parse(many, 5, &o, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, "--max-clients 70000"));
+}
+
 static void test_no_export_and_duplicates(void **state)
 {
 	(void)state;
@@ -290,6 +322,7 @@ int main(void)
 		cmocka_unit_test(test_rejections),
 		cmocka_unit_test(test_cache_settings),
 		cmocka_unit_test(test_compact_settings),
+		cmocka_unit_test(test_budget_settings),
 		cmocka_unit_test(test_no_export_and_duplicates),
 		cmocka_unit_test(test_split_host_port),
 		cmocka_unit_test(test_help_and_version),
