@@ -567,6 +567,10 @@ static void print_stats(json_object *r)
 	printf("writeback    %s written back, %s/s, %" PRId64 " errors\n",
 	       SIZE(get_int(c, "writeback_bytes")), SIZE(get_int(c, "writeback_rate")),
 	       get_int(c, "writeback_errors"));
+	printf("durability   %s unstable (written, not flushed), %" PRId64 " backend flushes, %" PRId64
+	       " failed, %" PRId64 " losses\n",
+	       SIZE(get_int(c, "unstable_bytes")), get_int(c, "backend_flushes"),
+	       get_int(c, "backend_flush_errors"), get_int(c, "losses"));
 	printf("other        %" PRId64 " evictions, %" PRId64 " bypassed reads, %" PRId64
 	       " direct writes\n",
 	       get_int(c, "evictions"), get_int(c, "bypass_reads"), get_int(c, "direct_writes"));

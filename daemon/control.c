@@ -347,6 +347,10 @@ static void traffic_fields(json_object *x, const struct cache_export_stats *s)
 	add_u64(x, "writeback_bytes", s->writeback_bytes);
 	add_u64(x, "evictions", s->evictions);
 	add_u64(x, "writeback_errors", s->writeback_errors);
+	add_u64(x, "unstable_bytes", s->unstable_bytes);
+	add_u64(x, "backend_flushes", s->backend_flushes);
+	add_u64(x, "backend_flush_errors", s->backend_flush_errors);
+	add_u64(x, "losses", s->losses);
 }
 
 static void cmd_stats(struct control_client *cl, const char *only)

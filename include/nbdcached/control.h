@@ -85,6 +85,11 @@
  *             writeback_bytes, writeback_rate, evictions, writeback_errors,
  *             cached_bytes (arena bytes its cache entries hold)}
  *             (only the named export when "export" is given)
+ *     Durability (cache and each export): unstable_bytes (written back,
+ *     no backend flush since: not evictable yet; an upper bound, counted
+ *     in blocks written), backend_flushes, backend_flush_errors, losses
+ *     (times the backend may have lost writes it acknowledged, so what the
+ *     cache held of them was written again). nbdcached(8), DURABILITY.
  *     backend_writes and backend_write_bytes count what was sent to the
  *     backend, failed writes included (writeback_errors counts those);
  *     writeback_bytes counts what the writeback thread wrote successfully.
@@ -96,6 +101,8 @@
  *     arrives, then flushes the backend; the reply comes when that is done:
  *     export, flushed_bytes (dirty bytes when it started), time_ms.
  *     Fails with "EIO" when the backend refuses (the data stays dirty).
+ *     Runs as a FLUSH round (nbdcached(8), DURABILITY): with unstable data
+ *     it makes that durable too.
  *     Progress: poll "stats" for the export's dirty_bytes on a second
  *     connection meanwhile.
  *
