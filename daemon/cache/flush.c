@@ -110,6 +110,17 @@ static void flush_reply_task(struct worker_task *task)
 	op->done(op, result);
 }
 
+/* Answer every FLUSH of the list (op->flush_next) on its own worker. */
+static void answer(struct cache_op *members, int error)
+{
+	for (struct cache_op *op = members, *next; op; op = next) {
+		next = op->flush_next;
+		op->error = error;
+		op->waiter.task.run = flush_reply_task;
+		worker_post(op->worker, &op->waiter.task);
+	}
+}
+
 /*
  * Every unstable entry of ce (or those written before the flush that
  * covered seq) becomes clean, or, with redirty, dirty again. Writeback
@@ -219,12 +230,7 @@ static void flush_job_end(struct flush_job *job)
 	ce->round = NULL;
 	round_unpin(job);
 	free(job->entries);
-	for (struct cache_op *op = job->members, *next; op; op = next) {
-		next = op->flush_next;
-		op->error = job->error;
-		op->waiter.task.run = flush_reply_task;
-		worker_post(op->worker, &op->waiter.task);
-	}
+	answer(job->members, job->error);
 	bool shutdown = job->shutdown;
 	if (shutdown && job->error && !wb->shutdown_error)
 		wb->shutdown_error = job->error;
@@ -427,12 +433,7 @@ void flush_round_start(struct writeback *wb, struct cache_export *ce, bool backg
 		/* Cannot even track a round: answer EIO (the data stays). */
 		ce->flush_waiting_head = ce->flush_waiting_tail = NULL;
 		ce->shutdown_waiting = false;
-		for (struct cache_op *op = members, *next; op; op = next) {
-			next = op->flush_next;
-			op->error = -ENOMEM;
-			op->waiter.task.run = flush_reply_task;
-			worker_post(op->worker, &op->waiter.task);
-		}
+		answer(members, -ENOMEM);
 		if (shutdown) {
 			wb->shutdown_error = -ENOMEM;
 			if (--wb->shutdown_jobs == 0)
