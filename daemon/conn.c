@@ -11,7 +11,7 @@
  * The output buffer's callback keeps two facts: what it holds, in the
  * budget (conn_output_sync), and when the replies last moved, for the
  * stall deadline. That deadline is ours, not libevent's write timeout, so
- * that its meaning is written down: CONN_STALL_TIMEOUT seconds in which
+ * that its meaning is written down: --stall-timeout seconds in which
  * the socket took less than CONN_STALL_PROGRESS bytes of the replies. A
  * stalled connection is reset, not closed (conn_on_timer).
  */
@@ -23,6 +23,7 @@
 #include <event2/event.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -107,7 +108,25 @@ static void conn_arm_timer(struct conn *c, int seconds)
 	conn_arm_timer_ns(c, (uint64_t)seconds * 1000000000u);
 }
 
-#define STALL_NS ((uint64_t)CONN_STALL_TIMEOUT * 1000000000u)
+/*
+ * The stall deadline: set once on the main thread before the workers start
+ * (thread creation orders it before their reads), read-only after. The
+ * reasons a stalled connection is reset with are written once, here, so the
+ * log names the deadline in force.
+ */
+static struct {
+	uint64_t ns;
+	char replies_why[80], payload_why[96];
+} stall;
+
+void conn_set_stall_timeout(unsigned seconds)
+{
+	stall.ns = (uint64_t)seconds * 1000000000u;
+	snprintf(stall.replies_why, sizeof(stall.replies_why),
+		 "client has not read its replies for %u s", seconds);
+	snprintf(stall.payload_why, sizeof(stall.payload_why),
+		 "client sent no more of a request's payload for %u s", seconds);
+}
 
 /*
  * In transmission: how long until a stall deadline, 0 if one has passed,
@@ -120,15 +139,14 @@ static uint64_t conn_stall_left(struct conn *c, const char **why)
 	uint64_t now = clock_now_ns(), left = UINT64_MAX;
 	if (evbuffer_get_length(conn_output(c)) > 0) {
 		uint64_t still = now - c->output_moved_ns;
-		*why = "client has not read its replies for " STRINGIFY(CONN_STALL_TIMEOUT) " s";
-		left = still < STALL_NS ? STALL_NS - still : 0;
+		*why = stall.replies_why;
+		left = still < stall.ns ? stall.ns - still : 0;
 	}
 	if (c->admitted && left) {
 		uint64_t still = now - c->payload_moved_ns;
-		uint64_t payload_left = still < STALL_NS ? STALL_NS - still : 0;
+		uint64_t payload_left = still < stall.ns ? stall.ns - still : 0;
 		if (payload_left == 0)
-			*why = "client sent no more of a request's payload for " STRINGIFY(
-			    CONN_STALL_TIMEOUT) " s";
+			*why = stall.payload_why;
 		if (payload_left < left)
 			left = payload_left;
 	}
@@ -176,7 +194,7 @@ static void conn_watch_stall(struct conn *c)
 {
 	if (c->phase == CONN_TRANSMISSION && !c->closing && c->timer &&
 	    !evtimer_pending(c->timer, NULL))
-		conn_arm_timer(c, CONN_STALL_TIMEOUT);
+		conn_arm_timer_ns(c, stall.ns);
 }
 
 void conn_payload_progress(struct conn *c, size_t avail, bool started)
@@ -420,7 +438,7 @@ static void conn_on_event(struct bufferevent *bev, short what, void *arg)
 	(void)bev;
 	struct conn *c = arg;
 	if (what & BEV_EVENT_TIMEOUT)
-		conn_kill(c, "client has not read its replies for " STRINGIFY(CONN_STALL_TIMEOUT) " s");
+		conn_kill(c, stall.replies_why);
 	else if (what & BEV_EVENT_EOF)
 		conn_kill(c, "client closed the connection");
 	else if (what & BEV_EVENT_ERROR)
@@ -459,7 +477,7 @@ int conn_start(struct worker *w, int fd, uint64_t id)
 	/* A client gets CONN_NEGOTIATION_TIMEOUT seconds, in all, to negotiate. */
 	c->timer = evtimer_new(w->base, conn_on_timer, c);
 	/*
-	 * Replies that make no progress for CONN_STALL_TIMEOUT end the
+	 * Replies that make no progress for --stall-timeout end the
 	 * connection: while its output is backed up the connection reads
 	 * nothing (not even a DISC), so without it a client could park its
 	 * buffers here forever.

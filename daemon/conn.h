@@ -27,9 +27,9 @@
  * is read, every output buffer is counted as it grows and drains, and a
  * connection the budget refuses stops reading until conn_budget_wake().
  *
- * Stall: replies that do not move for CONN_STALL_TIMEOUT seconds (less
- * than CONN_STALL_PROGRESS of the output buffer taken by the socket) end
- * the connection, however many replies are queued meanwhile; so does an
+ * Stall: replies that do not move for --stall-timeout seconds (less than
+ * CONN_STALL_PROGRESS of the output buffer taken by the socket) end the
+ * connection, however many replies are queued meanwhile; so does an
  * admitted request's payload that does not come (it holds reply memory).
  */
 #ifndef NBDCACHED_DAEMON_CONN_H
@@ -58,13 +58,11 @@ struct evbuffer_cb_entry;
 #define CONN_NEGOTIATION_TIMEOUT 60
 /* Seconds a closing connection (DISC, ABORT, shutdown) may take to drain. */
 #define CONN_CLOSE_TIMEOUT 10
-/* Seconds pending replies may go without the client reading any of them. */
-#define CONN_STALL_TIMEOUT 30
-/* ... and the clock moves only once the client took this much of them (or
- * all): a kernel that takes a few bytes now and then is not a reader. */
+/* Pending replies may go --stall-timeout seconds (conn_set_stall_timeout)
+ * without the client reading any of them, and the clock moves only once the
+ * client took this much of them (or all): a kernel that takes a few bytes
+ * now and then is not a reader. */
 #define CONN_STALL_PROGRESS (64u << 10)
-#define STRINGIFY_(x) #x
-#define STRINGIFY(x) STRINGIFY_(x)
 /* Negotiation stops reading while this much of its output is unread. */
 #define CONN_MAX_NEGOTIATION_OUTPUT (1u << 20)
 /* Block status replies describe at most this many extents. */
@@ -119,6 +117,9 @@ struct conn {
 	uint64_t output_moved_bytes; /* drained since then */
 };
 
+/* Main thread, once, before any worker starts: the stall deadline in
+ * seconds (--stall-timeout). */
+void conn_set_stall_timeout(unsigned seconds);
 /* Adopt an accepted socket on the current worker thread. */
 int conn_start(struct worker *w, int fd, uint64_t id);
 /* Stop reading and close once in-flight requests have replied. */
@@ -142,7 +143,7 @@ bool conn_admit(struct conn *c, uint64_t cost);
 void conn_output_sync(struct conn *c);
 /* An admitted request waits for its payload, avail bytes of input so far
  * (started: it was just admitted). The stall deadline applies to it too:
- * CONN_STALL_TIMEOUT without CONN_STALL_PROGRESS more bytes ends it. */
+ * --stall-timeout without CONN_STALL_PROGRESS more bytes ends it. */
 void conn_payload_progress(struct conn *c, size_t avail, bool started);
 /* Give back reply bytes reserved by conn_admit(). */
 void conn_unreserve(struct conn *c, uint64_t bytes);

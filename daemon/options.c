@@ -46,6 +46,7 @@ const char *options_usage(void)
 	       "                 [--compact on|off] [--compact-interval-ms MS]\n"
 	       "                 [--compact-threshold PERMILLE] [--max-clients N]\n"
 	       "                 [--max-reply-memory SIZE] [--max-pinned-replies SIZE]\n"
+	       "                 [--stall-timeout SECONDS]\n"
 	       "BACKEND is a file or block device, an NBD URI (nbd://HOST[:PORT]/NAME,\n"
 	       "nbd+unix:///NAME?socket=PATH, nbds://...) or nbdkit:PLUGIN [ARG...].\n"
 	       "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
@@ -457,6 +458,11 @@ int options_parse_pinned_replies(const char *text, uint64_t *out)
 	return 0;
 }
 
+int options_parse_stall_timeout(const char *text, unsigned *out)
+{
+	return parse_unsigned_in(text, 1, OPTIONS_MAX_STALL_TIMEOUT, out);
+}
+
 int options_add_export(struct options *opts, struct export_spec *spec, char *err, size_t errlen)
 {
 	for (size_t i = 0; i < opts->export_count; i++) {
@@ -491,6 +497,7 @@ void options_defaults(struct options *out)
 	out->max_clients = OPTIONS_DEFAULT_MAX_CLIENTS;
 	out->max_reply_memory = OPTIONS_DEFAULT_MAX_REPLY_MEMORY;
 	out->max_pinned_replies = OPTIONS_PINNED_DEFAULT;
+	out->stall_timeout = OPTIONS_DEFAULT_STALL_TIMEOUT;
 }
 
 static int set_string(char **slot, const char *value)
@@ -534,6 +541,7 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 		{"max-clients", required_argument, NULL, 'N'},
 		{"max-reply-memory", required_argument, NULL, 'R'},
 		{"max-pinned-replies", required_argument, NULL, 'Q'},
+		{"stall-timeout", required_argument, NULL, 'W'},
 		{"help", no_argument, NULL, 'h'},
 		{"version", no_argument, NULL, 'V'},
 		{NULL, 0, NULL, 0},
@@ -543,7 +551,7 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 	optind = 1;
 	opterr = 0;
 	for (;;) {
-		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:C:H:B:M:S:D:d:E:T:m:c:Kx:U:G:P:I:F:N:R:Q:hV",
+		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:C:H:B:M:S:D:d:E:T:m:c:Kx:U:G:P:I:F:N:R:Q:W:hV",
 				    longopts, NULL);
 		if (c == -1)
 			break;
@@ -769,6 +777,15 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 				goto error;
 			}
 			out->given |= OPT_GIVEN_MAX_PINNED_REPLIES;
+			break;
+		case 'W':
+			if (options_parse_stall_timeout(optarg, &out->stall_timeout) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--stall-timeout %s: expected 1..%d seconds", optarg,
+					  OPTIONS_MAX_STALL_TIMEOUT);
+				goto error;
+			}
+			out->given |= OPT_GIVEN_STALL_TIMEOUT;
 			break;
 		case 'h':
 			out->help = true;

@@ -19,6 +19,7 @@
  *             [--backend-timeout SECONDS]
  *             [--compact on|off] [--compact-interval-ms MS] [--compact-threshold PERMILLE]
  *             [--max-clients N] [--max-reply-memory SIZE] [--max-pinned-replies SIZE]
+ *             [--stall-timeout SECONDS]
  *
  * BACKEND is a file or block device path, an NBD URI (nbd://, nbds://,
  * nbd+unix://...) or "nbdkit:PLUGIN [ARG...]".
@@ -60,6 +61,9 @@
 #define OPTIONS_MIN_REPLY_MEMORY (64ull << 20) /* two of the largest requests */
 /* max_pinned_replies when not given: 1/8 of cache_size (options_pinned_replies). */
 #define OPTIONS_PINNED_DEFAULT UINT64_MAX
+/* Seconds pending replies may go without the client reading them (conn.h). */
+#define OPTIONS_DEFAULT_STALL_TIMEOUT 30
+#define OPTIONS_MAX_STALL_TIMEOUT 3600
 
 /* What the cache does with an export's reads and writes (DESIGN.md). */
 enum cache_mode {
@@ -113,6 +117,7 @@ enum options_given {
 	OPT_GIVEN_MAX_CLIENTS = 1u << 20,
 	OPT_GIVEN_MAX_REPLY_MEMORY = 1u << 21,
 	OPT_GIVEN_MAX_PINNED_REPLIES = 1u << 22,
+	OPT_GIVEN_STALL_TIMEOUT = 1u << 23,
 };
 
 struct options {
@@ -155,6 +160,10 @@ struct options {
 	unsigned max_clients;
 	uint64_t max_reply_memory;
 	uint64_t max_pinned_replies; /* as given; see options_pinned_replies() */
+	/* Seconds in which a client must take CONN_STALL_PROGRESS of its
+	 * pending replies (or of an announced payload must arrive) before it
+	 * is reset (daemon/conn.h). */
+	unsigned stall_timeout;
 	bool help;
 	bool version;
 };
@@ -192,6 +201,7 @@ uint64_t options_pinned_replies(const struct options *opts);
 int options_parse_max_clients(const char *text, unsigned *out);	      /* 0..65536 */
 int options_parse_reply_memory(const char *text, uint64_t *out); /* 64M..half the address space */
 int options_parse_pinned_replies(const char *text, uint64_t *out); /* a size */
+int options_parse_stall_timeout(const char *text, unsigned *out);  /* 1..3600 */
 /* Append a copy of a string to a vector. */
 int options_push_string(char ***vec, size_t *count, const char *s);
 /* Add an export; -EEXIST (message in err) when the name is taken. */

@@ -402,6 +402,7 @@ int server_run(const struct options *opts, int argc, char **argv)
 		log_error("cache: cannot start the writeback thread: %s", strerror(-rc));
 		goto out_base;
 	}
+	conn_set_stall_timeout(opts->stall_timeout);
 	s.workers = calloc(threads, sizeof(*s.workers));
 	if (!s.workers)
 		goto out_base;

@@ -2,16 +2,21 @@
 """The config file (nbdcached.conf(5)): the examples in configs/ load; every
 kind of bad input is refused with FILE:LINE and a reason; an nbd-server
 style config is served as it says (read-only, connection limit); the command
-line wins over the file for what it gives."""
+line wins over the file for what it gives, stall-timeout included (a client
+that reads none of its replies is reset after the file's value, or the
+command line's when it gives one)."""
 import errno
 import os
+import select
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "lib"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import nbdtest  # noqa: E402
 from nbdtest import log  # noqa: E402
+import bad_input as raw  # noqa: E402  (RawClient)
 
 MIB = 1 << 20
 CHECKS = nbdtest.Checks()
@@ -65,6 +70,12 @@ BAD = [
     ("[generic]\nmax-clients = -1\n[a]\nbackend = /tmp/x\n", 2, "max-clients -1"),
     ("[generic]\nmax-pinned-replies = some\n[a]\nbackend = /tmp/x\n", 2,
      "max-pinned-replies some"),
+    ("[generic]\nstall-timeout = 0\n[a]\nbackend = /tmp/x\n", 2,
+     "stall-timeout 0: expected 1..3600 seconds"),
+    ("[generic]\nstall-timeout = 3601\n[a]\nbackend = /tmp/x\n", 2,
+     "stall-timeout 3601: expected 1..3600 seconds"),
+    ("[generic]\nstall-timeout = 5\nstall-timeout = 6\n[a]\nbackend = /tmp/x\n", 3,
+     "'stall-timeout' given twice"),
 ]
 
 
@@ -223,6 +234,60 @@ def command_line_wins(tmp):
         d.stop()
 
 
+def stalled_after(d):
+    """Seconds from sending 100 x 1 MiB READs (more than the daemon buffers
+    for one connection) until the daemon resets the client, which reads
+    none of the replies; None if it is still connected after 20 s."""
+    r = raw.RawClient(d.sock)
+    try:
+        r.open("s")
+        wire = b"".join(r.encode_request(raw.CMD_READ, 0, MIB)[1] for _ in range(100))
+        r.s.setblocking(False)
+        sent = 0
+        t0 = time.monotonic()
+        while sent < len(wire) and time.monotonic() - t0 < 5:
+            try:
+                sent += r.s.send(wire[sent:])
+            except BlockingIOError:
+                time.sleep(0.01)
+        p = select.poll()
+        p.register(r.s, select.POLLHUP | select.POLLRDHUP | select.POLLERR)
+        while time.monotonic() - t0 < 20:
+            if p.poll(100):
+                return time.monotonic() - t0
+        return None
+    finally:
+        r.close()
+
+
+def stall_timeout(tmp):
+    """stall-timeout from the file applies; --stall-timeout wins over it."""
+    img = os.path.join(tmp, "s.img")
+    nbdtest.random_file(img, MIB, seed=7)
+    conf = os.path.join(tmp, "s.conf")
+    with open(conf, "w") as f:
+        f.write("[generic]\ncache-size = 16M\nstall-timeout = 2\n\n[s]\nbackend = %s\n" % img)
+    for extra, want in (([], 2), (["--stall-timeout", "4"], 4)):
+        # The reset's reason, with the deadline in force, is logged at debug.
+        d = nbdtest.CheckedDaemon([], extra=["--config", conf, "--log-level", "debug"] + extra)
+        try:
+            took = stalled_after(d)
+            log("  stall-timeout = 2 in the file%s: reset after %s"
+                % (", --stall-timeout 4" if extra else "",
+                   "%.1f s" % took if took is not None else "never"))
+            expect(took is not None and want - 0.5 <= took <= want + 3,
+                   "a client that reads no reply was reset after %s (want %d s)"
+                   % ("%.1f s" % took if took is not None else "never", want))
+            why = "client has not read its replies for %d s" % want
+            for _ in range(20):
+                if why in d.log_text():
+                    break
+                time.sleep(0.1)
+            expect(why in d.log_text(), "the log does not say '%s'" % why)
+        finally:
+            d.stop()
+
+
 def drop_privileges(tmp):
     """user / group from the config: the daemon serves as that user."""
     import pwd
@@ -259,6 +324,7 @@ def main():
     for name, fn in (("examples", examples), ("bad_input", bad_input),
                      ("nbd_server_style", nbd_server_style),
                      ("command_line_wins", command_line_wins),
+                     ("stall_timeout", stall_timeout),
                      ("drop_privileges", drop_privileges)):
         with nbdtest.tempdir() as tmp:
             checks.run(name, fn, tmp)

@@ -16,13 +16,15 @@ file descriptors or CPU without end, against the real daemon.
    mid-option-header, are both disconnected between 55 s and 70 s after
    they connected. A libnbd client and a raw client that finished GO at the
    start and then idle for 70 s are not disconnected: both are used after.
-3. Close and stall deadlines. A client that sends 20 x 1 MiB READs then
-   NBD_CMD_DISC and never reads a reply is disconnected between 8 s and 15 s
-   after sending (CONN_CLOSE_TIMEOUT, 10 s). One that sends 200 x 1 MiB
-   READs then NBD_CMD_DISC backs its replies up past CONN_MAX_OUTPUT, so the
-   daemon stops reading before the DISC; it is cut off when its replies have
-   made no progress for CONN_STALL_TIMEOUT (30 s): between 28 s and 36 s.
-   The RSS then drops back.
+3. Close and stall deadlines (the daemon runs with --stall-timeout 5, so
+   the two deadlines differ and the check takes seconds, not half a
+   minute). A client that sends 20 x 1 MiB READs then NBD_CMD_DISC and
+   never reads a reply is disconnected between 8 s and 16 s after sending
+   (CONN_CLOSE_TIMEOUT, 10 s). One that sends 200 x 1 MiB READs then
+   NBD_CMD_DISC backs its replies up past CONN_MAX_OUTPUT, so the daemon
+   stops reading before the DISC; it is cut off when its replies have made
+   no progress for --stall-timeout: between 4 s and 8 s, before the close
+   deadline could have ended it. The RSS then drops back.
 4. EMFILE. A second daemon whose RLIMIT_NOFILE soft limit is lowered to 40
    (by prlimit on its PID before any client connects) gets 80 connections:
    it must not spin (utime+stime over 3 s below 0.5 s), it logs "pausing new
@@ -68,7 +70,7 @@ DESCRIPTION = "d" * 1500            # makes every NBD_REP_SERVER ~1.5 KiB
 
 NEGOTIATION_TIMEOUT = 60            # daemon/conn.h CONN_NEGOTIATION_TIMEOUT
 CLOSE_TIMEOUT = 10                  # daemon/conn.h CONN_CLOSE_TIMEOUT
-STALL_TIMEOUT = 30                  # daemon/conn.h CONN_STALL_TIMEOUT
+STALL_TIMEOUT = 5                   # --stall-timeout of the main daemon (default 30)
 LIST_COUNT = 200000
 RSS_LIMIT = 100 * MIB
 RSS_GROWTH_LIMIT = 48 * MIB
@@ -438,7 +440,11 @@ def close_deadline(d):
         # 20 MiB of replies fit the output buffer: the DISC is read and the
         # close deadline applies. 200 MiB do not: the stall deadline does.
         deadline = {20: CLOSE_TIMEOUT, 200: STALL_TIMEOUT}
-        limit = STALL_TIMEOUT + 6
+        # How early and how late each may end: the stall window stops short
+        # of the close deadline, so that one cannot pass for the other.
+        window = {20: (CLOSE_TIMEOUT - 2, CLOSE_TIMEOUT + 6),
+                  200: (STALL_TIMEOUT - 1, STALL_TIMEOUT + 3)}
+        limit = max(deadline.values()) + 6
         while len(closed) < len(clients) and time.monotonic() - t0 < limit + 3:
             for count, _ in clients:
                 if count not in closed and polls[count].poll(0):
@@ -463,13 +469,18 @@ def close_deadline(d):
     for count, _ in clients:
         t = closed.get(count)
         want = deadline[count]
+        low, high = window[count]
         if t is None:
             errors.append("a client that sent %d x 1 MiB READs then NBD_CMD_DISC and read no reply "
                           "is still connected %d s later (deadline %d s)"
                           % (count, limit + 3, want))
-        elif not want - 2 <= t <= want + 6:
+        elif not low <= t <= high:
             errors.append("a client that sent %d x 1 MiB READs then NBD_CMD_DISC was disconnected "
-                          "after %.1f s (deadline %d s)" % (count, t, want))
+                          "after %.1f s (deadline %d s: %d..%d s)" % (count, t, want, low, high))
+    if 20 in closed and 200 in closed and not closed[200] < closed[20]:
+        errors.append("the client past CONN_MAX_OUTPUT was cut off after %.1f s, not before the "
+                      "one under the close deadline (%.1f s): --stall-timeout %d did not apply"
+                      % (closed[200], closed[20], STALL_TIMEOUT))
     if after >= before + 32 * MIB:
         errors.append("daemon RSS %d MiB after the non-reading clients were gone (%d MiB before)"
                       % (after >> 20, before >> 20))
@@ -590,7 +601,8 @@ def main():
         exports = [("data", paths["data"], "description=" + DESCRIPTION),
                    ("cold", paths["cold"], "")]
         os.makedirs(os.path.join(tmp, "main"))
-        with nbdtest.Daemon(exports, threads=2, workdir=os.path.join(tmp, "main")) as d:
+        with nbdtest.Daemon(exports, threads=2, workdir=os.path.join(tmp, "main"),
+                            extra=["--stall-timeout", str(STALL_TIMEOUT)]) as d:
             time.sleep(0.3)
             base = rss(d.pid)
             log("daemon PID %d, RSS %d MiB at start" % (d.pid, base >> 20))

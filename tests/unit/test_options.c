@@ -7,6 +7,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -256,6 +257,53 @@ static void test_budget_settings(void **state)
 	assert_non_null(strstr(err, "--max-clients 70000"));
 }
 
+/* The stall deadline: 30 s unless given, 1..3600 s, whole seconds only. */
+static void test_stall_timeout(void **state)
+{
+	(void)state;
+	struct options o;
+	char err[256] = "";
+	char *defaults[] = {"nbdcached", "--export", "a=/x", NULL};
+	assert_int_equal(parse(defaults, 3, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.stall_timeout, OPTIONS_DEFAULT_STALL_TIMEOUT);
+	assert_int_equal(o.stall_timeout, 30);
+	assert_false(o.given & OPT_GIVEN_STALL_TIMEOUT);
+	options_free(&o);
+
+	char *given[] = {"nbdcached", "--stall-timeout", "5", "--export", "a=/x", NULL};
+	assert_int_equal(parse(given, 5, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.stall_timeout, 5);
+	assert_true(o.given & OPT_GIVEN_STALL_TIMEOUT);
+	options_free(&o);
+
+	char *lowest[] = {"nbdcached", "--stall-timeout", "1", "--export", "a=/x", NULL};
+	assert_int_equal(parse(lowest, 5, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.stall_timeout, 1);
+	options_free(&o);
+	char *highest[] = {"nbdcached", "--stall-timeout", "3600", "--export", "a=/x", NULL};
+	assert_int_equal(parse(highest, 5, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.stall_timeout, OPTIONS_MAX_STALL_TIMEOUT);
+	options_free(&o);
+
+	const char *bad[] = {"0", "3601", "-1", "5s", "", "1.5", "99999999999"};
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		char *argv[] = {"nbdcached", "--stall-timeout", (char *)bad[i], "--export", "a=/x",
+				NULL};
+		err[0] = '\0';
+		assert_int_equal(parse(argv, 5, &o, err, sizeof(err)), -EINVAL);
+		char want[64];
+		snprintf(want, sizeof(want), "--stall-timeout %s: expected 1..3600 seconds",
+			 bad[i]);
+		assert_non_null(strstr(err, want));
+	}
+
+	unsigned v = 7;
+	assert_int_equal(options_parse_stall_timeout("3601", &v), -EINVAL);
+	assert_int_equal(v, 7); /* untouched on error */
+	assert_int_equal(options_parse_stall_timeout("60", &v), 0);
+	assert_int_equal(v, 60);
+}
+
 static void test_no_export_and_duplicates(void **state)
 {
 	(void)state;
@@ -323,6 +371,7 @@ int main(void)
 		cmocka_unit_test(test_cache_settings),
 		cmocka_unit_test(test_compact_settings),
 		cmocka_unit_test(test_budget_settings),
+		cmocka_unit_test(test_stall_timeout),
 		cmocka_unit_test(test_no_export_and_duplicates),
 		cmocka_unit_test(test_split_host_port),
 		cmocka_unit_test(test_help_and_version),
