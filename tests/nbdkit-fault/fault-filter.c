@@ -393,4 +393,7 @@ static struct nbdkit_filter filter = {
     .cache = fault_cache,
 };
 
+/* nbdkit's macro defines filter_init without a prototype (clang's
+ * -Wmissing-prototypes): declare it. */
+struct nbdkit_filter *filter_init(void);
 NBDKIT_REGISTER_FILTER(filter)
