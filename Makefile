@@ -113,9 +113,14 @@ check: deps
 unit: $(UNIT_BIN)
 	BUILD=$(BUILD) tests/run --unit-only
 
+# The sanitizer and i386 passes repeat the long randomised tests fewer times
+# than make check does (which runs them in full): crash trials, backend-death
+# runs, the compaction run's length.
+SHORT_REPEATS = CRASH_TRIALS=12 RUNS=5 RUNS9=1 CACHE_COMPACT_SECONDS=10
+
 asan: deps
 	$(MAKE) BUILD=build-asan CC=gcc SANITIZE="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" OPT="-O1 -g" all
-	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:quarantine_size_mb=16 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	$(SHORT_REPEATS) ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:quarantine_size_mb=16 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 		BUILD=build-asan tests/run
 
 # TSan does not mix with ASan. libevent and liburing are not instrumented:
@@ -130,7 +135,7 @@ tsan: deps
 
 i386: deps
 	$(MAKE) BUILD=build-i386 M32=-m32 unit
-	scripts/i386-chroot
+	$(SHORT_REPEATS) scripts/i386-chroot
 
 FUZZ_BIN := $(patsubst tests/fuzz/%.c,build-fuzz/%,$(FUZZ_SRC))
 build-fuzz/%: tests/fuzz/%.c $(PROTO_SRC) proto/nbd.h
