@@ -400,6 +400,7 @@ static void cmd_stats(struct control_client *cl, const char *only)
 			       json_object_new_double((double)s.large_share / 1000.0));
 	add_u64(arena, "alloc_2m_attempts", s.alloc_2m_attempts);
 	add_u64(arena, "alloc_2m_ok", s.alloc_2m_ok);
+	add_u64(arena, "alloc_failures", s.alloc_failures);
 	add_u64(arena, "compact_moves", s.compact_moves);
 	add_u64(arena, "compact_skipped_pinned", s.compact_skipped_pinned);
 	add_u64(arena, "compact_collapses", s.compact_collapses);

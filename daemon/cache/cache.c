@@ -481,8 +481,10 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
 	}
 	if (order < fit && fit > ce->min_order + 2)
 		compactor_nudge(c); /* it was not fragmentation alone if it fails */
-	if (frame < 0)
+	if (frame < 0) {
+		atomic_fetch_add(&c->counters.alloc_failures, 1);
 		return NULL;
+	}
 	uint32_t nblocks = (uint32_t)(((uint64_t)ARENA_FRAME_SIZE << order) >> ce->block_shift);
 	struct cache_entry *e = calloc(1, entry_size(nblocks));
 	if (!e)
@@ -1047,6 +1049,7 @@ void cache_get_stats(struct cache *c, struct cache_stats *s)
 	s->large_share = s->traffic.cached_bytes ? s->large_bytes * 1000 / s->traffic.cached_bytes : 0;
 	s->alloc_2m_attempts = atomic_load(&k->alloc_2m_attempts);
 	s->alloc_2m_ok = atomic_load(&k->alloc_2m_ok);
+	s->alloc_failures = atomic_load(&k->alloc_failures);
 	s->compact_moves = atomic_load(&k->compact_moves);
 	s->compact_skipped_pinned = atomic_load(&k->compact_skipped_pinned);
 	s->compact_collapses = atomic_load(&k->compact_collapses);
@@ -1070,7 +1073,7 @@ void cache_log_stats(struct cache *c)
 		 "writeback_errors=%llu bypass_reads=%llu direct_writes=%llu "
 		 "metadata_bytes=%llu free_2m_bytes=%llu fragmentation=%llu "
 		 "free_bytes_by_order=%s large_bytes=%llu large_share=%llu alloc_2m_attempts=%llu "
-		 "alloc_2m_ok=%llu compact_moves=%llu compact_skipped_pinned=%llu "
+		 "alloc_2m_ok=%llu alloc_failures=%llu compact_moves=%llu compact_skipped_pinned=%llu "
 		 "compact_collapses=%llu compact_chunks_freed=%llu compact_passes=%llu "
 		 "compact_ns=%llu unstable_bytes=%llu backend_flushes=%llu "
 		 "backend_flush_errors=%llu losses=%llu",
@@ -1085,7 +1088,7 @@ void cache_log_stats(struct cache *c)
 		 (unsigned long long)s.free_2m_bytes, (unsigned long long)s.fragmentation, by_order,
 		 (unsigned long long)s.large_bytes, (unsigned long long)s.large_share,
 		 (unsigned long long)s.alloc_2m_attempts, (unsigned long long)s.alloc_2m_ok,
-		 (unsigned long long)s.compact_moves, (unsigned long long)s.compact_skipped_pinned,
+		 (unsigned long long)s.alloc_failures, (unsigned long long)s.compact_moves, (unsigned long long)s.compact_skipped_pinned,
 		 (unsigned long long)s.compact_collapses,
 		 (unsigned long long)s.compact_chunks_freed, (unsigned long long)s.compact_passes,
 		 (unsigned long long)s.compact_ns, (unsigned long long)s.traffic.unstable_bytes,

@@ -167,6 +167,7 @@ struct cache_stats {
 	uint64_t large_share;	     /* large_bytes per mille of the bytes in entries */
 	uint64_t alloc_2m_attempts; /* entries created that asked for order 9 */
 	uint64_t alloc_2m_ok;	     /* ... and got it */
+	uint64_t alloc_failures;     /* entries not made: no room even after evicting */
 	uint64_t compact_moves;	     /* entries moved */
 	uint64_t compact_skipped_pinned; /* entries left in place: pinned */
 	uint64_t compact_collapses;	 /* 2 MiB ranges collapsed into one entry */

@@ -98,7 +98,7 @@ struct cache_counters {
 	atomic_uint_fast64_t unstable_bytes, backend_flushes, backend_flush_errors, losses;
 	/* The cache's only (compact.c): */
 	atomic_uint_fast64_t entry_bytes, large_bytes; /* bytes in entries, in order-9 ones */
-	atomic_uint_fast64_t alloc_2m_attempts, alloc_2m_ok;
+	atomic_uint_fast64_t alloc_2m_attempts, alloc_2m_ok, alloc_failures;
 	atomic_uint_fast64_t compact_moves, compact_skipped_pinned, compact_collapses;
 	atomic_uint_fast64_t compact_chunks_freed, compact_passes, compact_ns;
 };

@@ -109,7 +109,10 @@ static struct cache_piece *piece_add(struct cache_op *op)
 /*
  * Split [offset, offset+length) into pieces, pinning the entries. New
  * entries are made unless allocate is false; where none can be had the
- * piece is a bypass piece. Returns 0, -ENOMEM, or -ENOSPC when a WRITE
+ * piece is a bypass piece, and so is the rest of the range that is not
+ * cached already: a failed allocation scanned the eviction queues and
+ * found every entry pinned, dirty or unflushed, and a 4 KiB frame at a
+ * time that scan would hold the worker for seconds. Returns 0, -ENOMEM, or -ENOSPC when a WRITE
  * could not get room for every piece (the caller goes direct).
  */
 static bool range_uptodate(struct cache_entry *e, uint64_t offset, uint64_t length);
@@ -123,10 +126,12 @@ static int pieces_build(struct cache_op *op, bool allocate, bool need_all)
 		struct cache_shard *sh = shard_of(ce, pos);
 		pthread_mutex_lock(&sh->lock);
 		struct cache_entry *e = cache_lookup(ce, sh, frame);
-		if (!e && allocate)
+		if (!e && allocate) {
 			e = cache_entry_create(ce, sh, frame,
 					       op->readahead ? ARENA_MAX_ORDER
 							     : order_for_length(end - pos));
+			allocate = e != NULL;
+		}
 		uint64_t piece_end = e ? cache_entry_offset(e) + cache_entry_bytes(e)
 				       : (frame + 1) << ARENA_FRAME_SHIFT;
 		if (piece_end > end)
@@ -714,18 +719,24 @@ static void direct_apply(struct cache_entry *e, void *arg)
 	cache_dirty_list_update(e);
 }
 
-/* writethrough: cache what was just written, where room can be found. */
+/*
+ * writethrough: cache what was just written, where room can be found (up
+ * to the first frame where none can: see pieces_build).
+ */
 static void direct_populate(struct cache_op *op)
 {
 	struct cache_export *ce = op->ce;
 	uint64_t pos = op->offset, end = op->offset + op->length;
+	bool allocate = true;
 	while (pos < end) {
 		struct cache_shard *sh = shard_of(ce, pos);
 		pthread_mutex_lock(&sh->lock);
 		uint64_t frame = pos >> ARENA_FRAME_SHIFT;
 		struct cache_entry *e = cache_lookup(ce, sh, frame);
-		if (!e)
+		if (!e && allocate) {
 			e = cache_entry_create(ce, sh, frame, order_for_length(end - pos));
+			allocate = e != NULL;
+		}
 		if (!e) {
 			pthread_mutex_unlock(&sh->lock);
 			pos = (frame + 1) << ARENA_FRAME_SHIFT;

@@ -17,18 +17,31 @@ through the daemon; after SIGTERM the file is checked again.
   b-aio     the same, with all 64 writes in flight on both connections at
             once, then the FLUSH on the third
 
+  all-pinned  a 16 MiB writethrough cache filled by reads, every entry then
+            pinned by the zero-copy replies of a client that never reads
+            them. 4 READs of 4 MiB elsewhere and 4 WRITEs of 4 MiB (cached
+            after they are written, where room can be found) must each give
+            up on the cache after one failed allocation (alloc_failures grows
+            by 1 to 8, not once per 4 KiB frame, each failure costing a scan
+            of the eviction queues), and return and store the right bytes.
+            Once the non-reader is gone the cache takes new data again.
+
 Seeds are fixed (printed); CACHE_EVICTION_SEED changes the base seed.
 """
 
 import os
 import random
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import nbdtest  # noqa: E402
 from nbdtest import Failed, log, require, require_same  # noqa: E402
 
 import nbd  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bad_input as raw  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -111,12 +124,77 @@ def part(name, seed, bs, unaligned, writers, aio):
         check_file(path, ps, model, "%s: after SIGTERM" % name)
 
 
+def all_pinned(seed):
+    log("  all-pinned: seed %d" % seed)
+    r = random.Random(seed)
+    size, cache, span = 64 * MIB, 16 * MIB, 4 * MIB
+    keys = nbdtest.CACHE_STATS_KEYS + ("alloc_failures",)
+    with nbdtest.tempdir(base=nbdtest.shm_dir()) as tmp:
+        path = nbdtest.random_file(os.path.join(tmp, "disk.img"), size, seed=seed)
+        model = bytearray(nbdtest.read_at(path, 0, size))
+        # Replies stay zero-copy (the whole cache may be pinned by them).
+        extra = ["--cache-size", "16M", "--cache-mode", "writethrough",
+                 "--max-pinned-replies", "16M"]
+        with nbdtest.Daemon([("disk", path, "")], threads=2, extra=extra) as d:
+            h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+            for off in range(0, cache, MIB):
+                h.pread(MIB, off)
+            st = nbdtest.stats(d, keys=keys)
+            require(st["used_bytes"] == cache, "the warm-up reads left %d of %d bytes of the "
+                    "cache used" % (st["used_bytes"], cache))
+            # Pin every entry: hits whose replies are never read.
+            pin = raw.RawClient(d.sock)
+            pin.open("disk")
+            pin.s.sendall(b"".join(pin.encode_request(raw.CMD_READ, off, span)[1]
+                                   for off in range(0, cache, span)))
+            time.sleep(0.5)
+            before = nbdtest.stats(d, keys=keys)
+            t0 = time.monotonic()
+            for k in range(4):
+                off = 32 * MIB + k * span
+                require_same(h.pread(span, off), model[off:off + span],
+                             "a 4 MiB read while the cache is pinned", base=off)
+            reads_s = time.monotonic() - t0
+            mid = nbdtest.stats(d, keys=keys)
+            t0 = time.monotonic()
+            for k in range(4):
+                off = 48 * MIB + k * span
+                data = r.randbytes(span)
+                h.pwrite(data, off)
+                model[off:off + span] = data
+            writes_s = time.monotonic() - t0
+            after = nbdtest.stats(d, keys=keys)
+            failed_reads = mid["alloc_failures"] - before["alloc_failures"]
+            failed_writes = after["alloc_failures"] - mid["alloc_failures"]
+            log("    pinned cache: 4 reads of 4 MiB in %.2f s, %d failed allocations; "
+                "4 writes in %.2f s, %d" % (reads_s, failed_reads, writes_s, failed_writes))
+            require(1 <= failed_reads <= 4, "4 READs that found no room made %d failed "
+                    "allocations (one each at most: the rest of the request goes around "
+                    "the cache)" % failed_reads)
+            require(1 <= failed_writes <= 4, "4 writethrough WRITEs that found no room made "
+                    "%d failed allocations (one each at most)" % failed_writes)
+            pin.close()
+            off = 32 * MIB
+
+            def cached():
+                require_same(h.pread(span, off), model[off:off + span], "a read after", base=off)
+                st = nbdtest.stats(d, keys=keys)
+                return st["hits"] > after["hits"]
+            require(nbdtest.wait_until(cached, 10, step=0.2),
+                    "once the pins were gone, a 4 MiB read was not cached")
+            require_same(h.pread(16 * MIB, 48 * MIB), model[48 * MIB:], "the written range",
+                         base=48 * MIB)
+            h.shutdown()
+        require_same(nbdtest.read_at(path, 0, size), model, "the backend file after SIGTERM")
+
+
 def main():
     checks = nbdtest.Checks(catch=(Failed, nbd.Error))
     parts = [("a", 4096, False, 1, False), ("a-512", 512, True, 1, False),
              ("b", 4096, False, 2, False), ("b-aio", 4096, False, 2, True)]
     for k, (name, bs, unaligned, writers, aio) in enumerate(parts):
         checks.run(name, part, name, BASE_SEED + k, bs, unaligned, writers, aio)
+    checks.run("all-pinned", all_pinned, BASE_SEED + len(parts))
     checks.finish("cache eviction", unit="part")
 
 
