@@ -293,6 +293,7 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 	    {"max-reply-memory", OPT_GIVEN_MAX_REPLY_MEMORY},
 	    {"max-pinned-replies", OPT_GIVEN_MAX_PINNED_REPLIES},
 	    {"stall-timeout", OPT_GIVEN_STALL_TIMEOUT},
+	    {"negotiation-timeout", OPT_GIVEN_NEGOTIATION_TIMEOUT},
 	};
 	unsigned bit = 0;
 	for (size_t i = 0; i < sizeof(globals) / sizeof(globals[0]); i++)
@@ -403,6 +404,11 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		if (options_parse_stall_timeout(v, &f->stall_timeout) < 0)
 			return config_fail(x, "stall-timeout %s: expected 1..%d seconds", v,
 					   OPTIONS_MAX_STALL_TIMEOUT);
+		return 1;
+	case OPT_GIVEN_NEGOTIATION_TIMEOUT:
+		if (options_parse_negotiation_timeout(v, &f->negotiation_timeout) < 0)
+			return config_fail(x, "negotiation-timeout %s: expected 1..%d seconds", v,
+					   OPTIONS_MAX_NEGOTIATION_TIMEOUT);
 		return 1;
 	case OPT_GIVEN_MAX_CONNECTIONS:
 		if (options_parse_max_connections(v, &f->max_connections) < 0)
@@ -626,6 +632,7 @@ static int merge(struct config_ctx *x)
 	TAKE(OPT_GIVEN_MAX_REPLY_MEMORY, max_reply_memory);
 	TAKE(OPT_GIVEN_MAX_PINNED_REPLIES, max_pinned_replies);
 	TAKE(OPT_GIVEN_STALL_TIMEOUT, stall_timeout);
+	TAKE(OPT_GIVEN_NEGOTIATION_TIMEOUT, negotiation_timeout);
 	TAKE_STRING(OPT_GIVEN_CONTROL, control_path);
 	TAKE_STRING(OPT_GIVEN_USER, user);
 	TAKE_STRING(OPT_GIVEN_GROUP, group);

@@ -128,6 +128,19 @@ void conn_set_stall_timeout(unsigned seconds)
 		 "client sent no more of a request's payload for %u s", seconds);
 }
 
+/* The negotiation deadline, likewise set once before the workers start. */
+static struct {
+	unsigned seconds;
+	char why[64];
+} negotiation;
+
+void conn_set_negotiation_timeout(unsigned seconds)
+{
+	negotiation.seconds = seconds;
+	snprintf(negotiation.why, sizeof(negotiation.why), "negotiation did not finish in %u s",
+		 seconds);
+}
+
 /*
  * In transmission: how long until a stall deadline, 0 if one has passed,
  * UINT64_MAX if none runs. Two of them: replies that do not move (the
@@ -164,8 +177,8 @@ static void conn_on_timer(evutil_socket_t fd, short what, void *arg)
 	(void)fd;
 	(void)what;
 	struct conn *c = arg;
-	const char *why = c->closing ? "client did not read its last replies in time"
-				     : "negotiation did not finish in time";
+	const char *why =
+	    c->closing ? "client did not read its last replies in time" : negotiation.why;
 	if (c->phase == CONN_TRANSMISSION && !c->closing) {
 		if (!c->bev)
 			return;
@@ -474,7 +487,7 @@ int conn_start(struct worker *w, int fd, uint64_t id)
 	bufferevent_set_max_single_write(c->bev, 1 << 20);
 	/* The write callback fires when the output drains below this. */
 	bufferevent_setwatermark(c->bev, EV_WRITE, CONN_MAX_OUTPUT / 2, 0);
-	/* A client gets CONN_NEGOTIATION_TIMEOUT seconds, in all, to negotiate. */
+	/* A client gets --negotiation-timeout seconds, in all, to negotiate. */
 	c->timer = evtimer_new(w->base, conn_on_timer, c);
 	/*
 	 * Replies that make no progress for --stall-timeout end the
@@ -492,7 +505,7 @@ int conn_start(struct worker *w, int fd, uint64_t id)
 		budget_client_remove();
 		return -ENOMEM;
 	}
-	conn_arm_timer(c, CONN_NEGOTIATION_TIMEOUT);
+	conn_arm_timer(c, (int)negotiation.seconds);
 	c->reading = true;
 	bufferevent_enable(c->bev, EV_READ | EV_WRITE);
 	log_debug("conn %llu: accepted on worker %u", (unsigned long long)id, w->index);

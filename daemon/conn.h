@@ -54,8 +54,6 @@ struct evbuffer_cb_entry;
 #define CONN_MAX_OUTPUT (64u << 20)
 #define CONN_MAX_OPTION_LENGTH (64u << 10)
 #define CONN_META_CONTEXT_ID 1u
-/* Seconds a client may take from connecting to GO / EXPORT_NAME. */
-#define CONN_NEGOTIATION_TIMEOUT 60
 /* Seconds a closing connection (DISC, ABORT, shutdown) may take to drain. */
 #define CONN_CLOSE_TIMEOUT 10
 /* Pending replies may go --stall-timeout seconds (conn_set_stall_timeout)
@@ -120,6 +118,9 @@ struct conn {
 /* Main thread, once, before any worker starts: the stall deadline in
  * seconds (--stall-timeout). */
 void conn_set_stall_timeout(unsigned seconds);
+/* Likewise: the seconds a client may take from connecting to GO /
+ * EXPORT_NAME (--negotiation-timeout). */
+void conn_set_negotiation_timeout(unsigned seconds);
 /* Adopt an accepted socket on the current worker thread. */
 int conn_start(struct worker *w, int fd, uint64_t id);
 /* Stop reading and close once in-flight requests have replied. */

@@ -958,6 +958,7 @@ static void refused_globals(const struct options *was, const struct options *now
 	    {was->max_reply_memory != now->max_reply_memory, "max-reply-memory"},
 	    {was->max_pinned_replies != now->max_pinned_replies, "max-pinned-replies"},
 	    {was->stall_timeout != now->stall_timeout, "stall-timeout"},
+	    {was->negotiation_timeout != now->negotiation_timeout, "negotiation-timeout"},
 	};
 	for (size_t i = 0; i < sizeof(checks) / sizeof(checks[0]); i++) {
 		if (!checks[i].changed)

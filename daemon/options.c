@@ -46,7 +46,7 @@ const char *options_usage(void)
 	       "                 [--compact on|off] [--compact-interval-ms MS]\n"
 	       "                 [--compact-threshold PERMILLE] [--max-clients N]\n"
 	       "                 [--max-reply-memory SIZE] [--max-pinned-replies SIZE]\n"
-	       "                 [--stall-timeout SECONDS]\n"
+	       "                 [--stall-timeout SECONDS] [--negotiation-timeout SECONDS]\n"
 	       "BACKEND is a file or block device, an NBD URI (nbd://HOST[:PORT]/NAME,\n"
 	       "nbd+unix:///NAME?socket=PATH, nbds://...) or nbdkit:PLUGIN [ARG...].\n"
 	       "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
@@ -463,6 +463,11 @@ int options_parse_stall_timeout(const char *text, unsigned *out)
 	return parse_unsigned_in(text, 1, OPTIONS_MAX_STALL_TIMEOUT, out);
 }
 
+int options_parse_negotiation_timeout(const char *text, unsigned *out)
+{
+	return parse_unsigned_in(text, 1, OPTIONS_MAX_NEGOTIATION_TIMEOUT, out);
+}
+
 int options_add_export(struct options *opts, struct export_spec *spec, char *err, size_t errlen)
 {
 	for (size_t i = 0; i < opts->export_count; i++) {
@@ -498,6 +503,7 @@ void options_defaults(struct options *out)
 	out->max_reply_memory = OPTIONS_DEFAULT_MAX_REPLY_MEMORY;
 	out->max_pinned_replies = OPTIONS_PINNED_DEFAULT;
 	out->stall_timeout = OPTIONS_DEFAULT_STALL_TIMEOUT;
+	out->negotiation_timeout = OPTIONS_DEFAULT_NEGOTIATION_TIMEOUT;
 }
 
 static int set_string(char **slot, const char *value)
@@ -542,6 +548,7 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 		{"max-reply-memory", required_argument, NULL, 'R'},
 		{"max-pinned-replies", required_argument, NULL, 'Q'},
 		{"stall-timeout", required_argument, NULL, 'W'},
+		{"negotiation-timeout", required_argument, NULL, 'O'},
 		{"help", no_argument, NULL, 'h'},
 		{"version", no_argument, NULL, 'V'},
 		{NULL, 0, NULL, 0},
@@ -551,7 +558,7 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 	optind = 1;
 	opterr = 0;
 	for (;;) {
-		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:C:H:B:M:S:D:d:E:T:m:c:Kx:U:G:P:I:F:N:R:Q:W:hV",
+		int c = getopt_long(argc, argv, "fl:u:e:t:p:L:C:H:B:M:S:D:d:E:T:m:c:Kx:U:G:P:I:F:N:R:Q:W:O:hV",
 				    longopts, NULL);
 		if (c == -1)
 			break;
@@ -786,6 +793,15 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 				goto error;
 			}
 			out->given |= OPT_GIVEN_STALL_TIMEOUT;
+			break;
+		case 'O':
+			if (options_parse_negotiation_timeout(optarg, &out->negotiation_timeout) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--negotiation-timeout %s: expected 1..%d seconds", optarg,
+					  OPTIONS_MAX_NEGOTIATION_TIMEOUT);
+				goto error;
+			}
+			out->given |= OPT_GIVEN_NEGOTIATION_TIMEOUT;
 			break;
 		case 'h':
 			out->help = true;

@@ -19,7 +19,7 @@
  *             [--backend-timeout SECONDS]
  *             [--compact on|off] [--compact-interval-ms MS] [--compact-threshold PERMILLE]
  *             [--max-clients N] [--max-reply-memory SIZE] [--max-pinned-replies SIZE]
- *             [--stall-timeout SECONDS]
+ *             [--stall-timeout SECONDS] [--negotiation-timeout SECONDS]
  *
  * BACKEND is a file or block device path, an NBD URI (nbd://, nbds://,
  * nbd+unix://...) or "nbdkit:PLUGIN [ARG...]".
@@ -64,6 +64,9 @@
 /* Seconds pending replies may go without the client reading them (conn.h). */
 #define OPTIONS_DEFAULT_STALL_TIMEOUT 30
 #define OPTIONS_MAX_STALL_TIMEOUT 3600
+/* Seconds a client may take from connecting to GO / EXPORT_NAME (conn.h). */
+#define OPTIONS_DEFAULT_NEGOTIATION_TIMEOUT 60
+#define OPTIONS_MAX_NEGOTIATION_TIMEOUT 3600
 
 /* What the cache does with an export's reads and writes (DESIGN.md). */
 enum cache_mode {
@@ -118,6 +121,7 @@ enum options_given {
 	OPT_GIVEN_MAX_REPLY_MEMORY = 1u << 21,
 	OPT_GIVEN_MAX_PINNED_REPLIES = 1u << 22,
 	OPT_GIVEN_STALL_TIMEOUT = 1u << 23,
+	OPT_GIVEN_NEGOTIATION_TIMEOUT = 1u << 24,
 };
 
 struct options {
@@ -164,6 +168,9 @@ struct options {
 	 * pending replies (or of an announced payload must arrive) before it
 	 * is reset (daemon/conn.h). */
 	unsigned stall_timeout;
+	/* Seconds a client may take from connecting to finishing negotiation
+	 * (GO / EXPORT_NAME) before it is disconnected (daemon/conn.h). */
+	unsigned negotiation_timeout;
 	bool help;
 	bool version;
 };
@@ -202,6 +209,7 @@ int options_parse_max_clients(const char *text, unsigned *out);	      /* 0..6553
 int options_parse_reply_memory(const char *text, uint64_t *out); /* 64M..half the address space */
 int options_parse_pinned_replies(const char *text, uint64_t *out); /* a size */
 int options_parse_stall_timeout(const char *text, unsigned *out);  /* 1..3600 */
+int options_parse_negotiation_timeout(const char *text, unsigned *out); /* 1..3600 */
 /* Append a copy of a string to a vector. */
 int options_push_string(char ***vec, size_t *count, const char *s);
 /* Add an export; -EEXIST (message in err) when the name is taken. */

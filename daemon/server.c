@@ -403,6 +403,7 @@ int server_run(const struct options *opts, int argc, char **argv)
 		goto out_base;
 	}
 	conn_set_stall_timeout(opts->stall_timeout);
+	conn_set_negotiation_timeout(opts->negotiation_timeout);
 	s.workers = calloc(threads, sizeof(*s.workers));
 	if (!s.workers)
 		goto out_base;

@@ -4,10 +4,13 @@ kind of bad input is refused with FILE:LINE and a reason; an nbd-server
 style config is served as it says (read-only, connection limit); the command
 line wins over the file for what it gives, stall-timeout included (a client
 that reads none of its replies is reset after the file's value, or the
-command line's when it gives one)."""
+command line's when it gives one), and negotiation-timeout likewise (a
+client that never finishes negotiating is dropped after the file's value,
+or the command line's)."""
 import errno
 import os
 import select
+import socket
 import subprocess
 import sys
 import time
@@ -76,6 +79,14 @@ BAD = [
      "stall-timeout 3601: expected 1..3600 seconds"),
     ("[generic]\nstall-timeout = 5\nstall-timeout = 6\n[a]\nbackend = /tmp/x\n", 3,
      "'stall-timeout' given twice"),
+    ("[generic]\nnegotiation-timeout = 0\n[a]\nbackend = /tmp/x\n", 2,
+     "negotiation-timeout 0: expected 1..3600 seconds"),
+    ("[generic]\nnegotiation-timeout = 3601\n[a]\nbackend = /tmp/x\n", 2,
+     "negotiation-timeout 3601: expected 1..3600 seconds"),
+    ("[generic]\nnegotiation-timeout = 1m\n[a]\nbackend = /tmp/x\n", 2,
+     "negotiation-timeout 1m: expected 1..3600 seconds"),
+    ("[generic]\nnegotiation-timeout = 5\nnegotiation-timeout = 6\n[a]\nbackend = /tmp/x\n", 3,
+     "'negotiation-timeout' given twice"),
 ]
 
 
@@ -288,6 +299,58 @@ def stall_timeout(tmp):
             d.stop()
 
 
+def dropped_after(d):
+    """Seconds from connecting until the daemon drops a client that reads
+    the greeting and then sends nothing; None if still connected after 20 s."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(5)
+        s.connect(d.sock)
+        t0 = time.monotonic()
+        greeting = b""
+        while len(greeting) < 18:
+            c = s.recv(18 - len(greeting))
+            if not c:
+                return time.monotonic() - t0
+            greeting += c
+        p = select.poll()
+        p.register(s, select.POLLIN | select.POLLHUP | select.POLLRDHUP | select.POLLERR)
+        while time.monotonic() - t0 < 20:
+            if p.poll(100):
+                return time.monotonic() - t0
+        return None
+    finally:
+        s.close()
+
+
+def negotiation_timeout(tmp):
+    """negotiation-timeout from the file applies; --negotiation-timeout wins."""
+    img = os.path.join(tmp, "n.img")
+    nbdtest.random_file(img, MIB, seed=8)
+    conf = os.path.join(tmp, "n.conf")
+    with open(conf, "w") as f:
+        f.write("[generic]\ncache-size = 16M\nnegotiation-timeout = 2\n\n[n]\nbackend = %s\n"
+                % img)
+    for extra, want in (([], 2), (["--negotiation-timeout", "4"], 4)):
+        d = nbdtest.CheckedDaemon([], extra=["--config", conf, "--log-level", "debug"] + extra)
+        try:
+            took = dropped_after(d)
+            log("  negotiation-timeout = 2 in the file%s: dropped after %s"
+                % (", --negotiation-timeout 4" if extra else "",
+                   "%.1f s" % took if took is not None else "never"))
+            expect(took is not None and want - 0.5 <= took <= want + 3,
+                   "a client that never negotiates was dropped after %s (want %d s)"
+                   % ("%.1f s" % took if took is not None else "never", want))
+            why = "negotiation did not finish in %d s" % want
+            for _ in range(20):
+                if why in d.log_text():
+                    break
+                time.sleep(0.1)
+            expect(why in d.log_text(), "the log does not say '%s'" % why)
+        finally:
+            d.stop()
+
+
 def drop_privileges(tmp):
     """user / group from the config: the daemon serves as that user."""
     import pwd
@@ -325,6 +388,7 @@ def main():
                      ("nbd_server_style", nbd_server_style),
                      ("command_line_wins", command_line_wins),
                      ("stall_timeout", stall_timeout),
+                     ("negotiation_timeout", negotiation_timeout),
                      ("drop_privileges", drop_privileges)):
         with nbdtest.tempdir() as tmp:
             checks.run(name, fn, tmp)

@@ -10,12 +10,15 @@ file descriptors or CPU without end, against the real daemon.
    48 MiB of its baseline (so a 64 MiB bound would not do), a second, normal
    libnbd client meanwhile connects, writes and reads correctly, and the
    replies the flooding client finally reads are well-formed.
-2. Negotiation deadline (CONN_NEGOTIATION_TIMEOUT, 60 s from connecting). A
+2. Negotiation deadline (the daemon runs with --negotiation-timeout 5,
+   from connecting; the default is 60 s, which the check would wait out). A
    client that dribbles one valid byte (client flags, then NBD_OPT_LIST
-   options, whose replies it reads) every 0.5 s, and another one parked
-   mid-option-header, are both disconnected between 55 s and 70 s after
-   they connected. A libnbd client and a raw client that finished GO at the
-   start and then idle for 70 s are not disconnected: both are used after.
+   options, whose replies it reads) every 0.05 s, and another one parked
+   mid-option-header, are both disconnected between 4.5 s and 8 s after
+   they connected (the dribbler having had at least 3 LISTs answered, so
+   the bytes were valid and progress does not move the deadline). A libnbd
+   client and a raw client that finished GO at the start and then idle for
+   8 s (past the deadline) are not disconnected: both are used after.
 3. Close and stall deadlines (the daemon runs with --stall-timeout 5, so
    the two deadlines differ and the check takes seconds, not half a
    minute). A client that sends 20 x 1 MiB READs then NBD_CMD_DISC and
@@ -36,8 +39,8 @@ file descriptors or CPU without end, against the real daemon.
    checked with fincore on a 64 MiB file on a disk file system, with a
    non-zero CACHE as the positive control.
 
-2 runs in threads while 5, 1, 3 and 4 run one after another, so the test
-takes ~75 s. Every daemon must exit 0 on SIGTERM (Daemon.stop). Failures are
+2 runs in threads while 5, 1, 3 and 4 run one after another; the test
+takes as long as those, the deadline's few seconds being spent meanwhile. Every daemon must exit 0 on SIGTERM (Daemon.stop). Failures are
 collected and listed together at the end; any one fails the test.
 """
 
@@ -68,7 +71,9 @@ DATA_SIZE = 8 * MIB
 COLD_SIZE = 64 * MIB
 DESCRIPTION = "d" * 1500            # makes every NBD_REP_SERVER ~1.5 KiB
 
-NEGOTIATION_TIMEOUT = 60            # daemon/conn.h CONN_NEGOTIATION_TIMEOUT
+NEGOTIATION_TIMEOUT = 5             # --negotiation-timeout of the main daemon (default 60)
+NEGOTIATION_SLACK = 3               # seconds past it a client may still be connected
+DRIBBLE_INTERVAL = 0.05             # seconds between the dribbler's bytes
 CLOSE_TIMEOUT = 10                  # daemon/conn.h CONN_CLOSE_TIMEOUT
 STALL_TIMEOUT = 5                   # --stall-timeout of the main daemon (default 30)
 LIST_COUNT = 200000
@@ -173,10 +178,10 @@ class Model:
 
 class DeadlineClient(threading.Thread):
     """Connects, reads the greeting, then either dribbles one valid byte every
-    0.5 s (client flags, then LIST options; it reads their replies) or parks
-    mid-option-header. Records when the daemon hangs up."""
+    DRIBBLE_INTERVAL (client flags, then LIST options; it reads their
+    replies) or parks mid-option-header. Records when the daemon hangs up."""
 
-    LIMIT = 95          # seconds this thread watches, at most
+    LIMIT = NEGOTIATION_TIMEOUT + 30    # seconds this thread watches, at most
 
     def __init__(self, name, connect, dribble):
         super().__init__(name=name, daemon=True)
@@ -212,7 +217,7 @@ class DeadlineClient(threading.Thread):
             flags = struct.pack(">I", raw.NBD_FLAG_C_FIXED_NEWSTYLE | raw.NBD_FLAG_C_NO_ZEROES)
             lst = struct.pack(">QII", raw.NBD_OPTS_MAGIC, raw.OPT_LIST, 0)
             if self.dribble:
-                wire = flags + lst * 25            # 404 bytes: 202 s at 2 bytes/s
+                wire = flags + lst * 250           # 4004 bytes: 200 s at 20 bytes/s
             else:
                 s.sendall(flags + lst[:8])         # parked mid-option-header
                 self.sent = 12
@@ -220,13 +225,13 @@ class DeadlineClient(threading.Thread):
             s.setblocking(False)
             p = select.poll()
             p.register(s, select.POLLIN | HUP)
-            next_send = t0 + 0.5
+            next_send = t0 + DRIBBLE_INTERVAL
             pos = 0
             while True:
                 now = time.monotonic()
                 if now - t0 > self.LIMIT:
                     return
-                wait = max(0.0, next_send - now) if self.dribble else 0.5
+                wait = max(0.0, next_send - now) if self.dribble else DRIBBLE_INTERVAL
                 for _, ev in p.poll(wait * 1000):
                     if ev & HUP:
                         self.closed_after = time.monotonic() - t0
@@ -253,7 +258,7 @@ class DeadlineClient(threading.Thread):
                     else:
                         pos += 1
                         self.sent += 1
-                    next_send += 0.5
+                    next_send += DRIBBLE_INTERVAL
         finally:
             s.close()
 
@@ -263,15 +268,18 @@ def check_deadline_client(t, dribble):
     need(t.closed_after is not None,
          "still connected %d s after connecting; the negotiation deadline is %d s"
          % (t.LIMIT, NEGOTIATION_TIMEOUT))
-    need(t.closed_after >= NEGOTIATION_TIMEOUT - 5,
+    # The daemon arms the deadline when it accepts, which is after connect()
+    # returned here: it cannot fire sooner (0.5 s for timer rounding).
+    need(t.closed_after >= NEGOTIATION_TIMEOUT - 0.5,
          "disconnected %.1f s after connecting, before the %d s negotiation deadline"
          % (t.closed_after, NEGOTIATION_TIMEOUT))
-    need(t.closed_after <= NEGOTIATION_TIMEOUT + 10,
+    need(t.closed_after <= NEGOTIATION_TIMEOUT + NEGOTIATION_SLACK,
          "disconnected only %.1f s after connecting; the negotiation deadline is %d s"
          % (t.closed_after, NEGOTIATION_TIMEOUT))
     if dribble:
-        # Every 8 s a LIST completes; its replies (with the 1500-byte
-        # description) must have come back: the bytes were valid and read.
+        # Every 16 x DRIBBLE_INTERVAL (0.8 s) a LIST completes; its replies
+        # (with the 1500-byte description) must have come back: the bytes
+        # were valid and read, yet the deadline held.
         need(t.received >= 3 * len(DESCRIPTION),
              "only %d bytes of LIST replies in %.0f s: the dribbled options were not answered"
              % (t.received, t.closed_after))
@@ -602,7 +610,8 @@ def main():
                    ("cold", paths["cold"], "")]
         os.makedirs(os.path.join(tmp, "main"))
         with nbdtest.Daemon(exports, threads=2, workdir=os.path.join(tmp, "main"),
-                            extra=["--stall-timeout", str(STALL_TIMEOUT)]) as d:
+                            extra=["--stall-timeout", str(STALL_TIMEOUT),
+                                   "--negotiation-timeout", str(NEGOTIATION_TIMEOUT)]) as d:
             time.sleep(0.3)
             base = rss(d.pid)
             log("daemon PID %d, RSS %d MiB at start" % (d.pid, base >> 20))
@@ -628,7 +637,7 @@ def main():
                 s.connect(d.sock)
                 return s
 
-            dribbler = DeadlineClient("dribbler (TCP, 1 byte / 0.5 s)", tcp, True)
+            dribbler = DeadlineClient("dribbler (TCP, 1 byte / %g s)" % DRIBBLE_INTERVAL, tcp, True)
             parked = DeadlineClient("parked mid-option-header (Unix)", unix, False)
             for t in (dribbler, parked):
                 t.start()
@@ -649,7 +658,9 @@ def main():
                 sub("2. %s" % t.name, check_deadline_client, t, dr)
 
             def idle_check():
-                left = idle_since + NEGOTIATION_TIMEOUT + 10 - time.monotonic()
+                # Past the deadline and the slack the other clients were
+                # allowed: these would have been cut off by now.
+                left = idle_since + NEGOTIATION_TIMEOUT + NEGOTIATION_SLACK - time.monotonic()
                 if left > 0:
                     time.sleep(left)
                 log("     idle clients used %.0f s after GO" % (time.monotonic() - idle_since))

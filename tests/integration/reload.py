@@ -10,8 +10,8 @@ SIGHUP. Then:
     on writing, then leaves without FLUSH: its dirty data still reaches
     b.img (the daemon writes it back and closes b's backend), byte for byte;
   - a's new description shows; c serves reads and writes;
-  - a refused change (a's block size, the cache size, the stall timeout)
-    keeps the old settings
+  - a refused change (a's block size, the cache size, the stall and
+    negotiation timeouts) keeps the old settings
     and is reported; a broken config changes nothing and the daemon serves on.
 """
 import errno
@@ -130,17 +130,19 @@ def live_reload(tmp):
         expect(ha.pread(SIZE, 0) == bytes(models["a"]), "a reads back its model")
         expect(open(imgs["a"], "rb").read() == bytes(models["a"]), "a.img after FLUSH")
 
-        # Refused: a's block size, the cache size and the stall deadline
-        # cannot change live.
-        write_config(conf, generic.replace("64M", "128M").replace("\n\n", "\nstall-timeout = 7\n\n") +
+        # Refused: a's block size, the cache size and the stall and
+        # negotiation deadlines cannot change live.
+        write_config(conf, generic.replace("64M", "128M").replace(
+                         "\n\n", "\nstall-timeout = 7\nnegotiation-timeout = 9\n\n") +
                      "[a]\nbackend = %s\ndescription = third\nblock-size = 512\n\n"
                      "[c]\nbackend = %s\n" % (imgs["a"], imgs["c"]))
         r = nbdtest.control_request(d.control, {"command": "reload"})
         log("  reload with refused changes: %r" % r)
         expect(r.get("ok") and r.get("refused") == ["a"] and r.get("changed") == [],
                "a's block size change must be refused: %r" % r)
-        expect(r.get("refused_settings") == ["cache-size", "stall-timeout"],
-               "cache-size and stall-timeout refused: %r" % r)
+        expect(r.get("refused_settings") == ["cache-size", "stall-timeout",
+                                             "negotiation-timeout"],
+               "cache-size, stall-timeout and negotiation-timeout refused: %r" % r)
         ex = exports(d)
         expect(ex["a"]["block_size"] == 4096 and ex["a"]["description"] == "second",
                "a keeps all of its old settings: %r" % ex["a"])

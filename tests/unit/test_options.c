@@ -304,6 +304,55 @@ static void test_stall_timeout(void **state)
 	assert_int_equal(v, 60);
 }
 
+/* The negotiation deadline: 60 s unless given, 1..3600 s, whole seconds only. */
+static void test_negotiation_timeout(void **state)
+{
+	(void)state;
+	struct options o;
+	char err[256] = "";
+	char *defaults[] = {"nbdcached", "--export", "a=/x", NULL};
+	assert_int_equal(parse(defaults, 3, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.negotiation_timeout, OPTIONS_DEFAULT_NEGOTIATION_TIMEOUT);
+	assert_int_equal(o.negotiation_timeout, 60);
+	assert_false(o.given & OPT_GIVEN_NEGOTIATION_TIMEOUT);
+	options_free(&o);
+
+	char *given[] = {"nbdcached", "--negotiation-timeout", "5", "--export", "a=/x", NULL};
+	assert_int_equal(parse(given, 5, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.negotiation_timeout, 5);
+	assert_true(o.given & OPT_GIVEN_NEGOTIATION_TIMEOUT);
+	assert_int_equal(o.stall_timeout, OPTIONS_DEFAULT_STALL_TIMEOUT); /* independent */
+	assert_false(o.given & OPT_GIVEN_STALL_TIMEOUT);
+	options_free(&o);
+
+	char *lowest[] = {"nbdcached", "--negotiation-timeout", "1", "--export", "a=/x", NULL};
+	assert_int_equal(parse(lowest, 5, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.negotiation_timeout, 1);
+	options_free(&o);
+	char *highest[] = {"nbdcached", "--negotiation-timeout", "3600", "--export", "a=/x", NULL};
+	assert_int_equal(parse(highest, 5, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.negotiation_timeout, OPTIONS_MAX_NEGOTIATION_TIMEOUT);
+	options_free(&o);
+
+	const char *bad[] = {"0", "3601", "-1", "5s", "", "1.5", "99999999999"};
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		char *argv[] = {
+		    "nbdcached", "--negotiation-timeout", (char *)bad[i], "--export", "a=/x", NULL};
+		err[0] = '\0';
+		assert_int_equal(parse(argv, 5, &o, err, sizeof(err)), -EINVAL);
+		char want[80];
+		snprintf(want, sizeof(want), "--negotiation-timeout %s: expected 1..3600 seconds",
+			 bad[i]);
+		assert_non_null(strstr(err, want));
+	}
+
+	unsigned v = 7;
+	assert_int_equal(options_parse_negotiation_timeout("3601", &v), -EINVAL);
+	assert_int_equal(v, 7); /* untouched on error */
+	assert_int_equal(options_parse_negotiation_timeout("120", &v), 0);
+	assert_int_equal(v, 120);
+}
+
 static void test_no_export_and_duplicates(void **state)
 {
 	(void)state;
@@ -372,6 +421,7 @@ int main(void)
 		cmocka_unit_test(test_compact_settings),
 		cmocka_unit_test(test_budget_settings),
 		cmocka_unit_test(test_stall_timeout),
+		cmocka_unit_test(test_negotiation_timeout),
 		cmocka_unit_test(test_no_export_and_duplicates),
 		cmocka_unit_test(test_split_host_port),
 		cmocka_unit_test(test_help_and_version),
