@@ -2,7 +2,7 @@
  * daemon/main.c: nbdcached's entry point: read the command line and the
  * config file, then run the server (or, with --check-config, report what
  * would be served and exit). Everything else lives in the modules named in
- * DESIGN.md.
+ * docs/architecture.md.
  */
 #include <stdio.h>
 #include <string.h>

@@ -68,7 +68,8 @@
 #define OPTIONS_DEFAULT_NEGOTIATION_TIMEOUT 60
 #define OPTIONS_MAX_NEGOTIATION_TIMEOUT 3600
 
-/* What the cache does with an export's reads and writes (DESIGN.md). */
+/* What the cache does with an export's reads and writes (docs/architecture.md,
+ * "Cache modes"). */
 enum cache_mode {
 	CACHE_MODE_DEFAULT = 0, /* export_spec only: take options.cache_mode */
 	CACHE_MODE_WRITEBACK,
