@@ -19,8 +19,11 @@
  * has gone and its dirty data is written back (export_table_reap), then the
  * backend is closed.
  *
- * Locking: the table lock guards the published array and the backings list;
- * it is a leaf (nothing else is taken under it). References and connection
+ * Locking: the table lock guards the published array and the backings list.
+ * It is taken before any cache lock: export_table_reap holds it while it
+ * asks the cache whether a backing is unflushed and retires its cache
+ * export (cache_export_unflushed, cache_export_retire), and it is never
+ * taken under a cache lock. References and connection
  * counts are atomics. Reload and reap run on one thread (the control
  * thread); lookups run on any worker.
  */
