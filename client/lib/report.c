@@ -14,6 +14,11 @@ void report_set_program(const char *name)
 	program = name;
 }
 
+const char *report_program(void)
+{
+	return program;
+}
+
 void report_v(const char *prefix, const char *fmt, va_list ap)
 {
 	fprintf(stderr, "%s: %s", program, prefix);

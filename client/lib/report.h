@@ -17,6 +17,9 @@
 /* The name messages start with; `name` must outlive every report. */
 void report_set_program(const char *name);
 
+/* The name set, for a message written in pieces. */
+const char *report_program(void);
+
 /* One line on stderr: "PROGRAM: " PREFIX MESSAGE "\n". */
 void report_v(const char *prefix, const char *fmt, va_list ap);
 __attribute__((format(printf, 1, 2))) void report(const char *fmt, ...);
