@@ -15,7 +15,8 @@
 #   make fuzz       libFuzzer targets, each for FUZZ_SECONDS
 #   make soak       the crash-consistency test at length: CRASH_TRIALS
 #                   trials (default 300), from CRASH_SEED (default: the clock)
-#   make run        the daemon on the embedded default (see README.md)
+#   make run        the daemon on the embedded default (see README.md), after
+#                   building it and the client programs beside it
 #   make bench      bench/ against nbdkit and qemu-nbd, ratios printed
 
 BUILD ?= build
@@ -164,7 +165,7 @@ soak: deps
 		TEST_TIMEOUT=$${TEST_TIMEOUT:-7200} BUILD=$(BUILD) tests/run --integration-only crash_consistency; \
 	rc=$$?; grep -E '^(crash_consistency:|[0-9]+ kill trial)' $(BUILD)/test-logs/integration_crash_consistency.py.log; exit $$rc
 
-run: deps $(BUILD)/nbdcached
+run: deps $(BUILD)/nbdcached $(CLIENT_BIN)
 	@scripts/run-default
 
 bench: deps all
