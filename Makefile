@@ -46,9 +46,9 @@ DAEMON_SRC := $(filter-out $(CORE_SRC),$(wildcard daemon/*.c daemon/backend/*.c 
 # test_uring needs liburing and libevent: not in the -m32 build of the core.
 UNIT_SRC := $(filter-out $(if $(M32),tests/unit/test_uring.c),$(wildcard tests/unit/test_*.c))
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
-# The client programs' shared library: the control-socket client, the NBD
-# client, messages. nbdcachectl is client/nbdcachectl/*.c, nbdcache-io is
-# client/nbdcache-io.c.
+# The client library (client/lib/: the control-socket client, the NBD
+# client, messages), linked into both client programs: nbdcachectl is
+# client/nbdcachectl/*.c, nbdcache-io is client/nbdcache-io.c.
 CLIENT_LIB_SRC := $(wildcard client/lib/*.c)
 CTL_SRC := $(wildcard client/nbdcachectl/*.c)
 

@@ -710,7 +710,6 @@ int nbd_client_transact(struct nbd_client *c, struct nbd_transaction *t, const v
 	if (t->map)
 		memset(t->map, 0, (size_t)t->length / 8 + 1);
 	err = send_request(c, t, payload);
-
 	if (!err)
 		err = receive_reply(c, t);
 	if (!err && t->error) {
