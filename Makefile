@@ -116,6 +116,13 @@ $(BUILD)/tests/unit/test_uring: $(BUILD)/obj/tests/unit/test_uring.o $(BUILD)/ob
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_LDFLAGS) -o $@ $^ -lcmocka $(DAEMON_LIBS)
 
+# The client library's NBD client against a scripted server: links that
+# part of the library (libc only, so it builds with -m32 too).
+$(BUILD)/tests/unit/test_client_nbd: $(BUILD)/obj/tests/unit/test_client_nbd.o \
+		$(call obj,client/lib/nbd.c client/lib/io.c client/lib/report.c) $(PROTO_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_LDFLAGS) -o $@ $^ -lcmocka
+
 deps:
 	@scripts/deps
 
