@@ -15,7 +15,8 @@
 #   make fuzz       libFuzzer targets, each for FUZZ_SECONDS
 #   make soak       the crash-consistency test at length: CRASH_TRIALS
 #                   trials (default 300), from CRASH_SEED (default: the clock)
-#   make run        the daemon on the embedded default (see README.md)
+#   make run        the daemon on the embedded default (see README.md), after
+#                   building it and the client programs beside it
 #   make bench      bench/ against nbdkit and qemu-nbd, ratios printed
 
 BUILD ?= build
@@ -45,14 +46,21 @@ DAEMON_SRC := $(filter-out $(CORE_SRC),$(wildcard daemon/*.c daemon/backend/*.c 
 # test_uring needs liburing and libevent: not in the -m32 build of the core.
 UNIT_SRC := $(filter-out $(if $(M32),tests/unit/test_uring.c),$(wildcard tests/unit/test_*.c))
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
-CLIENT_SRC := $(wildcard client/*.c)
+# The client library (client/lib/: the control-socket client, the NBD
+# client, messages), linked into both client programs: nbdcachectl is
+# client/nbdcachectl/*.c, nbdcache-io is client/nbdcache-io.c.
+CLIENT_LIB_SRC := $(wildcard client/lib/*.c)
+CTL_SRC := $(wildcard client/nbdcachectl/*.c)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 PROTO_OBJ := $(call obj,$(PROTO_SRC))
 CORE_OBJ := $(call obj,$(CORE_SRC))
 DAEMON_OBJ := $(call obj,$(DAEMON_SRC))
 UNIT_BIN := $(patsubst tests/unit/%.c,$(BUILD)/tests/unit/%,$(UNIT_SRC))
-CLIENT_BIN := $(patsubst client/%.c,$(BUILD)/%,$(CLIENT_SRC))
+CLIENT_LIB_OBJ := $(call obj,$(CLIENT_LIB_SRC))
+CLIENT_LIB := $(BUILD)/obj/client/lib/libclient.a
+CTL_OBJ := $(call obj,$(CTL_SRC))
+CLIENT_BIN := $(BUILD)/nbdcachectl $(BUILD)/nbdcache-io
 # Fault injection tools for the tests (tests/faultfs, tests/nbdkit-fault);
 # scripts/i386-chroot builds without them (TEST_TOOLS=).
 TEST_TOOLS ?= $(BUILD)/tests/faultfs $(BUILD)/tests/nbdkit-fault-filter.so
@@ -69,13 +77,19 @@ $(BUILD)/obj/%.o: %.c
 $(BUILD)/nbdcached: $(DAEMON_OBJ) $(CORE_OBJ) $(PROTO_OBJ)
 	$(CC) $(ALL_LDFLAGS) -o $@ $^ $(DAEMON_LIBS)
 
-# Client programs: one .c each in client/, linked with the codec.
-$(BUILD)/%: $(BUILD)/obj/client/%.o $(PROTO_OBJ)
-	$(CC) $(ALL_LDFLAGS) -o $@ $^
+# The client library, compiled once: a static archive, so each program
+# takes only the modules it uses (nbdcache-io needs no json-c).
+$(CLIENT_LIB): $(CLIENT_LIB_OBJ)
+	rm -f $@
+	$(AR) rcs $@ $^
 
 # nbdcachectl speaks JSON (json-c) to the control socket.
-$(BUILD)/nbdcachectl: $(BUILD)/obj/client/nbdcachectl.o
+$(BUILD)/nbdcachectl: $(CTL_OBJ) $(CLIENT_LIB)
 	$(CC) $(ALL_LDFLAGS) -o $@ $^ $(CTL_LIBS)
+
+# nbdcache-io speaks NBD through the codec.
+$(BUILD)/nbdcache-io: $(BUILD)/obj/client/nbdcache-io.o $(CLIENT_LIB) $(PROTO_OBJ)
+	$(CC) $(ALL_LDFLAGS) -o $@ $^
 
 # Unit tests: one cmocka binary per module, linked with proto/ and the core.
 $(BUILD)/tests/unit/%: $(BUILD)/obj/tests/unit/%.o $(PROTO_OBJ) $(CORE_OBJ)
@@ -101,6 +115,13 @@ $(BUILD)/tests/unit/test_uring: $(BUILD)/obj/tests/unit/test_uring.o $(BUILD)/ob
 		$(PROTO_OBJ) $(CORE_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_LDFLAGS) -o $@ $^ -lcmocka $(DAEMON_LIBS)
+
+# The client library's NBD client against a scripted server: links that
+# part of the library (libc only, so it builds with -m32 too).
+$(BUILD)/tests/unit/test_client_nbd: $(BUILD)/obj/tests/unit/test_client_nbd.o \
+		$(call obj,client/lib/nbd.c client/lib/io.c client/lib/report.c) $(PROTO_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_LDFLAGS) -o $@ $^ -lcmocka
 
 deps:
 	@scripts/deps
@@ -151,7 +172,7 @@ soak: deps
 		TEST_TIMEOUT=$${TEST_TIMEOUT:-7200} BUILD=$(BUILD) tests/run --integration-only crash_consistency; \
 	rc=$$?; grep -E '^(crash_consistency:|[0-9]+ kill trial)' $(BUILD)/test-logs/integration_crash_consistency.py.log; exit $$rc
 
-run: deps $(BUILD)/nbdcached
+run: deps $(BUILD)/nbdcached $(CLIENT_BIN)
 	@scripts/run-default
 
 bench: deps all

@@ -1,0 +1,157 @@
+/*
+ * client/nbdcachectl/attach.c: "status" and "exports" turned into an
+ * nbd-client command line for one export, printed (shell-quoted, or as
+ * JSON) or executed.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <json-c/json.h>
+
+#include "client/lib/ctl.h"
+#include "client/lib/report.h"
+#include "client/nbdcachectl/nbdcachectl.h"
+
+#define ATTACH_CONNECTIONS 4
+#define NBD_CLIENT_MAX_BLOCK 4096 /* nbd-client accepts 512..4096 */
+
+/* Print `s` so that a POSIX shell reads it back as one word. */
+static void print_shell_word(const char *s)
+{
+	if (*s && strspn(s, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+			    "0123456789_@%+=:,./-") == strlen(s)) {
+		fputs(s, stdout);
+		return;
+	}
+	putchar('\'');
+	for (; *s; s++)
+		fputs(*s == '\'' ? "'\\''" : (char[2]){*s, 0}, stdout);
+	putchar('\'');
+}
+
+/* A wildcard listen address reached from this host: its loopback. */
+static const char *local_address(const char *address)
+{
+	if (strcmp(address, "0.0.0.0") == 0)
+		return "127.0.0.1";
+	if (strcmp(address, "::") == 0)
+		return "::1";
+	return address;
+}
+
+/*
+ * The daemon's socket nbd-client should use: a Unix one when there is any,
+ * else the first TCP one (a socket-activated fd counts when it is TCP).
+ */
+static int pick_listen(json_object *status, const char **unix_path, const char **host,
+		       int64_t *port)
+{
+	*unix_path = *host = NULL;
+	for (size_t i = 0; i < ctl_array_length(status, "listen"); i++) {
+		json_object *l = ctl_array_item(status, "listen", i);
+		const char *type = ctl_get_string(l, "type");
+
+		if (!type)
+			continue;
+		if (strcmp(type, "unix") == 0 && ctl_get_string(l, "path")) {
+			*unix_path = ctl_get_string(l, "path");
+			return 0;
+		}
+		if (!*host && strcmp(type, "unix") != 0 && ctl_get_string(l, "address")) {
+			*host = local_address(ctl_get_string(l, "address"));
+			*port = ctl_get_int(l, "port");
+		}
+	}
+	return *host ? 0 : -ENOENT;
+}
+
+int run_attach(const struct options *o)
+{
+	static const char *const none[2] = {NULL};
+	const char *name = o->args[0], *device = o->nargs > 1 ? o->args[1] : "/dev/nbd0";
+	const char *unix_path, *host, *argv[16];
+	char port[24], block[24], connections[24];
+	struct ctl c = CTL_INIT;
+	json_object *status = NULL, *exports = NULL, *export, *out;
+	int64_t block_size, port_number = 0, conns = ATTACH_CONNECTIONS;
+	size_t n = 0;
+	int err = ctl_connect(&c, o->control);
+
+	if (!err)
+		err = ctl_call(&c, ctl_request("status", none, NULL, 0), &status);
+	if (!err)
+		err = ctl_call(&c, ctl_request("exports", none, NULL, 0), &exports);
+	if (err)
+		goto cleanup;
+	export = ctl_find_named(exports, "exports", name);
+	if (!export) {
+		report("no export named %s", name);
+		err = -ENOENT;
+		goto cleanup;
+	}
+	if (pick_listen(status, &unix_path, &host, &port_number) != 0) {
+		report("the daemon listens on no Unix or TCP socket");
+		err = -ENOENT;
+		goto cleanup;
+	}
+	argv[n++] = "nbd-client";
+	if (unix_path) {
+		argv[n++] = "-unix";
+		argv[n++] = unix_path;
+	} else {
+		snprintf(port, sizeof(port), "%" PRId64, port_number);
+		argv[n++] = host;
+		argv[n++] = port;
+	}
+	argv[n++] = device;
+	argv[n++] = "-N";
+	argv[n++] = name;
+	/* nbd-client takes 512..4096; the daemon serves any alignment from 1 byte. */
+	block_size = ctl_get_int(export, "block_size");
+	block_size = block_size > NBD_CLIENT_MAX_BLOCK ? NBD_CLIENT_MAX_BLOCK
+		     : block_size < 512		       ? 512
+						       : block_size;
+	snprintf(block, sizeof(block), "%" PRId64, block_size);
+	argv[n++] = "-b";
+	argv[n++] = block;
+	if (ctl_get_int(export, "max_connections") > 0 &&
+	    ctl_get_int(export, "max_connections") < conns)
+		conns = ctl_get_int(export, "max_connections");
+	snprintf(connections, sizeof(connections), "%" PRId64, conns);
+	argv[n++] = "-C";
+	argv[n++] = connections;
+	if (ctl_get_bool(export, "readonly"))
+		argv[n++] = "-readonly";
+	argv[n] = NULL;
+
+	if (o->run) {
+		fflush(stdout);
+		execvp(argv[0], (char **)argv);
+		err = -errno;
+		report("cannot run %s: %s", argv[0], strerror(-err));
+	} else if (o->json) {
+		json_object *words = json_object_new_array();
+		out = json_object_new_object();
+		json_object_object_add(out, "argv", words);
+		for (size_t i = 0; i < n; i++)
+			json_object_array_add(words, json_object_new_string(argv[i]));
+		puts(json_object_to_json_string_ext(out, JSON_C_TO_STRING_PLAIN |
+							     JSON_C_TO_STRING_NOSLASHESCAPE));
+		json_object_put(out);
+	} else {
+		for (size_t i = 0; i < n; i++) {
+			fputs(i ? " " : "", stdout);
+			print_shell_word(argv[i]);
+		}
+		putchar('\n');
+	}
+cleanup:
+	json_object_put(exports);
+	json_object_put(status);
+	ctl_close(&c);
+	return err;
+}

@@ -1,0 +1,61 @@
+/*
+ * client/nbdcachectl/nbdcachectl.h: what nbdcachectl's files share: the
+ * parsed command line and the commands (main.c parses and dispatches;
+ * show.c, flush.c, top.c and attach.c run and print).
+ *
+ * Locking: none; nbdcachectl is single-threaded.
+ */
+#ifndef CLIENT_NBDCACHECTL_H
+#define CLIENT_NBDCACHECTL_H
+
+#include <stdbool.h>
+#include <time.h>
+
+#include <json-c/json.h>
+
+#define ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
+
+struct options {
+	const char *control;
+	bool json;
+	bool run;	  /* attach --run */
+	long count;	  /* top --count; 0: forever */
+	double interval;  /* top --interval, seconds */
+	bool top_options; /* --count or --interval given */
+	const struct command *command;
+	char **args;
+	int nargs;
+};
+
+struct command {
+	const char *name;
+	const char *keys[2]; /* request fields filled by the positional ARGS, in order */
+	int min_args, max_args;
+	void (*print)(json_object *reply); /* human output of a one-request command */
+	int (*run)(const struct options *o);
+};
+
+/* Human output of the one-request commands (show.c). */
+void print_status(json_object *r);
+void print_exports(json_object *r);
+void print_stats(json_object *r);
+void print_drop_clean(json_object *r);
+void print_compact(json_object *r);
+void print_set_mode(json_object *r);
+void print_reload(json_object *r);
+
+/* The commands that do more than one request and one reply: 0 or -errno. */
+int run_flush(const struct options *o);
+int run_top(const struct options *o);
+int run_attach(const struct options *o);
+
+/* Seconds on the monotonic clock. */
+static inline double now_s(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+#endif
