@@ -226,7 +226,9 @@ struct list_sink {
 static int take_server(struct nbd_client *c, const struct nbd_option_reply *r, void *opaque)
 {
 	const struct list_sink *sink = opaque;
-	uint32_t name_length = r->length >= 4 ? nbd_get32(c->payload) : UINT32_MAX;
+	if (r->length < 4)
+		return violation("malformed NBD_REP_SERVER");
+	uint32_t name_length = nbd_get32(c->payload);
 
 	if (name_length > r->length - 4)
 		return violation("malformed NBD_REP_SERVER");

@@ -6,7 +6,7 @@
  * server's bytes (built with proto/nbd.h) into it before the client runs,
  * since they fit in the socket buffer, then reads what the client sent and
  * decodes it. Checked: the handshake's flags, option haggling up to GO and
- * what it learns, READ through simple and structured replies (holes, data,
+ * what it learns, LIST entries (and a malformed, too short one), READ through simple and structured replies (holes, data,
  * the bytes delivered), and the replies a client must refuse (overlapping
  * or missing chunks, a wrong cookie) or report (an NBD error).
  */
@@ -137,6 +137,46 @@ static void test_go_refused(void **state)
 	assert_true(client.structured && !client.extended);
 }
 
+/* ---- LIST. ---- */
+
+static int listed;
+
+static void count_entry(void *opaque, const char *name, size_t name_length,
+			const char *description, size_t description_length)
+{
+	(void)opaque;
+	(void)name;
+	(void)description;
+	assert_true(name_length <= 64 && description_length <= 64);
+	listed++;
+}
+
+static void test_list(void **state)
+{
+	uint8_t entry[4 + 4 + 5] = {0, 0, 0, 4, 'd', 'i', 's', 'k', 'a', ' ', 'd', 'i', 's'};
+
+	(void)state;
+	listed = 0;
+	server_option_reply(NBD_OPT_LIST, NBD_REP_SERVER, entry, sizeof(entry));
+	server_option_reply(NBD_OPT_LIST, NBD_REP_ACK, NULL, 0);
+	server_option_reply(NBD_OPT_ABORT, NBD_REP_ACK, NULL, 0); /* LIST ends with ABORT */
+	assert_int_equal(nbd_client_list(&client, count_entry, NULL), 0);
+	assert_int_equal(listed, 1);
+}
+
+/* A server entry shorter than its name's length field is malformed (a
+ * 3-byte one wrapped the length check around and read past the payload). */
+static void test_list_short_entry(void **state)
+{
+	uint8_t entry[3] = {0, 0, 0};
+
+	(void)state;
+	listed = 0;
+	server_option_reply(NBD_OPT_LIST, NBD_REP_SERVER, entry, sizeof(entry));
+	assert_int_equal(nbd_client_list(&client, count_entry, NULL), -EPROTO);
+	assert_int_equal(listed, 0);
+}
+
 /* Without extended headers an effect length is 32 bits, block aligned. */
 static void test_max_effect_compact(void **state)
 {
@@ -250,6 +290,8 @@ int main(void)
 	    cmocka_unit_test_setup_teardown(test_handshake_needs_fixed_newstyle, setup, teardown),
 	    cmocka_unit_test_setup_teardown(test_go, setup, teardown),
 	    cmocka_unit_test_setup_teardown(test_go_refused, setup, teardown),
+	    cmocka_unit_test_setup_teardown(test_list, setup, teardown),
+	    cmocka_unit_test_setup_teardown(test_list_short_entry, setup, teardown),
 	    cmocka_unit_test_setup_teardown(test_max_effect_compact, setup, teardown),
 	    cmocka_unit_test_setup_teardown(test_read_simple, setup, teardown),
 	    cmocka_unit_test_setup_teardown(test_read_error, setup, teardown),
