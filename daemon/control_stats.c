@@ -135,6 +135,7 @@ void control_cmd_status(struct control_client *cl)
 	control_add_u64(o, "used_bytes", s.used_bytes);
 	control_add_u64(o, "dirty_bytes", s.traffic.dirty_bytes);
 	control_add_u64(o, "removed_backends", removed);
+	control_add_u64(o, "rate_slots", ctl->rate_count);
 	json_object_object_add(o, "listen", listen_array(&ctl->cfg));
 	control_send(cl, o);
 }
