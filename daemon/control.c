@@ -383,6 +383,8 @@ static void on_tick(evutil_socket_t fd, short what, void *arg)
 	(void)fd;
 	(void)what;
 	struct control *ctl = arg;
+	/* Sample first: it frees the rate slots of removed exports, before
+	 * reaping may free their cache exports. */
 	control_sample_rates(ctl);
 	if (!ctl->stopping)
 		control_reap(ctl);

@@ -5,7 +5,9 @@
  *
  * Also the writeback rates: once a second the tick samples each export's
  * writeback_bytes into a rate slot, so stats can report bytes/s over the
- * last whole second without keeping history.
+ * last whole second without keeping history. There is a slot per export
+ * served, at most CONTROL_MAX_RATES; a removed export's slot is freed at
+ * the next tick.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -40,8 +42,35 @@ static struct control_rate *rate_for(struct control *ctl, struct cache_export *c
 	return r;
 }
 
+/*
+ * Rate slots follow the exports served: a slot whose cache export no
+ * longer belongs to a served backing (a reload removed its export) is freed
+ * here. They used to stay for good, so reloads that added and removed
+ * exports filled the table (past CONTROL_MAX_RATES no new export got a
+ * rate), and a new cache export at a freed one's address took over its
+ * stale count. The tick samples before it reaps (control.c, on_tick), so a
+ * slot is gone before its cache export can be freed. Allocates nothing:
+ * it cannot fail, whatever export_list() does.
+ */
+static void rates_forget_removed(struct control *ctl)
+{
+	struct export_table *t = ctl->cfg.exports;
+	size_t kept = 0;
+	pthread_mutex_lock(&t->lock);
+	for (size_t i = 0; i < ctl->rate_count; i++) {
+		bool served = false;
+		for (struct export_backing *b = t->backings; b && !served; b = b->next)
+			served = b->cache == ctl->rates[i].ce && !b->removed;
+		if (served)
+			ctl->rates[kept++] = ctl->rates[i];
+	}
+	pthread_mutex_unlock(&t->lock);
+	ctl->rate_count = kept;
+}
+
 void control_sample_rates(struct control *ctl)
 {
+	rates_forget_removed(ctl);
 	struct export **list;
 	size_t n;
 	if (export_list(ctl->cfg.exports, &list, &n) < 0)
