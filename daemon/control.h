@@ -12,6 +12,9 @@
  * Called from the main thread: control_start() after the workers started,
  * control_reload() from the SIGHUP handler, control_stop() after the NBD
  * workers have stopped and before the cache writes everything back.
+ *
+ * Files: control.c (the socket and dispatch), control_stats.c,
+ * control_cache.c, control_reload.c; control_internal.h is what they share.
  */
 #ifndef NBDCACHED_DAEMON_CONTROL_H
 #define NBDCACHED_DAEMON_CONTROL_H

@@ -1,8 +1,9 @@
 /*
  * daemon/options.c: command-line parsing (see options.h).
  *
- * getopt_long does the flag syntax; this file validates values and turns
- * each --export into a struct export_spec. A description may contain commas:
+ * getopt_long does the flag syntax; this file checks each value with the
+ * parsers of option_values.c, turns each --export into a struct
+ * export_spec, and checks the whole. A description may contain commas:
  * a comma-separated piece that is not a known key continues the description
  * before it ("description=disk, fast" stays whole).
  */
@@ -57,38 +58,6 @@ const char *options_usage(void)
 	       "the command line wins over it. SIGHUP re-reads it.\n";
 }
 
-/* Parse a decimal unsigned number with optional K/M/G/T suffix (binary). */
-int options_parse_size(const char *text, uint64_t *out)
-{
-	char *end;
-	if (text[0] < '0' || text[0] > '9')
-		return -EINVAL;
-	errno = 0;
-	unsigned long long v = strtoull(text, &end, 10); /* "010" is ten, not eight */
-	if (errno != 0)
-		return -EINVAL;
-	unsigned shift = 0;
-	if (*end == 'k' || *end == 'K')
-		shift = 10, end++;
-	else if (*end == 'm' || *end == 'M')
-		shift = 20, end++;
-	else if (*end == 'g' || *end == 'G')
-		shift = 30, end++;
-	else if (*end == 't' || *end == 'T')
-		shift = 40, end++;
-	if (*end != '\0')
-		return -EINVAL;
-	if (shift && v > (UINT64_MAX >> shift))
-		return -EINVAL;
-	*out = (uint64_t)v << shift;
-	return 0;
-}
-
-static bool is_power_of_two(uint64_t v)
-{
-	return v && (v & (v - 1)) == 0;
-}
-
 static char *dup_range(const char *p, size_t n)
 {
 	char *s = malloc(n + 1);
@@ -120,40 +89,6 @@ static bool is_known_key(const char *s, size_t n)
 	       starts_with(s, n, "block-size=") || starts_with(s, n, "cache-mode=") ||
 	       starts_with(s, n, "seq-cutoff=") || starts_with(s, n, "max-connections=") ||
 	       starts_with(s, n, "dirty-high=") || starts_with(s, n, "dirty-low=");
-}
-
-static const char *const cache_mode_names[] = {
-	[CACHE_MODE_WRITEBACK] = "writeback",
-	[CACHE_MODE_WRITETHROUGH] = "writethrough",
-	[CACHE_MODE_WRITEAROUND] = "writearound",
-	[CACHE_MODE_NONE] = "none",
-};
-
-const char *options_cache_mode_name(enum cache_mode mode)
-{
-	if (mode <= CACHE_MODE_DEFAULT || mode > CACHE_MODE_NONE)
-		return NULL;
-	return cache_mode_names[mode];
-}
-
-int options_parse_cache_mode(const char *text, enum cache_mode *out)
-{
-	for (int m = CACHE_MODE_WRITEBACK; m <= CACHE_MODE_NONE; m++) {
-		if (strcmp(text, cache_mode_names[m]) == 0) {
-			*out = (enum cache_mode)m;
-			return 0;
-		}
-	}
-	return -EINVAL;
-}
-
-int options_parse_block_size(const char *text, uint32_t *out)
-{
-	uint64_t v;
-	if (options_parse_size(text, &v) < 0 || !is_power_of_two(v) || v < 512 || v > 65536)
-		return -EINVAL;
-	*out = (uint32_t)v;
-	return 0;
 }
 
 /* Copy the value of "key=value" (n bytes at p) into buf; -EINVAL if too long. */
@@ -285,42 +220,6 @@ error:
 	return rc;
 }
 
-int options_split_host_port(const char *text, char *host, size_t hostlen, char *port,
-			    size_t portlen)
-{
-	const char *colon;
-	const char *h = text;
-	size_t hn;
-	if (text[0] == '[') {
-		const char *close = strchr(text, ']');
-		if (!close || close[1] != ':')
-			return -EINVAL;
-		h = text + 1;
-		hn = (size_t)(close - h);
-		colon = close + 1;
-	} else {
-		colon = strrchr(text, ':');
-		if (!colon)
-			return -EINVAL;
-		hn = (size_t)(colon - text);
-		if (memchr(text, ':', hn))
-			return -EINVAL; /* bare IPv6 needs brackets */
-	}
-	const char *pt = colon + 1;
-	size_t pn = strlen(pt);
-	if (pn == 0 || hn >= hostlen || pn >= portlen)
-		return -EINVAL;
-	for (size_t i = 0; i < pn; i++)
-		if (pt[i] < '0' || pt[i] > '9')
-			return -EINVAL;
-	if (strtoul(pt, NULL, 10) > 65535)
-		return -EINVAL;
-	memcpy(host, h, hn);
-	host[hn] = '\0';
-	memcpy(port, pt, pn + 1);
-	return 0;
-}
-
 int options_push_string(char ***vec, size_t *count, const char *s)
 {
 	char **v = realloc(*vec, (*count + 1) * sizeof(**vec));
@@ -353,119 +252,11 @@ void options_free(struct options *opts)
 	memset(opts, 0, sizeof(*opts));
 }
 
-int options_parse_hugepages(const char *text, enum hugepages_policy *out)
-{
-	if (strcmp(text, "auto") == 0)
-		*out = HUGEPAGES_AUTO;
-	else if (strcmp(text, "require") == 0)
-		*out = HUGEPAGES_REQUIRE;
-	else if (strcmp(text, "off") == 0)
-		*out = HUGEPAGES_OFF;
-	else
-		return -EINVAL;
-	return 0;
-}
-
-/* A number (K/M/G/T suffixes allowed) from min to max. */
-static int parse_unsigned_in(const char *text, uint64_t min, uint64_t max, unsigned *out)
-{
-	uint64_t v;
-	if (options_parse_size(text, &v) < 0 || v < min || v > max)
-		return -EINVAL;
-	*out = (unsigned)v;
-	return 0;
-}
-
-int options_parse_percent(const char *text, unsigned *out)
-{
-	return parse_unsigned_in(text, 0, 100, out);
-}
-
-int options_parse_seconds(const char *text, unsigned *out)
-{
-	return parse_unsigned_in(text, 1, 86400, out);
-}
-
-int options_parse_cache_size(const char *text, uint64_t *out)
-{
-	uint64_t v;
-	if (options_parse_size(text, &v) < 0 || v < OPTIONS_MIN_CACHE_SIZE ||
-	    v > (uint64_t)SIZE_MAX / 2)
-		return -EINVAL;
-	*out = v & ~(uint64_t)4095;
-	return 0;
-}
-
-int options_parse_threads(const char *text, unsigned *out)
-{
-	return parse_unsigned_in(text, 0, OPTIONS_MAX_THREADS, out);
-}
-
-int options_parse_max_connections(const char *text, unsigned *out)
-{
-	return parse_unsigned_in(text, 0, OPTIONS_MAX_CONNECTIONS, out);
-}
-
-int options_parse_compact(const char *text, bool *out)
-{
-	if (strcmp(text, "on") == 0)
-		*out = true;
-	else if (strcmp(text, "off") == 0)
-		*out = false;
-	else
-		return -EINVAL;
-	return 0;
-}
-
-int options_parse_compact_interval(const char *text, unsigned *out)
-{
-	return parse_unsigned_in(text, 1, 3600000, out);
-}
-
-int options_parse_compact_threshold(const char *text, unsigned *out)
-{
-	return parse_unsigned_in(text, 0, 1000, out);
-}
-
 uint64_t options_pinned_replies(const struct options *opts)
 {
 	if (opts->max_pinned_replies == OPTIONS_PINNED_DEFAULT)
 		return opts->cache_size / 8;
 	return opts->max_pinned_replies;
-}
-
-int options_parse_max_clients(const char *text, unsigned *out)
-{
-	return parse_unsigned_in(text, 0, OPTIONS_MAX_CONNECTIONS, out);
-}
-
-int options_parse_reply_memory(const char *text, uint64_t *out)
-{
-	uint64_t v;
-	if (options_parse_size(text, &v) < 0 || v < OPTIONS_MIN_REPLY_MEMORY ||
-	    v > (uint64_t)SIZE_MAX / 2)
-		return -EINVAL;
-	*out = v;
-	return 0;
-}
-
-int options_parse_pinned_replies(const char *text, uint64_t *out)
-{
-	uint64_t v;
-	if (options_parse_size(text, &v) < 0 || v == OPTIONS_PINNED_DEFAULT)
-		return -EINVAL;
-	*out = v;
-	return 0;
-}
-
-int options_parse_stall_timeout(const char *text, unsigned *out)
-{
-	return parse_unsigned_in(text, 1, OPTIONS_MAX_STALL_TIMEOUT, out);
-}
-
-int options_parse_negotiation_timeout(const char *text, unsigned *out)
-{
-	return parse_unsigned_in(text, 1, OPTIONS_MAX_NEGOTIATION_TIMEOUT, out);
 }
 
 int options_add_export(struct options *opts, struct export_spec *spec, char *err, size_t errlen)

@@ -32,6 +32,10 @@
  * records which); exports from both are served. options_parse() leaves the
  * per-export defaults unresolved when a config file is named: the caller
  * loads it, then calls options_finish().
+ *
+ * The value parsers (sizes, seconds, modes, HOST:PORT) are in
+ * option_values.h; this module is the option table, argv, --export specs,
+ * defaults and the checks on the whole.
  */
 #ifndef NBDCACHED_DAEMON_OPTIONS_H
 #define NBDCACHED_DAEMON_OPTIONS_H
@@ -41,6 +45,7 @@
 #include <stdint.h>
 
 #include "daemon/log.h"
+#include "daemon/option_values.h"
 
 #define OPTIONS_DEFAULT_LISTEN "127.0.0.1:10809"
 #define OPTIONS_DEFAULT_BLOCK_SIZE 4096u
@@ -67,18 +72,6 @@
 /* Seconds a client may take from connecting to GO / EXPORT_NAME (conn.h). */
 #define OPTIONS_DEFAULT_NEGOTIATION_TIMEOUT 60
 #define OPTIONS_MAX_NEGOTIATION_TIMEOUT 3600
-
-/* What the cache does with an export's reads and writes (docs/architecture.md,
- * "Cache modes"). */
-enum cache_mode {
-	CACHE_MODE_DEFAULT = 0, /* export_spec only: take options.cache_mode */
-	CACHE_MODE_WRITEBACK,
-	CACHE_MODE_WRITETHROUGH,
-	CACHE_MODE_WRITEAROUND,
-	CACHE_MODE_NONE,
-};
-
-enum hugepages_policy { HUGEPAGES_AUTO, HUGEPAGES_REQUIRE, HUGEPAGES_OFF };
 
 struct export_spec {
 	char *name;
@@ -191,26 +184,8 @@ int options_finish(struct options *opts, char *err, size_t errlen);
 bool options_shared_backend(const struct options *opts, size_t *first, size_t *second);
 /* Set every global default (what options_parse() starts from). */
 void options_defaults(struct options *opts);
-/* Value parsers shared with the config file: 0 or -EINVAL. */
-int options_parse_size(const char *text, uint64_t *out);
-int options_parse_block_size(const char *text, uint32_t *out);
-int options_parse_cache_mode(const char *text, enum cache_mode *out);
-int options_parse_hugepages(const char *text, enum hugepages_policy *out);
-int options_parse_percent(const char *text, unsigned *out);
-int options_parse_seconds(const char *text, unsigned *out); /* 1..86400 */
-int options_parse_cache_size(const char *text, uint64_t *out);
-int options_parse_threads(const char *text, unsigned *out);
-int options_parse_max_connections(const char *text, unsigned *out);
-int options_parse_compact(const char *text, bool *out);		  /* on, off */
-int options_parse_compact_interval(const char *text, unsigned *out); /* 1..3600000 */
-int options_parse_compact_threshold(const char *text, unsigned *out); /* 0..1000 */
 /* The pinned-reply limit in force: as given, or 1/8 of cache_size. */
 uint64_t options_pinned_replies(const struct options *opts);
-int options_parse_max_clients(const char *text, unsigned *out);	      /* 0..65536 */
-int options_parse_reply_memory(const char *text, uint64_t *out); /* 64M..half the address space */
-int options_parse_pinned_replies(const char *text, uint64_t *out); /* a size */
-int options_parse_stall_timeout(const char *text, unsigned *out);  /* 1..3600 */
-int options_parse_negotiation_timeout(const char *text, unsigned *out); /* 1..3600 */
 /* Append a copy of a string to a vector. */
 int options_push_string(char ***vec, size_t *count, const char *s);
 /* Add an export; -EEXIST (message in err) when the name is taken. */
@@ -218,12 +193,7 @@ int options_add_export(struct options *opts, struct export_spec *spec, char *err
 void options_export_spec_free(struct export_spec *e);
 /* Parse one --export value (exposed for tests). */
 int options_parse_export(const char *text, struct export_spec *out, char *err, size_t errlen);
-/* Split "HOST:PORT", "[V6]:PORT" or ":PORT" into host (maybe "") and port. */
-int options_split_host_port(const char *text, char *host, size_t hostlen, char *port,
-			    size_t portlen);
 void options_free(struct options *opts);
-/* "writeback" etc.; NULL for an unknown name. */
-const char *options_cache_mode_name(enum cache_mode mode);
 const char *options_usage(void);
 
 #endif

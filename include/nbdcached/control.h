@@ -33,7 +33,9 @@
  *     threads, arena (string: "hugetlb", "thp" or "plain"), cache_bytes,
  *     used_bytes, dirty_bytes, removed_backends (exports removed by a
  *     reload whose connections or dirty data are not finished yet: their
- *     backends are still open),
+ *     backends are still open), rate_slots (exports whose writeback_rate
+ *     the daemon keeps: the exports served, once a second has passed since
+ *     the last reload; a removed export's slot is freed then),
  *     listen: array of {type: "tcp", address (string, numeric), port} or
  *             {type: "unix", path}: every listening socket, including the
  *             ones systemd passed (socket activation)

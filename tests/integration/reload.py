@@ -13,6 +13,9 @@ SIGHUP. Then:
   - a refused change (a's block size, the cache size, the stall and
     negotiation timeouts) keeps the old settings
     and is reported; a broken config changes nothing and the daemon serves on.
+Then: a removed export's dirty data waits for room on its backend; and
+exports added and removed by many reloads leave no rate slot behind
+(status rate_slots).
 """
 import errno
 import os
@@ -204,9 +207,51 @@ def removed_export_with_backend_down(tmp):
         os.system("umount %s" % mnt)
 
 
+def rate_slots_across_reloads(tmp):
+    """Exports that reloads add and remove leave no writeback-rate slot
+    behind. CYCLES times: a reload adds an export, "stats" asks for it (so
+    it has a rate slot), a reload removes it. Within a few ticks status's
+    rate_slots must be back to the number of exports served. Before the fix
+    the slots of removed exports stayed for good (2 + CYCLES here; after
+    1024 of them no new export got a writeback_rate, and a new export whose
+    cache export took a freed one's address inherited its stale count)."""
+    cycles = 20
+    keep = os.path.join(tmp, "a.img")
+    nbdtest.sparse_file(keep, MIB)
+    conf = os.path.join(tmp, "nbdcached.conf")
+    base = "[generic]\ncache-size = 64M\n\n[a]\nbackend = %s\n" % keep
+    write_config(conf, base)
+    with nbdtest.running_daemon([], extra=["--config", conf]) as d:
+        for i in range(cycles):
+            name = "x%d" % i
+            img = os.path.join(tmp, name + ".img")
+            nbdtest.sparse_file(img, MIB)
+            write_config(conf, base + "\n[%s]\nbackend = %s\n" % (name, img))
+            r = nbdtest.control_request(d.control, {"command": "reload"})
+            expect(r.get("ok") and r.get("added") == [name], "reload adding %s: %r" % (name, r))
+            s = nbdtest.control_request(d.control, {"command": "stats", "export": name})
+            expect(s.get("ok") and len(s.get("exports", [])) == 1, "stats of %s: %r" % (name, s))
+            write_config(conf, base)
+            r = nbdtest.control_request(d.control, {"command": "reload"})
+            expect(r.get("ok") and r.get("removed") == [name],
+                   "reload removing %s: %r" % (name, r))
+        deadline = time.time() + 5
+        while True:
+            st = nbdtest.control_request(d.control, {"command": "status"})
+            if st["rate_slots"] <= st["exports"] or time.time() > deadline:
+                break
+            time.sleep(0.2)
+        log("  after %d reload cycles: rate_slots %d, exports %d"
+            % (cycles, st["rate_slots"], st["exports"]))
+        expect(st["exports"] == 1 and st["rate_slots"] == 1,
+               "rate slots of removed exports are kept: %d slot(s) for %d export(s)"
+               % (st["rate_slots"], st["exports"]))
+
+
 def main():
     for name, fn in (("live_reload", live_reload),
-                     ("removed_export_with_backend_down", removed_export_with_backend_down)):
+                     ("removed_export_with_backend_down", removed_export_with_backend_down),
+                     ("rate_slots_across_reloads", rate_slots_across_reloads)):
         with nbdtest.tempdir() as tmp:
             CHECKS.run(name, fn, tmp)
     CHECKS.finish("reload")

@@ -1,0 +1,57 @@
+/*
+ * daemon/option_values.h: the syntax of one option's value (a size, a
+ * number of seconds, a percentage, a cache mode, HOST:PORT), with the
+ * range each setting allows.
+ *
+ * Owns: nothing but that syntax. Dependency-free and stateless: the
+ * command line (options.c), the config file (config.c) and the control
+ * socket's set-mode all parse with these, so a value means the same
+ * wherever it is given. Any thread.
+ *
+ * Each parser returns 0, or -EINVAL (and leaves *out alone) when the text
+ * is not entirely a valid value. Ranges use the limits in options.h.
+ */
+#ifndef NBDCACHED_DAEMON_OPTION_VALUES_H
+#define NBDCACHED_DAEMON_OPTION_VALUES_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* What the cache does with an export's reads and writes
+ * (docs/architecture.md, "Cache modes"). */
+enum cache_mode {
+	CACHE_MODE_DEFAULT = 0, /* export_spec only: take options.cache_mode */
+	CACHE_MODE_WRITEBACK,
+	CACHE_MODE_WRITETHROUGH,
+	CACHE_MODE_WRITEAROUND,
+	CACHE_MODE_NONE,
+};
+
+enum hugepages_policy { HUGEPAGES_AUTO, HUGEPAGES_REQUIRE, HUGEPAGES_OFF };
+
+/* A decimal number with an optional K, M, G or T suffix (binary). */
+int options_parse_size(const char *text, uint64_t *out);
+int options_parse_block_size(const char *text, uint32_t *out); /* power of two, 512..65536 */
+int options_parse_cache_mode(const char *text, enum cache_mode *out);
+/* "writeback" etc.; NULL for an unknown name. */
+const char *options_cache_mode_name(enum cache_mode mode);
+int options_parse_hugepages(const char *text, enum hugepages_policy *out);
+int options_parse_percent(const char *text, unsigned *out);
+int options_parse_seconds(const char *text, unsigned *out); /* 1..86400 */
+int options_parse_cache_size(const char *text, uint64_t *out);
+int options_parse_threads(const char *text, unsigned *out);
+int options_parse_max_connections(const char *text, unsigned *out);
+int options_parse_compact(const char *text, bool *out);		      /* on, off */
+int options_parse_compact_interval(const char *text, unsigned *out);  /* 1..3600000 */
+int options_parse_compact_threshold(const char *text, unsigned *out); /* 0..1000 */
+int options_parse_max_clients(const char *text, unsigned *out);	      /* 0..65536 */
+int options_parse_reply_memory(const char *text, uint64_t *out);   /* 64M..half the address space */
+int options_parse_pinned_replies(const char *text, uint64_t *out); /* a size */
+int options_parse_stall_timeout(const char *text, unsigned *out);  /* 1..3600 */
+int options_parse_negotiation_timeout(const char *text, unsigned *out); /* 1..3600 */
+/* Split "HOST:PORT", "[V6]:PORT" or ":PORT" into host (maybe "") and port. */
+int options_split_host_port(const char *text, char *host, size_t hostlen, char *port,
+			    size_t portlen);
+
+#endif
