@@ -1,6 +1,6 @@
 /*
  * daemon/cache/cache.h: the block cache shared by every connection of
- * every export (DESIGN.md, "daemon/cache").
+ * every export (docs/architecture.md, "daemon/cache").
  *
  * Owns: the arena (arena.h), the index from (export, device range) to cache
  * entries, each entry's per-block state, eviction (S3-FIFO), writeback
@@ -10,18 +10,29 @@
  *
  * An entry caches an aligned device range of 2^order 4 KiB frames (order 0
  * to 9) in as many arena frames. It is reached only through its handle,
- * struct cache_entry, which holds the arena location, the pin count, the
- * generation and two bits per block: uptodate and dirty (plus busy while a
- * backend read fills the block). Nothing keeps an arena address across an
+ * struct cache_entry, which holds the arena location, the pin count and
+ * two bits per block: uptodate and dirty (plus busy while a backend read
+ * fills the block). Nothing keeps an arena address across an
  * unlock unless it holds a pin: a pinned entry is never moved or evicted.
  *
  * Lock order (take left before right, never the reverse):
  *
- *   shard lock  ->  evict lock  ->  (other shard: try-lock only)
- *               ->  export lock ->  arena lock
- *   evict lock  ->  export lock (entry_destroy -> range_destroy)
- *   The evict lock is never taken while holding an export lock; the waitq
- *   lock and the compactor's lock are leaves, taken alone.
+ *   compaction pass lock -> shard lock -> evict lock -> export lock
+ *                                      -> export lock
+ *                                      -> arena lock
+ *   evict lock  ->  export lock   (entry_destroy -> range_destroy: an
+ *                                  eviction unlinks the entry's last range
+ *                                  from the export's range list)
+ *   evict lock  ->  arena lock    (alloc_evicting, entry_destroy)
+ *   evict lock  ->  another shard's lock: try-lock only (evict_one)
+ *
+ *   Never the reverse: the evict lock is not taken under an export lock,
+ *   nor a shard lock under an export or evict lock (but by try-lock); the
+ *   arena lock is innermost and never held with an export lock. The
+ *   compaction pass lock is outermost (one pass at a time, compact.c). The
+ *   exports lock, the waitq lock, the writeback thread's stop lock and the
+ *   compactor's wake-up lock are leaves, taken alone (the last also under
+ *   a shard lock: a nudge).
  *
  *   shard lock   index of its device ranges, and every field of their
  *                entries except pins and freq (atomics)

@@ -168,7 +168,6 @@ static enum move_result move_block(struct cache *c, const struct arena_block *b,
 	       (size_t)cache_entry_bytes(e));
 	uint32_t from = e->frame;
 	e->frame = (uint32_t)to;
-	e->generation++;
 	arena_set_owner(a, (uint32_t)to, e);
 	arena_free(a, from, e->order); /* held back: the chunk is isolated */
 	result = MOVE_DONE;

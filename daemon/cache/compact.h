@@ -1,5 +1,5 @@
 /*
- * daemon/cache/compact.h: defragmentation of the arena (DESIGN.md,
+ * daemon/cache/compact.h: defragmentation of the arena (docs/architecture.md,
  * "Defragmentation"). Internal to daemon/cache/.
  *
  * Owns: the compactor thread and its settings, the compaction and collapse
@@ -7,7 +7,7 @@
  *
  *   compaction  the emptiest 2 MiB chunks of the arena are isolated (arena.h)
  *               one at a time; each entry in one is moved through its handle
- *               (copy, new location, generation + 1) to a hole elsewhere, and
+ *               (copy, new location) to a hole elsewhere, and
  *               the chunk comes back as one free 2 MiB block. A pinned entry
  *               (I/O in flight, a reply not yet sent, a writeback) is never
  *               moved: the chunk is given up for this pass and it is counted.

@@ -12,7 +12,7 @@
  *                 entries: [e@frame 3584 order 0][e@3600 order 4] ...
  *
  *   entry (the handle)
- *     frame, order, generation, pins  -> arena_address(frame)
+ *     frame, order, pins  -> arena_address(frame)
  *     bits: uptodate[words] dirty[words] busy[words], one bit per block
  */
 #ifndef NBDCACHED_DAEMON_CACHE_INTERNAL_H
@@ -37,7 +37,6 @@ struct cache_entry {
 	struct cache_export *ce;
 	struct cache_range *range;
 	uint32_t frame;	     /* arena location */
-	uint32_t generation; /* bumped whenever the entry moves */
 	uint32_t invalidations; /* bumped to discard fills in flight */
 	uint32_t nblocks, ndirty;
 	atomic_uint pins;
