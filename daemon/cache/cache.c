@@ -18,7 +18,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "daemon/cache/compact.h"
 #include "daemon/cache/internal.h"
 #include "daemon/log.h"
 
@@ -480,7 +479,7 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
 			atomic_fetch_add(&c->counters.alloc_2m_ok, 1);
 	}
 	if (order < fit && fit > ce->min_order + 2)
-		compactor_nudge(c); /* it was not fragmentation alone if it fails */
+		cache_nudge_compactor(c); /* it was not fragmentation alone if it fails */
 	if (frame < 0) {
 		atomic_fetch_add(&c->counters.alloc_failures, 1);
 		return NULL;
@@ -746,25 +745,37 @@ void cache_waitq_wake(struct cache *c)
 	}
 }
 
-/* ---- life cycle ---- */
-
-int cache_create(const struct options *opts, struct cache **out)
+void cache_kick_writeback(struct cache *c)
 {
-	struct cache *c = calloc(1, sizeof(*c));
-	if (!c)
-		return -ENOMEM;
+	struct cache_kick *k = &c->kick;
+	if (!k->worker || atomic_exchange(&k->pending, true))
+		return;
+	worker_post(k->worker, &k->task);
+}
+
+void cache_nudge_compactor(struct cache *c)
+{
+	struct cache_nudge *n = &c->nudge;
+	if (atomic_exchange(&n->nudged, true))
+		return;
+	pthread_mutex_lock(&n->lock);
+	pthread_cond_signal(&n->cond);
+	pthread_mutex_unlock(&n->lock);
+}
+
+/* ---- the index's part of the cache's life (lifecycle.c) ---- */
+
+int cache_index_init(struct cache *c, const struct options *opts)
+{
 	int rc = arena_init(&c->arena, (size_t)opts->cache_size, opts->hugepages);
-	if (rc < 0) {
-		free(c);
+	if (rc < 0)
 		return rc;
-	}
 	uint32_t ghost = 1024;
 	while (ghost < c->arena.nframes / 2)
 		ghost *= 2;
 	c->ghost = calloc(ghost, sizeof(*c->ghost));
 	if (!c->ghost) {
 		arena_destroy(&c->arena);
-		free(c);
 		return -ENOMEM;
 	}
 	c->ghost_mask = ghost - 1;
@@ -773,46 +784,22 @@ int cache_create(const struct options *opts, struct cache **out)
 	pthread_mutex_init(&c->evict_lock, NULL);
 	pthread_mutex_init(&c->waitq.lock, NULL);
 	pthread_mutex_init(&c->exports_lock, NULL);
+	pthread_mutex_init(&c->nudge.lock, NULL);
+	pthread_condattr_t attr;
+	pthread_condattr_init(&attr);
+	pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+	pthread_cond_init(&c->nudge.cond, &attr);
+	pthread_condattr_destroy(&attr);
 	c->dirty_high = c->arena.size / 100 * opts->dirty_high;
 	c->dirty_low = c->arena.size / 100 * opts->dirty_low;
 	c->dirty_expire_ns = (uint64_t)opts->dirty_expire * 1000000000u;
 	atomic_store(&c->counters.metadata_bytes,
 		     (uint64_t)c->arena.nframes * 9 + (uint64_t)ghost * sizeof(*c->ghost));
-	rc = writeback_create(c);
-	if (rc == 0)
-		rc = compactor_create(c, opts);
-	if (rc < 0) {
-		cache_destroy(c);
-		return rc;
-	}
-	log_info("cache: %zu bytes in %s memory", c->arena.size, arena_kind_name(c->arena.kind));
-	*out = c;
 	return 0;
 }
 
-int cache_start(struct cache *c)
+void cache_index_destroy(struct cache *c)
 {
-	int rc = writeback_start(c);
-	if (rc == 0)
-		rc = compactor_start(c);
-	return rc;
-}
-
-int cache_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg), void *arg)
-{
-	/* A second signal must not take the default action while the
-	 * compactor stops: it gives up the retries, with exit status 1. */
-	writeback_catch_second_signal();
-	compactor_stop(c);
-	return writeback_stop(c, progress, arg);
-}
-
-void cache_destroy(struct cache *c)
-{
-	if (!c)
-		return;
-	compactor_destroy(c);
-	writeback_destroy(c);
 	for (unsigned i = 0; i < CACHE_SHARDS; i++) {
 		struct cache_shard *sh = &c->shards[i];
 		for (size_t b = 0; b < sh->nbuckets; b++) {
@@ -829,6 +816,8 @@ void cache_destroy(struct cache *c)
 		free(sh->buckets);
 		pthread_mutex_destroy(&sh->lock);
 	}
+	/* Retired exports too: they stay on the list until now (struct
+	 * cache_export, retired). */
 	struct cache_export *ce = c->exports;
 	while (ce) {
 		struct cache_export *next = ce->next;
@@ -841,7 +830,8 @@ void cache_destroy(struct cache *c)
 	pthread_mutex_destroy(&c->evict_lock);
 	pthread_mutex_destroy(&c->waitq.lock);
 	pthread_mutex_destroy(&c->exports_lock);
-	free(c);
+	pthread_mutex_destroy(&c->nudge.lock);
+	pthread_cond_destroy(&c->nudge.cond);
 }
 
 int cache_export_add(struct cache *c, struct backend *be, const struct export_spec *spec,
@@ -877,7 +867,7 @@ enum cache_mode cache_export_mode(const struct cache_export *ce)
 void cache_export_set_mode(struct cache_export *ce, enum cache_mode mode)
 {
 	atomic_store(&ce->mode, mode);
-	writeback_kick(ce->cache); /* dirty data left by writeback mode goes sooner */
+	cache_kick_writeback(ce->cache); /* dirty data left by writeback mode goes sooner */
 }
 
 void cache_export_set_watermarks(struct cache_export *ce, unsigned high_pct, unsigned low_pct)
@@ -893,7 +883,7 @@ void cache_set_writeback_policy(struct cache *c, unsigned high_pct, unsigned low
 	atomic_store(&c->dirty_high, c->arena.size / 100 * high_pct);
 	atomic_store(&c->dirty_low, c->arena.size / 100 * low_pct);
 	atomic_store(&c->dirty_expire_ns, (uint64_t)expire_seconds * 1000000000u);
-	writeback_kick(c);
+	cache_kick_writeback(c);
 }
 
 /*

@@ -150,7 +150,11 @@ struct cache_export {
 	uint64_t unstable_since; /* monotonic ns: the unstable list became non-empty */
 	struct cache_counters counters;
 	/* Set once its export is gone and it holds nothing (cache_export_retire):
-	 * it stays on the list, skipped, so no thread walking it is surprised. */
+	 * it stays on the list, skipped, so no thread walking it is surprised,
+	 * and is freed by cache_destroy. Not sooner: the writeback thread, the
+	 * compactor and the shutdown walk the list without the exports lock
+	 * (it only ever grows at its head), and the cache's totals still sum
+	 * what it counted (struct cache_counters). */
 	atomic_bool retired;
 	struct cache_export *next;
 };
@@ -162,6 +166,27 @@ struct cache_waitq {
 	struct cache_waiter *head;
 };
 
+/*
+ * Wake-ups of the background threads, rung by the index and the operations
+ * without knowing the threads: arrows run one way, the threads use the
+ * index and never the reverse.
+ *
+ *   kick   the writeback thread's: a task posted to its event loop, at most
+ *          once until it runs (writeback.c sets the task and the worker)
+ *   nudge  the compactor's: a flag, and the condition variable the
+ *          compactor thread sleeps on (compact.c waits, and stops, on it)
+ */
+struct cache_kick {
+	struct worker *worker;	 /* the writeback thread while it runs, else NULL */
+	struct worker_task task; /* task.run: set by writeback.c */
+	atomic_bool pending;
+};
+
+struct cache_nudge {
+	pthread_mutex_t lock; /* a leaf (taken under a shard lock by a nudge) */
+	pthread_cond_t cond;  /* on CLOCK_MONOTONIC */
+	atomic_bool nudged;
+};
 
 struct writeback;
 struct compactor;
@@ -182,6 +207,8 @@ struct cache {
 	unsigned export_count;
 	atomic_uint_fast64_t dirty_high, dirty_low; /* bytes; changed by a reload */
 	atomic_uint_fast64_t dirty_expire_ns;
+	struct cache_kick kick;
+	struct cache_nudge nudge;
 	struct writeback *writeback;
 	struct compactor *compactor;
 };
@@ -293,22 +320,24 @@ uint64_t cache_waitq_seq(struct cache *c);
  * wait, retry now) if a wake happened since seq was read. */
 bool cache_waitq_wait(struct cache *c, struct cache_waiter *w, uint64_t seq);
 void cache_waitq_wake(struct cache *c);
+/* Ask the writeback thread for a background pass soon (dirty data above a
+ * watermark, a changed policy). Any thread; nothing if it is not running. */
+void cache_kick_writeback(struct cache *c);
+/* A large allocation fell back to a smaller order: ask the compactor for a
+ * pass. Cheap, any thread, any lock held. */
+void cache_nudge_compactor(struct cache *c);
 
 uint64_t cache_now_ns(void);
 
-/* writeback.c */
-int writeback_create(struct cache *c);
-int writeback_start(struct cache *c);
-void writeback_kick(struct cache *c);
+/* The index's part of cache_create (the arena, the ghost table, the locks,
+ * the writeback policy; 0 or -errno, nothing to undo on failure) and of
+ * cache_destroy (every range, entry and export, then the rest). */
+int cache_index_init(struct cache *c, const struct options *opts);
+void cache_index_destroy(struct cache *c);
+
 /* flush.c: FLUSH joins the export's next round on the writeback thread;
  * op->done runs on op->worker. */
 void writeback_flush(struct cache_op *op);
-/* Write everything back and flush; blocks, calling progress about once a
- * second. 0, or -EIO when writes that went to a backend directly were lost. */
-int writeback_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg), void *arg);
-/* From now on a SIGTERM / SIGINT ends writeback_stop's retries (exit 1). */
-void writeback_catch_second_signal(void);
-void writeback_destroy(struct cache *c);
 /* io.c: is a direct operation in flight over [offset, offset+length)?
  * Export lock held. */
 bool cache_direct_overlaps(struct cache_export *ce, uint64_t offset, uint64_t length);

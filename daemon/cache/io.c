@@ -560,7 +560,7 @@ static void cached_step(struct cache_op *op)
 		struct cache *c = op->ce->cache;
 		if (atomic_load(&c->counters.dirty_bytes) > c->dirty_high ||
 		    atomic_load(&op->ce->counters.dirty_bytes) > atomic_load(&op->ce->dirty_high))
-			writeback_kick(c);
+			cache_kick_writeback(c);
 		pieces_release(op);
 		op_finish(op, 0);
 		return;
@@ -1105,7 +1105,7 @@ void cache_submit(struct cache_op *op)
 			if (rc == -ENOSPC) {
 				/* No room: write through, and get writeback going. */
 				pieces_release(op);
-				writeback_kick(ce->cache);
+				cache_kick_writeback(ce->cache);
 				rc = 0;
 			} else if (rc == 0) {
 				op->stage = -1;

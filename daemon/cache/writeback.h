@@ -17,8 +17,6 @@ struct writeback {
 	struct worker thread;
 	bool started;
 	struct event *tick;
-	struct worker_task kick_task;
-	atomic_bool kick_pending;
 	struct flush_job *jobs;
 	unsigned inflight;
 	bool draining;
@@ -37,6 +35,16 @@ struct writeback {
 	bool stopped;
 };
 
+
+/* writeback.c: the thread's life (lifecycle.c) */
+int writeback_create(struct cache *c);
+int writeback_start(struct cache *c);
+/* Write everything back and flush; blocks, calling progress about once a
+ * second. 0, or -EIO when writes that went to a backend directly were lost. */
+int writeback_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg), void *arg);
+/* From now on a SIGTERM / SIGINT ends writeback_stop's retries (exit 1). */
+void writeback_catch_second_signal(void);
+void writeback_destroy(struct cache *c);
 
 /* writeback.c */
 /*
