@@ -215,6 +215,48 @@ int cache_ranges_between(struct cache_export *ce, uint64_t first, uint64_t last,
 	return 0;
 }
 
+/*
+ * Call fn on every cached entry overlapping [offset, offset+length), with
+ * its shard lock held. Walks the range nodes by index when that is short,
+ * else the export's list of range nodes (a TRIM of many TiB).
+ */
+int cache_for_each_entry(struct cache_export *ce, uint64_t offset, uint64_t length,
+			 void (*fn)(struct cache_entry *e, void *arg), void *arg)
+{
+	uint64_t first = offset >> CACHE_RANGE_SHIFT;
+	uint64_t last = (offset + length - 1) >> CACHE_RANGE_SHIFT;
+	uint64_t *list = NULL;
+	size_t n = 0;
+	pthread_mutex_lock(&ce->lock);
+	uint64_t nodes = ce->range_count;
+	pthread_mutex_unlock(&ce->lock);
+	bool by_list = last - first >= 2 * nodes + 16;
+	if (by_list) {
+		int rc = cache_ranges_between(ce, first, last, &list, &n);
+		/* Out of memory: walking by index needs none, if not too long. */
+		if (rc < 0 && last - first >= (1u << 20))
+			return rc;
+		by_list = rc == 0;
+	}
+	for (uint64_t k = 0; by_list ? k < n : first + k <= last; k++) {
+		uint64_t index = by_list ? list[k] : first + k;
+		struct cache_shard *sh = cache_shard_for(ce->cache, ce, index);
+		pthread_mutex_lock(&sh->lock);
+		struct cache_range *r = cache_range_get(sh, ce, index);
+		for (uint32_t i = 0; r && i < r->count; i++) {
+			struct cache_entry *e = r->entries[i];
+			uint64_t eo = cache_entry_offset(e);
+			if (eo < offset + length && offset < eo + cache_entry_bytes(e))
+				fn(e, arg);
+		}
+		pthread_mutex_unlock(&sh->lock);
+		if (first + k == UINT64_MAX)
+			break;
+	}
+	free(list);
+	return 0;
+}
+
 /* ---- entries ---- */
 
 void cache_entry_pin(struct cache_entry *e)

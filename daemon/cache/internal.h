@@ -233,6 +233,10 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
  * export lock. *out is malloc'd. */
 int cache_ranges_between(struct cache_export *ce, uint64_t first, uint64_t last,
 			 uint64_t **out, size_t *count);
+/* Call fn on every cached entry overlapping [offset, offset+length), with
+ * its shard lock held. No lock held; 0 or -ENOMEM. */
+int cache_for_each_entry(struct cache_export *ce, uint64_t offset, uint64_t length,
+			 void (*fn)(struct cache_entry *e, void *arg), void *arg);
 /* Size of an entry (handle) with nblocks blocks. */
 size_t cache_entry_struct_size(uint32_t nblocks);
 /* Collapse: the new entry ne takes the place of old[0..n) in the S3-FIFO
@@ -334,12 +338,5 @@ uint64_t cache_now_ns(void);
  * cache_destroy (every range, entry and export, then the rest). */
 int cache_index_init(struct cache *c, const struct options *opts);
 void cache_index_destroy(struct cache *c);
-
-/* flush.c: FLUSH joins the export's next round on the writeback thread;
- * op->done runs on op->worker. */
-void writeback_flush(struct cache_op *op);
-/* io.c: is a direct operation in flight over [offset, offset+length)?
- * Export lock held. */
-bool cache_direct_overlaps(struct cache_export *ce, uint64_t offset, uint64_t length);
 
 #endif

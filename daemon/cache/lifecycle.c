@@ -4,12 +4,14 @@
  * background threads that use it, the writeback thread (writeback.h) and
  * the compactor (compact.h); torn down in the reverse order. Only this
  * file knows every part; the parts below it never start or stop a thread.
+ * cache_submit is here too: a FLUSH goes to the writeback thread.
  */
 #include <errno.h>
 #include <stdlib.h>
 
 #include "daemon/cache/compact.h"
 #include "daemon/cache/internal.h"
+#include "daemon/cache/ops.h"
 #include "daemon/cache/writeback.h"
 #include "daemon/log.h"
 
@@ -60,4 +62,16 @@ void cache_destroy(struct cache *c)
 	writeback_destroy(c);
 	cache_index_destroy(c);
 	free(c);
+}
+
+/* The one entry point that needs both the operations and a thread: a FLUSH
+ * is answered by the writeback thread's rounds (flush.c), every other
+ * command by the operations (ops.h). */
+void cache_submit(struct cache_op *op)
+{
+	op_reset(op);
+	if (op->cmd == BACKEND_FLUSH)
+		writeback_flush(op);
+	else
+		op_submit(op);
 }

@@ -28,6 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "daemon/cache/ops.h"
 #include "daemon/cache/writeback.h"
 #include "daemon/log.h"
 

@@ -64,6 +64,9 @@ struct cache_export *writeback_exports(struct cache *c);
 uint64_t writeback_not_durable_bytes(struct cache *c);
 
 /* flush.c */
+/* FLUSH joins the export's next round on the writeback thread; op->done
+ * runs on op->worker (cache_submit). */
+void writeback_flush(struct cache_op *op);
 /* A writeback of job started / ended (error: 0 or -errno). */
 void flush_write_started(struct flush_job *job);
 void flush_write_done(struct flush_job *job, int error);
