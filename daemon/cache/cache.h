@@ -4,9 +4,9 @@
  *
  * Owns: the arena (arena.h), the index from (export, device range) to cache
  * entries, each entry's per-block state, eviction (S3-FIFO), writeback
- * (writeback.c, flush.c) and the statistics. transmit.c turns each NBD command into
- * one struct cache_op and calls cache_submit(); everything else here is
- * internal (internal.h).
+ * (writeback.c, flush.c) and the statistics. transmit.c turns each NBD
+ * command into one struct cache_op and calls cache_submit(); everything
+ * else here is internal (internal.h, which lists the cache's layers).
  *
  * An entry caches an aligned device range of 2^order 4 KiB frames (order 0
  * to 9) in as many arena frames. It is reached only through its handle,

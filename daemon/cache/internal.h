@@ -1,7 +1,34 @@
 /*
- * daemon/cache/internal.h: what the cache's own modules share (cache.c,
- * io.c, writeback.c, flush.c, compact.c). Nothing outside daemon/cache/
- * includes this.
+ * daemon/cache/internal.h: the index layer of the cache, what every module
+ * of daemon/cache/ above the arena builds on: the structs (cache, export,
+ * range, entry), the index, per-block state, eviction, the waitq and the
+ * background threads' wake-ups. Nothing outside daemon/cache/ includes
+ * this.
+ *
+ * Layers, low to high; arrows run one way: a file calls into its own
+ * layer and the ones below, never up, and includes only the headers
+ * listed for it (cache.h, the public interface, is open to every file):
+ *
+ *   layer       files                        may include
+ *   lifecycle   lifecycle.c                  every header below
+ *   threads     writeback.c flush.c          writeback.h, ops.h,
+ *                                            internal.h, arena.h
+ *               compact.c                    compact.h, ops.h,
+ *                                            internal.h, arena.h
+ *   operations  op.c cached.c direct.c       ops.h, internal.h, arena.h
+ *               block_status.c
+ *   index       cache.c dirty.c exports.c    internal.h, arena.h
+ *               stats.c wake.c
+ *   arena       arena.c                      arena.h
+ *
+ * Headers follow the same order: ops.h includes internal.h, which
+ * includes arena.h; writeback.h includes internal.h; compact.h nothing of
+ * the cache's. The two threads do not know each other.
+ *
+ * The threads wait for the index without the index knowing them: it rings
+ * struct cache_kick (writeback) and struct cache_nudge (compactor), which
+ * the threads set up. Only lifecycle.c starts and stops threads, and
+ * cache_submit, there, hands a FLUSH to the writeback thread.
  *
  * The index: a hash of (export, 2 MiB device range) to a range node, which
  * lists the entries inside that range sorted by device frame. Memory follows
@@ -259,6 +286,8 @@ void cache_entry_touch(struct cache_entry *e);
 uint64_t *cache_uptodate_map(struct cache_entry *e);
 uint64_t *cache_dirty_map(struct cache_entry *e);
 uint64_t *cache_busy_map(struct cache_entry *e);
+
+/* dirty.c: dirty and unstable state, and the export's lists */
 /* Mark blocks [first, first+count) dirty; keeps the dirty list and counts.
  * Shard lock held (takes the export lock). */
 void cache_mark_dirty(struct cache_entry *e, uint32_t first, uint32_t count);
@@ -291,7 +320,6 @@ static inline uint64_t cache_entry_bytes(const struct cache_entry *e)
 	return (uint64_t)ARENA_FRAME_SIZE << e->order;
 }
 
-/* Bit helpers over uint64_t words. */
 /* Dirty bytes move in the export's count and the cache's together. */
 static inline void cache_dirty_bytes_add(struct cache_export *ce, uint64_t bytes)
 {
@@ -305,6 +333,7 @@ static inline void cache_dirty_bytes_sub(struct cache_export *ce, uint64_t bytes
 	atomic_fetch_sub(&ce->cache->counters.dirty_bytes, bytes);
 }
 
+/* Bit helpers over uint64_t words. */
 static inline bool bit_test(const uint64_t *map, uint32_t i)
 {
 	return (map[i >> 6] >> (i & 63)) & 1;
@@ -318,7 +347,7 @@ static inline void bit_clear(uint64_t *map, uint32_t i)
 	map[i >> 6] &= ~(1ull << (i & 63));
 }
 
-/* waitq (cache.c): wait for "something changed" without lost wake-ups. */
+/* wake.c: the waitq, wait for "something changed" without lost wake-ups. */
 uint64_t cache_waitq_seq(struct cache *c);
 /* Queue w to run (w->task on w->worker) after the next wake; false (do not
  * wait, retry now) if a wake happened since seq was read. */
@@ -331,8 +360,8 @@ void cache_kick_writeback(struct cache *c);
  * pass. Cheap, any thread, any lock held. */
 void cache_nudge_compactor(struct cache *c);
 
+/* cache.c */
 uint64_t cache_now_ns(void);
-
 /* The index's part of cache_create (the arena, the ghost table, the locks,
  * the writeback policy; 0 or -errno, nothing to undo on failure) and of
  * cache_destroy (every range, entry and export, then the rest). */

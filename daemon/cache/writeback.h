@@ -2,8 +2,11 @@
  * daemon/cache/writeback.h: what writeback.c (writing dirty data back) and
  * flush.c (FLUSH rounds and the final flush at shutdown) share. Both run
  * on the writeback thread only, so nothing here takes a lock of its own;
- * cache.h has the durability model. Nothing outside daemon/cache/
- * includes this.
+ * cache.h has the durability model. The thread's life is lifecycle.c's
+ * (writeback_create .. writeback_destroy), and FLUSH comes from its
+ * cache_submit (writeback_flush); the index wakes the thread through
+ * struct cache_kick (internal.h), never through this header. Nothing
+ * outside daemon/cache/ includes this.
  */
 #ifndef NBDCACHED_DAEMON_CACHE_WRITEBACK_H
 #define NBDCACHED_DAEMON_CACHE_WRITEBACK_H
