@@ -30,9 +30,10 @@
  *   nor a shard lock under an export or evict lock (but by try-lock); the
  *   arena lock is innermost and never held with an export lock. The
  *   compaction pass lock is outermost (one pass at a time, compact.c). The
- *   exports lock, the waitq lock, the writeback thread's stop lock and the
- *   compactor's wake-up lock are leaves, taken alone (the last also under
- *   a shard lock: a nudge).
+ *   exports lock, the waitq lock and the compactor's nudge lock are leaves
+ *   (the last is taken under a shard lock: a nudge); the writeback
+ *   thread's stop lock has only the exports lock under it (writeback_stop
+ *   counts the bytes left while it waits).
  *
  *   shard lock   index of its device ranges, and every field of their
  *                entries except pins and freq (atomics)
