@@ -1,6 +1,8 @@
 /*
- * daemon/cache/cache.c: the index, the entries (handles), per-block state,
- * eviction and statistics (see cache.h and internal.h).
+ * daemon/cache/cache.c: the index, the entries (handles), eviction and the
+ * index's part of the cache's life (see cache.h and internal.h; per-block
+ * dirty state: dirty.c, the exports: exports.c, statistics: stats.c,
+ * wake-ups: wake.c).
  *
  * Eviction is S3-FIFO over entries: a new entry enters the small FIFO (a
  * tenth of the arena) unless the ghost table remembers it as recently
@@ -13,14 +15,11 @@
  * never dropped, the writeback thread cleans it first.
  */
 #include <errno.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "daemon/cache/compact.h"
 #include "daemon/cache/internal.h"
-#include "daemon/log.h"
 
 #define EVICT_SCAN_LIMIT 4096
 
@@ -213,6 +212,48 @@ int cache_ranges_between(struct cache_export *ce, uint64_t first, uint64_t last,
 	pthread_mutex_unlock(&ce->lock);
 	*out = v;
 	*count = n;
+	return 0;
+}
+
+/*
+ * Call fn on every cached entry overlapping [offset, offset+length), with
+ * its shard lock held. Walks the range nodes by index when that is short,
+ * else the export's list of range nodes (a TRIM of many TiB).
+ */
+int cache_for_each_entry(struct cache_export *ce, uint64_t offset, uint64_t length,
+			 void (*fn)(struct cache_entry *e, void *arg), void *arg)
+{
+	uint64_t first = offset >> CACHE_RANGE_SHIFT;
+	uint64_t last = (offset + length - 1) >> CACHE_RANGE_SHIFT;
+	uint64_t *list = NULL;
+	size_t n = 0;
+	pthread_mutex_lock(&ce->lock);
+	uint64_t nodes = ce->range_count;
+	pthread_mutex_unlock(&ce->lock);
+	bool by_list = last - first >= 2 * nodes + 16;
+	if (by_list) {
+		int rc = cache_ranges_between(ce, first, last, &list, &n);
+		/* Out of memory: walking by index needs none, if not too long. */
+		if (rc < 0 && last - first >= (1u << 20))
+			return rc;
+		by_list = rc == 0;
+	}
+	for (uint64_t k = 0; by_list ? k < n : first + k <= last; k++) {
+		uint64_t index = by_list ? list[k] : first + k;
+		struct cache_shard *sh = cache_shard_for(ce->cache, ce, index);
+		pthread_mutex_lock(&sh->lock);
+		struct cache_range *r = cache_range_get(sh, ce, index);
+		for (uint32_t i = 0; r && i < r->count; i++) {
+			struct cache_entry *e = r->entries[i];
+			uint64_t eo = cache_entry_offset(e);
+			if (eo < offset + length && offset < eo + cache_entry_bytes(e))
+				fn(e, arg);
+		}
+		pthread_mutex_unlock(&sh->lock);
+		if (first + k == UINT64_MAX)
+			break;
+	}
+	free(list);
 	return 0;
 }
 
@@ -480,7 +521,7 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
 			atomic_fetch_add(&c->counters.alloc_2m_ok, 1);
 	}
 	if (order < fit && fit > ce->min_order + 2)
-		compactor_nudge(c); /* it was not fragmentation alone if it fails */
+		cache_nudge_compactor(c); /* it was not fragmentation alone if it fails */
 	if (frame < 0) {
 		atomic_fetch_add(&c->counters.alloc_failures, 1);
 		return NULL;
@@ -542,229 +583,19 @@ err_frame:
 	return NULL;
 }
 
-/* ---- dirty state ---- */
+/* ---- the index's part of the cache's life (lifecycle.c) ---- */
 
-void cache_mark_dirty(struct cache_entry *e, uint32_t first, uint32_t count)
+int cache_index_init(struct cache *c, const struct options *opts)
 {
-	struct cache_export *ce = e->ce;
-	uint64_t *dirty = cache_dirty_map(e);
-	uint32_t added = 0;
-	for (uint32_t b = first; b < first + count; b++) {
-		if (!bit_test(dirty, b)) {
-			bit_set(dirty, b);
-			added++;
-		}
-	}
-	e->ndirty += added;
-	cache_dirty_bytes_add(ce, (uint64_t)added << ce->block_shift);
-	if (e->on_dirty_list)
-		return;
-	pthread_mutex_lock(&ce->lock);
-	e->dirty_next = NULL;
-	e->dirty_prev = ce->dirty_tail;
-	if (ce->dirty_tail)
-		ce->dirty_tail->dirty_next = e;
-	else
-		ce->dirty_head = e;
-	ce->dirty_tail = e;
-	e->on_dirty_list = true;
-	e->dirty_since = cache_now_ns();
-	pthread_mutex_unlock(&ce->lock);
-}
-
-void cache_clear_dirty(struct cache_entry *e, uint32_t first, uint32_t count)
-{
-	struct cache_export *ce = e->ce;
-	uint64_t *dirty = cache_dirty_map(e);
-	uint32_t removed = 0;
-	for (uint32_t b = first; b < first + count; b++) {
-		if (bit_test(dirty, b)) {
-			bit_clear(dirty, b);
-			removed++;
-		}
-	}
-	e->ndirty -= removed;
-	cache_dirty_bytes_sub(ce, (uint64_t)removed << ce->block_shift);
-}
-
-void cache_dirty_list_remove(struct cache_export *ce, struct cache_entry *e)
-{
-	if (e->dirty_prev)
-		e->dirty_prev->dirty_next = e->dirty_next;
-	else
-		ce->dirty_head = e->dirty_next;
-	if (e->dirty_next)
-		e->dirty_next->dirty_prev = e->dirty_prev;
-	else
-		ce->dirty_tail = e->dirty_prev;
-	e->on_dirty_list = false;
-}
-
-void cache_dirty_list_update(struct cache_entry *e)
-{
-	if (!e->on_dirty_list || e->ndirty || e->writeback)
-		return;
-	struct cache_export *ce = e->ce;
-	pthread_mutex_lock(&ce->lock);
-	cache_dirty_list_remove(ce, e);
-	pthread_mutex_unlock(&ce->lock);
-}
-
-/* ---- unstable state: written back, not yet flushed ---- */
-
-/* Export lock held, e on the unstable list. */
-static void unstable_list_unlink(struct cache_export *ce, struct cache_entry *e)
-{
-	if (e->unstable_prev)
-		e->unstable_prev->unstable_next = e->unstable_next;
-	else
-		ce->unstable_head = e->unstable_next;
-	if (e->unstable_next)
-		e->unstable_next->unstable_prev = e->unstable_prev;
-	else
-		ce->unstable_tail = e->unstable_prev;
-	e->unstable_prev = e->unstable_next = NULL;
-	e->on_unstable_list = false;
-}
-
-void cache_mark_unstable(struct cache_entry *e, uint32_t blocks, uint64_t seq)
-{
-	struct cache_export *ce = e->ce;
-	uint32_t room = e->nblocks - e->nunstable;
-	uint32_t added = blocks < room ? blocks : room;
-	e->nunstable += added;
-	atomic_fetch_add(&ce->counters.unstable_bytes, (uint64_t)added << ce->block_shift);
-	pthread_mutex_lock(&ce->lock);
-	if (e->on_unstable_list) /* to the tail: the list stays in write order */
-		unstable_list_unlink(ce, e);
-	e->unstable_next = NULL;
-	e->unstable_prev = ce->unstable_tail;
-	if (!ce->unstable_head)
-		ce->unstable_since = cache_now_ns();
-	if (ce->unstable_tail)
-		ce->unstable_tail->unstable_next = e;
-	else
-		ce->unstable_head = e;
-	ce->unstable_tail = e;
-	e->on_unstable_list = true;
-	if (seq > e->unstable_seq)
-		e->unstable_seq = seq;
-	pthread_mutex_unlock(&ce->lock);
-}
-
-void cache_unstable_settle(struct cache_entry *e, bool redirty)
-{
-	struct cache_export *ce = e->ce;
-	if (!e->on_unstable_list)
-		return;
-	if (redirty) {
-		const uint64_t *uptodate = cache_uptodate_map(e);
-		for (uint32_t b = 0; b < e->nblocks; b++)
-			if (bit_test(uptodate, b))
-				cache_mark_dirty(e, b, 1);
-	}
-	atomic_fetch_sub(&ce->counters.unstable_bytes, (uint64_t)e->nunstable << ce->block_shift);
-	e->nunstable = 0;
-	e->unstable_seq = 0;
-	pthread_mutex_lock(&ce->lock);
-	unstable_list_unlink(ce, e);
-	pthread_mutex_unlock(&ce->lock);
-}
-
-/* The entry after e on the dirty or the unstable list. */
-static struct cache_entry *list_next(const struct cache_entry *e, enum cache_list list)
-{
-	return list == CACHE_LIST_DIRTY ? e->dirty_next : e->unstable_next;
-}
-
-int cache_list_pin(struct cache_export *ce, enum cache_list list, uint64_t seq,
-		   struct cache_entry ***out, size_t *count)
-{
-	pthread_mutex_lock(&ce->lock);
-	struct cache_entry *head = list == CACHE_LIST_DIRTY ? ce->dirty_head : ce->unstable_head;
-	size_t n = 0;
-	for (struct cache_entry *e = head; e; e = list_next(e, list))
-		if (list == CACHE_LIST_DIRTY || e->unstable_seq <= seq)
-			n++;
-	struct cache_entry **v = malloc((n ? n : 1) * sizeof(*v));
-	if (!v) {
-		pthread_mutex_unlock(&ce->lock);
-		return -ENOMEM;
-	}
-	size_t i = 0;
-	for (struct cache_entry *e = head; e && i < n; e = list_next(e, list)) {
-		if (list == CACHE_LIST_DIRTY || e->unstable_seq <= seq) {
-			/* On the list: it cannot be evicted (see cache.h). */
-			cache_entry_pin(e);
-			v[i++] = e;
-		}
-	}
-	pthread_mutex_unlock(&ce->lock);
-	*out = v;
-	*count = i;
-	return 0;
-}
-
-/* ---- waiting ---- */
-
-uint64_t cache_waitq_seq(struct cache *c)
-{
-	return atomic_load(&c->waitq.seq);
-}
-
-bool cache_waitq_wait(struct cache *c, struct cache_waiter *w, uint64_t seq)
-{
-	struct cache_waitq *q = &c->waitq;
-	pthread_mutex_lock(&q->lock);
-	atomic_fetch_add(&q->waiters, 1);
-	if (atomic_load(&q->seq) != seq) {
-		atomic_fetch_sub(&q->waiters, 1);
-		pthread_mutex_unlock(&q->lock);
-		return false;
-	}
-	w->next = q->head;
-	q->head = w;
-	pthread_mutex_unlock(&q->lock);
-	return true;
-}
-
-void cache_waitq_wake(struct cache *c)
-{
-	struct cache_waitq *q = &c->waitq;
-	atomic_fetch_add(&q->seq, 1);
-	if (atomic_load(&q->waiters) == 0)
-		return;
-	pthread_mutex_lock(&q->lock);
-	struct cache_waiter *w = q->head;
-	q->head = NULL;
-	atomic_store(&q->waiters, 0);
-	pthread_mutex_unlock(&q->lock);
-	while (w) {
-		struct cache_waiter *next = w->next;
-		worker_post(w->worker, &w->task);
-		w = next;
-	}
-}
-
-/* ---- life cycle ---- */
-
-int cache_create(const struct options *opts, struct cache **out)
-{
-	struct cache *c = calloc(1, sizeof(*c));
-	if (!c)
-		return -ENOMEM;
 	int rc = arena_init(&c->arena, (size_t)opts->cache_size, opts->hugepages);
-	if (rc < 0) {
-		free(c);
+	if (rc < 0)
 		return rc;
-	}
 	uint32_t ghost = 1024;
 	while (ghost < c->arena.nframes / 2)
 		ghost *= 2;
 	c->ghost = calloc(ghost, sizeof(*c->ghost));
 	if (!c->ghost) {
 		arena_destroy(&c->arena);
-		free(c);
 		return -ENOMEM;
 	}
 	c->ghost_mask = ghost - 1;
@@ -773,46 +604,22 @@ int cache_create(const struct options *opts, struct cache **out)
 	pthread_mutex_init(&c->evict_lock, NULL);
 	pthread_mutex_init(&c->waitq.lock, NULL);
 	pthread_mutex_init(&c->exports_lock, NULL);
+	pthread_mutex_init(&c->nudge.lock, NULL);
+	pthread_condattr_t attr;
+	pthread_condattr_init(&attr);
+	pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+	pthread_cond_init(&c->nudge.cond, &attr);
+	pthread_condattr_destroy(&attr);
 	c->dirty_high = c->arena.size / 100 * opts->dirty_high;
 	c->dirty_low = c->arena.size / 100 * opts->dirty_low;
 	c->dirty_expire_ns = (uint64_t)opts->dirty_expire * 1000000000u;
 	atomic_store(&c->counters.metadata_bytes,
 		     (uint64_t)c->arena.nframes * 9 + (uint64_t)ghost * sizeof(*c->ghost));
-	rc = writeback_create(c);
-	if (rc == 0)
-		rc = compactor_create(c, opts);
-	if (rc < 0) {
-		cache_destroy(c);
-		return rc;
-	}
-	log_info("cache: %zu bytes in %s memory", c->arena.size, arena_kind_name(c->arena.kind));
-	*out = c;
 	return 0;
 }
 
-int cache_start(struct cache *c)
+void cache_index_destroy(struct cache *c)
 {
-	int rc = writeback_start(c);
-	if (rc == 0)
-		rc = compactor_start(c);
-	return rc;
-}
-
-int cache_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg), void *arg)
-{
-	/* A second signal must not take the default action while the
-	 * compactor stops: it gives up the retries, with exit status 1. */
-	writeback_catch_second_signal();
-	compactor_stop(c);
-	return writeback_stop(c, progress, arg);
-}
-
-void cache_destroy(struct cache *c)
-{
-	if (!c)
-		return;
-	compactor_destroy(c);
-	writeback_destroy(c);
 	for (unsigned i = 0; i < CACHE_SHARDS; i++) {
 		struct cache_shard *sh = &c->shards[i];
 		for (size_t b = 0; b < sh->nbuckets; b++) {
@@ -829,6 +636,8 @@ void cache_destroy(struct cache *c)
 		free(sh->buckets);
 		pthread_mutex_destroy(&sh->lock);
 	}
+	/* Retired exports too: they stay on the list until now (struct
+	 * cache_export, retired). */
 	struct cache_export *ce = c->exports;
 	while (ce) {
 		struct cache_export *next = ce->next;
@@ -841,60 +650,11 @@ void cache_destroy(struct cache *c)
 	pthread_mutex_destroy(&c->evict_lock);
 	pthread_mutex_destroy(&c->waitq.lock);
 	pthread_mutex_destroy(&c->exports_lock);
-	free(c);
+	pthread_mutex_destroy(&c->nudge.lock);
+	pthread_cond_destroy(&c->nudge.cond);
 }
 
-int cache_export_add(struct cache *c, struct backend *be, const struct export_spec *spec,
-		     struct cache_export **out)
-{
-	struct cache_export *ce = calloc(1, sizeof(*ce));
-	if (!ce)
-		return -ENOMEM;
-	ce->cache = c;
-	ce->backend = be;
-	ce->size = be->size;
-	ce->block_size = spec->block_size;
-	ce->block_shift = (unsigned)__builtin_ctz(spec->block_size);
-	ce->min_order = ce->block_shift > ARENA_FRAME_SHIFT ? ce->block_shift - ARENA_FRAME_SHIFT : 0;
-	ce->mode = spec->cache_mode;
-	ce->seq_cutoff = spec->seq_cutoff;
-	cache_export_set_watermarks(ce, spec->dirty_high, spec->dirty_low);
-	pthread_mutex_init(&ce->lock, NULL);
-	pthread_mutex_lock(&c->exports_lock);
-	ce->id = ++c->export_count;
-	ce->next = c->exports;
-	c->exports = ce;
-	pthread_mutex_unlock(&c->exports_lock);
-	*out = ce;
-	return 0;
-}
-
-enum cache_mode cache_export_mode(const struct cache_export *ce)
-{
-	return atomic_load(&ce->mode);
-}
-
-void cache_export_set_mode(struct cache_export *ce, enum cache_mode mode)
-{
-	atomic_store(&ce->mode, mode);
-	writeback_kick(ce->cache); /* dirty data left by writeback mode goes sooner */
-}
-
-void cache_export_set_watermarks(struct cache_export *ce, unsigned high_pct, unsigned low_pct)
-{
-	uint64_t unit = ce->cache->arena.size / 100;
-	atomic_store(&ce->dirty_high, unit * high_pct);
-	atomic_store(&ce->dirty_low, unit * low_pct);
-}
-
-void cache_set_writeback_policy(struct cache *c, unsigned high_pct, unsigned low_pct,
-				unsigned expire_seconds)
-{
-	atomic_store(&c->dirty_high, c->arena.size / 100 * high_pct);
-	atomic_store(&c->dirty_low, c->arena.size / 100 * low_pct);
-	atomic_store(&c->dirty_expire_ns, (uint64_t)expire_seconds * 1000000000u);
-	writeback_kick(c);
-}
+/* ---- dropping an export's clean entries ---- */
 
 /*
  * Evict every clean, idle entry of the export. The export's range list is
@@ -937,162 +697,4 @@ int cache_export_drop_clean(struct cache_export *ce, uint64_t *dropped, uint64_t
 	*kept = atomic_load(&ce->counters.cached_bytes);
 	cache_waitq_wake(c); /* room for waiting allocations */
 	return 0;
-}
-
-int cache_export_retire(struct cache_export *ce)
-{
-	uint64_t dropped, kept;
-	int rc = cache_export_drop_clean(ce, &dropped, &kept);
-	if (rc < 0)
-		return rc;
-	if (kept || cache_export_unflushed(ce))
-		return -EBUSY;
-	atomic_store(&ce->retired, true);
-	return 0;
-}
-
-void cache_export_note_direct_write(struct cache_export *ce)
-{
-	atomic_fetch_add(&ce->backend_writes_done, 1);
-	atomic_fetch_add(&ce->direct_writes_done, 1);
-}
-
-bool cache_export_unflushed(struct cache_export *ce)
-{
-	return atomic_load(&ce->counters.dirty_bytes) ||
-	       atomic_load(&ce->counters.unstable_bytes) ||
-	       atomic_load(&ce->backend_writes_done) != atomic_load(&ce->backend_writes_flushed);
-}
-
-uint64_t cache_export_error_seq(struct cache_export *ce)
-{
-	pthread_mutex_lock(&ce->lock);
-	uint64_t seq = ce->error_seq;
-	pthread_mutex_unlock(&ce->lock);
-	return seq;
-}
-
-static void counters_load(const struct cache_counters *k, struct cache_export_stats *s)
-{
-	s->hits = atomic_load(&k->hits);
-	s->misses = atomic_load(&k->misses);
-	s->partial_hits = atomic_load(&k->partial_hits);
-	s->backend_reads = atomic_load(&k->backend_reads);
-	s->backend_read_bytes = atomic_load(&k->backend_read_bytes);
-	s->backend_writes = atomic_load(&k->backend_writes);
-	s->backend_write_bytes = atomic_load(&k->backend_write_bytes);
-	s->writeback_bytes = atomic_load(&k->writeback_bytes);
-	s->evictions = atomic_load(&k->evictions);
-	s->writeback_errors = atomic_load(&k->writeback_errors);
-	s->bypass_reads = atomic_load(&k->bypass_reads);
-	s->direct_writes = atomic_load(&k->direct_writes);
-	s->dirty_bytes = atomic_load(&k->dirty_bytes);
-	s->cached_bytes = atomic_load(&k->cached_bytes);
-	s->unstable_bytes = atomic_load(&k->unstable_bytes);
-	s->backend_flushes = atomic_load(&k->backend_flushes);
-	s->backend_flush_errors = atomic_load(&k->backend_flush_errors);
-	s->losses = atomic_load(&k->losses);
-}
-
-static void counters_sum(struct cache_export_stats *sum, const struct cache_export_stats *s)
-{
-	sum->hits += s->hits;
-	sum->misses += s->misses;
-	sum->partial_hits += s->partial_hits;
-	sum->backend_reads += s->backend_reads;
-	sum->backend_read_bytes += s->backend_read_bytes;
-	sum->backend_writes += s->backend_writes;
-	sum->backend_write_bytes += s->backend_write_bytes;
-	sum->writeback_bytes += s->writeback_bytes;
-	sum->evictions += s->evictions;
-	sum->writeback_errors += s->writeback_errors;
-	sum->bypass_reads += s->bypass_reads;
-	sum->direct_writes += s->direct_writes;
-	sum->unstable_bytes += s->unstable_bytes;
-	sum->backend_flushes += s->backend_flushes;
-	sum->backend_flush_errors += s->backend_flush_errors;
-	sum->losses += s->losses;
-}
-
-void cache_export_get_stats(struct cache_export *ce, struct cache_export_stats *out)
-{
-	memset(out, 0, sizeof(*out));
-	counters_load(&ce->counters, out);
-}
-
-void cache_get_stats(struct cache *c, struct cache_stats *s)
-{
-	struct cache_counters *k = &c->counters;
-	memset(s, 0, sizeof(*s));
-	s->arena = arena_kind_name(c->arena.kind);
-	s->cache_bytes = c->arena.size;
-	pthread_mutex_lock(&c->arena.lock);
-	s->used_bytes = (uint64_t)(c->arena.nframes - c->arena.free_frames) << ARENA_FRAME_SHIFT;
-	pthread_mutex_unlock(&c->arena.lock);
-	s->entries = atomic_load(&k->entries);
-	s->metadata_bytes = atomic_load(&k->metadata_bytes);
-	struct cache_export_stats one;
-	pthread_mutex_lock(&c->exports_lock);
-	for (struct cache_export *ce = c->exports; ce; ce = ce->next) {
-		counters_load(&ce->counters, &one);
-		counters_sum(&s->traffic, &one);
-	}
-	pthread_mutex_unlock(&c->exports_lock);
-	s->traffic.dirty_bytes = atomic_load(&k->dirty_bytes);
-	s->traffic.cached_bytes = atomic_load(&k->entry_bytes);
-	arena_free_by_order(&c->arena, s->free_bytes_by_order);
-	s->fragmentation = arena_fragmentation(s->free_bytes_by_order);
-	for (unsigned o = 0; o < ARENA_ORDERS; o++)
-		s->free_bytes_by_order[o] <<= ARENA_FRAME_SHIFT;
-	s->free_2m_bytes = s->free_bytes_by_order[ARENA_MAX_ORDER];
-	s->large_bytes = atomic_load(&k->large_bytes);
-	s->large_share = s->traffic.cached_bytes ? s->large_bytes * 1000 / s->traffic.cached_bytes : 0;
-	s->alloc_2m_attempts = atomic_load(&k->alloc_2m_attempts);
-	s->alloc_2m_ok = atomic_load(&k->alloc_2m_ok);
-	s->alloc_failures = atomic_load(&k->alloc_failures);
-	s->compact_moves = atomic_load(&k->compact_moves);
-	s->compact_skipped_pinned = atomic_load(&k->compact_skipped_pinned);
-	s->compact_collapses = atomic_load(&k->compact_collapses);
-	s->compact_chunks_freed = atomic_load(&k->compact_chunks_freed);
-	s->compact_passes = atomic_load(&k->compact_passes);
-	s->compact_ns = atomic_load(&k->compact_ns);
-}
-
-void cache_log_stats(struct cache *c)
-{
-	struct cache_stats s;
-	cache_get_stats(c, &s);
-	char by_order[ARENA_ORDERS * 24] = "";
-	size_t at = 0;
-	for (unsigned o = 0; o < ARENA_ORDERS; o++)
-		at += (size_t)snprintf(by_order + at, sizeof(by_order) - at, "%s%llu", o ? "," : "",
-				       (unsigned long long)s.free_bytes_by_order[o]);
-	log_info("stats: arena=%s cache_bytes=%llu used_bytes=%llu entries=%llu hits=%llu "
-		 "misses=%llu partial_hits=%llu backend_reads=%llu backend_read_bytes=%llu "
-		 "backend_writes=%llu backend_write_bytes=%llu dirty_bytes=%llu evictions=%llu "
-		 "writeback_errors=%llu bypass_reads=%llu direct_writes=%llu "
-		 "metadata_bytes=%llu free_2m_bytes=%llu fragmentation=%llu "
-		 "free_bytes_by_order=%s large_bytes=%llu large_share=%llu alloc_2m_attempts=%llu "
-		 "alloc_2m_ok=%llu alloc_failures=%llu compact_moves=%llu compact_skipped_pinned=%llu "
-		 "compact_collapses=%llu compact_chunks_freed=%llu compact_passes=%llu "
-		 "compact_ns=%llu unstable_bytes=%llu backend_flushes=%llu "
-		 "backend_flush_errors=%llu losses=%llu",
-		 s.arena, (unsigned long long)s.cache_bytes, (unsigned long long)s.used_bytes,
-		 (unsigned long long)s.entries, (unsigned long long)s.traffic.hits,
-		 (unsigned long long)s.traffic.misses, (unsigned long long)s.traffic.partial_hits,
-		 (unsigned long long)s.traffic.backend_reads, (unsigned long long)s.traffic.backend_read_bytes,
-		 (unsigned long long)s.traffic.backend_writes, (unsigned long long)s.traffic.backend_write_bytes,
-		 (unsigned long long)s.traffic.dirty_bytes, (unsigned long long)s.traffic.evictions,
-		 (unsigned long long)s.traffic.writeback_errors, (unsigned long long)s.traffic.bypass_reads,
-		 (unsigned long long)s.traffic.direct_writes, (unsigned long long)s.metadata_bytes,
-		 (unsigned long long)s.free_2m_bytes, (unsigned long long)s.fragmentation, by_order,
-		 (unsigned long long)s.large_bytes, (unsigned long long)s.large_share,
-		 (unsigned long long)s.alloc_2m_attempts, (unsigned long long)s.alloc_2m_ok,
-		 (unsigned long long)s.alloc_failures, (unsigned long long)s.compact_moves, (unsigned long long)s.compact_skipped_pinned,
-		 (unsigned long long)s.compact_collapses,
-		 (unsigned long long)s.compact_chunks_freed, (unsigned long long)s.compact_passes,
-		 (unsigned long long)s.compact_ns, (unsigned long long)s.traffic.unstable_bytes,
-		 (unsigned long long)s.traffic.backend_flushes,
-		 (unsigned long long)s.traffic.backend_flush_errors,
-		 (unsigned long long)s.traffic.losses);
 }

@@ -1,27 +1,39 @@
 /*
  * daemon/cache/cache.h: the block cache shared by every connection of
- * every export (DESIGN.md, "daemon/cache").
+ * every export (docs/architecture.md, "daemon/cache").
  *
  * Owns: the arena (arena.h), the index from (export, device range) to cache
  * entries, each entry's per-block state, eviction (S3-FIFO), writeback
- * (writeback.c, flush.c) and the statistics. transmit.c turns each NBD command into
- * one struct cache_op and calls cache_submit(); everything else here is
- * internal (internal.h).
+ * (writeback.c, flush.c) and the statistics. transmit.c turns each NBD
+ * command into one struct cache_op and calls cache_submit(); everything
+ * else here is internal (internal.h, which lists the cache's layers).
  *
  * An entry caches an aligned device range of 2^order 4 KiB frames (order 0
  * to 9) in as many arena frames. It is reached only through its handle,
- * struct cache_entry, which holds the arena location, the pin count, the
- * generation and two bits per block: uptodate and dirty (plus busy while a
- * backend read fills the block). Nothing keeps an arena address across an
+ * struct cache_entry, which holds the arena location, the pin count and
+ * two bits per block: uptodate and dirty (plus busy while a backend read
+ * fills the block). Nothing keeps an arena address across an
  * unlock unless it holds a pin: a pinned entry is never moved or evicted.
  *
  * Lock order (take left before right, never the reverse):
  *
- *   shard lock  ->  evict lock  ->  (other shard: try-lock only)
- *               ->  export lock ->  arena lock
- *   evict lock  ->  export lock (entry_destroy -> range_destroy)
- *   The evict lock is never taken while holding an export lock; the waitq
- *   lock and the compactor's lock are leaves, taken alone.
+ *   compaction pass lock -> shard lock -> evict lock -> export lock
+ *                                      -> export lock
+ *                                      -> arena lock
+ *   evict lock  ->  export lock   (entry_destroy -> range_destroy: an
+ *                                  eviction unlinks the entry's last range
+ *                                  from the export's range list)
+ *   evict lock  ->  arena lock    (alloc_evicting, entry_destroy)
+ *   evict lock  ->  another shard's lock: try-lock only (evict_one)
+ *
+ *   Never the reverse: the evict lock is not taken under an export lock,
+ *   nor a shard lock under an export or evict lock (but by try-lock); the
+ *   arena lock is innermost and never held with an export lock. The
+ *   compaction pass lock is outermost (one pass at a time, compact.c). The
+ *   exports lock, the waitq lock and the compactor's nudge lock are leaves
+ *   (the last is taken under a shard lock: a nudge); the writeback
+ *   thread's stop lock has only the exports lock under it (writeback_stop
+ *   counts the bytes left while it waits).
  *
  *   shard lock   index of its device ranges, and every field of their
  *                entries except pins and freq (atomics)

@@ -75,10 +75,9 @@ struct compactor {
 	pthread_mutex_t pass_lock; /* one pass at a time */
 	struct arena_block blocks[ARENA_CHUNK_FRAMES]; /* under pass_lock */
 
-	pthread_mutex_t lock; /* leaf: the fields below */
-	pthread_cond_t cond;
+	/* Under the cache's nudge lock (struct cache_nudge, internal.h), on
+	 * whose condition variable the thread sleeps: */
 	bool started, stopping;
-	atomic_bool nudged;
 	pthread_t thread;
 };
 
@@ -168,7 +167,6 @@ static enum move_result move_block(struct cache *c, const struct arena_block *b,
 	       (size_t)cache_entry_bytes(e));
 	uint32_t from = e->frame;
 	e->frame = (uint32_t)to;
-	e->generation++;
 	arena_set_owner(a, (uint32_t)to, e);
 	arena_free(a, from, e->order); /* held back: the chunk is isolated */
 	result = MOVE_DONE;
@@ -470,19 +468,20 @@ static void *compactor_main(void *arg)
 {
 	struct compactor *k = arg;
 	struct cache *c = k->cache;
-	pthread_mutex_lock(&k->lock);
+	struct cache_nudge *n = &c->nudge;
+	pthread_mutex_lock(&n->lock);
 	while (!k->stopping) {
 		struct timespec ts;
 		clock_gettime(CLOCK_MONOTONIC, &ts);
 		uint64_t at = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec + k->interval_ns;
 		ts.tv_sec = (time_t)(at / 1000000000u);
 		ts.tv_nsec = (long)(at % 1000000000u);
-		if (!atomic_load(&k->nudged))
-			pthread_cond_timedwait(&k->cond, &k->lock, &ts);
+		if (!atomic_load(&n->nudged))
+			pthread_cond_timedwait(&n->cond, &n->lock, &ts);
 		if (k->stopping)
 			break;
-		pthread_mutex_unlock(&k->lock);
-		bool nudged = atomic_exchange(&k->nudged, false);
+		pthread_mutex_unlock(&n->lock);
+		bool nudged = atomic_exchange(&n->nudged, false);
 		unsigned frag = cache_fragmentation(c);
 		if (nudged || frag > k->threshold || k->threshold == 0) {
 			struct cache_compact_result res;
@@ -492,20 +491,10 @@ static void *compactor_main(void *arg)
 						  : BACKGROUND_TARGET;
 			run_pass(k, target, nudged, &res);
 		}
-		pthread_mutex_lock(&k->lock);
+		pthread_mutex_lock(&n->lock);
 	}
-	pthread_mutex_unlock(&k->lock);
+	pthread_mutex_unlock(&n->lock);
 	return NULL;
-}
-
-void compactor_nudge(struct cache *c)
-{
-	struct compactor *k = c->compactor;
-	if (!k || !k->enabled || atomic_exchange(&k->nudged, true))
-		return;
-	pthread_mutex_lock(&k->lock);
-	pthread_cond_signal(&k->cond);
-	pthread_mutex_unlock(&k->lock);
 }
 
 int compactor_create(struct cache *c, const struct options *opts)
@@ -518,12 +507,6 @@ int compactor_create(struct cache *c, const struct options *opts)
 	k->interval_ns = (uint64_t)opts->compact_interval_ms * 1000000u;
 	k->threshold = opts->compact_threshold;
 	pthread_mutex_init(&k->pass_lock, NULL);
-	pthread_mutex_init(&k->lock, NULL);
-	pthread_condattr_t attr;
-	pthread_condattr_init(&attr);
-	pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-	pthread_cond_init(&k->cond, &attr);
-	pthread_condattr_destroy(&attr);
 	c->compactor = k;
 	return 0;
 }
@@ -545,10 +528,11 @@ void compactor_stop(struct cache *c)
 	struct compactor *k = c->compactor;
 	if (!k || !k->started)
 		return;
-	pthread_mutex_lock(&k->lock);
+	struct cache_nudge *n = &c->nudge;
+	pthread_mutex_lock(&n->lock);
 	k->stopping = true;
-	pthread_cond_signal(&k->cond);
-	pthread_mutex_unlock(&k->lock);
+	pthread_cond_signal(&n->cond);
+	pthread_mutex_unlock(&n->lock);
 	pthread_join(k->thread, NULL);
 	k->started = false;
 }
@@ -560,8 +544,6 @@ void compactor_destroy(struct cache *c)
 		return;
 	compactor_stop(c);
 	pthread_mutex_destroy(&k->pass_lock);
-	pthread_mutex_destroy(&k->lock);
-	pthread_cond_destroy(&k->cond);
 	free(k);
 	c->compactor = NULL;
 }

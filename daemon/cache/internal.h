@@ -1,7 +1,34 @@
 /*
- * daemon/cache/internal.h: what the cache's own modules share (cache.c,
- * io.c, writeback.c, flush.c, compact.c). Nothing outside daemon/cache/
- * includes this.
+ * daemon/cache/internal.h: the index layer of the cache, what every module
+ * of daemon/cache/ above the arena builds on: the structs (cache, export,
+ * range, entry), the index, per-block state, eviction, the waitq and the
+ * background threads' wake-ups. Nothing outside daemon/cache/ includes
+ * this.
+ *
+ * Layers, low to high; arrows run one way: a file calls into its own
+ * layer and the ones below, never up, and includes only the headers
+ * listed for it (cache.h, the public interface, is open to every file):
+ *
+ *   layer       files                        may include
+ *   lifecycle   lifecycle.c                  every header below
+ *   threads     writeback.c flush.c          writeback.h, ops.h,
+ *                                            internal.h, arena.h
+ *               compact.c                    compact.h, ops.h,
+ *                                            internal.h, arena.h
+ *   operations  op.c cached.c direct.c       ops.h, internal.h, arena.h
+ *               block_status.c
+ *   index       cache.c dirty.c exports.c    internal.h, arena.h
+ *               stats.c wake.c
+ *   arena       arena.c                      arena.h
+ *
+ * Headers follow the same order: ops.h includes internal.h, which
+ * includes arena.h; writeback.h includes internal.h; compact.h nothing of
+ * the cache's. The two threads do not know each other.
+ *
+ * The threads wait for the index without the index knowing them: it rings
+ * struct cache_kick (writeback) and struct cache_nudge (compactor), which
+ * the threads set up. Only lifecycle.c starts and stops threads, and
+ * cache_submit, there, hands a FLUSH to the writeback thread.
  *
  * The index: a hash of (export, 2 MiB device range) to a range node, which
  * lists the entries inside that range sorted by device frame. Memory follows
@@ -12,7 +39,7 @@
  *                 entries: [e@frame 3584 order 0][e@3600 order 4] ...
  *
  *   entry (the handle)
- *     frame, order, generation, pins  -> arena_address(frame)
+ *     frame, order, pins  -> arena_address(frame)
  *     bits: uptodate[words] dirty[words] busy[words], one bit per block
  */
 #ifndef NBDCACHED_DAEMON_CACHE_INTERNAL_H
@@ -37,7 +64,6 @@ struct cache_entry {
 	struct cache_export *ce;
 	struct cache_range *range;
 	uint32_t frame;	     /* arena location */
-	uint32_t generation; /* bumped whenever the entry moves */
 	uint32_t invalidations; /* bumped to discard fills in flight */
 	uint32_t nblocks, ndirty;
 	atomic_uint pins;
@@ -151,7 +177,11 @@ struct cache_export {
 	uint64_t unstable_since; /* monotonic ns: the unstable list became non-empty */
 	struct cache_counters counters;
 	/* Set once its export is gone and it holds nothing (cache_export_retire):
-	 * it stays on the list, skipped, so no thread walking it is surprised. */
+	 * it stays on the list, skipped, so no thread walking it is surprised,
+	 * and is freed by cache_destroy. Not sooner: the writeback thread, the
+	 * compactor and the shutdown walk the list without the exports lock
+	 * (it only ever grows at its head), and the cache's totals still sum
+	 * what it counted (struct cache_counters). */
 	atomic_bool retired;
 	struct cache_export *next;
 };
@@ -163,6 +193,27 @@ struct cache_waitq {
 	struct cache_waiter *head;
 };
 
+/*
+ * Wake-ups of the background threads, rung by the index and the operations
+ * without knowing the threads: arrows run one way, the threads use the
+ * index and never the reverse.
+ *
+ *   kick   the writeback thread's: a task posted to its event loop, at most
+ *          once until it runs (writeback.c sets the task and the worker)
+ *   nudge  the compactor's: a flag, and the condition variable the
+ *          compactor thread sleeps on (compact.c waits, and stops, on it)
+ */
+struct cache_kick {
+	struct worker *worker;	 /* the writeback thread while it runs, else NULL */
+	struct worker_task task; /* task.run: set by writeback.c */
+	atomic_bool pending;
+};
+
+struct cache_nudge {
+	pthread_mutex_t lock; /* a leaf (taken under a shard lock by a nudge) */
+	pthread_cond_t cond;  /* on CLOCK_MONOTONIC */
+	atomic_bool nudged;
+};
 
 struct writeback;
 struct compactor;
@@ -183,6 +234,8 @@ struct cache {
 	unsigned export_count;
 	atomic_uint_fast64_t dirty_high, dirty_low; /* bytes; changed by a reload */
 	atomic_uint_fast64_t dirty_expire_ns;
+	struct cache_kick kick;
+	struct cache_nudge nudge;
 	struct writeback *writeback;
 	struct compactor *compactor;
 };
@@ -207,6 +260,10 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
  * export lock. *out is malloc'd. */
 int cache_ranges_between(struct cache_export *ce, uint64_t first, uint64_t last,
 			 uint64_t **out, size_t *count);
+/* Call fn on every cached entry overlapping [offset, offset+length), with
+ * its shard lock held. No lock held; 0 or -ENOMEM. */
+int cache_for_each_entry(struct cache_export *ce, uint64_t offset, uint64_t length,
+			 void (*fn)(struct cache_entry *e, void *arg), void *arg);
 /* Size of an entry (handle) with nblocks blocks. */
 size_t cache_entry_struct_size(uint32_t nblocks);
 /* Collapse: the new entry ne takes the place of old[0..n) in the S3-FIFO
@@ -229,6 +286,8 @@ void cache_entry_touch(struct cache_entry *e);
 uint64_t *cache_uptodate_map(struct cache_entry *e);
 uint64_t *cache_dirty_map(struct cache_entry *e);
 uint64_t *cache_busy_map(struct cache_entry *e);
+
+/* dirty.c: dirty and unstable state, and the export's lists */
 /* Mark blocks [first, first+count) dirty; keeps the dirty list and counts.
  * Shard lock held (takes the export lock). */
 void cache_mark_dirty(struct cache_entry *e, uint32_t first, uint32_t count);
@@ -261,7 +320,6 @@ static inline uint64_t cache_entry_bytes(const struct cache_entry *e)
 	return (uint64_t)ARENA_FRAME_SIZE << e->order;
 }
 
-/* Bit helpers over uint64_t words. */
 /* Dirty bytes move in the export's count and the cache's together. */
 static inline void cache_dirty_bytes_add(struct cache_export *ce, uint64_t bytes)
 {
@@ -275,6 +333,7 @@ static inline void cache_dirty_bytes_sub(struct cache_export *ce, uint64_t bytes
 	atomic_fetch_sub(&ce->cache->counters.dirty_bytes, bytes);
 }
 
+/* Bit helpers over uint64_t words. */
 static inline bool bit_test(const uint64_t *map, uint32_t i)
 {
 	return (map[i >> 6] >> (i & 63)) & 1;
@@ -288,30 +347,25 @@ static inline void bit_clear(uint64_t *map, uint32_t i)
 	map[i >> 6] &= ~(1ull << (i & 63));
 }
 
-/* waitq (cache.c): wait for "something changed" without lost wake-ups. */
+/* wake.c: the waitq, wait for "something changed" without lost wake-ups. */
 uint64_t cache_waitq_seq(struct cache *c);
 /* Queue w to run (w->task on w->worker) after the next wake; false (do not
  * wait, retry now) if a wake happened since seq was read. */
 bool cache_waitq_wait(struct cache *c, struct cache_waiter *w, uint64_t seq);
 void cache_waitq_wake(struct cache *c);
+/* Ask the writeback thread for a background pass soon (dirty data above a
+ * watermark, a changed policy). Any thread; nothing if it is not running. */
+void cache_kick_writeback(struct cache *c);
+/* A large allocation fell back to a smaller order: ask the compactor for a
+ * pass. Cheap, any thread, any lock held. */
+void cache_nudge_compactor(struct cache *c);
 
+/* cache.c */
 uint64_t cache_now_ns(void);
-
-/* writeback.c */
-int writeback_create(struct cache *c);
-int writeback_start(struct cache *c);
-void writeback_kick(struct cache *c);
-/* flush.c: FLUSH joins the export's next round on the writeback thread;
- * op->done runs on op->worker. */
-void writeback_flush(struct cache_op *op);
-/* Write everything back and flush; blocks, calling progress about once a
- * second. 0, or -EIO when writes that went to a backend directly were lost. */
-int writeback_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg), void *arg);
-/* From now on a SIGTERM / SIGINT ends writeback_stop's retries (exit 1). */
-void writeback_catch_second_signal(void);
-void writeback_destroy(struct cache *c);
-/* io.c: is a direct operation in flight over [offset, offset+length)?
- * Export lock held. */
-bool cache_direct_overlaps(struct cache_export *ce, uint64_t offset, uint64_t length);
+/* The index's part of cache_create (the arena, the ghost table, the locks,
+ * the writeback policy; 0 or -errno, nothing to undo on failure) and of
+ * cache_destroy (every range, entry and export, then the rest). */
+int cache_index_init(struct cache *c, const struct options *opts);
+void cache_index_destroy(struct cache *c);
 
 #endif

@@ -28,6 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "daemon/cache/ops.h"
 #include "daemon/cache/writeback.h"
 #include "daemon/log.h"
 
@@ -461,19 +462,12 @@ static void on_tick(evutil_socket_t fd, short what, void *arg)
 	background_pass(arg);
 }
 
+/* cache_kick_writeback() (internal.h) posted this to the thread. */
 static void kick_task(struct worker_task *task)
 {
-	struct writeback *wb = (struct writeback *)((char *)task - offsetof(struct writeback, kick_task));
-	atomic_store(&wb->kick_pending, false);
-	background_pass(wb);
-}
-
-void writeback_kick(struct cache *c)
-{
-	struct writeback *wb = c->writeback;
-	if (!wb->started || atomic_exchange(&wb->kick_pending, true))
-		return;
-	worker_post(&wb->thread, &wb->kick_task);
+	struct cache *c = (struct cache *)((char *)task - offsetof(struct cache, kick.task));
+	atomic_store(&c->kick.pending, false);
+	background_pass(c->writeback);
 }
 
 /* ---- life cycle ---- */
@@ -484,7 +478,7 @@ int writeback_create(struct cache *c)
 	if (!wb)
 		return -ENOMEM;
 	wb->cache = c;
-	wb->kick_task.run = kick_task;
+	c->kick.task.run = kick_task;
 	pthread_mutex_init(&wb->lock, NULL);
 	pthread_cond_init(&wb->cond, NULL);
 	c->writeback = wb;
@@ -506,6 +500,7 @@ int writeback_start(struct cache *c)
 	struct timeval tv = {0, WB_TICK_MS * 1000};
 	event_add(wb->tick, &tv);
 	wb->started = true;
+	c->kick.worker = &wb->thread;
 	return 0;
 }
 
@@ -583,6 +578,7 @@ int writeback_stop(struct cache *c, void (*progress)(uint64_t remaining, void *a
 	worker_request_stop(&wb->thread);
 	worker_join(&wb->thread);
 	wb->started = false;
+	c->kick.worker = NULL;
 	if (wb->shutdown_lost) {
 		log_error("cache: writes that went to a backend directly were lost at exit");
 		return -EIO;

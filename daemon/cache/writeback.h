@@ -2,8 +2,11 @@
  * daemon/cache/writeback.h: what writeback.c (writing dirty data back) and
  * flush.c (FLUSH rounds and the final flush at shutdown) share. Both run
  * on the writeback thread only, so nothing here takes a lock of its own;
- * cache.h has the durability model. Nothing outside daemon/cache/
- * includes this.
+ * cache.h has the durability model. The thread's life is lifecycle.c's
+ * (writeback_create .. writeback_destroy), and FLUSH comes from its
+ * cache_submit (writeback_flush); the index wakes the thread through
+ * struct cache_kick (internal.h), never through this header. Nothing
+ * outside daemon/cache/ includes this.
  */
 #ifndef NBDCACHED_DAEMON_CACHE_WRITEBACK_H
 #define NBDCACHED_DAEMON_CACHE_WRITEBACK_H
@@ -17,8 +20,6 @@ struct writeback {
 	struct worker thread;
 	bool started;
 	struct event *tick;
-	struct worker_task kick_task;
-	atomic_bool kick_pending;
 	struct flush_job *jobs;
 	unsigned inflight;
 	bool draining;
@@ -38,6 +39,16 @@ struct writeback {
 };
 
 
+/* writeback.c: the thread's life (lifecycle.c) */
+int writeback_create(struct cache *c);
+int writeback_start(struct cache *c);
+/* Write everything back and flush; blocks, calling progress about once a
+ * second. 0, or -EIO when writes that went to a backend directly were lost. */
+int writeback_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg), void *arg);
+/* From now on a SIGTERM / SIGINT ends writeback_stop's retries (exit 1). */
+void writeback_catch_second_signal(void);
+void writeback_destroy(struct cache *c);
+
 /* writeback.c */
 /*
  * Start writing e back for job (NULL: background), with the dirty entries
@@ -56,6 +67,9 @@ struct cache_export *writeback_exports(struct cache *c);
 uint64_t writeback_not_durable_bytes(struct cache *c);
 
 /* flush.c */
+/* FLUSH joins the export's next round on the writeback thread; op->done
+ * runs on op->worker (cache_submit). */
+void writeback_flush(struct cache_op *op);
 /* A writeback of job started / ended (error: 0 or -errno). */
 void flush_write_started(struct flush_job *job);
 void flush_write_done(struct flush_job *job, int error);

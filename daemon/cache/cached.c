@@ -1,0 +1,572 @@
+/*
+ * daemon/cache/cached.c: READ, CACHE and cached WRITE (the operations
+ * layer, ops.h).
+ *
+ * READ and cached WRITE split the request into pieces, one per entry it
+ * touches (or a bypass piece where nothing may be cached), pin each entry,
+ * and then drive a small state machine, op_run(), until every piece is
+ * ready:
+ *
+ *   examine  under the shard lock, find blocks that are not uptodate (for
+ *            a WRITE, only partly covered ones), mark them busy and read
+ *            each run of them from the backend in one request (a fill);
+ *            blocks another operation is filling make the op wait
+ *   fills    complete on the same worker; a fill whose entry was
+ *            invalidated meanwhile (a direct write landed) is discarded
+ *            and examined again
+ *   commit   WRITE: copy the payload into the arena, set uptodate+dirty
+ *
+ * Hits touch neither the backend nor any lock but the shard's, and the
+ * reply is sent straight from the arena (the pins last until it is sent).
+ *
+ * Readahead: a READ that continues its connection's previous one (the
+ * caller sets op->sequential) asks for aligned 2 MiB entries, a hint the
+ * arena may not honour (cache.c falls back and nudges the compactor), and
+ * fills each entry from the piece on to its end in the same backend
+ * requests. A fill that fails is retried without reading ahead.
+ *
+ * A WRITE that finds no room for every piece, and every WRITE not in
+ * writeback mode or with FUA, is a direct operation instead (direct.c).
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon/cache/ops.h"
+
+#define CACHE_PREFETCH_MAX (32u << 20)
+
+struct cache_piece {
+	uint64_t offset;
+	uint32_t length;
+	struct cache_entry *entry; /* pinned; NULL for a bypass piece */
+	uint8_t *buf;		   /* bypass data */
+	bool ready;
+	bool issued; /* bypass read submitted */
+};
+
+struct cache_fill {
+	struct backend_io io;
+	struct cache_op *op;
+	struct cache_piece *piece;
+	uint32_t first, count;
+	uint32_t invalidations;
+	bool ahead; /* reads ahead of the request: a failure retries without */
+};
+
+static struct cache_piece *piece_add(struct cache_op *op)
+{
+	if (op->npieces == op->pieces_cap) {
+		size_t cap = op->pieces_cap ? op->pieces_cap * 2 : 4;
+		struct cache_piece *v = realloc(op->pieces, cap * sizeof(*v));
+		if (!v)
+			return NULL;
+		op->pieces = v;
+		op->pieces_cap = cap;
+	}
+	struct cache_piece *p = &op->pieces[op->npieces++];
+	memset(p, 0, sizeof(*p));
+	return p;
+}
+
+/*
+ * Split [offset, offset+length) into pieces, pinning the entries. New
+ * entries are made unless allocate is false; where none can be had the
+ * piece is a bypass piece, and so is the rest of the range that is not
+ * cached already: a failed allocation scanned the eviction queues and
+ * found every entry pinned, dirty or unflushed, and a 4 KiB frame at a
+ * time that scan would hold the worker for seconds. Returns 0, -ENOMEM, or -ENOSPC when a WRITE
+ * could not get room for every piece (the caller goes direct).
+ */
+static bool range_uptodate(struct cache_entry *e, uint64_t offset, uint64_t length);
+
+static int pieces_build(struct cache_op *op, bool allocate, bool need_all)
+{
+	struct cache_export *ce = op->ce;
+	uint64_t pos = op->offset, end = op->offset + op->length;
+	while (pos < end) {
+		uint64_t frame = pos >> ARENA_FRAME_SHIFT;
+		struct cache_shard *sh = shard_of(ce, pos);
+		pthread_mutex_lock(&sh->lock);
+		struct cache_entry *e = cache_lookup(ce, sh, frame);
+		if (!e && allocate) {
+			e = cache_entry_create(ce, sh, frame,
+					       op->readahead ? ARENA_MAX_ORDER
+							     : order_for_length(end - pos));
+			allocate = e != NULL;
+		}
+		uint64_t piece_end = e ? cache_entry_offset(e) + cache_entry_bytes(e)
+				       : (frame + 1) << ARENA_FRAME_SHIFT;
+		if (piece_end > end)
+			piece_end = end;
+		/* A read hit is settled here, under the lock already held. */
+		bool hit = false;
+		if (e) {
+			cache_entry_pin(e);
+			hit = op->cmd != BACKEND_WRITE && range_uptodate(e, pos, piece_end - pos);
+		}
+		pthread_mutex_unlock(&sh->lock);
+		if (!e && need_all)
+			return -ENOSPC;
+		struct cache_piece *last = op->npieces ? &op->pieces[op->npieces - 1] : NULL;
+		if (!e && last && !last->entry && last->offset + last->length == pos &&
+		    last->length + (piece_end - pos) <= UINT32_MAX) {
+			last->length += (uint32_t)(piece_end - pos);
+		} else {
+			struct cache_piece *p = piece_add(op);
+			if (!p) {
+				if (e)
+					cache_entry_unpin(e);
+				return -ENOMEM;
+			}
+			p->offset = pos;
+			p->length = (uint32_t)(piece_end - pos);
+			p->entry = e;
+			p->ready = hit;
+			op->some_cached |= hit;
+		}
+		pos = piece_end;
+	}
+	return 0;
+}
+
+void pieces_release(struct cache_op *op)
+{
+	for (size_t i = 0; i < op->npieces; i++) {
+		if (op->pieces[i].entry)
+			cache_entry_unpin(op->pieces[i].entry);
+		free(op->pieces[i].buf);
+	}
+	free(op->pieces);
+	op->pieces = NULL;
+	op->npieces = op->pieces_cap = 0;
+}
+
+/* Is every block of e that [offset, offset+length) touches uptodate?
+ * Shard lock held. */
+static bool range_uptodate(struct cache_entry *e, uint64_t offset, uint64_t length)
+{
+	uint32_t first, last;
+	piece_blocks(e, offset, length, &first, &last);
+	const uint64_t *uptodate = cache_uptodate_map(e);
+	for (uint32_t b = first; b <= last; b++)
+		if (!bit_test(uptodate, b))
+			return false;
+	return true;
+}
+
+static void fill_done(struct backend_io *io, int result)
+{
+	struct cache_fill *f = (struct cache_fill *)io;
+	struct cache_op *op = f->op;
+	struct cache_entry *e = f->piece->entry;
+	struct cache_export *ce = op->ce;
+	struct cache_shard *sh = shard_of(ce, cache_entry_offset(e));
+	if (result >= 0) {
+		/* Bytes past the end of the export read as zeros. */
+		uint64_t start, end;
+		block_range(e, f->first, &start, &end);
+		uint64_t want = (uint64_t)f->count << ce->block_shift;
+		uint64_t got = io->length;
+		if (got < want)
+			memset((uint8_t *)io->buf + got, 0, want - got);
+	}
+	/* Once per fill, not per hit: does it hold an all-zero 4 KiB block? */
+	bool zeros = false;
+	if (result >= 0) {
+		uint64_t want = (uint64_t)f->count << ce->block_shift;
+		const uint8_t *p = io->buf;
+		for (uint64_t at = 0; at < want && !zeros; at += ARENA_FRAME_SIZE)
+			zeros = cache_all_zero(p + at, want - at < ARENA_FRAME_SIZE ? want - at
+										    : ARENA_FRAME_SIZE);
+	}
+	pthread_mutex_lock(&sh->lock);
+	uint64_t *busy = cache_busy_map(e), *uptodate = cache_uptodate_map(e);
+	bool keep = result >= 0 && e->invalidations == f->invalidations;
+	if (keep && zeros)
+		e->may_hold_zeros = true;
+	for (uint32_t b = f->first; b < f->first + f->count; b++) {
+		bit_clear(busy, b);
+		if (keep)
+			bit_set(uptodate, b);
+	}
+	pthread_mutex_unlock(&sh->lock);
+	cache_waitq_wake(ce->cache);
+	if (result < 0 && f->ahead) {
+		/* The blocks asked for are examined again, without readahead:
+		 * an error past them is not this request's. */
+		op->readahead = false;
+	} else if (result < 0 && !op->error) {
+		op->error = result;
+	}
+	free(f);
+	if (--op->pending == 0)
+		op_run(op);
+}
+
+static void bypass_done(struct backend_io *io, int result)
+{
+	struct cache_fill *f = (struct cache_fill *)io;
+	struct cache_op *op = f->op;
+	if (result < 0) {
+		if (!op->error)
+			op->error = result;
+	} else {
+		f->piece->ready = true;
+	}
+	free(f);
+	if (--op->pending == 0)
+		op_run(op);
+}
+
+static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offset,
+		       uint64_t length, void *buf, uint32_t first, uint32_t count,
+		       uint32_t invalidations, bool ahead, void (*done)(struct backend_io *, int))
+{
+	struct cache_fill *f = calloc(1, sizeof(*f));
+	if (!f)
+		return -ENOMEM;
+	struct cache_export *ce = op->ce;
+	if (offset + length > ce->size)
+		length = ce->size - offset;
+	f->op = op;
+	f->piece = p;
+	f->first = first;
+	f->count = count;
+	f->invalidations = invalidations;
+	f->ahead = ahead;
+	f->io.cmd = BACKEND_READ;
+	f->io.offset = offset;
+	f->io.length = length;
+	f->io.buf = buf;
+	f->io.done = done;
+	op->pending++;
+	atomic_fetch_add(&ce->counters.backend_reads, 1);
+	atomic_fetch_add(&ce->counters.backend_read_bytes, length);
+	backend_submit(ce->backend, op->worker, &f->io);
+	return 0;
+}
+
+/*
+ * Examine one piece under its shard lock: mark the blocks this op will
+ * fill busy and collect them as runs. Returns true if the piece must wait
+ * for another operation's fill. Fills are submitted after unlocking. A
+ * readahead READ also fills the rest of the entry after the piece (blocks
+ * that are neither uptodate nor busy), in the same backend requests: the
+ * next reads of a sequential stream find it there.
+ */
+struct run {
+	uint32_t first, count;
+	bool ahead; /* holds readahead blocks */
+};
+
+/* Block b joins the last run if it follows it, else starts a new one. */
+static void run_append(struct run *runs, size_t *nruns, uint32_t b)
+{
+	if (*nruns && runs[*nruns - 1].first + runs[*nruns - 1].count == b)
+		runs[*nruns - 1].count++;
+	else
+		runs[(*nruns)++] = (struct run){b, 1, false};
+}
+
+static bool piece_examine(struct cache_op *op, struct cache_piece *p, struct run *runs,
+			  size_t *nruns, bool *any_cached)
+{
+	struct cache_entry *e = p->entry;
+	uint32_t first, last;
+	piece_blocks(e, p->offset, p->length, &first, &last);
+	uint64_t *uptodate = cache_uptodate_map(e), *busy = cache_busy_map(e);
+	bool blocked = false, missing = false;
+	uint32_t fill_last = op->readahead && op->cmd == BACKEND_READ ? e->nblocks - 1 : last;
+	uint64_t end_block = (e->ce->size - cache_entry_offset(e) + e->ce->block_size - 1) >>
+			     e->ce->block_shift;
+	if (fill_last >= end_block)
+		fill_last = last > end_block - 1 ? last : (uint32_t)(end_block - 1);
+	*nruns = 0;
+	for (uint32_t b = first; b <= fill_last; b++) {
+		if (b > last) { /* readahead: never waits, never counts as missing */
+			if (bit_test(uptodate, b) || bit_test(busy, b)) {
+				continue;
+			}
+			bit_set(busy, b);
+			run_append(runs, nruns, b);
+			runs[*nruns - 1].ahead = true;
+			continue;
+		}
+		if (bit_test(uptodate, b)) {
+			*any_cached = true;
+			continue;
+		}
+		if (op->cmd == BACKEND_WRITE) {
+			uint64_t bs, be;
+			block_range(e, b, &bs, &be);
+			if (p->offset <= bs && p->offset + p->length >= be)
+				continue; /* fully overwritten: never read */
+		}
+		missing = true;
+		if (bit_test(busy, b)) {
+			blocked = true;
+			continue;
+		}
+		bit_set(busy, b);
+		run_append(runs, nruns, b);
+	}
+	if (!missing)
+		p->ready = true;
+	return blocked;
+}
+
+static int op_examine(struct cache_op *op, bool *blocked)
+{
+	struct cache_export *ce = op->ce;
+	bool any_cached = op->some_cached, all_ready = true;
+	*blocked = false;
+	for (size_t i = 0; i < op->npieces; i++) {
+		struct cache_piece *p = &op->pieces[i];
+		if (p->ready)
+			continue;
+		if (!p->entry) {
+			all_ready = false;
+			if (p->issued)
+				continue;
+			p->buf = malloc(p->length ? p->length : 1);
+			if (!p->buf)
+				return -ENOMEM;
+			p->issued = true;
+			atomic_fetch_add(&ce->counters.bypass_reads, 1);
+			int rc = submit_read(op, p, p->offset, p->length, p->buf, 0, 0, 0, false,
+					     bypass_done);
+			if (rc < 0)
+				return rc;
+			continue;
+		}
+		struct cache_entry *e = p->entry;
+		uint32_t nblocks_max = e->nblocks;
+		struct run stack_runs[8];
+		struct run *runs = stack_runs;
+		if (nblocks_max > 8) {
+			runs = malloc(((nblocks_max + 1) / 2 + 1) * sizeof(*runs));
+			if (!runs)
+				return -ENOMEM;
+		}
+		size_t nruns = 0;
+		struct cache_shard *sh = shard_of(ce, p->offset);
+		pthread_mutex_lock(&sh->lock);
+		if (piece_examine(op, p, runs, &nruns, &any_cached))
+			*blocked = true;
+		uint32_t frame = e->frame; /* stable: the entry is pinned */
+		uint32_t invalidations = e->invalidations;
+		pthread_mutex_unlock(&sh->lock);
+		if (!p->ready)
+			all_ready = false;
+		int rc = 0;
+		size_t k;
+		for (k = 0; k < nruns && rc == 0; k++) {
+			uint64_t off = cache_entry_offset(e) + ((uint64_t)runs[k].first << ce->block_shift);
+			uint8_t *buf = arena_address(&ce->cache->arena, frame) +
+				       ((size_t)runs[k].first << ce->block_shift);
+			rc = submit_read(op, p, off, (uint64_t)runs[k].count << ce->block_shift, buf,
+					 runs[k].first, runs[k].count, invalidations, runs[k].ahead,
+					 fill_done);
+		}
+		if (rc < 0) {
+			/* The runs not submitted must not stay busy: nobody would clear them. */
+			pthread_mutex_lock(&sh->lock);
+			for (k = k - 1; k < nruns; k++)
+				for (uint32_t b = runs[k].first; b < runs[k].first + runs[k].count; b++)
+					bit_clear(cache_busy_map(e), b);
+			pthread_mutex_unlock(&sh->lock);
+			cache_waitq_wake(ce->cache);
+		}
+		if (runs != stack_runs)
+			free(runs);
+		if (rc < 0)
+			return rc;
+	}
+	if (!op->counted && op->cmd == BACKEND_READ) {
+		op->counted = true;
+		struct cache_counters *k = &ce->counters;
+		if (all_ready && op->npieces)
+			atomic_fetch_add(&k->hits, 1);
+		else if (any_cached)
+			atomic_fetch_add(&k->partial_hits, 1);
+		else
+			atomic_fetch_add(&k->misses, 1);
+	}
+	return 0;
+}
+
+/*
+ * WRITE: copy the payload into every piece and mark it dirty. The blocks
+ * are marked busy while the copy runs without the lock, so no fill can
+ * start under it. Returns false if some piece must wait or be examined
+ * again (a partial block lost its uptodate bit, or another op is busy).
+ */
+static bool write_commit(struct cache_op *op, bool *blocked)
+{
+	struct cache_export *ce = op->ce;
+	*blocked = false;
+	for (size_t i = 0; i < op->npieces; i++) {
+		struct cache_piece *p = &op->pieces[i];
+		if (!p->ready)
+			continue; /* committed already (ready cleared) or not yet examined */
+		struct cache_entry *e = p->entry;
+		uint32_t first, last;
+		piece_blocks(e, p->offset, p->length, &first, &last);
+		struct cache_shard *sh = shard_of(ce, p->offset);
+		pthread_mutex_lock(&sh->lock);
+		uint64_t *uptodate = cache_uptodate_map(e), *busy = cache_busy_map(e);
+		bool ok = true;
+		for (uint32_t b = first; b <= last && ok; b++) {
+			uint64_t bs, be;
+			block_range(e, b, &bs, &be);
+			bool full = p->offset <= bs && p->offset + p->length >= be;
+			if (bit_test(busy, b)) {
+				ok = false;
+				*blocked = true;
+			} else if (!full && !bit_test(uptodate, b)) {
+				ok = false;
+				p->ready = false; /* examine again: fill it */
+			}
+		}
+		if (!ok) {
+			pthread_mutex_unlock(&sh->lock);
+			continue;
+		}
+		for (uint32_t b = first; b <= last; b++)
+			bit_set(busy, b);
+		uint8_t *dst = arena_address(&ce->cache->arena, e->frame) +
+			       (size_t)(p->offset - cache_entry_offset(e));
+		pthread_mutex_unlock(&sh->lock);
+		memcpy(dst, op->payload + (p->offset - op->offset), p->length);
+		pthread_mutex_lock(&sh->lock);
+		for (uint32_t b = first; b <= last; b++) {
+			bit_clear(busy, b);
+			bit_set(uptodate, b);
+		}
+		cache_mark_dirty(e, first, last - first + 1);
+		e->may_hold_zeros = true; /* not worth scanning the payload */
+		pthread_mutex_unlock(&sh->lock);
+		cache_waitq_wake(ce->cache);
+		cache_entry_unpin(e);
+		p->entry = NULL;
+		p->ready = false;
+		p->issued = true; /* done: a NULL entry that is issued is committed */
+	}
+	for (size_t i = 0; i < op->npieces; i++)
+		if (op->pieces[i].entry)
+			return false;
+	return true;
+}
+
+/* One step of a READ, CACHE or cached WRITE. */
+void cached_step(struct cache_op *op)
+{
+	if (op->pending)
+		return;
+	if (op->error) {
+		op_finish(op, op->error);
+		return;
+	}
+	uint64_t seq = cache_waitq_seq(op->ce->cache);
+	bool blocked;
+	int rc = op_examine(op, &blocked);
+	if (rc < 0) {
+		op->error = rc;
+		if (!op->pending)
+			op_finish(op, rc);
+		return;
+	}
+	if (op->pending)
+		return;
+	for (size_t i = 0; i < op->npieces; i++) {
+		if (!op->pieces[i].ready && !(op->cmd == BACKEND_WRITE && op->pieces[i].issued)) {
+			op_wait(op, seq);
+			return;
+		}
+	}
+	if (op->cmd == BACKEND_WRITE) {
+		if (!write_commit(op, &blocked)) {
+			if (blocked)
+				op_wait(op, seq);
+			else
+				op->rerun = true;
+			return;
+		}
+		struct cache *c = op->ce->cache;
+		if (atomic_load(&c->counters.dirty_bytes) > c->dirty_high ||
+		    atomic_load(&op->ce->counters.dirty_bytes) > atomic_load(&op->ce->dirty_high))
+			cache_kick_writeback(c);
+		pieces_release(op);
+		op_finish(op, 0);
+		return;
+	}
+	for (size_t i = 0; i < op->npieces; i++)
+		if (op->pieces[i].entry)
+			cache_entry_touch(op->pieces[i].entry);
+	if (op->cmd == BACKEND_CACHE)
+		pieces_release(op);
+	op_finish(op, 0);
+}
+
+int cached_prepare(struct cache_op *op)
+{
+	struct cache_export *ce = op->ce;
+	int rc = 0;
+	switch (op->cmd) {
+	case BACKEND_READ:
+		op->readahead = op->sequential && !op->no_allocate;
+		rc = pieces_build(op, !op->no_allocate, false);
+		break;
+	case BACKEND_CACHE:
+		if (op->length > CACHE_PREFETCH_MAX)
+			op->length = CACHE_PREFETCH_MAX;
+		if (op->length > ce->cache->arena.size / 4)
+			op->length = ce->cache->arena.size / 4;
+		rc = pieces_build(op, true, false);
+		/* Nothing to read where nothing can be cached. */
+		for (size_t i = 0; i < op->npieces; i++)
+			if (!op->pieces[i].entry)
+				op->pieces[i].ready = true;
+		break;
+	case BACKEND_WRITE:
+		if (ce->mode == CACHE_MODE_WRITEBACK && !(op->flags & BACKEND_FUA)) {
+			rc = pieces_build(op, true, true);
+			if (rc == -ENOSPC) {
+				/* No room: write through, and get writeback going. */
+				pieces_release(op);
+				cache_kick_writeback(ce->cache);
+				rc = 0;
+			} else if (rc == 0) {
+				op->stage = -1;
+			}
+		}
+		break;
+	default:
+		break;
+	}
+	return rc;
+}
+
+bool cache_op_segment(const struct cache_op *op, size_t i, const uint8_t **data, size_t *len,
+		      bool *may_hold_zeros)
+{
+	if (i >= op->npieces)
+		return false;
+	const struct cache_piece *p = &op->pieces[i];
+	if (p->entry) {
+		*data = arena_address(&op->ce->cache->arena, p->entry->frame) +
+			(size_t)(p->offset - cache_entry_offset(p->entry));
+		*may_hold_zeros = p->entry->may_hold_zeros;
+	} else {
+		*data = p->buf;
+		*may_hold_zeros = true;
+	}
+	*len = p->length;
+	return true;
+}
+
+void cache_op_release(struct cache_op *op)
+{
+	pieces_release(op);
+}

@@ -1,0 +1,96 @@
+/*
+ * daemon/cache/exports.c: the cache's exports (the index layer,
+ * internal.h): adding one, its policy (mode, watermarks) changed live,
+ * retiring it once it is gone, and what the rest of the daemon asks of its
+ * durability. An export stays on the cache's list until cache_destroy
+ * (struct cache_export, retired).
+ */
+#include <errno.h>
+#include <stdlib.h>
+
+#include "daemon/cache/internal.h"
+
+int cache_export_add(struct cache *c, struct backend *be, const struct export_spec *spec,
+		     struct cache_export **out)
+{
+	struct cache_export *ce = calloc(1, sizeof(*ce));
+	if (!ce)
+		return -ENOMEM;
+	ce->cache = c;
+	ce->backend = be;
+	ce->size = be->size;
+	ce->block_size = spec->block_size;
+	ce->block_shift = (unsigned)__builtin_ctz(spec->block_size);
+	ce->min_order = ce->block_shift > ARENA_FRAME_SHIFT ? ce->block_shift - ARENA_FRAME_SHIFT : 0;
+	ce->mode = spec->cache_mode;
+	ce->seq_cutoff = spec->seq_cutoff;
+	cache_export_set_watermarks(ce, spec->dirty_high, spec->dirty_low);
+	pthread_mutex_init(&ce->lock, NULL);
+	pthread_mutex_lock(&c->exports_lock);
+	ce->id = ++c->export_count;
+	ce->next = c->exports;
+	c->exports = ce;
+	pthread_mutex_unlock(&c->exports_lock);
+	*out = ce;
+	return 0;
+}
+
+enum cache_mode cache_export_mode(const struct cache_export *ce)
+{
+	return atomic_load(&ce->mode);
+}
+
+void cache_export_set_mode(struct cache_export *ce, enum cache_mode mode)
+{
+	atomic_store(&ce->mode, mode);
+	cache_kick_writeback(ce->cache); /* dirty data left by writeback mode goes sooner */
+}
+
+void cache_export_set_watermarks(struct cache_export *ce, unsigned high_pct, unsigned low_pct)
+{
+	uint64_t unit = ce->cache->arena.size / 100;
+	atomic_store(&ce->dirty_high, unit * high_pct);
+	atomic_store(&ce->dirty_low, unit * low_pct);
+}
+
+void cache_set_writeback_policy(struct cache *c, unsigned high_pct, unsigned low_pct,
+				unsigned expire_seconds)
+{
+	atomic_store(&c->dirty_high, c->arena.size / 100 * high_pct);
+	atomic_store(&c->dirty_low, c->arena.size / 100 * low_pct);
+	atomic_store(&c->dirty_expire_ns, (uint64_t)expire_seconds * 1000000000u);
+	cache_kick_writeback(c);
+}
+
+int cache_export_retire(struct cache_export *ce)
+{
+	uint64_t dropped, kept;
+	int rc = cache_export_drop_clean(ce, &dropped, &kept);
+	if (rc < 0)
+		return rc;
+	if (kept || cache_export_unflushed(ce))
+		return -EBUSY;
+	atomic_store(&ce->retired, true);
+	return 0;
+}
+
+void cache_export_note_direct_write(struct cache_export *ce)
+{
+	atomic_fetch_add(&ce->backend_writes_done, 1);
+	atomic_fetch_add(&ce->direct_writes_done, 1);
+}
+
+bool cache_export_unflushed(struct cache_export *ce)
+{
+	return atomic_load(&ce->counters.dirty_bytes) ||
+	       atomic_load(&ce->counters.unstable_bytes) ||
+	       atomic_load(&ce->backend_writes_done) != atomic_load(&ce->backend_writes_flushed);
+}
+
+uint64_t cache_export_error_seq(struct cache_export *ce)
+{
+	pthread_mutex_lock(&ce->lock);
+	uint64_t seq = ce->error_seq;
+	pthread_mutex_unlock(&ce->lock);
+	return seq;
+}

@@ -1,0 +1,77 @@
+/*
+ * daemon/cache/lifecycle.c: the cache assembled, the top of the layers
+ * listed in internal.h: the index (and its arena) first, then the
+ * background threads that use it, the writeback thread (writeback.h) and
+ * the compactor (compact.h); torn down in the reverse order. Only this
+ * file knows every part; the parts below it never start or stop a thread.
+ * cache_submit is here too: a FLUSH goes to the writeback thread.
+ */
+#include <errno.h>
+#include <stdlib.h>
+
+#include "daemon/cache/compact.h"
+#include "daemon/cache/internal.h"
+#include "daemon/cache/ops.h"
+#include "daemon/cache/writeback.h"
+#include "daemon/log.h"
+
+int cache_create(const struct options *opts, struct cache **out)
+{
+	struct cache *c = calloc(1, sizeof(*c));
+	if (!c)
+		return -ENOMEM;
+	int rc = cache_index_init(c, opts);
+	if (rc < 0) {
+		free(c);
+		return rc;
+	}
+	rc = writeback_create(c);
+	if (rc == 0)
+		rc = compactor_create(c, opts);
+	if (rc < 0) {
+		cache_destroy(c);
+		return rc;
+	}
+	log_info("cache: %zu bytes in %s memory", c->arena.size, arena_kind_name(c->arena.kind));
+	*out = c;
+	return 0;
+}
+
+int cache_start(struct cache *c)
+{
+	int rc = writeback_start(c);
+	if (rc == 0)
+		rc = compactor_start(c);
+	return rc;
+}
+
+int cache_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg), void *arg)
+{
+	/* A second signal must not take the default action while the
+	 * compactor stops: it gives up the retries, with exit status 1. */
+	writeback_catch_second_signal();
+	compactor_stop(c);
+	return writeback_stop(c, progress, arg);
+}
+
+void cache_destroy(struct cache *c)
+{
+	if (!c)
+		return;
+	compactor_destroy(c);
+	writeback_destroy(c);
+	cache_index_destroy(c);
+	free(c);
+}
+
+/* The one entry point that needs both the operations and a thread: a FLUSH
+ * is answered by the writeback thread's rounds (flush.c), every other
+ * command by the operations (ops.h). */
+void cache_submit(struct cache_op *op)
+{
+	op_reset(op);
+	if (op->cmd == BACKEND_FLUSH)
+		writeback_flush(op);
+	else
+		op_submit(op);
+}

@@ -1,0 +1,103 @@
+/*
+ * daemon/cache/ops.h: the operations layer: NBD commands carried out on
+ * the index (internal.h), every one but FLUSH, which cache_submit
+ * (lifecycle.c) hands to the writeback thread's rounds (flush.c).
+ *
+ *   op.c            the state machine driver: op_run() steps an op until
+ *                   it finishes, on its worker; waiting and finishing
+ *   cached.c        READ, CACHE and cached WRITE: pieces, fills, commit
+ *   direct.c        direct operations (TRIM, WRITE_ZEROES, FUA writes,
+ *                   writes that go around the cache) and their ordering
+ *                   against each other and against writeback
+ *   block_status.c  BLOCK_STATUS: the backend's extents, dirty data as data
+ *
+ * What the layers above use of it: cache_direct_overlaps (writeback.c
+ * leaves registered direct ranges alone), op_reset and op_submit
+ * (cache_submit). Everything else here is shared by the files above only.
+ * An op is touched by its worker thread only; the locks are the index's
+ * (cache.h). Nothing outside daemon/cache/ includes this.
+ */
+#ifndef NBDCACHED_DAEMON_CACHE_OPS_H
+#define NBDCACHED_DAEMON_CACHE_OPS_H
+
+#include "daemon/cache/internal.h"
+
+/* ---- for the layers above ---- */
+
+/* Reset the cache's private fields of op (every command, FLUSH too). */
+void op_reset(struct cache_op *op);
+/* Start op (any command but FLUSH): done() runs on op->worker, maybe
+ * before this returns. */
+void op_submit(struct cache_op *op);
+/* direct.c: is a direct operation in flight over [offset, offset+length)?
+ * Export lock held. */
+bool cache_direct_overlaps(struct cache_export *ce, uint64_t offset, uint64_t length);
+
+/* ---- op.c ---- */
+
+/* Run op's steps until it waits or finishes; re-entrant (a completion may
+ * run inside a step: the step is then run again). */
+void op_run(struct cache_op *op);
+/* op is done; done() may free the op: inside op_run it is deferred to
+ * op_run's end. */
+void op_finish(struct cache_op *op, int result);
+/* Run op again once the cache changes after seq (cache_waitq_seq). */
+void op_wait(struct cache_op *op, uint64_t seq);
+
+/* ---- cached.c ---- */
+
+/* READ, CACHE, WRITE: pin the pieces (a WRITE with no room, or not in
+ * writeback mode, stays a direct operation). 0 or -errno. */
+int cached_prepare(struct cache_op *op);
+/* One step of a READ, CACHE or cached WRITE. */
+void cached_step(struct cache_op *op);
+/* Unpin and free op's pieces. */
+void pieces_release(struct cache_op *op);
+
+/* ---- direct.c ---- */
+
+/* One step of a direct operation. */
+void direct_step(struct cache_op *op);
+
+/* ---- block_status.c ---- */
+
+/* The dirty ranges, then the backend's extents, overlaid; finishes op. */
+void block_status_start(struct cache_op *op);
+
+/* ---- entry geometry ---- */
+
+static inline struct cache_shard *shard_of(struct cache_export *ce, uint64_t offset)
+{
+	return cache_shard_for(ce->cache, ce, offset >> CACHE_RANGE_SHIFT);
+}
+
+/* The largest order whose entry fits in length bytes (at most 2 MiB). */
+static inline unsigned order_for_length(uint64_t length)
+{
+	unsigned o = 0;
+	while (o < ARENA_MAX_ORDER && ((uint64_t)ARENA_FRAME_SIZE << (o + 1)) <= length)
+		o++;
+	return o;
+}
+
+/* First and last block of e that [offset, offset+length) touches. */
+static inline void piece_blocks(const struct cache_entry *e, uint64_t offset, uint64_t length,
+				uint32_t *first, uint32_t *last)
+{
+	unsigned shift = e->ce->block_shift;
+	uint64_t base = cache_entry_offset(e);
+	*first = (uint32_t)((offset - base) >> shift);
+	*last = (uint32_t)((offset + length - 1 - base) >> shift);
+}
+
+/* Device range of block b of e, clipped to the export. */
+static inline void block_range(const struct cache_entry *e, uint32_t b, uint64_t *start,
+			       uint64_t *end)
+{
+	*start = cache_entry_offset(e) + ((uint64_t)b << e->ce->block_shift);
+	*end = *start + e->ce->block_size;
+	if (*end > e->ce->size)
+		*end = e->ce->size;
+}
+
+#endif

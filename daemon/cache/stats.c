@@ -1,0 +1,135 @@
+/*
+ * daemon/cache/stats.c: the statistics (the index layer, internal.h):
+ * each export's counters, the cache's totals summed over them
+ * (struct cache_counters), and the SIGUSR1 log line.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "daemon/cache/internal.h"
+#include "daemon/log.h"
+
+static void counters_load(const struct cache_counters *k, struct cache_export_stats *s)
+{
+	s->hits = atomic_load(&k->hits);
+	s->misses = atomic_load(&k->misses);
+	s->partial_hits = atomic_load(&k->partial_hits);
+	s->backend_reads = atomic_load(&k->backend_reads);
+	s->backend_read_bytes = atomic_load(&k->backend_read_bytes);
+	s->backend_writes = atomic_load(&k->backend_writes);
+	s->backend_write_bytes = atomic_load(&k->backend_write_bytes);
+	s->writeback_bytes = atomic_load(&k->writeback_bytes);
+	s->evictions = atomic_load(&k->evictions);
+	s->writeback_errors = atomic_load(&k->writeback_errors);
+	s->bypass_reads = atomic_load(&k->bypass_reads);
+	s->direct_writes = atomic_load(&k->direct_writes);
+	s->dirty_bytes = atomic_load(&k->dirty_bytes);
+	s->cached_bytes = atomic_load(&k->cached_bytes);
+	s->unstable_bytes = atomic_load(&k->unstable_bytes);
+	s->backend_flushes = atomic_load(&k->backend_flushes);
+	s->backend_flush_errors = atomic_load(&k->backend_flush_errors);
+	s->losses = atomic_load(&k->losses);
+}
+
+static void counters_sum(struct cache_export_stats *sum, const struct cache_export_stats *s)
+{
+	sum->hits += s->hits;
+	sum->misses += s->misses;
+	sum->partial_hits += s->partial_hits;
+	sum->backend_reads += s->backend_reads;
+	sum->backend_read_bytes += s->backend_read_bytes;
+	sum->backend_writes += s->backend_writes;
+	sum->backend_write_bytes += s->backend_write_bytes;
+	sum->writeback_bytes += s->writeback_bytes;
+	sum->evictions += s->evictions;
+	sum->writeback_errors += s->writeback_errors;
+	sum->bypass_reads += s->bypass_reads;
+	sum->direct_writes += s->direct_writes;
+	sum->unstable_bytes += s->unstable_bytes;
+	sum->backend_flushes += s->backend_flushes;
+	sum->backend_flush_errors += s->backend_flush_errors;
+	sum->losses += s->losses;
+}
+
+void cache_export_get_stats(struct cache_export *ce, struct cache_export_stats *out)
+{
+	memset(out, 0, sizeof(*out));
+	counters_load(&ce->counters, out);
+}
+
+void cache_get_stats(struct cache *c, struct cache_stats *s)
+{
+	struct cache_counters *k = &c->counters;
+	memset(s, 0, sizeof(*s));
+	s->arena = arena_kind_name(c->arena.kind);
+	s->cache_bytes = c->arena.size;
+	pthread_mutex_lock(&c->arena.lock);
+	s->used_bytes = (uint64_t)(c->arena.nframes - c->arena.free_frames) << ARENA_FRAME_SHIFT;
+	pthread_mutex_unlock(&c->arena.lock);
+	s->entries = atomic_load(&k->entries);
+	s->metadata_bytes = atomic_load(&k->metadata_bytes);
+	struct cache_export_stats one;
+	pthread_mutex_lock(&c->exports_lock);
+	for (struct cache_export *ce = c->exports; ce; ce = ce->next) {
+		counters_load(&ce->counters, &one);
+		counters_sum(&s->traffic, &one);
+	}
+	pthread_mutex_unlock(&c->exports_lock);
+	s->traffic.dirty_bytes = atomic_load(&k->dirty_bytes);
+	s->traffic.cached_bytes = atomic_load(&k->entry_bytes);
+	arena_free_by_order(&c->arena, s->free_bytes_by_order);
+	s->fragmentation = arena_fragmentation(s->free_bytes_by_order);
+	for (unsigned o = 0; o < ARENA_ORDERS; o++)
+		s->free_bytes_by_order[o] <<= ARENA_FRAME_SHIFT;
+	s->free_2m_bytes = s->free_bytes_by_order[ARENA_MAX_ORDER];
+	s->large_bytes = atomic_load(&k->large_bytes);
+	s->large_share = s->traffic.cached_bytes ? s->large_bytes * 1000 / s->traffic.cached_bytes : 0;
+	s->alloc_2m_attempts = atomic_load(&k->alloc_2m_attempts);
+	s->alloc_2m_ok = atomic_load(&k->alloc_2m_ok);
+	s->alloc_failures = atomic_load(&k->alloc_failures);
+	s->compact_moves = atomic_load(&k->compact_moves);
+	s->compact_skipped_pinned = atomic_load(&k->compact_skipped_pinned);
+	s->compact_collapses = atomic_load(&k->compact_collapses);
+	s->compact_chunks_freed = atomic_load(&k->compact_chunks_freed);
+	s->compact_passes = atomic_load(&k->compact_passes);
+	s->compact_ns = atomic_load(&k->compact_ns);
+}
+
+void cache_log_stats(struct cache *c)
+{
+	struct cache_stats s;
+	cache_get_stats(c, &s);
+	char by_order[ARENA_ORDERS * 24] = "";
+	size_t at = 0;
+	for (unsigned o = 0; o < ARENA_ORDERS; o++)
+		at += (size_t)snprintf(by_order + at, sizeof(by_order) - at, "%s%llu", o ? "," : "",
+				       (unsigned long long)s.free_bytes_by_order[o]);
+	log_info("stats: arena=%s cache_bytes=%llu used_bytes=%llu entries=%llu hits=%llu "
+		 "misses=%llu partial_hits=%llu backend_reads=%llu backend_read_bytes=%llu "
+		 "backend_writes=%llu backend_write_bytes=%llu dirty_bytes=%llu evictions=%llu "
+		 "writeback_errors=%llu bypass_reads=%llu direct_writes=%llu "
+		 "metadata_bytes=%llu free_2m_bytes=%llu fragmentation=%llu "
+		 "free_bytes_by_order=%s large_bytes=%llu large_share=%llu alloc_2m_attempts=%llu "
+		 "alloc_2m_ok=%llu alloc_failures=%llu compact_moves=%llu compact_skipped_pinned=%llu "
+		 "compact_collapses=%llu compact_chunks_freed=%llu compact_passes=%llu "
+		 "compact_ns=%llu unstable_bytes=%llu backend_flushes=%llu "
+		 "backend_flush_errors=%llu losses=%llu",
+		 s.arena, (unsigned long long)s.cache_bytes, (unsigned long long)s.used_bytes,
+		 (unsigned long long)s.entries, (unsigned long long)s.traffic.hits,
+		 (unsigned long long)s.traffic.misses, (unsigned long long)s.traffic.partial_hits,
+		 (unsigned long long)s.traffic.backend_reads, (unsigned long long)s.traffic.backend_read_bytes,
+		 (unsigned long long)s.traffic.backend_writes, (unsigned long long)s.traffic.backend_write_bytes,
+		 (unsigned long long)s.traffic.dirty_bytes, (unsigned long long)s.traffic.evictions,
+		 (unsigned long long)s.traffic.writeback_errors, (unsigned long long)s.traffic.bypass_reads,
+		 (unsigned long long)s.traffic.direct_writes, (unsigned long long)s.metadata_bytes,
+		 (unsigned long long)s.free_2m_bytes, (unsigned long long)s.fragmentation, by_order,
+		 (unsigned long long)s.large_bytes, (unsigned long long)s.large_share,
+		 (unsigned long long)s.alloc_2m_attempts, (unsigned long long)s.alloc_2m_ok,
+		 (unsigned long long)s.alloc_failures, (unsigned long long)s.compact_moves, (unsigned long long)s.compact_skipped_pinned,
+		 (unsigned long long)s.compact_collapses,
+		 (unsigned long long)s.compact_chunks_freed, (unsigned long long)s.compact_passes,
+		 (unsigned long long)s.compact_ns, (unsigned long long)s.traffic.unstable_bytes,
+		 (unsigned long long)s.traffic.backend_flushes,
+		 (unsigned long long)s.traffic.backend_flush_errors,
+		 (unsigned long long)s.traffic.losses);
+}
