@@ -54,7 +54,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "daemon/backend/backend.h"
 #include "proto/nbd.h"
 
 struct worker;
