@@ -1,12 +1,12 @@
 /*
  * daemon/conn.c: connection lifetime and the read loop (see conn.h).
  *
- * The read callback hands the input buffer to the phase's step function
- * until it needs more bytes; then every SQE those steps prepared is
- * submitted in one io_uring_enter. Reading pauses while too many requests
- * or too many reply bytes are pending, or while the daemon-wide budget
- * refuses the connection, and resumes from conn_update_reading() when
- * replies complete, the output drains or the budget has room again.
+ * The read callback hands the input buffer to c->on_input (session.c,
+ * which runs the phase's step function until it needs more bytes). Reading
+ * pauses while too many requests or too many reply bytes are pending, or
+ * while the daemon-wide budget refuses the connection, and resumes from
+ * conn_update_reading() when replies complete, the output drains or the
+ * budget has room again; input already buffered goes to c->on_input then.
  *
  * The output buffer's callback keeps two facts: what it holds, in the
  * budget (conn_output_sync), and when the replies last moved, for the
@@ -404,24 +404,10 @@ void conn_update_reading(struct conn *c)
 	if (want) {
 		bufferevent_enable(c->bev, EV_READ);
 		/* Requests may already sit in the input buffer. */
-		conn_process_input(c);
+		c->on_input(c);
 	} else {
 		bufferevent_disable(c->bev, EV_READ);
 	}
-}
-
-void conn_process_input(struct conn *c)
-{
-	int rc = 1;
-	while (rc > 0 && c->bev && c->reading && !c->closing) {
-		if (c->phase == CONN_TRANSMISSION)
-			rc = transmit_step(c);
-		else
-			rc = handshake_step(c);
-		if (c->bev && !c->closing)
-			conn_update_reading(c);
-	}
-	uring_submit(&c->worker->ring);
 }
 
 static void conn_on_read(struct bufferevent *bev, void *arg)
@@ -429,7 +415,7 @@ static void conn_on_read(struct bufferevent *bev, void *arg)
 	(void)bev;
 	struct conn *c = arg;
 	conn_ref(c);
-	conn_process_input(c);
+	c->on_input(c);
 	conn_unref(c);
 }
 
@@ -458,7 +444,8 @@ static void conn_on_event(struct bufferevent *bev, short what, void *arg)
 		conn_kill(c, strerror(EVUTIL_SOCKET_ERROR()));
 }
 
-int conn_start(struct worker *w, int fd, uint64_t id)
+int conn_start(struct worker *w, int fd, uint64_t id, void (*on_input)(struct conn *c),
+	       struct conn **out)
 {
 	struct conn *c = calloc(1, sizeof(*c));
 	if (!c) {
@@ -473,6 +460,7 @@ int conn_start(struct worker *w, int fd, uint64_t id)
 	c->worker = w;
 	c->phase = CONN_FLAGS;
 	c->refs = 1; /* the socket */
+	c->on_input = on_input;
 	c->bev = bufferevent_socket_new(w->base, fd, BEV_OPT_CLOSE_ON_FREE);
 	if (!c->bev) {
 		close(fd);
@@ -509,7 +497,7 @@ int conn_start(struct worker *w, int fd, uint64_t id)
 	c->reading = true;
 	bufferevent_enable(c->bev, EV_READ | EV_WRITE);
 	log_debug("conn %llu: accepted on worker %u", (unsigned long long)id, w->index);
-	handshake_send_greeting(c);
+	*out = c;
 	return 0;
 }
 

@@ -12,6 +12,21 @@
  *   replies are queued on the output buffer as completions arrive, in any
  *   order.
  *
+ * Layers: this module is the connection's primitives (the bufferevent,
+ * output, timers, kill, budget bookkeeping, the stall deadline); it knows
+ * nothing of the phases' code. handshake.c (handshake.h) and transmit.c
+ * (transmit.h) use it, and neither knows the other. session.c (session.h)
+ * starts a connection and is the one place that calls down into them, by
+ * phase. It gets the input through the on_input function it gives to
+ * conn_start(): conn.c calls nothing above it by name.
+ *
+ *   worker.c --> session.c --+--> handshake.c --+
+ *                            +--> transmit.c  --+--> conn.c
+ *                            +------------------------^
+ *
+ * (worker.c and server.c use conn.c's primitives as well: kill, shutdown,
+ * the deadlines, the budget's wake-up.)
+ *
  * Lifetime: conn->refs counts the socket (until conn_kill) plus every
  * request still alive (its backend I/O in flight, or its data still
  * referenced by the output buffer). The struct is freed when refs drops to
@@ -39,7 +54,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "daemon/backend/backend.h"
 #include "proto/nbd.h"
 
 struct worker;
@@ -78,6 +92,9 @@ struct conn {
 	struct conn *prev, *next;
 	enum conn_phase phase;
 	unsigned refs;
+	/* Reads whatever complete messages the input buffer holds (session.c):
+	 * on each read event, and when reading resumes. */
+	void (*on_input)(struct conn *c);
 
 	/* Negotiation (handshake.c). */
 	bool no_zeroes;
@@ -121,8 +138,13 @@ void conn_set_stall_timeout(unsigned seconds);
 /* Likewise: the seconds a client may take from connecting to GO /
  * EXPORT_NAME (--negotiation-timeout). */
 void conn_set_negotiation_timeout(unsigned seconds);
-/* Adopt an accepted socket on the current worker thread. */
-int conn_start(struct worker *w, int fd, uint64_t id);
+/*
+ * Adopt an accepted socket on the current worker thread: the connection
+ * reads, and on_input(c) takes what arrives. *out is the connection (one
+ * reference, the socket's). On failure fd is closed and -errno returned.
+ */
+int conn_start(struct worker *w, int fd, uint64_t id, void (*on_input)(struct conn *c),
+	       struct conn **out);
 /* Stop reading and close once in-flight requests have replied. */
 void conn_shutdown(struct conn *c);
 /* Stop reading; close when drained, or after CONN_CLOSE_TIMEOUT seconds. */
@@ -150,20 +172,5 @@ void conn_payload_progress(struct conn *c, size_t avail, bool started);
 void conn_unreserve(struct conn *c, uint64_t bytes);
 /* Worker thread w: budget came back; retry its waiting connections. */
 void conn_budget_wake(struct worker *w);
-/* Parse and act on whatever complete messages the input buffer holds. */
-void conn_process_input(struct conn *c);
-
-/* handshake.c: one step of negotiation; returns 1 if it consumed a message,
- * 0 if it needs more bytes, -1 if the connection was closed. */
-int handshake_step(struct conn *c);
-void handshake_send_greeting(struct conn *c);
-
-/* transmit.c: one request; same return convention as handshake_step. */
-int transmit_step(struct conn *c);
-
-/* replies (transmit.c): NBD error reply in whatever form was negotiated. */
-void reply_error(struct conn *c, const struct nbd_request *req, uint32_t error,
-		 const char *message);
-void reply_ok(struct conn *c, const struct nbd_request *req);
 
 #endif

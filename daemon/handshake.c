@@ -13,6 +13,8 @@
  * option is answered with NBD_REP_ERR_TOO_BIG and the connection closed,
  * without reading it.
  */
+#include "daemon/handshake.h"
+
 #include <errno.h>
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>

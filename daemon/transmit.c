@@ -31,6 +31,8 @@
  * still consumed, by draining it as it arrives (conn->discard) without ever
  * allocating it, and then answered with the error.
  */
+#include "daemon/transmit.h"
+
 #include <errno.h>
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
@@ -184,8 +186,9 @@ static void add_chunk_header(struct conn *c, const struct nbd_request *req, uint
 	evbuffer_add(conn_output(c), hdr, n);
 }
 
-void reply_error(struct conn *c, const struct nbd_request *req, uint32_t error,
-		 const char *message)
+/* An NBD error reply in whatever form was negotiated. */
+static void reply_error(struct conn *c, const struct nbd_request *req, uint32_t error,
+			const char *message)
 {
 	log_debug("conn %llu: %s offset %llu length %llu -> %s (%s)", (unsigned long long)c->id,
 		  nbd_cmd_name(req->type), (unsigned long long)req->offset,
@@ -206,7 +209,7 @@ void reply_error(struct conn *c, const struct nbd_request *req, uint32_t error,
 	evbuffer_add(conn_output(c), payload, n);
 }
 
-void reply_ok(struct conn *c, const struct nbd_request *req)
+static void reply_ok(struct conn *c, const struct nbd_request *req)
 {
 	if (!c->bev)
 		return;

@@ -18,6 +18,7 @@
 
 #include "daemon/conn.h"
 #include "daemon/log.h"
+#include "daemon/session.h"
 
 #define WORKER_RING_ENTRIES 256
 #define WORKER_STOP_GRACE_SECONDS 10
@@ -94,7 +95,7 @@ static void worker_on_wake(evutil_socket_t fd, short what, void *arg)
 			close(h.fd);
 			continue;
 		}
-		int rc = conn_start(w, h.fd, h.id);
+		int rc = session_start(w, h.fd, h.id);
 		if (rc < 0)
 			log_warn("conn %llu: cannot start: %s", (unsigned long long)h.id,
 				 strerror(-rc));

@@ -19,7 +19,13 @@
  *
  * Implementations: file.c (regular file or block device, io_uring on the
  * worker's ring), nbd.c (another NBD server through libnbd, on the
- * backend's own thread; completions are posted back to the worker).
+ * backend's own thread; completions are posted back to the worker; its
+ * other files are nbd_*.c, sharing nbd_internal.h).
+ *
+ * Files in daemon/backend/ include only the headers of daemon/backend/,
+ * daemon/log.h, daemon/clock.h, daemon/uring.h, daemon/worker.h,
+ * daemon/options.h and proto/: a backend knows nothing of the cache or the
+ * connections.
  */
 #ifndef NBDCACHED_DAEMON_BACKEND_H
 #define NBDCACHED_DAEMON_BACKEND_H

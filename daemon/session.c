@@ -1,0 +1,41 @@
+/*
+ * daemon/session.c: the dispatch from a connection's input to its phase's
+ * code (see session.h).
+ *
+ * session_input() runs the phase's step function until it needs more
+ * bytes, re-evaluating after each step whether the connection may read on
+ * (the step may have queued replies or reserved budget); then every SQE
+ * those steps prepared is submitted in one io_uring_enter. The phase is
+ * read before each step, so a GO answered in one step has the next
+ * message parsed as a request.
+ */
+#include "daemon/session.h"
+
+#include "daemon/conn.h"
+#include "daemon/handshake.h"
+#include "daemon/transmit.h"
+#include "daemon/worker.h"
+
+static void session_input(struct conn *c)
+{
+	int rc = 1;
+	while (rc > 0 && c->bev && c->reading && !c->closing) {
+		if (c->phase == CONN_TRANSMISSION)
+			rc = transmit_step(c);
+		else
+			rc = handshake_step(c);
+		if (c->bev && !c->closing)
+			conn_update_reading(c);
+	}
+	uring_submit(&c->worker->ring);
+}
+
+int session_start(struct worker *w, int fd, uint64_t id)
+{
+	struct conn *c;
+	int rc = conn_start(w, fd, id, session_input, &c);
+	if (rc < 0)
+		return rc;
+	handshake_send_greeting(c);
+	return 0;
+}

@@ -1,0 +1,24 @@
+/*
+ * daemon/session.h: a client connection from accept to close, as the
+ * protocol sees it.
+ *
+ * Owns: nothing of its own; it is the one place that calls down into the
+ * phases' code by the connection's phase (handshake.c before GO /
+ * EXPORT_NAME, transmit.c after), the dispatch conn.h draws. The handshake
+ * hands over to transmission only by setting the phase, which the
+ * dispatch reads before each step.
+ *
+ * Worker thread only, like the connection (conn.h).
+ */
+#ifndef NBDCACHED_DAEMON_SESSION_H
+#define NBDCACHED_DAEMON_SESSION_H
+
+#include <stdint.h>
+
+struct worker;
+
+/* Adopt an accepted socket on the current worker thread and greet the
+ * client. On failure fd is closed and -errno returned. */
+int session_start(struct worker *w, int fd, uint64_t id);
+
+#endif
