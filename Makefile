@@ -57,10 +57,13 @@ CLIENT_BIN := $(patsubst client/%.c,$(BUILD)/%,$(CLIENT_SRC))
 # scripts/i386-chroot builds without them (TEST_TOOLS=).
 TEST_TOOLS ?= $(BUILD)/tests/faultfs $(BUILD)/tests/nbdkit-fault-filter.so
 
-.PHONY: all check unit asan tsan i386 fuzz soak run bench deps clean install
+.PHONY: all programs check unit asan tsan i386 fuzz soak run bench deps clean install
 .DEFAULT_GOAL := all
 
-all: $(BUILD)/nbdcached $(CLIENT_BIN) $(UNIT_BIN) $(TEST_TOOLS)
+all: programs $(UNIT_BIN) $(TEST_TOOLS)
+
+# What make install installs.
+programs: $(BUILD)/nbdcached $(CLIENT_BIN)
 
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -157,7 +160,7 @@ run: deps $(BUILD)/nbdcached
 bench: deps all
 	bench/run
 
-install: all
+install: programs
 	install -d $(DESTDIR)$(PREFIX)/sbin $(DESTDIR)$(PREFIX)/bin \
 		$(DESTDIR)$(PREFIX)/share/man/man1 $(DESTDIR)$(PREFIX)/share/man/man8 \
 		$(DESTDIR)/lib/systemd/system $(DESTDIR)/etc/nbdcached
