@@ -24,12 +24,15 @@ PREFIX ?= /usr/local
 FUZZ_SECONDS ?= 60
 SANITIZE ?=
 M32 ?=
+# The version: debian/changelog's first entry is its only source.
+VERSION := $(shell sed -n '1s/^[^(]*(\([^)]*\)).*/\1/p' debian/changelog 2>/dev/null)
 
 WARN := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Werror
 OPT ?= -O2 -g
 # CFLAGS / LDFLAGS given on the command line are added last, never replace these.
 ALL_CFLAGS = $(OPT) -std=c11 $(WARN) -D_FORTIFY_SOURCE=2 -fstack-protector-strong \
-	  -D_GNU_SOURCE -D_FILE_OFFSET_BITS=64 -pthread -I. -MMD -MP $(SANITIZE) $(M32) $(CFLAGS)
+	  -D_GNU_SOURCE -D_FILE_OFFSET_BITS=64 -pthread -I. -MMD -MP $(SANITIZE) $(M32) \
+	  $(if $(VERSION),-DNBDCACHED_VERSION='"$(VERSION)"') $(CFLAGS)
 ALL_LDFLAGS = -pthread $(SANITIZE) $(M32) $(LDFLAGS)
 
 DAEMON_LIBS := $(shell pkg-config --libs libevent_pthreads liburing libnbd libsystemd inih json-c 2>/dev/null || echo -levent -levent_pthreads -luring -lnbd -lsystemd -linih -ljson-c)
@@ -68,6 +71,9 @@ programs: $(BUILD)/nbdcached $(CLIENT_BIN)
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $(DAEMON_CFLAGS) -c -o $@ $<
+
+# The two files that print the version.
+$(BUILD)/obj/daemon/main.o $(BUILD)/obj/daemon/control.o: $(wildcard debian/changelog)
 
 $(BUILD)/nbdcached: $(DAEMON_OBJ) $(CORE_OBJ) $(PROTO_OBJ)
 	$(CC) $(ALL_LDFLAGS) -o $@ $^ $(DAEMON_LIBS)
