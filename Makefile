@@ -17,6 +17,9 @@
 #                   trials (default 300), from CRASH_SEED (default: the clock)
 #   make run        the daemon on the embedded default (see README.md)
 #   make bench      bench/ against nbdkit and qemu-nbd, ratios printed
+#   make deb        the Debian package, built from a copy of the tree in
+#                   build/deb/ (scripts/deb; installs missing build
+#                   dependencies): build/deb/nbdcached_VERSION_ARCH.deb
 
 BUILD ?= build
 CC ?= gcc
@@ -60,7 +63,7 @@ CLIENT_BIN := $(patsubst client/%.c,$(BUILD)/%,$(CLIENT_SRC))
 # scripts/i386-chroot builds without them (TEST_TOOLS=).
 TEST_TOOLS ?= $(BUILD)/tests/faultfs $(BUILD)/tests/nbdkit-fault-filter.so
 
-.PHONY: all programs check unit asan tsan i386 fuzz soak run bench deps clean install
+.PHONY: all programs check unit asan tsan i386 fuzz soak run bench deps clean install deb
 .DEFAULT_GOAL := all
 
 all: programs $(UNIT_BIN) $(TEST_TOOLS)
@@ -185,6 +188,9 @@ install: programs
 	# The operator's config is never overwritten.
 	[ -e $(DESTDIR)/etc/nbdcached/nbdcached.conf ] || \
 		install -m 0644 configs/nbdcached.conf $(DESTDIR)/etc/nbdcached/nbdcached.conf
+
+deb:
+	scripts/deb
 
 clean:
 	rm -rf build build-asan build-tsan build-i386 build-i386-root build-fuzz build-clang
