@@ -20,6 +20,8 @@
 #   make deb        the Debian package, built from a copy of the tree in
 #                   build/deb/ (scripts/deb; installs missing build
 #                   dependencies): build/deb/nbdcached_VERSION_ARCH.deb
+#   make deb-check  make deb, then install the package in a fresh Debian 12
+#                   chroot and test it there (scripts/deb-check), lintian too
 
 BUILD ?= build
 CC ?= gcc
@@ -63,7 +65,7 @@ CLIENT_BIN := $(patsubst client/%.c,$(BUILD)/%,$(CLIENT_SRC))
 # scripts/i386-chroot builds without them (TEST_TOOLS=).
 TEST_TOOLS ?= $(BUILD)/tests/faultfs $(BUILD)/tests/nbdkit-fault-filter.so
 
-.PHONY: all programs check unit asan tsan i386 fuzz soak run bench deps clean install deb
+.PHONY: all programs check unit asan tsan i386 fuzz soak run bench deps clean install deb deb-check
 .DEFAULT_GOAL := all
 
 all: programs $(UNIT_BIN) $(TEST_TOOLS)
@@ -192,8 +194,11 @@ install: programs
 deb:
 	scripts/deb
 
+deb-check: deb
+	scripts/deb-check
+
 clean:
-	rm -rf build build-asan build-tsan build-i386 build-i386-root build-fuzz build-clang
+	rm -rf build build-asan build-tsan build-i386 build-i386-root build-fuzz build-clang build-deb-root
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
 .SECONDARY:
