@@ -18,6 +18,11 @@
 #   make run        the daemon on the embedded default (see README.md), after
 #                   building it and the client programs beside it
 #   make bench      bench/ against nbdkit and qemu-nbd, ratios printed
+#   make deb        the Debian package, built from a copy of the tree in
+#                   build/deb/ (scripts/deb; installs missing build
+#                   dependencies): build/deb/nbdcached_VERSION_ARCH.deb
+#   make deb-check  make deb, then install the package in a fresh Debian 12
+#                   chroot and test it there (scripts/deb-check), lintian too
 
 BUILD ?= build
 CC ?= gcc
@@ -25,12 +30,15 @@ PREFIX ?= /usr/local
 FUZZ_SECONDS ?= 60
 SANITIZE ?=
 M32 ?=
+# The version: debian/changelog's first entry is its only source.
+VERSION := $(shell sed -n '1s/^[^(]*(\([^)]*\)).*/\1/p' debian/changelog 2>/dev/null)
 
 WARN := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Werror
 OPT ?= -O2 -g
 # CFLAGS / LDFLAGS given on the command line are added last, never replace these.
 ALL_CFLAGS = $(OPT) -std=c11 $(WARN) -D_FORTIFY_SOURCE=2 -fstack-protector-strong \
-	  -D_GNU_SOURCE -D_FILE_OFFSET_BITS=64 -pthread -I. -MMD -MP $(SANITIZE) $(M32) $(CFLAGS)
+	  -D_GNU_SOURCE -D_FILE_OFFSET_BITS=64 -pthread -I. -MMD -MP $(SANITIZE) $(M32) \
+	  $(if $(VERSION),-DNBDCACHED_VERSION='"$(VERSION)"') $(CFLAGS)
 ALL_LDFLAGS = -pthread $(SANITIZE) $(M32) $(LDFLAGS)
 
 DAEMON_LIBS := $(shell pkg-config --libs libevent_pthreads liburing libnbd libsystemd inih json-c 2>/dev/null || echo -levent -levent_pthreads -luring -lnbd -lsystemd -linih -ljson-c)
@@ -65,14 +73,20 @@ CLIENT_BIN := $(BUILD)/nbdcachectl $(BUILD)/nbdcache-io
 # scripts/i386-chroot builds without them (TEST_TOOLS=).
 TEST_TOOLS ?= $(BUILD)/tests/faultfs $(BUILD)/tests/nbdkit-fault-filter.so
 
-.PHONY: all check unit asan tsan i386 fuzz soak run bench deps clean install
+.PHONY: all programs check unit asan tsan i386 fuzz soak run bench deps clean install deb deb-check
 .DEFAULT_GOAL := all
 
-all: $(BUILD)/nbdcached $(CLIENT_BIN) $(UNIT_BIN) $(TEST_TOOLS)
+all: programs $(UNIT_BIN) $(TEST_TOOLS)
+
+# What make install installs.
+programs: $(BUILD)/nbdcached $(CLIENT_BIN)
 
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $(DAEMON_CFLAGS) -c -o $@ $<
+
+# The two files that print the version.
+$(BUILD)/obj/daemon/main.o $(BUILD)/obj/daemon/control.o: $(wildcard debian/changelog)
 
 $(BUILD)/nbdcached: $(DAEMON_OBJ) $(CORE_OBJ) $(PROTO_OBJ)
 	$(CC) $(ALL_LDFLAGS) -o $@ $^ $(DAEMON_LIBS)
@@ -178,7 +192,7 @@ run: deps $(BUILD)/nbdcached $(CLIENT_BIN)
 bench: deps all
 	bench/run
 
-install: all
+install: programs
 	install -d $(DESTDIR)$(PREFIX)/sbin $(DESTDIR)$(PREFIX)/bin \
 		$(DESTDIR)$(PREFIX)/share/man/man1 $(DESTDIR)$(PREFIX)/share/man/man8 \
 		$(DESTDIR)/lib/systemd/system $(DESTDIR)/etc/nbdcached
@@ -198,8 +212,14 @@ install: all
 	[ -e $(DESTDIR)/etc/nbdcached/nbdcached.conf ] || \
 		install -m 0644 configs/nbdcached.conf $(DESTDIR)/etc/nbdcached/nbdcached.conf
 
+deb:
+	scripts/deb
+
+deb-check: deb
+	scripts/deb-check
+
 clean:
-	rm -rf build build-asan build-tsan build-i386 build-i386-root build-fuzz build-clang
+	rm -rf build build-asan build-tsan build-i386 build-i386-root build-fuzz build-clang build-deb-root
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
 .SECONDARY:

@@ -714,7 +714,9 @@ int config_load(const char *path, struct options *opts, char *err, size_t errlen
 
 int config_options(int argc, char **argv, struct options *out, char *err, size_t errlen)
 {
-	int rc = options_parse(argc, argv, out, err, errlen);
+	/* Not options_parse(): it would refuse a command line without an
+	 * export before the default config file had a chance to give one. */
+	int rc = options_parse_args(argc, argv, out, err, errlen);
 	if (rc < 0)
 		return rc;
 	if (out->help || out->version)
@@ -728,14 +730,15 @@ int config_options(int argc, char **argv, struct options *out, char *err, size_t
 			return -ENOMEM;
 		}
 	}
-	if (out->config_path) {
+	if (out->config_path)
 		rc = config_load(out->config_path, out, err, errlen);
-		if (rc == 0)
-			rc = options_finish(out, err, errlen);
-		if (rc < 0) {
-			options_free(out);
-			return rc;
-		}
+	if (rc == 0)
+		rc = options_finish(out, err, errlen);
+	if (rc < 0) {
+		if (rc == -ENOMEM)
+			snprintf(err, errlen, "out of memory");
+		options_free(out);
+		return rc;
 	}
 	return 0;
 }

@@ -307,7 +307,7 @@ static int set_string(char **slot, const char *value)
 	return 0;
 }
 
-int options_parse(int argc, char **argv, struct options *out, char *err, size_t errlen)
+int options_parse_args(int argc, char **argv, struct options *out, char *err, size_t errlen)
 {
 	static const struct option longopts[] = {
 		{"foreground", no_argument, NULL, 'f'},
@@ -610,16 +610,25 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 		rc = fail(err, errlen, -EINVAL, "unexpected argument '%s'", argv[optind]);
 		goto error;
 	}
-	if (out->help || out->version || out->config_path)
-		return 0;
-	rc = options_finish(out, err, errlen);
-	if (rc < 0)
-		goto error;
 	return 0;
 error:
 	if (rc == -ENOMEM)
 		fail(err, errlen, rc, "out of memory");
 	options_free(out);
+	return rc;
+}
+
+int options_parse(int argc, char **argv, struct options *out, char *err, size_t errlen)
+{
+	int rc = options_parse_args(argc, argv, out, err, errlen);
+	if (rc < 0 || out->help || out->version || out->config_path)
+		return rc;
+	rc = options_finish(out, err, errlen);
+	if (rc < 0) {
+		if (rc == -ENOMEM)
+			fail(err, errlen, rc, "out of memory");
+		options_free(out);
+	}
 	return rc;
 }
 

@@ -175,6 +175,10 @@ struct options {
  * daemon listens on OPTIONS_DEFAULT_LISTEN.
  */
 int options_parse(int argc, char **argv, struct options *out, char *err, size_t errlen);
+/* options_parse() without its options_finish(): for config_options(), which
+ * decides about the default config file once it knows whether the command
+ * line gave an export. */
+int options_parse_args(int argc, char **argv, struct options *out, char *err, size_t errlen);
 /* Resolve per-export defaults, check the whole, add the default listen
  * address. Called by options_parse() unless a config file is named. */
 int options_finish(struct options *opts, char *err, size_t errlen);
