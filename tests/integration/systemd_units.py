@@ -8,7 +8,10 @@
               READY=1 (with STATUS=) once serving, WATCHDOG=1 at half the
               interval, and STOPPING=1 on SIGTERM
   verify      systemd-analyze verify accepts systemd/nbdcached.service and
-              nbdcached.socket (ExecStart pointed at this build)
+              nbdcached.socket (ExecStart pointed at this build); a Unix
+              socket the socket unit listens on inside the service's
+              RuntimeDirectory needs RuntimeDirectoryPreserve=yes (else
+              stopping the service deletes it under the listening unit)
 """
 
 import os
@@ -169,6 +172,23 @@ def verify(tmp):
     out = (p.stdout + p.stderr).strip()
     log("  systemd-analyze verify: exit %d%s" % (p.returncode, (": " + out) if out else ""))
     expect(p.returncode == 0, "systemd-analyze verify failed: " + out)
+    # A Unix socket the socket unit listens on inside the service's
+    # RuntimeDirectory is deleted with it when the service stops, unless
+    # the directory is preserved: socket activation would then stop working.
+    service = open(os.path.join(units, "nbdcached.service")).read().splitlines()
+    sock = open(os.path.join(units, "nbdcached.socket")).read().splitlines()
+    runtime = [l.split("=", 1)[1].split() for l in service if l.startswith("RuntimeDirectory=")]
+    preserve = [l.split("=", 1)[1].strip() for l in service
+                if l.startswith("RuntimeDirectoryPreserve=")]
+    paths = [l.split("=", 1)[1].strip() for l in sock if l.startswith("ListenStream=/")]
+    inside = [p for p in paths for d in sum(runtime, [])
+              if p.startswith("/run/%s/" % d)]
+    log("  Unix sockets in the service's RuntimeDirectory: %s; RuntimeDirectoryPreserve=%s"
+        % (inside or "none", preserve or "unset"))
+    expect(not inside or (preserve and preserve[-1] == "yes"),
+           "nbdcached.socket listens on %s inside the service's RuntimeDirectory, which "
+           "systemd deletes when the service stops (RuntimeDirectoryPreserve=%s)"
+           % (inside, preserve or "unset"))
 
 
 def journal(tmp):
