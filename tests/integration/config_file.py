@@ -271,32 +271,39 @@ def stalled_after(d):
         r.close()
 
 
-def stall_timeout(tmp):
-    """stall-timeout from the file applies; --stall-timeout wins over it."""
-    img = os.path.join(tmp, "s.img")
-    nbdtest.random_file(img, MIB, seed=7)
-    conf = os.path.join(tmp, "s.conf")
+def deadline_from_file(tmp, key, name, seed, measure, what, why):
+    """KEY = 2 in the file's [generic] applies; --KEY 4 wins over it (one
+    export, NAME).
+    measure(d) gives the seconds until the daemon ended a client (what:
+    "reset" or "dropped"), and the log (at debug) must name the deadline
+    in force: why % seconds."""
+    img = os.path.join(tmp, "%s.img" % key)
+    nbdtest.random_file(img, MIB, seed=seed)
+    conf = os.path.join(tmp, "%s.conf" % key)
     with open(conf, "w") as f:
-        f.write("[generic]\ncache-size = 16M\nstall-timeout = 2\n\n[s]\nbackend = %s\n" % img)
-    for extra, want in (([], 2), (["--stall-timeout", "4"], 4)):
-        # The reset's reason, with the deadline in force, is logged at debug.
+        f.write("[generic]\ncache-size = 16M\n%s = 2\n\n[%s]\nbackend = %s\n" % (key, name, img))
+    for extra, want in (([], 2), (["--" + key, "4"], 4)):
         d = nbdtest.CheckedDaemon([], extra=["--config", conf, "--log-level", "debug"] + extra)
         try:
-            took = stalled_after(d)
-            log("  stall-timeout = 2 in the file%s: reset after %s"
-                % (", --stall-timeout 4" if extra else "",
+            took = measure(d)
+            log("  %s = 2 in the file%s: %s after %s"
+                % (key, ", --%s 4" % key if extra else "", what,
                    "%.1f s" % took if took is not None else "never"))
             expect(took is not None and want - 0.5 <= took <= want + 3,
-                   "a client that reads no reply was reset after %s (want %d s)"
-                   % ("%.1f s" % took if took is not None else "never", want))
-            why = "client has not read its replies for %d s" % want
-            for _ in range(20):
-                if why in d.log_text():
-                    break
-                time.sleep(0.1)
-            expect(why in d.log_text(), "the log does not say '%s'" % why)
+                   "%s: the client was %s after %s (want %d s)"
+                   % (key, what, "%.1f s" % took if took is not None else "never", want))
+            nbdtest.wait_until(lambda: why % want in d.log_text(), 2, step=0.1)
+            expect(why % want in d.log_text(), "the log does not say '%s'" % (why % want))
         finally:
             d.stop()
+
+
+def stall_timeout(tmp):
+    """stall-timeout from the file applies; --stall-timeout wins over it: a
+    client that reads no reply is reset, and the reason (logged at debug)
+    names the deadline in force."""
+    deadline_from_file(tmp, "stall-timeout", "s", 7, stalled_after, "reset",
+                       "client has not read its replies for %d s")
 
 
 def dropped_after(d):
@@ -325,30 +332,8 @@ def dropped_after(d):
 
 def negotiation_timeout(tmp):
     """negotiation-timeout from the file applies; --negotiation-timeout wins."""
-    img = os.path.join(tmp, "n.img")
-    nbdtest.random_file(img, MIB, seed=8)
-    conf = os.path.join(tmp, "n.conf")
-    with open(conf, "w") as f:
-        f.write("[generic]\ncache-size = 16M\nnegotiation-timeout = 2\n\n[n]\nbackend = %s\n"
-                % img)
-    for extra, want in (([], 2), (["--negotiation-timeout", "4"], 4)):
-        d = nbdtest.CheckedDaemon([], extra=["--config", conf, "--log-level", "debug"] + extra)
-        try:
-            took = dropped_after(d)
-            log("  negotiation-timeout = 2 in the file%s: dropped after %s"
-                % (", --negotiation-timeout 4" if extra else "",
-                   "%.1f s" % took if took is not None else "never"))
-            expect(took is not None and want - 0.5 <= took <= want + 3,
-                   "a client that never negotiates was dropped after %s (want %d s)"
-                   % ("%.1f s" % took if took is not None else "never", want))
-            why = "negotiation did not finish in %d s" % want
-            for _ in range(20):
-                if why in d.log_text():
-                    break
-                time.sleep(0.1)
-            expect(why in d.log_text(), "the log does not say '%s'" % why)
-        finally:
-            d.stop()
+    deadline_from_file(tmp, "negotiation-timeout", "n", 8, dropped_after, "dropped",
+                       "negotiation did not finish in %d s")
 
 
 def drop_privileges(tmp):
