@@ -4,14 +4,17 @@
  * transmit_step() takes one request off the input buffer: the header is
  * decoded and checked by proto/ (nbd_check_request, the one place that knows
  * the protocol's rules), a WRITE payload is moved into the request's own
- * buffer, and the request goes to the backend. Completions come back through
- * request_done() on the same thread, in any order, and each reply is queued
+ * buffer, and the request goes to the cache (cache_submit, in every cache
+ * mode: in mode none the cache passes it to the backend as it is).
+ * Completions come back through request_cache_done() on the same thread, in
+ * any order, and each reply is queued
  * on the output buffer whole (header and payload together), so replies to
  * different requests never interleave on the wire.
  *
- * Read data is not copied again: the reply references the request buffer
- * or, for a cached read, the arena (evbuffer_add_reference), and is freed
- * or unpinned when libevent has sent it. The arena bytes unsent replies pin
+ * Read data is not copied again: the reply references the op's data
+ * (cache_op_segment: the arena, or in mode none the op's own buffer;
+ * evbuffer_add_reference), and is freed or unpinned when libevent has sent
+ * it. The arena bytes unsent replies pin
  * are bounded daemon-wide (budget_pin, --max-pinned-replies): past that, a
  * cached read's data is copied into the request's own buffer and the cache
  * op released at once, so slow readers never hold the cache still.
@@ -23,8 +26,8 @@
  *
  *   struct request            refs: 1 while the request is live
  *   +-----------+                   + 1 per output-buffer reference
- *   | hdr, io   |--buf-->[ data ... ]    freed at 0: buffer, then request,
- *   | extents   |                        then the connection reference
+ *   | hdr, op   |--buf-->[ data ... ]    freed at 0: op released, buffer,
+ *   | extents   |                        request, connection reference
  *   +-----------+
  *
  * A payload that must not be acted on (a request that fails its checks) is
@@ -56,10 +59,8 @@
 struct request {
 	struct conn *conn;
 	struct nbd_request hdr;
-	bool cached;	      /* through op (the cache), else io (the backend) */
-	struct backend_io io; /* cache mode none */
 	struct cache_op op;
-	uint8_t *buf;	 /* WRITE payload; READ data when not cached or copied */
+	uint8_t *buf;	 /* WRITE payload; READ data when copied */
 	size_t buf_len;
 	bool copied;	       /* cached READ copied into buf, op released */
 	bool copy_may_hold_zeros;
@@ -128,8 +129,6 @@ static struct request *request_new(struct conn *c, const struct nbd_request *hdr
 	r->reserved = c->admitted; /* the reservation made for its header */
 	c->admitted = 0;
 	r->refs = 1;
-	r->io.extents = r->extents;
-	r->io.max_extents = max_extents;
 	r->op.extents = r->extents;
 	r->op.max_extents = max_extents;
 	conn_ref(c);
@@ -148,7 +147,7 @@ static void request_put(struct request *r)
 		return;
 	struct conn *c = r->conn;
 	c->inflight_bytes -= r->accounted;
-	if (r->cached && !r->copied)
+	if (!r->copied)
 		cache_op_release(&r->op);
 	if (r->pinned)
 		budget_unpin(r->pinned);
@@ -223,8 +222,8 @@ static void reply_ok(struct conn *c, const struct nbd_request *req)
 }
 
 /*
- * Reference len bytes of read data (the request buffer, or the arena while
- * the request holds its entries pinned) from the output buffer: no copy.
+ * Reference len bytes of read data (the op's data, the arena while the op
+ * holds its entries pinned, or the copy) from the output buffer: no copy.
  */
 static void add_data_ref(struct request *r, const uint8_t *data, size_t len)
 {
@@ -256,13 +255,13 @@ static void add_data_chunk_header(struct request *r, size_t at, size_t len, uint
 static bool request_segment(const struct request *r, size_t i, const uint8_t **data, size_t *len,
 			    bool *may_hold_zeros)
 {
-	if (r->cached && !r->copied)
+	if (!r->copied)
 		return cache_op_segment(&r->op, i, data, len, may_hold_zeros);
 	if (i > 0)
 		return false;
 	*data = r->buf;
 	*len = r->buf_len;
-	*may_hold_zeros = !r->cached || r->copy_may_hold_zeros;
+	*may_hold_zeros = r->copy_may_hold_zeros;
 	return true;
 }
 
@@ -304,13 +303,14 @@ static bool request_copy_out(struct request *r, size_t len)
 }
 
 /*
- * Before a cached read's reply references the arena: pin its bytes in the
+ * Before a read's reply references the arena: pin its bytes in the
  * daemon-wide count, or copy them out when that is full. Without memory
- * for the copy the reply pins anyway (counted, over the limit).
+ * for the copy the reply pins anyway (counted, over the limit). Data the
+ * op owns (mode none) pins nothing.
  */
 static void request_hold_data(struct request *r, size_t len)
 {
-	if (!r->cached)
+	if (!cache_op_pins_arena(&r->op))
 		return;
 	if (!budget_pin(len, false)) {
 		if (request_copy_out(r, len))
@@ -514,16 +514,6 @@ static void request_finish(struct request *r, int result)
 	conn_unref(c);
 }
 
-static void request_backend_done(struct backend_io *io, int result)
-{
-	struct request *r = (struct request *)((char *)io - offsetof(struct request, io));
-	r->n_extents = io->n_extents;
-	if (result >= 0 && !(io->flags & BACKEND_FUA) &&
-	    (io->cmd == BACKEND_WRITE || io->cmd == BACKEND_TRIM || io->cmd == BACKEND_ZERO))
-		cache_export_note_direct_write(r->conn->export->cache);
-	request_finish(r, result);
-}
-
 static void request_cache_done(struct cache_op *op, int result)
 {
 	struct request *r = (struct request *)((char *)op - offsetof(struct request, op));
@@ -552,8 +542,8 @@ static enum backend_cmd backend_cmd_of(uint16_t type)
 }
 
 /*
- * Start a checked request (its payload already in r->buf): through the
- * cache, or straight to the backend when the export's mode is none.
+ * Start a checked request (its payload already in r->buf) through the
+ * cache, whatever the export's mode (in mode none the cache passes it on).
  */
 static void request_start(struct request *r)
 {
@@ -567,18 +557,6 @@ static void request_start(struct request *r)
 			flags |= BACKEND_FAST_ONLY;
 	}
 	uint64_t length = h->type == NBD_CMD_WRITE ? r->buf_len : h->length;
-	/* FLUSH goes through the cache in every mode: it owns durability. */
-	if (!r->cached && h->type != NBD_CMD_FLUSH) {
-		struct backend_io *io = &r->io;
-		io->cmd = backend_cmd_of(h->type);
-		io->flags = flags;
-		io->offset = h->offset;
-		io->length = length;
-		io->buf = r->buf;
-		io->done = request_backend_done;
-		backend_submit(c->export->backend, c->worker, io);
-		return;
-	}
 	struct cache_op *op = &r->op;
 	op->ce = c->export->cache;
 	op->worker = c->worker;
@@ -654,14 +632,10 @@ int transmit_step(struct conn *c)
 		reply_refused(c, &req, (uint32_t)verdict);
 		return 1;
 	}
-	bool cached = cache_export_mode(c->export->cache) != CACHE_MODE_NONE;
+	/* Read data is the op's (the arena, or a buffer of its own in mode
+	 * none), or copied (the cost counts it either way). */
 	size_t buf_len = 0, max_extents = 0;
 	switch (req.type) {
-	case NBD_CMD_READ:
-		/* Cached reads are sent from the arena, or copied (the cost
-		 * counts them either way). */
-		buf_len = cached ? 0 : (size_t)req.length;
-		break;
 	case NBD_CMD_WRITE:
 		buf_len = (size_t)req.payload_length;
 		break;
@@ -696,7 +670,6 @@ int transmit_step(struct conn *c)
 		reply_error(c, &req, NBD_ENOMEM, "out of memory");
 		return 1;
 	}
-	r->cached = cached;
 	if (req.payload_length)
 		evbuffer_remove(in, r->buf, buf_len);
 	log_debug("conn %llu: %s flags 0x%x offset %llu length %llu", (unsigned long long)c->id,

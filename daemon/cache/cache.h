@@ -99,12 +99,15 @@ struct cache_waiter {
 
 /*
  * One NBD command on its way through the cache. The caller fills the first
- * block of fields and calls cache_submit(); done() runs on the same worker
- * thread, possibly before cache_submit() returns (a hit completes at once).
- * A READ's data is then
- * described by cache_op_segment(); the caller releases the op with
- * cache_op_release() once nothing references its data any more (after the
- * reply has been sent), which unpins the entries it read from.
+ * block of fields and calls cache_submit(), in every cache mode; done()
+ * runs on the same worker thread, possibly before cache_submit() returns
+ * (a hit completes at once). A READ's data is then described by
+ * cache_op_segment(); the caller releases the op with cache_op_release()
+ * once nothing references its data any more (after the reply has been
+ * sent), which unpins the entries it read from. In mode none the cache is
+ * a pass-through: every command but FLUSH goes to the backend as it is,
+ * and a READ's data is in a buffer the op owns, not in the arena
+ * (cache_op_pins_arena).
  */
 struct cache_op {
 	struct cache_export *ce;
@@ -136,7 +139,8 @@ struct cache_op {
 	struct cache_waiter waiter;
 	struct cache_span *spans; /* BLOCK_STATUS: dirty ranges, sorted */
 	size_t nspans;
-	struct backend_io io; /* direct operations */
+	struct backend_io io; /* direct operations, mode none */
+	uint8_t *own_data;    /* mode none READ: the backend read into this */
 	struct cache_op *direct_next;
 	struct cache_op *flush_next; /* FLUSH: waiting for or in a flush round */
 	uint64_t write_seq;	     /* direct write: backend_writes_done after it */
@@ -240,15 +244,17 @@ bool cache_export_unflushed(struct cache_export *ce);
 uint64_t cache_export_error_seq(struct cache_export *ce);
 
 void cache_submit(struct cache_op *op);
-/* Mode none: a write, TRIM or WRITE_ZEROES (not FUA) went to the backend
- * around the cache and succeeded; it is not durable until a backend flush
- * (the export's FLUSH goes through cache_submit in every mode). */
-void cache_export_note_direct_write(struct cache_export *ce);
 /* READ result: segment i of the reply, in order; false past the last.
  * *may_hold_zeros false: no 4 KiB block in it is all zeros (skip looking). */
 bool cache_op_segment(const struct cache_op *op, size_t i, const uint8_t **data, size_t *len,
 		      bool *may_hold_zeros);
 void cache_op_release(struct cache_op *op);
+/* READ result: is its data in the arena, pinned until cache_op_release()
+ * (the reply must count it, budget_pin)? False in mode none. */
+static inline bool cache_op_pins_arena(const struct cache_op *op)
+{
+	return !op->own_data;
+}
 
 /* Is [p, p + n) all zero bytes? (n >= 16) */
 bool cache_all_zero(const uint8_t *p, size_t n);

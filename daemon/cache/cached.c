@@ -551,8 +551,15 @@ int cached_prepare(struct cache_op *op)
 bool cache_op_segment(const struct cache_op *op, size_t i, const uint8_t **data, size_t *len,
 		      bool *may_hold_zeros)
 {
-	if (i >= op->npieces)
-		return false;
+	if (i >= op->npieces) {
+		if (i > 0 || !op->own_data)
+			return false;
+		/* Mode none: no pieces, the backend read into the op's buffer. */
+		*data = op->own_data;
+		*len = (size_t)op->length;
+		*may_hold_zeros = true;
+		return true;
+	}
 	const struct cache_piece *p = &op->pieces[i];
 	if (p->entry) {
 		*data = arena_address(&op->ce->cache->arena, p->entry->frame) +
@@ -569,4 +576,8 @@ bool cache_op_segment(const struct cache_op *op, size_t i, const uint8_t **data,
 void cache_op_release(struct cache_op *op)
 {
 	pieces_release(op);
+	if (op->own_data) {
+		free(op->own_data);
+		op->own_data = NULL;
+	}
 }

@@ -16,6 +16,11 @@
  *             bump invalidations so fills in flight are discarded;
  *             failure: forget clean blocks (the backend is now unknown),
  *             dirty ones stay
+ *
+ * In mode none nothing is cached, so there is nothing to order against or
+ * to apply: passthrough_start() sends every command but FLUSH to the
+ * backend as it is, a READ into a buffer the op owns, and a write that
+ * succeeded (FUA aside) is only counted as not durable yet.
  */
 #include <errno.h>
 #include <event2/event.h>
@@ -270,4 +275,36 @@ void direct_step(struct cache_op *op)
 		op_finish(op, op->error);
 		return;
 	}
+}
+
+static void passthrough_done(struct backend_io *io, int result)
+{
+	struct cache_op *op = (struct cache_op *)((char *)io - offsetof(struct cache_op, io));
+	op->n_extents = io->n_extents;
+	if (result >= 0 && !(io->flags & BACKEND_FUA) &&
+	    (io->cmd == BACKEND_WRITE || io->cmd == BACKEND_TRIM || io->cmd == BACKEND_ZERO))
+		cache_export_note_direct_write(op->ce);
+	op_finish(op, result);
+}
+
+void passthrough_start(struct cache_op *op)
+{
+	if (op->cmd == BACKEND_READ) {
+		op->own_data = malloc(op->length ? (size_t)op->length : 1);
+		if (!op->own_data) {
+			op_finish(op, -ENOMEM);
+			return;
+		}
+	}
+	struct backend_io *io = &op->io;
+	io->cmd = op->cmd;
+	io->flags = op->flags;
+	io->offset = op->offset;
+	io->length = op->length;
+	io->buf = op->cmd == BACKEND_READ ? op->own_data : (void *)op->payload;
+	io->extents = op->extents;
+	io->max_extents = op->max_extents;
+	io->n_extents = 0;
+	io->done = passthrough_done;
+	backend_submit(op->ce->backend, op->worker, io);
 }

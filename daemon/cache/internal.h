@@ -347,6 +347,13 @@ static inline void bit_clear(uint64_t *map, uint32_t i)
 	map[i >> 6] &= ~(1ull << (i & 63));
 }
 
+/* exports.c */
+/* Mode none: a WRITE, TRIM or WRITE_ZEROES (not FUA) went to the backend
+ * as it is (direct.c, passthrough_start) and succeeded; it is not durable
+ * until a backend flush (FLUSH goes through the writeback thread's rounds
+ * in every mode, flush.c). */
+void cache_export_note_direct_write(struct cache_export *ce);
+
 /* wake.c: the waitq, wait for "something changed" without lost wake-ups. */
 uint64_t cache_waitq_seq(struct cache *c);
 /* Queue w to run (w->task on w->worker) after the next wake; false (do not

@@ -6,6 +6,8 @@
  * waitq and retries come back on the same worker and run it again. A
  * completion may run inline, inside a step: op_run then loops instead of
  * recursing, and done() is called last, after the last touch of op.
+ * In mode none an op has no steps: op_submit() passes it to the backend
+ * as it is (direct.c, passthrough_start).
  */
 #include <errno.h>
 
@@ -76,11 +78,16 @@ void op_reset(struct cache_op *op)
 	op->waiter.worker = op->worker;
 	op->waiter.task.run = op_task;
 	op->readahead = false;
+	op->own_data = NULL;
 }
 
 void op_submit(struct cache_op *op)
 {
 	int rc = 0;
+	if (cache_export_mode(op->ce) == CACHE_MODE_NONE) {
+		passthrough_start(op);
+		return;
+	}
 	switch (op->cmd) {
 	case BACKEND_READ:
 	case BACKEND_CACHE:

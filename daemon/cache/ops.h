@@ -8,7 +8,8 @@
  *   cached.c        READ, CACHE and cached WRITE: pieces, fills, commit
  *   direct.c        direct operations (TRIM, WRITE_ZEROES, FUA writes,
  *                   writes that go around the cache) and their ordering
- *                   against each other and against writeback
+ *                   against each other and against writeback; mode
+ *                   none's pass-through
  *   block_status.c  BLOCK_STATUS: the backend's extents, dirty data as data
  *
  * What the layers above use of it: cache_direct_overlaps (writeback.c
@@ -58,6 +59,9 @@ void pieces_release(struct cache_op *op);
 
 /* One step of a direct operation. */
 void direct_step(struct cache_op *op);
+/* Mode none: send op (any command but FLUSH) to the backend as it is; a
+ * READ into op->own_data. Finishes op. */
+void passthrough_start(struct cache_op *op);
 
 /* ---- block_status.c ---- */
 

@@ -47,6 +47,11 @@ memory, the number of connections, and the stall deadline.
    their greeting, the fifth is closed at once without one, the log says
    "refusing new connections" once for the spell however many are refused,
    and once one closes a new client is served again.
+5. Mode none pins nothing. An export in cache mode none over the same
+   file; a client pipelines 8 x 4 MiB READs and reads no reply: the
+   replies are held (reply_bytes above 0) but pinned_reply_bytes stays 0
+   (the data is the request's, not the arena's); another client reads the
+   right bytes; once the slow client closes, reply_bytes is 0 again.
 """
 
 import fcntl
@@ -506,8 +511,51 @@ def max_clients(tmp, big):
                 s.close()
 
 
+# ---- 5. mode none pins nothing ----
+
+def none_pins_nothing(tmp, big):
+    workdir = os.path.join(tmp, "none")
+    os.makedirs(workdir)
+    with nbdtest.running_daemon([("none", big, "cache-mode=none")],
+                                extra=["--cache-size", "256M"], workdir=workdir) as d:
+        r = raw.RawClient(d.sock)
+        try:
+            r.open("none")
+            pipeline_reads(r, [j * 4 * MIB for j in range(8)], 4 * MIB)
+            st = stats(d)
+            for _ in range(50):
+                st = stats(d)
+                if client_stat(st, "reply_bytes"):
+                    break
+                time.sleep(0.1)
+            log("     8 x 4 MiB READs unread, mode none: pinned_reply_bytes %s, reply_bytes %s"
+                % (client_stat(st, "pinned_reply_bytes"), client_stat(st, "reply_bytes")))
+            expect(client_stat(st, "reply_bytes"), "mode none: no reply bytes held for a "
+                   "client that reads nothing (the check saw nothing)")
+            expect(client_stat(st, "pinned_reply_bytes") == 0,
+                   "mode none: unsent replies pin %s bytes of the cache"
+                   % client_stat(st, "pinned_reply_bytes"))
+            h = nbd.NBD()
+            bounded("libnbd connect", 15, h.connect_uri, d.unix_uri("none"))
+            for off in (0, 100 * MIB + 4096):
+                got = bounded("libnbd pread", 20, h.pread, 256 * KIB, off)
+                expect(got == want(off, 256 * KIB), "mode none: wrong data at %d" % off)
+            bounded("libnbd shutdown", 10, h.shutdown)
+            del h
+        finally:
+            r.close()
+        for _ in range(50):
+            st = stats(d)
+            if not client_stat(st, "reply_bytes"):
+                break
+            time.sleep(0.1)
+        expect(client_stat(st, "reply_bytes") == 0 and client_stat(st, "pinned_reply_bytes") == 0,
+               "mode none: reply_bytes %s / pinned_reply_bytes %s once the client closed"
+               % (client_stat(st, "reply_bytes"), client_stat(st, "pinned_reply_bytes")))
+
+
 def main():
-    only = os.environ.get("BUDGETS_ONLY", "1234")   # a subset, for a quick look
+    only = os.environ.get("BUDGETS_ONLY", "12345")   # a subset, for a quick look
     with nbdtest.tempdir() as tmp:
         big = os.path.join(tmp, "big.img")
         make_big(big)
@@ -524,6 +572,8 @@ def main():
             CHECKS.run("4. --max-clients", max_clients, tmp, big)
         if "3" in only:
             CHECKS.run("3. 32 clients that never read", never_readers, tmp, big)
+        if "5" in only:
+            CHECKS.run("5. mode none pins nothing", none_pins_nothing, tmp, big)
     CHECKS.finish("budget")
 
 

@@ -22,10 +22,19 @@
   stop-failing stopping while the backend refuses every write: the daemon
               keeps the data and says so; a second SIGTERM ends it with exit
               status 1 and the number of bytes lost
+  mode-none   cache-mode none: a write, TRIM and WRITE_ZEROES reach the
+              backend (nbdkit, log filter) as they are and read back; a
+              FLUSH after them flushes the backend (a Flush in nbdkit's log
+              after the last of them), and the cache holds nothing. Over
+              tests/nbdkit-fault dropping unflushed writes when a flush
+              fails: a FLUSH while the backend's flushes fail reports EIO
+              and the next one succeeds; another connection's next FLUSH
+              reports the lost direct write (EIO) once
 
 Every check runs; the failures are listed at the end.
 """
 
+import errno
 import os
 import random
 import signal
@@ -36,6 +45,7 @@ import time
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import faults  # noqa: E402
 import nbdtest  # noqa: E402
 from nbdtest import Failed, log  # noqa: E402
 
@@ -319,13 +329,83 @@ def stop_failing(tmp):
     kit.stop()
 
 
+def mode_none(tmp):
+    img = os.path.join(tmp, "none.img")
+    nbdtest.sparse_file(img, 8 * MIB)
+    kitlog = os.path.join(tmp, "none-kit.log")
+    kit = nbdtest.Nbdkit(tmp, "none", ["--filter=log", "file", img, "logfile=" + kitlog],
+                         peers=PEERS)
+    # Flushes that fail drop what the backend acknowledged since the last
+    # good one (tests/nbdkit-fault): nbdkit 1.32's error filter cannot
+    # fail FLUSH.
+    fimg = os.path.join(tmp, "none-fault.img")
+    nbdtest.sparse_file(fimg, 8 * MIB)
+    fkit = faults.NbdkitFault(tmp, fimg, name="none-fault", drop_unflushed=True)
+    PEERS.append(fkit)
+    with nbdtest.running_daemon([("n", kit.uri(), "cache-mode=none"),
+                                 ("f", fkit.uri(), "cache-mode=none")],
+                                extra=["--cache-size", "64M"]) as d:
+        h = nbdtest.libnbd_handle(d.unix_uri("n"))
+        data = bytes(random.Random(7).getrandbits(8) for _ in range(64 * KIB))
+        h.pwrite(data, 0)
+        h.zero(64 * KIB, 68 * KIB)
+        h.trim(1 * MIB, 1 * MIB)
+        h.flush()
+        with open(kitlog) as f:
+            lines = f.read().splitlines()
+        changes = [i for i, ln in enumerate(lines)
+                   if " Write " in ln or " Zero " in ln or " Trim " in ln]
+        flushes = [i for i, ln in enumerate(lines) if " Flush " in ln]
+        expect(len(changes) >= 3, "mode-none: nbdkit did not see the write, zero and "
+               "trim (log: %s)" % [ln[:60] for ln in lines])
+        expect(changes and any(f > changes[-1] for f in flushes),
+               "mode-none: FLUSH did not flush the backend after the writes")
+        expect(nbdtest.read_at(img, 0, 64 * KIB) == data,
+               "mode-none: the backend file does not hold the write after FLUSH")
+        expect(h.pread(64 * KIB, 0) == data, "mode-none: the export does not read the write")
+        expect(h.pread(4 * KIB, 68 * KIB) == bytes(4 * KIB),
+               "mode-none: the zeroed range does not read as zeros")
+        st = stats(d, "n")
+        expect(st.get("dirty_bytes", 0) == 0 and st.get("cached_bytes", 0) == 0,
+               "mode-none: the cache holds something of the export: %r" % st)
+        h.shutdown()
+
+        g = nbdtest.libnbd_handle(d.unix_uri("f"))
+        other = nbdtest.libnbd_handle(d.unix_uri("f"))
+        g.pwrite(data[:4 * KIB], 0)
+        g.flush()
+        g.pwrite(data[4 * KIB:8 * KIB], 0)
+        fkit.set("flush")
+        results = []
+        for i, handle in enumerate((g, g, other, other)):
+            if i == 1:
+                fkit.set()
+            try:
+                handle.flush()
+                results.append("ok")
+            except nbd.Error as e:
+                results.append("EIO" if e.errnum == errno.EIO else "errno %s" % e.errnum)
+        log("mode-none: FLUSH while the backend's flushes fail, again, then twice on another "
+            "connection: %s" % results)
+        expect(results == ["EIO", "ok", "EIO", "ok"],
+               "mode-none: FLUSHes around a failed backend flush reported %s, not "
+               "['EIO', 'ok', 'EIO', 'ok']" % results)
+        expect(nbdtest.read_at(fimg, 0, 4 * KIB) == data[:4 * KIB],
+               "mode-none: the failed flush did not drop the unflushed write (test broken)")
+        g.shutdown()
+        other.shutdown()
+    kit.stop()
+    fkit.stop()
+
+
 def main():
     if not nbdtest.shutil.which("nbdkit"):
         nbdtest.fail("nbdkit not found")
     with nbdtest.tempdir() as tmp:
         try:
             for name, fn in (("torn", torn), ("reaper", reaper), ("log-flood", log_flood),
-                             ("stop-notify", stop_notify), ("stop-failing", stop_failing)):
+                             ("stop-notify", stop_notify), ("stop-failing", stop_failing),
+                             ("mode-none", mode_none)):
                 CHECKS.run(name, fn, tmp)
         finally:
             for p in PEERS:
