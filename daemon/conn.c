@@ -54,7 +54,13 @@ void conn_unref(struct conn *c)
 {
 	if (--c->refs > 0)
 		return;
-	log_debug("conn %llu: freed", (unsigned long long)c->id);
+	uint64_t ms = (clock_now_ns() - c->started_ns) / 1000000u;
+	log_info("conn %llu: ended after %llu.%03llu s: %s; export \"%s\", %llu requests, "
+		 "%llu bytes read, %llu bytes written",
+		 (unsigned long long)c->id, (unsigned long long)(ms / 1000),
+		 (unsigned long long)(ms % 1000), c->end_why[0] ? c->end_why : "closed",
+		 c->export ? c->export->name : "", (unsigned long long)c->requests,
+		 (unsigned long long)c->bytes_read, (unsigned long long)c->bytes_written);
 	if (c->budget_waiting)
 		budget_wait_done(c->worker);
 	budget_client_remove();
@@ -76,6 +82,9 @@ void conn_kill(struct conn *c, const char *why)
 	if (!c->bev)
 		return;
 	log_debug("conn %llu: closing: %s", (unsigned long long)c->id, why);
+	/* "finished" is the orderly end of a close begun for a reason given then. */
+	if (!c->end_why[0] || strcmp(why, "finished") != 0)
+		snprintf(c->end_why, sizeof(c->end_why), "%s", why);
 	struct bufferevent *bev = c->bev;
 	c->bev = NULL;
 	c->reading = false;
@@ -272,10 +281,11 @@ void conn_negotiation_done(struct conn *c)
 		evtimer_del(c->timer);
 }
 
-void conn_begin_close(struct conn *c)
+void conn_begin_close(struct conn *c, const char *why)
 {
 	if (!c->bev || c->closing)
 		return;
+	snprintf(c->end_why, sizeof(c->end_why), "%s", why);
 	c->closing = true;
 	c->reading = false;
 	bufferevent_disable(c->bev, EV_READ);
@@ -461,6 +471,7 @@ int conn_start(struct worker *w, int fd, uint64_t id, void (*on_input)(struct co
 	c->phase = CONN_FLAGS;
 	c->refs = 1; /* the socket */
 	c->on_input = on_input;
+	c->started_ns = clock_now_ns();
 	c->bev = bufferevent_socket_new(w->base, fd, BEV_OPT_CLOSE_ON_FREE);
 	if (!c->bev) {
 		close(fd);
@@ -509,5 +520,5 @@ void conn_shutdown(struct conn *c)
 		conn_kill(c, "server shutting down");
 		return;
 	}
-	conn_begin_close(c);
+	conn_begin_close(c, "server shutting down");
 }

@@ -130,6 +130,11 @@ struct conn {
 	uint64_t output_counted; /* what the output counts in the budget now */
 	uint64_t output_moved_ns;    /* the output was last empty, or last drained */
 	uint64_t output_moved_bytes; /* drained since then */
+
+	/* For the line the log gets when the connection ends (conn_unref). */
+	uint64_t started_ns;
+	uint64_t requests, bytes_read, bytes_written; /* answered; READ / WRITE data */
+	char end_why[96]; /* why it ended: the first reason given */
 };
 
 /* Main thread, once, before any worker starts: the stall deadline in
@@ -147,8 +152,10 @@ int conn_start(struct worker *w, int fd, uint64_t id, void (*on_input)(struct co
 	       struct conn **out);
 /* Stop reading and close once in-flight requests have replied. */
 void conn_shutdown(struct conn *c);
-/* Stop reading; close when drained, or after CONN_CLOSE_TIMEOUT seconds. */
-void conn_begin_close(struct conn *c);
+/* Stop reading; close when drained, or after CONN_CLOSE_TIMEOUT seconds.
+ * why is what the log's line at the end of the connection says, unless
+ * it is then killed for another reason (conn_kill). */
+void conn_begin_close(struct conn *c, const char *why);
 /* GO / EXPORT_NAME succeeded: the negotiation deadline no longer applies. */
 void conn_negotiation_done(struct conn *c);
 /* Close the socket now; the struct lives on until the last request is done. */

@@ -348,7 +348,7 @@ int handshake_step(struct conn *c)
 	}
 	if (opt.length > CONN_MAX_OPTION_LENGTH) {
 		option_error(c, opt.option, NBD_REP_ERR_TOO_BIG, "option data too long");
-		conn_begin_close(c);
+		conn_begin_close(c, "option data too long");
 		return -1;
 	}
 	size_t total = NBD_OPTION_HEADER_SIZE + (size_t)opt.length;
@@ -363,7 +363,7 @@ int handshake_step(struct conn *c)
 	if (c->bev)
 		evbuffer_drain(in, total);
 	if (c->bev && c->abort_requested) {
-		conn_begin_close(c);
+		conn_begin_close(c, "client ended negotiation (NBD_OPT_ABORT)");
 		return -1;
 	}
 	return c->bev ? 1 : -1;

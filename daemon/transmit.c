@@ -504,6 +504,11 @@ static void request_finish(struct request *r, int result)
 			reply_ok(c, &r->hdr);
 		}
 	}
+	c->requests++;
+	if (result >= 0 && r->hdr.type == NBD_CMD_READ)
+		c->bytes_read += r->hdr.length;
+	else if (result >= 0 && r->hdr.type == NBD_CMD_WRITE)
+		c->bytes_written += r->hdr.length;
 	conn_ref(c);
 	c->inflight--;
 	/* The reply is in the output buffer now, counted there. */
@@ -618,7 +623,7 @@ int transmit_step(struct conn *c)
 	if (req.type == NBD_CMD_DISC && verdict == NBD_SUCCESS) {
 		evbuffer_drain(in, hsize);
 		log_debug("conn %llu: NBD_CMD_DISC", (unsigned long long)c->id);
-		conn_begin_close(c);
+		conn_begin_close(c, "client disconnected (NBD_CMD_DISC)");
 		return -1;
 	}
 	if (verdict != NBD_SUCCESS) {
