@@ -288,6 +288,18 @@ def qd1_iops(h, seconds, rnd):
     return n / (time.monotonic() - t0)
 
 
+def expect_replies_released(d, tries, msg):
+    """Wait (tries x 0.1 s at most) for reply_bytes to fall to 0, then expect
+    reply_bytes and pinned_reply_bytes both 0; msg takes the two values."""
+    for _ in range(tries):
+        st = stats(d)
+        if not client_stat(st, "reply_bytes"):
+            break
+        time.sleep(0.1)
+    expect(client_stat(st, "reply_bytes") == 0 and client_stat(st, "pinned_reply_bytes") == 0,
+           msg % (client_stat(st, "reply_bytes"), client_stat(st, "pinned_reply_bytes")))
+
+
 class NonReader:
     """A raw client that pipelines READs and never reads; polls (without
     reading) for when its first reply bytes arrive and when it is closed."""
@@ -454,14 +466,8 @@ def never_readers(tmp, big):
                 n.r.close()
             half.close()
             del h
-        for _ in range(150):
-            st = stats(d)
-            if not client_stat(st, "reply_bytes"):
-                break
-            time.sleep(0.1)
-        expect(client_stat(st, "reply_bytes") == 0 and client_stat(st, "pinned_reply_bytes") == 0,
-               "reply_bytes %s, pinned_reply_bytes %s once every client is gone"
-               % (client_stat(st, "reply_bytes"), client_stat(st, "pinned_reply_bytes")))
+        expect_replies_released(d, 150, "reply_bytes %s, pinned_reply_bytes %s once every "
+                                "client is gone")
 
 
 # ---- 4. --max-clients ----
@@ -544,14 +550,8 @@ def none_pins_nothing(tmp, big):
             del h
         finally:
             r.close()
-        for _ in range(50):
-            st = stats(d)
-            if not client_stat(st, "reply_bytes"):
-                break
-            time.sleep(0.1)
-        expect(client_stat(st, "reply_bytes") == 0 and client_stat(st, "pinned_reply_bytes") == 0,
-               "mode none: reply_bytes %s / pinned_reply_bytes %s once the client closed"
-               % (client_stat(st, "reply_bytes"), client_stat(st, "pinned_reply_bytes")))
+        expect_replies_released(d, 50, "mode none: reply_bytes %s / pinned_reply_bytes %s "
+                                "once the client closed")
 
 
 def main():
