@@ -207,6 +207,9 @@ enum {
 	K_DIRTY_HIGH = 1u << 7,
 	K_DIRTY_LOW = 1u << 8,
 	K_FLAGS = 1u << 9,
+	K_OFFSET = 1u << 12,
+	K_SIZE = 1u << 13,
+	K_SPLIT = 1u << 14,
 };
 
 static int once(struct config_ctx *x, unsigned *mask, unsigned bit, const char *name)
@@ -529,6 +532,23 @@ static int export_key(struct config_ctx *x, const char *name, const char *v)
 		if (options_parse_percent(v, high ? &e->dirty_high : &e->dirty_low) < 0)
 			return config_fail(x, "%s %s: expected 0..100", name, v);
 		*(high ? &e->has_dirty_high : &e->has_dirty_low) = true;
+		return 1;
+	}
+	if (key_is(name, "offset") || key_is(name, "size")) {
+		bool off = key_is(name, "offset");
+		if (!once(x, &x->spec_keys, off ? K_OFFSET : K_SIZE, name))
+			return 0;
+		uint64_t *to = off ? &e->offset : &e->size;
+		if (options_parse_size(v, to) < 0 || (!off && *to == 0))
+			return config_fail(x, "%s %s: expected a size%s", name, v,
+					   off ? "" : " above 0");
+		return 1;
+	}
+	if (key_is(name, "split")) {
+		if (!once(x, &x->spec_keys, K_SPLIT, name))
+			return 0;
+		if (options_parse_split(v, &e->split) < 0)
+			return config_fail(x, "split %s: expected a size above 0, or 32bit", v);
 		return 1;
 	}
 	/* nbd-server's flush, fua and trim: nbdcached always honours them. */

@@ -187,13 +187,16 @@ void control_cmd_exports(struct control_client *cl)
 		control_add_string(x, "backend", e->backing->spec);
 		control_add_string(x, "kind", e->backend->ops->kind);
 		control_add_u64(x, "size", export_size(e));
+		control_add_u64(x, "offset", e->offset);
+		control_add_u64(x, "split", e->split);
+		control_add_string(x, "window_of", e->window_of);
 		json_object_object_add(x, "readonly", json_object_new_boolean(e->readonly));
 		control_add_u64(x, "block_size", e->block_size);
 		control_add_string(x, "cache_mode",
 				   options_cache_mode_name(cache_export_mode(e->cache)));
 		control_add_u64(x, "seq_cutoff", e->seq_cutoff);
 		control_add_u64(x, "max_connections", e->max_connections);
-		control_add_u64(x, "connections", atomic_load(&e->backing->connections));
+		control_add_u64(x, "connections", atomic_load(&e->counter->connections));
 		control_add_u64(x, "dirty_high", e->dirty_high);
 		control_add_u64(x, "dirty_low", e->dirty_low);
 		json_object_array_add(a, x);
@@ -305,7 +308,7 @@ void control_cmd_stats(struct control_client *cl, const char *only)
 		cache_export_get_stats(e->cache, &es);
 		json_object *x = json_object_new_object();
 		control_add_string(x, "name", e->name);
-		control_add_u64(x, "connections", atomic_load(&e->backing->connections));
+		control_add_u64(x, "connections", atomic_load(&e->counter->connections));
 		traffic_fields(x, &es);
 		struct control_rate *r = rate_for(ctl, e->cache);
 		control_add_u64(x, "writeback_rate", r ? r->rate : 0);

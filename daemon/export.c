@@ -16,6 +16,7 @@
 #include "daemon/export.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -77,41 +78,229 @@ fail:
 	return rc;
 }
 
-/* A version of an export on backing b, with one reference (the table's). */
-static struct export *version_new(const struct export_spec *spec, struct export_backing *b)
+#define WINDOWS_TEXT_(n) #n
+#define WINDOWS_TEXT(n) WINDOWS_TEXT_(n)
+
+static void counter_put(struct export_counter *k)
 {
+	if (k && atomic_fetch_sub(&k->refs, 1) == 1)
+		free(k);
+}
+
+/* The versions being put together for the table, in order. */
+struct version_vec {
+	struct export **v;
+	size_t n, cap;
+};
+
+static int vec_push(struct version_vec *x, struct export *e)
+{
+	if (x->n == x->cap) {
+		size_t cap = x->cap ? 2 * x->cap : 16;
+		struct export **v = realloc(x->v, cap * sizeof(*v));
+		if (!v)
+			return -ENOMEM;
+		x->v = v;
+		x->cap = cap;
+	}
+	x->v[x->n++] = e;
+	return 0;
+}
+
+/* Where a version's bytes are and what it is called. */
+struct version_place {
+	const char *name, *description, *window_of;
+	uint64_t offset, size; /* size 0: to the backend's end */
+	uint64_t split;
+};
+
+/* What a version does with its bytes, from its configuration. */
+static void policy_of_spec(struct export *p, const struct export_spec *spec,
+			   const struct export_backing *b)
+{
+	memset(p, 0, sizeof(*p));
+	p->readonly = spec->readonly || b->backend->readonly;
+	p->max_connections = spec->max_connections;
+	p->dirty_high = spec->dirty_high;
+	p->dirty_low = spec->dirty_low;
+	p->seq_cutoff = spec->seq_cutoff;
+}
+
+static bool same_policy(const struct export *a, const struct export *b)
+{
+	return a->readonly == b->readonly && a->max_connections == b->max_connections &&
+	       a->dirty_high == b->dirty_high && a->dirty_low == b->dirty_low &&
+	       a->seq_cutoff == b->seq_cutoff;
+}
+
+static uint64_t window_count(uint64_t size, uint64_t split)
+{
+	return split ? size / split + (size % split != 0) : 0;
+}
+
+/* The window's size once resolved against backing b, or 0 (with why set)
+ * when it cannot be served. */
+static uint64_t place_size(const struct version_place *at, const struct export_backing *b,
+			   const char **why)
+{
+	uint64_t end = b->backend->size;
+	uint64_t size = at->size ? at->size : (at->offset < end ? end - at->offset : 0);
+	if (at->offset >= end || size > end - at->offset)
+		*why = "the window runs past the end of its backend";
+	else if (at->offset % b->block_size || (at->size && at->size % b->block_size) ||
+		 at->split % b->block_size)
+		*why = "offset, size and split must be multiples of the backend's block size";
+	else if (window_count(size, at->split) > EXPORT_MAX_WINDOWS)
+		*why = "split makes more than " WINDOWS_TEXT(EXPORT_MAX_WINDOWS) " windows";
+	else
+		return size;
+	return 0;
+}
+
+/*
+ * A version of an export on backing b, with one reference (the table's):
+ * policy's settings, at's place, and counter (NULL: a new one). -EINVAL,
+ * logged, when the place does not fit the backend.
+ */
+static int version_make(const struct export *policy, struct export_backing *b,
+			const struct version_place *at, struct export_counter *counter,
+			struct export **out)
+{
+	const char *why = NULL;
+	uint64_t size = place_size(at, b, &why);
+	if (!size) {
+		uint64_t last = at->size ? at->offset + at->size - 1 : b->backend->size - 1;
+		log_error("export '%s': bytes %llu to %llu of %s (%llu bytes): %s", at->name,
+			  (unsigned long long)at->offset, (unsigned long long)last, b->spec,
+			  (unsigned long long)b->backend->size, why);
+		return -EINVAL;
+	}
 	struct export *e = calloc(1, sizeof(*e));
 	if (!e)
-		return NULL;
-	e->name = strdup(spec->name);
-	e->description = spec->description ? strdup(spec->description) : NULL;
-	if (!e->name || (spec->description && !e->description)) {
+		return -ENOMEM;
+	e->name = strdup(at->name);
+	e->description = at->description ? strdup(at->description) : NULL;
+	e->window_of = at->window_of ? strdup(at->window_of) : NULL;
+	e->counter = counter ? counter : calloc(1, sizeof(*e->counter));
+	if (!e->name || (at->description && !e->description) ||
+	    (at->window_of && !e->window_of) || !e->counter) {
+		if (!counter)
+			free(e->counter);
 		free(e->name);
 		free(e->description);
+		free(e->window_of);
 		free(e);
-		return NULL;
+		return -ENOMEM;
 	}
+	atomic_fetch_add(&e->counter->refs, 1);
 	atomic_init(&e->refs, 1);
-	e->readonly = spec->readonly || b->backend->readonly;
+	e->readonly = policy->readonly || b->backend->readonly;
 	e->block_size = b->block_size;
 	e->max_payload = NBD_DEFAULT_MAX_PAYLOAD;
-	e->max_connections = spec->max_connections;
-	e->dirty_high = spec->dirty_high;
-	e->dirty_low = spec->dirty_low;
-	e->seq_cutoff = spec->seq_cutoff;
+	e->max_connections = policy->max_connections;
+	e->dirty_high = policy->dirty_high;
+	e->dirty_low = policy->dirty_low;
+	e->seq_cutoff = policy->seq_cutoff;
+	e->offset = at->offset;
+	e->size = size;
+	e->split = at->split;
 	e->backend = b->backend;
 	e->cache = b->cache;
 	e->backing = b;
 	atomic_fetch_add(&b->versions, 1);
-	return e;
+	*out = e;
+	return 0;
 }
 
 static void log_export(const struct export *e, const char *what)
 {
-	log_info("export '%s'%s: %s backend %s, %llu bytes%s, cache %s, block size %u", e->name,
-		 what, e->backend->ops->kind, e->backing->spec,
-		 (unsigned long long)e->backend->size, e->readonly ? ", read-only" : "",
-		 options_cache_mode_name(cache_export_mode(e->cache)), e->block_size);
+	char window[96] = "";
+	if (e->offset || e->size != e->backend->size)
+		snprintf(window, sizeof(window), ", bytes %llu to %llu of it",
+			 (unsigned long long)e->offset,
+			 (unsigned long long)(e->offset + e->size - 1));
+	char split[96] = "";
+	if (e->split)
+		snprintf(split, sizeof(split), ", split into %llu windows of %llu bytes",
+			 (unsigned long long)window_count(e->size, e->split),
+			 (unsigned long long)e->split);
+	log_info("export '%s'%s: %s backend %s%s, %llu bytes%s, cache %s, block size %u%s",
+		 e->name, what, e->backend->ops->kind, e->backing->spec, window,
+		 (unsigned long long)e->size, e->readonly ? ", read-only" : "",
+		 options_cache_mode_name(cache_export_mode(e->cache)), e->block_size, split);
+}
+
+static void version_place_of_spec(struct version_place *at, const struct export_spec *spec)
+{
+	*at = (struct version_place){.name = spec->name,
+				     .description = spec->description,
+				     .offset = spec->offset,
+				     .size = spec->size,
+				     .split = spec->split};
+}
+
+/*
+ * Append split export p's windows to x, in order. On reload (r set) a
+ * published window that still matches is kept, others are new versions
+ * (named in r's added or changed).
+ */
+static int windows_push(struct export_table *t, const struct export *p, struct version_vec *x,
+			struct export_reload *r)
+{
+	uint64_t n = window_count(p->size, p->split);
+	char name[4200], description[4300];
+	for (uint64_t k = 0; k < n; k++) {
+		uint64_t start = k * p->split;
+		uint64_t size = p->size - start < p->split ? p->size - start : p->split;
+		snprintf(name, sizeof(name), "%s/%llu", p->name, (unsigned long long)k);
+		snprintf(description, sizeof(description), "bytes %llu to %llu of export '%s'",
+			 (unsigned long long)start, (unsigned long long)(start + size - 1),
+			 p->name);
+		struct version_place at = {.name = name,
+					   .description = description,
+					   .window_of = p->name,
+					   .offset = p->offset + start,
+					   .size = size};
+		struct export *old = r ? export_get(t, name, strlen(name)) : NULL;
+		if (old && old->backing == p->backing && old->offset == at.offset &&
+		    old->size == size && old->window_of && strcmp(old->window_of, p->name) == 0 &&
+		    same_policy(old, p)) {
+			if (vec_push(x, old) < 0) {
+				export_put(old);
+				return -ENOMEM;
+			}
+			continue;
+		}
+		struct export *e;
+		int rc = version_make(p, p->backing, &at, old ? old->counter : NULL, &e);
+		bool existed = old != NULL;
+		export_put(old);
+		if (rc < 0)
+			return rc;
+		if (vec_push(x, e) < 0) {
+			export_put(e);
+			return -ENOMEM;
+		}
+		if (r)
+			log_export(e, existed ? " changed" : " added");
+		else if (log_get_level() >= LOG_DEBUG)
+			log_export(e, ""); /* the split export's line says how many */
+		if (r && (rc = options_push_string(existed ? &r->changed : &r->added,
+						   existed ? &r->changed_count : &r->added_count,
+						   name)) < 0)
+			return rc;
+	}
+	return 0;
+}
+
+/* Is every export over spec i's backend read-only (then it is opened so)? */
+static bool backend_readonly(const struct options *opts, size_t i)
+{
+	for (size_t j = 0; j < opts->export_count; j++)
+		if (!opts->exports[j].readonly &&
+		    strcmp(opts->exports[j].backend, opts->exports[i].backend) == 0)
+			return false;
+	return true;
 }
 
 int export_table_open(struct export_table *t, const struct options *opts, struct cache *cache)
@@ -120,33 +309,45 @@ int export_table_open(struct export_table *t, const struct options *opts, struct
 	pthread_mutex_init(&t->lock, NULL);
 	t->cache = cache;
 	t->backend_timeout = opts->backend_timeout;
-	t->exports = calloc(opts->export_count ? opts->export_count : 1, sizeof(*t->exports));
-	if (!t->exports)
+	struct export_backing **by_spec =
+	    calloc(opts->export_count ? opts->export_count : 1, sizeof(*by_spec));
+	if (!by_spec)
 		return -ENOMEM;
-	size_t first, second;
-	if (options_shared_backend(opts, &first, &second))
-		log_warn("exports '%s' and '%s' share the backend %s: each caches it apart from "
-			 "the other, so neither sees the other's unflushed writes",
-			 opts->exports[first].name, opts->exports[second].name,
-			 opts->exports[second].backend);
-	for (size_t i = 0; i < opts->export_count; i++) {
-		struct export_backing *b;
-		int rc = backing_open(t, &opts->exports[i], &b);
-		if (rc < 0) {
-			export_table_close(t);
-			return rc;
+	struct version_vec x = {0};
+	int rc = 0;
+	for (size_t i = 0; i < opts->export_count && rc == 0; i++) {
+		const struct export_spec *spec = &opts->exports[i];
+		size_t first = options_backend_first(opts, i);
+		if (first == i) {
+			struct export_spec opened = *spec;
+			opened.readonly = backend_readonly(opts, i);
+			if ((rc = backing_open(t, &opened, &by_spec[i])) < 0)
+				break;
+			by_spec[i]->next = t->backings;
+			t->backings = by_spec[i];
+		} else {
+			by_spec[i] = by_spec[first];
 		}
-		b->next = t->backings;
-		t->backings = b;
-		struct export *e = version_new(&opts->exports[i], b);
-		if (!e) {
-			export_table_close(t);
-			return -ENOMEM;
+		struct export policy;
+		struct version_place at;
+		struct export *e;
+		policy_of_spec(&policy, spec, by_spec[i]);
+		version_place_of_spec(&at, spec);
+		if ((rc = version_make(&policy, by_spec[i], &at, NULL, &e)) < 0)
+			break;
+		if ((rc = vec_push(&x, e)) < 0) {
+			export_put(e);
+			break;
 		}
-		t->exports[t->count++] = e;
 		log_export(e, "");
+		rc = windows_push(t, e, &x, NULL);
 	}
-	return 0;
+	free(by_spec);
+	t->exports = x.v;
+	t->count = x.n;
+	if (rc < 0)
+		export_table_close(t);
+	return rc;
 }
 
 int export_table_start(struct export_table *t)
@@ -188,8 +389,10 @@ void export_put(struct export *e)
 	if (!e || atomic_fetch_sub(&e->refs, 1) != 1)
 		return;
 	atomic_fetch_sub(&e->backing->versions, 1);
+	counter_put(e->counter);
 	free(e->name);
 	free(e->description);
+	free(e->window_of);
 	free(e);
 }
 
@@ -232,16 +435,18 @@ int export_list(struct export_table *t, struct export ***out, size_t *count)
 
 bool export_attach(struct export *e)
 {
-	unsigned n = atomic_load(&e->backing->connections);
+	unsigned n = atomic_load(&e->counter->connections);
 	do {
 		if (e->max_connections && n >= e->max_connections)
 			return false;
-	} while (!atomic_compare_exchange_weak(&e->backing->connections, &n, n + 1));
+	} while (!atomic_compare_exchange_weak(&e->counter->connections, &n, n + 1));
+	atomic_fetch_add(&e->backing->connections, 1);
 	return true;
 }
 
 void export_detach(struct export *e)
 {
+	atomic_fetch_sub(&e->counter->connections, 1);
 	atomic_fetch_sub(&e->backing->connections, 1);
 }
 
@@ -269,158 +474,194 @@ static bool same_string(const char *a, const char *b)
 	return (!a && !b) || (a && b && strcmp(a, b) == 0);
 }
 
-/* Why spec cannot replace the live version old, or NULL when it can. */
-static const char *refusal(const struct export *old, const struct export_spec *spec,
-			   uint32_t fitted_block_size)
+/* Why spec cannot be served on the live backing b, or NULL when it can. */
+static const char *backing_refusal(const struct export_backing *b, const struct export_spec *spec)
 {
-	if (strcmp(old->backing->spec, spec->backend) != 0)
-		return "its backend changed (remove the export and add it under a new name, or "
-		       "restart)";
-	if (fitted_block_size != old->block_size)
+	if (fitted_block_size(spec->block_size, b->backend) != b->block_size)
 		return "its block size changed (the cache holds blocks of the old size)";
-	if (!spec->readonly && old->backend->readonly)
+	if (!spec->readonly && b->backend->readonly)
 		return "it was opened read-only (restart to make it writable)";
-	enum cache_mode mode = cache_export_mode(old->cache);
+	enum cache_mode mode = cache_export_mode(b->cache);
 	if ((mode == CACHE_MODE_NONE) != (spec->cache_mode == CACHE_MODE_NONE))
 		return "cache mode none bypasses the cache: switching to or from it needs a "
 		       "restart";
 	return NULL;
 }
 
+/* Why spec cannot replace the live version old, or NULL when it can. */
+static const char *refusal(const struct export *old, const struct export_spec *spec)
+{
+	if (strcmp(old->backing->spec, spec->backend) != 0)
+		return "its backend changed (remove the export and add it under a new name, or "
+		       "restart)";
+	return backing_refusal(old->backing, spec);
+}
+
 static bool version_differs(const struct export *old, const struct export_spec *spec)
 {
+	uint64_t end = old->backend->size;
+	uint64_t size = spec->size ? spec->size : (spec->offset < end ? end - spec->offset : 0);
 	return !same_string(old->description, spec->description) ||
 	       old->readonly != (spec->readonly || old->backend->readonly) ||
 	       old->max_connections != spec->max_connections ||
 	       old->dirty_high != spec->dirty_high || old->dirty_low != spec->dirty_low ||
 	       old->seq_cutoff != spec->seq_cutoff ||
-	       cache_export_mode(old->cache) != spec->cache_mode;
+	       cache_export_mode(old->cache) != spec->cache_mode || old->offset != spec->offset ||
+	       old->size != size || old->split != spec->split;
 }
 
-/* Two cache exports over one backend would each believe their own blocks. */
-static bool backing_in_use(struct export_table *t, const char *spec)
+/* The backing open for a backend string, or NULL. Exports over one backend
+ * share it (and its cache). */
+static struct export_backing *backing_find(struct export_table *t, const char *spec)
 {
-	if (strncmp(spec, "nbdkit:", 7) == 0)
-		return false; /* each one starts an nbdkit of its own */
 	pthread_mutex_lock(&t->lock);
-	bool used = false;
-	for (struct export_backing *b = t->backings; b && !used; b = b->next)
-		used = strcmp(b->spec, spec) == 0;
+	struct export_backing *b = t->backings;
+	while (b && strcmp(b->spec, spec) != 0)
+		b = b->next;
 	pthread_mutex_unlock(&t->lock);
-	return used;
+	return b;
+}
+
+/* A new export on reload: on the live backing of its backend, or a new one.
+ * NULL (logged) when it cannot be added; *rc set on a hard error. */
+static struct export *reload_add(struct export_table *t, const struct options *opts, size_t i,
+				 int *rc)
+{
+	const struct export_spec *spec = &opts->exports[i];
+	struct export_backing *b = backing_find(t, spec->backend);
+	bool opened = false;
+	if (b && b->removed) {
+		log_warn("reload: export '%s' not added: backend %s is still open for a removed "
+			 "export (it is closed once its connections end; reload again then)",
+			 spec->name, spec->backend);
+		return NULL;
+	}
+	if (b) {
+		const char *why = backing_refusal(b, spec);
+		if (why) {
+			log_warn("reload: export '%s' not added: backend %s is open for other "
+				 "exports, and %s",
+				 spec->name, spec->backend, why);
+			return NULL;
+		}
+	} else {
+		struct export_spec opening = *spec;
+		opening.readonly = backend_readonly(opts, i);
+		if (backing_open(t, &opening, &b) < 0)
+			return NULL;
+		pthread_mutex_lock(&t->lock);
+		b->next = t->backings;
+		t->backings = b;
+		pthread_mutex_unlock(&t->lock);
+		opened = true;
+	}
+	struct export policy, *e = NULL;
+	struct version_place at;
+	policy_of_spec(&policy, spec, b);
+	version_place_of_spec(&at, spec);
+	int made = version_make(&policy, b, &at, NULL, &e);
+	if (made == -ENOMEM)
+		*rc = made;
+	if (made < 0 && opened)
+		b->removed = true; /* reaped like a removed export */
+	return made < 0 ? NULL : e;
 }
 
 int export_table_reload(struct export_table *t, const struct options *opts, struct export_reload *r)
 {
 	memset(r, 0, sizeof(*r));
-	struct export **next = calloc(opts->export_count ? opts->export_count : 1, sizeof(*next));
-	if (!next)
-		return -ENOMEM;
-	size_t n = 0;
+	struct version_vec x = {0};
 	int rc = 0;
-	for (size_t i = 0; i < opts->export_count; i++) {
+	for (size_t i = 0; i < opts->export_count && rc == 0; i++) {
 		const struct export_spec *spec = &opts->exports[i];
 		struct export *old = export_get(t, spec->name, strlen(spec->name));
+		struct export *e = NULL;
+		const char *why = old ? refusal(old, spec) : NULL;
 		if (!old) {
-			struct export_backing *b;
-			if (backing_in_use(t, spec->backend)) {
-				log_warn(
-				    "reload: export '%s' not added: backend %s is still open for "
-				    "another export (a removed one is closed once its "
-				    "connections end; reload again then)",
-				    spec->name, spec->backend);
-				rc = push_name(&r->refused, &r->refused_count, spec->name);
-				if (rc < 0)
-					break;
-				continue;
-			}
-			if (backing_open(t, spec, &b) < 0) {
-				rc = push_name(&r->refused, &r->refused_count, spec->name);
-				if (rc < 0)
-					break;
-				continue;
-			}
-			struct export *e = version_new(spec, b);
-			pthread_mutex_lock(&t->lock);
-			b->next = t->backings;
-			t->backings = b;
-			pthread_mutex_unlock(&t->lock);
+			e = reload_add(t, opts, i, &rc);
 			if (!e) {
-				b->removed = true; /* reaped like a removed export */
-				rc = -ENOMEM;
-				break;
+				if (rc == 0)
+					rc = push_name(&r->refused, &r->refused_count, spec->name);
+				continue;
 			}
-			next[n++] = e;
 			log_export(e, " added");
-			if ((rc = push_name(&r->added, &r->added_count, spec->name)) < 0)
-				break;
-			continue;
-		}
-		const char *why =
-		    refusal(old, spec, fitted_block_size(spec->block_size, old->backend));
-		if (why) {
+			rc = push_name(&r->added, &r->added_count, spec->name);
+		} else if (why) {
 			log_warn("reload: export '%s' keeps its old settings: %s", spec->name, why);
-			next[n++] = old; /* the reference export_get took is the table's now */
-			if ((rc = push_name(&r->refused, &r->refused_count, spec->name)) < 0)
-				break;
-			continue;
+			e = old; /* the reference export_get took is the table's now */
+			rc = push_name(&r->refused, &r->refused_count, spec->name);
+		} else if (!version_differs(old, spec)) {
+			e = old;
+		} else {
+			struct export policy;
+			struct version_place at;
+			policy_of_spec(&policy, spec, old->backing);
+			version_place_of_spec(&at, spec);
+			rc = version_make(&policy, old->backing, &at, old->counter, &e);
+			if (rc == -EINVAL) {
+				log_warn("reload: export '%s' keeps its old settings", spec->name);
+				e = old;
+				rc = push_name(&r->refused, &r->refused_count, spec->name);
+			} else if (rc == 0) {
+				export_put(old);
+				if (cache_export_mode(e->cache) != spec->cache_mode)
+					cache_export_set_mode(e->cache, spec->cache_mode);
+				cache_export_set_watermarks(e->cache, spec->dirty_high,
+							    spec->dirty_low);
+				log_export(e, " changed");
+				rc = push_name(&r->changed, &r->changed_count, spec->name);
+			} else {
+				e = old;
+			}
 		}
-		if (!version_differs(old, spec)) {
-			next[n++] = old;
-			continue;
-		}
-		struct export *e = version_new(spec, old->backing);
-		if (!e) {
-			next[n++] = old;
+		if (vec_push(&x, e) < 0) {
+			export_put(e);
 			rc = -ENOMEM;
 			break;
 		}
-		export_put(old);
-		if (cache_export_mode(e->cache) != spec->cache_mode)
-			cache_export_set_mode(e->cache, spec->cache_mode);
-		cache_export_set_watermarks(e->cache, spec->dirty_high, spec->dirty_low);
-		next[n++] = e;
-		log_export(e, " changed");
-		if ((rc = push_name(&r->changed, &r->changed_count, spec->name)) < 0)
-			break;
+		if (rc == 0)
+			rc = windows_push(t, e, &x, r);
 	}
 	if (rc < 0) {
 		/* Keep the old table; backings opened for the new one are reaped. */
 		pthread_mutex_lock(&t->lock);
-		for (size_t i = 0; i < n; i++) {
+		for (size_t i = 0; i < x.n; i++) {
 			bool published = false;
 			for (size_t j = 0; j < t->count && !published; j++)
-				published = t->exports[j]->backing == next[i]->backing;
+				published = t->exports[j]->backing == x.v[i]->backing;
 			if (!published)
-				next[i]->backing->removed = true;
+				x.v[i]->backing->removed = true;
 		}
 		pthread_mutex_unlock(&t->lock);
-		for (size_t i = 0; i < n; i++)
-			export_put(next[i]);
-		free(next);
+		for (size_t i = 0; i < x.n; i++)
+			export_put(x.v[i]);
+		free(x.v);
 		return rc;
 	}
 	/* Publish; what is no longer configured is removed. */
 	pthread_mutex_lock(&t->lock);
 	struct export **old_table = t->exports;
 	size_t old_count = t->count;
-	t->exports = next;
-	t->count = n;
+	t->exports = x.v;
+	t->count = x.n;
 	for (size_t i = 0; i < old_count; i++) {
 		bool kept = false;
-		for (size_t j = 0; j < n && !kept; j++)
-			kept = next[j]->backing == old_table[i]->backing;
+		for (size_t j = 0; j < x.n && !kept; j++)
+			kept = x.v[j]->backing == old_table[i]->backing;
 		if (!kept)
 			old_table[i]->backing->removed = true;
 	}
 	pthread_mutex_unlock(&t->lock);
 	for (size_t i = 0; i < old_count; i++) {
 		struct export *e = old_table[i];
-		if (e->backing->removed) {
+		bool kept = false;
+		for (size_t j = 0; j < x.n && !kept; j++)
+			kept = strcmp(x.v[j]->name, e->name) == 0;
+		if (!kept) {
 			log_info(
 			    "export '%s' removed: new connections are refused; %u connection(s) "
 			    "finish first",
-			    e->name, atomic_load(&e->backing->connections));
+			    e->name, atomic_load(&e->counter->connections));
 			if (push_name(&r->removed, &r->removed_count, e->name) < 0)
 				rc = -ENOMEM;
 		}

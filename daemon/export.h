@@ -19,6 +19,15 @@
  * has gone and its dirty data is written back (export_table_reap), then the
  * backend is closed.
  *
+ * Windows: an export may serve a window of its backend, bytes [offset,
+ * offset + size). Every export over one backend (the same backend string,
+ * whole or windowed) shares one backing and so one cache export: a write
+ * through one is seen at once through every overlapping one, and a FLUSH on
+ * any makes the backend durable. A split export (split=W) publishes its
+ * windows NAME/0, NAME/1, ... of W bytes (the last one shorter) right after
+ * itself; they copy its policy and are regenerated with it on reload. The
+ * connection layer adds e->offset to every request's offset.
+ *
  * Locking: the table lock guards the published array and the backings list.
  * It is taken before any cache lock: export_table_reap holds it while it
  * asks the cache whether a backing is unflushed and retires its cache
@@ -55,11 +64,22 @@ struct export_backing {
 	struct export_backing *next;
 };
 
+/* Connections of one export name, carried across its versions (for
+ * max_connections). */
+struct export_counter {
+	atomic_uint refs;
+	atomic_uint connections;
+};
+
 struct export
 {
 	atomic_uint refs;
 	char *name;
 	char *description; /* NULL when none */
+	uint64_t offset;   /* the window's first byte in the backend */
+	uint64_t size;	   /* the window's size: what clients see */
+	uint64_t split;	   /* window size of NAME/K windows; 0: none */
+	char *window_of;   /* split windows: the name of their export; else NULL */
 	bool readonly;
 	uint32_t block_size; /* preferred block size advertised */
 	uint32_t max_payload;
@@ -69,11 +89,16 @@ struct export
 	struct backend *backend;	/* backing->backend */
 	struct cache_export *cache;	/* backing->cache: how requests reach the backend */
 	struct export_backing *backing;
+	struct export_counter *counter;
 };
+
+/* A split export publishes at most this many windows. */
+#define EXPORT_MAX_WINDOWS 4096
 
 struct export_table {
 	pthread_mutex_t lock;
-	struct export **exports; /* published, in config order */
+	struct export **exports; /* published, in config order (windows after
+				  * their export) */
 	size_t count;
 	struct export_backing *backings; /* every backing not yet closed */
 	struct cache *cache;
@@ -133,7 +158,7 @@ void export_reap_flushed(struct export_backing *b, int result);
 uint16_t export_eflags(const struct export *e, bool structured);
 static inline uint64_t export_size(const struct export *e)
 {
-	return e->backend->size;
+	return e->size;
 }
 
 #endif

@@ -4,6 +4,7 @@
  * would be served and exit). Everything else lives in the modules named in
  * docs/architecture.md.
  */
+#include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -32,18 +33,20 @@ static int check_config(const struct options *opts)
 		if (file && stat(e->backend, &st) < 0)
 			fprintf(stderr, "nbdcached: warning: export '%s': %s: %m\n", e->name,
 				e->backend);
-		printf("export '%s': %s, cache %s, block size %u%s\n", e->name, e->backend,
+		printf("export '%s': %s, cache %s, block size %u%s", e->name, e->backend,
 		       options_cache_mode_name(e->cache_mode), e->block_size,
 		       e->readonly ? ", read-only" : "");
+		if (e->offset || e->size)
+			printf(", bytes %" PRIu64 " to %s", e->offset, e->size ? "" : "the end");
+		if (e->size)
+			printf("%" PRIu64, e->offset + e->size - 1);
+		if (e->split)
+			printf(", split into windows of %" PRIu64 " bytes", e->split);
+		size_t first = options_backend_first(opts, i);
+		if (first != i)
+			printf(", one cache with export '%s'", opts->exports[first].name);
+		putchar('\n');
 	}
-	size_t first, second;
-	if (options_shared_backend(opts, &first, &second))
-		fprintf(stderr,
-			"nbdcached: warning: exports '%s' and '%s' share the backend %s: each "
-			"caches it apart from the other, so neither sees the other's unflushed "
-			"writes\n",
-			opts->exports[first].name, opts->exports[second].name,
-			opts->exports[second].backend);
 	printf("config OK%s%s: %zu export(s)\n", opts->config_path ? ": " : "",
 	       opts->config_path ? opts->config_path : "", opts->export_count);
 	return 0;

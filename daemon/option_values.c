@@ -78,6 +78,17 @@ int options_parse_block_size(const char *text, uint32_t *out)
 	return 0;
 }
 
+int options_parse_split(const char *text, uint64_t *out)
+{
+	uint64_t v;
+	if (strcmp(text, "32bit") == 0)
+		v = OPTIONS_SPLIT_32BIT;
+	else if (options_parse_size(text, &v) < 0 || v == 0)
+		return -EINVAL;
+	*out = v;
+	return 0;
+}
+
 int options_parse_hugepages(const char *text, enum hugepages_policy *out)
 {
 	if (strcmp(text, "auto") == 0)

@@ -38,6 +38,16 @@ int options_parse_cache_mode(const char *text, enum cache_mode *out);
 const char *options_cache_mode_name(enum cache_mode mode);
 int options_parse_hugepages(const char *text, enum hugepages_policy *out);
 int options_parse_percent(const char *text, unsigned *out);
+/* A split= value: "32bit" (OPTIONS_SPLIT_32BIT) or a size above 0. */
+int options_parse_split(const char *text, uint64_t *out);
+/*
+ * The window size split=32bit stands for: the largest multiple of 2 MiB (one
+ * cache range) a 32-bit Linux kernel can address as a block device. Its
+ * page cache indexes a device by a 32-bit page number, so a device holds at
+ * most 2^32 - 1 pages of 4 KiB (16 TiB - 4 KiB); rounded down to 2 MiB that
+ * is 16 TiB - 2 MiB, and every window then starts on a 2 MiB boundary.
+ */
+#define OPTIONS_SPLIT_32BIT ((1ull << 44) - (2ull << 20))
 int options_parse_seconds(const char *text, unsigned *out); /* 1..86400 */
 int options_parse_cache_size(const char *text, uint64_t *out);
 int options_parse_threads(const char *text, unsigned *out);

@@ -37,7 +37,8 @@ const char *options_usage(void)
 	       "                 [--listen HOST:PORT]... [--unix PATH]... [--control PATH|none]\n"
 	       "                 [--export NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]\n"
 	       "                           [,cache-mode=MODE][,seq-cutoff=SIZE][,max-connections=N]\n"
-	       "                           [,dirty-high=PCT][,dirty-low=PCT]]...\n"
+	       "                           [,dirty-high=PCT][,dirty-low=PCT]\n"
+	       "                           [,offset=SIZE][,size=SIZE][,split=SIZE|32bit]]...\n"
 	       "                 [--threads N] [--pidfile FILE] [--log-level LEVEL]\n"
 	       "                 [--user USER] [--group GROUP] [--max-connections N]\n"
 	       "                 [--cache-size SIZE] [--hugepages auto|require|off]\n"
@@ -88,7 +89,9 @@ static bool is_known_key(const char *s, size_t n)
 	return (n == 8 && memcmp(s, "readonly", 8) == 0) || starts_with(s, n, "description=") ||
 	       starts_with(s, n, "block-size=") || starts_with(s, n, "cache-mode=") ||
 	       starts_with(s, n, "seq-cutoff=") || starts_with(s, n, "max-connections=") ||
-	       starts_with(s, n, "dirty-high=") || starts_with(s, n, "dirty-low=");
+	       starts_with(s, n, "dirty-high=") || starts_with(s, n, "dirty-low=") ||
+	       starts_with(s, n, "offset=") || starts_with(s, n, "size=") ||
+	       starts_with(s, n, "split=");
 }
 
 /* Copy the value of "key=value" (n bytes at p) into buf; -EINVAL if too long. */
@@ -205,6 +208,23 @@ int options_parse_export(const char *text, struct export_spec *out, char *err, s
 				goto error;
 			}
 			*(high ? &out->has_dirty_high : &out->has_dirty_low) = true;
+		} else if (starts_with(p, n, "offset=") || starts_with(p, n, "size=")) {
+			bool off = starts_with(p, n, "offset=");
+			char buf[32];
+			if (key_value(p, n, off ? "offset=" : "size=", buf, sizeof(buf)) < 0 ||
+			    options_parse_size(buf, off ? &out->offset : &out->size) < 0 ||
+			    (!off && out->size == 0)) {
+				rc = fail(err, errlen, -EINVAL, "--export: bad %.*s", (int)n, p);
+				goto error;
+			}
+		} else if (starts_with(p, n, "split=")) {
+			char buf[32];
+			if (key_value(p, n, "split=", buf, sizeof(buf)) < 0 ||
+			    options_parse_split(buf, &out->split) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--export: bad %.*s (a size, or 32bit)", (int)n, p);
+				goto error;
+			}
 		} else {
 			rc = fail(err, errlen, -EINVAL, "--export %s: unknown option '%.*s'", text,
 				  (int)n, p);
@@ -632,21 +652,69 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 	return rc;
 }
 
-bool options_shared_backend(const struct options *opts, size_t *first, size_t *second)
+size_t options_backend_first(const struct options *opts, size_t i)
 {
-	for (size_t i = 0; i < opts->export_count; i++) {
-		const char *b = opts->exports[i].backend;
-		if (strncmp(b, "nbdkit:", 7) == 0)
-			continue; /* each one starts an nbdkit of its own */
-		for (size_t j = 0; j < i; j++) {
-			if (strcmp(opts->exports[j].backend, b) == 0) {
-				*first = j;
-				*second = i;
-				return true;
-			}
-		}
-	}
-	return false;
+	for (size_t j = 0; j < i; j++)
+		if (strcmp(opts->exports[j].backend, opts->exports[i].backend) == 0)
+			return j;
+	return i;
+}
+
+/* What exports over one backend must agree on: they share its cache export,
+ * which has one block size, one mode and one pair of watermarks. NULL when
+ * they agree. */
+static const char *backend_disagreement(const struct export_spec *a, const struct export_spec *b)
+{
+	if (a->block_size != b->block_size)
+		return "block-size";
+	if (a->cache_mode != b->cache_mode)
+		return "cache-mode";
+	if (a->dirty_high != b->dirty_high)
+		return "dirty-high";
+	if (a->dirty_low != b->dirty_low)
+		return "dirty-low";
+	return NULL;
+}
+
+/* Does name look like window K of a split export prefix ("prefix/K")? */
+static bool window_name_of(const char *name, const char *prefix)
+{
+	size_t n = strlen(prefix);
+	if (strncmp(name, prefix, n) != 0 || name[n] != '/' || !name[n + 1])
+		return false;
+	return strspn(name + n + 1, "0123456789") == strlen(name + n + 1);
+}
+
+/* Check one export's window and split against its block size and names. */
+static int check_window(const struct options *opts, const struct export_spec *e, char *err,
+			size_t errlen)
+{
+	const char *at = e->origin ? " at " : "", *origin = e->origin ? e->origin : "";
+	if (e->offset % e->block_size || e->size % e->block_size || e->split % e->block_size)
+		return fail(err, errlen, -EINVAL,
+			    "export '%s'%s%s: offset, size and split must be multiples of its "
+			    "block size %u",
+			    e->name, at, origin, e->block_size);
+	if (e->size && e->offset > UINT64_MAX - e->size)
+		return fail(err, errlen, -EINVAL, "export '%s'%s%s: offset + size overflows",
+			    e->name, at, origin);
+	if ((e->offset > OPTIONS_MAX_EXPORT_SIZE) ||
+	    (e->size && e->offset + e->size > OPTIONS_MAX_EXPORT_SIZE))
+		return fail(err, errlen, -EINVAL,
+			    "export '%s'%s%s: the window ends past 2^63 bytes", e->name, at,
+			    origin);
+	if (!e->split)
+		return 0;
+	if (strlen(e->name) > 4000)
+		return fail(err, errlen, -EINVAL,
+			    "export '%s'%s%s: name too long for split windows", e->name, at, origin);
+	for (size_t j = 0; j < opts->export_count; j++)
+		if (window_name_of(opts->exports[j].name, e->name))
+			return fail(err, errlen, -EINVAL,
+				    "export '%s' is named like a window of export '%s', which has "
+				    "split=",
+				    opts->exports[j].name, e->name);
+	return 0;
 }
 
 int options_finish(struct options *out, char *err, size_t errlen)
@@ -676,6 +744,19 @@ int options_finish(struct options *out, char *err, size_t errlen)
 				    "export '%s'%s%s: dirty-low %u is above dirty-high %u", e->name,
 				    e->origin ? " at " : "", e->origin ? e->origin : "",
 				    e->dirty_low, e->dirty_high);
+	}
+	for (size_t i = 0; i < out->export_count; i++) {
+		struct export_spec *e = &out->exports[i];
+		int rc = check_window(out, e, err, errlen);
+		if (rc < 0)
+			return rc;
+		size_t first = options_backend_first(out, i);
+		const char *what = backend_disagreement(&out->exports[first], e);
+		if (what)
+			return fail(err, errlen, -EINVAL,
+				    "exports '%s' and '%s' share the backend %s, and so one cache: "
+				    "their %s must be the same",
+				    out->exports[first].name, e->name, e->backend, what);
 	}
 	if (out->listen_count == 0 && out->unix_count == 0) {
 		int rc = options_push_string(&out->listen, &out->listen_count,

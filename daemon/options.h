@@ -11,7 +11,8 @@
  *             [--foreground] [--listen HOST:PORT]... [--unix PATH]...
  *             [--export NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]
  *                       [,cache-mode=MODE][,seq-cutoff=SIZE][,max-connections=N]
- *                       [,dirty-high=PCT][,dirty-low=PCT]]...
+ *                       [,dirty-high=PCT][,dirty-low=PCT]
+ *                       [,offset=SIZE][,size=SIZE][,split=SIZE|32bit]]...
  *             [--threads N] [--pidfile FILE] [--log-level LEVEL]
  *             [--cache-size SIZE] [--hugepages auto|require|off]
  *             [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]
@@ -66,6 +67,8 @@
 #define OPTIONS_MIN_REPLY_MEMORY (64ull << 20) /* two of the largest requests */
 /* max_pinned_replies when not given: 1/8 of cache_size (options_pinned_replies). */
 #define OPTIONS_PINNED_DEFAULT UINT64_MAX
+/* The largest export or window end (the NBD protocol's offsets are signed). */
+#define OPTIONS_MAX_EXPORT_SIZE ((uint64_t)INT64_MAX)
 /* Seconds pending replies may go without the client reading them (conn.h). */
 #define OPTIONS_DEFAULT_STALL_TIMEOUT 30
 #define OPTIONS_MAX_STALL_TIMEOUT 3600
@@ -83,6 +86,12 @@ struct export_spec {
 	uint64_t seq_cutoff; /* bytes; 0: off */
 	unsigned max_connections; /* 0: unlimited */
 	unsigned dirty_high, dirty_low; /* percent of the cache */
+	/* A window: bytes [offset, offset + size) of the backend; size 0 (not
+	 * given) runs to the backend's end. */
+	uint64_t offset, size;
+	/* Non-zero: NAME/0, NAME/1, ... windows of this many bytes of the
+	 * export are published too (daemon/export.h). */
+	uint64_t split;
 	/* Which of the above were given (the rest come from struct options). */
 	bool has_block_size, has_seq_cutoff, has_max_connections, has_dirty_high, has_dirty_low;
 	/* Where it was defined: "FILE:LINE" or NULL (command line). */
@@ -182,10 +191,11 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 /* Resolve per-export defaults, check the whole, add the default listen
  * address. Called by options_parse() unless a config file is named. */
 int options_finish(struct options *opts, char *err, size_t errlen);
-/* Do two exports name the same backend (not counting nbdkit: ones, which
- * are separate processes)? Allowed (a read-only view of a disk, say), but
- * their caches do not see each other's writes: worth a warning. */
-bool options_shared_backend(const struct options *opts, size_t *first, size_t *second);
+/* The first export (index) with the same backend as export i: exports over
+ * one backend share it and its cache (daemon/export.h); options_finish()
+ * checks they agree on what the cache holds per backend (block size, cache
+ * mode, watermarks). i itself when it is the first. */
+size_t options_backend_first(const struct options *opts, size_t i);
 /* Set every global default (what options_parse() starts from). */
 void options_defaults(struct options *opts);
 /* The pinned-reply limit in force: as given, or 1/8 of cache_size. */

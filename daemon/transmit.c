@@ -424,7 +424,8 @@ static void reply_read(struct request *r)
 /*
  * Block status: the extents the backend found, cut to what the protocol
  * allows: one extent within the request for REQ_ONE; otherwise stop once
- * the request is covered; in compact form no extent above 32 bits, and
+ * the request is covered; nothing past the export's end (a window's
+ * backend goes on after it); in compact form no extent above 32 bits, and
  * nothing after an extent that had to be shortened (extents are contiguous).
  */
 static void reply_block_status(struct request *r)
@@ -433,10 +434,13 @@ static void reply_block_status(struct request *r)
 	size_t n = 0;
 	uint64_t covered = 0;
 	bool req_one = r->hdr.flags & NBD_CMD_FLAG_REQ_ONE;
+	uint64_t room = export_size(c->export) - r->hdr.offset; /* checked: above 0 */
 	for (size_t i = 0; i < r->n_extents; i++) {
 		struct nbd_extent *e = &r->extents[n];
 		*e = r->extents[i];
 		bool cut = false;
+		if (e->length > room - covered)
+			e->length = room - covered, cut = true;
 		if (req_one && e->length > r->hdr.length)
 			e->length = r->hdr.length, cut = true;
 		if (!c->extended && e->length > COMPACT_EXTENT_MAX)
@@ -567,7 +571,7 @@ static void request_start(struct request *r)
 	op->worker = c->worker;
 	op->cmd = backend_cmd_of(h->type);
 	op->flags = flags;
-	op->offset = h->offset;
+	op->offset = c->export->offset + h->offset; /* a window's bytes in its backend */
 	op->length = length;
 	op->payload = r->buf;
 	op->seen_error = &c->seen_error;

@@ -1,7 +1,9 @@
 /*
- * client/nbdcachectl/attach.c: "status" and "exports" turned into an
- * nbd-client command line for one export, printed (shell-quoted, or as
- * JSON) or executed.
+ * client/nbdcachectl/attach.c: what a kernel client needs. attach: "status"
+ * and "exports" turned into an nbd-client command line for one export,
+ * printed (shell-quoted, or as JSON) or executed. windows: the windows of a
+ * split export (EXPORT/K, from "exports"), for a 32-bit kernel that cannot
+ * use the whole of a large one.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -14,6 +16,7 @@
 
 #include "client/lib/ctl.h"
 #include "client/lib/report.h"
+#include "client/nbdcachectl/format.h"
 #include "client/nbdcachectl/nbdcachectl.h"
 
 #define ATTACH_CONNECTIONS 4
@@ -152,6 +155,68 @@ int run_attach(const struct options *o)
 cleanup:
 	json_object_put(exports);
 	json_object_put(status);
+	ctl_close(&c);
+	return err;
+}
+
+int run_windows(const struct options *o)
+{
+	static const char *const none[2] = {NULL};
+	static const char *const headers[] = {"NAME", "FIRST", "LAST", "SIZE", "BYTES"};
+	const char *name = o->args[0];
+	struct ctl c = CTL_INIT;
+	json_object *exports = NULL, *out = NULL, *list = NULL;
+	struct table t = {.columns = ARRAY_SIZE(headers), .headers = headers, .align = "lrrrr"};
+	int err = ctl_connect(&c, o->control);
+
+	if (!err)
+		err = ctl_call(&c, ctl_request("exports", none, NULL, 0), &exports);
+	if (err)
+		goto cleanup;
+	json_object *parent = ctl_find_named(exports, "exports", name);
+	if (!parent) {
+		report("no export named %s", name);
+		err = -ENOENT;
+		goto cleanup;
+	}
+	if (ctl_get_int(parent, "split") <= 0) {
+		report("export %s has no windows (it has no split=)", name);
+		err = -ENOENT;
+		goto cleanup;
+	}
+	out = json_object_new_object();
+	list = json_object_new_array();
+	json_object_object_add(out, "export", json_object_new_string(name));
+	json_object_object_add(out, "windows", list);
+	for (size_t i = 0; i < ctl_array_length(exports, "exports"); i++) {
+		json_object *e = ctl_array_item(exports, "exports", i);
+		const char *of = ctl_get_string(e, "window_of"), *wname = ctl_get_string(e, "name");
+		if (!of || !wname || strcmp(of, name) != 0)
+			continue;
+		/* Bytes of the split export (its own offset taken off). */
+		int64_t first = ctl_get_int(e, "offset") - ctl_get_int(parent, "offset");
+		int64_t size = ctl_get_int(e, "size");
+		json_object *w = json_object_new_object();
+		json_object_object_add(w, "name", json_object_new_string(wname));
+		json_object_object_add(w, "first", json_object_new_int64(first));
+		json_object_object_add(w, "last", json_object_new_int64(first + size - 1));
+		json_object_object_add(w, "size", json_object_new_int64(size));
+		json_object_array_add(list, w);
+		table_cell(&t, "%s", wname);
+		table_cell(&t, "%" PRId64, first);
+		table_cell(&t, "%" PRId64, first + size - 1);
+		table_cell(&t, "%s", SIZE(size));
+		table_cell(&t, "%" PRId64, size);
+	}
+	if (o->json)
+		puts(json_object_to_json_string_ext(out, JSON_C_TO_STRING_PLAIN |
+							     JSON_C_TO_STRING_NOSLASHESCAPE));
+	else if (table_print(&t) < 0)
+		err = -ENOMEM;
+cleanup:
+	table_free(&t);
+	json_object_put(out);
+	json_object_put(exports);
 	ctl_close(&c);
 	return err;
 }

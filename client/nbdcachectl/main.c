@@ -8,12 +8,13 @@
  * or, with --json, as the daemon's reply line exactly as it arrived, so
  * that scripts see every field the daemon sends.
  *
- * Three commands do more, each in its own file:
+ * Four commands do more, each in its own file:
  *   flush   (flush.c) the request on one connection, "stats" polled every
  *           100 ms on a second one to draw the dirty bytes draining;
  *   top     (top.c) "stats" every --interval, rates from two samples;
  *   attach  (attach.c) "status" and "exports" turned into an nbd-client
- *           command line, printed (shell-quoted) or executed.
+ *           command line, printed (shell-quoted) or executed;
+ *   windows (attach.c) a split export's windows, from "exports".
  *
  *   main -> parse_args -> command->run (run_simple, run_flush, run_top,
  *           run_attach) -> ctl_call -> ctl_send / ctl_receive
@@ -71,6 +72,7 @@ static const struct command commands[] = {
     {"reload", {NULL}, 0, 0, print_reload, run_simple},
     {"top", {NULL}, 0, 0, NULL, run_top},
     {"attach", {NULL}, 1, 2, NULL, run_attach},
+    {"windows", {NULL}, 1, 1, NULL, run_windows},
 };
 
 static void usage(FILE *f)
@@ -79,7 +81,7 @@ static void usage(FILE *f)
 	      "commands: status | exports | stats [EXPORT] | flush EXPORT\n"
 	      "          | drop-clean EXPORT | compact | set-mode EXPORT MODE | reload\n"
 	      "          | top [--count N] [--interval SECONDS]\n"
-	      "          | attach EXPORT [DEVICE] [--run]\n"
+	      "          | attach EXPORT [DEVICE] [--run] | windows EXPORT\n"
 	      "default control socket: " NBDCACHED_CONTROL_DEFAULT "\n"
 	      "exit status: 0 success, 1 the daemon refused or could not be reached, 2 usage\n",
 	      f);

@@ -48,6 +48,7 @@ void print_reload(json_object *r);
 int run_flush(const struct options *o);
 int run_top(const struct options *o);
 int run_attach(const struct options *o);
+int run_windows(const struct options *o);
 
 /* Seconds on the monotonic clock. */
 static inline double now_s(void)
