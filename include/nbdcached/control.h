@@ -44,10 +44,16 @@
  *     exports: array of EXPORT objects:
  *       name, description (string or null), backend (string: the path, URI
  *       or "nbdkit:..." as configured), kind (string: "file" or "nbd"),
- *       size, readonly (bool), block_size, cache_mode (string: "writeback",
- *       "writethrough", "writearound" or "none"), seq_cutoff,
- *       max_connections (0: unlimited), connections, dirty_high, dirty_low
- *       (percent of the cache; the global values unless set per export)
+ *       size (what clients see: the window's size), offset (the window's
+ *       first byte in the backend; 0 for a whole export), split (the window
+ *       size of its NAME/K windows; 0: none), window_of (string: the split
+ *       export a window belongs to, or null), readonly (bool), block_size,
+ *       cache_mode (string: "writeback", "writethrough", "writearound" or
+ *       "none"), seq_cutoff, max_connections (0: unlimited), connections,
+ *       dirty_high, dirty_low (percent of the cache; the global values
+ *       unless set per export)
+ *     Exports over one backend share its cache export: their "stats" are
+ *     the backend's, the same for each.
  *     Only exports a client can connect to are listed; status counts the
  *     ones a reload removed that are still finishing (removed_backends).
  *
