@@ -21,6 +21,8 @@ all in one cache export. A sparse 16 MiB file is served as sp (split=4M).
               covers it, and stops at its end (the backend goes on)
   sparse      a structured READ across a hole of sp/2 gets OFFSET_HOLE and
               OFFSET_DATA chunks at window offsets
+  odd         a backend of 10 MiB + 512 bytes split=4M: the last window,
+              odd/2, is 2 MiB + 512 bytes and ends with the file
   list        NBD_OPT_LIST / nbdinfo: every window with its description,
               size of each; control "exports" gives offset, split, window_of
   ctl         nbdcachectl windows big (table and --json), attach big/3
@@ -66,6 +68,7 @@ def main():
         with open(sparse, "r+b") as f:
             f.seek(9 * MIB)  # sp/2 offset 1 MiB
             f.write(b"D" * 8 * KIB)
+        odd = nbdtest.random_file(os.path.join(tmp, "odd.img"), 10 * MIB + 512, seed=6)
         conf = os.path.join(tmp, "nbdcached.conf")
 
         def write_conf(split):
@@ -75,7 +78,8 @@ def main():
                         "[tail]\nbackend = %s\noffset = 60M\n"
                         "[rotail]\nbackend = %s\noffset = 60M\nreadonly = true\n"
                         "[sp]\nbackend = %s\nsplit = 4M\n"
-                        % (img, split, img, img, img, sparse))
+                        "[odd]\nbackend = %s\nsplit = 4M\n"
+                        % (img, split, img, img, img, sparse, odd))
         write_conf("10M")
         d = nbdtest.CheckedDaemon([], workdir=tmp,
                                   extra=["--config", conf, "--cache-size", "32M"])
@@ -203,6 +207,15 @@ def main():
                         % (rep.holes, "ok" if rep.data == want else "wrong"))
                 r.disconnect()
 
+            def odd_end():
+                # A backend of 10 MiB + 512 bytes: its last window ends with it.
+                w = nbdtest.libnbd_handle(d.unix_uri("odd/2"))
+                want = nbdtest.read_at(odd, 8 * MIB, 2 * MIB + 512)
+                require(w.get_size() == 2 * MIB + 512 and w.pread(2 * MIB + 512, 0) == want,
+                        "odd/2: size %d, or its bytes differ from the file's last ones"
+                        % w.get_size())
+                w.shutdown()
+
             def listing():
                 out = subprocess.run(["nbdinfo", "--list", "--json", d.unix_uri()],
                                      capture_output=True, text=True, timeout=60)
@@ -272,7 +285,8 @@ def main():
                     "opening the removed big/6")
 
             for name, fn in (("model", model_check), ("flush", flush), ("bounds", bounds),
-                             ("status", status), ("sparse", sparse_read), ("list", listing),
+                             ("status", status), ("sparse", sparse_read), ("odd", odd_end),
+                             ("list", listing),
                              ("ctl", ctl), ("reload", reload)):
                 checks.run(name, fn)
             for x in handles.values():
