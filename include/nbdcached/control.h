@@ -98,6 +98,10 @@
  *     in blocks written), backend_flushes, backend_flush_errors, losses
  *     (times the backend may have lost writes it acknowledged, so what the
  *     cache held of them was written again). nbdcached(8), DURABILITY.
+ *     Requests (cache and each export): commands: {read, write, flush,
+ *     trim, write_zeroes, cache, block_status (client requests of each
+ *     command started, refused ones not counted), fua (those of them with
+ *     NBD_CMD_FLAG_FUA)}.
  *     backend_writes and backend_write_bytes count what was sent to the
  *     backend, failed writes included (writeback_errors counts those);
  *     writeback_bytes counts what the writeback thread wrote successfully.
