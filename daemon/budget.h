@@ -34,6 +34,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "daemon/access.h"
 #include "daemon/options.h"
 
 struct worker;
@@ -60,6 +61,16 @@ int budget_start(const struct options *opts, struct worker *workers, unsigned co
 /* A new connection: false (and counted as refused) at --max-clients. */
 bool budget_client_add(void);
 void budget_client_remove(void);
+
+/*
+ * Connections per client (--max-connections-per-client): a TCP client is
+ * its address, a Unix one its uid. Every accepted connection is counted
+ * from accept to free, negotiating ones too. budget_peer_add() is false
+ * (and counts nothing) when the client has limit connections already
+ * (limit 0: no limit). Any thread.
+ */
+bool budget_peer_add(const struct access_peer *p, unsigned limit);
+void budget_peer_remove(const struct access_peer *p);
 
 /*
  * Reserve cost reply bytes for a connection that holds `held` now: true
