@@ -320,7 +320,11 @@ bool access_rules_allow(const struct access_rules *r, const struct access_peer *
 				if (has_id(r->groups, r->group_count, p->groups[i]))
 					return true;
 		}
-		fail(why, whylen, 0, "%s not in allow-users / allow-groups", p->text);
+		if (p->has_cred)
+			fail(why, whylen, 0, "uid %u gid %u not in allow-users / allow-groups",
+			     p->uid, p->gid);
+		else
+			fail(why, whylen, 0, "no peer credentials (allow-users / allow-groups)");
 		return false;
 	}
 	for (size_t i = 0; i < r->deny_count; i++)

@@ -87,7 +87,7 @@ bool access_net_match(const struct access_net *net, const uint8_t addr[16]);
 /*
  * May the peer pass these rules? When not, why (if not NULL) says which
  * rule refused it: "deny 127.0.0.2/32", "not in allow 127.0.0.1",
- * "uid 1001 not in allow-users / allow-groups".
+ * "uid 1001 gid 1001 not in allow-users / allow-groups".
  */
 bool access_rules_allow(const struct access_rules *r, const struct access_peer *p, char *why,
 			size_t whylen);

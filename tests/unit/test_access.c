@@ -148,7 +148,7 @@ static void test_users_groups(void **state)
 	u.uid = 7;
 	snprintf(u.text, sizeof(u.text), "unix uid 7 pid 1");
 	assert_false(access_rules_allow(&r, &u, why, sizeof(why)));
-	assert_string_equal(why, "unix uid 7 pid 1 not in allow-users / allow-groups");
+	assert_string_equal(why, "uid 7 gid 1 not in allow-users / allow-groups");
 	u.gid = 4343; /* the primary group */
 	assert_true(access_rules_allow(&r, &u, why, sizeof(why)));
 	u.gid = 1;
