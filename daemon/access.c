@@ -29,7 +29,7 @@
 #define ACCESS_SEPARATORS " \t,"
 
 static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-	__attribute__((format(printf, 4, 5)));
+    __attribute__((format(printf, 4, 5)));
 
 static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
 {
@@ -235,8 +235,7 @@ int access_parse_users(const char *text, uint32_t **out, size_t *count, char *er
 	return 0;
 }
 
-int access_parse_groups(const char *text, uint32_t **out, size_t *count, char *err,
-			size_t errlen)
+int access_parse_groups(const char *text, uint32_t **out, size_t *count, char *err, size_t errlen)
 {
 	char bad[64] = "";
 	int rc = collect(text, sizeof(uint32_t), group_slot, (void **)out, count, bad);
@@ -268,8 +267,8 @@ int access_rules_parse(const struct access_spec *spec, struct access_rules *out,
 	char why[200];
 	int rc = 0;
 	const char *list = NULL;
-	if (spec->allow && (rc = access_parse_nets(spec->allow, &out->allow, &out->allow_count,
-						   why, sizeof(why))) < 0)
+	if (spec->allow && (rc = access_parse_nets(spec->allow, &out->allow, &out->allow_count, why,
+						   sizeof(why))) < 0)
 		list = "allow";
 	else if (spec->deny && (rc = access_parse_nets(spec->deny, &out->deny, &out->deny_count,
 						       why, sizeof(why))) < 0)
@@ -279,8 +278,8 @@ int access_rules_parse(const struct access_spec *spec, struct access_rules *out,
 					  sizeof(why))) < 0)
 		list = "allow-users";
 	else if (spec->allow_groups &&
-		 (rc = access_parse_groups(spec->allow_groups, &out->groups, &out->group_count,
-					   why, sizeof(why))) < 0)
+		 (rc = access_parse_groups(spec->allow_groups, &out->groups, &out->group_count, why,
+					   sizeof(why))) < 0)
 		list = "allow-groups";
 	if (rc < 0) {
 		access_rules_free(out);

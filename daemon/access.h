@@ -59,9 +59,9 @@ struct access_peer {
 	bool is_unix;
 	uint8_t addr[16]; /* TCP: IPv6, or IPv4 as ::ffff:a.b.c.d */
 	uint16_t port;
-	bool has_cred;		 /* Unix: SO_PEERCRED worked */
-	uint32_t uid, gid, pid;	 /* Unix */
-	uint32_t groups[32];	 /* Unix: supplementary groups (SO_PEERGROUPS) */
+	bool has_cred;		/* Unix: SO_PEERCRED worked */
+	uint32_t uid, gid, pid; /* Unix */
+	uint32_t groups[32];	/* Unix: supplementary groups (SO_PEERGROUPS) */
 	unsigned group_count;
 	char text[64]; /* "127.0.0.1:5000", "[::1]:5000", "unix uid 0 pid 12" */
 };
@@ -73,8 +73,7 @@ int access_parse_nets(const char *text, struct access_net **out, size_t *count, 
 /* Parse user (or group) names or numeric ids, comma or space separated;
  * names are looked up now (getpwnam_r / getgrnam_r). */
 int access_parse_users(const char *text, uint32_t **out, size_t *count, char *err, size_t errlen);
-int access_parse_groups(const char *text, uint32_t **out, size_t *count, char *err,
-			size_t errlen);
+int access_parse_groups(const char *text, uint32_t **out, size_t *count, char *err, size_t errlen);
 /* Check a whole spec: 0, or -EINVAL naming the list and the bad item. */
 int access_check_spec(const struct access_spec *spec, char *err, size_t errlen);
 int access_rules_parse(const struct access_spec *spec, struct access_rules *out, char *err,

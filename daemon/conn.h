@@ -110,8 +110,8 @@ struct conn {
 	struct export *meta_export; /* the export SET_META_CONTEXT named (a reference) */
 	struct export *export;	    /* a reference, and an attachment (export_attach) */
 	struct nbd_session session;
-	struct access_peer peer; /* who it comes from (set at accept, never changed) */
-	bool access_logged;	 /* a refusal by the access rules was logged */
+	struct access_peer peer;	   /* who it comes from (set at accept, never changed) */
+	bool access_logged;		   /* a refusal by the access rules was logged */
 	_Atomic(const char *) export_name; /* c->export's name once in transmission */
 
 	/* Transmission (transmit.c). */
@@ -151,13 +151,13 @@ struct conn {
 struct conn_info {
 	uint64_t id;
 	struct access_peer peer;
-	bool transmitting;   /* else negotiating */
-	char export[4097];   /* "" while negotiating */
+	bool transmitting; /* else negotiating */
+	char export[4097]; /* "" while negotiating */
 	uint64_t bytes_read, bytes_written, requests;
 	unsigned inflight;
 	uint64_t age_ms;
 	unsigned worker;
-	bool closing;	     /* a disconnect was asked for */
+	bool closing; /* a disconnect was asked for */
 };
 
 /*

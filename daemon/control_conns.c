@@ -25,8 +25,10 @@ static json_object *connection_object(const struct conn_info *i)
 	if (p->is_unix) {
 		json_object_object_add(o, "address", NULL);
 		json_object_object_add(o, "port", NULL);
-		json_object_object_add(o, "uid", p->has_cred ? json_object_new_int64(p->uid) : NULL);
-		json_object_object_add(o, "pid", p->has_cred ? json_object_new_int64(p->pid) : NULL);
+		json_object_object_add(o, "uid",
+				       p->has_cred ? json_object_new_int64(p->uid) : NULL);
+		json_object_object_add(o, "pid",
+				       p->has_cred ? json_object_new_int64(p->pid) : NULL);
 	} else {
 		/* p->text is "ADDRESS:PORT" or "[V6]:PORT": the address alone. */
 		char addr[64];
@@ -84,8 +86,9 @@ void control_cmd_disconnect(struct control_client *cl, json_object *req)
 	json_object *v;
 	if (!json_object_object_get_ex(req, "id", &v) || !json_object_is_type(v, json_type_int) ||
 	    json_object_get_int64(v) <= 0) {
-		control_send_error(cl, EINVAL, "disconnect needs \"id\": a connection id (see "
-					       "\"connections\")");
+		control_send_error(cl, EINVAL,
+				   "disconnect needs \"id\": a connection id (see "
+				   "\"connections\")");
 		return;
 	}
 	uint64_t id = (uint64_t)json_object_get_int64(v);

@@ -158,12 +158,12 @@ static const char *export_access_key(const char *p, const char *next, struct exp
 	while ((comma = strchr(list, ',')))
 		*comma = ' ';
 	struct access_spec one = {0};
-	char **slot = key[0] == 'd'		  ? &out->access.deny
-		      : strcmp(key, "allow=") == 0 ? &out->access.allow
+	char **slot = key[0] == 'd'			 ? &out->access.deny
+		      : strcmp(key, "allow=") == 0	 ? &out->access.allow
 		      : strcmp(key, "allow-users=") == 0 ? &out->access.allow_users
 							 : &out->access.allow_groups;
-	*(key[0] == 'd'			 ? &one.deny
-	  : strcmp(key, "allow=") == 0	 ? &one.allow
+	*(key[0] == 'd'			     ? &one.deny
+	  : strcmp(key, "allow=") == 0	     ? &one.allow
 	  : strcmp(key, "allow-users=") == 0 ? &one.allow_users
 					     : &one.allow_groups) = list;
 	char why[200];
@@ -400,14 +400,14 @@ enum {
 
 /* --allow, --deny, --allow-users, --allow-groups (each adds to its list)
  * and --max-connections-per-client. */
-static int options_access_arg(int c, const char *arg, struct options *out, char *err,
-			      size_t errlen)
+static int options_access_arg(int c, const char *arg, struct options *out, char *err, size_t errlen)
 {
 	if (c == OPT_ACCESS_PER_CLIENT) {
 		if (options_parse_max_connections(arg, &out->max_connections_per_client) < 0)
-			return fail(err, errlen, -EINVAL,
-				    "--max-connections-per-client %s: expected 0..%d (0: unlimited)",
-				    arg, OPTIONS_MAX_CONNECTIONS);
+			return fail(
+			    err, errlen, -EINVAL,
+			    "--max-connections-per-client %s: expected 0..%d (0: unlimited)", arg,
+			    OPTIONS_MAX_CONNECTIONS);
 		out->given |= OPT_GIVEN_MAX_PER_CLIENT;
 		return 0;
 	}

@@ -87,7 +87,8 @@ static bool accept_allowed(struct server *s, int fd, const struct access_peer *p
 		log_warn("refused %s: it has %u connections (--max-connections-per-client); "
 			 "closed at accept%s",
 			 peer->text, limit,
-			 s->per_client_unlogged ? " (and others not logged in the last second)" : "");
+			 s->per_client_unlogged ? " (and others not logged in the last second)"
+						: "");
 		s->per_client_logged_ns = now;
 		s->per_client_unlogged = 0;
 	} else {

@@ -15,7 +15,7 @@
 
 void print_connections(json_object *r)
 {
-	static const char *const headers[] = {"ID",    "PEER",	  "PHASE",   "EXPORT", "READ",
+	static const char *const headers[] = {"ID",	 "PEER",     "PHASE",	 "EXPORT", "READ",
 					      "WRITTEN", "REQUESTS", "INFLIGHT", "AGE"};
 	struct table t = {.columns = ARRAY_SIZE(headers), .headers = headers, .align = "rlllrrrrr"};
 

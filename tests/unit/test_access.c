@@ -49,14 +49,22 @@ static void test_syntax(void **state)
 {
 	(void)state;
 	static const char *const good[] = {
-	    "127.0.0.1",     "10.0.0.0/8",	"0.0.0.0/0", "::1",	   "fd00::/8",
-	    "::/0",	     "::ffff:10.0.0.0/104", "1.2.3.4/32, 5.6.7.0/24 ::1/128",
+	    "127.0.0.1",
+	    "10.0.0.0/8",
+	    "0.0.0.0/0",
+	    "::1",
+	    "fd00::/8",
+	    "::/0",
+	    "::ffff:10.0.0.0/104",
+	    "1.2.3.4/32, 5.6.7.0/24 ::1/128",
 	    "192.168.1.0/24,192.168.2.0/24",
 	};
 	static const char *const bad[] = {
-	    "10.0.0.1/8", /* host bits */ "10.0.0.0/33", "::1/129", "300.1.1.1",
-	    "10.0.0.0/",  "10.0.0.0/-1",  "10.0.0.0/08", "localhost", "fd00::/8x",
-	    "1.2.3.4/32,nonsense",
+	    "10.0.0.1/8",  /* host bits */ "10.0.0.0/33",
+	    "::1/129",	   "300.1.1.1",
+	    "10.0.0.0/",   "10.0.0.0/-1",
+	    "10.0.0.0/08", "localhost",
+	    "fd00::/8x",   "1.2.3.4/32,nonsense",
 	};
 	for (size_t i = 0; i < sizeof(good) / sizeof(good[0]); i++) {
 		struct access_net *v = NULL;
@@ -234,8 +242,8 @@ static void test_options(void **state)
 	    {"--max-connections-per-client", "1024", "must be below max-clients 1024"},
 	};
 	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
-		char *bargv[] = {"nbdcached", "--export", "z=/tmp/z", (char *)bad[i].arg1,
-				 (char *)bad[i].arg2, NULL};
+		char *bargv[] = {"nbdcached",	      "--export",	   "z=/tmp/z",
+				 (char *)bad[i].arg1, (char *)bad[i].arg2, NULL};
 		char e[256] = "";
 		assert_int_equal(options_parse(5, bargv, &o, e, sizeof(e)), -EINVAL);
 		if (!strstr(e, bad[i].message))
@@ -246,10 +254,10 @@ static void test_options(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-		cmocka_unit_test(test_syntax),
-		cmocka_unit_test(test_match),
-		cmocka_unit_test(test_users_groups),
-		cmocka_unit_test(test_options),
+	    cmocka_unit_test(test_syntax),
+	    cmocka_unit_test(test_match),
+	    cmocka_unit_test(test_users_groups),
+	    cmocka_unit_test(test_options),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
