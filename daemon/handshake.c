@@ -274,6 +274,11 @@ static void handle_meta(struct conn *c, uint32_t option, const uint8_t *data, ui
 		option_error(c, option, NBD_REP_ERR_UNKNOWN, "no such export");
 		return;
 	}
+	if (!may_open(c, e)) {
+		option_error(c, option, NBD_REP_ERR_POLICY, "access denied by the server's rules");
+		export_put(e);
+		return;
+	}
 	bool selected = !set && meta.query_count == 0; /* LIST with no query: all */
 	struct nbd_meta_iter it;
 	const char *q;

@@ -10,8 +10,9 @@ deny = 127.0.0.2, allow-users = root; export "disk" without rules, export
                  the greeting; one log line names it and "deny 127.0.0.2"
   allowed        127.0.0.1 and ::1 get the greeting and GO "disk"
   export_deny    from 127.0.0.3: LIST shows "disk" only; INFO and GO
-                 "secret" get NBD_REP_ERR_POLICY (and the connection goes
-                 on: GO "disk" then works); EXPORT_NAME "secret" closes; one
+                 "secret" get NBD_REP_ERR_POLICY, so do LIST_META_CONTEXT
+                 and SET_META_CONTEXT (and the connection goes on: GO
+                 "disk" then works); EXPORT_NAME "secret" closes; one
                  log line per connection; from 127.0.0.1 LIST shows both
   unix_user      a user made for the test (useradd --system) connecting to
                  the Unix socket is closed at accept ("not in allow-users /
@@ -199,6 +200,14 @@ def main():
                     require(names == ["disk"], "LIST from 127.0.0.3 shows %s" % names)
                     r.option(raw.OPT_INFO, raw.go_payload("secret"), want=raw.REP_ERR_POLICY)
                     r.option(raw.OPT_GO, raw.go_payload("secret"), want=raw.REP_ERR_POLICY)
+                    r.option(raw.OPT_STRUCTURED_REPLY)
+                    r.structured = True
+                    r.option(raw.OPT_LIST_META_CONTEXT,
+                             raw.meta_payload("secret", ["base:allocation"]),
+                             want=raw.REP_ERR_POLICY)
+                    r.option(raw.OPT_SET_META_CONTEXT,
+                             raw.meta_payload("secret", ["base:allocation"]),
+                             want=raw.REP_ERR_POLICY)
                     r.go("disk")  # the connection goes on
                     require(r.command(raw.CMD_READ, 0, 4096).error == 0, "READ after refusal")
                     r.close()
