@@ -28,8 +28,9 @@ deny = 127.0.0.2, allow-users = root; export "disk" without rules, export
                  user, an unknown group (exit 2)
   per_client     another daemon with --max-connections-per-client 2: two
                  connections from 127.0.0.2 negotiate, a third is closed at
-                 accept (logged), 127.0.0.1 is still served, and once one
-                 of the two closes 127.0.0.2 gets in again
+                 accept (logged; 30 more, at most a line a second), 127.0.0.1 is still served, and once one
+                 of the two closes 127.0.0.2 gets in again; on the Unix
+                 socket the same uid gets two, not three
 """
 import os
 import pwd
@@ -314,6 +315,18 @@ def main():
                     lines = log_lines(d2, r"refused 127\.0\.0\.2:\d+: it has 2 connections "
                                           r"\(--max-connections-per-client\); closed at accept")
                     log("  " + lines[0])
+                    # A flood (bounded: 30) from the same address: each closed,
+                    # the log says so at most once a second.
+                    t0 = time.monotonic()
+                    for _ in range(30):
+                        closed_at_accept(tcp(d2.port, source="127.0.0.2"), "flood")
+                    secs = time.monotonic() - t0
+                    time.sleep(0.2)
+                    n = len([line for line in d2.log_text().splitlines()
+                             if re.search(r"refused 127\.0\.0\.2:\d+: it has 2", line)])
+                    log("  31 refused in %.2f s, %d log line(s)" % (secs, n))
+                    require(n <= 2 + int(secs), "%d log lines for 31 refusals in %.2f s"
+                            % (n, secs))
                     served(tcp(d2.port), "127.0.0.1 while 127.0.0.2 is at its limit")
                     held.pop().close()
 
@@ -328,6 +341,20 @@ def main():
                             return False
                     require(nbdtest.wait_until(third_gets_in, 5, step=0.1) is not False,
                             "127.0.0.2 got no connection after one of its two closed")
+                    for r in held:
+                        r.close()
+                    # Unix clients count per uid. (A second apart: refusals
+                    # are logged at most once a second.)
+                    time.sleep(1.1)
+                    held = []
+                    for _ in range(2):
+                        r = unix(d2.sock)
+                        r.greeting()
+                        held.append(r)
+                    closed_at_accept(unix(d2.sock), "a third from uid 0 on the Unix socket")
+                    lines = log_lines(d2, r"refused unix uid 0 pid \d+: it has 2 connections")
+                    require(lines, "no log line for the Unix refusal")
+                    log("  " + lines[0])
                     for r in held:
                         r.close()
                 finally:

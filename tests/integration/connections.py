@@ -18,6 +18,7 @@ and does a READ of 4 KiB and a WRITE of 8 KiB; B on the Unix socket opens
               then EOF; the log's ended line says "disconnected by the
               control socket" with 1 request; the list no longer has B;
               A goes on reading
+  negotiating disconnect of C, still negotiating: closed at once, logged
   unknown     disconnect of an id nobody has: exit 1, "no connection N";
               a request whose id is not a number: EINVAL
 """
@@ -140,6 +141,17 @@ def main():
                 require(a.command(raw.CMD_READ, 0, 4 * KIB).error == 0, "A reads on")
                 require(listing(d)[ids["a"]]["requests"] == 3, "A's requests: 3")
 
+            def negotiating():
+                require(ids, "the list check found the ids")
+                ctl(d, "disconnect", str(ids["c"]))
+                rest = c.wait_closed(timeout=5)
+                require(rest == b"", "C got %r before the close" % rest[:32])
+                line = nbdtest.wait_until(
+                    lambda: re.search(r"conn %d: ended after [\d.]+ s: disconnected by the "
+                                      r"control socket; export \"\", 0 requests" % ids["c"],
+                                      d.log_text()), 5)
+                require(line, "no ended line for C (disconnected by the control socket)")
+
             def unknown():
                 p = ctl(d, "disconnect", "999999", check_rc=False)
                 require(p.returncode == 1 and "no connection 999999" in p.stderr,
@@ -150,7 +162,8 @@ def main():
                                                             "id": 999999})
                 require(not reply["ok"] and reply["errno"] == "ENOENT", "id 999999: %s" % reply)
 
-            for name, fn in (("list", list_), ("disconnect", disconnect), ("unknown", unknown)):
+            for name, fn in (("list", list_), ("disconnect", disconnect),
+                             ("negotiating", negotiating), ("unknown", unknown)):
                 checks.run(name, fn)
             a.close()
             c.close()
