@@ -24,7 +24,7 @@ deny = 127.0.0.2, allow-users = root; export "disk" without rules, export
                  apply to Unix clients)
   bad_reload     a config with allow = 10.0.0.1/8 is refused by the reload
                  with FILE:LINE, and the rules in force stay
-  check_config   --check-config names FILE:LINE for a bad CIDR, an unknown
+  check_config   --check-config shows the rules; it names FILE:LINE for a bad CIDR, an unknown
                  user, an unknown group (exit 2)
   per_client     another daemon with --max-connections-per-client 2: two
                  connections from 127.0.0.2 negotiate, a third is closed at
@@ -274,6 +274,13 @@ def main():
                     write_config(conf, base)
 
                 def check_config():
+                    p = subprocess.run([nbdtest.NBDCACHED, "--config", conf, "--check-config"],
+                                       capture_output=True, text=True, timeout=30)
+                    log("  " + p.stdout.strip().replace("\n", "\n  "))
+                    require(p.returncode == 0 and
+                            "global access: allow 127.0.0.0/8 ::1; deny 127.0.0.2; allow-users "
+                            "root\n" in p.stdout and "  access: deny 127.0.0.3\n" in p.stdout,
+                            "--check-config shows the rules: %r" % p.stdout)
                     for text, line, want in (
                             ("[generic]\nallow = 127.0.0.1 300.0.0.0/8\n", 2,
                              "allow: '300.0.0.0/8' is not an address or CIDR"),
