@@ -147,6 +147,25 @@ struct conn {
 	atomic_bool disconnect_asked;	  /* conn_disconnect() was called */
 };
 
+/*
+ * The counters conn_list() reads from the control thread: only the
+ * connection's worker writes them, so a relaxed load and store (plain
+ * moves, no locked instruction on the request path) are enough.
+ */
+static inline void conn_counter_add(_Atomic uint64_t *v, uint64_t n)
+{
+	atomic_store_explicit(v, atomic_load_explicit(v, memory_order_relaxed) + n,
+			      memory_order_relaxed);
+}
+
+static inline void conn_inflight_add(struct conn *c, int delta)
+{
+	atomic_store_explicit(&c->inflight,
+			      atomic_load_explicit(&c->inflight, memory_order_relaxed) +
+				  (unsigned)delta,
+			      memory_order_relaxed);
+}
+
 /* One connection as conn_list() saw it. */
 struct conn_info {
 	uint64_t id;
