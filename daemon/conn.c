@@ -169,13 +169,15 @@ int conn_disconnect(uint64_t id, const char *why)
 			continue;
 		atomic_store(&c->disconnect_asked, true);
 		d->worker = c->worker;
-		worker_post(c->worker, &d->task);
+		/* A stopping worker closes every connection anyway, and might
+		 * end its loop before running the task (which would leak). */
+		if (worker_post_if_running(c->worker, &d->task))
+			d = NULL;
 		rc = 0;
 		break;
 	}
 	pthread_mutex_unlock(&registry.lock);
-	if (rc < 0)
-		free(d);
+	free(d);
 	return rc;
 }
 

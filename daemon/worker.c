@@ -179,6 +179,24 @@ void worker_post(struct worker *w, struct worker_task *task)
 	event_active(w->wake, EV_READ, 0);
 }
 
+bool worker_post_if_running(struct worker *w, struct worker_task *task)
+{
+	task->next = NULL;
+	pthread_mutex_lock(&w->lock);
+	bool running = !w->stop_requested;
+	if (running) {
+		if (w->tasks_tail)
+			w->tasks_tail->next = task;
+		else
+			w->tasks = task;
+		w->tasks_tail = task;
+	}
+	pthread_mutex_unlock(&w->lock);
+	if (running)
+		event_active(w->wake, EV_READ, 0);
+	return running;
+}
+
 void worker_request_stop(struct worker *w)
 {
 	pthread_mutex_lock(&w->lock);

@@ -63,6 +63,9 @@ int worker_start(struct worker *w, unsigned index, struct export_table *exports)
 void worker_hand_off(struct worker *w, int fd, uint64_t id, const struct access_peer *peer);
 /* Thread-safe: run task->run(task) on the worker's thread soon. */
 void worker_post(struct worker *w, struct worker_task *task);
+/* Thread-safe: worker_post() unless the worker was asked to stop (false:
+ * not posted). A task posted before the stop request still runs. */
+bool worker_post_if_running(struct worker *w, struct worker_task *task);
 /* Thread-safe: finish in-flight requests, close connections, end the thread. */
 void worker_request_stop(struct worker *w);
 void worker_join(struct worker *w);
