@@ -37,8 +37,7 @@ const char *options_usage(void)
 	       "                 [--listen HOST:PORT]... [--unix PATH]... [--control PATH|none]\n"
 	       "                 [--export NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]\n"
 	       "                           [,cache-mode=MODE][,seq-cutoff=SIZE][,max-connections=N]\n"
-	       "                           [,dirty-high=PCT][,dirty-low=PCT][,allow=LIST]\n"
-	       "                           [,deny=LIST][,allow-users=LIST][,allow-groups=LIST]]...\n"
+	       "                           [,dirty-high=PCT][,dirty-low=PCT]]...\n"
 	       "                 [--threads N] [--pidfile FILE] [--log-level LEVEL]\n"
 	       "                 [--user USER] [--group GROUP] [--max-connections N]\n"
 	       "                 [--cache-size SIZE] [--hugepages auto|require|off]\n"
@@ -51,6 +50,8 @@ const char *options_usage(void)
 	       "                 [--stall-timeout SECONDS] [--negotiation-timeout SECONDS]\n"
 	       "                 [--allow LIST] [--deny LIST] [--allow-users LIST]\n"
 	       "                 [--allow-groups LIST] [--max-connections-per-client N]\n"
+	       "An --export also takes allow=LIST, deny=LIST, allow-users=LIST and\n"
+	       "allow-groups=LIST (its access rules; a LIST runs on over commas).\n"
 	       "BACKEND is a file or block device, an NBD URI (nbd://HOST[:PORT]/NAME,\n"
 	       "nbd+unix:///NAME?socket=PATH, nbds://...) or nbdkit:PLUGIN [ARG...].\n"
 	       "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
@@ -99,11 +100,12 @@ static const char *access_list_key(const char *s, size_t n)
 
 static bool is_known_key(const char *s, size_t n)
 {
+	if (access_list_key(s, n))
+		return true;
 	return (n == 8 && memcmp(s, "readonly", 8) == 0) || starts_with(s, n, "description=") ||
 	       starts_with(s, n, "block-size=") || starts_with(s, n, "cache-mode=") ||
 	       starts_with(s, n, "seq-cutoff=") || starts_with(s, n, "max-connections=") ||
-	       starts_with(s, n, "dirty-high=") || starts_with(s, n, "dirty-low=") ||
-	       access_list_key(s, n) != NULL;
+	       starts_with(s, n, "dirty-high=") || starts_with(s, n, "dirty-low=");
 }
 
 /* Copy the value of "key=value" (n bytes at p) into buf; -EINVAL if too long. */
