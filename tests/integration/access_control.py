@@ -37,7 +37,6 @@ import pwd
 import re
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time

@@ -19,16 +19,17 @@ and does a READ of 4 KiB and a WRITE of 8 KiB; B on the Unix socket opens
               control socket" with 1 request; the list no longer has B;
               A goes on reading
   negotiating disconnect of C, still negotiating: closed at once, logged
+  concurrent  4 clients x 200 READs and 20 short connections while the
+              list is asked for 100 times (bounded; meant for tsan too)
   unknown     disconnect of an id nobody has: exit 1, "no connection N";
               a request whose id is not a number: EINVAL
 """
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
+import threading
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -152,6 +153,50 @@ def main():
                                       d.log_text()), 5)
                 require(line, "no ended line for C (disconnected by the control socket)")
 
+            def concurrent():
+                # Bounded: 4 clients x 200 READs while the list is asked for
+                # 100 times and 20 short connections come and go; the list
+                # stays consistent (under ThreadSanitizer, race-free).
+                errors = []
+
+                def reader(k):
+                    try:
+                        r = raw.RawClient(port=d.port) if k % 2 else raw.RawClient(d.sock)
+                        r.open("disk")
+                        for i in range(200):
+                            if r.command(raw.CMD_READ, (i * 4 * KIB) % (4 * MIB), 4 * KIB).error:
+                                errors.append("READ failed")
+                                break
+                        r.disconnect()
+                        r.close()
+                    except Exception as e:  # noqa: BLE001 - reported below
+                        errors.append("reader %d: %s" % (k, e))
+
+                def churn():
+                    try:
+                        for _ in range(20):
+                            r = raw.RawClient(port=d.port)
+                            r.greeting()
+                            r.close()
+                    except Exception as e:  # noqa: BLE001 - reported below
+                        errors.append("churn: %s" % e)
+                threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+                threads.append(threading.Thread(target=churn))
+                for t in threads:
+                    t.start()
+                polls = 0
+                for _ in range(100):
+                    reply = nbdtest.control_request(d.control, {"command": "connections"})
+                    require(reply["ok"], "connections: %s" % reply)
+                    for conn in reply["connections"]:
+                        require(conn["inflight"] <= 128 and conn["bytes_read"] % 4096 == 0,
+                                "odd entry %s" % conn)
+                    polls += 1
+                for t in threads:
+                    t.join(60)
+                require(not errors, "; ".join(errors[:5]))
+                log("  %d polls during 800 READs and 20 short connections" % polls)
+
             def unknown():
                 p = ctl(d, "disconnect", "999999", check_rc=False)
                 require(p.returncode == 1 and "no connection 999999" in p.stderr,
@@ -163,7 +208,8 @@ def main():
                 require(not reply["ok"] and reply["errno"] == "ENOENT", "id 999999: %s" % reply)
 
             for name, fn in (("list", list_), ("disconnect", disconnect),
-                             ("negotiating", negotiating), ("unknown", unknown)):
+                             ("negotiating", negotiating), ("concurrent", concurrent),
+                             ("unknown", unknown)):
                 checks.run(name, fn)
             a.close()
             c.close()
