@@ -22,6 +22,9 @@ deny = 127.0.0.2, allow-users = root; export "disk" without rules, export
                  closed at accept (v6 CIDR, and IPv4 outside it), the Unix
                  socket's root client still served (address rules do not
                  apply to Unix clients)
+  reload_limit   a reload sets max-connections-per-client = 1: a second
+                 connection from 127.0.0.4 is closed at accept while
+                 127.0.0.5 is served; a reload without it lifts the limit
   bad_reload     a config with allow = 10.0.0.1/8 is refused by the reload
                  with FILE:LINE, and the rules in force stay
   check_config   --check-config shows the rules; it names FILE:LINE for a bad CIDR, an unknown
@@ -261,6 +264,22 @@ def main():
                     require(got == "closed", "user %s after the second reload: %s"
                             % (TEST_USER, got))
 
+                def reload_limit():
+                    write_config(conf, base.replace("[generic]\n",
+                                                    "[generic]\nmax-connections-per-client = 1\n"))
+                    reply = nbdtest.control_request(d.control, {"command": "reload"})
+                    require(reply.get("ok") and reply.get("refused_settings") == [],
+                            "reload: %s" % reply)
+                    first = tcp(d.port, source="127.0.0.4")
+                    first.greeting()
+                    closed_at_accept(tcp(d.port, source="127.0.0.4"), "a second from 127.0.0.4")
+                    served(tcp(d.port, source="127.0.0.5"), "127.0.0.5 meanwhile")
+                    write_config(conf, base)
+                    reply = nbdtest.control_request(d.control, {"command": "reload"})
+                    require(reply.get("ok"), "reload: %s" % reply)
+                    served(tcp(d.port, source="127.0.0.4"), "a second from 127.0.0.4, no limit")
+                    first.close()
+
                 def bad_reload():
                     write_config(conf, base.replace("deny = 127.0.0.2", "deny = 10.0.0.1/8"))
                     reply = nbdtest.control_request(d.control, {"command": "reload"})
@@ -299,7 +318,8 @@ def main():
 
                 for name, fn in (("global_deny", global_deny), ("allowed", allowed),
                                  ("export_deny", export_deny), ("unix_user", unix_user),
-                                 ("reload", reload), ("bad_reload", bad_reload),
+                                 ("reload", reload), ("reload_limit", reload_limit),
+                                 ("bad_reload", bad_reload),
                                  ("check_config", check_config)):
                     checks.run(name, fn)
                 require(d.alive(), "the daemon is alive")
