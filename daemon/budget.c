@@ -40,6 +40,7 @@ static struct {
 	atomic_uint clients;
 	atomic_uint_least64_t refused, reply_bytes, pinned_bytes;
 	atomic_uint_least64_t copied_replies, copied_bytes, waits;
+	atomic_uint_least64_t refused_per_client, refused_access;
 	atomic_uint waiting; /* all workers' waiting connections */
 	struct budget_slot *slots;
 	unsigned slot_count;
@@ -152,6 +153,7 @@ bool budget_peer_add(const struct access_peer *p, unsigned limit)
 	while (e && memcmp(e->key, key, sizeof(key)) != 0)
 		e = e->next;
 	if (e && limit && e->count >= limit) {
+		atomic_fetch_add(&budget.refused_per_client, 1);
 		ok = false;
 	} else if (e) {
 		e->count++;
@@ -168,6 +170,11 @@ bool budget_peer_add(const struct access_peer *p, unsigned limit)
 	}
 	pthread_mutex_unlock(&peers.lock);
 	return ok;
+}
+
+void budget_count_refused_access(void)
+{
+	atomic_fetch_add(&budget.refused_access, 1);
 }
 
 void budget_peer_remove(const struct access_peer *p)
@@ -313,5 +320,7 @@ void budget_get_stats(struct budget_stats *out)
 	    .copied_replies = atomic_load(&budget.copied_replies),
 	    .copied_reply_bytes = atomic_load(&budget.copied_bytes),
 	    .budget_waits = atomic_load(&budget.waits),
+	    .refused_per_client = atomic_load(&budget.refused_per_client),
+	    .refused_access = atomic_load(&budget.refused_access),
 	};
 }

@@ -48,6 +48,8 @@ struct budget_stats {
 	uint64_t pinned_reply_bytes, max_pinned_reply_bytes;
 	uint64_t copied_replies, copied_reply_bytes; /* READ replies copied out of the arena */
 	uint64_t budget_waits;			     /* times a connection waited for room */
+	uint64_t refused_per_client; /* closed at accept by --max-connections-per-client */
+	uint64_t refused_access;     /* closed at accept by the global access rules */
 };
 
 /*
@@ -71,6 +73,8 @@ void budget_client_remove(void);
  */
 bool budget_peer_add(const struct access_peer *p, unsigned limit);
 void budget_peer_remove(const struct access_peer *p);
+/* A connection the global access rules closed at accept: counted. */
+void budget_count_refused_access(void);
 
 /*
  * Reserve cost reply bytes for a connection that holds `held` now: true

@@ -77,6 +77,7 @@ static bool accept_allowed(struct server *s, int fd, const struct access_peer *p
 	access_policy_put(p);
 	if (!ok) {
 		log_warn("refused %s: %s (global access rules); closed at accept", peer->text, why);
+		budget_count_refused_access();
 		evutil_closesocket(fd);
 		return false;
 	}

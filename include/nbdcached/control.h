@@ -72,7 +72,10 @@
  *                     compact_chunks_freed, compact_passes, compact_ns}}
  *     clients: {connections (NBD connections open, all exports, negotiating
  *             ones too), max_clients (--max-clients; 0: unlimited), refused
- *             (connections closed at once for being over it), reply_bytes
+ *             (connections closed at once for being over it),
+ *             refused_per_client (closed at accept by
+ *             --max-connections-per-client), refused_access (closed at
+ *             accept by the global access rules), reply_bytes
  *             (requests in service and replies not yet sent, all
  *             connections: what --max-reply-memory bounds), max_reply_bytes,
  *             pinned_reply_bytes (cache memory that unsent READ replies

@@ -7,7 +7,8 @@ deny = 127.0.0.2, allow-users = root; export "disk" without rules, export
 "secret" with deny = 127.0.0.3.
 
   global_deny    a client bound to 127.0.0.2 is closed at accept, before
-                 the greeting; one log line names it and "deny 127.0.0.2"
+                 the greeting; one log line names it and "deny 127.0.0.2";
+                 stats counts it in clients.refused_access
   allowed        127.0.0.1 and ::1 get the greeting and GO "disk"
   export_deny    from 127.0.0.3: LIST shows "disk" only; INFO and GO
                  "secret" get NBD_REP_ERR_POLICY, so do LIST_META_CONTEXT
@@ -31,7 +32,8 @@ deny = 127.0.0.2, allow-users = root; export "disk" without rules, export
                  user, an unknown group (exit 2)
   per_client     another daemon with --max-connections-per-client 2: two
                  connections from 127.0.0.2 negotiate, a third is closed at
-                 accept (logged; 30 more, at most a line a second), 127.0.0.1 is still served, and once one
+                 accept (logged; 30 more, at most a line a second; stats
+                 counts 31 in clients.refused_per_client), 127.0.0.1 is still served, and once one
                  of the two closes 127.0.0.2 gets in again; on the Unix
                  socket the same uid gets two, not three
 """
@@ -191,6 +193,9 @@ def main():
                                          r"\(global access rules\); closed at accept")
                     log("  " + lines[0])
                     require(len(lines) == 1, "one log line for the refusal: %s" % lines)
+                    st = nbdtest.control_request(d.control, {"command": "stats"})
+                    require(st["clients"]["refused_access"] == 1,
+                            "stats clients.refused_access: %s" % st["clients"])
 
                 def allowed():
                     served(tcp(d.port), "127.0.0.1")
@@ -351,6 +356,9 @@ def main():
                     n = len([line for line in d2.log_text().splitlines()
                              if re.search(r"refused 127\.0\.0\.2:\d+: it has 2", line)])
                     log("  31 refused in %.2f s, %d log line(s)" % (secs, n))
+                    st = nbdtest.control_request(d2.control, {"command": "stats"})
+                    require(st["clients"]["refused_per_client"] == 31,
+                            "stats clients.refused_per_client: %s" % st["clients"])
                     require(n <= 2 + int(secs), "%d log lines for 31 refusals in %.2f s"
                             % (n, secs))
                     served(tcp(d2.port), "127.0.0.1 while 127.0.0.2 is at its limit")
