@@ -22,6 +22,7 @@
 #include <stddef.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "daemon/worker.h"
 
@@ -39,6 +40,7 @@ static struct {
 	atomic_uint clients;
 	atomic_uint_least64_t refused, reply_bytes, pinned_bytes;
 	atomic_uint_least64_t copied_replies, copied_bytes, waits;
+	atomic_uint_least64_t refused_per_client, refused_access;
 	atomic_uint waiting; /* all workers' waiting connections */
 	struct budget_slot *slots;
 	unsigned slot_count;
@@ -105,6 +107,90 @@ bool budget_client_add(void)
 void budget_client_remove(void)
 {
 	atomic_fetch_sub(&budget.clients, 1);
+}
+
+/*
+ * Connections per client: a hash table of counts under one mutex, taken
+ * twice per connection (accept and free). An entry goes when its count
+ * reaches 0, so the table holds at most one entry per connection.
+ */
+#define PEER_BUCKETS 1024
+
+struct peer_count {
+	uint8_t key[17]; /* 16 address bytes, or 'u' and the uid */
+	unsigned count;
+	struct peer_count *next;
+};
+
+static struct {
+	pthread_mutex_t lock;
+	struct peer_count *buckets[PEER_BUCKETS];
+} peers = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static unsigned peer_key(const struct access_peer *p, uint8_t key[17])
+{
+	memset(key, 0, 17);
+	if (p->is_unix) {
+		key[0] = 'u';
+		memcpy(key + 1, &p->uid, sizeof(p->uid));
+		key[16] = 1;
+	} else {
+		memcpy(key, p->addr, 16);
+	}
+	uint32_t h = 2166136261u; /* FNV-1a */
+	for (int i = 0; i < 17; i++)
+		h = (h ^ key[i]) * 16777619u;
+	return h % PEER_BUCKETS;
+}
+
+bool budget_peer_add(const struct access_peer *p, unsigned limit)
+{
+	uint8_t key[17];
+	unsigned b = peer_key(p, key);
+	bool ok = true;
+	pthread_mutex_lock(&peers.lock);
+	struct peer_count *e = peers.buckets[b];
+	while (e && memcmp(e->key, key, sizeof(key)) != 0)
+		e = e->next;
+	if (e && limit && e->count >= limit) {
+		atomic_fetch_add(&budget.refused_per_client, 1);
+		ok = false;
+	} else if (e) {
+		e->count++;
+	} else {
+		e = calloc(1, sizeof(*e));
+		if (e) {
+			memcpy(e->key, key, sizeof(key));
+			e->count = 1;
+			e->next = peers.buckets[b];
+			peers.buckets[b] = e;
+		} else {
+			ok = false;
+		}
+	}
+	pthread_mutex_unlock(&peers.lock);
+	return ok;
+}
+
+void budget_count_refused_access(void)
+{
+	atomic_fetch_add(&budget.refused_access, 1);
+}
+
+void budget_peer_remove(const struct access_peer *p)
+{
+	uint8_t key[17];
+	unsigned b = peer_key(p, key);
+	pthread_mutex_lock(&peers.lock);
+	struct peer_count **link = &peers.buckets[b];
+	while (*link && memcmp((*link)->key, key, sizeof(key)) != 0)
+		link = &(*link)->next;
+	struct peer_count *e = *link;
+	if (e && --e->count == 0) {
+		*link = e->next;
+		free(e);
+	}
+	pthread_mutex_unlock(&peers.lock);
 }
 
 bool budget_reserve(uint64_t cost, uint64_t held)
@@ -234,5 +320,7 @@ void budget_get_stats(struct budget_stats *out)
 	    .copied_replies = atomic_load(&budget.copied_replies),
 	    .copied_reply_bytes = atomic_load(&budget.copied_bytes),
 	    .budget_waits = atomic_load(&budget.waits),
+	    .refused_per_client = atomic_load(&budget.refused_per_client),
+	    .refused_access = atomic_load(&budget.refused_access),
 	};
 }

@@ -34,6 +34,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "daemon/access.h"
 #include "daemon/options.h"
 
 struct worker;
@@ -47,6 +48,8 @@ struct budget_stats {
 	uint64_t pinned_reply_bytes, max_pinned_reply_bytes;
 	uint64_t copied_replies, copied_reply_bytes; /* READ replies copied out of the arena */
 	uint64_t budget_waits;			     /* times a connection waited for room */
+	uint64_t refused_per_client; /* closed at accept by --max-connections-per-client */
+	uint64_t refused_access;     /* closed at accept by the global access rules */
 };
 
 /*
@@ -60,6 +63,18 @@ int budget_start(const struct options *opts, struct worker *workers, unsigned co
 /* A new connection: false (and counted as refused) at --max-clients. */
 bool budget_client_add(void);
 void budget_client_remove(void);
+
+/*
+ * Connections per client (--max-connections-per-client): a TCP client is
+ * its address, a Unix one its uid. Every accepted connection is counted
+ * from accept to free, negotiating ones too. budget_peer_add() is false
+ * (and counts nothing) when the client has limit connections already
+ * (limit 0: no limit). Any thread.
+ */
+bool budget_peer_add(const struct access_peer *p, unsigned limit);
+void budget_peer_remove(const struct access_peer *p);
+/* A connection the global access rules closed at accept: counted. */
+void budget_count_refused_access(void);
 
 /*
  * Reserve cost reply bytes for a connection that holds `held` now: true

@@ -220,8 +220,57 @@ static int once(struct config_ctx *x, unsigned *mask, unsigned bit, const char *
 	return 1;
 }
 
+/*
+ * The access-rule keys, in [generic] (global) or an export's section
+ * (access.h): allow, deny, allow-users, allow-groups. Each is checked
+ * now (addresses parsed, names looked up) so that an error names its line;
+ * a key given twice adds to its list. -1: not one of them.
+ */
+static int access_key(struct config_ctx *x, const char *name, const char *v,
+		      struct access_spec *spec)
+{
+	struct access_spec one = {0};
+	char **slot, **mine;
+	if (key_is(name, "allow")) {
+		slot = &spec->allow;
+		mine = &one.allow;
+	} else if (key_is(name, "deny")) {
+		slot = &spec->deny;
+		mine = &one.deny;
+	} else if (key_is(name, "allow-users")) {
+		slot = &spec->allow_users;
+		mine = &one.allow_users;
+	} else if (key_is(name, "allow-groups")) {
+		slot = &spec->allow_groups;
+		mine = &one.allow_groups;
+	} else {
+		return -1;
+	}
+	*mine = strdup(v);
+	if (!*mine)
+		return out_of_memory(x);
+	char why[256];
+	int rc;
+	if (access_check_spec(&one, why, sizeof(why)) < 0)
+		rc = config_fail(x, "%s", why);
+	else if (options_append_list(slot, v) < 0)
+		rc = out_of_memory(x);
+	else
+		rc = 1;
+	access_spec_free(&one);
+	if (rc && spec == &x->file.access)
+		x->set |= key_is(name, "allow")		? OPT_GIVEN_ALLOW
+			  : key_is(name, "deny")	? OPT_GIVEN_DENY
+			  : key_is(name, "allow-users") ? OPT_GIVEN_ALLOW_USERS
+							: OPT_GIVEN_ALLOW_GROUPS;
+	return rc;
+}
+
 static int generic_key(struct config_ctx *x, const char *name, const char *v)
 {
+	int access_rc = access_key(x, name, v, &x->file.access);
+	if (access_rc >= 0)
+		return access_rc;
 	struct options *f = &x->file;
 	if (key_is(name, "listen")) {
 		/* Several addresses: repeat the key, or separate them by spaces. */
@@ -297,6 +346,7 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 	    {"max-pinned-replies", OPT_GIVEN_MAX_PINNED_REPLIES},
 	    {"stall-timeout", OPT_GIVEN_STALL_TIMEOUT},
 	    {"negotiation-timeout", OPT_GIVEN_NEGOTIATION_TIMEOUT},
+	    {"max-connections-per-client", OPT_GIVEN_MAX_PER_CLIENT},
 	};
 	unsigned bit = 0;
 	for (size_t i = 0; i < sizeof(globals) / sizeof(globals[0]); i++)
@@ -412,6 +462,11 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		if (options_parse_negotiation_timeout(v, &f->negotiation_timeout) < 0)
 			return config_fail(x, "negotiation-timeout %s: expected 1..%d seconds", v,
 					   OPTIONS_MAX_NEGOTIATION_TIMEOUT);
+		return 1;
+	case OPT_GIVEN_MAX_PER_CLIENT:
+		if (options_parse_max_connections(v, &f->max_connections_per_client) < 0)
+			return config_fail(x, "%s %s: expected 0..%d (0: unlimited)", name, v,
+					   OPTIONS_MAX_CONNECTIONS);
 		return 1;
 	case OPT_GIVEN_MAX_CONNECTIONS:
 		if (options_parse_max_connections(v, &f->max_connections) < 0)
@@ -551,6 +606,9 @@ static int export_key(struct config_ctx *x, const char *name, const char *v)
 			return config_fail(x, "split %s: expected a size above 0, or 32bit", v);
 		return 1;
 	}
+	int access_rc = access_key(x, name, v, &e->access);
+	if (access_rc >= 0)
+		return access_rc;
 	/* nbd-server's flush, fua and trim: nbdcached always honours them. */
 	if (key_is(name, "flush") || key_is(name, "fua") || key_is(name, "trim")) {
 		bool on;
@@ -656,6 +714,11 @@ static int merge(struct config_ctx *x)
 	TAKE_STRING(OPT_GIVEN_CONTROL, control_path);
 	TAKE_STRING(OPT_GIVEN_USER, user);
 	TAKE_STRING(OPT_GIVEN_GROUP, group);
+	TAKE(OPT_GIVEN_MAX_PER_CLIENT, max_connections_per_client);
+	TAKE_STRING(OPT_GIVEN_ALLOW, access.allow);
+	TAKE_STRING(OPT_GIVEN_DENY, access.deny);
+	TAKE_STRING(OPT_GIVEN_ALLOW_USERS, access.allow_users);
+	TAKE_STRING(OPT_GIVEN_ALLOW_GROUPS, access.allow_groups);
 #undef TAKE
 #undef TAKE_STRING
 	/* The file's exports first, then the command line's. */

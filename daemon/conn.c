@@ -23,6 +23,7 @@
 #include <event2/event.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,10 +51,141 @@ void conn_ref(struct conn *c)
 	c->refs++;
 }
 
+/*
+ * The registry: every connection from conn_start() to its free, for
+ * conn_list() and conn_disconnect() on other threads. Its lock orders the
+ * control thread's reads after a connection's start and before its free;
+ * the counters it reads are atomics.
+ */
+static struct {
+	pthread_mutex_t lock;
+	struct conn *head, *tail;
+} registry = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static void registry_add(struct conn *c)
+{
+	pthread_mutex_lock(&registry.lock);
+	c->reg_next = NULL;
+	c->reg_prev = registry.tail;
+	if (registry.tail)
+		registry.tail->reg_next = c;
+	else
+		registry.head = c;
+	registry.tail = c;
+	pthread_mutex_unlock(&registry.lock);
+}
+
+static void registry_remove(struct conn *c)
+{
+	pthread_mutex_lock(&registry.lock);
+	if (c->reg_prev)
+		c->reg_prev->reg_next = c->reg_next;
+	else
+		registry.head = c->reg_next;
+	if (c->reg_next)
+		c->reg_next->reg_prev = c->reg_prev;
+	else
+		registry.tail = c->reg_prev;
+	pthread_mutex_unlock(&registry.lock);
+}
+
+int conn_list(struct conn_info **out, size_t *count)
+{
+	size_t n = 0, cap = 16;
+	struct conn_info *v = malloc(cap * sizeof(*v));
+	if (!v)
+		return -ENOMEM;
+	uint64_t now = clock_now_ns();
+	pthread_mutex_lock(&registry.lock);
+	for (struct conn *c = registry.head; c; c = c->reg_next) {
+		if (n == cap) {
+			struct conn_info *nv = realloc(v, 2 * cap * sizeof(*v));
+			if (!nv) {
+				pthread_mutex_unlock(&registry.lock);
+				free(v);
+				return -ENOMEM;
+			}
+			v = nv;
+			cap *= 2;
+		}
+		struct conn_info *i = &v[n++];
+		const char *name = atomic_load(&c->export_name);
+		i->id = c->id;
+		i->peer = c->peer;
+		i->transmitting = atomic_load(&c->phase) == CONN_TRANSMISSION;
+		snprintf(i->export, sizeof(i->export), "%s", name ? name : "");
+		i->bytes_read = atomic_load(&c->bytes_read);
+		i->bytes_written = atomic_load(&c->bytes_written);
+		i->requests = atomic_load(&c->requests);
+		i->inflight = atomic_load(&c->inflight);
+		i->age_ms = (now - c->started_ns) / 1000000u;
+		i->worker = c->worker->index;
+		i->closing = atomic_load(&c->disconnect_asked);
+	}
+	pthread_mutex_unlock(&registry.lock);
+	*out = v;
+	*count = n;
+	return 0;
+}
+
+/* A disconnect, run on the connection's worker. */
+struct disconnect_task {
+	struct worker_task task;
+	struct worker *worker;
+	uint64_t id;
+	char why[96];
+};
+
+static void disconnect_run(struct worker_task *task)
+{
+	struct disconnect_task *d = (struct disconnect_task *)task;
+	for (struct conn *c = d->worker->conns; c; c = c->next) {
+		if (c->id != d->id)
+			continue;
+		conn_ref(c);
+		if (c->phase == CONN_TRANSMISSION)
+			conn_begin_close(c, d->why);
+		else
+			conn_kill(c, d->why);
+		conn_unref(c);
+		break;
+	}
+	uring_submit(&d->worker->ring);
+	free(d);
+}
+
+int conn_disconnect(uint64_t id, const char *why)
+{
+	struct disconnect_task *d = calloc(1, sizeof(*d));
+	if (!d)
+		return -ENOMEM;
+	d->id = id;
+	d->task.run = disconnect_run;
+	snprintf(d->why, sizeof(d->why), "%s", why);
+	int rc = -ENOENT;
+	pthread_mutex_lock(&registry.lock);
+	for (struct conn *c = registry.head; c; c = c->reg_next) {
+		if (c->id != id)
+			continue;
+		atomic_store(&c->disconnect_asked, true);
+		d->worker = c->worker;
+		/* A stopping worker closes every connection anyway, and might
+		 * end its loop before running the task (which would leak). */
+		if (worker_post_if_running(c->worker, &d->task))
+			d = NULL;
+		rc = 0;
+		break;
+	}
+	pthread_mutex_unlock(&registry.lock);
+	free(d);
+	return rc;
+}
+
 void conn_unref(struct conn *c)
 {
 	if (--c->refs > 0)
 		return;
+	registry_remove(c);
 	uint64_t ms = (clock_now_ns() - c->started_ns) / 1000000u;
 	log_info("conn %llu: ended after %llu.%03llu s: %s; export \"%s\", %llu requests, "
 		 "%llu bytes read, %llu bytes written",
@@ -64,6 +196,7 @@ void conn_unref(struct conn *c)
 	if (c->budget_waiting)
 		budget_wait_done(c->worker);
 	budget_client_remove();
+	budget_peer_remove(&c->peer);
 	worker_conn_removed(c->worker, c);
 	if (c->export) {
 		export_detach(c->export);
@@ -454,15 +587,17 @@ static void conn_on_event(struct bufferevent *bev, short what, void *arg)
 		conn_kill(c, strerror(EVUTIL_SOCKET_ERROR()));
 }
 
-int conn_start(struct worker *w, int fd, uint64_t id, void (*on_input)(struct conn *c),
-	       struct conn **out)
+int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *peer,
+	       void (*on_input)(struct conn *c), struct conn **out)
 {
 	struct conn *c = calloc(1, sizeof(*c));
 	if (!c) {
 		close(fd);
 		budget_client_remove();
+		budget_peer_remove(peer);
 		return -ENOMEM;
 	}
+	c->peer = *peer;
 	evutil_make_socket_nonblocking(fd);
 	int one = 1;
 	setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)); /* fails on Unix: fine */
@@ -477,6 +612,7 @@ int conn_start(struct worker *w, int fd, uint64_t id, void (*on_input)(struct co
 		close(fd);
 		free(c);
 		budget_client_remove();
+		budget_peer_remove(peer);
 		return -ENOMEM;
 	}
 	worker_conn_added(w, c);
@@ -502,8 +638,10 @@ int conn_start(struct worker *w, int fd, uint64_t id, void (*on_input)(struct co
 		bufferevent_free(c->bev);
 		free(c);
 		budget_client_remove();
+		budget_peer_remove(peer);
 		return -ENOMEM;
 	}
+	registry_add(c);
 	conn_arm_timer(c, (int)negotiation.seconds);
 	c->reading = true;
 	bufferevent_enable(c->bev, EV_READ | EV_WRITE);

@@ -50,10 +50,12 @@
 #ifndef NBDCACHED_DAEMON_CONN_H
 #define NBDCACHED_DAEMON_CONN_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
+#include "daemon/access.h"
 #include "proto/nbd.h"
 
 struct worker;
@@ -90,7 +92,10 @@ struct conn {
 	struct bufferevent *bev; /* NULL once killed */
 	struct event *timer;	 /* negotiation, then stall, then close deadline */
 	struct conn *prev, *next;
-	enum conn_phase phase;
+	/* Atomic: conn_list() reads it from the control thread (so are the
+	 * fields it reports: inflight, requests, bytes_read, bytes_written,
+	 * export_name; only this connection's worker writes them). */
+	_Atomic enum conn_phase phase;
 	unsigned refs;
 	/* Reads whatever complete messages the input buffer holds (session.c):
 	 * on each read event, and when reading resumes. */
@@ -105,9 +110,12 @@ struct conn {
 	struct export *meta_export; /* the export SET_META_CONTEXT named (a reference) */
 	struct export *export;	    /* a reference, and an attachment (export_attach) */
 	struct nbd_session session;
+	struct access_peer peer;	   /* who it comes from (set at accept, never changed) */
+	bool access_logged;		   /* a refusal by the access rules was logged */
+	_Atomic(const char *) export_name; /* c->export's name once in transmission */
 
 	/* Transmission (transmit.c). */
-	unsigned inflight;	 /* requests without a reply yet */
+	_Atomic unsigned inflight; /* requests without a reply yet */
 	uint64_t inflight_bytes; /* what live requests cost (request_cost) */
 	uint64_t discard;	 /* payload bytes still to drop */
 	struct nbd_request discard_req;
@@ -133,9 +141,56 @@ struct conn {
 
 	/* For the line the log gets when the connection ends (conn_unref). */
 	uint64_t started_ns;
-	uint64_t requests, bytes_read, bytes_written; /* answered; READ / WRITE data */
+	_Atomic uint64_t requests, bytes_read, bytes_written; /* answered; READ / WRITE data */
 	char end_why[96]; /* why it ended: the first reason given */
+	struct conn *reg_prev, *reg_next; /* the registry of conn_list (its lock) */
+	atomic_bool disconnect_asked;	  /* conn_disconnect() was called */
 };
+
+/*
+ * The counters conn_list() reads from the control thread: only the
+ * connection's worker writes them, so a relaxed load and store (plain
+ * moves, no locked instruction on the request path) are enough.
+ */
+static inline void conn_counter_add(_Atomic uint64_t *v, uint64_t n)
+{
+	atomic_store_explicit(v, atomic_load_explicit(v, memory_order_relaxed) + n,
+			      memory_order_relaxed);
+}
+
+static inline void conn_inflight_add(struct conn *c, int delta)
+{
+	atomic_store_explicit(&c->inflight,
+			      atomic_load_explicit(&c->inflight, memory_order_relaxed) +
+				  (unsigned)delta,
+			      memory_order_relaxed);
+}
+
+/* One connection as conn_list() saw it. */
+struct conn_info {
+	uint64_t id;
+	struct access_peer peer;
+	bool transmitting; /* else negotiating */
+	char export[4097]; /* "" while negotiating */
+	uint64_t bytes_read, bytes_written, requests;
+	unsigned inflight;
+	uint64_t age_ms;
+	unsigned worker;
+	bool closing; /* a disconnect was asked for */
+};
+
+/*
+ * Any thread: a snapshot of every connection, in accept order (*out
+ * malloc'd, *count entries). 0 or -ENOMEM.
+ */
+int conn_list(struct conn_info **out, size_t *count);
+/*
+ * Any thread: ask connection id's worker to close it: no more requests
+ * are read, the replies of those in flight go out, then it is closed
+ * (conn_begin_close, why in its end line); one still negotiating is
+ * closed at once. 0, or -ENOENT when no connection has that id.
+ */
+int conn_disconnect(uint64_t id, const char *why);
 
 /* Main thread, once, before any worker starts: the stall deadline in
  * seconds (--stall-timeout). */
@@ -148,8 +203,8 @@ void conn_set_negotiation_timeout(unsigned seconds);
  * reads, and on_input(c) takes what arrives. *out is the connection (one
  * reference, the socket's). On failure fd is closed and -errno returned.
  */
-int conn_start(struct worker *w, int fd, uint64_t id, void (*on_input)(struct conn *c),
-	       struct conn **out);
+int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *peer,
+	       void (*on_input)(struct conn *c), struct conn **out);
 /* Stop reading and close once in-flight requests have replied. */
 void conn_shutdown(struct conn *c);
 /* Stop reading; close when drained, or after CONN_CLOSE_TIMEOUT seconds.

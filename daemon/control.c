@@ -219,11 +219,15 @@ static void dispatch(struct control_client *cl, const char *line, size_t len)
 		control_cmd_compact(cl);
 	else if (strcmp(cmd, "reload") == 0)
 		control_reload_now(cl->ctl, cl);
+	else if (strcmp(cmd, "connections") == 0)
+		control_cmd_connections(cl);
+	else if (strcmp(cmd, "disconnect") == 0)
+		control_cmd_disconnect(cl, req);
 	else
 		control_send_error(
 		    cl, EINVAL,
 		    "unknown command '%s' (status, exports, stats, flush, drop-clean, "
-		    "compact, set-mode, reload)",
+		    "compact, set-mode, reload, connections, disconnect)",
 		    cmd);
 	json_object_put(req);
 }

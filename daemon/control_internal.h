@@ -9,6 +9,7 @@
  *   control_cache.c    flush, set-mode (they wait for the cache),
  *                      drop-clean, compact; the flush a reap needs
  *   control_reload.c   reload (from SIGHUP or a client) and the reaper
+ *   control_conns.c    connections, disconnect: the NBD connections
  *
  * Calls run one way: control.c calls into the other three; they answer
  * only through the reply functions (control_send and its helpers) and
@@ -131,6 +132,11 @@ void control_cmd_compact(struct control_client *cl);
 void control_flush_start(struct control *ctl, struct control_wait *w, struct cache_export *ce);
 /* Stopping and no cache op in flight: end the thread. */
 void control_stop_when_idle(struct control *ctl);
+
+/* ---- control_conns.c ---- */
+
+void control_cmd_connections(struct control_client *cl);
+void control_cmd_disconnect(struct control_client *cl, json_object *req);
 
 /* ---- control_reload.c ---- */
 

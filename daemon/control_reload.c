@@ -18,6 +18,7 @@
 #include <string.h>
 #include <systemd/sd-daemon.h>
 
+#include "daemon/access.h"
 #include "daemon/config.h"
 #include "daemon/control_internal.h"
 #include "daemon/log.h"
@@ -94,6 +95,17 @@ void control_reload_now(struct control *ctl, struct control_client *cl)
 			control_send_error(cl, EINVAL, "%s", err);
 		return;
 	}
+	/* The access rules change live: new negotiations follow them. */
+	struct access_policy *policy;
+	if (access_policy_build(&opts, &policy, err, sizeof(err)) < 0) {
+		log_error("reload: access rules: %s; the running configuration stays", err);
+		sd_notify(0, "READY=1\nSTATUS=reload failed; serving the previous configuration");
+		if (cl)
+			control_send_error(cl, EINVAL, "%s", err);
+		options_free(&opts);
+		return;
+	}
+	access_policy_set(policy);
 	log_set_level(opts.log_level);
 	cache_set_writeback_policy(ctl->cfg.cache, opts.dirty_high, opts.dirty_low,
 				   opts.dirty_expire);

@@ -302,6 +302,8 @@ void control_cmd_stats(struct control_client *cl, const char *only)
 	control_add_u64(clients, "connections", b.clients);
 	control_add_u64(clients, "max_clients", b.max_clients);
 	control_add_u64(clients, "refused", b.refused_clients);
+	control_add_u64(clients, "refused_per_client", b.refused_per_client);
+	control_add_u64(clients, "refused_access", b.refused_access);
 	control_add_u64(clients, "reply_bytes", b.reply_bytes);
 	control_add_u64(clients, "max_reply_bytes", b.max_reply_bytes);
 	control_add_u64(clients, "pinned_reply_bytes", b.pinned_reply_bytes);

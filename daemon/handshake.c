@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "daemon/access.h"
 #include "daemon/conn.h"
 #include "daemon/export.h"
 #include "daemon/log.h"
@@ -75,10 +76,40 @@ static void option_reply_prefixed(struct conn *c, uint32_t option, uint32_t type
 		evbuffer_add(out, b, b_len);
 }
 
+/*
+ * May this client open e, by the access rules in force now (a reload
+ * changes them for the negotiations that follow)? The global rules were
+ * checked at accept; they are checked again here, in case a reload
+ * tightened them meanwhile, then the export's. A refusal is logged once
+ * per connection, with the client and the rule.
+ */
+static bool may_open(struct conn *c, const struct export *e)
+{
+	struct access_policy *p = access_policy_get();
+	if (!p)
+		return true;
+	char why[160] = "";
+	bool ok = access_rules_allow(&p->global, &c->peer, why, sizeof(why));
+	const char *scope = "global access rules";
+	const struct access_rules *r = access_policy_export(p, e->name);
+	if (ok && r) {
+		ok = access_rules_allow(r, &c->peer, why, sizeof(why));
+		scope = "the export's access rules";
+	}
+	access_policy_put(p);
+	if (!ok && !c->access_logged) {
+		log_warn("conn %llu: refused %s export '%s': %s (%s)", (unsigned long long)c->id,
+			 c->peer.text, e->name, why, scope);
+		c->access_logged = true;
+	}
+	return ok;
+}
+
 /* Takes over the caller's reference to e, and its attachment. */
 static void enter_transmission(struct conn *c, struct export *e)
 {
 	c->export = e;
+	atomic_store(&c->export_name, e->name);
 	c->phase = CONN_TRANSMISSION;
 	c->seen_error = cache_export_error_seq(e->cache);
 	conn_negotiation_done(c); /* idle clients are fine from now on */
@@ -104,6 +135,11 @@ static void handle_export_name(struct conn *c, const char *data, uint32_t len)
 		export_put(e);
 		conn_kill(c, c->extended ? "EXPORT_NAME after extended headers"
 					 : "EXPORT_NAME of an unknown export");
+		return;
+	}
+	if (!may_open(c, e)) {
+		export_put(e);
+		conn_kill(c, "EXPORT_NAME of an export the access rules refuse it");
 		return;
 	}
 	if (!export_attach(e)) {
@@ -159,6 +195,11 @@ static void handle_info_go(struct conn *c, uint32_t option, const uint8_t *data,
 		option_error(c, option, NBD_REP_ERR_UNKNOWN, "no such export");
 		return;
 	}
+	if (!may_open(c, e)) {
+		option_error(c, option, NBD_REP_ERR_POLICY, "access denied by the server's rules");
+		export_put(e);
+		return;
+	}
 	if (option == NBD_OPT_GO && !export_attach(e)) {
 		log_warn("conn %llu: export '%s' has its %u connections", (unsigned long long)c->id,
 			 e->name, e->max_connections);
@@ -187,8 +228,14 @@ static void handle_list(struct conn *c, uint32_t len)
 		option_error(c, NBD_OPT_LIST, NBD_REP_ERR_UNSUP, "out of memory");
 		return;
 	}
+	struct access_policy *policy = access_policy_get();
 	for (size_t i = 0; i < count; i++) {
 		const struct export *e = list[i];
+		/* Only what the client may open (no log line: a LIST is no refusal). */
+		const struct access_rules *r = access_policy_export(policy, e->name);
+		if (policy && (!access_rules_allow(&policy->global, &c->peer, NULL, 0) ||
+			       (r && !access_rules_allow(r, &c->peer, NULL, 0))))
+			continue;
 		uint8_t prefix[4];
 		size_t name_len = strlen(e->name);
 		size_t n = nbd_encode_rep_server_prefix(prefix, (uint32_t)name_len);
@@ -196,6 +243,7 @@ static void handle_list(struct conn *c, uint32_t len)
 				      name_len, e->description,
 				      e->description ? strlen(e->description) : 0);
 	}
+	access_policy_put(policy);
 	for (size_t i = 0; i < count; i++)
 		export_put(list[i]);
 	free(list);
@@ -224,6 +272,11 @@ static void handle_meta(struct conn *c, uint32_t option, const uint8_t *data, ui
 	struct export *e = export_get(c->worker->exports, meta.name, meta.name_length);
 	if (!e) {
 		option_error(c, option, NBD_REP_ERR_UNKNOWN, "no such export");
+		return;
+	}
+	if (!may_open(c, e)) {
+		option_error(c, option, NBD_REP_ERR_POLICY, "access denied by the server's rules");
+		export_put(e);
 		return;
 	}
 	bool selected = !set && meta.query_count == 0; /* LIST with no query: all */

@@ -18,6 +18,30 @@
 #define NBDCACHED_VERSION "0.1"
 #endif
 
+/* The access rules of a spec, on one line after prefix (none: nothing). */
+static void print_access(const char *prefix, const struct access_spec *a)
+{
+	if (!a->allow && !a->deny && !a->allow_users && !a->allow_groups)
+		return;
+	const char *sep = "";
+	printf("%saccess: ", prefix);
+	if (a->allow) {
+		printf("allow %s", a->allow);
+		sep = "; ";
+	}
+	if (a->deny) {
+		printf("%sdeny %s", sep, a->deny);
+		sep = "; ";
+	}
+	if (a->allow_users) {
+		printf("%sallow-users %s", sep, a->allow_users);
+		sep = "; ";
+	}
+	if (a->allow_groups)
+		printf("%sallow-groups %s", sep, a->allow_groups);
+	printf("\n");
+}
+
 /*
  * --check-config: the syntax and values are already checked; say what would
  * be served. A file backend that does not exist yet is worth a warning, not
@@ -46,7 +70,11 @@ static int check_config(const struct options *opts)
 		if (first != i)
 			printf(", one cache with export '%s'", opts->exports[first].name);
 		putchar('\n');
+		print_access("  ", &e->access);
 	}
+	print_access("global ", &opts->access);
+	if (opts->max_connections_per_client)
+		printf("at most %u connection(s) per client\n", opts->max_connections_per_client);
 	printf("config OK%s%s: %zu export(s)\n", opts->config_path ? ": " : "",
 	       opts->config_path ? opts->config_path : "", opts->export_count);
 	return 0;

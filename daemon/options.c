@@ -49,6 +49,10 @@ const char *options_usage(void)
 	       "                 [--compact-threshold PERMILLE] [--max-clients N]\n"
 	       "                 [--max-reply-memory SIZE] [--max-pinned-replies SIZE]\n"
 	       "                 [--stall-timeout SECONDS] [--negotiation-timeout SECONDS]\n"
+	       "                 [--allow LIST] [--deny LIST] [--allow-users LIST]\n"
+	       "                 [--allow-groups LIST] [--max-connections-per-client N]\n"
+	       "An --export also takes allow=LIST, deny=LIST, allow-users=LIST and\n"
+	       "allow-groups=LIST (its access rules; a LIST runs on over commas).\n"
 	       "BACKEND is a file or block device, an NBD URI (nbd://HOST[:PORT]/NAME,\n"
 	       "nbd+unix:///NAME?socket=PATH, nbds://...) or nbdkit:PLUGIN [ARG...].\n"
 	       "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
@@ -75,6 +79,7 @@ void options_export_spec_free(struct export_spec *e)
 	free(e->backend);
 	free(e->description);
 	free(e->origin);
+	access_spec_free(&e->access);
 	memset(e, 0, sizeof(*e));
 }
 
@@ -84,8 +89,20 @@ static bool starts_with(const char *s, size_t n, const char *prefix)
 	return n >= p && memcmp(s, prefix, p) == 0;
 }
 
+/* The export's access-rule keys: where their value goes in the spec. */
+static const char *access_list_key(const char *s, size_t n)
+{
+	static const char *const keys[] = {"allow=", "deny=", "allow-users=", "allow-groups="};
+	for (size_t i = 0; i < 4; i++)
+		if (starts_with(s, n, keys[i]))
+			return keys[i];
+	return NULL;
+}
+
 static bool is_known_key(const char *s, size_t n)
 {
+	if (access_list_key(s, n))
+		return true;
 	return (n == 8 && memcmp(s, "readonly", 8) == 0) || starts_with(s, n, "description=") ||
 	       starts_with(s, n, "block-size=") || starts_with(s, n, "cache-mode=") ||
 	       starts_with(s, n, "seq-cutoff=") || starts_with(s, n, "max-connections=") ||
@@ -103,6 +120,65 @@ static int key_value(const char *p, size_t n, const char *key, char *buf, size_t
 	memcpy(buf, p + strlen(key), vn);
 	buf[vn] = '\0';
 	return 0;
+}
+
+int options_append_list(char **slot, const char *value)
+{
+	size_t had = *slot ? strlen(*slot) : 0;
+	char *s = realloc(*slot, had + strlen(value) + 2);
+	if (!s)
+		return -ENOMEM;
+	if (had)
+		s[had++] = ' ';
+	strcpy(s + had, value);
+	*slot = s;
+	return 0;
+}
+
+/*
+ * An access-rule key of --export at p (n bytes, then next): its list runs
+ * on over commas until the next known key, as a description does, so
+ * "allow=10.0.0.0/8,192.168.0.0/16,readonly" is two rules and a flag.
+ * Returns where parsing goes on (NULL: the end), or sets *rc.
+ */
+static const char *export_access_key(const char *p, const char *next, struct export_spec *out,
+				     int *rc, char *err, size_t errlen)
+{
+	const char *key = access_list_key(p, next ? (size_t)(next - p) : strlen(p));
+	const char *v = p + strlen(key);
+	const char *q = next;
+	while (q) {
+		const char *after = q + 1;
+		const char *nn = strchr(after, ',');
+		if (is_known_key(after, nn ? (size_t)(nn - after) : strlen(after)))
+			break;
+		q = nn;
+	}
+	char *list = dup_range(v, q ? (size_t)(q - v) : strlen(v));
+	if (!list) {
+		*rc = -ENOMEM;
+		return NULL;
+	}
+	char *comma;
+	while ((comma = strchr(list, ',')))
+		*comma = ' ';
+	struct access_spec one = {0};
+	char **slot = key[0] == 'd'			 ? &out->access.deny
+		      : strcmp(key, "allow=") == 0	 ? &out->access.allow
+		      : strcmp(key, "allow-users=") == 0 ? &out->access.allow_users
+							 : &out->access.allow_groups;
+	*(key[0] == 'd'			     ? &one.deny
+	  : strcmp(key, "allow=") == 0	     ? &one.allow
+	  : strcmp(key, "allow-users=") == 0 ? &one.allow_users
+					     : &one.allow_groups) = list;
+	char why[200];
+	if (access_check_spec(&one, why, sizeof(why)) < 0) {
+		*rc = fail(err, errlen, -EINVAL, "--export %s: %s", out->name, why);
+	} else if (options_append_list(slot, list) < 0) {
+		*rc = -ENOMEM;
+	}
+	access_spec_free(&one);
+	return q ? q + 1 : NULL;
 }
 
 int options_parse_export(const char *text, struct export_spec *out, char *err, size_t errlen)
@@ -154,6 +230,13 @@ int options_parse_export(const char *text, struct export_spec *out, char *err, s
 			if (!out->description)
 				goto error;
 			p = q ? q + 1 : NULL;
+			continue;
+		}
+		if (access_list_key(p, n)) {
+			rc = 0;
+			p = export_access_key(p, next, out, &rc, err, errlen);
+			if (rc < 0)
+				goto error;
 			continue;
 		}
 		if (n == 8 && memcmp(p, "readonly", 8) == 0) {
@@ -269,6 +352,7 @@ void options_free(struct options *opts)
 	free(opts->control_path);
 	free(opts->user);
 	free(opts->group);
+	access_spec_free(&opts->access);
 	memset(opts, 0, sizeof(*opts));
 }
 
@@ -327,6 +411,55 @@ static int set_string(char **slot, const char *value)
 	return 0;
 }
 
+/* Long-only options (no short letter): the access rules. */
+enum {
+	OPT_ACCESS_ALLOW = 256,
+	OPT_ACCESS_DENY,
+	OPT_ACCESS_USERS,
+	OPT_ACCESS_GROUPS,
+	OPT_ACCESS_PER_CLIENT,
+};
+
+/* --allow, --deny, --allow-users, --allow-groups (each adds to its list)
+ * and --max-connections-per-client. */
+static int options_access_arg(int c, const char *arg, struct options *out, char *err, size_t errlen)
+{
+	if (c == OPT_ACCESS_PER_CLIENT) {
+		if (options_parse_max_connections(arg, &out->max_connections_per_client) < 0)
+			return fail(
+			    err, errlen, -EINVAL,
+			    "--max-connections-per-client %s: expected 0..%d (0: unlimited)", arg,
+			    OPTIONS_MAX_CONNECTIONS);
+		out->given |= OPT_GIVEN_MAX_PER_CLIENT;
+		return 0;
+	}
+	struct access_spec one = {0};
+	char *copy = strdup(arg);
+	if (!copy)
+		return -ENOMEM;
+	char **slot = c == OPT_ACCESS_ALLOW   ? &out->access.allow
+		      : c == OPT_ACCESS_DENY  ? &out->access.deny
+		      : c == OPT_ACCESS_USERS ? &out->access.allow_users
+					      : &out->access.allow_groups;
+	*(c == OPT_ACCESS_ALLOW	  ? &one.allow
+	  : c == OPT_ACCESS_DENY  ? &one.deny
+	  : c == OPT_ACCESS_USERS ? &one.allow_users
+				  : &one.allow_groups) = copy;
+	char why[200];
+	int rc = access_check_spec(&one, why, sizeof(why));
+	if (rc < 0)
+		rc = fail(err, errlen, rc, "--%s", why);
+	else if (options_append_list(slot, arg) < 0)
+		rc = -ENOMEM;
+	access_spec_free(&one);
+	if (rc == 0)
+		out->given |= c == OPT_ACCESS_ALLOW   ? OPT_GIVEN_ALLOW
+			      : c == OPT_ACCESS_DENY  ? OPT_GIVEN_DENY
+			      : c == OPT_ACCESS_USERS ? OPT_GIVEN_ALLOW_USERS
+						      : OPT_GIVEN_ALLOW_GROUPS;
+	return rc;
+}
+
 int options_parse_args(int argc, char **argv, struct options *out, char *err, size_t errlen)
 {
 	static const struct option longopts[] = {
@@ -360,6 +493,11 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 		{"max-pinned-replies", required_argument, NULL, 'Q'},
 		{"stall-timeout", required_argument, NULL, 'W'},
 		{"negotiation-timeout", required_argument, NULL, 'O'},
+		{"allow", required_argument, NULL, OPT_ACCESS_ALLOW},
+		{"deny", required_argument, NULL, OPT_ACCESS_DENY},
+		{"allow-users", required_argument, NULL, OPT_ACCESS_USERS},
+		{"allow-groups", required_argument, NULL, OPT_ACCESS_GROUPS},
+		{"max-connections-per-client", required_argument, NULL, OPT_ACCESS_PER_CLIENT},
 		{"help", no_argument, NULL, 'h'},
 		{"version", no_argument, NULL, 'V'},
 		{NULL, 0, NULL, 0},
@@ -614,6 +752,14 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 			}
 			out->given |= OPT_GIVEN_NEGOTIATION_TIMEOUT;
 			break;
+		case OPT_ACCESS_ALLOW:
+		case OPT_ACCESS_DENY:
+		case OPT_ACCESS_USERS:
+		case OPT_ACCESS_GROUPS:
+		case OPT_ACCESS_PER_CLIENT:
+			if ((rc = options_access_arg(c, optarg, out, err, errlen)) < 0)
+				goto error;
+			break;
 		case 'h':
 			out->help = true;
 			break;
@@ -765,6 +911,12 @@ int options_finish(struct options *out, char *err, size_t errlen)
 				    "their %s must be the same",
 				    out->exports[first].name, e->name, e->backend, what);
 	}
+	if (out->max_connections_per_client && out->max_clients &&
+	    out->max_connections_per_client >= out->max_clients)
+		return fail(err, errlen, -EINVAL,
+			    "max-connections-per-client %u must be below max-clients %u, so that "
+			    "one client cannot take every connection",
+			    out->max_connections_per_client, out->max_clients);
 	if (out->listen_count == 0 && out->unix_count == 0) {
 		int rc = options_push_string(&out->listen, &out->listen_count,
 					     OPTIONS_DEFAULT_LISTEN);

@@ -21,6 +21,8 @@
  *             [--compact on|off] [--compact-interval-ms MS] [--compact-threshold PERMILLE]
  *             [--max-clients N] [--max-reply-memory SIZE] [--max-pinned-replies SIZE]
  *             [--stall-timeout SECONDS] [--negotiation-timeout SECONDS]
+ *             [--allow LIST] [--deny LIST] [--allow-users LIST] [--allow-groups LIST]
+ *             [--max-connections-per-client N]
  *
  * BACKEND is a file or block device path, an NBD URI (nbd://, nbds://,
  * nbd+unix://...) or "nbdkit:PLUGIN [ARG...]".
@@ -45,6 +47,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "daemon/access.h"
 #include "daemon/log.h"
 #include "daemon/option_values.h"
 
@@ -96,6 +99,8 @@ struct export_spec {
 	bool has_block_size, has_seq_cutoff, has_max_connections, has_dirty_high, has_dirty_low;
 	/* Where it was defined: "FILE:LINE" or NULL (command line). */
 	char *origin;
+	/* Access rules of this export, on top of the global ones (access.h). */
+	struct access_spec access;
 };
 
 /* Bits of options.given: global settings the command line gave. */
@@ -125,6 +130,11 @@ enum options_given {
 	OPT_GIVEN_MAX_PINNED_REPLIES = 1u << 22,
 	OPT_GIVEN_STALL_TIMEOUT = 1u << 23,
 	OPT_GIVEN_NEGOTIATION_TIMEOUT = 1u << 24,
+	OPT_GIVEN_ALLOW = 1u << 25,
+	OPT_GIVEN_DENY = 1u << 26,
+	OPT_GIVEN_ALLOW_USERS = 1u << 27,
+	OPT_GIVEN_ALLOW_GROUPS = 1u << 28,
+	OPT_GIVEN_MAX_PER_CLIENT = 1u << 29,
 };
 
 struct options {
@@ -174,6 +184,10 @@ struct options {
 	/* Seconds a client may take from connecting to finishing negotiation
 	 * (GO / EXPORT_NAME) before it is disconnected (daemon/conn.h). */
 	unsigned negotiation_timeout;
+	/* Who may connect (daemon/access.h): global rules, and connections per
+	 * client address (Unix: per uid), negotiating ones too (0: unlimited). */
+	struct access_spec access;
+	unsigned max_connections_per_client;
 	bool help;
 	bool version;
 };
@@ -211,6 +225,9 @@ int options_add_export(struct options *opts, struct export_spec *spec, char *err
 void options_export_spec_free(struct export_spec *e);
 /* Parse one --export value (exposed for tests). */
 int options_parse_export(const char *text, struct export_spec *out, char *err, size_t errlen);
+/* Append a rule list to *slot, space-separated (a list given twice adds
+ * to the first): 0 or -ENOMEM. */
+int options_append_list(char **slot, const char *value);
 void options_free(struct options *opts);
 const char *options_usage(void);
 

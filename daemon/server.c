@@ -27,8 +27,10 @@
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include "daemon/access.h"
 #include "daemon/budget.h"
 #include "daemon/cache/cache.h"
+#include "daemon/clock.h"
 #include "daemon/conn.h"
 #include "daemon/control.h"
 #include "daemon/export.h"
@@ -56,7 +58,46 @@ struct server {
 	struct control *control;
 	unsigned max_clients;
 	bool refusing; /* at --max-clients: said so once for this spell */
+	/* Refusals by --max-connections-per-client: at most one line a second. */
+	uint64_t per_client_logged_ns, per_client_unlogged;
 };
+
+/*
+ * The access rules and the per-client limit at accept (main thread): a
+ * client the global rules refuse is closed at once, with one log line; one
+ * over its connection count too, with at most one line a second (a flood
+ * from one address must not flood the log either). false: fd is closed.
+ */
+static bool accept_allowed(struct server *s, int fd, const struct access_peer *peer)
+{
+	struct access_policy *p = access_policy_get();
+	char why[160] = "";
+	bool ok = !p || access_rules_allow(&p->global, peer, why, sizeof(why));
+	unsigned limit = p ? p->max_per_client : 0;
+	access_policy_put(p);
+	if (!ok) {
+		log_warn("refused %s: %s (global access rules); closed at accept", peer->text, why);
+		budget_count_refused_access();
+		evutil_closesocket(fd);
+		return false;
+	}
+	if (budget_peer_add(peer, limit))
+		return true;
+	uint64_t now = clock_now_ns();
+	if (now - s->per_client_logged_ns >= 1000000000u || !s->per_client_logged_ns) {
+		log_warn("refused %s: it has %u connections (--max-connections-per-client); "
+			 "closed at accept%s",
+			 peer->text, limit,
+			 s->per_client_unlogged ? " (and others not logged in the last second)"
+						: "");
+		s->per_client_logged_ns = now;
+		s->per_client_unlogged = 0;
+	} else {
+		s->per_client_unlogged++;
+	}
+	evutil_closesocket(fd);
+	return false;
+}
 
 static int listen_tcp(struct server *s, const char *spec)
 {
@@ -132,12 +173,15 @@ static void on_accept(struct evconnlistener *l, evutil_socket_t fd, struct socka
 		      void *arg)
 {
 	(void)l;
-	(void)sa;
-	(void)len;
 	struct server *s = arg;
+	struct access_peer peer;
+	access_peer_from_socket(&peer, fd, sa, len > 0 ? (size_t)len : 0);
+	if (!accept_allowed(s, fd, &peer))
+		return;
 	/* Accept and close, not leave in the backlog: the client learns at
 	 * once, and the listener does not fire again and again. */
 	if (!budget_client_add()) {
+		budget_peer_remove(&peer);
 		if (!s->refusing)
 			log_warn("%u clients connected (--max-clients): refusing new connections "
 				 "until one closes",
@@ -154,7 +198,7 @@ static void on_accept(struct evconnlistener *l, evutil_socket_t fd, struct socka
 		s->refusing = false;
 	}
 	struct worker *w = &s->workers[s->next_worker++ % s->worker_count];
-	worker_hand_off(w, fd, ++s->next_conn_id);
+	worker_hand_off(w, fd, ++s->next_conn_id, &peer);
 }
 
 /*
@@ -404,6 +448,15 @@ int server_run(const struct options *opts, int argc, char **argv)
 	}
 	conn_set_stall_timeout(opts->stall_timeout);
 	conn_set_negotiation_timeout(opts->negotiation_timeout);
+	{
+		struct access_policy *policy;
+		char err[512];
+		if (access_policy_build(opts, &policy, err, sizeof(err)) < 0) {
+			log_error("access rules: %s", err);
+			goto out_base;
+		}
+		access_policy_set(policy); /* replaced at each reload */
+	}
 	s.workers = calloc(threads, sizeof(*s.workers));
 	if (!s.workers)
 		goto out_base;
@@ -497,6 +550,7 @@ out_workers:
 	/* After the workers (no connection is left to flush for), before the
 	 * cache writes everything back. */
 	control_stop(s.control);
+	access_policy_set(NULL); /* no connection, no reload any more */
 	free(listen_fds);
 	listen_fds = NULL;
 	/* Connections are gone: write every dirty block back before exit. */

@@ -15,10 +15,12 @@
 
 #include <stdint.h>
 
+struct access_peer;
+
 struct worker;
 
 /* Adopt an accepted socket on the current worker thread and greet the
  * client. On failure fd is closed and -errno returned. */
-int session_start(struct worker *w, int fd, uint64_t id);
+int session_start(struct worker *w, int fd, uint64_t id, const struct access_peer *peer);
 
 #endif

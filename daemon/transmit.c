@@ -132,7 +132,7 @@ static struct request *request_new(struct conn *c, const struct nbd_request *hdr
 	r->op.extents = r->extents;
 	r->op.max_extents = max_extents;
 	conn_ref(c);
-	c->inflight++;
+	conn_inflight_add(c, 1);
 	c->inflight_bytes += accounted;
 	return r;
 err:
@@ -508,13 +508,13 @@ static void request_finish(struct request *r, int result)
 			reply_ok(c, &r->hdr);
 		}
 	}
-	c->requests++;
+	conn_counter_add(&c->requests, 1);
 	if (result >= 0 && r->hdr.type == NBD_CMD_READ)
-		c->bytes_read += r->hdr.length;
+		conn_counter_add(&c->bytes_read, r->hdr.length);
 	else if (result >= 0 && r->hdr.type == NBD_CMD_WRITE)
-		c->bytes_written += r->hdr.length;
+		conn_counter_add(&c->bytes_written, r->hdr.length);
 	conn_ref(c);
-	c->inflight--;
+	conn_inflight_add(c, -1);
 	/* The reply is in the output buffer now, counted there. */
 	conn_unreserve(c, r->reserved);
 	r->reserved = 0;

@@ -16,6 +16,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "daemon/budget.h"
 #include "daemon/conn.h"
 #include "daemon/log.h"
 #include "daemon/session.h"
@@ -95,7 +96,7 @@ static void worker_on_wake(evutil_socket_t fd, short what, void *arg)
 			close(h.fd);
 			continue;
 		}
-		int rc = session_start(w, h.fd, h.id);
+		int rc = session_start(w, h.fd, h.id, &h.peer);
 		if (rc < 0)
 			log_warn("conn %llu: cannot start: %s", (unsigned long long)h.id,
 				 strerror(-rc));
@@ -143,7 +144,7 @@ err:
 	return rc;
 }
 
-void worker_hand_off(struct worker *w, int fd, uint64_t id)
+void worker_hand_off(struct worker *w, int fd, uint64_t id, const struct access_peer *peer)
 {
 	pthread_mutex_lock(&w->lock);
 	if (w->pending_count == w->pending_cap) {
@@ -153,12 +154,14 @@ void worker_hand_off(struct worker *w, int fd, uint64_t id)
 			pthread_mutex_unlock(&w->lock);
 			log_error("conn %llu: out of memory handing off", (unsigned long long)id);
 			close(fd);
+			budget_peer_remove(peer);
+			budget_client_remove();
 			return;
 		}
 		w->pending = p;
 		w->pending_cap = cap;
 	}
-	w->pending[w->pending_count++] = (struct worker_handoff){fd, id};
+	w->pending[w->pending_count++] = (struct worker_handoff){fd, id, *peer};
 	pthread_mutex_unlock(&w->lock);
 	event_active(w->wake, EV_READ, 0);
 }
@@ -174,6 +177,24 @@ void worker_post(struct worker *w, struct worker_task *task)
 	w->tasks_tail = task;
 	pthread_mutex_unlock(&w->lock);
 	event_active(w->wake, EV_READ, 0);
+}
+
+bool worker_post_if_running(struct worker *w, struct worker_task *task)
+{
+	task->next = NULL;
+	pthread_mutex_lock(&w->lock);
+	bool running = !w->stop_requested;
+	if (running) {
+		if (w->tasks_tail)
+			w->tasks_tail->next = task;
+		else
+			w->tasks = task;
+		w->tasks_tail = task;
+	}
+	pthread_mutex_unlock(&w->lock);
+	if (running)
+		event_active(w->wake, EV_READ, 0);
+	return running;
 }
 
 void worker_request_stop(struct worker *w)

@@ -16,6 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "daemon/access.h"
 #include "daemon/uring.h"
 
 struct conn;
@@ -24,6 +25,7 @@ struct export_table;
 struct worker_handoff {
 	int fd;
 	uint64_t id;
+	struct access_peer peer;
 };
 
 /*
@@ -58,9 +60,12 @@ struct worker {
 
 int worker_start(struct worker *w, unsigned index, struct export_table *exports);
 /* Thread-safe: give an accepted socket to this worker. Takes ownership of fd. */
-void worker_hand_off(struct worker *w, int fd, uint64_t id);
+void worker_hand_off(struct worker *w, int fd, uint64_t id, const struct access_peer *peer);
 /* Thread-safe: run task->run(task) on the worker's thread soon. */
 void worker_post(struct worker *w, struct worker_task *task);
+/* Thread-safe: worker_post() unless the worker was asked to stop (false:
+ * not posted). A task posted before the stop request still runs. */
+bool worker_post_if_running(struct worker *w, struct worker_task *task);
 /* Thread-safe: finish in-flight requests, close connections, end the thread. */
 void worker_request_stop(struct worker *w);
 void worker_join(struct worker *w);

@@ -73,6 +73,8 @@ static const struct command commands[] = {
     {"top", {NULL}, 0, 0, NULL, run_top},
     {"attach", {NULL}, 1, 2, NULL, run_attach},
     {"windows", {NULL}, 1, 1, NULL, run_windows},
+    {"connections", {NULL}, 0, 0, print_connections, run_simple},
+    {"disconnect", {NULL}, 1, 1, NULL, run_disconnect},
 };
 
 static void usage(FILE *f)
@@ -82,6 +84,7 @@ static void usage(FILE *f)
 	      "          | drop-clean EXPORT | compact | set-mode EXPORT MODE | reload\n"
 	      "          | top [--count N] [--interval SECONDS]\n"
 	      "          | attach EXPORT [DEVICE] [--run] | windows EXPORT\n"
+	      "          | connections | disconnect ID\n"
 	      "default control socket: " NBDCACHED_CONTROL_DEFAULT "\n"
 	      "exit status: 0 success, 1 the daemon refused or could not be reached, 2 usage\n",
 	      f);

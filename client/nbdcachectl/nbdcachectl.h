@@ -43,12 +43,14 @@ void print_drop_clean(json_object *r);
 void print_compact(json_object *r);
 void print_set_mode(json_object *r);
 void print_reload(json_object *r);
+void print_connections(json_object *r); /* conns.c */
 
 /* The commands that do more than one request and one reply: 0 or -errno. */
 int run_flush(const struct options *o);
 int run_top(const struct options *o);
 int run_attach(const struct options *o);
 int run_windows(const struct options *o);
+int run_disconnect(const struct options *o); /* conns.c */
 
 /* Seconds on the monotonic clock. */
 static inline double now_s(void)

@@ -78,7 +78,10 @@
  *                     compact_chunks_freed, compact_passes, compact_ns}}
  *     clients: {connections (NBD connections open, all exports, negotiating
  *             ones too), max_clients (--max-clients; 0: unlimited), refused
- *             (connections closed at once for being over it), reply_bytes
+ *             (connections closed at once for being over it),
+ *             refused_per_client (closed at accept by
+ *             --max-connections-per-client), refused_access (closed at
+ *             accept by the global access rules), reply_bytes
  *             (requests in service and replies not yet sent, all
  *             connections: what --max-reply-memory bounds), max_reply_bytes,
  *             pinned_reply_bytes (cache memory that unsent READ replies
@@ -139,6 +142,33 @@
  *     Re-reads the config file, as SIGHUP does: added, changed, removed and
  *     refused (arrays of export names), refused_settings (array of strings,
  *     one per global setting that needs a restart to change)
+ *
+ *   connections
+ *     connections: array of CONNECTION objects, one per NBD connection
+ *     (negotiating ones too), oldest first:
+ *       id (the number of the log's "conn N" lines), transport (string:
+ *       "tcp" or "unix"), peer (string: "ADDRESS:PORT", "[V6]:PORT" or
+ *       "unix uid UID pid PID"), address (string, numeric; IPv4-mapped
+ *       IPv6 addresses shown as IPv4) and port (TCP; null for Unix), uid
+ *       and pid (Unix, from SO_PEERCRED; null for TCP or when unknown),
+ *       phase (string: "negotiating" or "transmitting"), export (string,
+ *       or null while negotiating), bytes_read, bytes_written (data of the
+ *       READs and WRITEs answered), requests (answered), inflight
+ *       (requests without a reply yet), age_s and age_ms (since accept),
+ *       worker (the worker thread's index), disconnecting (bool: a
+ *       disconnect was asked for), tls, tls_version, tls_cipher, tls_peer
+ *       (reserved for TLS: always null for now)
+ *     A snapshot: each connection's counters are read at one moment, but
+ *     not all connections at the same one.
+ *
+ *   disconnect id: ID
+ *     Closes connection ID (an integer from "connections"): the daemon
+ *     reads no more of its requests, sends the replies to those in
+ *     flight, then closes it; a connection still negotiating is closed at
+ *     once. Its log line says "disconnected by the control socket". The
+ *     reply (id) comes once the close is asked for, not when it is done.
+ *     "ENOENT": no connection has that id; "EINVAL": id missing or not a
+ *     positive integer.
  */
 #ifndef NBDCACHED_CONTROL_H
 #define NBDCACHED_CONTROL_H

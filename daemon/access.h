@@ -1,0 +1,127 @@
+/*
+ * daemon/access.h: who may connect: address and CIDR rules for TCP
+ * clients, user and group rules for Unix socket clients, globally and per
+ * export, and the per-client connection limit's key.
+ *
+ * Owns: the syntax of the rule lists (allow, deny, allow-users,
+ * allow-groups), the rules parsed, the matcher, and the policy in force (one
+ * published struct access_policy, replaced whole at reload). Dependency-free
+ * (libc only) so it is unit tested on i386 too.
+ *
+ * Semantics (nbdcached(8), ACCESS CONTROL):
+ *   - TCP clients: deny wins over allow; an empty allow list lets everyone
+ *     in. IPv4-mapped IPv6 addresses (::ffff:a.b.c.d) are IPv4 addresses:
+ *     they match IPv4 rules (an IPv4 rule is kept as its mapped form).
+ *     User and group rules do not apply to them.
+ *   - Unix socket clients: when allow-users or allow-groups is set, the
+ *     peer (SO_PEERCRED) must be one of the users or have one of the
+ *     groups (its primary group or, from SO_PEERGROUPS, a supplementary
+ *     one); otherwise everyone. Address rules do not apply to them.
+ *   - An export's rules apply on top of the global ones: a client must
+ *     pass both.
+ *
+ * Threads: parsing and access_policy_build() on the thread that reads the
+ * configuration (main thread at start, control thread at reload);
+ * access_policy_get() / access_policy_put() / access_policy_set() from any
+ * thread (a mutex guards the published pointer; a policy is freed when the
+ * last reference goes).
+ */
+#ifndef NBDCACHED_DAEMON_ACCESS_H
+#define NBDCACHED_DAEMON_ACCESS_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+/* The rule lists as given (config keys, command-line options, export keys). */
+struct access_spec {
+	char *allow, *deny, *allow_users, *allow_groups; /* NULL: not given */
+};
+
+/* One address rule: IPv6, or IPv4 kept as ::ffff:a.b.c.d (prefix + 96). */
+struct access_net {
+	uint8_t addr[16];
+	unsigned prefix; /* 0..128 */
+	char text[64];	 /* as written, for the log */
+};
+
+struct access_rules {
+	struct access_net *allow, *deny;
+	size_t allow_count, deny_count;
+	uint32_t *users, *groups; /* uids, gids */
+	size_t user_count, group_count;
+};
+
+/* Who a connection comes from. */
+struct access_peer {
+	bool is_unix;
+	uint8_t addr[16]; /* TCP: IPv6, or IPv4 as ::ffff:a.b.c.d */
+	uint16_t port;
+	bool has_cred;		/* Unix: SO_PEERCRED worked */
+	uint32_t uid, gid, pid; /* Unix */
+	uint32_t groups[32];	/* Unix: supplementary groups (SO_PEERGROUPS) */
+	unsigned group_count;
+	char text[64]; /* "127.0.0.1:5000", "[::1]:5000", "unix uid 0 pid 12" */
+};
+
+/* Parse an address list (addresses and CIDRs, IPv4 and IPv6, comma or
+ * space separated) into a new array; 0 or -EINVAL with a reason in err. */
+int access_parse_nets(const char *text, struct access_net **out, size_t *count, char *err,
+		      size_t errlen);
+/* Parse user (or group) names or numeric ids, comma or space separated;
+ * names are looked up now (getpwnam_r / getgrnam_r). */
+int access_parse_users(const char *text, uint32_t **out, size_t *count, char *err, size_t errlen);
+int access_parse_groups(const char *text, uint32_t **out, size_t *count, char *err, size_t errlen);
+/* Check a whole spec: 0, or -EINVAL naming the list and the bad item. */
+int access_check_spec(const struct access_spec *spec, char *err, size_t errlen);
+int access_rules_parse(const struct access_spec *spec, struct access_rules *out, char *err,
+		       size_t errlen);
+void access_rules_free(struct access_rules *r);
+bool access_rules_empty(const struct access_rules *r);
+
+/* Does net match addr (16 bytes, IPv4 mapped)? */
+bool access_net_match(const struct access_net *net, const uint8_t addr[16]);
+/*
+ * May the peer pass these rules? When not, why (if not NULL) says which
+ * rule refused it: "deny 127.0.0.2/32", "not in allow 127.0.0.1",
+ * "uid 1001 gid 1001 not in allow-users / allow-groups".
+ */
+bool access_rules_allow(const struct access_rules *r, const struct access_peer *p, char *why,
+			size_t whylen);
+
+/* Fill a peer from a socket address (sa, len) and, for Unix sockets, fd's
+ * credentials. */
+void access_peer_from_socket(struct access_peer *p, int fd, const void *sa, size_t len);
+
+void access_spec_free(struct access_spec *s);
+int access_spec_copy(struct access_spec *dst, const struct access_spec *src);
+
+/* The policy in force: global rules, each export's, the per-client limit. */
+struct access_export_rules {
+	char *name;
+	struct access_rules rules;
+};
+
+struct access_policy {
+	atomic_uint refs;
+	struct access_rules global;
+	struct access_export_rules *exports; /* only exports that have rules */
+	size_t export_count;
+	unsigned max_per_client; /* 0: unlimited */
+};
+
+struct options;
+/* Build a policy from opts (refs 1): 0, or -EINVAL / -ENOMEM with err. */
+int access_policy_build(const struct options *opts, struct access_policy **out, char *err,
+			size_t errlen);
+/* Publish p (takes its reference); the previous one is put. NULL: none. */
+void access_policy_set(struct access_policy *p);
+/* The policy in force, referenced (NULL when none was set); put it after. */
+struct access_policy *access_policy_get(void);
+void access_policy_put(struct access_policy *p);
+/* An export's rules in p, or NULL when it has none. */
+const struct access_rules *access_policy_export(const struct access_policy *p, const char *name);
+
+#endif
