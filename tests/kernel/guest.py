@@ -439,3 +439,63 @@ def run_guest(arch, script, sock, workdir, name="guest", timeout=600, **kw):
         g.start()
         g.wait()
     return g
+
+
+# ---- Host side helpers shared by the tests. ----
+
+def big_backend(workdir, size, name="big.img"):
+    """A sparse file of `size` bytes: in /dev/shm (tmpfs takes 64 TiB; ext4
+    caps a file at 16 TiB) when there is one, else in workdir."""
+    base = nbdtest.shm_dir() or workdir
+    d = os.path.join(base, "nbdcached-kernel-%d" % os.getpid())
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, name)
+    try:
+        nbdtest.sparse_file(path, size)
+    except OSError as e:
+        raise RuntimeError("cannot make a %d-byte sparse file in %s: %s" % (size, d, e))
+    return path
+
+
+def remove_backend(path):
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def command_counts(daemon_log):
+    """From a daemon log at --log-level debug: how many of each NBD command
+    the clients sent, WRITEs with FUA counted apart ("NBD_CMD_WRITE+FUA")."""
+    counts = {}
+    for m in re.finditer(r"conn \d+: (NBD_CMD_\w+) flags 0x([0-9a-f]+) offset", daemon_log):
+        name = m.group(1)
+        if name == "NBD_CMD_WRITE" and int(m.group(2), 16) & 1:
+            name += "+FUA"
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def relay_connections(guest):
+    """How many guest connections reached the daemon (relay log lines)."""
+    try:
+        with open(guest.relay_log) as f:
+            text = f.read()
+    except OSError:
+        return 0
+    return text.count(": connected")
+
+
+def debugfs_cat(image, path):
+    """The bytes of `path` in the ext4 file system on `image` (debugfs)."""
+    p = subprocess.run(["debugfs", "-R", "cat " + path, image], capture_output=True, timeout=300)
+    if p.returncode != 0:
+        raise nbdtest.Failed("debugfs cat %s on %s: exit %d: %s"
+                             % (path, image, p.returncode, p.stderr.decode()[-500:]))
+    return p.stdout
+
+
+def e2fsck(image, timeout=600):
+    """e2fsck -fn on the image: (exit code, output)."""
+    t0 = time.time()
+    p = subprocess.run(["e2fsck", "-fn", image], capture_output=True, text=True, timeout=timeout)
+    log("+ e2fsck -fn %s: exit %d in %.1fs" % (image, p.returncode, time.time() - t0))
+    log((p.stdout + p.stderr).rstrip()[-3000:])
+    return p.returncode, p.stdout + p.stderr
