@@ -227,6 +227,17 @@ static void traffic_fields(json_object *x, const struct cache_export_stats *s)
 	control_add_u64(x, "backend_flushes", s->backend_flushes);
 	control_add_u64(x, "backend_flush_errors", s->backend_flush_errors);
 	control_add_u64(x, "losses", s->losses);
+	/* What clients asked for, by command (enum backend_cmd order). */
+	static const char *const names[CACHE_COMMANDS] = {
+	    [BACKEND_READ] = "read",	   [BACKEND_WRITE] = "write",
+	    [BACKEND_FLUSH] = "flush",	   [BACKEND_TRIM] = "trim",
+	    [BACKEND_ZERO] = "write_zeroes", [BACKEND_CACHE] = "cache",
+	    [BACKEND_BLOCK_STATUS] = "block_status"};
+	json_object *cmds = json_object_new_object();
+	for (unsigned i = 0; i < CACHE_COMMANDS; i++)
+		control_add_u64(cmds, names[i], s->commands[i]);
+	control_add_u64(cmds, "fua", s->fua_commands);
+	json_object_object_add(x, "commands", cmds);
 }
 
 void control_cmd_stats(struct control_client *cl, const char *only)

@@ -147,9 +147,10 @@ static uint64_t place_size(const struct version_place *at, const struct export_b
 	uint64_t size = at->size ? at->size : (at->offset < end ? end - at->offset : 0);
 	if (at->offset >= end || size > end - at->offset)
 		*why = "the window runs past the end of its backend";
-	else if (at->offset % b->block_size || (at->size && at->size % b->block_size) ||
-		 at->split % b->block_size)
-		*why = "offset, size and split must be multiples of the backend's block size";
+	else if (at->offset % b->block_size || at->split % b->block_size ||
+		 (size % b->block_size && at->offset + size != end))
+		*why = "offset, size and split must be multiples of the backend's block size "
+		       "(a window may end where the backend ends)";
 	else if (window_count(size, at->split) > EXPORT_MAX_WINDOWS)
 		*why = "split makes more than " WINDOWS_TEXT(EXPORT_MAX_WINDOWS) " windows";
 	else

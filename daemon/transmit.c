@@ -567,6 +567,7 @@ static void request_start(struct request *r)
 	}
 	uint64_t length = h->type == NBD_CMD_WRITE ? r->buf_len : h->length;
 	struct cache_op *op = &r->op;
+	cache_export_count_command(c->export->cache, backend_cmd_of(h->type), flags);
 	op->ce = c->export->cache;
 	op->worker = c->worker;
 	op->cmd = backend_cmd_of(h->type);

@@ -140,6 +140,14 @@ void print_stats(json_object *r)
 	       " backend flushes, %" PRId64 " failed, %" PRId64 " losses\n",
 	       SIZE(ctl_get_int(c, "unstable_bytes")), ctl_get_int(c, "backend_flushes"),
 	       ctl_get_int(c, "backend_flush_errors"), ctl_get_int(c, "losses"));
+	json_object *cmds = ctl_field(c, "commands");
+	printf("requests     %" PRId64 " read, %" PRId64 " write, %" PRId64 " flush, %" PRId64
+	       " trim, %" PRId64 " write-zeroes, %" PRId64 " cache, %" PRId64
+	       " block-status; %" PRId64 " with FUA\n",
+	       ctl_get_int(cmds, "read"), ctl_get_int(cmds, "write"), ctl_get_int(cmds, "flush"),
+	       ctl_get_int(cmds, "trim"), ctl_get_int(cmds, "write_zeroes"),
+	       ctl_get_int(cmds, "cache"), ctl_get_int(cmds, "block_status"),
+	       ctl_get_int(cmds, "fua"));
 	printf("other        %" PRId64 " evictions, %" PRId64 " bypassed reads, %" PRId64
 	       " direct writes\n",
 	       ctl_get_int(c, "evictions"), ctl_get_int(c, "bypass_reads"),

@@ -50,7 +50,10 @@ struct nbd_handle *nbd_pool_handle_begin(struct nbd_backend *nb, char *err, size
 		snprintf(err, errlen, "%s", nbd_get_error());
 		return NULL;
 	}
+	/* The URI is the administrator's: nbds:// backends name their
+	 * credentials with tls-certificates=DIR or tls-psk-file=FILE. */
 	if (nbd_add_meta_context(h, LIBNBD_CONTEXT_BASE_ALLOCATION) < 0 ||
+	    nbd_set_uri_allow_local_file(h, true) < 0 ||
 	    (nb->uri ? nbd_aio_connect_uri(h, nb->uri)
 		     : nbd_aio_connect_systemd_socket_activation(h, nb->argv)) < 0) {
 		snprintf(err, errlen, "%s", nbd_get_error() ? nbd_get_error() : "connect failed");

@@ -153,6 +153,8 @@ struct cache_op {
  * struct cache_stats, where every counter is the sum over the exports and
  * dirty_bytes and cached_bytes are the cache's own.
  */
+#define CACHE_COMMANDS (BACKEND_BLOCK_STATUS + 1)
+
 struct cache_export_stats {
 	uint64_t hits, misses, partial_hits;
 	uint64_t backend_reads, backend_read_bytes, backend_writes, backend_write_bytes;
@@ -162,6 +164,9 @@ struct cache_export_stats {
 	uint64_t unstable_bytes; /* written back, waiting for a backend flush */
 	uint64_t backend_flushes, backend_flush_errors;
 	uint64_t losses; /* times the backend may have lost unflushed writes */
+	/* Client requests by command (index: enum backend_cmd), and how many
+	 * of them carried FUA (cache_export_count_command). */
+	uint64_t commands[CACHE_COMMANDS], fua_commands;
 };
 
 struct cache_stats {
@@ -261,6 +266,9 @@ bool cache_all_zero(const uint8_t *p, size_t n);
 
 void cache_get_stats(struct cache *c, struct cache_stats *out);
 void cache_export_get_stats(struct cache_export *ce, struct cache_export_stats *out);
+/* Count one client request (statistics only: what clients asked for, not
+ * what reached the backend). Any thread. */
+void cache_export_count_command(struct cache_export *ce, enum backend_cmd cmd, uint32_t flags);
 /*
  * Run one full compaction pass now: compaction of the sparsest chunks as
  * far as free memory allows, collapse of every 2 MiB device range covered

@@ -122,6 +122,8 @@ struct cache_counters {
 	atomic_uint_fast64_t evictions, writeback_errors, bypass_reads, direct_writes;
 	atomic_uint_fast64_t dirty_bytes, entries, metadata_bytes, cached_bytes;
 	atomic_uint_fast64_t unstable_bytes, backend_flushes, backend_flush_errors, losses;
+	/* Client requests by command (enum backend_cmd), and those with FUA. */
+	atomic_uint_fast64_t commands[CACHE_COMMANDS], fua_commands;
 	/* The cache's only (compact.c): */
 	atomic_uint_fast64_t entry_bytes, large_bytes; /* bytes in entries, in order-9 ones */
 	atomic_uint_fast64_t alloc_2m_attempts, alloc_2m_ok, alloc_failures;

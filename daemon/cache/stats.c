@@ -29,6 +29,9 @@ static void counters_load(const struct cache_counters *k, struct cache_export_st
 	s->backend_flushes = atomic_load(&k->backend_flushes);
 	s->backend_flush_errors = atomic_load(&k->backend_flush_errors);
 	s->losses = atomic_load(&k->losses);
+	for (unsigned i = 0; i < CACHE_COMMANDS; i++)
+		s->commands[i] = atomic_load(&k->commands[i]);
+	s->fua_commands = atomic_load(&k->fua_commands);
 }
 
 static void counters_sum(struct cache_export_stats *sum, const struct cache_export_stats *s)
@@ -49,6 +52,16 @@ static void counters_sum(struct cache_export_stats *sum, const struct cache_expo
 	sum->backend_flushes += s->backend_flushes;
 	sum->backend_flush_errors += s->backend_flush_errors;
 	sum->losses += s->losses;
+	for (unsigned i = 0; i < CACHE_COMMANDS; i++)
+		sum->commands[i] += s->commands[i];
+	sum->fua_commands += s->fua_commands;
+}
+
+void cache_export_count_command(struct cache_export *ce, enum backend_cmd cmd, uint32_t flags)
+{
+	atomic_fetch_add_explicit(&ce->counters.commands[cmd], 1, memory_order_relaxed);
+	if (flags & BACKEND_FUA)
+		atomic_fetch_add_explicit(&ce->counters.fua_commands, 1, memory_order_relaxed);
 }
 
 void cache_export_get_stats(struct cache_export *ce, struct cache_export_stats *out)

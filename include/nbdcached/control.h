@@ -44,10 +44,16 @@
  *     exports: array of EXPORT objects:
  *       name, description (string or null), backend (string: the path, URI
  *       or "nbdkit:..." as configured), kind (string: "file" or "nbd"),
- *       size, readonly (bool), block_size, cache_mode (string: "writeback",
- *       "writethrough", "writearound" or "none"), seq_cutoff,
- *       max_connections (0: unlimited), connections, dirty_high, dirty_low
- *       (percent of the cache; the global values unless set per export)
+ *       size (what clients see: the window's size), offset (the window's
+ *       first byte in the backend; 0 for a whole export), split (the window
+ *       size of its NAME/K windows; 0: none), window_of (string: the split
+ *       export a window belongs to, or null), readonly (bool), block_size,
+ *       cache_mode (string: "writeback", "writethrough", "writearound" or
+ *       "none"), seq_cutoff, max_connections (0: unlimited), connections,
+ *       dirty_high, dirty_low (percent of the cache; the global values
+ *       unless set per export)
+ *     Exports over one backend share its cache export: their "stats" are
+ *     the backend's, the same for each.
  *     Only exports a client can connect to are listed; status counts the
  *     ones a reload removed that are still finishing (removed_backends).
  *
@@ -92,6 +98,10 @@
  *     in blocks written), backend_flushes, backend_flush_errors, losses
  *     (times the backend may have lost writes it acknowledged, so what the
  *     cache held of them was written again). nbdcached(8), DURABILITY.
+ *     Requests (cache and each export): commands: {read, write, flush,
+ *     trim, write_zeroes, cache, block_status (client requests of each
+ *     command started, refused ones not counted), fua (those of them with
+ *     NBD_CMD_FLAG_FUA)}.
  *     backend_writes and backend_write_bytes count what was sent to the
  *     backend, failed writes included (writeback_errors counts those);
  *     writeback_bytes counts what the writeback thread wrote successfully.

@@ -115,13 +115,36 @@ def bad_input(tmp):
     rc, out, err = check_config(path, "--export", "a=/tmp/y")
     expect(rc == 2 and "export 'a' is defined at %s:1 and on the command line" % path in err,
            "duplicate with the command line: %r" % err)
-    # One file behind two exports (a read-only view, say): two caches that do
-    # not see each other's writes. Allowed, with a warning.
+    # One file behind two exports (a read-only view, a window): one backend,
+    # one cache, so they must agree on what the cache holds per backend.
     with open(path, "w") as f:
-        f.write("[a]\nbackend = /tmp/x\n[b]\nbackend = /tmp/x\n")
+        f.write("[a]\nbackend = /tmp/x\n[b]\nbackend = /tmp/x\nreadonly = true\n"
+                "offset = 1M\nsize = 2M\n")
     rc, out, err = check_config(path)
-    expect(rc == 0 and "warning: exports 'a' and 'b' share the backend /tmp/x" in err,
-           "a shared backend is served, with a warning: %r" % err)
+    expect(rc == 0 and "export 'b': /tmp/x, cache writeback, block size 4096, read-only, "
+           "bytes 1048576 to 3145727, one cache with export 'a'" in out,
+           "a shared backend is one cache: %r %r" % (out, err))
+    with open(path, "w") as f:
+        f.write("[a]\nbackend = /tmp/x\n[b]\nbackend = /tmp/x\nblock-size = 512\n")
+    rc, out, err = check_config(path)
+    expect(rc == 2 and "exports 'a' and 'b' share the backend /tmp/x, and so one cache: "
+           "their block-size must be the same" in err,
+           "exports over one backend with different block sizes: %r" % err)
+    with open(path, "w") as f:
+        f.write("[a]\nbackend = /tmp/x\nsplit = 32bit\noffset = 6000\n")
+    rc, out, err = check_config(path)
+    expect(rc == 2 and "export 'a' at %s:1: offset, size and split must be multiples of its "
+           "block size 4096" % path in err, "a window off the block size: %r" % err)
+    with open(path, "w") as f:
+        f.write("[a]\nbackend = /tmp/x\nsplit = 32bit\n[a/1]\nbackend = /tmp/y\n")
+    rc, out, err = check_config(path)
+    expect(rc == 2 and "export 'a/1' is named like a window of export 'a'" in err,
+           "a name taken by a split window: %r" % err)
+    with open(path, "w") as f:
+        f.write("[a]\nbackend = /tmp/x\nsplit = 0\n")
+    rc, out, err = check_config(path)
+    expect(rc == 2 and "%s:3: split 0: expected a size above 0, or 32bit" % path in err,
+           "split = 0: %r" % err)
     rc, out, err = check_config(os.path.join(tmp, "missing.conf"))
     expect(rc == 2 and "missing.conf: No such file or directory" in err,
            "a missing file: %r" % err)

@@ -14,7 +14,10 @@ white space is fine. A client that pipelines 200000 `stats` requests and
 reads no reply makes the daemon stop reading it once about 1 MiB of
 replies is unread: the daemon's RSS grows by less than 32 MiB (it grew by
 hundreds of MiB before), another client is served meanwhile, and the
-flooding client then reads well-formed replies."""
+flooding client then reads well-formed replies.
+
+commands: "stats" counts client requests by command (and those with FUA),
+per export and for the cache."""
 import json
 import os
 import socket
@@ -161,8 +164,43 @@ def no_control(tmp):
         h.shutdown()
 
 
+def commands(tmp):
+    """stats count client requests by command, per export and for the cache:
+    two exports (a whole one and a window of the same file) share one cache
+    export, and so one set of counts; a refused request is not counted."""
+    import nbd
+    img = os.path.join(tmp, "c.img")
+    nbdtest.sparse_file(img, 4 * MIB)
+    with nbdtest.running_daemon([("c", img, ""), ("w", img, "offset=1M,size=1M")]) as d:
+        h = nbdtest.libnbd_handle(d.unix_uri("w"), meta=True)
+        h.pwrite(b"x" * 4096, 0, nbd.CMD_FLAG_FUA)
+        h.pwrite(b"y" * 4096, 4096)
+        h.flush()
+        h.trim(4096, 0)
+        h.zero(4096, 8192)
+        h.pread(4096, 0)
+        h.pread(4096, 4096)
+        h.cache(4096, 0)
+        h.block_status(4096, 0, lambda *a: 0)
+        try:
+            h.set_strict_mode(0)
+            h.pread(4096, MIB)  # past the window's end: refused, not counted
+        except nbd.Error:
+            pass
+        h.shutdown()
+        want = {"read": 2, "write": 2, "flush": 1, "trim": 1, "write_zeroes": 1, "cache": 1,
+                "block_status": 1, "fua": 1}
+        s = nbdtest.control_request(d.control, {"command": "stats"})
+        got = {e["name"]: e["commands"] for e in s["exports"]}
+        log("  %s" % got)
+        expect(got.get("w") == want and got.get("c") == want,
+               "per-export commands: %s, want %s for both" % (got, want))
+        expect(s["cache"]["commands"] == want, "cache commands: %s" % s["cache"]["commands"])
+
+
 def main():
-    for name, fn in (("protocol", protocol), ("hostile", hostile), ("no_control", no_control)):
+    for name, fn in (("protocol", protocol), ("hostile", hostile), ("no_control", no_control),
+                     ("commands", commands)):
         with nbdtest.tempdir() as tmp:
             CHECKS.run(name, fn, tmp)
     CHECKS.finish("control socket")

@@ -13,6 +13,7 @@
 #include <cmocka.h>
 #include <errno.h>
 
+#include "daemon/option_values.h"
 #include "daemon/options.h"
 
 
@@ -371,6 +372,53 @@ static void test_no_export_and_duplicates(void **state)
 	assert_int_equal(parse(unknown, 4, &o, err, sizeof(err)), -EINVAL);
 }
 
+/* Windows: offset=, size=, split= (a size or 32bit), checked against the
+ * block size; exports over one backend must agree on what their shared
+ * cache export holds. */
+static void test_windows(void **state)
+{
+	(void)state;
+	struct options o;
+	char err[256] = "";
+	char *ok[] = {"nbdcached", "--export", "big=/x,split=32bit,description=a, b",
+		      "--export", "w=/x,offset=1M,size=2G,readonly", NULL};
+	assert_int_equal(parse(ok, 5, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.exports[0].split, (1ull << 44) - (2ull << 20));
+	assert_int_equal(o.exports[0].split, OPTIONS_SPLIT_32BIT);
+	assert_string_equal(o.exports[0].description, "a, b");
+	assert_int_equal(o.exports[1].offset, 1ull << 20);
+	assert_int_equal(o.exports[1].size, 2ull << 30);
+	assert_int_equal(options_backend_first(&o, 1), 0);
+	options_free(&o);
+
+	static const struct {
+		const char *spec, *spec2, *why;
+	} bad[] = {
+	    {"a=/x,offset=1000", NULL, "multiples of its block size 4096"},
+	    {"a=/x,size=6000", NULL, "multiples of its block size 4096"},
+	    {"a=/x,split=5000", NULL, "multiples of its block size 4096"},
+	    {"a=/x,split=0", NULL, "bad split=0"},
+	    {"a=/x,split=-1", NULL, "bad split=-1"},
+	    {"a=/x,size=0", NULL, "bad size=0"},
+	    {"a=/x,offset=8E", NULL, "bad offset=8E"},
+	    {"a=/x,offset=8388607T,size=2T", NULL, "past 2^63 bytes"},
+	    {"a=/x,offset=16777215T,size=16777215T", NULL, "overflows"},
+	    {"a=/x,split=1G", "a/0=/y", "named like a window of export 'a'"},
+	    {"a=/x", "b=/x,block-size=512", "their block-size must be the same"},
+	    {"a=/x", "b=/x,cache-mode=writethrough", "their cache-mode must be the same"},
+	    {"a=/x,dirty-high=61", "b=/x", "their dirty-high must be the same"},
+	};
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		char *argv[] = {"nbdcached", "--export", (char *)bad[i].spec, "--export",
+				(char *)bad[i].spec2, NULL};
+		err[0] = '\0';
+		int rc = parse(argv, bad[i].spec2 ? 5 : 3, &o, err, sizeof(err));
+		if (rc != -EINVAL || !strstr(err, bad[i].why))
+			fail_msg("%s %s: rc %d, '%s' (want '%s')", bad[i].spec,
+				 bad[i].spec2 ? bad[i].spec2 : "", rc, err, bad[i].why);
+	}
+}
+
 static void test_split_host_port(void **state)
 {
 	(void)state;
@@ -423,6 +471,7 @@ int main(void)
 		cmocka_unit_test(test_stall_timeout),
 		cmocka_unit_test(test_negotiation_timeout),
 		cmocka_unit_test(test_no_export_and_duplicates),
+		cmocka_unit_test(test_windows),
 		cmocka_unit_test(test_split_host_port),
 		cmocka_unit_test(test_help_and_version),
 	};
