@@ -96,24 +96,28 @@ def run_mode(checks, mode, tmp):
     g = guest.Guest("amd64", SCRIPT % {"mode": mode, "seconds": WRITE_SECONDS}, d.sock, tmp,
                     name="restart-" + mode, timeout=300)
     restarted = False
-    with g:
-        g.start()
-        if g.wait_for("KTEST-MARK writing", timeout=200):
-            time.sleep(SIGTERM_AFTER)
-            nbdtest.log("%s: SIGTERM to the daemon (pid %d)" % (mode, d.pid))
-            t0 = time.time()
-            d.stop()
-            first_log = open(d.logpath).read()
-            nbdtest.log("%s: daemon exited 0 after %.1fs; its log:\n%s"
-                        % (mode, time.time() - t0, first_log[-2000:]))
-            checks.expect("every dirty block is written back and flushed" in first_log,
-                          "%s: the daemon did not write everything back at SIGTERM" % mode)
-            time.sleep(2)
-            d = nbdtest.Daemon([("vol", img, "")], tcp=False, workdir=tmp)
-            restarted = True
-            nbdtest.log("%s: daemon started again (pid %d) %.1fs after SIGTERM"
-                        % (mode, d.pid, time.time() - t0))
-        g.wait()
+    try:
+        with g:
+            g.start()
+            if g.wait_for("KTEST-MARK writing", timeout=200):
+                time.sleep(SIGTERM_AFTER)
+                nbdtest.log("%s: SIGTERM to the daemon (pid %d)" % (mode, d.pid))
+                t0 = time.time()
+                d.stop()
+                first_log = open(d.logpath).read()
+                nbdtest.log("%s: daemon exited 0 after %.1fs; its log:\n%s"
+                            % (mode, time.time() - t0, first_log[-2000:]))
+                checks.expect("every dirty block is written back and flushed" in first_log,
+                              "%s: the daemon did not write everything back at SIGTERM" % mode)
+                time.sleep(2)
+                d = nbdtest.Daemon([("vol", img, "")], tcp=False, workdir=tmp)
+                restarted = True
+                nbdtest.log("%s: daemon started again (pid %d) %.1fs after SIGTERM"
+                            % (mode, d.pid, time.time() - t0))
+            g.wait()
+    except BaseException:
+        d.kill()
+        raise
     d.stop()
     checks.expect(restarted, "%s: the guest never started writing" % mode)
     checks.expect(g.exit_rc == 0, "%s: the guest script exited %r" % (mode, g.exit_rc))

@@ -31,10 +31,12 @@ guest prints:
     KTEST-EXIT RC           the script's exit code
 """
 
+import atexit
 import glob
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -50,6 +52,15 @@ KDIR = os.path.join(BUILD, "kernel")
 I386_ROOT = os.path.join(KDIR, "i386-debs", "root")
 
 log = nbdtest.log
+
+
+def _terminated(signum, frame):
+    """SIGTERM (tests/run's timeout) unwinds like an error: the with-blocks
+    kill qemu by PID and stop the daemon, atexit removes the backends."""
+    raise SystemExit("terminated by signal %d" % signum)
+
+
+signal.signal(signal.SIGTERM, _terminated)
 
 # The guest's view: 10.0.2.100:10809 is the daemon.
 NBD_HOST = "10.0.2.100"
@@ -449,6 +460,7 @@ def big_backend(workdir, size, name="big.img"):
     base = nbdtest.shm_dir() or workdir
     d = os.path.join(base, "nbdcached-kernel-%d" % os.getpid())
     os.makedirs(d, exist_ok=True)
+    atexit.register(shutil.rmtree, d, True)
     path = os.path.join(d, name)
     try:
         nbdtest.sparse_file(path, size)
