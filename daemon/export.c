@@ -297,6 +297,8 @@ static int windows_push(struct export_table *t, const struct export *p, struct v
 /* Is every export over spec i's backend read-only (then it is opened so)? */
 static bool backend_readonly(const struct options *opts, size_t i)
 {
+	if (!options_backend_shared(opts->exports[i].backend))
+		return opts->exports[i].readonly;
 	for (size_t j = 0; j < opts->export_count; j++)
 		if (!opts->exports[j].readonly &&
 		    strcmp(opts->exports[j].backend, opts->exports[i].backend) == 0)
@@ -515,6 +517,8 @@ static bool version_differs(const struct export *old, const struct export_spec *
  * share it (and its cache). */
 static struct export_backing *backing_find(struct export_table *t, const char *spec)
 {
+	if (!options_backend_shared(spec))
+		return NULL;
 	pthread_mutex_lock(&t->lock);
 	struct export_backing *b = t->backings;
 	while (b && strcmp(b->spec, spec) != 0)

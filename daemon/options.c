@@ -652,8 +652,15 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
 	return rc;
 }
 
+bool options_backend_shared(const char *backend)
+{
+	return strncmp(backend, "nbdkit:", 7) != 0;
+}
+
 size_t options_backend_first(const struct options *opts, size_t i)
 {
+	if (!options_backend_shared(opts->exports[i].backend))
+		return i;
 	for (size_t j = 0; j < i; j++)
 		if (strcmp(opts->exports[j].backend, opts->exports[i].backend) == 0)
 			return j;

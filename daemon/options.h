@@ -191,11 +191,15 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 /* Resolve per-export defaults, check the whole, add the default listen
  * address. Called by options_parse() unless a config file is named. */
 int options_finish(struct options *opts, char *err, size_t errlen);
-/* The first export (index) with the same backend as export i: exports over
- * one backend share it and its cache (daemon/export.h); options_finish()
+/* The first export (index) with the same backend as export i (i itself when
+ * it is the first, or its backend is not shared): exports over one backend
+ * share it and its cache (daemon/export.h); options_finish()
  * checks they agree on what the cache holds per backend (block size, cache
- * mode, watermarks). i itself when it is the first. */
+ * mode, watermarks). */
 size_t options_backend_first(const struct options *opts, size_t i);
+/* Can exports share this backend? Not an "nbdkit:" one: each such export
+ * starts an nbdkit of its own (its split windows share it). */
+bool options_backend_shared(const char *backend);
 /* Set every global default (what options_parse() starts from). */
 void options_defaults(struct options *opts);
 /* The pinned-reply limit in force: as given, or 1/8 of cache_size. */

@@ -400,18 +400,20 @@ def errno_passthrough():
         try:
             for ename in ("EIO", "ENOSPC"):
                 files[ename] = os.path.join(tmp, "fail-" + ename)
-                kits[ename] = Nbdkit(tmp, ename.lower(), [
-                    "--filter=error", "memory", "size=%d" % SIZE, "error=" + ename,
-                    "error-pwrite-rate=1", "error-pwrite-file=" + files[ename]])
+                # A server per mode: exports over one backend share one
+                # cache export, and so one cache mode.
                 for mode in ("writethrough", "none"):
-                    exports.append(("%s-%s" % (ename.lower(), mode), kits[ename].uri(),
-                                    "cache-mode=" + mode))
+                    name = "%s-%s" % (ename.lower(), mode)
+                    kits[name] = Nbdkit(tmp, name, [
+                        "--filter=error", "memory", "size=%d" % SIZE, "error=" + ename,
+                        "error-pwrite-rate=1", "error-pwrite-file=" + files[ename]])
+                    exports.append((name, kits[name].uri(), "cache-mode=" + mode))
             with running_daemon(exports, extra=["--cache-size", "64M"]) as d:
                 r = random.Random(SEED + 20)
                 for k, (name, _, _) in enumerate(exports):
                     ename = name.split("-")[0].upper()
                     h = nbdtest.libnbd_handle(d.unix_uri(name))
-                    direct = kits[ename].handle()
+                    direct = kits[name].handle()
                     off = (k % 2) * 16 * MIB + 12345        # disjoint per export
                     old, new = r.randbytes(70000), r.randbytes(70000)
                     h.pwrite(old, off)
@@ -510,14 +512,20 @@ def read_faults():
     """Reads that miss carry the backend's EIO; cached data does not need it."""
     with nbdtest.tempdir() as tmp:
         efile = os.path.join(tmp, "fail-pread")
-        kit = Nbdkit(tmp, "rd-err", ["--filter=error", "memory", "size=%d" % SIZE, "error=EIO",
-                                     "error-pread-rate=1", "error-pread-file=" + efile])
+        # Two servers failing on the same file: exports over one backend
+        # share one cache export, and so one cache mode.
+        kits = [Nbdkit(tmp, name, ["--filter=error", "memory", "size=%d" % SIZE, "error=EIO",
+                                   "error-pread-rate=1", "error-pread-file=" + efile])
+                for name in ("rd-err", "rd-err-none")]
+        kit, kit_none = kits
         try:
             data = random.Random(SEED + 40).randbytes(2 * MIB)
             base = 8 * MIB + 4321
             direct = kit.handle()
             direct.pwrite(data, base)
-            with running_daemon([("none", kit.uri(), "cache-mode=none"),
+            direct_none = kit_none.handle()
+            direct_none.pwrite(data, base)
+            with running_daemon([("none", kit_none.uri(), "cache-mode=none"),
                                  ("wb", kit.uri(), "cache-mode=writeback")],
                                 extra=["--cache-size", "64M"]) as d:
                 hn = nbdtest.libnbd_handle(d.unix_uri("none"))
@@ -542,10 +550,11 @@ def read_faults():
                 finally:
                     if os.path.exists(efile):
                         os.unlink(efile)
-                    nbdtest.shutdown_all([hn, hw, direct])
+                    nbdtest.shutdown_all([hn, hw, direct, direct_none])
                 alive(d, "after the read faults")
         finally:
-            kit.stop()
+            for k in kits:
+                k.stop()
 
 
 # ---- d: outage ----

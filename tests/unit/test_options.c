@@ -390,6 +390,13 @@ static void test_windows(void **state)
 	assert_int_equal(o.exports[1].size, 2ull << 30);
 	assert_int_equal(options_backend_first(&o, 1), 0);
 	options_free(&o);
+	/* Each nbdkit: export starts its own nbdkit: nothing shared, no
+	 * agreement needed. */
+	char *kits[] = {"nbdcached", "--export", "a=nbdkit:memory 1G", "--export",
+			"b=nbdkit:memory 1G,cache-mode=none", NULL};
+	assert_int_equal(parse(kits, 5, &o, err, sizeof(err)), 0);
+	assert_int_equal(options_backend_first(&o, 1), 1);
+	options_free(&o);
 
 	static const struct {
 		const char *spec, *spec2, *why;
