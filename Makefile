@@ -212,6 +212,14 @@ install: programs
 	[ -e $(DESTDIR)/etc/nbdcached/nbdcached.conf ] || \
 		install -m 0644 configs/nbdcached.conf $(DESTDIR)/etc/nbdcached/nbdcached.conf
 
+# The kernel NBD client tests (tests/kernel/): Debian's own amd64 and i386
+# kernels booted under qemu (TCG) attach the daemon's exports with nbd-client.
+.PHONY: kernel-check
+kernel-check: deps
+	tests/kernel/deps
+	$(MAKE) programs
+	BUILD=$(BUILD) tests/run --kernel
+
 deb:
 	scripts/deb
 
