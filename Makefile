@@ -215,10 +215,13 @@ install: programs
 # The kernel NBD client tests (tests/kernel/): Debian's own amd64 and i386
 # kernels booted under qemu (TCG) attach the daemon's exports with nbd-client.
 .PHONY: kernel-check
+# KERNEL_TESTS: names of tests/kernel/*.py to run (default: all of them).
 kernel-check: deps
 	tests/kernel/deps
 	$(MAKE) programs
-	BUILD=$(BUILD) tests/run --kernel
+	@if [ -z "$(KERNEL_TESTS)" ]; then BUILD=$(BUILD) tests/run --kernel; \
+	else rc=0; for t in $(KERNEL_TESTS); do BUILD=$(BUILD) tests/run --kernel $$t || rc=1; done; \
+	exit $$rc; fi
 
 deb:
 	scripts/deb
