@@ -16,7 +16,6 @@
 #include <netinet/in.h>
 #include <pthread.h>
 #include <pwd.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,22 +23,12 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "daemon/option_values.h"
 #include "daemon/options.h"
 
 #define ACCESS_SEPARATORS " \t,"
 
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-{
-	va_list ap;
-	va_start(ap, fmt);
-	if (err && errlen)
-		vsnprintf(err, errlen, fmt, ap);
-	va_end(ap);
-	return rc;
-}
+#define fail options_fail
 
 static void map_v4(uint8_t out[16], const struct in_addr *a)
 {

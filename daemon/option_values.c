@@ -6,6 +6,8 @@
 #include "daemon/option_values.h"
 
 #include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,6 +78,16 @@ int options_parse_block_size(const char *text, uint32_t *out)
 		return -EINVAL;
 	*out = (uint32_t)v;
 	return 0;
+}
+
+int options_fail(char *err, size_t errlen, int rc, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	if (err && errlen)
+		vsnprintf(err, errlen, fmt, ap);
+	va_end(ap);
+	return rc;
 }
 
 int options_parse_split(const char *text, uint64_t *out)

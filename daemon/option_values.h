@@ -38,6 +38,11 @@ int options_parse_cache_mode(const char *text, enum cache_mode *out);
 const char *options_cache_mode_name(enum cache_mode mode);
 int options_parse_hugepages(const char *text, enum hugepages_policy *out);
 int options_parse_percent(const char *text, unsigned *out);
+/* Write a reason (printf-style) into err (errlen bytes; none when err is
+ * NULL) and return rc: how every parser here and in options.c, config.c and
+ * access.c reports an error. */
+int options_fail(char *err, size_t errlen, int rc, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 /* A split= value: "32bit" (OPTIONS_SPLIT_32BIT) or a size above 0. */
 int options_parse_split(const char *text, uint64_t *out);
 /*

@@ -13,23 +13,11 @@
 #include <getopt.h>
 #include <inttypes.h>
 #include <limits.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-	__attribute__((format(printf, 4, 5)));
-
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-{
-	va_list ap;
-	va_start(ap, fmt);
-	if (err && errlen)
-		vsnprintf(err, errlen, fmt, ap);
-	va_end(ap);
-	return rc;
-}
+#define fail options_fail
 
 const char *options_usage(void)
 {

@@ -166,25 +166,13 @@ void worker_hand_off(struct worker *w, int fd, uint64_t id, const struct access_
 	event_active(w->wake, EV_READ, 0);
 }
 
-void worker_post(struct worker *w, struct worker_task *task)
+/* Queue task on w unless only_running and w was asked to stop. */
+static bool post(struct worker *w, struct worker_task *task, bool only_running)
 {
 	task->next = NULL;
 	pthread_mutex_lock(&w->lock);
-	if (w->tasks_tail)
-		w->tasks_tail->next = task;
-	else
-		w->tasks = task;
-	w->tasks_tail = task;
-	pthread_mutex_unlock(&w->lock);
-	event_active(w->wake, EV_READ, 0);
-}
-
-bool worker_post_if_running(struct worker *w, struct worker_task *task)
-{
-	task->next = NULL;
-	pthread_mutex_lock(&w->lock);
-	bool running = !w->stop_requested;
-	if (running) {
+	bool queued = !only_running || !w->stop_requested;
+	if (queued) {
 		if (w->tasks_tail)
 			w->tasks_tail->next = task;
 		else
@@ -192,9 +180,19 @@ bool worker_post_if_running(struct worker *w, struct worker_task *task)
 		w->tasks_tail = task;
 	}
 	pthread_mutex_unlock(&w->lock);
-	if (running)
+	if (queued)
 		event_active(w->wake, EV_READ, 0);
-	return running;
+	return queued;
+}
+
+void worker_post(struct worker *w, struct worker_task *task)
+{
+	post(w, task, false);
+}
+
+bool worker_post_if_running(struct worker *w, struct worker_task *task)
+{
+	return post(w, task, true);
 }
 
 void worker_request_stop(struct worker *w)
