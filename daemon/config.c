@@ -210,6 +210,7 @@ enum {
 	K_OFFSET = 1u << 12,
 	K_SIZE = 1u << 13,
 	K_SPLIT = 1u << 14,
+	K_TLS = 1u << 15,
 };
 
 static int once(struct config_ctx *x, unsigned *mask, unsigned bit, const char *name)
@@ -297,6 +298,11 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 	    {"max-pinned-replies", OPT_GIVEN_MAX_PINNED_REPLIES},
 	    {"stall-timeout", OPT_GIVEN_STALL_TIMEOUT},
 	    {"negotiation-timeout", OPT_GIVEN_NEGOTIATION_TIMEOUT},
+	    {"tls", OPT_GIVEN_TLS},
+	    {"tls-certificates", OPT_GIVEN_TLS_CERTIFICATES},
+	    {"tls-psk", OPT_GIVEN_TLS_PSK},
+	    {"tls-verify-peer", OPT_GIVEN_TLS_VERIFY_PEER},
+	    {"tls-priority", OPT_GIVEN_TLS_PRIORITY},
 	};
 	unsigned bit = 0;
 	for (size_t i = 0; i < sizeof(globals) / sizeof(globals[0]); i++)
@@ -413,6 +419,24 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 			return config_fail(x, "negotiation-timeout %s: expected 1..%d seconds", v,
 					   OPTIONS_MAX_NEGOTIATION_TIMEOUT);
 		return 1;
+	case OPT_GIVEN_TLS:
+		if (options_parse_tls(v, &f->tls) < 0)
+			return config_fail(x, "tls %s: expected off, on or require", v);
+		return 1;
+	case OPT_GIVEN_TLS_VERIFY_PEER:
+		if (parse_bool(v, &f->tls_verify_peer) < 0)
+			return config_fail(x, "tls-verify-peer %s: expected true or false", v);
+		return 1;
+	case OPT_GIVEN_TLS_CERTIFICATES:
+	case OPT_GIVEN_TLS_PSK:
+	case OPT_GIVEN_TLS_PRIORITY:
+		if (v[0] == '\0')
+			return config_fail(x, "%s: empty", name);
+		return set_string(x,
+				  bit == OPT_GIVEN_TLS_CERTIFICATES ? &f->tls_certificates
+				  : bit == OPT_GIVEN_TLS_PSK	     ? &f->tls_psk
+								     : &f->tls_priority,
+				  v);
 	case OPT_GIVEN_MAX_CONNECTIONS:
 		if (options_parse_max_connections(v, &f->max_connections) < 0)
 			return config_fail(x, "%s %s: expected 0..%d (0: unlimited)", name, v,
@@ -551,6 +575,16 @@ static int export_key(struct config_ctx *x, const char *name, const char *v)
 			return config_fail(x, "split %s: expected a size above 0, or 32bit", v);
 		return 1;
 	}
+	if (key_is(name, "tls")) {
+		if (!once(x, &x->spec_keys, K_TLS, name))
+			return 0;
+		/* Only require: on and off are the global setting's ([generic]). */
+		if (strcmp(v, "require") == 0)
+			e->tls_require = true;
+		else if (strcmp(v, "on") != 0)
+			return config_fail(x, "tls %s: expected require (or on) in an export", v);
+		return 1;
+	}
 	/* nbd-server's flush, fua and trim: nbdcached always honours them. */
 	if (key_is(name, "flush") || key_is(name, "fua") || key_is(name, "trim")) {
 		bool on;
@@ -656,6 +690,11 @@ static int merge(struct config_ctx *x)
 	TAKE_STRING(OPT_GIVEN_CONTROL, control_path);
 	TAKE_STRING(OPT_GIVEN_USER, user);
 	TAKE_STRING(OPT_GIVEN_GROUP, group);
+	TAKE(OPT_GIVEN_TLS, tls);
+	TAKE(OPT_GIVEN_TLS_VERIFY_PEER, tls_verify_peer);
+	TAKE_STRING(OPT_GIVEN_TLS_CERTIFICATES, tls_certificates);
+	TAKE_STRING(OPT_GIVEN_TLS_PSK, tls_psk);
+	TAKE_STRING(OPT_GIVEN_TLS_PRIORITY, tls_priority);
 #undef TAKE
 #undef TAKE_STRING
 	/* The file's exports first, then the command line's. */

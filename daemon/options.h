@@ -21,6 +21,8 @@
  *             [--compact on|off] [--compact-interval-ms MS] [--compact-threshold PERMILLE]
  *             [--max-clients N] [--max-reply-memory SIZE] [--max-pinned-replies SIZE]
  *             [--stall-timeout SECONDS] [--negotiation-timeout SECONDS]
+ *             [--tls off|on|require] [--tls-certificates DIR] [--tls-psk FILE]
+ *             [--tls-verify-peer[=true|false]] [--tls-priority STRING]
  *
  * BACKEND is a file or block device path, an NBD URI (nbd://, nbds://,
  * nbd+unix://...) or "nbdkit:PLUGIN [ARG...]".
@@ -75,6 +77,12 @@
 /* Seconds a client may take from connecting to GO / EXPORT_NAME (conn.h). */
 #define OPTIONS_DEFAULT_NEGOTIATION_TIMEOUT 60
 #define OPTIONS_MAX_NEGOTIATION_TIMEOUT 3600
+/* GnuTLS priorities when tls-priority is not given: TLS 1.3 and 1.2 only,
+ * AEAD ciphers only, forward-secret key exchanges only (no static RSA, no
+ * plain PSK), PSK with (EC)DHE allowed (daemon/tls.h). */
+#define OPTIONS_DEFAULT_TLS_PRIORITY                                                               \
+	"SECURE128:-VERS-ALL:+VERS-TLS1.3:+VERS-TLS1.2:-CIPHER-ALL:+AES-256-GCM:"                   \
+	"+CHACHA20-POLY1305:+AES-128-GCM:-MAC-ALL:+AEAD:-RSA:-PSK:+ECDHE-PSK:+DHE-PSK"
 
 struct export_spec {
 	char *name;
@@ -92,6 +100,9 @@ struct export_spec {
 	/* Non-zero: NAME/0, NAME/1, ... windows of this many bytes of the
 	 * export are published too (daemon/export.h). */
 	uint64_t split;
+	/* tls = require: only clients that did STARTTLS may use it (needs the
+	 * global tls on or require). */
+	bool tls_require;
 	/* Which of the above were given (the rest come from struct options). */
 	bool has_block_size, has_seq_cutoff, has_max_connections, has_dirty_high, has_dirty_low;
 	/* Where it was defined: "FILE:LINE" or NULL (command line). */
@@ -125,6 +136,11 @@ enum options_given {
 	OPT_GIVEN_MAX_PINNED_REPLIES = 1u << 22,
 	OPT_GIVEN_STALL_TIMEOUT = 1u << 23,
 	OPT_GIVEN_NEGOTIATION_TIMEOUT = 1u << 24,
+	OPT_GIVEN_TLS = 1u << 25,
+	OPT_GIVEN_TLS_CERTIFICATES = 1u << 26,
+	OPT_GIVEN_TLS_PSK = 1u << 27,
+	OPT_GIVEN_TLS_VERIFY_PEER = 1u << 28,
+	OPT_GIVEN_TLS_PRIORITY = 1u << 29,
 };
 
 struct options {
@@ -174,6 +190,17 @@ struct options {
 	/* Seconds a client may take from connecting to finishing negotiation
 	 * (GO / EXPORT_NAME) before it is disconnected (daemon/conn.h). */
 	unsigned negotiation_timeout;
+	/* TLS (daemon/tls.h): off (STARTTLS refused), on (SELECTIVETLS: at the
+	 * client's choice, required by exports with tls = require) or require
+	 * (FORCEDTLS); the credentials (certificate directory with
+	 * ca-cert.pem, server-cert.pem, server-key.pem, ca-crl.pem; psktool's
+	 * key file), whether a client certificate is required and verified,
+	 * the GnuTLS priority string (NULL: OPTIONS_DEFAULT_TLS_PRIORITY). */
+	enum tls_mode tls;
+	char *tls_certificates;
+	char *tls_psk;
+	bool tls_verify_peer;
+	char *tls_priority;
 	bool help;
 	bool version;
 };
