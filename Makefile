@@ -41,8 +41,8 @@ ALL_CFLAGS = $(OPT) -std=c11 $(WARN) -D_FORTIFY_SOURCE=2 -fstack-protector-stron
 	  $(if $(VERSION),-DNBDCACHED_VERSION='"$(VERSION)"') $(CFLAGS)
 ALL_LDFLAGS = -pthread $(SANITIZE) $(M32) $(LDFLAGS)
 
-DAEMON_LIBS := $(shell pkg-config --libs libevent_pthreads liburing libnbd libsystemd inih json-c 2>/dev/null || echo -levent -levent_pthreads -luring -lnbd -lsystemd -linih -ljson-c)
-DAEMON_CFLAGS := $(shell pkg-config --cflags libevent liburing libnbd libsystemd inih json-c 2>/dev/null)
+DAEMON_LIBS := $(shell pkg-config --libs libevent_pthreads liburing libnbd libsystemd inih json-c gnutls 2>/dev/null || echo -levent -levent_pthreads -luring -lnbd -lsystemd -linih -ljson-c -lgnutls)
+DAEMON_CFLAGS := $(shell pkg-config --cflags libevent liburing libnbd libsystemd inih json-c gnutls 2>/dev/null)
 CTL_LIBS := $(shell pkg-config --libs json-c 2>/dev/null || echo -ljson-c)
 
 # The codec: pure, no dependency.
