@@ -116,7 +116,7 @@ void conn_kill(struct conn *c, const char *why)
 	}
 	if (c->hangup)
 		event_del(c->hangup);
-	tls_conn_end(c);
+	tls_conn_end(c, why);
 	/* What the output holds goes with it; so does a half-read request. */
 	evbuffer_remove_cb_entry(bufferevent_get_output(bev), c->output_cb);
 	conn_output_sync(c); /* down to the references, freed with the buffer */
@@ -447,7 +447,8 @@ void conn_update_reading(struct conn *c)
 	if (!c->bev)
 		return;
 	if (c->closing) {
-		if (conn_drained(c))
+		/* TLS ends with its close_notify, sent once the rest has gone. */
+		if (conn_drained(c) && !tls_close_notify(c))
 			conn_kill(c, "finished");
 		return;
 	}
@@ -504,7 +505,9 @@ static void conn_on_event(struct bufferevent *bev, short what, void *arg)
 {
 	(void)bev;
 	struct conn *c = arg;
-	if (what & BEV_EVENT_TIMEOUT)
+	if (tls_closing(c) && (what & (BEV_EVENT_EOF | BEV_EVENT_ERROR)))
+		conn_kill(c, "finished"); /* gone before TLS's close_notify: as asked */
+	else if (what & BEV_EVENT_TIMEOUT)
 		conn_kill(c, stall.replies_why);
 	else if (what & BEV_EVENT_EOF)
 		conn_kill(c, "client closed the connection");

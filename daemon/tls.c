@@ -64,8 +64,10 @@ struct tls_conn {
 	struct evbuffer_cb_entry *under_cb;
 	struct event *notify;
 	bool handshake_done;
+	bool bye_sent;
 	bool failed;
 	char why[256];
+	char peer[96]; /* the client's address, for the log */
 };
 
 /* ------------------------------------------------------------------ */
@@ -425,10 +427,8 @@ static void tls_fail(struct tls_conn *t, int rc)
 		snprintf(reason, sizeof(reason), "%s", gnutls_strerror(rc));
 	snprintf(t->why, sizeof(t->why), "TLS %s failed: %.200s",
 		 t->handshake_done ? "session" : "handshake", reason);
-	char peer[96];
-	peer_name(t->conn, peer, sizeof(peer));
 	log_warn("conn %llu: TLS %s with %s failed: %s", (unsigned long long)t->conn->id,
-		 t->handshake_done ? "session" : "handshake", peer, reason);
+		 t->handshake_done ? "session" : "handshake", t->peer, reason);
 	event_active(t->notify, EV_TIMEOUT, 0);
 }
 
@@ -506,9 +506,7 @@ static void tls_established(struct tls_conn *t)
 			gnutls_x509_crt_deinit(crt);
 		}
 	}
-	char peer[96];
-	peer_name(c, peer, sizeof(peer));
-	log_info("conn %llu: TLS with %s: %s, %s%s%s", (unsigned long long)c->id, peer,
+	log_info("conn %llu: TLS with %s: %s, %s%s%s", (unsigned long long)c->id, t->peer,
 		 c->tls_version, c->tls_cipher, c->tls_identity[0] ? ", identity " : "",
 		 c->tls_identity);
 }
@@ -686,6 +684,7 @@ int tls_start(struct conn *c)
 	}
 	t->conn = c;
 	t->creds = creds_ref(c->tls_creds);
+	peer_name(c, t->peer, sizeof(t->peer));
 	t->under = c->bev;
 	t->notify = event_new(c->worker->base, -1, 0, tls_on_notify, t);
 	int rc = t->notify ? tls_session_new(t) : GNUTLS_E_MEMORY_ERROR;
@@ -723,9 +722,28 @@ int tls_start(struct conn *c)
 	return 0;
 }
 
-void tls_conn_end(struct conn *c)
+bool tls_close_notify(struct conn *c)
 {
 	struct tls_conn *t = c->tls;
+	if (!t || !t->handshake_done || t->failed || t->bye_sent)
+		return false;
+	t->bye_sent = true;
+	/* The push never waits, so this does not either. */
+	int rc = gnutls_bye(t->session, GNUTLS_SHUT_WR);
+	return rc == 0 && evbuffer_get_length(bufferevent_get_output(t->under)) > 0;
+}
+
+bool tls_closing(const struct conn *c)
+{
+	return c->tls && c->tls->bye_sent;
+}
+
+void tls_conn_end(struct conn *c, const char *why)
+{
+	struct tls_conn *t = c->tls;
+	if (t && !t->handshake_done && !t->failed)
+		log_warn("conn %llu: TLS handshake with %s failed: %s", (unsigned long long)c->id,
+			 t->peer, why);
 	if (t) {
 		t->conn = NULL;
 		event_del(t->notify);

@@ -75,9 +75,20 @@ bool tls_conn_secure(const struct conn *c);
  * killed and -errno returned.
  */
 int tls_start(struct conn *c);
-/* conn_kill: detach the session from the connection (the session itself
- * goes with the bufferevent) and drop the credentials. */
-void tls_conn_end(struct conn *c);
+/*
+ * An orderly close (NBD_CMD_DISC, ABORT, shutdown), everything sent: queue
+ * TLS's close_notify and return true, the first time; once it has gone
+ * (conn_update_reading runs again then) or without TLS, false.
+ */
+bool tls_close_notify(struct conn *c);
+/* The close_notify was queued (tls_close_notify): the client may go away
+ * without reading it, and that is no error. */
+bool tls_closing(const struct conn *c);
+/* conn_kill, for why: detach the session from the connection (the session
+ * itself goes with the bufferevent) and drop the credentials. A handshake
+ * that had not finished is logged as failed, for why (the client closed,
+ * the negotiation deadline...), with the client's address. */
+void tls_conn_end(struct conn *c, const char *why);
 /*
  * What the handshake agreed, for logs and the control socket: false when
  * the connection never finished one. Strings stay valid as long as c;
