@@ -21,6 +21,10 @@ FORCEDTLS (tls require, no client certificates asked).
   qemu             qemu-img convert out of and into the export and qemu-io
                    write/read with --object tls-creds-x509 / tls-creds-psk
                    and --image-opts driver=nbd,...,tls-creds=tls0
+  hits             nbdcopy with 4 connections reads the export twice (the
+                   second time from the cache): the same bytes
+  stall            a TLS client that sends 8 READs of 4 MiB and reads
+                   nothing is reset by --stall-timeout 3
   nbd-client       -enable-tls with -certfile/-keyfile/-cacertfile: the TLS
                    handshake and NBD_OPT_GO complete ("size = 8MB", the
                    daemon logs the TLS session and the negotiation), then
@@ -77,6 +81,7 @@ import tlscerts  # noqa: E402
 MIB = 1 << 20
 SIZE = 8 * MIB
 NEGOTIATION_TIMEOUT = 4
+STALL_TIMEOUT = 3
 
 
 def starttls(r, ctx, hostname="localhost"):
@@ -276,6 +281,40 @@ def t_nbd_client(w, d):
 def subprocess_devnull():
     import subprocess
     return subprocess.DEVNULL
+
+
+def t_hits(w, d):
+    """Cached reads (arena references encrypted in place) over several
+    connections: twice the whole export, the second time all hits."""
+    for rnd in range(2):
+        out = os.path.join(w.tmp, "hits-%d.img" % rnd)
+        p = nbdtest.run(["nbdcopy", "--connections=4", "--requests=32",
+                         "--request-size=%d" % MIB, w.uri(d, x509=rnd == 0), out],
+                        timeout=120, check_rc=False)
+        require(p.returncode == 0, "nbdcopy round %d: exit %d" % (rnd, p.returncode))
+        with open(out, "rb") as f:
+            require(f.read() == bytes(w.secret), "nbdcopy round %d read other bytes" % rnd)
+        os.unlink(out)
+
+
+def t_stall(w, d):
+    """A TLS client that sends READs and never reads the replies is reset
+    after --stall-timeout, its ciphertext counted as unsent replies."""
+    r = raw.RawClient(d.sock, timeout=20)
+    try:
+        r.greeting()
+        starttls(r, w.certs.ssl_context())
+        r.go("secret")
+        r.send(b"".join(r.encode_request(raw.CMD_READ, (k % 2) * 4 * MIB, 4 * MIB)[1]
+                        for k in range(8)))
+        t0 = time.time()
+        ok = nbdtest.wait_until(
+            lambda: re.search(r"ended after [\d.]+ s: client has not read its replies for %d s"
+                              % STALL_TIMEOUT, d.log_text()), STALL_TIMEOUT + 8, step=0.2)
+        log("  reset after %.1f s" % (time.time() - t0))
+        require(ok, "a TLS client reading no replies was not reset by the stall deadline")
+    finally:
+        r.close()
 
 
 def t_selective(w, d):
@@ -486,7 +525,7 @@ def main():
         checks.run("check-config", t_check_config, w)
         a_extra = ["--tls", "on", "--tls-certificates", c.server, "--tls-psk", c.psk,
                    "--tls-verify-peer", "--negotiation-timeout", str(NEGOTIATION_TIMEOUT),
-                   "--cache-size", "64M"]
+                   "--stall-timeout", str(STALL_TIMEOUT), "--cache-size", "64M"]
         with nbdtest.running_daemon([("open", w.open_img, ""),
                                      ("secret", w.secret_img, "tls=require")],
                                     extra=a_extra, workdir=workdir(tmp, "a")) as d:
@@ -500,7 +539,8 @@ def main():
                 reads[0] += 1
 
             for name, fn in (("nbdinfo", t_nbdinfo), ("nbdcopy", t_nbdcopy),
-                             ("libnbd", t_libnbd), ("qemu", t_qemu),
+                             ("libnbd", t_libnbd), ("qemu", t_qemu), ("hits", t_hits),
+                             ("stall", t_stall),
                              ("nbd-client", t_nbd_client), ("selective", t_selective),
                              ("restart", t_restart), ("wrong CA", t_wrong_ca),
                              ("client certificates", t_client_certs),
