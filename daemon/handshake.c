@@ -105,6 +105,19 @@ static bool export_needs_tls(const struct conn *c, const struct export *e)
 	return e->tls_require && !tls_conn_secure(c);
 }
 
+/* The refusal of such an export: TLS_REQD, but never to a connection that
+ * began while TLS was off (NOTLS must not send it; the export came with a
+ * reload that turned TLS on). */
+static void refuse_needs_tls(struct conn *c, uint32_t option)
+{
+	if (tls_conn_mode(c) == TLS_OFF)
+		option_error(c, option, NBD_REP_ERR_POLICY,
+			     "this export requires TLS, which this connection cannot use");
+	else
+		option_error(c, option, NBD_REP_ERR_TLS_REQD,
+			     "this export requires TLS: send NBD_OPT_STARTTLS first");
+}
+
 static void handle_export_name(struct conn *c, const char *data, uint32_t len)
 {
 	struct export *e = export_get(c->worker->exports, data, len);
@@ -174,8 +187,7 @@ static void handle_info_go(struct conn *c, uint32_t option, const uint8_t *data,
 		return;
 	}
 	if (export_needs_tls(c, e)) {
-		option_error(c, option, NBD_REP_ERR_TLS_REQD,
-			     "this export requires TLS: send NBD_OPT_STARTTLS first");
+		refuse_needs_tls(c, option);
 		export_put(e);
 		return;
 	}
@@ -249,8 +261,7 @@ static void handle_meta(struct conn *c, uint32_t option, const uint8_t *data, ui
 		return;
 	}
 	if (export_needs_tls(c, e)) {
-		option_error(c, option, NBD_REP_ERR_TLS_REQD,
-			     "this export requires TLS: send NBD_OPT_STARTTLS first");
+		refuse_needs_tls(c, option);
 		export_put(e);
 		return;
 	}
