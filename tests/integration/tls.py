@@ -11,6 +11,9 @@ FORCEDTLS (tls require, no client certificates asked).
   check-config     a good directory loads ("tls on: certificates ...");
                    a garbage server-key.pem is refused (exit 2) naming the
                    file and GnuTLS's reason
+  config file      the [generic] tls keys and an export's tls = require;
+                   tls = require without TLS on, a bad tls value and a bad
+                   priority string are refused with FILE:LINE or the string
   nbdinfo          nbds+unix:// and nbds:// (TCP) with tls-certificates=,
                    and with tls-psk-file= (user alice): "with TLS", the size
   nbdcopy          a random image into "secret" and back, x509 then PSK:
@@ -180,6 +183,33 @@ def t_check_config(w):
                      "--tls", "on", "--tls-psk", c.server + "/server-cert.pem"], check_rc=False)
     require(p.returncode == 2 and "tls-psk" in p.stderr,
             "--check-config with a PEM file as PSK keys: exit %d, %r" % (p.returncode, p.stderr))
+
+
+def t_config_file(w):
+    c = w.certs
+    conf = os.path.join(w.tmp, "tls.conf")
+
+    def check(text):
+        tlscerts.write(conf, text)
+        return nbdtest.run([nbdtest.NBDCACHED, "--check-config", "--config", conf],
+                           check_rc=False)
+    p = check("[generic]\ntls = on\ntls-certificates = %s\ntls-psk = %s\n"
+              "tls-verify-peer = true\ntls-priority = NORMAL\n"
+              "[secret]\nbackend = %s\ntls = require\n" % (c.server, c.psk, w.secret_img))
+    require(p.returncode == 0 and "TLS required" in p.stdout and
+            'tls on: certificates %s (client certificates verified), PSK file %s, 1 PSK '
+            'key(s), priority "NORMAL"' % (c.server, c.psk) in p.stdout,
+            "a config file with TLS keys: exit %d, %r" % (p.returncode, p.stdout))
+    p = check("[secret]\nbackend = %s\ntls = require\n" % w.secret_img)
+    require(p.returncode == 2 and "export 'secret' at %s:1: tls = require needs the global "
+            "tls on or require" % conf in p.stderr, "tls = require without TLS: %r" % p.stderr)
+    p = check("[generic]\ntls = maybe\n[x]\nbackend = %s\n" % w.secret_img)
+    require(p.returncode == 2 and "%s:2: tls maybe: expected off, on or require" % conf
+            in p.stderr, "a bad tls value: %r" % p.stderr)
+    p = check("[generic]\ntls = on\ntls-certificates = %s\ntls-priority = NOPE:+FOO\n"
+              "[x]\nbackend = %s\n" % (c.server, w.secret_img))
+    require(p.returncode == 2 and 'tls-priority "NOPE:+FOO": ' in p.stderr,
+            "a bad priority string: %r" % p.stderr)
 
 
 def t_nbdinfo(w, d):
@@ -523,6 +553,7 @@ def main():
         w = World(tmp)
         c = w.certs
         checks.run("check-config", t_check_config, w)
+        checks.run("config file", t_config_file, w)
         a_extra = ["--tls", "on", "--tls-certificates", c.server, "--tls-psk", c.psk,
                    "--tls-verify-peer", "--negotiation-timeout", str(NEGOTIATION_TIMEOUT),
                    "--stall-timeout", str(STALL_TIMEOUT), "--cache-size", "64M"]
