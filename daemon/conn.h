@@ -27,6 +27,11 @@
  * (worker.c and server.c use conn.c's primitives as well: kill, shutdown,
  * the deadlines, the budget's wake-up.)
  *
+ * TLS (tls.h) is a primitive beside this one: after STARTTLS, c->bev is a
+ * filter bufferevent over the socket's (conn_set_filter), and what conn.c
+ * counts as output, drains and watches for stalls includes the ciphertext
+ * waiting under it.
+ *
  * Lifetime: conn->refs counts the socket (until conn_kill) plus every
  * request still alive (its backend I/O in flight, or its data still
  * referenced by the output buffer). The struct is freed when refs drops to

@@ -418,9 +418,10 @@ static void tls_fail(struct tls_conn *t, int rc)
 		return;
 	t->failed = true;
 	char reason[256];
+	const char *alert = gnutls_alert_get_name(gnutls_alert_get(t->session));
 	if (rc == GNUTLS_E_FATAL_ALERT_RECEIVED || rc == GNUTLS_E_WARNING_ALERT_RECEIVED)
 		snprintf(reason, sizeof(reason), "%s: %s", gnutls_strerror(rc),
-			 gnutls_alert_get_name(gnutls_alert_get(t->session)));
+			 alert ? alert : "an unknown alert");
 	else if (t->why[0])
 		snprintf(reason, sizeof(reason), "%.160s (%.80s)", t->why, gnutls_strerror(rc));
 	else
