@@ -27,7 +27,9 @@ FORCEDTLS (tls require, no client certificates asked).
   hits             nbdcopy with 4 connections reads the export twice (the
                    second time from the cache): the same bytes
   stall            a TLS client that sends 8 READs of 4 MiB and reads
-                   nothing is reset by --stall-timeout 3
+                   nothing: its replies are counted (reply_bytes >= 16 MiB
+                   meanwhile), it is reset by --stall-timeout 3, and
+                   reply_bytes and pinned_reply_bytes fall back to 0
   nbd-client       -enable-tls with -certfile/-keyfile/-cacertfile: the TLS
                    handshake and NBD_OPT_GO complete ("size = 8MB", the
                    daemon logs the TLS session and the negotiation), then
@@ -327,6 +329,11 @@ def t_hits(w, d):
         os.unlink(out)
 
 
+def client_stat(d, key):
+    st = nbdtest.control_request(d.control, {"command": "stats"}, timeout=20)
+    return st.get("clients", {}).get(key)
+
+
 def t_stall(w, d):
     """A TLS client that sends READs and never reads the replies is reset
     after --stall-timeout, its ciphertext counted as unsent replies."""
@@ -338,6 +345,15 @@ def t_stall(w, d):
         r.send(b"".join(r.encode_request(raw.CMD_READ, (k % 2) * 4 * MIB, 4 * MIB)[1]
                         for k in range(8)))
         t0 = time.time()
+        held = [0]
+
+        def counted():
+            held[0] = max(held[0], client_stat(d, "reply_bytes") or 0)
+            return held[0] >= 16 * MIB
+        nbdtest.wait_until(counted, STALL_TIMEOUT - 1, step=0.1)
+        log("  reply_bytes while stalled: %d" % held[0])
+        require(held[0] >= 16 * MIB,
+                "the stalled TLS client's replies are not counted (reply_bytes %d)" % held[0])
         ok = nbdtest.wait_until(
             lambda: re.search(r"ended after [\d.]+ s: client has not read its replies for %d s"
                               % STALL_TIMEOUT, d.log_text()), STALL_TIMEOUT + 8, step=0.2)
@@ -345,6 +361,10 @@ def t_stall(w, d):
         require(ok, "a TLS client reading no replies was not reset by the stall deadline")
     finally:
         r.close()
+    released = nbdtest.wait_until(lambda: client_stat(d, "reply_bytes") == 0 and
+                                  client_stat(d, "pinned_reply_bytes") == 0, 10, step=0.1)
+    require(released, "after the reset reply_bytes %s, pinned_reply_bytes %s (expected 0)"
+            % (client_stat(d, "reply_bytes"), client_stat(d, "pinned_reply_bytes")))
 
 
 def t_selective(w, d):
