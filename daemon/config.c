@@ -434,8 +434,8 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 			return config_fail(x, "%s: empty", name);
 		return set_string(x,
 				  bit == OPT_GIVEN_TLS_CERTIFICATES ? &f->tls_certificates
-				  : bit == OPT_GIVEN_TLS_PSK	     ? &f->tls_psk
-								     : &f->tls_priority,
+				  : bit == OPT_GIVEN_TLS_PSK	    ? &f->tls_psk
+								    : &f->tls_priority,
 				  v);
 	case OPT_GIVEN_MAX_CONNECTIONS:
 		if (options_parse_max_connections(v, &f->max_connections) < 0)

@@ -385,8 +385,8 @@ static bool conn_wait(struct conn *c, uint64_t cost)
 	c->budget_waiting = true;
 	c->budget_cost = cost;
 	if (!c->hangup)
-		c->hangup = event_new(c->worker->base, conn_fd(c),
-				      EV_CLOSED | EV_PERSIST, conn_on_hangup, c);
+		c->hangup = event_new(c->worker->base, conn_fd(c), EV_CLOSED | EV_PERSIST,
+				      conn_on_hangup, c);
 	if (c->hangup)
 		event_add(c->hangup, NULL);
 	return true;

@@ -332,8 +332,8 @@ static void handle_starttls(struct conn *c, uint32_t len)
  * (EXPORT_NAME, which cannot be, ends the session). True when refused. */
 static bool tls_refused(struct conn *c, uint32_t option)
 {
-	if (tls_conn_mode(c) != TLS_REQUIRE || tls_conn_secure(c) ||
-	    option == NBD_OPT_STARTTLS || option == NBD_OPT_ABORT)
+	if (tls_conn_mode(c) != TLS_REQUIRE || tls_conn_secure(c) || option == NBD_OPT_STARTTLS ||
+	    option == NBD_OPT_ABORT)
 		return false;
 	if (option == NBD_OPT_EXPORT_NAME)
 		conn_kill(c, "EXPORT_NAME without TLS (tls = require)");

@@ -635,8 +635,8 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 			break;
 		case 1000:
 			if (options_parse_tls(optarg, &out->tls) < 0) {
-				rc = fail(err, errlen, -EINVAL, "--tls %s: expected off, on or require",
-					  optarg);
+				rc = fail(err, errlen, -EINVAL,
+					  "--tls %s: expected off, on or require", optarg);
 				goto error;
 			}
 			out->given |= OPT_GIVEN_TLS;
@@ -648,7 +648,7 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 				rc = fail(err, errlen, -EINVAL, "%s: empty", argv[optind - 1]);
 				goto error;
 			}
-			if ((rc = set_string(c == 1001   ? &out->tls_certificates
+			if ((rc = set_string(c == 1001	 ? &out->tls_certificates
 					     : c == 1002 ? &out->tls_psk
 							 : &out->tls_priority,
 					     optarg)) < 0)

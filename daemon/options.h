@@ -81,7 +81,7 @@
  * AEAD ciphers only, forward-secret key exchanges only (no static RSA, no
  * plain PSK), PSK with (EC)DHE allowed (daemon/tls.h). */
 #define OPTIONS_DEFAULT_TLS_PRIORITY                                                               \
-	"SECURE128:-VERS-ALL:+VERS-TLS1.3:+VERS-TLS1.2:-CIPHER-ALL:+AES-256-GCM:"                   \
+	"SECURE128:-VERS-ALL:+VERS-TLS1.3:+VERS-TLS1.2:-CIPHER-ALL:+AES-256-GCM:"                  \
 	"+CHACHA20-POLY1305:+AES-128-GCM:-MAC-ALL:+AEAD:-RSA:-PSK:+ECDHE-PSK:+DHE-PSK"
 
 struct export_spec {

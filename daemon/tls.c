@@ -132,7 +132,8 @@ static struct tls_conn *session_tls(gnutls_session_t s)
 	return gnutls_session_get_ptr(s);
 }
 
-static void tls_note(struct tls_conn *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void tls_note(struct tls_conn *t, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 
 /* Keep the first precise reason a callback gave (the handshake's error
  * code alone would say less). */
@@ -159,8 +160,8 @@ static int verify_client(gnutls_session_t s)
 	}
 	if (status) {
 		gnutls_datum_t out = {NULL, 0};
-		if (gnutls_certificate_verification_status_print(status, GNUTLS_CRT_X509, &out, 0) ==
-		    0) {
+		if (gnutls_certificate_verification_status_print(status, GNUTLS_CRT_X509, &out,
+								 0) == 0) {
 			tls_note(t, "client certificate: %s", (const char *)out.data);
 			gnutls_free(out.data);
 		} else {
@@ -210,7 +211,8 @@ static int load_x509(struct tls_creds *cr, const char *dir, char *err, size_t er
 	snprintf(crl, sizeof(crl), "%s/ca-crl.pem", dir);
 	int rc = gnutls_certificate_allocate_credentials(&cr->x509);
 	if (rc < 0)
-		return fail(err, errlen, -ENOMEM, "tls-certificates %s: %s", dir, gnutls_strerror(rc));
+		return fail(err, errlen, -ENOMEM, "tls-certificates %s: %s", dir,
+			    gnutls_strerror(rc));
 	const char *need[] = {cert, key, cr->verify_peer ? ca : NULL};
 	for (size_t i = 0; i < 3; i++)
 		if (need[i] && access(need[i], R_OK) < 0)
@@ -590,7 +592,8 @@ static enum bufferevent_filter_result tls_filter_out(struct evbuffer *src, struc
 			const char *p = v[i].iov_base;
 			size_t left = v[i].iov_len;
 			while (left > 0) {
-				if (limit >= 0 && evbuffer_get_length(dst) - start >= (size_t)limit) {
+				if (limit >= 0 &&
+				    evbuffer_get_length(dst) - start >= (size_t)limit) {
 					full = true;
 					break;
 				}
@@ -661,9 +664,8 @@ static int tls_session_new(struct tls_conn *t)
 		rc = gnutls_credentials_set(t->session, GNUTLS_CRD_CERTIFICATE, cr->x509);
 		if (rc < 0)
 			return rc;
-		gnutls_certificate_server_set_request(t->session, cr->verify_peer
-								      ? GNUTLS_CERT_REQUIRE
-								      : GNUTLS_CERT_IGNORE);
+		gnutls_certificate_server_set_request(
+		    t->session, cr->verify_peer ? GNUTLS_CERT_REQUIRE : GNUTLS_CERT_IGNORE);
 	}
 	if (cr->psk && (rc = gnutls_credentials_set(t->session, GNUTLS_CRD_PSK, cr->psk)) < 0)
 		return rc;
@@ -718,7 +720,8 @@ int tls_start(struct conn *c)
 	c->tls = t;
 	bufferevent_setwatermark(t->under, EV_WRITE, TLS_CIPHERTEXT_LOW, TLS_CIPHERTEXT_HIGH);
 	/* A ClientHello that came with STARTTLS is not announced again. */
-	bufferevent_trigger(t->under, EV_READ, BEV_TRIG_IGNORE_WATERMARKS | BEV_TRIG_DEFER_CALLBACKS);
+	bufferevent_trigger(t->under, EV_READ,
+			    BEV_TRIG_IGNORE_WATERMARKS | BEV_TRIG_DEFER_CALLBACKS);
 	log_debug("conn %llu: STARTTLS: TLS handshake started", (unsigned long long)c->id);
 	return 0;
 }

@@ -62,10 +62,19 @@ static int export_refs;
 static struct backend the_backend = {.size = 1 << 20, .min_block = 512};
 static struct export_backing backing_open, backing_secret;
 static struct export exports[2] = {
-    {.name = "open", .size = 1 << 20, .block_size = 4096, .max_payload = 1 << 25,
-     .backend = &the_backend, .backing = &backing_open},
-    {.name = "secret", .description = "TLS only", .size = 1 << 20, .block_size = 4096,
-     .max_payload = 1 << 25, .tls_require = true, .backend = &the_backend,
+    {.name = "open",
+     .size = 1 << 20,
+     .block_size = 4096,
+     .max_payload = 1 << 25,
+     .backend = &the_backend,
+     .backing = &backing_open},
+    {.name = "secret",
+     .description = "TLS only",
+     .size = 1 << 20,
+     .block_size = 4096,
+     .max_payload = 1 << 25,
+     .tls_require = true,
+     .backend = &the_backend,
      .backing = &backing_secret},
 };
 
@@ -235,7 +244,8 @@ static void check_replies(uint32_t option, bool was_secure, bool was_started, bo
 			CHECK(rep.type == NBD_REP_ERR_TLS_REQD);
 		if (option == NBD_OPT_STARTTLS) {
 			if (mode == TLS_OFF)
-				CHECK(rep.type == NBD_REP_ERR_POLICY || rep.type == NBD_REP_ERR_INVALID);
+				CHECK(rep.type == NBD_REP_ERR_POLICY ||
+				      rep.type == NBD_REP_ERR_INVALID);
 			if (was_started)
 				CHECK(rep.type == NBD_REP_ERR_INVALID);
 			if (rep.type == NBD_REP_ACK)
