@@ -59,7 +59,8 @@ static int check_config(const struct options *opts)
 			printf(", one cache with export '%s'", opts->exports[first].name);
 		putchar('\n');
 	}
-	printf("%s\n", tls);
+	if (strcmp(tls, "tls off") != 0)
+		printf("%s\n", tls);
 	printf("config OK%s%s: %zu export(s)\n", opts->config_path ? ": " : "",
 	       opts->config_path ? opts->config_path : "", opts->export_count);
 	return 0;
