@@ -301,13 +301,24 @@ def t_nbd_client(w, d):
                     timeout=60, check_rc=False, stdin=subprocess_devnull())
     both = p.stdout + p.stderr
     require(p.returncode == 1, "nbd-client: exit %d, expected 1" % p.returncode)
-    require("size = %dMB" % (SIZE // MIB) in both, "nbd-client did not finish GO: %r" % both)
-    require("Inappropriate ioctl for device" in both,
+    # The negotiation over TLS completes (GO: the size), then the first
+    # ioctl on the regular file fails: NBD_SET_BLKSIZE, ENOTTY.
+    require("Negotiation: ..size = %dMB" % (SIZE // MIB) in p.stdout,
+            "nbd-client did not finish GO: %r" % both)
+    require("Failed to set blocksize 512" in both and
+            "Error: Ioctl/1.1a failed: Inappropriate ioctl for device" in both,
             "nbd-client did not fail at its first ioctl: %r" % both)
     ok = nbdtest.wait_until(lambda: d.log_text().count('export "secret" negotiated') > before, 5)
     require(ok, "the daemon did not log nbd-client's negotiation")
     require(re.search(r"TLS with 127\.0\.0\.1:\d+: TLS1\.[23], \S+, identity CN=client1",
                       d.log_text()), "no TLS session of nbd-client in the log")
+    # It then closes its socket: no request was made.
+    def ended():
+        return re.findall(r'ended after [\d.]+ s: (.*); export "secret", (\d+) requests',
+                          d.log_text())[-1:]
+    nbdtest.wait_until(lambda: ended() == [("client closed the connection", "0")], 5)
+    require(ended() == [("client closed the connection", "0")],
+            "nbd-client's connection ended as %r" % ended())
 
 
 def subprocess_devnull():
