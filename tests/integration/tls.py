@@ -66,13 +66,9 @@ Throughout, one client (libnbd over TLS) keeps reading "secret" correctly,
 and each failure ends only its own connection.
 """
 
-import hashlib
 import os
 import re
-import signal  # noqa: F401
-import socket
 import ssl
-import struct
 import sys
 import time
 
@@ -111,10 +107,6 @@ def refused_by_tls(r, ctx):
     finally:
         r.close()
     raise nbdtest.Failed("the connection went on after a refused TLS handshake: %r" % (got,))
-
-
-def sha(data):
-    return hashlib.sha256(data).hexdigest()
 
 
 class World:

@@ -26,7 +26,6 @@ data and never an error.
 import os
 import re
 import signal
-import socket  # noqa: F401
 import ssl
 import sys
 import threading
