@@ -179,7 +179,7 @@ build-fuzz/%: tests/fuzz/%.c $(PROTO_SRC) proto/nbd.h
 
 # The negotiation fuzzer runs daemon/handshake.c itself, over stubs of the
 # layers below it (its own file), with libevent's evbuffers.
-build-fuzz/fuzz_negotiation: tests/fuzz/fuzz_negotiation.c daemon/handshake.c $(PROTO_SRC) proto/nbd.h
+build-fuzz/fuzz_negotiation: tests/fuzz/fuzz_negotiation.c daemon/handshake.c $(wildcard daemon/*.h) $(PROTO_SRC) proto/nbd.h
 	@mkdir -p build-fuzz
 	clang -std=c11 -g -O1 -D_GNU_SOURCE -I. $(DAEMON_CFLAGS) -fsanitize=fuzzer,address,undefined \
 		-o $@ tests/fuzz/fuzz_negotiation.c daemon/handshake.c $(PROTO_SRC) -levent
