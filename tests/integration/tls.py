@@ -49,7 +49,8 @@ Refusals (raw sockets for the plaintext part, Python's ssl for TLS):
   restart          STRUCTURED_REPLY, then STARTTLS: ACK; over TLS
                    SET_META_CONTEXT gets NBD_REP_ERR_INVALID (structured
                    replies were forgotten); a second STARTTLS gets
-                   NBD_REP_ERR_INVALID; then GO "secret" and a READ work
+                   NBD_REP_ERR_INVALID; LIST shows both exports; then GO
+                   "secret" and a READ work
   wrong CA         a client (libnbd, over TCP: over a Unix socket it has no
                    host name and does not verify the server) trusting
                    another CA fails; the daemon logs the handshake failure
@@ -453,6 +454,8 @@ def t_restart(w, d):
         r.option(raw.OPT_SET_META_CONTEXT, raw.meta_payload("secret", ["base:allocation"]),
                  want=raw.REP_ERR_INVALID)
         r.option(raw.OPT_STARTTLS, want=raw.REP_ERR_INVALID)
+        names = [raw.parse_server_reply(p)[0] for _, p in r.option(raw.OPT_LIST)]
+        require(names == ["open", "secret"], "LIST over TLS: %r" % names)
         r.option(raw.OPT_STRUCTURED_REPLY)
         r.structured = True
         r.go("secret")
