@@ -34,7 +34,7 @@ struct config_ctx {
 	char *long_section;	  /* the name of the last section too long for inih */
 	struct options *opts;	  /* the command line so far */
 	struct options file;	  /* what the file sets (globals and exports) */
-	unsigned set;		  /* enum options_given bits the file set */
+	uint64_t set;		  /* OPT_GIVEN_* bits the file set */
 	char *listenaddr, *port;  /* nbd-server style, combined at the end */
 	char current[4097];	  /* section of the export being filled */
 	struct export_spec *spec; /* the export of the current section */
@@ -210,6 +210,7 @@ enum {
 	K_OFFSET = 1u << 12,
 	K_SIZE = 1u << 13,
 	K_SPLIT = 1u << 14,
+	K_TLS = 1u << 15,
 };
 
 static int once(struct config_ctx *x, unsigned *mask, unsigned bit, const char *name)
@@ -319,7 +320,7 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 	}
 	struct {
 		const char *key;
-		unsigned bit;
+		uint64_t bit;
 	} const globals[] = {
 	    {"threads", OPT_GIVEN_THREADS},
 	    {"pidfile", OPT_GIVEN_PIDFILE},
@@ -347,8 +348,13 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 	    {"stall-timeout", OPT_GIVEN_STALL_TIMEOUT},
 	    {"negotiation-timeout", OPT_GIVEN_NEGOTIATION_TIMEOUT},
 	    {"max-connections-per-client", OPT_GIVEN_MAX_PER_CLIENT},
+	    {"tls", OPT_GIVEN_TLS},
+	    {"tls-certificates", OPT_GIVEN_TLS_CERTIFICATES},
+	    {"tls-psk", OPT_GIVEN_TLS_PSK},
+	    {"tls-verify-peer", OPT_GIVEN_TLS_VERIFY_PEER},
+	    {"tls-priority", OPT_GIVEN_TLS_PRIORITY},
 	};
-	unsigned bit = 0;
+	uint64_t bit = 0;
 	for (size_t i = 0; i < sizeof(globals) / sizeof(globals[0]); i++)
 		if (key_is(name, globals[i].key))
 			bit = globals[i].bit;
@@ -468,6 +474,24 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 			return config_fail(x, "%s %s: expected 0..%d (0: unlimited)", name, v,
 					   OPTIONS_MAX_CONNECTIONS);
 		return 1;
+	case OPT_GIVEN_TLS:
+		if (options_parse_tls(v, &f->tls) < 0)
+			return config_fail(x, "tls %s: expected off, on or require", v);
+		return 1;
+	case OPT_GIVEN_TLS_VERIFY_PEER:
+		if (parse_bool(v, &f->tls_verify_peer) < 0)
+			return config_fail(x, "tls-verify-peer %s: expected true or false", v);
+		return 1;
+	case OPT_GIVEN_TLS_CERTIFICATES:
+	case OPT_GIVEN_TLS_PSK:
+	case OPT_GIVEN_TLS_PRIORITY:
+		if (v[0] == '\0')
+			return config_fail(x, "%s: empty", name);
+		return set_string(x,
+				  bit == OPT_GIVEN_TLS_CERTIFICATES ? &f->tls_certificates
+				  : bit == OPT_GIVEN_TLS_PSK	    ? &f->tls_psk
+								    : &f->tls_priority,
+				  v);
 	case OPT_GIVEN_MAX_CONNECTIONS:
 		if (options_parse_max_connections(v, &f->max_connections) < 0)
 			return config_fail(x, "%s %s: expected 0..%d (0: unlimited)", name, v,
@@ -609,6 +633,16 @@ static int export_key(struct config_ctx *x, const char *name, const char *v)
 	int access_rc = access_key(x, name, v, &e->access);
 	if (access_rc >= 0)
 		return access_rc;
+	if (key_is(name, "tls")) {
+		if (!once(x, &x->spec_keys, K_TLS, name))
+			return 0;
+		/* Only require: on and off are the global setting's ([generic]). */
+		if (strcmp(v, "require") == 0)
+			e->tls_require = true;
+		else if (strcmp(v, "on") != 0)
+			return config_fail(x, "tls %s: expected require (or on) in an export", v);
+		return 1;
+	}
 	/* nbd-server's flush, fua and trim: nbdcached always honours them. */
 	if (key_is(name, "flush") || key_is(name, "fua") || key_is(name, "trim")) {
 		bool on;
@@ -656,7 +690,7 @@ static int on_key(void *user, const char *section, const char *name, const char 
 static int merge(struct config_ctx *x)
 {
 	struct options *o = x->opts, *f = &x->file;
-	unsigned take = x->set & ~o->given;
+	uint64_t take = x->set & ~o->given;
 	if (x->listenaddr || x->port) {
 		char spec[300];
 		const char *addr = x->listenaddr ? x->listenaddr : "";
@@ -719,6 +753,11 @@ static int merge(struct config_ctx *x)
 	TAKE_STRING(OPT_GIVEN_DENY, access.deny);
 	TAKE_STRING(OPT_GIVEN_ALLOW_USERS, access.allow_users);
 	TAKE_STRING(OPT_GIVEN_ALLOW_GROUPS, access.allow_groups);
+	TAKE(OPT_GIVEN_TLS, tls);
+	TAKE(OPT_GIVEN_TLS_VERIFY_PEER, tls_verify_peer);
+	TAKE_STRING(OPT_GIVEN_TLS_CERTIFICATES, tls_certificates);
+	TAKE_STRING(OPT_GIVEN_TLS_PSK, tls_psk);
+	TAKE_STRING(OPT_GIVEN_TLS_PRIORITY, tls_priority);
 #undef TAKE
 #undef TAKE_STRING
 	/* The file's exports first, then the command line's. */

@@ -34,6 +34,7 @@
 #include "daemon/clock.h"
 #include "daemon/export.h"
 #include "daemon/log.h"
+#include "daemon/tls.h"
 #include "daemon/worker.h"
 
 struct evbuffer *conn_output(struct conn *c)
@@ -44,6 +45,25 @@ struct evbuffer *conn_output(struct conn *c)
 struct evbuffer *conn_input(struct conn *c)
 {
 	return bufferevent_get_input(c->bev);
+}
+
+int conn_fd(struct conn *c)
+{
+	if (!c->bev)
+		return -1;
+	struct bufferevent *under = bufferevent_get_underlying(c->bev);
+	return bufferevent_getfd(under ? under : c->bev);
+}
+
+/* Reply bytes not yet taken by the socket: the output buffer's, and under
+ * a filter (TLS) the ciphertext it made of them. */
+static size_t conn_unsent(struct conn *c)
+{
+	size_t n = evbuffer_get_length(conn_output(c));
+	struct bufferevent *under = bufferevent_get_underlying(c->bev);
+	if (under)
+		n += evbuffer_get_length(bufferevent_get_output(under));
+	return n;
 }
 
 void conn_ref(struct conn *c)
@@ -229,12 +249,17 @@ void conn_kill(struct conn *c, const char *why)
 	}
 	if (c->hangup)
 		event_del(c->hangup);
+	tls_conn_end(c, why);
 	/* What the output holds goes with it; so does a half-read request. */
 	evbuffer_remove_cb_entry(bufferevent_get_output(bev), c->output_cb);
 	conn_output_sync(c); /* down to the references, freed with the buffer */
 	conn_unreserve(c, c->admitted);
 	c->admitted = 0;
+	/* Under a filter (TLS), the socket's bufferevent goes after it. */
+	struct bufferevent *under = bufferevent_get_underlying(bev);
 	bufferevent_free(bev);
+	if (under)
+		bufferevent_free(under);
 	conn_unref(c);
 }
 
@@ -292,7 +317,7 @@ void conn_set_negotiation_timeout(unsigned seconds)
 static uint64_t conn_stall_left(struct conn *c, const char **why)
 {
 	uint64_t now = clock_now_ns(), left = UINT64_MAX;
-	if (evbuffer_get_length(conn_output(c)) > 0) {
+	if (conn_unsent(c) > 0) {
 		uint64_t still = now - c->output_moved_ns;
 		*why = stall.replies_why;
 		left = still < stall.ns ? stall.ns - still : 0;
@@ -339,7 +364,7 @@ static void conn_on_timer(evutil_socket_t fd, short what, void *arg)
 	 */
 	struct linger reset = {.l_onoff = 1, .l_linger = 0};
 	if (c->bev)
-		setsockopt(bufferevent_getfd(c->bev), SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
+		setsockopt(conn_fd(c), SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
 	conn_ref(c);
 	conn_kill(c, why);
 	conn_unref(c);
@@ -371,7 +396,7 @@ void conn_payload_progress(struct conn *c, size_t avail, bool started)
 void conn_output_sync(struct conn *c)
 {
 	/* Once killed, the references live until libevent frees the buffer. */
-	uint64_t held = c->bev ? evbuffer_get_length(conn_output(c)) : 0;
+	uint64_t held = c->bev ? conn_unsent(c) : 0;
 	if (held < c->output_refs)
 		held = c->output_refs;
 	if (held > c->output_counted)
@@ -392,13 +417,9 @@ static void conn_on_output(struct evbuffer *buf, const struct evbuffer_cb_info *
 	(void)buf;
 	struct conn *c = arg;
 	conn_output_sync(c);
-	if (info->n_deleted) {
-		c->output_moved_bytes += info->n_deleted;
-		if (c->output_moved_bytes >= CONN_STALL_PROGRESS) {
-			c->output_moved_ns = clock_now_ns();
-			c->output_moved_bytes = 0;
-		}
-	}
+	/* Under a filter, the socket taking ciphertext is what moves (tls.c). */
+	if (info->n_deleted && !bufferevent_get_underlying(c->bev))
+		conn_output_moved(c, info->n_deleted);
 	if (!info->n_added)
 		return;
 	if (info->orig_size == 0) {
@@ -406,6 +427,39 @@ static void conn_on_output(struct evbuffer *buf, const struct evbuffer_cb_info *
 		c->output_moved_bytes = 0;
 	}
 	conn_watch_stall(c);
+}
+
+void conn_output_moved(struct conn *c, size_t n)
+{
+	c->output_moved_bytes += n;
+	if (c->output_moved_bytes >= CONN_STALL_PROGRESS) {
+		c->output_moved_ns = clock_now_ns();
+		c->output_moved_bytes = 0;
+	}
+}
+
+static void conn_on_read(struct bufferevent *bev, void *arg);
+static void conn_on_write(struct bufferevent *bev, void *arg);
+static void conn_on_event(struct bufferevent *bev, short what, void *arg);
+
+int conn_set_filter(struct conn *c, struct bufferevent *filter)
+{
+	struct evbuffer_cb_entry *cb =
+	    evbuffer_add_cb(bufferevent_get_output(filter), conn_on_output, c);
+	if (!cb)
+		return -ENOMEM;
+	evbuffer_remove_cb_entry(bufferevent_get_output(c->bev), c->output_cb);
+	c->output_cb = cb;
+	c->bev = filter;
+	bufferevent_setcb(filter, conn_on_read, conn_on_write, conn_on_event, c);
+	bufferevent_setwatermark(filter, EV_WRITE, CONN_MAX_OUTPUT / 2, 0);
+	bufferevent_enable(filter, EV_WRITE);
+	if (c->reading)
+		bufferevent_enable(filter, EV_READ);
+	else
+		bufferevent_disable(filter, EV_READ);
+	conn_output_sync(c);
+	return 0;
 }
 
 void conn_negotiation_done(struct conn *c)
@@ -428,7 +482,7 @@ void conn_begin_close(struct conn *c, const char *why)
 
 static bool conn_drained(struct conn *c)
 {
-	return c->inflight == 0 && evbuffer_get_length(conn_output(c)) == 0;
+	return c->inflight == 0 && conn_unsent(c) == 0;
 }
 
 /* What the connection holds in the budget: reservations and its output. */
@@ -464,8 +518,8 @@ static bool conn_wait(struct conn *c, uint64_t cost)
 	c->budget_waiting = true;
 	c->budget_cost = cost;
 	if (!c->hangup)
-		c->hangup = event_new(c->worker->base, bufferevent_getfd(c->bev),
-				      EV_CLOSED | EV_PERSIST, conn_on_hangup, c);
+		c->hangup = event_new(c->worker->base, conn_fd(c), EV_CLOSED | EV_PERSIST,
+				      conn_on_hangup, c);
 	if (c->hangup)
 		event_add(c->hangup, NULL);
 	return true;
@@ -526,7 +580,8 @@ void conn_update_reading(struct conn *c)
 	if (!c->bev)
 		return;
 	if (c->closing) {
-		if (conn_drained(c))
+		/* TLS ends with its close_notify, sent once the rest has gone. */
+		if (conn_drained(c) && !tls_close_notify(c))
 			conn_kill(c, "finished");
 		return;
 	}
@@ -546,6 +601,10 @@ void conn_update_reading(struct conn *c)
 	c->reading = want;
 	if (want) {
 		bufferevent_enable(c->bev, EV_READ);
+		/* Under a filter, records read before reading stopped are
+		 * decrypted now (the socket will not say so again). */
+		if (bufferevent_get_underlying(c->bev))
+			bufferevent_flush(c->bev, EV_READ, BEV_NORMAL);
 		/* Requests may already sit in the input buffer. */
 		c->on_input(c);
 	} else {
@@ -579,7 +638,9 @@ static void conn_on_event(struct bufferevent *bev, short what, void *arg)
 {
 	(void)bev;
 	struct conn *c = arg;
-	if (what & BEV_EVENT_TIMEOUT)
+	if (tls_closing(c) && (what & (BEV_EVENT_EOF | BEV_EVENT_ERROR)))
+		conn_kill(c, "finished"); /* gone before TLS's close_notify: as asked */
+	else if (what & BEV_EVENT_TIMEOUT)
 		conn_kill(c, stall.replies_why);
 	else if (what & BEV_EVENT_EOF)
 		conn_kill(c, "client closed the connection");

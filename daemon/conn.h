@@ -27,6 +27,11 @@
  * (worker.c and server.c use conn.c's primitives as well: kill, shutdown,
  * the deadlines, the budget's wake-up.)
  *
+ * TLS (tls.h) is a primitive beside this one: after STARTTLS, c->bev is a
+ * filter bufferevent over the socket's (conn_set_filter), and what conn.c
+ * counts as output, drains and watches for stalls includes the ciphertext
+ * waiting under it.
+ *
  * Lifetime: conn->refs counts the socket (until conn_kill) plus every
  * request still alive (its backend I/O in flight, or its data still
  * referenced by the output buffer). The struct is freed when refs drops to
@@ -64,6 +69,8 @@ struct bufferevent;
 struct event;
 struct evbuffer;
 struct evbuffer_cb_entry;
+struct tls_conn;
+struct tls_creds;
 
 #define CONN_MAX_INFLIGHT 128
 #define CONN_MAX_INFLIGHT_BYTES (96u << 20)
@@ -138,6 +145,16 @@ struct conn {
 	uint64_t output_counted; /* what the output counts in the budget now */
 	uint64_t output_moved_ns;    /* the output was last empty, or last drained */
 	uint64_t output_moved_bytes; /* drained since then */
+
+	/* TLS (daemon/tls.h): the credentials and mode in force when the
+	 * connection began (a reference, until conn_kill), the session once
+	 * STARTTLS was acknowledged, and what its handshake agreed (empty
+	 * strings until then; kept for the log after the session is gone). */
+	struct tls_creds *tls_creds;
+	struct tls_conn *tls;
+	char tls_version[16];
+	char tls_cipher[64];
+	char tls_identity[256]; /* client certificate DN or PSK username */
 
 	/* For the line the log gets when the connection ends (conn_unref). */
 	uint64_t started_ns;
@@ -232,6 +249,18 @@ void conn_output_sync(struct conn *c);
 void conn_payload_progress(struct conn *c, size_t avail, bool started);
 /* Give back reply bytes reserved by conn_admit(). */
 void conn_unreserve(struct conn *c, uint64_t bytes);
+/*
+ * TLS (daemon/tls.c) puts a filter bufferevent over the socket's: c->bev
+ * becomes filter, with the connection's callbacks, watermarks and output
+ * accounting moved to it; the socket's bufferevent is its underlying one
+ * (freed with it). Its unsent ciphertext counts as output too (budget,
+ * stall, drained). -ENOMEM: nothing changed.
+ */
+int conn_set_filter(struct conn *c, struct bufferevent *filter);
+/* The socket took n bytes (TLS: of its ciphertext): the stall clock. */
+void conn_output_moved(struct conn *c, size_t n);
+/* The socket's descriptor (under a filter too); -1 once killed. */
+int conn_fd(struct conn *c);
 /* Worker thread w: budget came back; retry its waiting connections. */
 void conn_budget_wake(struct worker *w);
 

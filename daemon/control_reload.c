@@ -22,6 +22,7 @@
 #include "daemon/config.h"
 #include "daemon/control_internal.h"
 #include "daemon/log.h"
+#include "daemon/tls.h"
 
 static bool same_strings(char **a, size_t an, char **b, size_t bn)
 {
@@ -74,6 +75,25 @@ static void refused_globals(const struct options *was, const struct options *now
 	}
 }
 
+/*
+ * TLS: new credentials from the files as they are now (certificates, CRL,
+ * PSK keys), for connections from now on; connections keep theirs. A file
+ * that does not load is refused, logged, and the old credentials stay.
+ */
+static void reload_tls(const struct options *opts, json_object *refused)
+{
+	struct tls_creds *creds;
+	char err[1024];
+	if (tls_creds_load(opts, &creds, err, sizeof(err)) < 0) {
+		log_error("reload: %s; the running TLS credentials stay", err);
+		json_object_array_add(refused, json_object_new_string("tls"));
+		return;
+	}
+	tls_creds_describe(creds, err, sizeof(err));
+	log_info("reload: %s", err);
+	tls_creds_install(creds);
+}
+
 static json_object *names_array(char **v, size_t n)
 {
 	json_object *a = json_object_new_array();
@@ -111,6 +131,7 @@ void control_reload_now(struct control *ctl, struct control_client *cl)
 				   opts.dirty_expire);
 	json_object *refused = json_object_new_array();
 	refused_globals(ctl->cfg.opts, &opts, refused);
+	reload_tls(&opts, refused);
 	struct export_reload r;
 	rc = export_table_reload(ctl->cfg.exports, &opts, &r);
 	options_free(&opts);

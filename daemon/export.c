@@ -124,13 +124,14 @@ static void policy_of_spec(struct export *p, const struct export_spec *spec,
 	p->dirty_high = spec->dirty_high;
 	p->dirty_low = spec->dirty_low;
 	p->seq_cutoff = spec->seq_cutoff;
+	p->tls_require = spec->tls_require;
 }
 
 static bool same_policy(const struct export *a, const struct export *b)
 {
 	return a->readonly == b->readonly && a->max_connections == b->max_connections &&
 	       a->dirty_high == b->dirty_high && a->dirty_low == b->dirty_low &&
-	       a->seq_cutoff == b->seq_cutoff;
+	       a->seq_cutoff == b->seq_cutoff && a->tls_require == b->tls_require;
 }
 
 static uint64_t window_count(uint64_t size, uint64_t split)
@@ -202,6 +203,7 @@ static int version_make(const struct export *policy, struct export_backing *b,
 	e->dirty_high = policy->dirty_high;
 	e->dirty_low = policy->dirty_low;
 	e->seq_cutoff = policy->seq_cutoff;
+	e->tls_require = policy->tls_require;
 	e->offset = at->offset;
 	e->size = size;
 	e->split = at->split;
@@ -508,7 +510,7 @@ static bool version_differs(const struct export *old, const struct export_spec *
 	       old->readonly != (spec->readonly || old->backend->readonly) ||
 	       old->max_connections != spec->max_connections ||
 	       old->dirty_high != spec->dirty_high || old->dirty_low != spec->dirty_low ||
-	       old->seq_cutoff != spec->seq_cutoff ||
+	       old->seq_cutoff != spec->seq_cutoff || old->tls_require != spec->tls_require ||
 	       cache_export_mode(old->cache) != spec->cache_mode || old->offset != spec->offset ||
 	       old->size != size || old->split != spec->split;
 }

@@ -86,6 +86,7 @@ struct export
 	unsigned max_connections;	/* 0: unlimited */
 	unsigned dirty_high, dirty_low; /* percent, as configured */
 	uint64_t seq_cutoff;		/* sequential reads beyond this bypass the cache */
+	bool tls_require;		/* only for clients that did STARTTLS */
 	struct backend *backend;	/* backing->backend */
 	struct cache_export *cache;	/* backing->cache: how requests reach the backend */
 	struct export_backing *backing;

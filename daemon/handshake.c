@@ -26,6 +26,7 @@
 #include "daemon/conn.h"
 #include "daemon/export.h"
 #include "daemon/log.h"
+#include "daemon/tls.h"
 #include "daemon/worker.h"
 
 #define KNOWN_CLIENT_FLAGS (NBD_FLAG_C_FIXED_NEWSTYLE | NBD_FLAG_C_NO_ZEROES)
@@ -35,6 +36,7 @@ void handshake_send_greeting(struct conn *c)
 	uint8_t buf[NBD_GREETING_SIZE];
 	size_t n = nbd_encode_greeting(buf, NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES);
 	evbuffer_add(conn_output(c), buf, n);
+	tls_conn_begin(c); /* the TLS mode of this connection, for its whole life */
 }
 
 static void option_reply(struct conn *c, uint32_t option, uint32_t type, const void *data,
@@ -128,6 +130,25 @@ static void enter_transmission(struct conn *c, struct export *e)
 		 c->session.block_status);
 }
 
+/* SELECTIVETLS: an export with tls = require, and no TLS yet. */
+static bool export_needs_tls(const struct conn *c, const struct export *e)
+{
+	return e->tls_require && !tls_conn_secure(c);
+}
+
+/* The refusal of such an export: TLS_REQD, but never to a connection that
+ * began while TLS was off (NOTLS must not send it; the export came with a
+ * reload that turned TLS on). */
+static void refuse_needs_tls(struct conn *c, uint32_t option)
+{
+	if (tls_conn_mode(c) == TLS_OFF)
+		option_error(c, option, NBD_REP_ERR_POLICY,
+			     "this export requires TLS, which this connection cannot use");
+	else
+		option_error(c, option, NBD_REP_ERR_TLS_REQD,
+			     "this export requires TLS: send NBD_OPT_STARTTLS first");
+}
+
 static void handle_export_name(struct conn *c, const char *data, uint32_t len)
 {
 	struct export *e = export_get(c->worker->exports, data, len);
@@ -135,6 +156,12 @@ static void handle_export_name(struct conn *c, const char *data, uint32_t len)
 		export_put(e);
 		conn_kill(c, c->extended ? "EXPORT_NAME after extended headers"
 					 : "EXPORT_NAME of an unknown export");
+		return;
+	}
+	if (export_needs_tls(c, e)) {
+		/* EXPORT_NAME cannot fail: the spec wants the session ended. */
+		export_put(e);
+		conn_kill(c, "EXPORT_NAME without TLS of an export with tls = require");
 		return;
 	}
 	if (!may_open(c, e)) {
@@ -195,6 +222,11 @@ static void handle_info_go(struct conn *c, uint32_t option, const uint8_t *data,
 		option_error(c, option, NBD_REP_ERR_UNKNOWN, "no such export");
 		return;
 	}
+	if (export_needs_tls(c, e)) {
+		refuse_needs_tls(c, option);
+		export_put(e);
+		return;
+	}
 	if (!may_open(c, e)) {
 		option_error(c, option, NBD_REP_ERR_POLICY, "access denied by the server's rules");
 		export_put(e);
@@ -231,6 +263,8 @@ static void handle_list(struct conn *c, uint32_t len)
 	struct access_policy *policy = access_policy_get();
 	for (size_t i = 0; i < count; i++) {
 		const struct export *e = list[i];
+		if (export_needs_tls(c, e))
+			continue; /* not shown before TLS (the spec allows it) */
 		/* Only what the client may open (no log line: a LIST is no refusal). */
 		const struct access_rules *r = access_policy_export(policy, e->name);
 		if (policy && (!access_rules_allow(&policy->global, &c->peer, NULL, 0) ||
@@ -274,6 +308,11 @@ static void handle_meta(struct conn *c, uint32_t option, const uint8_t *data, ui
 		option_error(c, option, NBD_REP_ERR_UNKNOWN, "no such export");
 		return;
 	}
+	if (export_needs_tls(c, e)) {
+		refuse_needs_tls(c, option);
+		export_put(e);
+		return;
+	}
 	if (!may_open(c, e)) {
 		option_error(c, option, NBD_REP_ERR_POLICY, "access denied by the server's rules");
 		export_put(e);
@@ -311,11 +350,59 @@ static void handle_meta(struct conn *c, uint32_t option, const uint8_t *data, ui
 	option_ack(c, option);
 }
 
+/*
+ * STARTTLS (see the spec's "TLS support"). Refused with POLICY when TLS is
+ * off here (the server can do TLS; this configuration does not); INVALID
+ * once TLS is running. Otherwise the ACK goes out in plaintext, the TLS
+ * handshake follows, and negotiation starts again: what was negotiated in
+ * plaintext is forgotten.
+ */
+static void handle_starttls(struct conn *c, uint32_t len)
+{
+	if (len) {
+		option_error(c, NBD_OPT_STARTTLS, NBD_REP_ERR_INVALID, "STARTTLS takes no data");
+		return;
+	}
+	if (tls_conn_mode(c) == TLS_OFF) {
+		option_error(c, NBD_OPT_STARTTLS, NBD_REP_ERR_POLICY,
+			     "TLS is not enabled on this server");
+		return;
+	}
+	if (c->tls) {
+		option_error(c, NBD_OPT_STARTTLS, NBD_REP_ERR_INVALID, "TLS is already running");
+		return;
+	}
+	option_ack(c, NBD_OPT_STARTTLS);
+	c->structured = false;
+	c->extended = false;
+	c->meta_selected = false;
+	export_put(c->meta_export);
+	c->meta_export = NULL;
+	tls_start(c);
+}
+
+/* FORCEDTLS: before TLS, every option but STARTTLS and ABORT is refused
+ * (EXPORT_NAME, which cannot be, ends the session). True when refused. */
+static bool tls_refused(struct conn *c, uint32_t option)
+{
+	if (tls_conn_mode(c) != TLS_REQUIRE || tls_conn_secure(c) || option == NBD_OPT_STARTTLS ||
+	    option == NBD_OPT_ABORT)
+		return false;
+	if (option == NBD_OPT_EXPORT_NAME)
+		conn_kill(c, "EXPORT_NAME without TLS (tls = require)");
+	else
+		option_error(c, option, NBD_REP_ERR_TLS_REQD,
+			     "TLS is required: send NBD_OPT_STARTTLS first");
+	return true;
+}
+
 /* One option whose data (len bytes) is contiguous at data. */
 static void handle_option(struct conn *c, uint32_t option, const uint8_t *data, uint32_t len)
 {
 	log_debug("conn %llu: option %s, %u bytes", (unsigned long long)c->id,
 		  nbd_opt_name(option), len);
+	if (tls_refused(c, option))
+		return;
 	switch (option) {
 	case NBD_OPT_EXPORT_NAME:
 		handle_export_name(c, (const char *)data, len);
@@ -328,10 +415,7 @@ static void handle_option(struct conn *c, uint32_t option, const uint8_t *data, 
 		handle_list(c, len);
 		return;
 	case NBD_OPT_STARTTLS:
-		if (len)
-			option_error(c, option, NBD_REP_ERR_INVALID, "STARTTLS takes no data");
-		else
-			option_error(c, option, NBD_REP_ERR_UNSUP, "TLS is not configured");
+		handle_starttls(c, len);
 		return;
 	case NBD_OPT_INFO:
 	case NBD_OPT_GO:

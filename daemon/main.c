@@ -13,6 +13,7 @@
 #include "daemon/log.h"
 #include "daemon/options.h"
 #include "daemon/server.h"
+#include "daemon/tls.h"
 
 #ifndef NBDCACHED_VERSION
 #define NBDCACHED_VERSION "0.1"
@@ -49,6 +50,15 @@ static void print_access(const char *prefix, const struct access_spec *a)
  */
 static int check_config(const struct options *opts)
 {
+	/* The TLS credentials are loaded as the daemon would load them. */
+	struct tls_creds *creds;
+	char tls[1024];
+	if (tls_creds_load(opts, &creds, tls, sizeof(tls)) < 0) {
+		fprintf(stderr, "nbdcached: %s\n", tls);
+		return 2;
+	}
+	tls_creds_describe(creds, tls, sizeof(tls));
+	tls_creds_put(creds);
 	for (size_t i = 0; i < opts->export_count; i++) {
 		const struct export_spec *e = &opts->exports[i];
 		struct stat st;
@@ -66,6 +76,8 @@ static int check_config(const struct options *opts)
 			printf("%" PRIu64, e->offset + e->size - 1);
 		if (e->split)
 			printf(", split into windows of %" PRIu64 " bytes", e->split);
+		if (e->tls_require)
+			printf(", TLS required");
 		size_t first = options_backend_first(opts, i);
 		if (first != i)
 			printf(", one cache with export '%s'", opts->exports[first].name);
@@ -75,6 +87,8 @@ static int check_config(const struct options *opts)
 	print_access("global ", &opts->access);
 	if (opts->max_connections_per_client)
 		printf("at most %u connection(s) per client\n", opts->max_connections_per_client);
+	if (strcmp(tls, "tls off") != 0)
+		printf("%s\n", tls);
 	printf("config OK%s%s: %zu export(s)\n", opts->config_path ? ": " : "",
 	       opts->config_path ? opts->config_path : "", opts->export_count);
 	return 0;

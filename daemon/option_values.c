@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "daemon/options.h"
 
@@ -163,6 +164,39 @@ int options_parse_compact(const char *text, bool *out)
 	else
 		return -EINVAL;
 	return 0;
+}
+
+int options_parse_tls(const char *text, enum tls_mode *out)
+{
+	static const char *const names[] = {"off", "on", "require"};
+	for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+		if (strcmp(text, names[i]) == 0) {
+			*out = (enum tls_mode)i;
+			return 0;
+		}
+	return -EINVAL;
+}
+
+const char *options_tls_name(enum tls_mode mode)
+{
+	return mode == TLS_REQUIRE ? "require" : mode == TLS_ON ? "on" : "off";
+}
+
+int options_parse_bool(const char *text, bool *out)
+{
+	static const char *const yes[] = {"true", "yes", "on", "1"};
+	static const char *const no[] = {"false", "no", "off", "0"};
+	for (size_t i = 0; i < 4; i++) {
+		if (strcasecmp(text, yes[i]) == 0) {
+			*out = true;
+			return 0;
+		}
+		if (strcasecmp(text, no[i]) == 0) {
+			*out = false;
+			return 0;
+		}
+	}
+	return -EINVAL;
 }
 
 int options_parse_compact_interval(const char *text, unsigned *out)

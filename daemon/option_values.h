@@ -29,6 +29,8 @@ enum cache_mode {
 };
 
 enum hugepages_policy { HUGEPAGES_AUTO, HUGEPAGES_REQUIRE, HUGEPAGES_OFF };
+/* TLS: none, at the client's choice (SELECTIVETLS), required (FORCEDTLS). */
+enum tls_mode { TLS_OFF, TLS_ON, TLS_REQUIRE };
 
 /* A decimal number with an optional K, M, G or T suffix (binary). */
 int options_parse_size(const char *text, uint64_t *out);
@@ -65,6 +67,9 @@ int options_parse_reply_memory(const char *text, uint64_t *out);   /* 64M..half 
 int options_parse_pinned_replies(const char *text, uint64_t *out); /* a size */
 int options_parse_stall_timeout(const char *text, unsigned *out);  /* 1..3600 */
 int options_parse_negotiation_timeout(const char *text, unsigned *out); /* 1..3600 */
+int options_parse_tls(const char *text, enum tls_mode *out); /* off, on, require */
+const char *options_tls_name(enum tls_mode mode);
+int options_parse_bool(const char *text, bool *out); /* true/false, yes/no, on/off, 1/0 */
 /* Split "HOST:PORT", "[V6]:PORT" or ":PORT" into host (maybe "") and port. */
 int options_split_host_port(const char *text, char *host, size_t hostlen, char *port,
 			    size_t portlen);

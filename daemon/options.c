@@ -41,6 +41,8 @@ const char *options_usage(void)
 	       "                 [--allow-groups LIST] [--max-connections-per-client N]\n"
 	       "An --export also takes allow=LIST, deny=LIST, allow-users=LIST and\n"
 	       "allow-groups=LIST (its access rules; a LIST runs on over commas).\n"
+	       "                 [--tls off|on|require] [--tls-certificates DIR] [--tls-psk FILE]\n"
+	       "                 [--tls-verify-peer[=true|false]] [--tls-priority STRING]\n"
 	       "BACKEND is a file or block device, an NBD URI (nbd://HOST[:PORT]/NAME,\n"
 	       "nbd+unix:///NAME?socket=PATH, nbds://...) or nbdkit:PLUGIN [ARG...].\n"
 	       "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
@@ -96,7 +98,7 @@ static bool is_known_key(const char *s, size_t n)
 	       starts_with(s, n, "seq-cutoff=") || starts_with(s, n, "max-connections=") ||
 	       starts_with(s, n, "dirty-high=") || starts_with(s, n, "dirty-low=") ||
 	       starts_with(s, n, "offset=") || starts_with(s, n, "size=") ||
-	       starts_with(s, n, "split=");
+	       starts_with(s, n, "split=") || starts_with(s, n, "tls=");
 }
 
 /* Copy the value of "key=value" (n bytes at p) into buf; -EINVAL if too long. */
@@ -296,6 +298,15 @@ int options_parse_export(const char *text, struct export_spec *out, char *err, s
 					  "--export: bad %.*s (a size, or 32bit)", (int)n, p);
 				goto error;
 			}
+		} else if (starts_with(p, n, "tls=")) {
+			/* Only require: on and off are the global setting's. */
+			if (n == 11 && memcmp(p, "tls=require", 11) == 0) {
+				out->tls_require = true;
+			} else if (!(n == 6 && memcmp(p, "tls=on", 6) == 0)) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--export: %.*s: expected tls=require (or tls=on)", (int)n, p);
+				goto error;
+			}
 		} else {
 			rc = fail(err, errlen, -EINVAL, "--export %s: unknown option '%.*s'", text,
 				  (int)n, p);
@@ -341,6 +352,9 @@ void options_free(struct options *opts)
 	free(opts->user);
 	free(opts->group);
 	access_spec_free(&opts->access);
+	free(opts->tls_certificates);
+	free(opts->tls_psk);
+	free(opts->tls_priority);
 	memset(opts, 0, sizeof(*opts));
 }
 
@@ -486,6 +500,11 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 		{"allow-users", required_argument, NULL, OPT_ACCESS_USERS},
 		{"allow-groups", required_argument, NULL, OPT_ACCESS_GROUPS},
 		{"max-connections-per-client", required_argument, NULL, OPT_ACCESS_PER_CLIENT},
+		{"tls", required_argument, NULL, 1000},
+		{"tls-certificates", required_argument, NULL, 1001},
+		{"tls-psk", required_argument, NULL, 1002},
+		{"tls-verify-peer", optional_argument, NULL, 1003},
+		{"tls-priority", required_argument, NULL, 1004},
 		{"help", no_argument, NULL, 'h'},
 		{"version", no_argument, NULL, 'V'},
 		{NULL, 0, NULL, 0},
@@ -748,6 +767,39 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 			if ((rc = options_access_arg(c, optarg, out, err, errlen)) < 0)
 				goto error;
 			break;
+		case 1000:
+			if (options_parse_tls(optarg, &out->tls) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--tls %s: expected off, on or require", optarg);
+				goto error;
+			}
+			out->given |= OPT_GIVEN_TLS;
+			break;
+		case 1001:
+		case 1002:
+		case 1004:
+			if (optarg[0] == '\0') {
+				rc = fail(err, errlen, -EINVAL, "%s: empty", argv[optind - 1]);
+				goto error;
+			}
+			if ((rc = set_string(c == 1001	 ? &out->tls_certificates
+					     : c == 1002 ? &out->tls_psk
+							 : &out->tls_priority,
+					     optarg)) < 0)
+				goto error;
+			out->given |= c == 1001	  ? OPT_GIVEN_TLS_CERTIFICATES
+				      : c == 1002 ? OPT_GIVEN_TLS_PSK
+						  : OPT_GIVEN_TLS_PRIORITY;
+			break;
+		case 1003:
+			out->tls_verify_peer = true;
+			if (optarg && options_parse_bool(optarg, &out->tls_verify_peer) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--tls-verify-peer=%s: expected true or false", optarg);
+				goto error;
+			}
+			out->given |= OPT_GIVEN_TLS_VERIFY_PEER;
+			break;
 		case 'h':
 			out->help = true;
 			break;
@@ -858,6 +910,28 @@ static int check_window(const struct options *opts, const struct export_spec *e,
 	return 0;
 }
 
+/* TLS settings that only make sense together. */
+static int options_check_tls(const struct options *o, char *err, size_t errlen)
+{
+	bool creds = o->tls_certificates || o->tls_psk;
+	if (o->tls != TLS_OFF && !creds)
+		return fail(err, errlen, -EINVAL,
+			    "tls %s needs tls-certificates DIR or tls-psk FILE",
+			    options_tls_name(o->tls));
+	if (o->tls_verify_peer && !o->tls_certificates)
+		return fail(err, errlen, -EINVAL,
+			    "tls-verify-peer needs tls-certificates DIR (its ca-cert.pem)");
+	for (size_t i = 0; i < o->export_count; i++) {
+		const struct export_spec *e = &o->exports[i];
+		if (e->tls_require && o->tls == TLS_OFF)
+			return fail(err, errlen, -EINVAL,
+				    "export '%s'%s%s: tls = require needs the global tls on or "
+				    "require",
+				    e->name, e->origin ? " at " : "", e->origin ? e->origin : "");
+	}
+	return 0;
+}
+
 int options_finish(struct options *out, char *err, size_t errlen)
 {
 	if (out->export_count == 0)
@@ -905,6 +979,9 @@ int options_finish(struct options *out, char *err, size_t errlen)
 			    "max-connections-per-client %u must be below max-clients %u, so that "
 			    "one client cannot take every connection",
 			    out->max_connections_per_client, out->max_clients);
+	int tls_rc = options_check_tls(out, err, errlen);
+	if (tls_rc < 0)
+		return tls_rc;
 	if (out->listen_count == 0 && out->unix_count == 0) {
 		int rc = options_push_string(&out->listen, &out->listen_count,
 					     OPTIONS_DEFAULT_LISTEN);

@@ -23,6 +23,8 @@
  *             [--stall-timeout SECONDS] [--negotiation-timeout SECONDS]
  *             [--allow LIST] [--deny LIST] [--allow-users LIST] [--allow-groups LIST]
  *             [--max-connections-per-client N]
+ *             [--tls off|on|require] [--tls-certificates DIR] [--tls-psk FILE]
+ *             [--tls-verify-peer[=true|false]] [--tls-priority STRING]
  *
  * BACKEND is a file or block device path, an NBD URI (nbd://, nbds://,
  * nbd+unix://...) or "nbdkit:PLUGIN [ARG...]".
@@ -78,6 +80,12 @@
 /* Seconds a client may take from connecting to GO / EXPORT_NAME (conn.h). */
 #define OPTIONS_DEFAULT_NEGOTIATION_TIMEOUT 60
 #define OPTIONS_MAX_NEGOTIATION_TIMEOUT 3600
+/* GnuTLS priorities when tls-priority is not given: TLS 1.3 and 1.2 only,
+ * AEAD ciphers only, forward-secret key exchanges only (no static RSA, no
+ * plain PSK), PSK with (EC)DHE allowed (daemon/tls.h). */
+#define OPTIONS_DEFAULT_TLS_PRIORITY                                                               \
+	"SECURE128:-VERS-ALL:+VERS-TLS1.3:+VERS-TLS1.2:-CIPHER-ALL:+AES-256-GCM:"                  \
+	"+CHACHA20-POLY1305:+AES-128-GCM:-MAC-ALL:+AEAD:-RSA:-PSK:+ECDHE-PSK:+DHE-PSK"
 
 struct export_spec {
 	char *name;
@@ -95,6 +103,9 @@ struct export_spec {
 	/* Non-zero: NAME/0, NAME/1, ... windows of this many bytes of the
 	 * export are published too (daemon/export.h). */
 	uint64_t split;
+	/* tls = require: only clients that did STARTTLS may use it (needs the
+	 * global tls on or require). */
+	bool tls_require;
 	/* Which of the above were given (the rest come from struct options). */
 	bool has_block_size, has_seq_cutoff, has_max_connections, has_dirty_high, has_dirty_low;
 	/* Where it was defined: "FILE:LINE" or NULL (command line). */
@@ -104,38 +115,42 @@ struct export_spec {
 };
 
 /* Bits of options.given: global settings the command line gave. */
-enum options_given {
-	OPT_GIVEN_LISTEN = 1u << 0, /* --listen or --unix */
-	OPT_GIVEN_THREADS = 1u << 1,
-	OPT_GIVEN_PIDFILE = 1u << 2,
-	OPT_GIVEN_LOG_LEVEL = 1u << 3,
-	OPT_GIVEN_CACHE_SIZE = 1u << 4,
-	OPT_GIVEN_HUGEPAGES = 1u << 5,
-	OPT_GIVEN_BLOCK_SIZE = 1u << 6,
-	OPT_GIVEN_CACHE_MODE = 1u << 7,
-	OPT_GIVEN_SEQ_CUTOFF = 1u << 8,
-	OPT_GIVEN_DIRTY_HIGH = 1u << 9,
-	OPT_GIVEN_DIRTY_LOW = 1u << 10,
-	OPT_GIVEN_DIRTY_EXPIRE = 1u << 11,
-	OPT_GIVEN_BACKEND_TIMEOUT = 1u << 12,
-	OPT_GIVEN_CONTROL = 1u << 13,
-	OPT_GIVEN_USER = 1u << 14,
-	OPT_GIVEN_GROUP = 1u << 15,
-	OPT_GIVEN_MAX_CONNECTIONS = 1u << 16,
-	OPT_GIVEN_COMPACT = 1u << 17,
-	OPT_GIVEN_COMPACT_INTERVAL = 1u << 18,
-	OPT_GIVEN_COMPACT_THRESHOLD = 1u << 19,
-	OPT_GIVEN_MAX_CLIENTS = 1u << 20,
-	OPT_GIVEN_MAX_REPLY_MEMORY = 1u << 21,
-	OPT_GIVEN_MAX_PINNED_REPLIES = 1u << 22,
-	OPT_GIVEN_STALL_TIMEOUT = 1u << 23,
-	OPT_GIVEN_NEGOTIATION_TIMEOUT = 1u << 24,
-	OPT_GIVEN_ALLOW = 1u << 25,
-	OPT_GIVEN_DENY = 1u << 26,
-	OPT_GIVEN_ALLOW_USERS = 1u << 27,
-	OPT_GIVEN_ALLOW_GROUPS = 1u << 28,
-	OPT_GIVEN_MAX_PER_CLIENT = 1u << 29,
-};
+#define OPT_GIVEN_LISTEN (UINT64_C(1) << 0) /* --listen or --unix */
+#define OPT_GIVEN_THREADS (UINT64_C(1) << 1)
+#define OPT_GIVEN_PIDFILE (UINT64_C(1) << 2)
+#define OPT_GIVEN_LOG_LEVEL (UINT64_C(1) << 3)
+#define OPT_GIVEN_CACHE_SIZE (UINT64_C(1) << 4)
+#define OPT_GIVEN_HUGEPAGES (UINT64_C(1) << 5)
+#define OPT_GIVEN_BLOCK_SIZE (UINT64_C(1) << 6)
+#define OPT_GIVEN_CACHE_MODE (UINT64_C(1) << 7)
+#define OPT_GIVEN_SEQ_CUTOFF (UINT64_C(1) << 8)
+#define OPT_GIVEN_DIRTY_HIGH (UINT64_C(1) << 9)
+#define OPT_GIVEN_DIRTY_LOW (UINT64_C(1) << 10)
+#define OPT_GIVEN_DIRTY_EXPIRE (UINT64_C(1) << 11)
+#define OPT_GIVEN_BACKEND_TIMEOUT (UINT64_C(1) << 12)
+#define OPT_GIVEN_CONTROL (UINT64_C(1) << 13)
+#define OPT_GIVEN_USER (UINT64_C(1) << 14)
+#define OPT_GIVEN_GROUP (UINT64_C(1) << 15)
+#define OPT_GIVEN_MAX_CONNECTIONS (UINT64_C(1) << 16)
+#define OPT_GIVEN_COMPACT (UINT64_C(1) << 17)
+#define OPT_GIVEN_COMPACT_INTERVAL (UINT64_C(1) << 18)
+#define OPT_GIVEN_COMPACT_THRESHOLD (UINT64_C(1) << 19)
+#define OPT_GIVEN_MAX_CLIENTS (UINT64_C(1) << 20)
+#define OPT_GIVEN_MAX_REPLY_MEMORY (UINT64_C(1) << 21)
+#define OPT_GIVEN_MAX_PINNED_REPLIES (UINT64_C(1) << 22)
+#define OPT_GIVEN_STALL_TIMEOUT (UINT64_C(1) << 23)
+#define OPT_GIVEN_NEGOTIATION_TIMEOUT (UINT64_C(1) << 24)
+#define OPT_GIVEN_ALLOW (UINT64_C(1) << 25)
+#define OPT_GIVEN_DENY (UINT64_C(1) << 26)
+#define OPT_GIVEN_ALLOW_USERS (UINT64_C(1) << 27)
+#define OPT_GIVEN_ALLOW_GROUPS (UINT64_C(1) << 28)
+#define OPT_GIVEN_MAX_PER_CLIENT (UINT64_C(1) << 29)
+#define OPT_GIVEN_TLS (UINT64_C(1) << 30)
+#define OPT_GIVEN_TLS_CERTIFICATES (UINT64_C(1) << 31)
+#define OPT_GIVEN_TLS_PSK (UINT64_C(1) << 32)
+#define OPT_GIVEN_TLS_VERIFY_PEER (UINT64_C(1) << 33)
+#define OPT_GIVEN_TLS_PRIORITY (UINT64_C(1) << 34)
+
 
 struct options {
 	bool foreground;
@@ -164,7 +179,7 @@ struct options {
 	bool check_config;		/* validate, print a summary, exit */
 	char *control_path;		/* NULL: the default; "none": no control socket */
 	char *user, *group;		/* drop privileges to these after start-up */
-	unsigned given;			/* enum options_given */
+	uint64_t given;			/* OPT_GIVEN_* bits */
 	/* Background compaction (daemon/cache/compact.h): on or off, how often
 	 * the compactor looks, and the fragmentation index (per mille) above
 	 * which it compacts without being nudged (0: on every look). */
@@ -188,6 +203,17 @@ struct options {
 	 * client address (Unix: per uid), negotiating ones too (0: unlimited). */
 	struct access_spec access;
 	unsigned max_connections_per_client;
+	/* TLS (daemon/tls.h): off (STARTTLS refused), on (SELECTIVETLS: at the
+	 * client's choice, required by exports with tls = require) or require
+	 * (FORCEDTLS); the credentials (certificate directory with
+	 * ca-cert.pem, server-cert.pem, server-key.pem, ca-crl.pem; psktool's
+	 * key file), whether a client certificate is required and verified,
+	 * the GnuTLS priority string (NULL: OPTIONS_DEFAULT_TLS_PRIORITY). */
+	enum tls_mode tls;
+	char *tls_certificates;
+	char *tls_psk;
+	bool tls_verify_peer;
+	char *tls_priority;
 	bool help;
 	bool version;
 };

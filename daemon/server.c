@@ -35,6 +35,7 @@
 #include "daemon/control.h"
 #include "daemon/export.h"
 #include "daemon/log.h"
+#include "daemon/tls.h"
 #include "daemon/worker.h"
 #include "include/nbdcached/control.h"
 
@@ -386,10 +387,24 @@ int server_run(const struct options *opts, int argc, char **argv)
 		threads = n > 0 ? (unsigned)n : 1;
 	}
 	signal(SIGPIPE, SIG_IGN);
+	/* TLS credentials first: a broken file is refused before anything
+	 * is opened (daemon/tls.h). */
+	struct tls_creds *creds;
+	char tls_err[1024];
+	if (tls_creds_load(opts, &creds, tls_err, sizeof(tls_err)) < 0) {
+		log_error("%s", tls_err);
+		return 1;
+	}
+	if (creds) {
+		tls_creds_describe(creds, tls_err, sizeof(tls_err));
+		log_info("%s", tls_err);
+	}
+	tls_creds_install(creds);
 	int rc = cache_create(opts, &s.cache);
 	if (rc < 0) {
 		log_error("cache: cannot set up %llu bytes: %s", (unsigned long long)opts->cache_size,
 			  strerror(-rc));
+		tls_creds_uninstall();
 		return 1;
 	}
 	if (export_table_open(&s.exports, opts, s.cache) < 0)
@@ -588,5 +603,6 @@ out_cache:
 	cache_destroy(s.cache);
 	if (status == 0)
 		log_info("stopped");
+	tls_creds_uninstall();
 	return status;
 }

@@ -13,8 +13,8 @@ No /dev/nbd* device is ever attached. The modes used:
                                    machine, module or not.
   ... -g                           the same through NBD_OPT_EXPORT_NAME
   ... -N nope                      an unknown export: GO fails (ERR_UNKNOWN)
-  nbd-client -x -l HOST PORT       STARTTLS: the daemon has no TLS configured and
-                                   answers ERR_UNSUP; nbd-client gives up cleanly
+  nbd-client -x -l HOST PORT       STARTTLS: the daemon has TLS off and answers
+                                   ERR_POLICY; nbd-client gives up cleanly
   nbd-client -C 3 -N NAME HOST PORT (netlink mode, no device): negotiates three
                                    connections, then fails to find the nbd
                                    netlink family. Only run when the nbd module

@@ -354,6 +354,71 @@ static void test_negotiation_timeout(void **state)
 	assert_int_equal(v, 120);
 }
 
+/* TLS: off unless given; on and require need credentials; a per-export
+ * require needs the global on; verify-peer needs certificates. */
+static void test_tls(void **state)
+{
+	(void)state;
+	struct options o;
+	char err[256] = "";
+	char *defaults[] = {"nbdcached", "--export", "a=/x", NULL};
+	assert_int_equal(parse(defaults, 3, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.tls, TLS_OFF);
+	assert_null(o.tls_certificates);
+	assert_null(o.tls_psk);
+	assert_null(o.tls_priority);
+	assert_false(o.tls_verify_peer);
+	assert_false(o.exports[0].tls_require);
+	options_free(&o);
+
+	char *on[] = {"nbdcached", "--tls", "on", "--tls-certificates", "/etc/t",
+		      "--tls-verify-peer", "--tls-psk", "/etc/k.psk", "--tls-priority", "NORMAL",
+		      "--export", "a=/x,tls=require", "--export", "b=/y,tls=on", NULL};
+	assert_int_equal(parse(on, 14, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.tls, TLS_ON);
+	assert_string_equal(o.tls_certificates, "/etc/t");
+	assert_string_equal(o.tls_psk, "/etc/k.psk");
+	assert_string_equal(o.tls_priority, "NORMAL");
+	assert_true(o.tls_verify_peer);
+	assert_true(o.exports[0].tls_require);
+	assert_false(o.exports[1].tls_require);
+	assert_true(o.given & OPT_GIVEN_TLS);
+	assert_true(o.given & OPT_GIVEN_TLS_VERIFY_PEER);
+	options_free(&o);
+
+	char *verify_false[] = {"nbdcached", "--tls", "require", "--tls-psk", "/k",
+				"--tls-verify-peer=false", "--export", "a=/x", NULL};
+	assert_int_equal(parse(verify_false, 8, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.tls, TLS_REQUIRE);
+	assert_false(o.tls_verify_peer);
+	options_free(&o);
+
+	struct {
+		char *argv[8];
+		int argc;
+		const char *want;
+	} bad[] = {
+	    {{"nbdcached", "--tls", "yes", "--export", "a=/x"}, 5,
+	     "--tls yes: expected off, on or require"},
+	    {{"nbdcached", "--tls", "on", "--export", "a=/x"}, 5,
+	     "tls on needs tls-certificates DIR or tls-psk FILE"},
+	    {{"nbdcached", "--export", "a=/x,tls=require"}, 3,
+	     "export 'a': tls = require needs the global tls on or require"},
+	    {{"nbdcached", "--tls", "on", "--tls-psk", "/k", "--tls-verify-peer", "--export",
+	      "a=/x"},
+	     8, "tls-verify-peer needs tls-certificates DIR"},
+	    {{"nbdcached", "--export", "a=/x,tls=off"}, 3, "expected tls=require (or tls=on)"},
+	    {{"nbdcached", "--tls-verify-peer=maybe", "--export", "a=/x"}, 4,
+	     "--tls-verify-peer=maybe: expected true or false"},
+	};
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		err[0] = '\0';
+		assert_int_equal(parse(bad[i].argv, bad[i].argc, &o, err, sizeof(err)), -EINVAL);
+		if (!strstr(err, bad[i].want))
+			fail_msg("case %zu: '%s' does not say '%s'", i, err, bad[i].want);
+	}
+}
+
 static void test_no_export_and_duplicates(void **state)
 {
 	(void)state;
@@ -477,6 +542,7 @@ int main(void)
 		cmocka_unit_test(test_budget_settings),
 		cmocka_unit_test(test_stall_timeout),
 		cmocka_unit_test(test_negotiation_timeout),
+		cmocka_unit_test(test_tls),
 		cmocka_unit_test(test_no_export_and_duplicates),
 		cmocka_unit_test(test_windows),
 		cmocka_unit_test(test_split_host_port),
