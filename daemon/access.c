@@ -11,6 +11,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <stddef.h>
 #include <grp.h>
 #include <limits.h>
 #include <netinet/in.h>
@@ -241,12 +242,47 @@ void access_rules_free(struct access_rules *r)
 	free(r->deny);
 	free(r->users);
 	free(r->groups);
+	for (size_t i = 0; i < r->identity_count; i++)
+		free(r->identities[i]);
+	free(r->identities);
 	memset(r, 0, sizeof(*r));
 }
 
 bool access_rules_empty(const struct access_rules *r)
 {
-	return !r->allow_count && !r->deny_count && !r->user_count && !r->group_count;
+	return !r->allow_count && !r->deny_count && !r->user_count && !r->group_count &&
+	       !r->identity_count;
+}
+
+/* Identities, one per line (leading and trailing blanks dropped). */
+static int parse_identities(const char *text, char ***out, size_t *count, char *err,
+			    size_t errlen)
+{
+	if (!*text)
+		return fail(err, errlen, -EINVAL, "an empty identity");
+	for (const char *p = text; *p;) {
+		const char *eol = strchr(p, '\n');
+		size_t n = eol ? (size_t)(eol - p) : strlen(p);
+		const char *a = p, *b = p + n;
+		while (a < b && (*a == ' ' || *a == '\t'))
+			a++;
+		while (b > a && (b[-1] == ' ' || b[-1] == '\t'))
+			b--;
+		p = eol ? eol + 1 : p + n;
+		if (a == b)
+			return fail(err, errlen, -EINVAL, "an empty identity");
+		if ((size_t)(b - a) >= sizeof(((struct access_peer *)0)->identity))
+			return fail(err, errlen, -EINVAL, "identity longer than %zu bytes",
+				    sizeof(((struct access_peer *)0)->identity) - 1);
+		char **v = realloc(*out, (*count + 1) * sizeof(*v));
+		if (!v)
+			return fail(err, errlen, -ENOMEM, "out of memory");
+		*out = v;
+		if (!(v[*count] = strndup(a, (size_t)(b - a))))
+			return fail(err, errlen, -ENOMEM, "out of memory");
+		(*count)++;
+	}
+	return 0;
 }
 
 int access_rules_parse(const struct access_spec *spec, struct access_rules *out, char *err,
@@ -270,6 +306,10 @@ int access_rules_parse(const struct access_spec *spec, struct access_rules *out,
 		 (rc = access_parse_groups(spec->allow_groups, &out->groups, &out->group_count, why,
 					   sizeof(why))) < 0)
 		list = "allow-groups";
+	else if (spec->allow_identities &&
+		 (rc = parse_identities(spec->allow_identities, &out->identities,
+					&out->identity_count, why, sizeof(why))) < 0)
+		list = "allow-identities";
 	if (rc < 0) {
 		access_rules_free(out);
 		return fail(err, errlen, rc, "%s: %s", list, why);
@@ -329,6 +369,22 @@ bool access_rules_allow(const struct access_rules *r, const struct access_peer *
 	return false;
 }
 
+bool access_identity_allow(const struct access_rules *r, const struct access_peer *p,
+			   char *why, size_t whylen)
+{
+	if (!r->identity_count)
+		return true;
+	if (!p->has_identity) {
+		fail(why, whylen, 0, "no TLS identity (allow-identities)");
+		return false;
+	}
+	for (size_t i = 0; i < r->identity_count; i++)
+		if (strcmp(r->identities[i], p->identity) == 0)
+			return true;
+	fail(why, whylen, 0, "identity '%s' not in allow-identities", p->identity);
+	return false;
+}
+
 void access_peer_from_socket(struct access_peer *p, int fd, const void *sa, size_t len)
 {
 	memset(p, 0, sizeof(*p));
@@ -377,12 +433,52 @@ void access_peer_from_socket(struct access_peer *p, int fd, const void *sa, size
 	}
 }
 
+const struct access_list access_lists[ACCESS_LISTS] = {
+    {"allow", offsetof(struct access_spec, allow), ' ', OPT_GIVEN_ALLOW},
+    {"deny", offsetof(struct access_spec, deny), ' ', OPT_GIVEN_DENY},
+    {"allow-users", offsetof(struct access_spec, allow_users), ' ', OPT_GIVEN_ALLOW_USERS},
+    {"allow-groups", offsetof(struct access_spec, allow_groups), ' ', OPT_GIVEN_ALLOW_GROUPS},
+    {"allow-identities", offsetof(struct access_spec, allow_identities), '\n',
+     OPT_GIVEN_ALLOW_IDENTITIES},
+};
+
+const struct access_list *access_list_named(const char *key, size_t len)
+{
+	for (size_t i = 0; i < ACCESS_LISTS; i++)
+		if (strlen(access_lists[i].key) == len && memcmp(access_lists[i].key, key, len) == 0)
+			return &access_lists[i];
+	return NULL;
+}
+
+int access_spec_add(struct access_spec *s, const struct access_list *l, const char *value,
+		    char *err, size_t errlen)
+{
+	struct access_spec one = {0};
+	char **mine = access_spec_list(&one, l), **slot = access_spec_list(s, l);
+	if (!(*mine = strdup(value)))
+		return fail(err, errlen, -ENOMEM, "out of memory");
+	int rc = access_check_spec(&one, err, errlen);
+	access_spec_free(&one);
+	if (rc < 0)
+		return rc;
+	size_t had = *slot ? strlen(*slot) : 0;
+	char *joined = realloc(*slot, had + strlen(value) + 2);
+	if (!joined)
+		return fail(err, errlen, -ENOMEM, "out of memory");
+	if (had)
+		joined[had++] = l->separator;
+	strcpy(joined + had, value);
+	*slot = joined;
+	return 0;
+}
+
 void access_spec_free(struct access_spec *s)
 {
 	free(s->allow);
 	free(s->deny);
 	free(s->allow_users);
 	free(s->allow_groups);
+	free(s->allow_identities);
 	memset(s, 0, sizeof(*s));
 }
 
@@ -399,7 +495,8 @@ int access_spec_copy(struct access_spec *dst, const struct access_spec *src)
 {
 	if (copy_string(&dst->allow, src->allow) < 0 || copy_string(&dst->deny, src->deny) < 0 ||
 	    copy_string(&dst->allow_users, src->allow_users) < 0 ||
-	    copy_string(&dst->allow_groups, src->allow_groups) < 0) {
+	    copy_string(&dst->allow_groups, src->allow_groups) < 0 ||
+	    copy_string(&dst->allow_identities, src->allow_identities) < 0) {
 		access_spec_free(dst);
 		return -ENOMEM;
 	}

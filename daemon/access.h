@@ -9,6 +9,9 @@
  * (libc only) so it is unit tested on i386 too.
  *
  * Semantics (nbdcached(8), ACCESS CONTROL):
+ *   - TLS clients: when allow-identities is set, the client must have
+ *     finished a TLS handshake whose identity (certificate DN, PSK
+ *     username) is one of the list, compared whole; on any transport.
  *   - TCP clients: deny wins over allow; an empty allow list lets everyone
  *     in. IPv4-mapped IPv6 addresses (::ffff:a.b.c.d) are IPv4 addresses:
  *     they match IPv4 rules (an IPv4 rule is kept as its mapped form).
@@ -38,6 +41,7 @@
 /* The rule lists as given (config keys, command-line options, export keys). */
 struct access_spec {
 	char *allow, *deny, *allow_users, *allow_groups; /* NULL: not given */
+	char *allow_identities; /* TLS identities, one per line (DNs hold commas) */
 };
 
 /* One address rule: IPv6, or IPv4 kept as ::ffff:a.b.c.d (prefix + 96). */
@@ -52,6 +56,8 @@ struct access_rules {
 	size_t allow_count, deny_count;
 	uint32_t *users, *groups; /* uids, gids */
 	size_t user_count, group_count;
+	char **identities; /* TLS: certificate DNs or PSK usernames */
+	size_t identity_count;
 };
 
 /* Who a connection comes from. */
@@ -64,7 +70,37 @@ struct access_peer {
 	uint32_t groups[32];	/* Unix: supplementary groups (SO_PEERGROUPS) */
 	unsigned group_count;
 	char text[64]; /* "127.0.0.1:5000", "[::1]:5000", "unix uid 0 pid 12" */
+	/* TLS, once its handshake is done: the client certificate's DN or
+	 * the PSK username (has_identity false before, and without TLS). */
+	bool has_identity;
+	char identity[256];
 };
+
+/*
+ * The rule lists of struct access_spec, in one table for the command line
+ * (--allow ..., --export ...,allow=...), the config file and
+ * --check-config: the key, where its list is in the spec, what joins items
+ * added one by one (identities hold commas and blanks: one per line), and
+ * its bit in options.given (OPT_GIVEN_*).
+ */
+struct access_list {
+	const char *key;
+	size_t offset; /* of its char * in struct access_spec */
+	char separator;
+	uint64_t given;
+};
+#define ACCESS_LISTS 5
+extern const struct access_list access_lists[ACCESS_LISTS];
+/* The list named key (len bytes), or NULL. */
+const struct access_list *access_list_named(const char *key, size_t len);
+static inline char **access_spec_list(struct access_spec *s, const struct access_list *l)
+{
+	return (char **)(void *)((char *)s + l->offset);
+}
+/* Check value as items of list l, then add them to s's list: 0, -EINVAL
+ * (the reason in err) or -ENOMEM. */
+int access_spec_add(struct access_spec *s, const struct access_list *l, const char *value,
+		    char *err, size_t errlen);
 
 /* Parse an address list (addresses and CIDRs, IPv4 and IPv6, comma or
  * space separated) into a new array; 0 or -EINVAL with a reason in err. */
@@ -90,6 +126,14 @@ bool access_net_match(const struct access_net *net, const uint8_t addr[16]);
  */
 bool access_rules_allow(const struct access_rules *r, const struct access_peer *p, char *why,
 			size_t whylen);
+/*
+ * May the peer's TLS identity pass these rules' allow-identities (any
+ * identity when the list is empty)? Checked when a client opens an export
+ * (the accept-time check cannot: no TLS yet). Why as above: "no TLS
+ * identity (allow-identities)", "identity 'CN=x' not in allow-identities".
+ */
+bool access_identity_allow(const struct access_rules *r, const struct access_peer *p,
+			   char *why, size_t whylen);
 
 /* Fill a peer from a socket address (sa, len) and, for Unix sockets, fd's
  * credentials. */

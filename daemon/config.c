@@ -223,48 +223,29 @@ static int once(struct config_ctx *x, unsigned *mask, unsigned bit, const char *
 
 /*
  * The access-rule keys, in [generic] (global) or an export's section
- * (access.h): allow, deny, allow-users, allow-groups. Each is checked
+ * (access.h): allow, deny, allow-users, allow-groups, allow-identities
+ * (one identity per key: a DN holds commas). Each is checked
  * now (addresses parsed, names looked up) so that an error names its line;
  * a key given twice adds to its list. -1: not one of them.
  */
 static int access_key(struct config_ctx *x, const char *name, const char *v,
 		      struct access_spec *spec)
 {
-	struct access_spec one = {0};
-	char **slot, **mine;
-	if (key_is(name, "allow")) {
-		slot = &spec->allow;
-		mine = &one.allow;
-	} else if (key_is(name, "deny")) {
-		slot = &spec->deny;
-		mine = &one.deny;
-	} else if (key_is(name, "allow-users")) {
-		slot = &spec->allow_users;
-		mine = &one.allow_users;
-	} else if (key_is(name, "allow-groups")) {
-		slot = &spec->allow_groups;
-		mine = &one.allow_groups;
-	} else {
+	const struct access_list *l = NULL;
+	for (size_t i = 0; i < ACCESS_LISTS && !l; i++)
+		if (key_is(name, access_lists[i].key))
+			l = &access_lists[i];
+	if (!l)
 		return -1;
-	}
-	*mine = strdup(v);
-	if (!*mine)
-		return out_of_memory(x);
 	char why[256];
-	int rc;
-	if (access_check_spec(&one, why, sizeof(why)) < 0)
-		rc = config_fail(x, "%s", why);
-	else if (options_append_list(slot, v) < 0)
-		rc = out_of_memory(x);
-	else
-		rc = 1;
-	access_spec_free(&one);
-	if (rc && spec == &x->file.access)
-		x->set |= key_is(name, "allow")		? OPT_GIVEN_ALLOW
-			  : key_is(name, "deny")	? OPT_GIVEN_DENY
-			  : key_is(name, "allow-users") ? OPT_GIVEN_ALLOW_USERS
-							: OPT_GIVEN_ALLOW_GROUPS;
-	return rc;
+	int rc = access_spec_add(spec, l, v, why, sizeof(why));
+	if (rc == -ENOMEM)
+		return out_of_memory(x);
+	if (rc < 0)
+		return config_fail(x, "%s", why);
+	if (spec == &x->file.access)
+		x->set |= l->given;
+	return 1;
 }
 
 static int generic_key(struct config_ctx *x, const char *name, const char *v)
@@ -753,6 +734,7 @@ static int merge(struct config_ctx *x)
 	TAKE_STRING(OPT_GIVEN_DENY, access.deny);
 	TAKE_STRING(OPT_GIVEN_ALLOW_USERS, access.allow_users);
 	TAKE_STRING(OPT_GIVEN_ALLOW_GROUPS, access.allow_groups);
+	TAKE_STRING(OPT_GIVEN_ALLOW_IDENTITIES, access.allow_identities);
 	TAKE(OPT_GIVEN_TLS, tls);
 	TAKE(OPT_GIVEN_TLS_VERIFY_PEER, tls_verify_peer);
 	TAKE_STRING(OPT_GIVEN_TLS_CERTIFICATES, tls_certificates);

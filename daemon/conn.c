@@ -95,6 +95,15 @@ static void registry_add(struct conn *c)
 	pthread_mutex_unlock(&registry.lock);
 }
 
+void conn_tls_established(struct conn *c)
+{
+	pthread_mutex_lock(&registry.lock);
+	c->peer.has_identity = c->tls_identity[0] != '\0';
+	snprintf(c->peer.identity, sizeof(c->peer.identity), "%s", c->tls_identity);
+	c->tls_listed = true;
+	pthread_mutex_unlock(&registry.lock);
+}
+
 static void registry_remove(struct conn *c)
 {
 	pthread_mutex_lock(&registry.lock);
@@ -141,6 +150,12 @@ int conn_list(struct conn_info **out, size_t *count)
 		i->age_ms = (now - c->started_ns) / 1000000u;
 		i->worker = c->worker->index;
 		i->closing = atomic_load(&c->disconnect_asked);
+		i->tls = c->tls_listed;
+		if (i->tls) {
+			memcpy(i->tls_version, c->tls_version, sizeof(i->tls_version));
+			memcpy(i->tls_cipher, c->tls_cipher, sizeof(i->tls_cipher));
+			memcpy(i->tls_identity, c->tls_identity, sizeof(i->tls_identity));
+		}
 	}
 	pthread_mutex_unlock(&registry.lock);
 	*out = v;

@@ -155,6 +155,7 @@ struct conn {
 	char tls_version[16];
 	char tls_cipher[64];
 	char tls_identity[256]; /* client certificate DN or PSK username */
+	bool tls_listed; /* registry lock: the tls_* strings are final (conn_list) */
 
 	/* For the line the log gets when the connection ends (conn_unref). */
 	uint64_t started_ns;
@@ -194,6 +195,8 @@ struct conn_info {
 	uint64_t age_ms;
 	unsigned worker;
 	bool closing; /* a disconnect was asked for */
+	bool tls;     /* its TLS handshake is done; then: */
+	char tls_version[16], tls_cipher[64], tls_identity[256];
 };
 
 /*
@@ -208,6 +211,13 @@ int conn_list(struct conn_info **out, size_t *count);
  * closed at once. 0, or -ENOENT when no connection has that id.
  */
 int conn_disconnect(uint64_t id, const char *why);
+/*
+ * Worker: c's TLS handshake is done and its tls_* strings are filled in:
+ * its identity becomes part of its peer (for the access rules'
+ * allow-identities) and conn_list() shows them (under the registry lock,
+ * the control thread's reads cannot race the worker's writes).
+ */
+void conn_tls_established(struct conn *c);
 
 /* Main thread, once, before any worker starts: the stall deadline in
  * seconds (--stall-timeout). */

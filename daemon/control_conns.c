@@ -56,11 +56,13 @@ static json_object *connection_object(const struct conn_info *i)
 	control_add_u64(o, "age_ms", i->age_ms);
 	control_add_u64(o, "worker", i->worker);
 	json_object_object_add(o, "disconnecting", json_object_new_boolean(i->closing));
-	/* Reserved until TLS lands: always null. */
-	json_object_object_add(o, "tls", NULL);
-	json_object_object_add(o, "tls_version", NULL);
-	json_object_object_add(o, "tls_cipher", NULL);
-	json_object_object_add(o, "tls_peer", NULL);
+	/* TLS, once its handshake is done: version, cipher suite, the client's
+	 * identity (certificate DN or PSK username; null when it gave none). */
+	json_object_object_add(o, "tls", json_object_new_boolean(i->tls));
+	control_add_string(o, "tls_version", i->tls ? i->tls_version : NULL);
+	control_add_string(o, "tls_cipher", i->tls ? i->tls_cipher : NULL);
+	control_add_string(o, "tls_peer",
+			   i->tls && i->tls_identity[0] ? i->tls_identity : NULL);
 	return o;
 }
 

@@ -85,20 +85,32 @@ static void option_reply_prefixed(struct conn *c, uint32_t option, uint32_t type
  * tightened them meanwhile, then the export's. A refusal is logged once
  * per connection, with the client and the rule.
  */
-static bool may_open(struct conn *c, const struct export *e)
+/* Do the global and e's rules let c open e (its address or user, and its
+ * TLS identity)? When not, why and which rules (*scope). */
+static bool access_check(const struct conn *c, const struct export *e, char *why, size_t len,
+			 const char **scope)
 {
 	struct access_policy *p = access_policy_get();
 	if (!p)
 		return true;
-	char why[160] = "";
-	bool ok = access_rules_allow(&p->global, &c->peer, why, sizeof(why));
-	const char *scope = "global access rules";
+	*scope = "global access rules";
+	bool ok = access_rules_allow(&p->global, &c->peer, why, len) &&
+		  access_identity_allow(&p->global, &c->peer, why, len);
 	const struct access_rules *r = access_policy_export(p, e->name);
 	if (ok && r) {
-		ok = access_rules_allow(r, &c->peer, why, sizeof(why));
-		scope = "the export's access rules";
+		*scope = "the export's access rules";
+		ok = access_rules_allow(r, &c->peer, why, len) &&
+		     access_identity_allow(r, &c->peer, why, len);
 	}
 	access_policy_put(p);
+	return ok;
+}
+
+static bool may_open(struct conn *c, const struct export *e)
+{
+	char why[320] = "";
+	const char *scope;
+	bool ok = access_check(c, e, why, sizeof(why), &scope);
 	if (!ok && !c->access_logged) {
 		log_warn("conn %llu: refused %s export '%s': %s (%s)", (unsigned long long)c->id,
 			 c->peer.text, e->name, why, scope);
@@ -260,15 +272,13 @@ static void handle_list(struct conn *c, uint32_t len)
 		option_error(c, NBD_OPT_LIST, NBD_REP_ERR_UNSUP, "out of memory");
 		return;
 	}
-	struct access_policy *policy = access_policy_get();
 	for (size_t i = 0; i < count; i++) {
 		const struct export *e = list[i];
 		if (export_needs_tls(c, e))
 			continue; /* not shown before TLS (the spec allows it) */
 		/* Only what the client may open (no log line: a LIST is no refusal). */
-		const struct access_rules *r = access_policy_export(policy, e->name);
-		if (policy && (!access_rules_allow(&policy->global, &c->peer, NULL, 0) ||
-			       (r && !access_rules_allow(r, &c->peer, NULL, 0))))
+		const char *scope;
+		if (!access_check(c, e, NULL, 0, &scope))
 			continue;
 		uint8_t prefix[4];
 		size_t name_len = strlen(e->name);
@@ -277,7 +287,6 @@ static void handle_list(struct conn *c, uint32_t len)
 				      name_len, e->description,
 				      e->description ? strlen(e->description) : 0);
 	}
-	access_policy_put(policy);
 	for (size_t i = 0; i < count; i++)
 		export_put(list[i]);
 	free(list);

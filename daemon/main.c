@@ -22,25 +22,18 @@
 /* The access rules of a spec, on one line after prefix (none: nothing). */
 static void print_access(const char *prefix, const struct access_spec *a)
 {
-	if (!a->allow && !a->deny && !a->allow_users && !a->allow_groups)
-		return;
 	const char *sep = "";
-	printf("%saccess: ", prefix);
-	if (a->allow) {
-		printf("allow %s", a->allow);
+	for (size_t i = 0; i < ACCESS_LISTS; i++) {
+		const char *list = *access_spec_list((struct access_spec *)a, &access_lists[i]);
+		if (!list)
+			continue;
+		printf("%s%s%s ", *sep ? "" : prefix, *sep ? sep : "access: ", access_lists[i].key);
+		for (const char *p = list; *p; p++) /* identities: one per line */
+			fputs(*p == '\n' ? " | " : (char[2]){*p, 0}, stdout);
 		sep = "; ";
 	}
-	if (a->deny) {
-		printf("%sdeny %s", sep, a->deny);
-		sep = "; ";
-	}
-	if (a->allow_users) {
-		printf("%sallow-users %s", sep, a->allow_users);
-		sep = "; ";
-	}
-	if (a->allow_groups)
-		printf("%sallow-groups %s", sep, a->allow_groups);
-	printf("\n");
+	if (*sep)
+		printf("\n");
 }
 
 /*

@@ -38,11 +38,13 @@ const char *options_usage(void)
 	       "                 [--max-reply-memory SIZE] [--max-pinned-replies SIZE]\n"
 	       "                 [--stall-timeout SECONDS] [--negotiation-timeout SECONDS]\n"
 	       "                 [--allow LIST] [--deny LIST] [--allow-users LIST]\n"
-	       "                 [--allow-groups LIST] [--max-connections-per-client N]\n"
-	       "An --export also takes allow=LIST, deny=LIST, allow-users=LIST and\n"
-	       "allow-groups=LIST (its access rules; a LIST runs on over commas).\n"
+	       "                 [--allow-groups LIST] [--allow-identities IDENTITY]...\n"
+	       "                 [--max-connections-per-client N]\n"
 	       "                 [--tls off|on|require] [--tls-certificates DIR] [--tls-psk FILE]\n"
 	       "                 [--tls-verify-peer[=true|false]] [--tls-priority STRING]\n"
+	       "An --export also takes allow=LIST, deny=LIST, allow-users=LIST,\n"
+	       "allow-groups=LIST (its access rules; a LIST runs on over commas),\n"
+	       "allow-identities=IDENTITY (one, commas and all) and tls=require.\n"
 	       "BACKEND is a file or block device, an NBD URI (nbd://HOST[:PORT]/NAME,\n"
 	       "nbd+unix:///NAME?socket=PATH, nbds://...) or nbdkit:PLUGIN [ARG...].\n"
 	       "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
@@ -79,14 +81,11 @@ static bool starts_with(const char *s, size_t n, const char *prefix)
 	return n >= p && memcmp(s, prefix, p) == 0;
 }
 
-/* The export's access-rule keys: where their value goes in the spec. */
-static const char *access_list_key(const char *s, size_t n)
+/* The access-rule list whose "KEY=" starts the n bytes at s, or NULL. */
+static const struct access_list *access_list_key(const char *s, size_t n)
 {
-	static const char *const keys[] = {"allow=", "deny=", "allow-users=", "allow-groups="};
-	for (size_t i = 0; i < 4; i++)
-		if (starts_with(s, n, keys[i]))
-			return keys[i];
-	return NULL;
+	const char *eq = memchr(s, '=', n);
+	return eq ? access_list_named(s, (size_t)(eq - s)) : NULL;
 }
 
 static bool is_known_key(const char *s, size_t n)
@@ -112,30 +111,18 @@ static int key_value(const char *p, size_t n, const char *key, char *buf, size_t
 	return 0;
 }
 
-int options_append_list(char **slot, const char *value)
-{
-	size_t had = *slot ? strlen(*slot) : 0;
-	char *s = realloc(*slot, had + strlen(value) + 2);
-	if (!s)
-		return -ENOMEM;
-	if (had)
-		s[had++] = ' ';
-	strcpy(s + had, value);
-	*slot = s;
-	return 0;
-}
-
 /*
  * An access-rule key of --export at p (n bytes, then next): its list runs
  * on over commas until the next known key, as a description does, so
- * "allow=10.0.0.0/8,192.168.0.0/16,readonly" is two rules and a flag.
+ * "allow=10.0.0.0/8,192.168.0.0/16,readonly" is two rules and a flag. An
+ * identity keeps its commas (a DN has them): allow-identities= is one.
  * Returns where parsing goes on (NULL: the end), or sets *rc.
  */
 static const char *export_access_key(const char *p, const char *next, struct export_spec *out,
 				     int *rc, char *err, size_t errlen)
 {
-	const char *key = access_list_key(p, next ? (size_t)(next - p) : strlen(p));
-	const char *v = p + strlen(key);
+	const struct access_list *l = access_list_key(p, next ? (size_t)(next - p) : strlen(p));
+	const char *v = p + strlen(l->key) + 1;
 	const char *q = next;
 	while (q) {
 		const char *after = q + 1;
@@ -150,24 +137,15 @@ static const char *export_access_key(const char *p, const char *next, struct exp
 		return NULL;
 	}
 	char *comma;
-	while ((comma = strchr(list, ',')))
+	while (l->separator == ' ' && (comma = strchr(list, ',')))
 		*comma = ' ';
-	struct access_spec one = {0};
-	char **slot = key[0] == 'd'			 ? &out->access.deny
-		      : strcmp(key, "allow=") == 0	 ? &out->access.allow
-		      : strcmp(key, "allow-users=") == 0 ? &out->access.allow_users
-							 : &out->access.allow_groups;
-	*(key[0] == 'd'			     ? &one.deny
-	  : strcmp(key, "allow=") == 0	     ? &one.allow
-	  : strcmp(key, "allow-users=") == 0 ? &one.allow_users
-					     : &one.allow_groups) = list;
 	char why[200];
-	if (access_check_spec(&one, why, sizeof(why)) < 0) {
+	int added = access_spec_add(&out->access, l, list, why, sizeof(why));
+	if (added == -EINVAL)
 		*rc = fail(err, errlen, -EINVAL, "--export %s: %s", out->name, why);
-	} else if (options_append_list(slot, list) < 0) {
-		*rc = -ENOMEM;
-	}
-	access_spec_free(&one);
+	else if (added < 0)
+		*rc = added;
+	free(list);
 	return q ? q + 1 : NULL;
 }
 
@@ -419,11 +397,12 @@ enum {
 	OPT_ACCESS_DENY,
 	OPT_ACCESS_USERS,
 	OPT_ACCESS_GROUPS,
+	OPT_ACCESS_IDENTITIES, /* ... in access_lists' order */
 	OPT_ACCESS_PER_CLIENT,
 };
 
-/* --allow, --deny, --allow-users, --allow-groups (each adds to its list)
- * and --max-connections-per-client. */
+/* --allow, --deny, --allow-users, --allow-groups, --allow-identities (each
+ * adds to its list) and --max-connections-per-client. */
 static int options_access_arg(int c, const char *arg, struct options *out, char *err, size_t errlen)
 {
 	if (c == OPT_ACCESS_PER_CLIENT) {
@@ -435,30 +414,13 @@ static int options_access_arg(int c, const char *arg, struct options *out, char 
 		out->given |= OPT_GIVEN_MAX_PER_CLIENT;
 		return 0;
 	}
-	struct access_spec one = {0};
-	char *copy = strdup(arg);
-	if (!copy)
-		return -ENOMEM;
-	char **slot = c == OPT_ACCESS_ALLOW   ? &out->access.allow
-		      : c == OPT_ACCESS_DENY  ? &out->access.deny
-		      : c == OPT_ACCESS_USERS ? &out->access.allow_users
-					      : &out->access.allow_groups;
-	*(c == OPT_ACCESS_ALLOW	  ? &one.allow
-	  : c == OPT_ACCESS_DENY  ? &one.deny
-	  : c == OPT_ACCESS_USERS ? &one.allow_users
-				  : &one.allow_groups) = copy;
+	const struct access_list *l = &access_lists[c - OPT_ACCESS_ALLOW];
 	char why[200];
-	int rc = access_check_spec(&one, why, sizeof(why));
-	if (rc < 0)
-		rc = fail(err, errlen, rc, "--%s", why);
-	else if (options_append_list(slot, arg) < 0)
-		rc = -ENOMEM;
-	access_spec_free(&one);
+	int rc = access_spec_add(&out->access, l, arg, why, sizeof(why));
+	if (rc == -EINVAL)
+		return fail(err, errlen, rc, "--%s", why);
 	if (rc == 0)
-		out->given |= c == OPT_ACCESS_ALLOW   ? OPT_GIVEN_ALLOW
-			      : c == OPT_ACCESS_DENY  ? OPT_GIVEN_DENY
-			      : c == OPT_ACCESS_USERS ? OPT_GIVEN_ALLOW_USERS
-						      : OPT_GIVEN_ALLOW_GROUPS;
+		out->given |= l->given;
 	return rc;
 }
 
@@ -499,6 +461,7 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 		{"deny", required_argument, NULL, OPT_ACCESS_DENY},
 		{"allow-users", required_argument, NULL, OPT_ACCESS_USERS},
 		{"allow-groups", required_argument, NULL, OPT_ACCESS_GROUPS},
+		{"allow-identities", required_argument, NULL, OPT_ACCESS_IDENTITIES},
 		{"max-connections-per-client", required_argument, NULL, OPT_ACCESS_PER_CLIENT},
 		{"tls", required_argument, NULL, 1000},
 		{"tls-certificates", required_argument, NULL, 1001},
@@ -763,6 +726,7 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 		case OPT_ACCESS_DENY:
 		case OPT_ACCESS_USERS:
 		case OPT_ACCESS_GROUPS:
+		case OPT_ACCESS_IDENTITIES:
 		case OPT_ACCESS_PER_CLIENT:
 			if ((rc = options_access_arg(c, optarg, out, err, errlen)) < 0)
 				goto error;

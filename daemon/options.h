@@ -150,6 +150,7 @@ struct export_spec {
 #define OPT_GIVEN_TLS_PSK (UINT64_C(1) << 32)
 #define OPT_GIVEN_TLS_VERIFY_PEER (UINT64_C(1) << 33)
 #define OPT_GIVEN_TLS_PRIORITY (UINT64_C(1) << 34)
+#define OPT_GIVEN_ALLOW_IDENTITIES (UINT64_C(1) << 35)
 
 
 struct options {
@@ -251,9 +252,6 @@ int options_add_export(struct options *opts, struct export_spec *spec, char *err
 void options_export_spec_free(struct export_spec *e);
 /* Parse one --export value (exposed for tests). */
 int options_parse_export(const char *text, struct export_spec *out, char *err, size_t errlen);
-/* Append a rule list to *slot, space-separated (a list given twice adds
- * to the first): 0 or -ENOMEM. */
-int options_append_list(char **slot, const char *value);
 void options_free(struct options *opts);
 const char *options_usage(void);
 

@@ -509,6 +509,7 @@ static void tls_established(struct tls_conn *t)
 			gnutls_x509_crt_deinit(crt);
 		}
 	}
+	conn_tls_established(c);
 	log_info("conn %llu: TLS with %s: %s, %s%s%s", (unsigned long long)c->id, t->peer,
 		 c->tls_version, c->tls_cipher, c->tls_identity[0] ? ", identity " : "",
 		 c->tls_identity);

@@ -263,7 +263,9 @@ def main():
                     # Back, by SIGHUP this time.
                     write_config(conf, base)
                     os.kill(d.pid, signal.SIGHUP)
-                    nbdtest.wait_until(lambda: d.log_text().count("reload: ") >= 2, 10)
+                    # The line each reload ends with (a reload logs others too).
+                    nbdtest.wait_until(lambda: len(re.findall(r"reload: \d+ export\(s\) added",
+                                                              d.log_text())) >= 2, 10)
                     served(tcp(d.port), "127.0.0.1 after the second reload")
                     got = as_user(pw.pw_uid, pw.pw_gid, d.sock)
                     require(got == "closed", "user %s after the second reload: %s"

@@ -11,7 +11,7 @@ and does a READ of 4 KiB and a WRITE of 8 KiB; B on the Unix socket opens
               port, transmitting "disk", 4096 bytes read, 8192 written, 2
               requests, none in flight; B is unix with this process's uid
               and pid, transmitting "slow"; C negotiating, export null;
-              every connection's TLS fields are null; the table has a row
+              every connection's tls is false and its TLS fields null; the table has a row
               for each id
   disconnect  B sends a READ of 64 KiB; once the list shows it in flight,
               nbdcachectl disconnect B: B still gets the whole READ reply,
@@ -108,7 +108,8 @@ def main():
                 for conn in (ca, cb, cc):
                     require(isinstance(conn["age_s"], int) and 0 <= conn["age_s"] < 60,
                             "age_s %r" % conn["age_s"])
-                    for k in ("tls", "tls_version", "tls_cipher", "tls_peer"):
+                    require(conn.get("tls") is False, "tls: %r" % conn.get("tls"))
+                    for k in ("tls_version", "tls_cipher", "tls_peer"):
                         require(k in conn and conn[k] is None, "%s: %r" % (k, conn.get(k)))
                 table = ctl(d, "connections").stdout
                 log(table)

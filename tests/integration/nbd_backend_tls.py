@@ -16,9 +16,11 @@ libnbd reads them.
   psk         nbdkit --tls-psk: the same with tls-psk-file= and the user
               alice
   refused     the daemon does not start, and says which backend and why:
-              a client certificate from another CA; a PSK user the server
-              does not know; a plaintext nbd+unix:// URI to a --tls=require
-              server
+              a client certificate from another CA (the server verifies
+              its peers); a PSK user the server does not know; a plaintext
+              nbd+unix:// URI to a --tls=require server
+
+Certificates and keys: tests/lib/tlscerts.py.
 """
 
 import os
@@ -30,7 +32,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import nbdtest  # noqa: E402
 from nbdtest import log, require  # noqa: E402
-import tls_certs  # noqa: E402
+import tlscerts  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -88,10 +90,13 @@ def roundtrip(tmp, backend_uri, img, seed):
 def refused(tmp, backend_uri, words):
     """nbdcached with this backend exits non-zero, naming the backend, with
     every one of words in its output."""
-    p = subprocess.run([nbdtest.NBDCACHED, "--foreground", "--control", "none",
-                        "--unix", os.path.join(tmp, "refused.sock"), "--cache-size", "8M",
-                        "--export", "t=" + backend_uri],
-                       capture_output=True, text=True, timeout=60)
+    try:
+        p = subprocess.run([nbdtest.NBDCACHED, "--foreground", "--control", "none",
+                            "--unix", os.path.join(tmp, "refused.sock"), "--cache-size", "8M",
+                            "--export", "t=" + backend_uri],
+                           capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:  # it started: killed by the timeout
+        raise nbdtest.Failed("backend %s: the daemon started and served" % backend_uri)
     out = p.stdout + p.stderr
     log("  exit %d: %s" % (p.returncode, out.strip().splitlines()[-1:] if out else ""))
     require(p.returncode != 0 and "cannot open " + backend_uri in out and
@@ -101,19 +106,14 @@ def refused(tmp, backend_uri, words):
 
 
 def main():
-    if not tls_certs.available():
-        nbdtest.fail("certtool and psktool (gnutls-bin) are missing: scripts/deps installs them")
+    for tool in ("certtool", "psktool"):
+        if nbdtest.run(["which", tool], check_rc=False).returncode != 0:
+            nbdtest.fail("%s is not installed (gnutls-bin: scripts/deps)" % tool)
     checks = nbdtest.Checks()
     with nbdtest.tempdir() as tmp:
-        ca = tls_certs.Authority(os.path.join(tmp, "ca"), "nbdcached test CA")
-        server = ca.server_dir(os.path.join(tmp, "server"))
-        client = os.path.join(tmp, "client")
-        ca.client_dir(client, "cache-daemon")
-        other = tls_certs.Authority(os.path.join(tmp, "other-ca"), "another CA")
-        stranger = os.path.join(tmp, "stranger")
-        other.client_dir(stranger, "cache-daemon")
-        psk = tls_certs.psk_file(os.path.join(tmp, "keys.psk"), "alice")
-        unknown = tls_certs.psk_file(os.path.join(tmp, "unknown.psk"), "mallory")
+        certs = tlscerts.Certs(os.path.join(tmp, "certs"))
+        server, client, stranger = certs.server, certs.client, certs.other_ca_client
+        psk, unknown = certs.psk, certs.other_psk
         img = nbdtest.random_file(os.path.join(tmp, "backend.img"), SIZE, seed=21)
         peers = []
         try:

@@ -251,6 +251,52 @@ static void test_options(void **state)
 	}
 }
 
+/* allow-identities: one identity per key (a DN keeps its commas), compared
+ * whole; a peer without TLS has none; the accept-time rules ignore them. */
+static void test_identities(void **state)
+{
+	(void)state;
+	char *argv[] = {"nbdcached",
+			"--export",
+			"a=/tmp/a,allow-identities=CN=client1,O=nbdcached tests,readonly",
+			"--allow-identities",
+			"alice",
+			"--allow-identities",
+			" CN=client1,O=nbdcached tests ",
+			NULL};
+	struct options o;
+	char err[256] = "";
+	assert_int_equal(options_parse(7, argv, &o, err, sizeof(err)), 0);
+	assert_string_equal(o.exports[0].access.allow_identities, "CN=client1,O=nbdcached tests");
+	assert_true(o.exports[0].readonly);
+	assert_string_equal(o.access.allow_identities, "alice\n CN=client1,O=nbdcached tests ");
+	struct access_policy *p;
+	assert_int_equal(access_policy_build(&o, &p, err, sizeof(err)), 0);
+	assert_int_equal(p->global.identity_count, 2);
+	assert_string_equal(p->global.identities[1], "CN=client1,O=nbdcached tests");
+	const struct access_rules *ra = access_policy_export(p, "a");
+	assert_non_null(ra);
+	struct access_peer peer = tcp_peer("127.0.0.1");
+	char why[128] = "";
+	assert_true(access_rules_allow(ra, &peer, why, sizeof(why))); /* at accept */
+	assert_false(access_identity_allow(ra, &peer, why, sizeof(why)));
+	assert_string_equal(why, "no TLS identity (allow-identities)");
+	peer.has_identity = true;
+	snprintf(peer.identity, sizeof(peer.identity), "alice");
+	assert_true(access_identity_allow(&p->global, &peer, why, sizeof(why)));
+	assert_false(access_identity_allow(ra, &peer, why, sizeof(why)));
+	assert_string_equal(why, "identity 'alice' not in allow-identities");
+	snprintf(peer.identity, sizeof(peer.identity), "CN=client1,O=nbdcached tests");
+	assert_true(access_identity_allow(ra, &peer, why, sizeof(why)));
+	snprintf(peer.identity, sizeof(peer.identity), "CN=client1");
+	assert_false(access_identity_allow(ra, &peer, why, sizeof(why))); /* whole, not a prefix */
+	access_policy_put(p);
+	options_free(&o);
+	char *empty[] = {"nbdcached", "--export", "z=/tmp/z", "--allow-identities", "", NULL};
+	assert_int_equal(options_parse(5, empty, &o, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, "allow-identities: an empty identity"));
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -258,6 +304,7 @@ int main(void)
 	    cmocka_unit_test(test_match),
 	    cmocka_unit_test(test_users_groups),
 	    cmocka_unit_test(test_options),
+	    cmocka_unit_test(test_identities),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
