@@ -222,6 +222,33 @@ static void send_info(struct conn *c, uint32_t option, const struct export *e,
 	option_reply(c, option, NBD_REP_INFO, buf, n);
 }
 
+/*
+ * The export an INFO, GO or meta context option names, referenced, when
+ * this client may use it; else NULL, the option answered: no such export
+ * (UNKNOWN), TLS first (TLS_REQD, or POLICY in NOTLS mode), or the access
+ * rules (POLICY).
+ */
+static struct export *option_export(struct conn *c, uint32_t option, const char *name,
+				    size_t len)
+{
+	struct export *e = export_get(c->worker->exports, name, len);
+	if (!e) {
+		option_error(c, option, NBD_REP_ERR_UNKNOWN, "no such export");
+		return NULL;
+	}
+	if (export_needs_tls(c, e)) {
+		refuse_needs_tls(c, option);
+		export_put(e);
+		return NULL;
+	}
+	if (!may_open(c, e)) {
+		option_error(c, option, NBD_REP_ERR_POLICY, "access denied by the server's rules");
+		export_put(e);
+		return NULL;
+	}
+	return e;
+}
+
 static void handle_info_go(struct conn *c, uint32_t option, const uint8_t *data, uint32_t len)
 {
 	struct nbd_opt_go go;
@@ -229,21 +256,9 @@ static void handle_info_go(struct conn *c, uint32_t option, const uint8_t *data,
 		option_error(c, option, NBD_REP_ERR_INVALID, "malformed INFO/GO request");
 		return;
 	}
-	struct export *e = export_get(c->worker->exports, go.name, go.name_length);
-	if (!e) {
-		option_error(c, option, NBD_REP_ERR_UNKNOWN, "no such export");
+	struct export *e = option_export(c, option, go.name, go.name_length);
+	if (!e)
 		return;
-	}
-	if (export_needs_tls(c, e)) {
-		refuse_needs_tls(c, option);
-		export_put(e);
-		return;
-	}
-	if (!may_open(c, e)) {
-		option_error(c, option, NBD_REP_ERR_POLICY, "access denied by the server's rules");
-		export_put(e);
-		return;
-	}
 	if (option == NBD_OPT_GO && !export_attach(e)) {
 		log_warn("conn %llu: export '%s' has its %u connections", (unsigned long long)c->id,
 			 e->name, e->max_connections);
@@ -312,21 +327,9 @@ static void handle_meta(struct conn *c, uint32_t option, const uint8_t *data, ui
 		option_error(c, option, NBD_REP_ERR_INVALID, "malformed meta context request");
 		return;
 	}
-	struct export *e = export_get(c->worker->exports, meta.name, meta.name_length);
-	if (!e) {
-		option_error(c, option, NBD_REP_ERR_UNKNOWN, "no such export");
+	struct export *e = option_export(c, option, meta.name, meta.name_length);
+	if (!e)
 		return;
-	}
-	if (export_needs_tls(c, e)) {
-		refuse_needs_tls(c, option);
-		export_put(e);
-		return;
-	}
-	if (!may_open(c, e)) {
-		option_error(c, option, NBD_REP_ERR_POLICY, "access denied by the server's rules");
-		export_put(e);
-		return;
-	}
 	bool selected = !set && meta.query_count == 0; /* LIST with no query: all */
 	struct nbd_meta_iter it;
 	const char *q;
