@@ -179,10 +179,10 @@ build-fuzz/%: tests/fuzz/%.c $(PROTO_SRC) proto/nbd.h
 
 # The negotiation fuzzer runs daemon/handshake.c itself, over stubs of the
 # layers below it (its own file), with libevent's evbuffers.
-build-fuzz/fuzz_negotiation: tests/fuzz/fuzz_negotiation.c daemon/handshake.c $(wildcard daemon/*.h) $(PROTO_SRC) proto/nbd.h
+build-fuzz/fuzz_negotiation: tests/fuzz/fuzz_negotiation.c daemon/handshake.c daemon/access.c daemon/option_values.c $(wildcard daemon/*.h) $(PROTO_SRC) proto/nbd.h
 	@mkdir -p build-fuzz
 	clang -std=c11 -g -O1 -D_GNU_SOURCE -I. $(DAEMON_CFLAGS) -fsanitize=fuzzer,address,undefined \
-		-o $@ tests/fuzz/fuzz_negotiation.c daemon/handshake.c $(PROTO_SRC) -levent
+		-o $@ tests/fuzz/fuzz_negotiation.c daemon/handshake.c daemon/access.c daemon/option_values.c $(PROTO_SRC) -levent
 
 fuzz: deps $(FUZZ_BIN)
 	FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/fuzz $(FUZZ_BIN)
