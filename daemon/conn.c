@@ -95,11 +95,11 @@ static void registry_add(struct conn *c)
 	pthread_mutex_unlock(&registry.lock);
 }
 
-void conn_tls_established(struct conn *c)
+void conn_tls_established(struct conn *c, const char *identity)
 {
 	pthread_mutex_lock(&registry.lock);
-	c->peer.has_identity = c->tls_identity[0] != '\0';
-	snprintf(c->peer.identity, sizeof(c->peer.identity), "%s", c->tls_identity);
+	c->peer.has_identity = identity[0] != '\0';
+	snprintf(c->peer.identity, sizeof(c->peer.identity), "%s", identity);
 	c->tls_listed = true;
 	pthread_mutex_unlock(&registry.lock);
 }
@@ -154,7 +154,6 @@ int conn_list(struct conn_info **out, size_t *count)
 		if (i->tls) {
 			memcpy(i->tls_version, c->tls_version, sizeof(i->tls_version));
 			memcpy(i->tls_cipher, c->tls_cipher, sizeof(i->tls_cipher));
-			memcpy(i->tls_identity, c->tls_identity, sizeof(i->tls_identity));
 		}
 	}
 	pthread_mutex_unlock(&registry.lock);

@@ -154,7 +154,7 @@ struct conn {
 	struct tls_conn *tls;
 	char tls_version[16];
 	char tls_cipher[64];
-	char tls_identity[256]; /* client certificate DN or PSK username */
+	/* (the client's identity is its peer's: peer.identity) */
 	bool tls_listed; /* registry lock: the tls_* strings are final (conn_list) */
 
 	/* For the line the log gets when the connection ends (conn_unref). */
@@ -195,8 +195,8 @@ struct conn_info {
 	uint64_t age_ms;
 	unsigned worker;
 	bool closing; /* a disconnect was asked for */
-	bool tls;     /* its TLS handshake is done; then: */
-	char tls_version[16], tls_cipher[64], tls_identity[256];
+	bool tls;     /* its TLS handshake is done; then (identity: peer's): */
+	char tls_version[16], tls_cipher[64];
 };
 
 /*
@@ -213,11 +213,12 @@ int conn_list(struct conn_info **out, size_t *count);
 int conn_disconnect(uint64_t id, const char *why);
 /*
  * Worker: c's TLS handshake is done and its tls_* strings are filled in:
- * its identity becomes part of its peer (for the access rules'
- * allow-identities) and conn_list() shows them (under the registry lock,
- * the control thread's reads cannot race the worker's writes).
+ * identity (certificate DN or PSK username, "" for none) becomes part of
+ * its peer (for the access rules' allow-identities) and conn_list() shows
+ * them (under the registry lock, the control thread's reads cannot race
+ * the worker's writes).
  */
-void conn_tls_established(struct conn *c);
+void conn_tls_established(struct conn *c, const char *identity);
 
 /* Main thread, once, before any worker starts: the stall deadline in
  * seconds (--stall-timeout). */

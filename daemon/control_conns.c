@@ -62,7 +62,7 @@ static json_object *connection_object(const struct conn_info *i)
 	control_add_string(o, "tls_version", i->tls ? i->tls_version : NULL);
 	control_add_string(o, "tls_cipher", i->tls ? i->tls_cipher : NULL);
 	control_add_string(o, "tls_peer",
-			   i->tls && i->tls_identity[0] ? i->tls_identity : NULL);
+			   i->tls && p->has_identity ? p->identity : NULL);
 	return o;
 }
 

@@ -385,7 +385,7 @@ bool tls_conn_info(const struct conn *c, const char **version, const char **ciph
 		return false;
 	*version = c->tls_version;
 	*cipher = c->tls_cipher;
-	*identity = c->tls_identity;
+	*identity = c->peer.identity;
 	return true;
 }
 
@@ -490,10 +490,10 @@ static void tls_established(struct tls_conn *t)
 	const char *cs = gnutls_ciphersuite_get(s);
 	snprintf(c->tls_version, sizeof(c->tls_version), "%s", v ? v : "?");
 	snprintf(c->tls_cipher, sizeof(c->tls_cipher), "%s", cs ? cs : "?");
-	c->tls_identity[0] = '\0';
+	char identity[sizeof(c->peer.identity)] = "";
 	if (gnutls_auth_get_type(s) == GNUTLS_CRD_PSK) {
 		const char *user = gnutls_psk_server_get_username(s);
-		snprintf(c->tls_identity, sizeof(c->tls_identity), "%s", user ? user : "");
+		snprintf(identity, sizeof(identity), "%s", user ? user : "");
 	} else {
 		unsigned n = 0;
 		const gnutls_datum_t *certs = gnutls_certificate_get_peers(s, &n);
@@ -502,17 +502,15 @@ static void tls_established(struct tls_conn *t)
 			gnutls_datum_t dn = {NULL, 0};
 			if (gnutls_x509_crt_import(crt, &certs[0], GNUTLS_X509_FMT_DER) == 0 &&
 			    gnutls_x509_crt_get_dn3(crt, &dn, 0) == 0) {
-				snprintf(c->tls_identity, sizeof(c->tls_identity), "%s",
-					 (const char *)dn.data);
+				snprintf(identity, sizeof(identity), "%s", (const char *)dn.data);
 				gnutls_free(dn.data);
 			}
 			gnutls_x509_crt_deinit(crt);
 		}
 	}
-	conn_tls_established(c);
+	conn_tls_established(c, identity);
 	log_info("conn %llu: TLS with %s: %s, %s%s%s", (unsigned long long)c->id, t->peer,
-		 c->tls_version, c->tls_cipher, c->tls_identity[0] ? ", identity " : "",
-		 c->tls_identity);
+		 c->tls_version, c->tls_cipher, identity[0] ? ", identity " : "", identity);
 }
 
 /* The filter's input side: handshake, then decrypt into the connection's
