@@ -134,6 +134,12 @@ static bool same_policy(const struct export *a, const struct export *b)
 	       a->seq_cutoff == b->seq_cutoff && a->tls_require == b->tls_require;
 }
 
+/* A window's size on a backend of end bytes: as given, or (0) to its end. */
+static uint64_t window_size(uint64_t offset, uint64_t size, uint64_t end)
+{
+	return size ? size : (offset < end ? end - offset : 0);
+}
+
 static uint64_t window_count(uint64_t size, uint64_t split)
 {
 	return split ? size / split + (size % split != 0) : 0;
@@ -145,7 +151,7 @@ static uint64_t place_size(const struct version_place *at, const struct export_b
 			   const char **why)
 {
 	uint64_t end = b->backend->size;
-	uint64_t size = at->size ? at->size : (at->offset < end ? end - at->offset : 0);
+	uint64_t size = window_size(at->offset, at->size, end);
 	if (at->offset >= end || size > end - at->offset)
 		*why = "the window runs past the end of its backend";
 	else if (at->offset % b->block_size || at->split % b->block_size ||
@@ -504,8 +510,7 @@ static const char *refusal(const struct export *old, const struct export_spec *s
 
 static bool version_differs(const struct export *old, const struct export_spec *spec)
 {
-	uint64_t end = old->backend->size;
-	uint64_t size = spec->size ? spec->size : (spec->offset < end ? end - spec->offset : 0);
+	uint64_t size = window_size(spec->offset, spec->size, old->backend->size);
 	return !same_string(old->description, spec->description) ||
 	       old->readonly != (spec->readonly || old->backend->readonly) ||
 	       old->max_connections != spec->max_connections ||
