@@ -2,7 +2,13 @@
  * daemon/conn.c: connection lifetime and the read loop (see conn.h).
  *
  * The read callback hands the input buffer to c->on_input (session.c,
- * which runs the phase's step function until it needs more bytes). Reading
+ * which runs the phase's step function until it needs more bytes). A
+ * plaintext connection reads its socket itself (conn_on_readable): up to
+ * CONN_READ_CHUNK into the input buffer per readv, and a payload that has
+ * a sink (conn_sink_start: a WRITE received straight into the cache's
+ * arena) straight into the sink, in the same readv as the bytes after it.
+ * Under TLS the bufferevent reads (the filter decrypts into the input
+ * buffer) and a sink is filled from the input buffer. Reading
  * pauses while too many requests or too many reply bytes are pending, or
  * while the daemon-wide budget refuses the connection, and resumes from
  * conn_update_reading() when replies complete, the output drains or the
@@ -28,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "daemon/budget.h"
@@ -241,6 +248,8 @@ void conn_unref(struct conn *c)
 		event_free(c->timer);
 	if (c->hangup)
 		event_free(c->hangup);
+	if (c->reader)
+		event_free(c->reader);
 	free(c);
 }
 
@@ -263,6 +272,12 @@ void conn_kill(struct conn *c, const char *why)
 	}
 	if (c->hangup)
 		event_del(c->hangup);
+	if (c->reader)
+		event_del(c->reader);
+	c->reader_on = false;
+	/* A payload half received: its request ends without a reply. */
+	if (c->sink.left)
+		conn_sink_end(c);
 	tls_conn_end(c, why);
 	/* What the output holds goes with it; so does a half-read request. */
 	evbuffer_remove_cb_entry(bufferevent_get_output(bev), c->output_cb);
@@ -336,7 +351,7 @@ static uint64_t conn_stall_left(struct conn *c, const char **why)
 		*why = stall.replies_why;
 		left = still < stall.ns ? stall.ns - still : 0;
 	}
-	if (c->admitted && left) {
+	if ((c->admitted || c->sink.left) && left) {
 		uint64_t still = now - c->payload_moved_ns;
 		uint64_t payload_left = still < stall.ns ? stall.ns - still : 0;
 		if (payload_left == 0)
@@ -456,12 +471,182 @@ static void conn_on_read(struct bufferevent *bev, void *arg);
 static void conn_on_write(struct bufferevent *bev, void *arg);
 static void conn_on_event(struct bufferevent *bev, short what, void *arg);
 
+/* Reading on or off: the connection's own reader, or the bufferevent's. */
+static void conn_read_set(struct conn *c, bool on)
+{
+	if (c->reader) {
+		if (on == c->reader_on)
+			return;
+		c->reader_on = on;
+		if (on)
+			event_add(c->reader, NULL);
+		else
+			event_del(c->reader);
+	} else if (on) {
+		bufferevent_enable(c->bev, EV_READ);
+	} else {
+		bufferevent_disable(c->bev, EV_READ);
+	}
+}
+
+/* n more bytes are in the sink's segments. */
+static void sink_advance(struct conn_sink *k, size_t n)
+{
+	k->left -= n;
+	k->filled += n;
+	while (n) {
+		size_t room = k->iov[k->at].iov_len - k->at_filled;
+		size_t take = n < room ? n : room;
+		k->at_filled += take;
+		n -= take;
+		if (k->at_filled == k->iov[k->at].iov_len) {
+			k->at++;
+			k->at_filled = 0;
+		}
+	}
+}
+
+/* Move what the input buffer holds of the sink's bytes into it. */
+static void sink_from_input(struct conn *c)
+{
+	struct conn_sink *k = &c->sink;
+	struct evbuffer *in = conn_input(c);
+	while (k->left && evbuffer_get_length(in)) {
+		size_t room = k->iov[k->at].iov_len - k->at_filled;
+		int n = evbuffer_remove(in, (char *)k->iov[k->at].iov_base + k->at_filled, room);
+		if (n <= 0)
+			break;
+		sink_advance(k, (size_t)n);
+	}
+}
+
+/* The sink is full, or will never be: hand it back. */
+void conn_sink_end(struct conn *c)
+{
+	struct conn_sink k = c->sink;
+	memset(&c->sink, 0, sizeof(c->sink));
+	if (c->closing && c->bev)
+		conn_read_set(c, false); /* it was reading for the sink only */
+	k.done(c, k.arg, k.filled);
+}
+
+bool conn_sink_start(struct conn *c, const struct iovec *iov, size_t niov, uint64_t len,
+		     void (*done)(struct conn *c, void *arg, uint64_t received), void *arg)
+{
+	c->sink = (struct conn_sink){.iov = iov, .niov = niov, .left = len, .done = done, .arg = arg};
+	sink_from_input(c);
+	if (!c->sink.left) {
+		memset(&c->sink, 0, sizeof(c->sink));
+		return true;
+	}
+	conn_payload_progress(c, (size_t)c->sink.filled, true);
+	return false;
+}
+
+/*
+ * The input buffer got bytes: a sink takes its own first (under TLS, the
+ * filter decrypted them there), then the phase reads what follows.
+ */
+static void conn_input_ready(struct conn *c)
+{
+	if (c->sink.left) {
+		sink_from_input(c);
+		conn_payload_progress(c, (size_t)c->sink.filled, false);
+		if (c->sink.left)
+			return;
+		conn_sink_end(c);
+		uring_submit(&c->worker->ring);
+	}
+	if (c->bev && !c->closing)
+		c->on_input(c);
+}
+
+/*
+ * The plaintext socket is readable: one readv, into what a sink still
+ * wants and then up to CONN_READ_CHUNK of the input buffer (while a sink
+ * waits, only a little of it: the next request's header and the start of
+ * its payload, so that the next sink gets its bytes straight too).
+ */
+static void conn_on_readable(evutil_socket_t fd, short what, void *arg)
+{
+	(void)what;
+	struct conn *c = arg;
+	struct conn_sink *k = &c->sink;
+	struct iovec iov[CONN_SINK_IOV + 2];
+	size_t n = 0;
+	uint64_t want = 0;
+	for (size_t i = k->at; k->left && i < k->niov && n < CONN_SINK_IOV; i++) {
+		size_t skip = i == k->at ? k->at_filled : 0;
+		iov[n].iov_base = (char *)k->iov[i].iov_base + skip;
+		iov[n].iov_len = k->iov[i].iov_len - skip;
+		want += iov[n++].iov_len;
+	}
+	struct evbuffer *in = conn_input(c);
+	struct evbuffer_iovec ev[2];
+	int nev = 0;
+	/* The bufferevent keeps its input's end frozen but while it reads. */
+	evbuffer_unfreeze(in, 0);
+	if (!c->closing) {
+		nev = evbuffer_reserve_space(in, k->left ? 4096 : CONN_READ_CHUNK, ev, 2);
+		if (nev < 0)
+			nev = 0;
+		for (int i = 0; i < nev; i++) {
+			iov[n].iov_base = ev[i].iov_base;
+			iov[n++].iov_len = ev[i].iov_len;
+		}
+	}
+	ssize_t got = n ? readv(fd, iov, (int)n) : -1;
+	if (got <= 0) {
+		int err = n ? errno : ENOMEM;
+		evbuffer_freeze(in, 0);
+		if (got < 0 && (err == EAGAIN || err == EWOULDBLOCK || err == EINTR))
+			return;
+		conn_ref(c);
+		conn_kill(c, got == 0 ? "client closed the connection" : strerror(err));
+		conn_unref(c);
+		return;
+	}
+	size_t rest = (size_t)got;
+	if (want) {
+		size_t to_sink = rest < want ? rest : (size_t)want;
+		sink_advance(k, to_sink);
+		rest -= to_sink;
+	}
+	for (int i = 0; i < nev; i++) {
+		size_t take = rest < ev[i].iov_len ? rest : ev[i].iov_len;
+		ev[i].iov_len = take;
+		rest -= take;
+	}
+	if (nev)
+		evbuffer_commit_space(in, ev, nev);
+	evbuffer_freeze(in, 0);
+	conn_ref(c);
+	if (want) {
+		conn_payload_progress(c, (size_t)k->filled, false);
+		if (!k->left) {
+			conn_sink_end(c);
+			/* Its request may have prepared backend I/O on the ring. */
+			uring_submit(&c->worker->ring);
+		}
+	}
+	if (c->bev && !c->closing && !k->left && evbuffer_get_length(in))
+		c->on_input(c);
+	conn_unref(c);
+}
+
 int conn_set_filter(struct conn *c, struct bufferevent *filter)
 {
 	struct evbuffer_cb_entry *cb =
 	    evbuffer_add_cb(bufferevent_get_output(filter), conn_on_output, c);
 	if (!cb)
 		return -ENOMEM;
+	/* The filter reads through the socket's bufferevent from now on. */
+	if (c->reader) {
+		event_free(c->reader);
+		c->reader = NULL;
+		c->reader_on = false;
+		bufferevent_enable(c->bev, EV_READ);
+	}
 	evbuffer_remove_cb_entry(bufferevent_get_output(c->bev), c->output_cb);
 	c->output_cb = cb;
 	c->bev = filter;
@@ -489,7 +674,8 @@ void conn_begin_close(struct conn *c, const char *why)
 	snprintf(c->end_why, sizeof(c->end_why), "%s", why);
 	c->closing = true;
 	c->reading = false;
-	bufferevent_disable(c->bev, EV_READ);
+	/* A payload half received is read to its end: its request is answered. */
+	conn_read_set(c, c->sink.left > 0);
 	conn_arm_timer(c, CONN_CLOSE_TIMEOUT);
 	conn_update_reading(c);
 }
@@ -544,7 +730,7 @@ bool conn_admit(struct conn *c, uint64_t cost)
 	while (!budget_reserve(cost, conn_held(c))) {
 		if (conn_wait(c, cost)) {
 			c->reading = false;
-			bufferevent_disable(c->bev, EV_READ);
+			conn_read_set(c, c->sink.left > 0);
 			return false;
 		}
 	}
@@ -607,22 +793,25 @@ void conn_update_reading(struct conn *c)
 		    evbuffer_get_length(conn_output(c)) < max_output && !c->budget_waiting;
 	/* Replies that bypass admission (refusals, errors) are small, but many.
 	 * An admitted payload is read whatever: its room is reserved. */
-	if (want && c->phase == CONN_TRANSMISSION && !c->admitted &&
+	if (want && c->phase == CONN_TRANSMISSION && !c->admitted && !c->sink.left &&
 	    !budget_fits(0, conn_held(c)) && conn_wait(c, 0))
 		want = false;
+	/* So is a payload that has its sink: its request holds its room. */
+	if (c->sink.left)
+		want = true;
 	if (want == c->reading)
 		return;
 	c->reading = want;
 	if (want) {
-		bufferevent_enable(c->bev, EV_READ);
+		conn_read_set(c, true);
 		/* Under a filter, records read before reading stopped are
 		 * decrypted now (the socket will not say so again). */
 		if (bufferevent_get_underlying(c->bev))
 			bufferevent_flush(c->bev, EV_READ, BEV_NORMAL);
 		/* Requests may already sit in the input buffer. */
-		c->on_input(c);
+		conn_input_ready(c);
 	} else {
-		bufferevent_disable(c->bev, EV_READ);
+		conn_read_set(c, false);
 	}
 }
 
@@ -631,7 +820,7 @@ static void conn_on_read(struct bufferevent *bev, void *arg)
 	(void)bev;
 	struct conn *c = arg;
 	conn_ref(c);
-	c->on_input(c);
+	conn_input_ready(c);
 	conn_unref(c);
 }
 
@@ -719,7 +908,16 @@ int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *
 	registry_add(c);
 	conn_arm_timer(c, (int)negotiation.seconds);
 	c->reading = true;
-	bufferevent_enable(c->bev, EV_READ | EV_WRITE);
+	/* Plaintext: the socket is read by conn_on_readable (STARTTLS hands
+	 * reading back to the bufferevent, conn_set_filter). */
+	c->reader = event_new(w->base, fd, EV_READ | EV_PERSIST, conn_on_readable, c);
+	if (c->reader) {
+		c->reader_on = true;
+		event_add(c->reader, NULL);
+		bufferevent_enable(c->bev, EV_WRITE);
+	} else {
+		bufferevent_enable(c->bev, EV_READ | EV_WRITE);
+	}
 	log_debug("conn %llu: accepted on worker %u", (unsigned long long)id, w->index);
 	*out = c;
 	return 0;

@@ -47,6 +47,11 @@
  * is read, every output buffer is counted as it grows and drains, and a
  * connection the budget refuses stops reading until conn_budget_wake().
  *
+ * Reading: a plaintext connection reads its socket itself, CONN_READ_CHUNK
+ * at a time, and a payload with a sink (conn_sink_start) straight into the
+ * sink's segments; under TLS the filter bufferevent reads and sinks are
+ * filled from its input buffer.
+ *
  * Stall: replies that do not move for --stall-timeout seconds (less than
  * CONN_STALL_PROGRESS of the output buffer taken by the socket) end the
  * connection, however many replies are queued meanwhile; so does an
@@ -71,6 +76,8 @@ struct evbuffer;
 struct evbuffer_cb_entry;
 struct tls_conn;
 struct tls_creds;
+struct iovec;
+struct conn;
 
 #define CONN_MAX_INFLIGHT 128
 #define CONN_MAX_INFLIGHT_BYTES (96u << 20)
@@ -90,6 +97,30 @@ struct tls_creds;
 #define CONN_MAX_EXTENTS 512
 /* Structured reads send all-zero, aligned blocks of this size as holes. */
 #define CONN_HOLE_GRANULE 4096u
+/* A plaintext connection reads its socket itself, this much at a time (an
+ * evbuffer chain of 256 KiB with its header): libevent's own reads are
+ * 4 KiB each, with an ioctl(FIONREAD) before every one. */
+#define CONN_READ_CHUNK ((256u << 10) - 256u)
+/* At most this many segments of a sink in one readv. */
+#define CONN_SINK_IOV 64
+
+/*
+ * A payload received straight into its destination (conn_sink_start): the
+ * bytes the input buffer already holds are moved there, the rest is read
+ * from the socket into it (plaintext), or moved from the input buffer as
+ * it fills (TLS). The segments are the caller's and must stay valid until
+ * done() is called, with the bytes received: all of them, or fewer if the
+ * connection ended first.
+ */
+struct conn_sink {
+	const struct iovec *iov;
+	size_t niov, at;  /* at: the first segment not yet full */
+	size_t at_filled; /* bytes already in iov[at] */
+	uint64_t left;	  /* bytes still to come; 0: no sink */
+	uint64_t filled;
+	void (*done)(struct conn *c, void *arg, uint64_t received);
+	void *arg;
+};
 
 enum conn_phase { CONN_FLAGS, CONN_OPTIONS, CONN_TRANSMISSION };
 
@@ -131,6 +162,11 @@ struct conn {
 	uint64_t seq_next, seq_run; /* sequential read detection (readahead, --seq-cutoff) */
 	bool closing; /* no more reading; close once drained */
 	bool reading; /* EV_READ enabled */
+	/* Plaintext: the socket is read by conn.c (reader, CONN_READ_CHUNK at a
+	 * time, sinks by readv), not by the bufferevent, which only writes. */
+	struct event *reader;
+	bool reader_on;
+	struct conn_sink sink;
 
 	/* The daemon-wide budget (budget.h). */
 	uint64_t reserved; /* reply bytes reserved for requests not answered yet */
@@ -258,6 +294,17 @@ void conn_output_sync(struct conn *c);
  * (started: it was just admitted). The stall deadline applies to it too:
  * --stall-timeout without CONN_STALL_PROGRESS more bytes ends it. */
 void conn_payload_progress(struct conn *c, size_t avail, bool started);
+/*
+ * Receive the next len bytes of input into iov[0..niov) (see struct
+ * conn_sink). true: they were all in the input buffer already and are
+ * there now (done() is not called); false: the sink is set, and done()
+ * will be called. Transmission only, one sink at a time.
+ */
+bool conn_sink_start(struct conn *c, const struct iovec *iov, size_t niov, uint64_t len,
+		     void (*done)(struct conn *c, void *arg, uint64_t received), void *arg);
+/* End the sink: done(c, arg, bytes received) once it is cleared (conn.c
+ * calls it when the sink is full, or when the connection ends first). */
+void conn_sink_end(struct conn *c);
 /* Give back reply bytes reserved by conn_admit(). */
 void conn_unreserve(struct conn *c, uint64_t bytes);
 /*

@@ -30,6 +30,11 @@
  *   | extents   |                        request, connection reference
  *   +-----------+
  *
+ * A WRITE of whole blocks is received straight into the cache's arena
+ * when the cache can reserve its blocks at once (receive_direct,
+ * cache_write_begin): the payload goes from the socket into the entries
+ * (conn_sink_start), with no buffer of the request's and no copy.
+ *
  * A payload that must not be acted on (a request that fails its checks) is
  * still consumed, by draining it as it arrives (conn->discard) without ever
  * allocating it, and then answered with the error.
@@ -43,6 +48,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/uio.h>
 
 #include "daemon/budget.h"
 #include "daemon/conn.h"
@@ -71,6 +77,9 @@ struct request {
 	unsigned refs;
 	struct nbd_extent *extents;
 	size_t n_extents;
+	struct iovec *iov; /* WRITE: where its payload is received (conn_sink_start) */
+	struct iovec buf_iov; /* ... when that is buf */
+	bool in_arena;	      /* ... when that is the arena (cache_write_begin) */
 };
 
 /*
@@ -106,6 +115,21 @@ static uint64_t request_cost(const struct conn *c, const struct nbd_request *req
 	return cost;
 }
 
+/* r becomes one of c's live requests, with the reservation its header got. */
+static void request_attach(struct conn *c, struct request *r, const struct nbd_request *hdr,
+			   uint64_t accounted)
+{
+	r->conn = c;
+	r->hdr = *hdr;
+	r->accounted = accounted;
+	r->reserved = c->admitted; /* the reservation made for its header */
+	c->admitted = 0;
+	r->refs = 1;
+	conn_ref(c);
+	conn_inflight_add(c, 1);
+	c->inflight_bytes += accounted;
+}
+
 static struct request *request_new(struct conn *c, const struct nbd_request *hdr, size_t buf_len,
 				   uint64_t accounted, size_t max_extents)
 {
@@ -122,18 +146,10 @@ static struct request *request_new(struct conn *c, const struct nbd_request *hdr
 		if (!r->extents)
 			goto err;
 	}
-	r->conn = c;
-	r->hdr = *hdr;
 	r->buf_len = buf_len;
-	r->accounted = accounted;
-	r->reserved = c->admitted; /* the reservation made for its header */
-	c->admitted = 0;
-	r->refs = 1;
 	r->op.extents = r->extents;
 	r->op.max_extents = max_extents;
-	conn_ref(c);
-	conn_inflight_add(c, 1);
-	c->inflight_bytes += accounted;
+	request_attach(c, r, hdr, accounted);
 	return r;
 err:
 	free(r->buf);
@@ -156,6 +172,8 @@ static void request_put(struct request *r)
 	else
 		free(r->buf);
 	free(r->extents);
+	if (r->iov != &r->buf_iov)
+		free(r->iov);
 	free(r);
 	/*
 	 * No conn_update_reading() here: this may run inside libevent's drain
@@ -550,14 +568,9 @@ static enum backend_cmd backend_cmd_of(uint16_t type)
 	}
 }
 
-/*
- * Start a checked request (its payload already in r->buf) through the
- * cache, whatever the export's mode (in mode none the cache passes it on).
- */
-static void request_start(struct request *r)
+/* The cache op of r (c's, header h): what the request asks of the cache. */
+static void request_op_init(struct request *r, struct conn *c, const struct nbd_request *h)
 {
-	struct conn *c = r->conn;
-	const struct nbd_request *h = &r->hdr;
 	uint32_t flags = (h->flags & NBD_CMD_FLAG_FUA) ? BACKEND_FUA : 0;
 	if (h->type == NBD_CMD_WRITE_ZEROES) {
 		if (h->flags & NBD_CMD_FLAG_NO_HOLE)
@@ -565,9 +578,8 @@ static void request_start(struct request *r)
 		if (h->flags & NBD_CMD_FLAG_FAST_ZERO)
 			flags |= BACKEND_FAST_ONLY;
 	}
-	uint64_t length = h->type == NBD_CMD_WRITE ? r->buf_len : h->length;
+	uint64_t length = h->type == NBD_CMD_WRITE ? h->payload_length : h->length;
 	struct cache_op *op = &r->op;
-	cache_export_count_command(c->export->cache, backend_cmd_of(h->type), flags);
 	op->ce = c->export->cache;
 	op->worker = c->worker;
 	op->cmd = backend_cmd_of(h->type);
@@ -588,7 +600,119 @@ static void request_start(struct request *r)
 		if (c->export->seq_cutoff)
 			op->no_allocate = c->seq_run > c->export->seq_cutoff;
 	}
-	cache_submit(op);
+}
+
+/*
+ * Start a checked request (its payload already in r->buf) through the
+ * cache, whatever the export's mode (in mode none the cache passes it on).
+ */
+static void request_start(struct request *r)
+{
+	request_op_init(r, r->conn, &r->hdr);
+	cache_export_count_command(r->op.ce, r->op.cmd, r->op.flags);
+	cache_submit(&r->op);
+}
+
+static void request_dropped(struct cache_op *op, int result)
+{
+	(void)op;
+	(void)result;
+}
+
+/* The payload of a WRITE is in: all of it, or what came before the
+ * connection ended (then nothing may change, and no reply goes out). */
+static void request_received(struct conn *c, void *arg, uint64_t received)
+{
+	(void)c;
+	struct request *r = arg;
+	if (r->in_arena)
+		cache_write_end(&r->op, received);
+	else if (received == r->buf_len)
+		request_start(r);
+	else
+		request_finish(r, -ECONNRESET);
+}
+
+/*
+ * r's payload straight into the arena, if the cache can reserve its blocks
+ * now (cache_write_begin): r->iov are their segments (*niov). false: it
+ * cannot, nothing changed.
+ */
+static bool receive_into_arena(struct request *r, size_t *niov)
+{
+	if (cache_write_begin(&r->op) < 0)
+		return false;
+	size_t n = 0, len;
+	const uint8_t *data;
+	bool zeros;
+	while (cache_op_segment(&r->op, n, &data, &len, &zeros))
+		n++;
+	r->iov = malloc(n * sizeof(*r->iov));
+	if (!r->iov) {
+		r->op.done = request_dropped;
+		cache_write_end(&r->op, 0); /* nothing received: nothing changes */
+		cache_op_release(&r->op);
+		return false;
+	}
+	/* Adjacent segments (neighbouring entries in the arena) are one. */
+	size_t k = 0;
+	for (size_t i = 0; i < n; i++) {
+		cache_op_segment(&r->op, i, &data, &len, &zeros);
+		if (k && (uint8_t *)r->iov[k - 1].iov_base + r->iov[k - 1].iov_len == data) {
+			r->iov[k - 1].iov_len += len;
+		} else {
+			r->iov[k].iov_base = (void *)data;
+			r->iov[k++].iov_len = len;
+		}
+	}
+	r->in_arena = true;
+	r->op.done = request_cache_done;
+	cache_export_count_command(r->op.ce, r->op.cmd, r->op.flags);
+	*niov = k;
+	return true;
+}
+
+/*
+ * A WRITE (checked, admitted, its header still in the input buffer): its
+ * payload is received by the connection (conn_sink_start) straight into
+ * the arena where the cache can take it so, else into a buffer of the
+ * request's, which is then submitted as usual. Either way in large reads,
+ * not through the input buffer.
+ */
+static int receive_write(struct conn *c, const struct nbd_request *req, uint64_t cost,
+			 size_t hsize)
+{
+	struct request *r = calloc(1, sizeof(*r));
+	size_t niov = 1;
+	if (r)
+		request_op_init(r, c, req);
+	if (r && !receive_into_arena(r, &niov)) {
+		r->buf_len = (size_t)req->payload_length;
+		r->buf = malloc(r->buf_len);
+		r->buf_iov.iov_base = r->buf;
+		r->buf_iov.iov_len = r->buf_len;
+		r->iov = &r->buf_iov;
+		if (!r->buf) {
+			free(r);
+			r = NULL;
+		}
+	}
+	evbuffer_drain(conn_input(c), hsize);
+	if (!r) {
+		conn_unreserve(c, c->admitted);
+		c->admitted = 0;
+		c->discard = req->payload_length;
+		c->discard_req = *req;
+		c->discard_error = NBD_ENOMEM;
+		return 1;
+	}
+	request_attach(c, r, req, cost);
+	log_debug("conn %llu: WRITE flags 0x%x offset %llu length %llu%s", (unsigned long long)c->id,
+		  req->flags, (unsigned long long)req->offset, (unsigned long long)req->length,
+		  r->in_arena ? " (into the cache)" : "");
+	if (conn_sink_start(c, r->iov, niov, req->payload_length, request_received, r))
+		request_received(c, r, req->payload_length);
+	return 1;
 }
 
 /* Drop payload bytes of a refused request as they arrive; then answer it. */
@@ -607,6 +731,8 @@ static int discard_step(struct conn *c, struct evbuffer *in)
 int transmit_step(struct conn *c)
 {
 	struct evbuffer *in = conn_input(c);
+	if (c->sink.left)
+		return 0; /* conn.c fills it, then reads on */
 	if (c->discard)
 		return discard_step(c, in);
 	size_t hsize = nbd_request_header_size(c->extended);
@@ -661,6 +787,8 @@ int transmit_step(struct conn *c)
 	if (started && !conn_admit(c, cost))
 		return 0;
 	c->admitted = cost;
+	if (req.type == NBD_CMD_WRITE && req.payload_length)
+		return receive_write(c, &req, cost, hsize);
 	if (req.payload_length && avail < hsize + req.payload_length) {
 		conn_payload_progress(c, avail, started);
 		return 0; /* wait for the whole payload */

@@ -159,6 +159,7 @@ struct cache_export_stats {
 	uint64_t hits, misses, partial_hits;
 	uint64_t backend_reads, backend_read_bytes, backend_writes, backend_write_bytes;
 	uint64_t writeback_bytes, evictions, writeback_errors, bypass_reads, direct_writes;
+	uint64_t writes_in_place; /* WRITEs received straight into the arena */
 	uint64_t dirty_bytes;  /* dirty, or being written back */
 	uint64_t cached_bytes; /* arena bytes its entries hold */
 	uint64_t unstable_bytes; /* written back, waiting for a backend flush */
@@ -249,6 +250,22 @@ bool cache_export_unflushed(struct cache_export *ce);
 uint64_t cache_export_error_seq(struct cache_export *ce);
 
 void cache_submit(struct cache_op *op);
+/*
+ * A WRITE received straight into the arena, instead of cache_submit(): op
+ * filled as for it, payload NULL. 0: the blocks are reserved (entries
+ * pinned, blocks busy) and cache_op_segment() gives the arena segments the
+ * payload goes to, in order; the caller must then call cache_write_end().
+ * -EAGAIN: not possible now (not writeback mode, FUA, not whole blocks,
+ * dirty data above a watermark, no room at once, a block busy or dirty):
+ * nothing was done, cache_submit() it with its payload as usual. Never
+ * waits.
+ */
+int cache_write_begin(struct cache_op *op);
+/* received bytes of the payload are in the segments: all of them (the
+ * blocks become uptodate and dirty), or fewer if the connection ended
+ * (nothing changes: the blocks will be read from the backend again).
+ * Finishes op, done() as after cache_submit(): 0, or -ECONNRESET. */
+void cache_write_end(struct cache_op *op, uint64_t received);
 /* READ result: segment i of the reply, in order; false past the last.
  * *may_hold_zeros false: no 4 KiB block in it is all zeros (skip looking). */
 bool cache_op_segment(const struct cache_op *op, size_t i, const uint8_t **data, size_t *len,

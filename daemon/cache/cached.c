@@ -27,6 +27,19 @@
  *
  * A WRITE that finds no room for every piece, and every WRITE not in
  * writeback mode or with FUA, is a direct operation instead (direct.c).
+ *
+ * Received into the arena: a WRITE of whole blocks whose entries exist or
+ * can be made at once, and whose blocks are all clean (neither dirty nor
+ * busy, and the entries not waiting for a backend flush), may be reserved
+ * before its payload is read (cache_write_begin: pinned, every block busy,
+ * so no fill, writeback or other write touches them); the connection then
+ * reads the payload from the socket straight into the entries, and
+ * cache_write_end() marks the blocks uptodate and dirty. No copy of the
+ * payload is made. A payload that never fully arrives must change
+ * nothing: every block of the range loses its uptodate bit, and since
+ * they were all clean the backend holds what they held. (That is why
+ * dirty blocks are not received into: their old data would be lost. Such
+ * a WRITE is read into a buffer of its own and copied, as before.)
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -580,4 +593,95 @@ void cache_op_release(struct cache_op *op)
 		free(op->own_data);
 		op->own_data = NULL;
 	}
+}
+
+int cache_write_begin(struct cache_op *op)
+{
+	struct cache_export *ce = op->ce;
+	op_reset(op);
+	uint64_t end = op->offset + op->length;
+	if (cache_export_mode(ce) != CACHE_MODE_WRITEBACK || (op->flags & BACKEND_FUA) ||
+	    op->cmd != BACKEND_WRITE || !op->length || (op->offset & (ce->block_size - 1)) ||
+	    ((end & (ce->block_size - 1)) && end != ce->size))
+		return -EAGAIN;
+	/* Above the high watermark, writes take the path that waits for writeback. */
+	struct cache *c = ce->cache;
+	if (atomic_load(&c->counters.dirty_bytes) > c->dirty_high ||
+	    atomic_load(&ce->counters.dirty_bytes) > atomic_load(&ce->dirty_high))
+		return -EAGAIN;
+	int rc = pieces_build(op, true, true);
+	size_t marked = 0; /* pieces [0, marked) have their blocks busy */
+	for (size_t i = 0; rc == 0 && i < op->npieces; i++) {
+		struct cache_piece *p = &op->pieces[i];
+		struct cache_entry *e = p->entry;
+		uint32_t first, last;
+		piece_blocks(e, p->offset, p->length, &first, &last);
+		struct cache_shard *sh = shard_of(ce, p->offset);
+		pthread_mutex_lock(&sh->lock);
+		uint64_t *busy = cache_busy_map(e), *dirty = cache_dirty_map(e);
+		if (e->on_unstable_list)
+			rc = -EAGAIN; /* its data may have to be written again */
+		for (uint32_t b = first; b <= last && rc == 0; b++)
+			if (bit_test(busy, b) || bit_test(dirty, b))
+				rc = -EAGAIN; /* a fill, writeback or write is on it, or unflushed data */
+		if (rc == 0) {
+			for (uint32_t b = first; b <= last; b++)
+				bit_set(busy, b);
+			marked++;
+		}
+		pthread_mutex_unlock(&sh->lock);
+	}
+	if (rc < 0) {
+		for (size_t j = 0; j < marked; j++) {
+			struct cache_piece *p = &op->pieces[j];
+			uint32_t first, last;
+			piece_blocks(p->entry, p->offset, p->length, &first, &last);
+			struct cache_shard *sh = shard_of(ce, p->offset);
+			pthread_mutex_lock(&sh->lock);
+			for (uint32_t b = first; b <= last; b++)
+				bit_clear(cache_busy_map(p->entry), b);
+			pthread_mutex_unlock(&sh->lock);
+		}
+		if (marked)
+			cache_waitq_wake(c);
+		pieces_release(op);
+		return -EAGAIN;
+	}
+	return 0;
+}
+
+void cache_write_end(struct cache_op *op, uint64_t received)
+{
+	struct cache_export *ce = op->ce;
+	for (size_t i = 0; i < op->npieces; i++) {
+		struct cache_piece *p = &op->pieces[i];
+		struct cache_entry *e = p->entry;
+		uint32_t first, last;
+		piece_blocks(e, p->offset, p->length, &first, &last);
+		bool whole = received == op->length;
+		struct cache_shard *sh = shard_of(ce, p->offset);
+		pthread_mutex_lock(&sh->lock);
+		uint64_t *uptodate = cache_uptodate_map(e), *busy = cache_busy_map(e);
+		for (uint32_t b = first; b <= last; b++) {
+			bit_clear(busy, b);
+			if (whole)
+				bit_set(uptodate, b);
+			else
+				bit_clear(uptodate, b); /* clean: the backend has its data */
+		}
+		if (whole) {
+			cache_mark_dirty(e, first, last - first + 1);
+			e->may_hold_zeros = true; /* not worth scanning the payload */
+		}
+		pthread_mutex_unlock(&sh->lock);
+	}
+	cache_waitq_wake(ce->cache);
+	pieces_release(op);
+	struct cache *c = ce->cache;
+	if (atomic_load(&c->counters.dirty_bytes) > c->dirty_high ||
+	    atomic_load(&ce->counters.dirty_bytes) > atomic_load(&ce->dirty_high))
+		cache_kick_writeback(c);
+	if (received == op->length)
+		atomic_fetch_add(&ce->counters.writes_in_place, 1);
+	op_finish(op, received == op->length ? 0 : -ECONNRESET);
 }

@@ -120,6 +120,7 @@ struct cache_counters {
 	atomic_uint_fast64_t backend_reads, backend_read_bytes;
 	atomic_uint_fast64_t backend_writes, backend_write_bytes, writeback_bytes;
 	atomic_uint_fast64_t evictions, writeback_errors, bypass_reads, direct_writes;
+	atomic_uint_fast64_t writes_in_place; /* WRITEs received into the arena */
 	atomic_uint_fast64_t dirty_bytes, entries, metadata_bytes, cached_bytes;
 	atomic_uint_fast64_t unstable_bytes, backend_flushes, backend_flush_errors, losses;
 	/* Client requests by command (enum backend_cmd), and those with FUA. */

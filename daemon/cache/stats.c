@@ -23,6 +23,7 @@ static void counters_load(const struct cache_counters *k, struct cache_export_st
 	s->writeback_errors = atomic_load(&k->writeback_errors);
 	s->bypass_reads = atomic_load(&k->bypass_reads);
 	s->direct_writes = atomic_load(&k->direct_writes);
+	s->writes_in_place = atomic_load(&k->writes_in_place);
 	s->dirty_bytes = atomic_load(&k->dirty_bytes);
 	s->cached_bytes = atomic_load(&k->cached_bytes);
 	s->unstable_bytes = atomic_load(&k->unstable_bytes);
@@ -48,6 +49,7 @@ static void counters_sum(struct cache_export_stats *sum, const struct cache_expo
 	sum->writeback_errors += s->writeback_errors;
 	sum->bypass_reads += s->bypass_reads;
 	sum->direct_writes += s->direct_writes;
+	sum->writes_in_place += s->writes_in_place;
 	sum->unstable_bytes += s->unstable_bytes;
 	sum->backend_flushes += s->backend_flushes;
 	sum->backend_flush_errors += s->backend_flush_errors;

@@ -1,0 +1,328 @@
+#!/usr/bin/python3
+"""write_receive: WRITE payloads read from the socket straight into the cache.
+
+A WRITE of whole blocks over clean blocks is received into the arena
+(stats: writes_in_place); any other WRITE is received into a buffer of its
+own. Both in large reads, with the next request's header in the same read.
+These checks drive both paths and what can go wrong while a payload is
+still arriving:
+
+  mixed       600 pipelined WRITEs and READs (libnbd, 64 in flight), sizes
+              from 512 bytes to 4 MiB, aligned and not, over uncached,
+              clean and dirty blocks, simple and extended headers; every
+              READ and the file after FLUSH match a byte model, and both
+              paths were taken (writes_in_place moved, and not for all)
+  truncated   a WRITE cut off after half its payload by the client closing
+              changes nothing, whether its blocks were uncached, cached
+              clean (the in-place path) or dirty (the buffer path): READ and
+              the file after FLUSH show the old bytes
+  dribble     a 1 MiB payload sent in 64 pieces 20 ms apart completes with
+              the right bytes while another connection reads on unhindered
+  stall       --stall-timeout 2: a payload that stops half way ends the
+              connection within the deadline, the blocks are unchanged and
+              reply_bytes is back to 0
+  shutdown    SIGTERM while a payload is half sent: the client sends the
+              rest, gets its reply (success), and the bytes are in the file
+              once the daemon has exited 0
+"""
+
+import os
+import random
+import socket
+import struct
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import nbdtest  # noqa: E402
+from nbdtest import Failed, log, read_at  # noqa: E402
+from nbdtest import require as expect  # noqa: E402
+import bad_input as raw  # noqa: E402  (RawClient: requests cut anywhere)
+
+import nbd  # noqa: E402
+
+KIB = 1024
+MIB = 1024 * KIB
+SIZE = 64 * MIB
+
+
+def control_stats(d):
+    return nbdtest.control_request(d.control, {"command": "stats"}, timeout=20)
+
+
+def in_place(d):
+    return control_stats(d)["cache"]["writes_in_place"]
+
+
+def raw_open(d, extended=False):
+    r = raw.RawClient(d.sock, timeout=20)
+    r.open("disk", structured=True, extended=extended)
+    return r
+
+
+def write_header(r, offset, length):
+    """The header of a WRITE, for sending with a payload cut short."""
+    cookie, hdr = r.encode_request(raw.CMD_WRITE, offset, length)
+    r.pending[cookie] = (raw.CMD_WRITE, offset, length)
+    return cookie, hdr
+
+
+def libnbd_read(d, offset, length):
+    h = nbd.NBD()
+    try:
+        h.connect_uri(d.unix_uri("disk"))
+        return h.pread(length, offset)
+    finally:
+        h.shutdown()
+
+
+def libnbd_flush(d):
+    h = nbd.NBD()
+    try:
+        h.connect_uri(d.unix_uri("disk"))
+        h.flush()
+    finally:
+        h.shutdown()
+
+
+def check_mixed(d, path, model):
+    rnd = random.Random(15)
+    before = in_place(d)
+    h = nbd.NBD()
+    h.connect_uri(d.unix_uri("disk"))
+    try:
+        pending = []
+        bufs = []
+        reads = []
+        writes = 0
+        for i in range(600):
+            kind = rnd.random()
+            if kind < 0.1:
+                n = rnd.choice([512, 1000, 4096 + 512])
+            elif kind < 0.6:
+                n = rnd.choice([4 * KIB, 8 * KIB, 64 * KIB, 1 * MIB])
+            else:
+                n = rnd.choice([2 * MIB, 4 * MIB, 3 * MIB + 4 * KIB])
+            align = 4 * KIB if kind >= 0.1 else 512
+            # Half the writes go to the first 8 MiB: rewrites of dirty blocks.
+            span = 8 * MIB if rnd.random() < 0.5 else SIZE
+            off = rnd.randrange(0, span - n + 1) // align * align
+            if rnd.random() < 0.75:
+                data = rnd.randbytes(n)
+                model[off:off + n] = data
+                bufs.append(nbd.Buffer.from_bytearray(bytearray(data)))
+                pending.append(h.aio_pwrite(bufs[-1], off))
+                writes += 1
+            else:
+                buf = nbd.Buffer(n)
+                # A READ issued after the WRITEs before it completed sees them.
+                for c in pending:
+                    while not h.aio_command_completed(c):
+                        h.poll(1)
+                pending = []
+                bufs = []
+                h.aio_pread(buf, off)
+                while h.aio_in_flight():
+                    h.poll(1)
+                got = buf.to_bytearray()
+                reads.append(off)
+                expect(bytes(got) == bytes(model[off:off + n]),
+                       "READ [%d,+%d) after pipelined WRITEs differs from the model: %s"
+                       % (off, n, nbdtest.describe_diff(bytes(got), bytes(model[off:off + n]),
+                                                        off)))
+            while h.aio_in_flight() >= 64:
+                h.poll(1)
+        while h.aio_in_flight():
+            h.poll(1)
+        for c in pending:
+            expect(h.aio_command_completed(c), "a WRITE did not complete")
+        h.flush()
+    finally:
+        h.shutdown()
+    moved = in_place(d) - before
+    log("  %d WRITEs, %d READs; %d received in place" % (writes, len(reads), moved))
+    expect(0 < moved < writes, "writes_in_place moved by %d of %d WRITEs: both paths must be "
+           "taken (in place over clean whole blocks, a buffer otherwise)" % (moved, writes))
+    got = read_at(path, 0, SIZE)
+    expect(got == bytes(model), "the file after FLUSH differs from the model: %s"
+           % nbdtest.describe_diff(got, bytes(model)))
+
+
+def truncated(d, path, model, offset, state):
+    """Cut a 256 KiB WRITE at offset after half its payload; nothing changes."""
+    n = 256 * KIB
+    if state == "cached clean":
+        libnbd_flush(d)
+        libnbd_read(d, offset, n)
+    elif state == "dirty":
+        data = random.Random(offset).randbytes(n)
+        h = nbd.NBD()
+        h.connect_uri(d.unix_uri("disk"))
+        h.pwrite(data, offset)
+        h.shutdown()
+        model[offset:offset + n] = data
+    r = raw_open(d)
+    _, hdr = write_header(r, offset, n)
+    r.send(hdr + b"\xee" * (n // 2))
+    time.sleep(0.2)
+    r.close()
+    # The server notices the close; the request ends without touching data.
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        conns = nbdtest.control_request(d.control, {"command": "connections"})["connections"]
+        if not any(c.get("transmitting") and c.get("inflight") for c in conns):
+            break
+        time.sleep(0.05)
+    got = libnbd_read(d, offset, n)
+    expect(got == bytes(model[offset:offset + n]),
+           "%s blocks after a WRITE cut off half way: %s" % (
+               state, nbdtest.describe_diff(got, bytes(model[offset:offset + n]), offset)))
+    libnbd_flush(d)
+    got = read_at(path, offset, n)
+    expect(got == bytes(model[offset:offset + n]),
+           "%s blocks: the file after FLUSH: %s" % (
+               state, nbdtest.describe_diff(got, bytes(model[offset:offset + n]), offset)))
+
+
+def check_truncated(d, path, model):
+    before = control_stats(d)["cache"]
+    truncated(d, path, model, 40 * MIB, "uncached")
+    truncated(d, path, model, 44 * MIB, "cached clean")
+    truncated(d, path, model, 48 * MIB, "dirty")
+    after = control_stats(d)["cache"]
+    expect(after["writes_in_place"] == before["writes_in_place"] + 1,
+           "writes_in_place %d -> %d: only the dirty case's setup WRITE completes in place"
+           % (before["writes_in_place"], after["writes_in_place"]))
+
+
+def check_dribble(d, path, model):
+    offset, n = 52 * MIB, 1 * MIB
+    data = random.Random(52).randbytes(n)
+    before = in_place(d)
+    r = raw_open(d, extended=True)
+    cookie, hdr = write_header(r, offset, n)
+    stop = threading.Event()
+    reads = [0]
+    errors = []
+
+    def reader():
+        try:
+            h = nbd.NBD()
+            h.connect_uri(d.unix_uri("disk"))
+            while not stop.is_set() and reads[0] < 100000:
+                got = h.pread(64 * KIB, 0)
+                if got != bytes(model[:64 * KIB]):
+                    errors.append("the other connection read wrong bytes")
+                    break
+                reads[0] += 1
+            h.shutdown()
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append("the other connection failed: %s" % e)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        r.send(hdr)
+        piece = n // 64
+        for i in range(64):
+            r.send(data[i * piece:(i + 1) * piece])
+            time.sleep(0.02)
+        rep = r.read_reply(cookie)
+    finally:
+        stop.set()
+        t.join(30)
+    expect(rep.error == 0, "dribbled WRITE failed with %s" % raw.err_name(rep.error))
+    expect(not errors, "; ".join(errors))
+    expect(reads[0] > 10, "the other connection got only %d reads in ~1.3 s" % reads[0])
+    model[offset:offset + n] = data
+    r.close()
+    expect(in_place(d) == before + 1, "the dribbled WRITE was not received in place")
+    got = libnbd_read(d, offset, n)
+    expect(got == data, "dribbled WRITE reads back wrong: %s"
+           % nbdtest.describe_diff(got, data, offset))
+    log("  other connection: %d reads meanwhile" % reads[0])
+
+
+def check_stall(tmp):
+    path = os.path.join(tmp, "stall.img")
+    nbdtest.random_file(path, 8 * MIB, seed=3)
+    old = read_at(path, 0, 8 * MIB)
+    with nbdtest.Daemon([("disk", path, "")], extra=["--stall-timeout", "2"]) as d:
+        libnbd_read(d, 1 * MIB, 1 * MIB)  # cached clean: the in-place path
+        r = raw_open(d)
+        _, hdr = write_header(r, 1 * MIB, 1 * MIB)
+        r.send(hdr + b"\x55" * (300 * KIB))
+        t0 = time.time()
+        held = control_stats(d)["clients"]["reply_bytes"]
+        expect(held > 0, "reply_bytes 0 while a WRITE's payload is arriving")
+        r.s.settimeout(15)
+        try:
+            got = r.s.recv(4096)
+            why = "closed" if got == b"" else "sent %r" % got[:32]
+        except ConnectionResetError:
+            why = "reset"
+        except socket.timeout:
+            why = None
+        waited = time.time() - t0
+        expect(why is not None, "no reset within 15 s of a stalled payload (--stall-timeout 2)")
+        # (Over a Unix socket the reset reads as an end of file.)
+        expect(why in ("reset", "closed"), "a stalled payload's connection %s" % why)
+        expect(1.5 <= waited <= 6, "reset after %.1f s, the deadline is 2 s" % waited)
+        r.close()
+        expect(nbdtest.wait_until(lambda: control_stats(d)["clients"]["reply_bytes"] == 0, 10),
+               "reply_bytes stays %d after the reset" % control_stats(d)["clients"]["reply_bytes"])
+        got = libnbd_read(d, 0, 8 * MIB)
+        expect(got == old, "blocks changed by a stalled WRITE: %s" % nbdtest.describe_diff(got, old))
+        log("  reset after %.1f s; reply_bytes back to 0; data unchanged" % waited)
+
+
+def check_shutdown(tmp):
+    path = os.path.join(tmp, "shutdown.img")
+    nbdtest.sparse_file(path, 8 * MIB)
+    data = random.Random(9).randbytes(2 * MIB)
+    d = nbdtest.Daemon([("disk", path, "")])
+    try:
+        r = raw_open(d)
+        cookie, hdr = write_header(r, 2 * MIB, len(data))
+        r.send(hdr + data[:MIB])
+        time.sleep(0.2)
+        d.proc.send_signal(15)
+        time.sleep(0.3)
+        r.send(data[MIB:])
+        rep = r.read_reply(cookie)
+        expect(rep.error == 0, "WRITE half sent at SIGTERM: %s" % raw.err_name(rep.error))
+        r.close()
+        d.stop()
+    finally:
+        d.discard()
+    got = read_at(path, 2 * MIB, len(data))
+    expect(got == data, "after shutdown the file lacks the WRITE: %s"
+           % nbdtest.describe_diff(got, data, 2 * MIB))
+
+
+def main():
+    checks = nbdtest.Checks()
+    with nbdtest.tempdir() as tmp:
+        path = os.path.join(tmp, "disk.img")
+        nbdtest.random_file(path, SIZE, seed=11)
+        model = bytearray(read_at(path, 0, SIZE))
+        d = nbdtest.Daemon([("disk", path, "")], extra=["--cache-size", "256M"])
+        try:
+            checks.run("mixed", check_mixed, d, path, model)
+            checks.run("truncated", check_truncated, d, path, model)
+            checks.run("dribble", check_dribble, d, path, model)
+            d.stop()
+        except Failed:
+            d.dump_log()
+            raise
+        finally:
+            d.discard()
+        checks.run("stall", check_stall, tmp)
+        checks.run("shutdown", check_shutdown, tmp)
+    checks.finish("write_receive")
+
+
+if __name__ == "__main__":
+    main()
