@@ -118,7 +118,20 @@ int worker_start(struct worker *w, unsigned index, struct export_table *exports)
 	w->exports = exports;
 	pthread_mutex_init(&w->lock, NULL);
 	int rc = -ENOMEM;
-	w->base = event_base_new();
+	/*
+	 * epoll changes are applied in one go before each wait, and an add and
+	 * a delete of the same event in one turn of the loop cost nothing: a
+	 * connection's write event is enabled whenever replies are queued and
+	 * disabled when they are sent, which would be two epoll_ctl calls per
+	 * batch of replies. (The descriptors are never dup'ed, which is what
+	 * the change list cannot cope with.)
+	 */
+	struct event_config *cfg = event_config_new();
+	if (!cfg)
+		goto err;
+	event_config_set_flag(cfg, EVENT_BASE_FLAG_EPOLL_USE_CHANGELIST);
+	w->base = event_base_new_with_config(cfg);
+	event_config_free(cfg);
 	if (!w->base)
 		goto err;
 	rc = uring_init(&w->ring, w->base, WORKER_RING_ENTRIES);
