@@ -78,7 +78,7 @@ struct request {
 	struct nbd_extent *extents;
 	size_t n_extents;
 	struct iovec *iov; /* WRITE: where its payload is received (conn_sink_start) */
-	struct iovec buf_iov; /* ... when that is buf */
+	struct iovec buf_iov; /* ... when that is buf, or one arena segment */
 	bool in_arena;	      /* ... when that is the arena (cache_write_begin) */
 };
 
@@ -647,7 +647,8 @@ static bool receive_into_arena(struct request *r, size_t *niov)
 	bool zeros;
 	while (cache_op_segment(&r->op, n, &data, &len, &zeros))
 		n++;
-	r->iov = malloc(n * sizeof(*r->iov));
+	/* One segment (a small WRITE) needs no array of its own. */
+	r->iov = n == 1 ? &r->buf_iov : malloc(n * sizeof(*r->iov));
 	if (!r->iov) {
 		r->op.done = request_dropped;
 		cache_write_end(&r->op, 0); /* nothing received: nothing changes */
