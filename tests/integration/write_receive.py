@@ -255,8 +255,8 @@ def check_stall(tmp):
         _, hdr = write_header(r, 1 * MIB, 1 * MIB)
         r.send(hdr + b"\x55" * (300 * KIB))
         t0 = time.time()
-        held = control_stats(d)["clients"]["reply_bytes"]
-        expect(held > 0, "reply_bytes 0 while a WRITE's payload is arriving")
+        expect(nbdtest.wait_until(lambda: control_stats(d)["clients"]["reply_bytes"] > 0, 5),
+               "reply_bytes 0 while a WRITE's payload is arriving")
         r.s.settimeout(15)
         try:
             got = r.s.recv(4096)
