@@ -638,9 +638,9 @@ static void request_received(struct conn *c, void *arg, uint64_t received)
  * now (cache_write_begin): r->iov are their segments (*niov). false: it
  * cannot, nothing changed.
  */
-static bool receive_into_arena(struct request *r, size_t *niov)
+static bool receive_into_arena(struct request *r, size_t *niov, bool payload_here)
 {
-	if (cache_write_begin(&r->op) < 0)
+	if (cache_write_begin(&r->op, payload_here) < 0)
 		return false;
 	size_t n = 0, len;
 	const uint8_t *data;
@@ -687,7 +687,9 @@ static int receive_write(struct conn *c, const struct nbd_request *req, uint64_t
 	size_t niov = 1;
 	if (r)
 		request_op_init(r, c, req);
-	if (r && !receive_into_arena(r, &niov)) {
+	/* Already in the input buffer: it cannot be cut short any more. */
+	bool here = evbuffer_get_length(conn_input(c)) >= hsize + req->payload_length;
+	if (r && !receive_into_arena(r, &niov, here)) {
 		r->buf_len = (size_t)req->payload_length;
 		r->buf = malloc(r->buf_len);
 		r->buf_iov.iov_base = r->buf;

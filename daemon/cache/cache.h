@@ -255,12 +255,15 @@ void cache_submit(struct cache_op *op);
  * filled as for it, payload NULL. 0: the blocks are reserved (entries
  * pinned, blocks busy) and cache_op_segment() gives the arena segments the
  * payload goes to, in order; the caller must then call cache_write_end().
+ * payload_here: the caller holds the whole payload already (it cannot be
+ * cut short), so blocks holding unflushed data may be written too.
  * -EAGAIN: not possible now (not writeback mode, FUA, not whole blocks,
- * dirty data above a watermark, no room at once, a block busy or dirty):
+ * dirty data above a watermark, no room at once, a block busy, or dirty
+ * without payload_here):
  * nothing was done, cache_submit() it with its payload as usual. Never
  * waits.
  */
-int cache_write_begin(struct cache_op *op);
+int cache_write_begin(struct cache_op *op, bool payload_here);
 /* received bytes of the payload are in the segments: all of them (the
  * blocks become uptodate and dirty), or fewer if the connection ended
  * (nothing changes: the blocks will be read from the backend again).

@@ -38,8 +38,10 @@
  * payload is made. A payload that never fully arrives must change
  * nothing: every block of the range loses its uptodate bit, and since
  * they were all clean the backend holds what they held. (That is why
- * dirty blocks are not received into: their old data would be lost. Such
- * a WRITE is read into a buffer of its own and copied, as before.)
+ * dirty blocks are received into only from a payload already received
+ * whole, which cannot be cut short: a torn one would lose their data.
+ * Another WRITE over dirty blocks is read into a buffer of its own and
+ * copied, as before.)
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -595,7 +597,7 @@ void cache_op_release(struct cache_op *op)
 	}
 }
 
-int cache_write_begin(struct cache_op *op)
+int cache_write_begin(struct cache_op *op, bool payload_here)
 {
 	struct cache_export *ce = op->ce;
 	op_reset(op);
@@ -619,10 +621,12 @@ int cache_write_begin(struct cache_op *op)
 		struct cache_shard *sh = shard_of(ce, p->offset);
 		pthread_mutex_lock(&sh->lock);
 		uint64_t *busy = cache_busy_map(e), *dirty = cache_dirty_map(e);
-		if (e->on_unstable_list)
+		/* Unflushed data may be overwritten only by a payload that cannot
+		 * be cut short: one already received whole. */
+		if (e->on_unstable_list && !payload_here)
 			rc = -EAGAIN; /* its data may have to be written again */
 		for (uint32_t b = first; b <= last && rc == 0; b++)
-			if (bit_test(busy, b) || bit_test(dirty, b))
+			if (bit_test(busy, b) || (!payload_here && bit_test(dirty, b)))
 				rc = -EAGAIN; /* a fill, writeback or write is on it, or unflushed data */
 		if (rc == 0) {
 			for (uint32_t b = first; b <= last; b++)

@@ -1,9 +1,9 @@
 #!/usr/bin/python3
 """write_receive: WRITE payloads read from the socket straight into the cache.
 
-A WRITE of whole blocks over clean blocks is received into the arena
-(stats: writes_in_place); any other WRITE is received into a buffer of its
-own. Both in large reads, with the next request's header in the same read.
+A WRITE of whole blocks over clean blocks, or over dirty ones when its
+whole payload came with its header, is received into the arena (stats:
+writes_in_place); any other WRITE is received into a buffer of its own. Both in large reads, with the next request's header in the same read.
 These checks drive both paths and what can go wrong while a payload is
 still arriving:
 
@@ -16,6 +16,9 @@ still arriving:
               changes nothing, whether its blocks were uncached, cached
               clean (the in-place path) or dirty (the buffer path): READ and
               the file after FLUSH show the old bytes
+  rewrite     4 KiB WRITEs over dirty blocks, each sent whole with its
+              header: received in place (the payload cannot be cut short
+              any more), and READ shows the last one
   dribble     a 1 MiB payload sent in 64 pieces 20 ms apart completes with
               the right bytes while another connection reads on unhindered
   stall       --stall-timeout 2: a payload that stops half way ends the
@@ -197,6 +200,27 @@ def check_truncated(d, path, model):
            % (before["writes_in_place"], after["writes_in_place"]))
 
 
+def check_rewrite(d, path, model):
+    offset = 56 * MIB
+    r = raw_open(d)
+    try:
+        before = in_place(d)
+        for i in range(16):
+            data = bytes([i + 1]) * (4 * KIB)
+            cookie = r.request(raw.CMD_WRITE, offset, len(data), 0, data)
+            rep_ = r.read_reply(cookie)
+            expect(rep_.error == 0, "rewrite %d failed with %s" % (i, raw.err_name(rep_.error)))
+            model[offset:offset + len(data)] = data
+        moved = in_place(d) - before
+    finally:
+        r.close()
+    expect(moved == 16, "%d of 16 WRITEs over a dirty block, each sent whole, were received in "
+           "place" % moved)
+    got = libnbd_read(d, offset, 4 * KIB)
+    expect(got == bytes(model[offset:offset + 4 * KIB]), "the dirty block after 16 rewrites: %s"
+           % nbdtest.describe_diff(got, bytes(model[offset:offset + 4 * KIB]), offset))
+
+
 def check_dribble(d, path, model):
     offset, n = 52 * MIB, 1 * MIB
     data = random.Random(52).randbytes(n)
@@ -312,6 +336,7 @@ def main():
         try:
             checks.run("mixed", check_mixed, d, path, model)
             checks.run("truncated", check_truncated, d, path, model)
+            checks.run("rewrite", check_rewrite, d, path, model)
             checks.run("dribble", check_dribble, d, path, model)
             d.stop()
         except Failed:
