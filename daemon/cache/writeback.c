@@ -15,13 +15,21 @@
  * (a write to them waits, so the backend never gets a torn block), set
  * entry->writeback (it stays on the dirty list, pinned); each run of
  * adjacent taken blocks is one backend write straight from the arena, and
- * adjacent entries whose dirty runs meet are written together (a run
- * across entries is gathered into one buffer). When the writes complete
+ * adjacent entries whose dirty runs meet are written together: a run
+ * across entries is one vectored write whose pieces point into the arena
+ * (entries are pinned while it is in flight; pieces that happen to be
+ * adjacent in the arena are merged), so a group of up to WB_GROUP_MAX_BYTES
+ * reaches the backend as one large write without a copy. A backend that
+ * takes no iovec (NBD) gets the run gathered into one buffer, as libnbd
+ * wants one. The file backend sends these writes O_DIRECT when aligned
+ * (daemon/backend/file.c), so the data is copied neither here nor into
+ * the page cache. When the writes complete
  * the blocks are unstable (success) or dirty again (failure): nothing is
  * dropped. Failures are logged at most once per 10 s.
  */
 #include <errno.h>
 #include <event2/event.h>
+#include <limits.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,6 +44,7 @@
 #define WB_TICK_MS 250
 #define WB_GROUP_MAX 512	     /* entries in one writeback group */
 #define WB_GROUP_MAX_BYTES (8u << 20) /* device bytes one group may span */
+_Static_assert(WB_GROUP_MAX <= IOV_MAX, "a run across a whole group is one vectored write");
 #define WB_UNSTABLE_NS 100000000ull   /* background flush once unstable this long */
 #define WB_LOG_INTERVAL_NS 10000000000ull /* writeback failures: one line per 10 s */
 
@@ -66,7 +75,9 @@ struct wb_op {
 struct wb_io {
 	struct backend_io io;
 	struct wb_op *op;
-	uint8_t *bounce; /* a run across entries, gathered; freed when done */
+	uint8_t *bounce;   /* a run across entries, gathered (no iovec backend) */
+	struct iovec *iov; /* a run across entries, in place; the backend may
+			      advance io.iov, this is what to free */
 };
 
 static void background_pass(struct writeback *wb);
@@ -183,6 +194,7 @@ static void wb_io_done(struct backend_io *io, int result)
 	struct wb_op *op = w->op;
 	uint64_t length = io->length;
 	free(w->bounce);
+	free(w->iov);
 	free(w);
 	if (result < 0 && !op->error)
 		op->error = result;
@@ -300,6 +312,31 @@ static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, u
 		return -ENOMEM;
 	if (i0 == i1) {
 		w->io.buf = op->m[i0].mem + ((size_t)b0 << shift);
+	} else if (ce->backend->takes_iovec) {
+		/* One piece per entry (at most WB_GROUP_MAX <= IOV_MAX), fewer
+		 * where neighbours are neighbours in the arena too. */
+		w->iov = malloc((i1 - i0 + 1) * sizeof(*w->iov));
+		if (!w->iov) {
+			free(w);
+			return -ENOMEM;
+		}
+		size_t at = 0;
+		unsigned k = 0;
+		for (unsigned i = i0; i <= i1; i++) {
+			struct wb_member *m = &op->m[i];
+			uint32_t from = i == i0 ? b0 : 0, to = i == i1 ? b1 : m->e->nblocks;
+			size_t n = (size_t)(to - from) << shift;
+			if (at + n > end - off)
+				n = (size_t)(end - off) - at;
+			uint8_t *p = m->mem + ((size_t)from << shift);
+			if (k && (uint8_t *)w->iov[k - 1].iov_base + w->iov[k - 1].iov_len == p)
+				w->iov[k - 1].iov_len += n;
+			else
+				w->iov[k++] = (struct iovec){p, n};
+			at += n;
+		}
+		w->io.iov = w->iov;
+		w->io.iovcnt = k;
 	} else {
 		w->bounce = malloc((size_t)(end - off));
 		if (!w->bounce) {
