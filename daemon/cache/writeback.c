@@ -172,8 +172,10 @@ static void wb_op_put(struct wb_op *op)
 		writeback_note_failure_locked(ce, op->error, "writeback to the backend");
 		pthread_mutex_unlock(&ce->lock);
 		atomic_fetch_add(&ce->counters.writeback_errors, 1);
-	} else if (ce->writeback_failing) { /* a racy peek; note_success locks */
-		writeback_note_success(ce);
+	} else {
+		atomic_fetch_add(&c->writebacks_done, 1); /* progress, for the throttle */
+		if (ce->writeback_failing) /* a racy peek; note_success locks */
+			writeback_note_success(ce);
 	}
 	cache_waitq_wake(c);
 	struct flush_job *job = op->job;
@@ -496,7 +498,9 @@ static void on_tick(evutil_socket_t fd, short what, void *arg)
 {
 	(void)fd;
 	(void)what;
-	background_pass(arg);
+	struct writeback *wb = arg;
+	background_pass(wb);
+	throttle_tick(wb->cache);
 }
 
 /* cache_kick_writeback() (internal.h) posted this to the thread. */
