@@ -34,6 +34,8 @@
  *   - the writeback thread is not running (start-up, shutdown);
  *   - its export's writeback is failing (backing off after an error): the
  *     dirty data would not go down, and a direct write reports the error;
+ *     the dirty data of other exports whose writeback is failing does not
+ *     count against the cache's watermark either;
  *   - no writeback of the cache has completed for THROTTLE_PATIENCE_NS:
  *     a backend that stopped answering is not waited for here.
  */
@@ -42,12 +44,30 @@
 /* A throttled write waits at most this long without any writeback completing. */
 #define THROTTLE_PATIENCE_NS 2000000000ull
 
-/* Is dirty data above the high watermark, of the cache or of ce? */
+/*
+ * Is dirty data above the high watermark, of ce or of the cache? In the
+ * cache's count, the dirty data of exports whose writeback is failing
+ * does not hold the others back: waiting would not bring it down.
+ */
 static bool over_high(struct cache_export *ce)
 {
 	struct cache *c = ce->cache;
-	return atomic_load(&c->counters.dirty_bytes) > atomic_load(&c->dirty_high) ||
-	       atomic_load(&ce->counters.dirty_bytes) > atomic_load(&ce->dirty_high);
+	if (atomic_load(&ce->counters.dirty_bytes) > atomic_load(&ce->dirty_high))
+		return true;
+	uint64_t dirty = atomic_load(&c->counters.dirty_bytes), high = atomic_load(&c->dirty_high);
+	if (dirty <= high)
+		return false;
+	/* The list only grows at its head: walked without the lock. */
+	pthread_mutex_lock(&c->exports_lock);
+	struct cache_export *x = c->exports;
+	pthread_mutex_unlock(&c->exports_lock);
+	for (; x && dirty > high; x = x->next) {
+		if (x->writeback_failing) { /* a racy peek: a hint */
+			uint64_t d = atomic_load(&x->counters.dirty_bytes);
+			dirty -= d < dirty ? d : dirty;
+		}
+	}
+	return dirty > high;
 }
 
 /* Should op go on without waiting (or without waiting any longer)? */

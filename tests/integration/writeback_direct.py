@@ -24,6 +24,11 @@
              did wait (throttled_writes), none fails, and no gap between
              two completed writes is longer than STALL_MAX seconds; the
              file matches after FLUSH
+  throttle-fail  the same writer when writeback starts failing (faultfs
+             fail-write) while writes are throttled: no write waits for
+             ever (the failing export is not throttled), and once the
+             backend works again FLUSH succeeds and every acknowledged write
+             is in the file
 """
 
 import ctypes
@@ -279,10 +284,72 @@ def check_throttle(tmp):
             h.shutdown()
 
 
+def check_throttle_fail(tmp):
+    """Writes throttled at the high watermark when writeback starts failing:
+    none waits for ever; each ends (cached, or EIO from a direct write) and,
+    once the backend works again, FLUSH makes every acknowledged write
+    durable."""
+    total = 48 * MIB
+    with faults.FaultFS(tmp) as fs:
+        path = fs.path("disk.img")
+        with open(fs.source("disk.img"), "wb") as f:
+            f.truncate(total)
+        fs.set("delay-ms 200")
+        d = nbdtest.Daemon([("disk", path, "")], workdir=tmp,
+                           extra=["--cache-size", "16M", "--dirty-high", "25",
+                                  "--dirty-low", "10", "--dirty-expire", "3600"])
+        with d:
+            h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+            rnd = random.Random(5)
+            data = {}
+            failed = set()
+            done = []
+
+            def cb(err, off, done=done, failed=failed):
+                done.append(time.monotonic())
+                if err.value:
+                    failed.add(off)
+                return 1
+            start = time.monotonic()
+            off = 0
+            while off < total or h.aio_in_flight() > 0:
+                while off < total and h.aio_in_flight() < 8:
+                    data[off] = rnd.randbytes(MIB)
+                    h.aio_pwrite(data[off], off, completion=lambda err, o=off: cb(err, o))
+                    off += MIB
+                    if off == 8 * MIB:
+                        fs.set("fail-write")  # writeback fails from now on
+                h.poll(1000)
+                expect(time.monotonic() - start < 120, "writes still waiting after 120 s")
+            gaps = [b - a for a, b in zip([start] + done, done)]
+            log("throttle-fail: %d MiB in %.1f s, %d failed, longest gap %.2f s"
+                % (total // MIB, time.monotonic() - start, len(failed), max(gaps)))
+            # Waiting on a failing export's writeback would never end; the
+            # throttle lets the writes through instead (at most the patience
+            # of 2 s, plus direct writes on a backend that sleeps 200 ms).
+            expect(max(gaps) <= 10, "a gap of %.2f s between completed writes" % max(gaps))
+            fs.set("ok")
+            for _ in range(10):
+                try:
+                    h.flush()
+                    break
+                except Exception as e:  # noqa: BLE001 (EIO once: direct writes failed)
+                    log("flush: %s" % e)
+                    time.sleep(1)
+            else:
+                expect(False, "FLUSH never succeeded after the backend recovered")
+            h.flush()
+            got = read_at(fs.source("disk.img"), 0, total)
+            for o, b in data.items():
+                if o not in failed:
+                    nbdtest.require_same(got[o:o + MIB], b, "acknowledged write at %d" % o, o)
+            h.shutdown()
+
+
 def main():
     checks = nbdtest.Checks()
     for name, fn in (("ext4", check_ext4), ("evict", check_evict), ("tmpfs", check_tmpfs),
-                     ("throttle", check_throttle)):
+                     ("throttle", check_throttle), ("throttle-fail", check_throttle_fail)):
         if sys.argv[1:] and name not in sys.argv[1:]:
             continue  # writeback_direct.py [CHECK...]: only those
         with nbdtest.tempdir() as tmp:
