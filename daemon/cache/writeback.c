@@ -314,11 +314,11 @@ static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, u
 		return -ENOMEM;
 	if (i0 == i1) {
 		w->io.buf = op->m[i0].mem + ((size_t)b0 << shift);
-	} else if (ce->backend->takes_iovec) {
+	} else {
 		/* One piece per entry (at most WB_GROUP_MAX <= IOV_MAX), fewer
 		 * where neighbours are neighbours in the arena too. */
-		w->iov = malloc((i1 - i0 + 1) * sizeof(*w->iov));
-		if (!w->iov) {
+		struct iovec *iov = malloc((i1 - i0 + 1) * sizeof(*iov));
+		if (!iov) {
 			free(w);
 			return -ENOMEM;
 		}
@@ -331,31 +331,31 @@ static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, u
 			if (at + n > end - off)
 				n = (size_t)(end - off) - at;
 			uint8_t *p = m->mem + ((size_t)from << shift);
-			if (k && (uint8_t *)w->iov[k - 1].iov_base + w->iov[k - 1].iov_len == p)
-				w->iov[k - 1].iov_len += n;
+			if (k && (uint8_t *)iov[k - 1].iov_base + iov[k - 1].iov_len == p)
+				iov[k - 1].iov_len += n;
 			else
-				w->iov[k++] = (struct iovec){p, n};
+				iov[k++] = (struct iovec){p, n};
 			at += n;
 		}
-		w->io.iov = w->iov;
-		w->io.iovcnt = k;
-	} else {
-		w->bounce = malloc((size_t)(end - off));
-		if (!w->bounce) {
-			free(w);
-			return -ENOMEM;
+		if (ce->backend->takes_iovec) {
+			w->iov = w->io.iov = iov;
+			w->io.iovcnt = k;
+		} else {
+			/* Gathered for a backend that wants one buffer. */
+			w->bounce = malloc(at);
+			if (!w->bounce) {
+				free(iov);
+				free(w);
+				return -ENOMEM;
+			}
+			size_t pos = 0;
+			for (unsigned j = 0; j < k; j++) {
+				memcpy(w->bounce + pos, iov[j].iov_base, iov[j].iov_len);
+				pos += iov[j].iov_len;
+			}
+			free(iov);
+			w->io.buf = w->bounce;
 		}
-		size_t at = 0;
-		for (unsigned i = i0; i <= i1; i++) {
-			struct wb_member *m = &op->m[i];
-			uint32_t from = i == i0 ? b0 : 0, to = i == i1 ? b1 : m->e->nblocks;
-			size_t n = (size_t)(to - from) << shift;
-			if (at + n > end - off)
-				n = (size_t)(end - off) - at;
-			memcpy(w->bounce + at, m->mem + ((size_t)from << shift), n);
-			at += n;
-		}
-		w->io.buf = w->bounce;
 	}
 	w->op = op;
 	w->io.cmd = BACKEND_WRITE;
