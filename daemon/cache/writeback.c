@@ -41,6 +41,15 @@
 #include "daemon/log.h"
 
 #define WB_MAX_INFLIGHT 64
+/*
+ * Background writeback keeps at most this many bytes in flight (FLUSH
+ * rounds have their own window, flush.c). Enough to keep a disk busy (a
+ * few large writes), few enough that groups complete one after another:
+ * a write throttled at the high watermark waits for one group, not for
+ * hundreds of megabytes submitted together that the disk finishes at
+ * about the same time.
+ */
+#define WB_MAX_INFLIGHT_BYTES (64u << 20)
 #define WB_TICK_MS 250
 #define WB_GROUP_MAX 512	     /* entries in one writeback group */
 #define WB_GROUP_MAX_BYTES (8u << 20) /* device bytes one group may span */
@@ -181,6 +190,7 @@ static void wb_op_put(struct wb_op *op)
 	struct flush_job *job = op->job;
 	int error = op->error;
 	wb->inflight--;
+	wb->inflight_bytes -= op->bytes;
 	free(op->m);
 	free(op);
 	if (job)
@@ -396,6 +406,7 @@ int writeback_entry(struct writeback *wb, struct cache_entry *e, struct flush_jo
 	op->loss_at_submit = atomic_load(&ce->backend->loss_seq);
 	op->pending = 1; /* held until every run is submitted */
 	wb->inflight++;
+	wb->inflight_bytes += op->bytes;
 	if (job)
 		flush_write_started(job);
 	/* Runs of dirty blocks over the group, as one block sequence. */
@@ -458,7 +469,8 @@ static void background_pass_once(struct writeback *wb)
 	pthread_mutex_lock(&c->exports_lock);
 	struct cache_export *ce = c->exports;
 	pthread_mutex_unlock(&c->exports_lock);
-	for (; ce && wb->inflight < WB_MAX_INFLIGHT; ce = ce->next) {
+	for (; ce && wb->inflight < WB_MAX_INFLIGHT && wb->inflight_bytes < WB_MAX_INFLIGHT_BYTES;
+	     ce = ce->next) {
 		struct cache_entry *batch[WB_MAX_INFLIGHT];
 		size_t n = 0;
 		if (atomic_load(&ce->retired))
@@ -486,7 +498,8 @@ static void background_pass_once(struct writeback *wb)
 				 (!ce->writeback_failing || now >= ce->retry_at);
 		pthread_mutex_unlock(&ce->lock);
 		for (size_t i = 0; i < n; i++) {
-			writeback_entry(wb, batch[i], NULL);
+			if (wb->inflight_bytes < WB_MAX_INFLIGHT_BYTES)
+				writeback_entry(wb, batch[i], NULL);
 			cache_entry_unpin(batch[i]);
 		}
 		if (flush_due)
