@@ -34,6 +34,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/uio.h>
 
 #include "daemon/uring.h"
 #include "daemon/worker.h"
@@ -62,6 +63,15 @@ struct backend_io {
 	uint64_t offset;
 	uint64_t length;
 	void *buf; /* READ / WRITE */
+	/*
+	 * WRITE, in place of buf when iovcnt > 0 (only to a backend with
+	 * takes_iovec): the data is gathered from iov[0..iovcnt), at most
+	 * IOV_MAX of them, together length bytes. The array must stay valid
+	 * until done runs; the backend may advance it in place (iov moves
+	 * past what a short write consumed), so keep the pointer to free.
+	 */
+	struct iovec *iov;
+	unsigned iovcnt;
 	/* BLOCK_STATUS: room for max_extents; n_extents filled on success. */
 	struct nbd_extent *extents;
 	size_t max_extents;
@@ -98,6 +108,7 @@ struct backend {
 	bool can_trim;	   /* TRIM does something */
 	bool can_zero;	   /* WRITE_ZEROES is native (fast) */
 	uint32_t min_block; /* smallest aligned unit for efficient I/O */
+	bool takes_iovec;   /* WRITE accepts iov / iovcnt (else buf only) */
 	/*
 	 * Moves whenever writes the backend acknowledged may have been lost
 	 * before a backend flush covered them (a connection to a remote

@@ -24,10 +24,56 @@
  *    its reads and writes to a kernel worker thread (measured: 1 MiB
  *    reads at a third of nbdkit's rate). Its data is memory, so READ and
  *    WRITE are plain pread/pwrite on the calling thread there.
+ *
+ * Aligned writes bypass the page cache. The writeback thread writes
+ * megabytes the cache already holds; through the page cache they would be
+ * copied a second time and written out later by the kernel's flusher, at
+ * a CPU cost that caps sustained writeback well below the disk. So the
+ * file is opened twice:
+ *
+ *   fd         buffered: every READ, unaligned WRITEs, FLUSH (fdatasync),
+ *              TRIM / WRITE_ZEROES (fallocate), block status, CACHE
+ *   direct_fd  O_DIRECT: a WRITE whose file offset, length and memory are
+ *              aligned (below); -1 when the file system refuses O_DIRECT
+ *              (probed at open: the open fails, or the first direct write
+ *              fails with EINVAL) or the file is memory (tmpfs, ramfs:
+ *              there a "direct" write is the same copy into memory)
+ *
+ * Alignment: offset and length multiples of dio_align, every buffer
+ * address a multiple of mem_align. A block device: its logical block size
+ * (BLKSSZGET) for both. A regular file: statx's STATX_DIOALIGN, with the
+ * offset rounded up to the file system block (st_blksize: ext4 serialises
+ * direct writes that are not), and 4096 for both when statx does not say.
+ * A single-buffer WRITE sends its aligned prefix direct and the rest (the
+ * tail of an export whose size is not a multiple) buffered; a vectored
+ * WRITE goes direct only when every piece is aligned. The cache's buffers
+ * are arena frames (4 KiB aligned), so writeback of 4 KiB cache blocks
+ * always qualifies.
+ *
+ * Coherency between the two descriptors is the kernel's: a direct write
+ * first writes back and then invalidates the page cache over its range
+ * (filemap_write_and_wait_range, invalidate_inode_pages2_range), so a
+ * buffered READ afterwards reads what the direct write put there, and a
+ * buffered write completed before a direct one reaches the disk first.
+ * Writes still in flight over the same bytes are never mixed: the cache
+ * sends one write per block at a time (busy bits, direct ranges).
+ *
+ * Durability does not change: FLUSH stays an fdatasync of fd. fdatasync
+ * is about the file (the inode), not the descriptor: it writes the dirty
+ * pages, commits the metadata needed to read the data back (ext4, XFS:
+ * the journal transaction that converted the extents a direct write
+ * allocated or extended; that conversion is logged at the direct write's
+ * completion) and sends the device a cache flush, which covers direct
+ * writes that sit in a volatile write cache. A completed O_DIRECT write
+ * by itself is not durable, so writeback data stays unstable until the
+ * next FLUSH exactly as before. FUA writes add RWF_DSYNC on either
+ * descriptor.
  */
 #include "daemon/backend/backend.h"
 
 #include <errno.h>
+#include <limits.h>
+#include <stdatomic.h>
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <linux/fs.h>
@@ -40,9 +86,15 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "daemon/log.h"
+
 struct file_backend {
 	struct backend base;
 	int fd;
+	int direct_fd;		/* O_DIRECT, or -1 */
+	atomic_bool direct_ok;	/* cleared when the file system refuses a direct write */
+	uint32_t dio_align;	/* direct_fd: offset and length alignment */
+	uint32_t mem_align;	/* direct_fd: buffer address alignment */
 	bool is_block_device;
 	bool memory_backed; /* tmpfs / ramfs: synchronous I/O never waits for a disk */
 	bool nowait;	    /* preadv2(RWF_NOWAIT) is supported */
@@ -51,6 +103,9 @@ struct file_backend {
 /* Source for the write-zeroes fallback; never written. */
 #define ZERO_CHUNK (1u << 20)
 static char zero_chunk[ZERO_CHUNK];
+
+/* backend_io.state: the SQE in flight went to direct_fd. */
+#define FILE_IO_DIRECT 1u
 
 enum zero_stage {
 	ZERO_PUNCH,
@@ -74,20 +129,92 @@ static struct io_uring_sqe *sqe_for(struct backend_io *io)
 	return uring_get_sqe(io->ring, &io->op);
 }
 
+static bool aligned(uint64_t v, uint32_t align)
+{
+	return (v & (align - 1)) == 0;
+}
+
+/*
+ * How many bytes of a single-buffer write at (p, at, n) may go direct: the
+ * whole of it, its aligned prefix, or 0.
+ */
+static unsigned direct_length(struct file_backend *fb, const char *p, uint64_t at, unsigned n)
+{
+	if (fb->direct_fd < 0 || !atomic_load_explicit(&fb->direct_ok, memory_order_relaxed) ||
+	    !aligned(at, fb->dio_align) || !aligned((uintptr_t)p, fb->mem_align))
+		return 0;
+	return n & ~(fb->dio_align - 1);
+}
+
+/* May the vectored write at `at` go direct: is every piece aligned? */
+static bool direct_vector(struct file_backend *fb, const struct iovec *iov, unsigned n,
+			  uint64_t at)
+{
+	if (fb->direct_fd < 0 || !atomic_load_explicit(&fb->direct_ok, memory_order_relaxed) ||
+	    !aligned(at, fb->dio_align))
+		return false;
+	for (unsigned i = 0; i < n; i++)
+		if (!aligned((uintptr_t)iov[i].iov_base, fb->mem_align) ||
+		    !aligned(iov[i].iov_len, fb->dio_align))
+			return false;
+	return true;
+}
+
+/* A short vectored write consumed n bytes: move io->iov past them. */
+static void iov_advance(struct backend_io *io, uint64_t n)
+{
+	while (n && io->iovcnt) {
+		if (n >= io->iov->iov_len) {
+			n -= io->iov->iov_len;
+			io->iov++;
+			io->iovcnt--;
+		} else {
+			io->iov->iov_base = (char *)io->iov->iov_base + n;
+			io->iov->iov_len -= (size_t)n;
+			n = 0;
+		}
+	}
+}
+
 static void prep_rw(struct backend_io *io)
 {
 	struct file_backend *fb = to_file(io->backend);
 	uint64_t left = io->length - io->progress;
+	uint64_t at = io->offset + io->progress;
 	unsigned n = left > (1u << 30) ? (1u << 30) : (unsigned)left;
 	char *p = (char *)io->buf + io->progress;
 	struct io_uring_sqe *sqe = sqe_for(io);
+	io->state &= ~FILE_IO_DIRECT;
 	if (io->cmd == BACKEND_READ) {
-		io_uring_prep_read(sqe, fb->fd, p, n, io->offset + io->progress);
-	} else {
-		io_uring_prep_write(sqe, fb->fd, p, n, io->offset + io->progress);
-		if (io->flags & BACKEND_FUA)
-			sqe->rw_flags = RWF_DSYNC;
+		io_uring_prep_read(sqe, fb->fd, p, n, at);
+		return;
 	}
+	if (io->iovcnt) {
+		bool direct = direct_vector(fb, io->iov, io->iovcnt, at);
+		io_uring_prep_writev(sqe, direct ? fb->direct_fd : fb->fd, io->iov, io->iovcnt, at);
+		if (direct)
+			io->state |= FILE_IO_DIRECT;
+	} else {
+		unsigned dn = direct_length(fb, p, at, n);
+		io_uring_prep_write(sqe, dn ? fb->direct_fd : fb->fd, p, dn ? dn : n, at);
+		if (dn)
+			io->state |= FILE_IO_DIRECT;
+	}
+	if (io->flags & BACKEND_FUA)
+		sqe->rw_flags = RWF_DSYNC;
+}
+
+/*
+ * A direct write failed with EINVAL: a file system that opened with
+ * O_DIRECT but will not do it (or wants another alignment than it said).
+ * Every later write goes through the page cache; this one is sent again
+ * there. Said once.
+ */
+static void direct_refused(struct file_backend *fb)
+{
+	if (atomic_exchange(&fb->direct_ok, false))
+		log_warn("file backend: the file system refused an O_DIRECT write (EINVAL); "
+			 "writes go through the page cache from now on");
 }
 
 static void prep_fsync(struct backend_io *io)
@@ -221,6 +348,11 @@ static void file_op_complete(struct uring_op *op, int res)
 			prep_rw(io);
 			return;
 		}
+		if (res == -EINVAL && (io->state & FILE_IO_DIRECT)) {
+			direct_refused(to_file(io->backend));
+			prep_rw(io);
+			return;
+		}
 		if (res < 0) {
 			io->done(io, res);
 			return;
@@ -231,6 +363,8 @@ static void file_op_complete(struct uring_op *op, int res)
 			return;
 		}
 		io->progress += (uint64_t)res;
+		if (io->iovcnt)
+			iov_advance(io, (uint64_t)res);
 		if (io->progress < io->length) {
 			prep_rw(io);
 			return;
@@ -329,7 +463,9 @@ static int file_rw_inline(struct file_backend *fb, struct backend_io *io)
 				    (size_t)(io->length - io->progress)};
 		off_t at = (off_t)(io->offset + io->progress);
 		ssize_t n;
-		if (write)
+		if (write && io->iovcnt)
+			n = pwritev2(fb->fd, io->iov, (int)io->iovcnt, at, 0);
+		else if (write)
 			n = pwritev2(fb->fd, &iov, 1, at, 0);
 		else
 			n = preadv2(fb->fd, &iov, 1, at, fb->memory_backed ? 0 : RWF_NOWAIT);
@@ -342,6 +478,8 @@ static int file_rw_inline(struct file_backend *fb, struct backend_io *io)
 			return 1;
 		}
 		io->progress += (uint64_t)n;
+		if (write && io->iovcnt)
+			iov_advance(io, (uint64_t)n);
 		if (!fb->memory_backed && io->progress < io->length)
 			return 0; /* partly cached: the ring reads the rest */
 	}
@@ -411,6 +549,8 @@ static void file_submit(struct backend *be, struct backend_io *io)
 static void file_close(struct backend *be)
 {
 	struct file_backend *fb = to_file(be);
+	if (fb->direct_fd >= 0)
+		close(fb->direct_fd);
 	close(fb->fd);
 	free(fb);
 }
@@ -420,6 +560,74 @@ static const struct backend_ops file_ops = {
 	.submit = file_submit,
 	.close = file_close,
 };
+
+/*
+ * Open the O_DIRECT descriptor of a writable backend and learn its
+ * alignment; leaves direct_fd at -1 (writes buffered, said once in the
+ * log) when the file is memory or the file system refuses O_DIRECT.
+ */
+static void direct_open(struct file_backend *fb, const char *path, const struct stat *st)
+{
+	fb->direct_fd = -1;
+	if (fb->memory_backed) {
+		log_info("file backend %s: memory-backed file (tmpfs / ramfs): writes stay buffered, "
+			 "no O_DIRECT",
+			 path);
+		return;
+	}
+	int fd = open(path, O_WRONLY | O_DIRECT | O_CLOEXEC);
+	if (fd < 0) {
+		log_info("file backend %s: O_DIRECT refused (%s): writes go through the page cache",
+			 path, strerror(errno));
+		return;
+	}
+	/* The same file, not one renamed into its place meanwhile. */
+	struct stat dst;
+	if (fstat(fd, &dst) < 0 || dst.st_dev != st->st_dev || dst.st_ino != st->st_ino ||
+	    dst.st_rdev != st->st_rdev) {
+		log_info("file backend %s: changed while opened: writes go through the page cache",
+			 path);
+		close(fd);
+		return;
+	}
+	uint32_t dio = 0, mem = 0;
+	if (fb->is_block_device) {
+		int lbs = 0;
+		if (ioctl(fd, BLKSSZGET, &lbs) == 0 && lbs > 0)
+			dio = mem = (uint32_t)lbs;
+	} else {
+#ifdef STATX_DIOALIGN
+		struct statx sx;
+		if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 &&
+		    (sx.stx_mask & STATX_DIOALIGN) && sx.stx_dio_offset_align) {
+			dio = sx.stx_dio_offset_align;
+			mem = sx.stx_dio_mem_align ? sx.stx_dio_mem_align : dio;
+			/* A direct write inside a file system block makes ext4 zero
+			 * around it and serialise: keep to whole blocks. */
+			if (st->st_blksize > 0 && (uint32_t)st->st_blksize > dio &&
+			    st->st_blksize <= 65536)
+				dio = (uint32_t)st->st_blksize;
+		}
+#endif
+		if (dio == 0)
+			dio = mem = 4096; /* safe for every file system that takes O_DIRECT */
+	}
+	/* Only powers of two up to 64 KiB make sense (the masks depend on it). */
+	if (dio == 0 || (dio & (dio - 1)) || dio > 65536 || mem == 0 || (mem & (mem - 1)) ||
+	    mem > 65536) {
+		log_info("file backend %s: unusable O_DIRECT alignment %u / %u: writes go through "
+			 "the page cache",
+			 path, dio, mem);
+		close(fd);
+		return;
+	}
+	fb->direct_fd = fd;
+	fb->dio_align = dio;
+	fb->mem_align = mem;
+	atomic_store(&fb->direct_ok, true);
+	log_debug("file backend %s: aligned writes O_DIRECT (offset and length %u, memory %u)",
+		  path, dio, mem);
+}
 
 int backend_file_open(const char *path, bool readonly, struct backend **out)
 {
@@ -469,6 +677,11 @@ int backend_file_open(const char *path, bool readonly, struct backend **out)
 		free(fb);
 		goto err;
 	}
+	fb->base.takes_iovec = true;
+	if (readonly)
+		fb->direct_fd = -1;
+	else
+		direct_open(fb, path, &st);
 	if (!fb->memory_backed) {
 		/* Probe RWF_NOWAIT once: unsupported file systems say EOPNOTSUPP. */
 		char probe;

@@ -146,6 +146,8 @@ struct cache_op {
 	uint64_t write_seq;	     /* direct write: backend_writes_done after it */
 	uint64_t loss_at_submit;     /* direct: the backend's loss_seq when sent */
 	bool maybe_lost;	     /* direct: a connection was lost meanwhile */
+	uint64_t throttle_seen;	     /* throttled WRITE: the cache's writebacks done */
+	uint64_t throttle_seen_ns;   /* ... when that count last moved */
 };
 
 /*
@@ -160,6 +162,7 @@ struct cache_export_stats {
 	uint64_t backend_reads, backend_read_bytes, backend_writes, backend_write_bytes;
 	uint64_t writeback_bytes, evictions, writeback_errors, bypass_reads, direct_writes;
 	uint64_t writes_in_place; /* WRITEs received straight into the arena */
+	uint64_t throttled_writes; /* WRITEs that waited for writeback (throttle) */
 	uint64_t dirty_bytes;  /* dirty, or being written back */
 	uint64_t cached_bytes; /* arena bytes its entries hold */
 	uint64_t unstable_bytes; /* written back, waiting for a backend flush */

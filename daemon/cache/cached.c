@@ -524,6 +524,20 @@ void cached_step(struct cache_op *op)
 	op_finish(op, 0);
 }
 
+int cached_write_room(struct cache_op *op)
+{
+	int rc = pieces_build(op, true, true);
+	if (rc == -ENOSPC) {
+		/* No room: write through, and get writeback going. */
+		pieces_release(op);
+		cache_kick_writeback(op->ce->cache);
+		rc = 0;
+	} else if (rc == 0) {
+		op->stage = -1;
+	}
+	return rc;
+}
+
 int cached_prepare(struct cache_op *op)
 {
 	struct cache_export *ce = op->ce;
@@ -545,17 +559,10 @@ int cached_prepare(struct cache_op *op)
 				op->pieces[i].ready = true;
 		break;
 	case BACKEND_WRITE:
-		if (ce->mode == CACHE_MODE_WRITEBACK && !(op->flags & BACKEND_FUA)) {
-			rc = pieces_build(op, true, true);
-			if (rc == -ENOSPC) {
-				/* No room: write through, and get writeback going. */
-				pieces_release(op);
-				cache_kick_writeback(ce->cache);
-				rc = 0;
-			} else if (rc == 0) {
-				op->stage = -1;
-			}
-		}
+		/* Above the high watermark it waits for writeback first (throttle.c). */
+		if (ce->mode == CACHE_MODE_WRITEBACK && !(op->flags & BACKEND_FUA) &&
+		    !throttle_write(op))
+			rc = cached_write_room(op);
 		break;
 	default:
 		break;

@@ -16,7 +16,7 @@
  *               compact.c                    compact.h, ops.h,
  *                                            internal.h, arena.h
  *   operations  op.c cached.c direct.c       ops.h, internal.h, arena.h
- *               block_status.c
+ *               block_status.c throttle.c
  *   index       cache.c dirty.c exports.c    internal.h, arena.h
  *               stats.c wake.c
  *   arena       arena.c                      arena.h
@@ -121,6 +121,7 @@ struct cache_counters {
 	atomic_uint_fast64_t backend_writes, backend_write_bytes, writeback_bytes;
 	atomic_uint_fast64_t evictions, writeback_errors, bypass_reads, direct_writes;
 	atomic_uint_fast64_t writes_in_place; /* WRITEs received into the arena */
+	atomic_uint_fast64_t throttled_writes; /* WRITEs that waited at the high watermark */
 	atomic_uint_fast64_t dirty_bytes, entries, metadata_bytes, cached_bytes;
 	atomic_uint_fast64_t unstable_bytes, backend_flushes, backend_flush_errors, losses;
 	/* Client requests by command (enum backend_cmd), and those with FUA. */
@@ -239,6 +240,11 @@ struct cache {
 	atomic_uint_fast64_t dirty_expire_ns;
 	struct cache_kick kick;
 	struct cache_nudge nudge;
+	/* The write throttle (throttle.c): writeback groups completed without
+	 * error (the progress throttled writes watch; writeback.c counts) and
+	 * the writes waiting now (the writeback tick wakes them). */
+	atomic_uint_fast64_t writebacks_done;
+	atomic_uint throttled;
 	struct writeback *writeback;
 	struct compactor *compactor;
 };

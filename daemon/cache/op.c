@@ -32,7 +32,9 @@ void op_wait(struct cache_op *op, uint64_t seq)
 
 static void op_step(struct cache_op *op)
 {
-	if (op->cmd == BACKEND_READ || op->cmd == BACKEND_CACHE ||
+	if (op->cmd == BACKEND_WRITE && op->stage == OP_STAGE_THROTTLED)
+		throttle_step(op);
+	else if (op->cmd == BACKEND_READ || op->cmd == BACKEND_CACHE ||
 	    (op->cmd == BACKEND_WRITE && op->stage == -1))
 		cached_step(op);
 	else

@@ -11,6 +11,8 @@
  *                   against each other and against writeback; mode
  *                   none's pass-through
  *   block_status.c  BLOCK_STATUS: the backend's extents, dirty data as data
+ *   throttle.c      the write throttle: cached WRITEs wait at the high
+ *                   watermark for writeback to keep up
  *
  * What the layers above use of it: cache_direct_overlaps (writeback.c
  * leaves registered direct ranges alone), op_reset and op_submit
@@ -52,8 +54,26 @@ void op_wait(struct cache_op *op, uint64_t seq);
 int cached_prepare(struct cache_op *op);
 /* One step of a READ, CACHE or cached WRITE. */
 void cached_step(struct cache_op *op);
+/* A WRITE in writeback mode (admitted by the throttle): pin room for every
+ * piece (stage -1, a cached write), or, with no room, stay a direct write
+ * and kick writeback. 0 or -errno. */
+int cached_write_room(struct cache_op *op);
 /* Unpin and free op's pieces. */
 void pieces_release(struct cache_op *op);
+
+/* ---- throttle.c ---- */
+
+/* op->stage of a WRITE waiting for writeback to bring dirty data down. */
+#define OP_STAGE_THROTTLED (-2)
+/* A WRITE in writeback mode (no FUA), before it takes room: should it wait
+ * (dirty data above a high watermark)? true: it is OP_STAGE_THROTTLED and
+ * op_run steps it with throttle_step. */
+bool throttle_write(struct cache_op *op);
+/* One step of a throttled WRITE: wait, or admit it (cached_write_room). */
+void throttle_step(struct cache_op *op);
+/* The writeback thread's tick: wake throttled writes so they look again
+ * (their patience runs out even when nothing completes). */
+void throttle_tick(struct cache *c);
 
 /* ---- direct.c ---- */
 

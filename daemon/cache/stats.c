@@ -24,6 +24,7 @@ static void counters_load(const struct cache_counters *k, struct cache_export_st
 	s->bypass_reads = atomic_load(&k->bypass_reads);
 	s->direct_writes = atomic_load(&k->direct_writes);
 	s->writes_in_place = atomic_load(&k->writes_in_place);
+	s->throttled_writes = atomic_load(&k->throttled_writes);
 	s->dirty_bytes = atomic_load(&k->dirty_bytes);
 	s->cached_bytes = atomic_load(&k->cached_bytes);
 	s->unstable_bytes = atomic_load(&k->unstable_bytes);
@@ -50,6 +51,7 @@ static void counters_sum(struct cache_export_stats *sum, const struct cache_expo
 	sum->bypass_reads += s->bypass_reads;
 	sum->direct_writes += s->direct_writes;
 	sum->writes_in_place += s->writes_in_place;
+	sum->throttled_writes += s->throttled_writes;
 	sum->unstable_bytes += s->unstable_bytes;
 	sum->backend_flushes += s->backend_flushes;
 	sum->backend_flush_errors += s->backend_flush_errors;
@@ -122,7 +124,7 @@ void cache_log_stats(struct cache *c)
 	log_info("stats: arena=%s cache_bytes=%llu used_bytes=%llu entries=%llu hits=%llu "
 		 "misses=%llu partial_hits=%llu backend_reads=%llu backend_read_bytes=%llu "
 		 "backend_writes=%llu backend_write_bytes=%llu dirty_bytes=%llu evictions=%llu "
-		 "writeback_errors=%llu bypass_reads=%llu direct_writes=%llu "
+		 "writeback_errors=%llu bypass_reads=%llu direct_writes=%llu throttled_writes=%llu "
 		 "metadata_bytes=%llu free_2m_bytes=%llu fragmentation=%llu "
 		 "free_bytes_by_order=%s large_bytes=%llu large_share=%llu alloc_2m_attempts=%llu "
 		 "alloc_2m_ok=%llu alloc_failures=%llu compact_moves=%llu compact_skipped_pinned=%llu "
@@ -136,7 +138,8 @@ void cache_log_stats(struct cache *c)
 		 (unsigned long long)s.traffic.backend_writes, (unsigned long long)s.traffic.backend_write_bytes,
 		 (unsigned long long)s.traffic.dirty_bytes, (unsigned long long)s.traffic.evictions,
 		 (unsigned long long)s.traffic.writeback_errors, (unsigned long long)s.traffic.bypass_reads,
-		 (unsigned long long)s.traffic.direct_writes, (unsigned long long)s.metadata_bytes,
+		 (unsigned long long)s.traffic.direct_writes,
+		 (unsigned long long)s.traffic.throttled_writes, (unsigned long long)s.metadata_bytes,
 		 (unsigned long long)s.free_2m_bytes, (unsigned long long)s.fragmentation, by_order,
 		 (unsigned long long)s.large_bytes, (unsigned long long)s.large_share,
 		 (unsigned long long)s.alloc_2m_attempts, (unsigned long long)s.alloc_2m_ok,

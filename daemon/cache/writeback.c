@@ -15,13 +15,21 @@
  * (a write to them waits, so the backend never gets a torn block), set
  * entry->writeback (it stays on the dirty list, pinned); each run of
  * adjacent taken blocks is one backend write straight from the arena, and
- * adjacent entries whose dirty runs meet are written together (a run
- * across entries is gathered into one buffer). When the writes complete
+ * adjacent entries whose dirty runs meet are written together: a run
+ * across entries is one vectored write whose pieces point into the arena
+ * (entries are pinned while it is in flight; pieces that happen to be
+ * adjacent in the arena are merged), so a group of up to WB_GROUP_MAX_BYTES
+ * reaches the backend as one large write without a copy. A backend that
+ * takes no iovec (NBD) gets the run gathered into one buffer, as libnbd
+ * wants one. The file backend sends these writes O_DIRECT when aligned
+ * (daemon/backend/file.c), so the data is copied neither here nor into
+ * the page cache. When the writes complete
  * the blocks are unstable (success) or dirty again (failure): nothing is
  * dropped. Failures are logged at most once per 10 s.
  */
 #include <errno.h>
 #include <event2/event.h>
+#include <limits.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,9 +41,19 @@
 #include "daemon/log.h"
 
 #define WB_MAX_INFLIGHT 64
+/*
+ * Background writeback keeps at most this many bytes in flight (FLUSH
+ * rounds have their own window, flush.c). Enough to keep a disk busy (a
+ * few large writes), few enough that groups complete one after another:
+ * a write throttled at the high watermark waits for one group, not for
+ * hundreds of megabytes submitted together that the disk finishes at
+ * about the same time.
+ */
+#define WB_MAX_INFLIGHT_BYTES (64u << 20)
 #define WB_TICK_MS 250
 #define WB_GROUP_MAX 512	     /* entries in one writeback group */
 #define WB_GROUP_MAX_BYTES (8u << 20) /* device bytes one group may span */
+_Static_assert(WB_GROUP_MAX <= IOV_MAX, "a run across a whole group is one vectored write");
 #define WB_UNSTABLE_NS 100000000ull   /* background flush once unstable this long */
 #define WB_LOG_INTERVAL_NS 10000000000ull /* writeback failures: one line per 10 s */
 
@@ -66,7 +84,9 @@ struct wb_op {
 struct wb_io {
 	struct backend_io io;
 	struct wb_op *op;
-	uint8_t *bounce; /* a run across entries, gathered; freed when done */
+	uint8_t *bounce;   /* a run across entries, gathered (no iovec backend) */
+	struct iovec *iov; /* a run across entries, in place; the backend may
+			      advance io.iov, this is what to free */
 };
 
 static void background_pass(struct writeback *wb);
@@ -161,13 +181,16 @@ static void wb_op_put(struct wb_op *op)
 		writeback_note_failure_locked(ce, op->error, "writeback to the backend");
 		pthread_mutex_unlock(&ce->lock);
 		atomic_fetch_add(&ce->counters.writeback_errors, 1);
-	} else if (ce->writeback_failing) { /* a racy peek; note_success locks */
-		writeback_note_success(ce);
+	} else {
+		atomic_fetch_add(&c->writebacks_done, 1); /* progress, for the throttle */
+		if (ce->writeback_failing) /* a racy peek; note_success locks */
+			writeback_note_success(ce);
 	}
 	cache_waitq_wake(c);
 	struct flush_job *job = op->job;
 	int error = op->error;
 	wb->inflight--;
+	wb->inflight_bytes -= op->bytes;
 	free(op->m);
 	free(op);
 	if (job)
@@ -183,6 +206,7 @@ static void wb_io_done(struct backend_io *io, int result)
 	struct wb_op *op = w->op;
 	uint64_t length = io->length;
 	free(w->bounce);
+	free(w->iov);
 	free(w);
 	if (result < 0 && !op->error)
 		op->error = result;
@@ -301,22 +325,47 @@ static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, u
 	if (i0 == i1) {
 		w->io.buf = op->m[i0].mem + ((size_t)b0 << shift);
 	} else {
-		w->bounce = malloc((size_t)(end - off));
-		if (!w->bounce) {
+		/* One piece per entry (at most WB_GROUP_MAX <= IOV_MAX), fewer
+		 * where neighbours are neighbours in the arena too. */
+		struct iovec *iov = malloc((i1 - i0 + 1) * sizeof(*iov));
+		if (!iov) {
 			free(w);
 			return -ENOMEM;
 		}
 		size_t at = 0;
+		unsigned k = 0;
 		for (unsigned i = i0; i <= i1; i++) {
 			struct wb_member *m = &op->m[i];
 			uint32_t from = i == i0 ? b0 : 0, to = i == i1 ? b1 : m->e->nblocks;
 			size_t n = (size_t)(to - from) << shift;
 			if (at + n > end - off)
 				n = (size_t)(end - off) - at;
-			memcpy(w->bounce + at, m->mem + ((size_t)from << shift), n);
+			uint8_t *p = m->mem + ((size_t)from << shift);
+			if (k && (uint8_t *)iov[k - 1].iov_base + iov[k - 1].iov_len == p)
+				iov[k - 1].iov_len += n;
+			else
+				iov[k++] = (struct iovec){p, n};
 			at += n;
 		}
-		w->io.buf = w->bounce;
+		if (ce->backend->takes_iovec) {
+			w->iov = w->io.iov = iov;
+			w->io.iovcnt = k;
+		} else {
+			/* Gathered for a backend that wants one buffer. */
+			w->bounce = malloc(at);
+			if (!w->bounce) {
+				free(iov);
+				free(w);
+				return -ENOMEM;
+			}
+			size_t pos = 0;
+			for (unsigned j = 0; j < k; j++) {
+				memcpy(w->bounce + pos, iov[j].iov_base, iov[j].iov_len);
+				pos += iov[j].iov_len;
+			}
+			free(iov);
+			w->io.buf = w->bounce;
+		}
 	}
 	w->op = op;
 	w->io.cmd = BACKEND_WRITE;
@@ -357,6 +406,7 @@ int writeback_entry(struct writeback *wb, struct cache_entry *e, struct flush_jo
 	op->loss_at_submit = atomic_load(&ce->backend->loss_seq);
 	op->pending = 1; /* held until every run is submitted */
 	wb->inflight++;
+	wb->inflight_bytes += op->bytes;
 	if (job)
 		flush_write_started(job);
 	/* Runs of dirty blocks over the group, as one block sequence. */
@@ -419,7 +469,8 @@ static void background_pass_once(struct writeback *wb)
 	pthread_mutex_lock(&c->exports_lock);
 	struct cache_export *ce = c->exports;
 	pthread_mutex_unlock(&c->exports_lock);
-	for (; ce && wb->inflight < WB_MAX_INFLIGHT; ce = ce->next) {
+	for (; ce && wb->inflight < WB_MAX_INFLIGHT && wb->inflight_bytes < WB_MAX_INFLIGHT_BYTES;
+	     ce = ce->next) {
 		struct cache_entry *batch[WB_MAX_INFLIGHT];
 		size_t n = 0;
 		if (atomic_load(&ce->retired))
@@ -447,7 +498,8 @@ static void background_pass_once(struct writeback *wb)
 				 (!ce->writeback_failing || now >= ce->retry_at);
 		pthread_mutex_unlock(&ce->lock);
 		for (size_t i = 0; i < n; i++) {
-			writeback_entry(wb, batch[i], NULL);
+			if (wb->inflight_bytes < WB_MAX_INFLIGHT_BYTES)
+				writeback_entry(wb, batch[i], NULL);
 			cache_entry_unpin(batch[i]);
 		}
 		if (flush_due)
@@ -459,7 +511,9 @@ static void on_tick(evutil_socket_t fd, short what, void *arg)
 {
 	(void)fd;
 	(void)what;
-	background_pass(arg);
+	struct writeback *wb = arg;
+	background_pass(wb);
+	throttle_tick(wb->cache);
 }
 
 /* cache_kick_writeback() (internal.h) posted this to the thread. */

@@ -22,6 +22,7 @@ struct writeback {
 	struct event *tick;
 	struct flush_job *jobs;
 	unsigned inflight;
+	uint64_t inflight_bytes; /* device bytes of the groups in flight (wb_op.bytes) */
 	bool draining;
 	bool in_pass, pass_again; /* background_pass is re-entered by inline completions */
 	uint64_t jobs_ended;

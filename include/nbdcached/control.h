@@ -66,7 +66,8 @@
  *             over the last whole second), evictions, writeback_errors,
  *             bypass_reads, direct_writes, writes_in_place (WRITEs
  *             received from the socket straight into the cache),
- *             metadata_bytes,
+ *             throttled_writes (WRITEs that waited at --dirty-high for
+ *             writeback), metadata_bytes,
  *             arena: {kind (string), free_bytes, free_bytes_by_order (array
  *                     of 10: free bytes in free blocks of order 0..9, a
  *                     block of order k being 4 KiB << k),
