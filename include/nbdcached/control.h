@@ -64,7 +64,11 @@
  *             backend_reads, backend_read_bytes, backend_writes,
  *             backend_write_bytes, writeback_bytes, writeback_rate (bytes/s
  *             over the last whole second), evictions, writeback_errors,
- *             bypass_reads, direct_writes, metadata_bytes,
+ *             bypass_reads, direct_writes, metadata_bytes (the
+ *             index: entries, side records, range nodes and arrays,
+ *             hash buckets, ghost table), arena_metadata_bytes (the
+ *             arena's free lists, frame states and owners: fixed by
+ *             the cache size),
  *             arena: {kind (string), free_bytes, free_bytes_by_order (array
  *                     of 10: free bytes in free blocks of order 0..9, a
  *                     block of order k being 4 KiB << k),
