@@ -31,16 +31,34 @@
  * cache_submit, there, hands a FLUSH to the writeback thread.
  *
  * The index: a hash of (export, 2 MiB device range) to a range node, which
- * lists the entries inside that range sorted by device frame. Memory follows
- * what is cached, never the device size.
+ * lists the entries inside that range sorted by position. Memory follows
+ * what is cached, never the device size. Entries, side records and range
+ * nodes are slots of three pools, named by 32-bit index (0: none); every
+ * link below is one.
  *
  *   shard[hash % CACHE_SHARDS]
- *     bucket -> range(export 1, index 7) -> range(...) -> NULL
- *                 entries: [e@frame 3584 order 0][e@3600 order 4] ...
+ *     buckets[] -> range(export 1, index 7) -hash_next-> range(...) -> 0
+ *                    entries[]: [3584 order 0][3600 order 4] ...  (indexes,
+ *                    sorted by pos; the array grows by a quarter)
  *
- *   entry (the handle)
- *     frame, order, pins  -> arena_address(frame)
- *     bits: uptodate[words] dirty[words] busy[words], one bit per block
+ *   entry (32 bytes; the handle is a pointer into its pool's chunk)
+ *     range  frame  fifo_prev|queue  fifo_next  ext  state  pins  order|pos
+ *     may_hold_zeros  freq
+ *       first frame = range->index * 512 + pos; export = range->ce
+ *       state = invalidations (29 bits) | the three map bits of a one-block
+ *               entry (uptodate, dirty, busy)
+ *       ext -> side record (56 bytes on 64-bit, 48 on i386), only while
+ *              dirty, unstable or under writeback, or for an entry of more
+ *              than one block: dirty_since, unstable_seq, maps (uptodate,
+ *              dirty, busy words, malloc'd), dirty and unstable list links,
+ *              ndirty, nunstable, on_dirty_list, on_unstable_list, writeback
+ *
+ *   pool: directory[chunk] -> 16 KiB chunk aligned to 16 KiB,
+ *         slot 0 = header {cache, chunk number}, then slots 1..2^shift-1
+ *
+ * metadata_bytes counts all of it (pool chunks, range arrays and buckets at
+ * capacity, large entries' maps, the ghost table, the directories); the
+ * arena's own tables are arena_metadata_bytes.
  */
 #ifndef NBDCACHED_DAEMON_CACHE_INTERNAL_H
 #define NBDCACHED_DAEMON_CACHE_INTERNAL_H
