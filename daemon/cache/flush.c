@@ -160,7 +160,8 @@ static void unstable_settle_all(struct cache_export *ce, uint64_t seq, bool redi
 			cache_shard_for(ce->cache, ce, cache_entry_offset(e) >> CACHE_RANGE_SHIFT);
 		pthread_mutex_lock(&sh->lock);
 		/* Written back again since it was collected: not covered. */
-		if (cache_entry_on_unstable_list(e) && (redirty || cache_entry_unstable_seq(e) <= seq))
+		if (cache_entry_on_unstable_list(e) &&
+		    (redirty || cache_entry_unstable_seq(e) <= seq))
 			cache_unstable_settle(e, redirty);
 		pthread_mutex_unlock(&sh->lock);
 		cache_entry_unpin(e);

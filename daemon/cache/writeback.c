@@ -312,7 +312,8 @@ static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, u
 		size_t at = 0;
 		for (unsigned i = i0; i <= i1; i++) {
 			struct wb_member *m = &op->m[i];
-			uint32_t from = i == i0 ? b0 : 0, to = i == i1 ? b1 : cache_entry_nblocks(m->e);
+			uint32_t from = i == i0 ? b0 : 0,
+				 to = i == i1 ? b1 : cache_entry_nblocks(m->e);
 			size_t n = (size_t)(to - from) << shift;
 			if (at + n > end - off)
 				n = (size_t)(end - off) - at;
