@@ -291,6 +291,7 @@ static struct cache_range *range_create(struct cache_shard *sh, struct cache_exp
 	struct cache_range *r = cache_range_at(c, ri);
 	r->ce = ce;
 	r->index = index;
+	r->cap = CACHE_RANGE_INLINE;
 	uint32_t slot = bucket_of(sh, ce, index);
 	r->hash_next = sh->buckets[slot];
 	sh->buckets[slot] = ri;
@@ -332,8 +333,10 @@ static void range_destroy(struct cache_shard *sh, struct cache_range *r)
 		p = &cache_range_at(c, *p)->hash_next;
 	*p = r->hash_next;
 	sh->count--;
-	atomic_fetch_sub(&c->counters.metadata_bytes, heap_bytes(r->entries));
-	free(r->entries);
+	if (r->cap > CACHE_RANGE_INLINE) {
+		atomic_fetch_sub(&c->counters.metadata_bytes, heap_bytes(r->array));
+		free(r->array);
+	}
 	pool_free(&c->ranges, ri);
 }
 
@@ -345,16 +348,30 @@ struct cache_range *cache_range_get(struct cache_shard *sh, const struct cache_e
 
 struct cache_entry *cache_range_entry(const struct cache_range *r, uint32_t i)
 {
-	return cache_entry_at(r->ce->cache, r->entries[i]);
+	const uint32_t *v = r->cap > CACHE_RANGE_INLINE ? r->array : r->inline_entries;
+	return cache_entry_at(r->ce->cache, v[i]);
+}
+
+void cache_range_set_one(struct cache_range *r, struct cache_entry *e)
+{
+	struct cache *c = r->ce->cache;
+	if (r->cap > CACHE_RANGE_INLINE) {
+		atomic_fetch_sub(&c->counters.metadata_bytes, heap_bytes(r->array));
+		free(r->array);
+		r->cap = CACHE_RANGE_INLINE;
+	}
+	r->inline_entries[0] = cache_entry_index(e);
+	r->count = 1;
 }
 
 /* Index of the first entry whose pos is >= pos. */
-static uint32_t range_search(const struct cache *c, const struct cache_range *r, uint32_t pos)
+static uint32_t range_search(const struct cache *c, struct cache_range *r, uint32_t pos)
 {
+	const uint32_t *v = cache_range_entries(r);
 	uint32_t lo = 0, hi = r->count;
 	while (lo < hi) {
 		uint32_t mid = (lo + hi) / 2;
-		if (cache_entry_at(c, r->entries[mid])->pos < pos)
+		if (cache_entry_at(c, v[mid])->pos < pos)
 			lo = mid + 1;
 		else
 			hi = mid;
@@ -376,7 +393,7 @@ struct cache_entry *cache_lookup(struct cache_export *ce, struct cache_shard *sh
 	uint32_t i = range_search(c, r, pos + 1);
 	if (i == 0)
 		return NULL;
-	struct cache_entry *e = cache_entry_at(c, r->entries[i - 1]);
+	struct cache_entry *e = cache_entry_at(c, cache_range_entries(r)[i - 1]);
 	if (pos < e->pos + (1u << e->order))
 		return e;
 	return NULL;
@@ -563,7 +580,8 @@ static void entry_destroy(struct cache *c, struct cache_shard *sh, struct cache_
 	struct cache_range *r = cache_entry_range(e);
 	struct cache_export *ce = r->ce;
 	uint32_t i = range_search(c, r, e->pos);
-	memmove(&r->entries[i], &r->entries[i + 1], (r->count - i - 1) * sizeof(*r->entries));
+	uint32_t *v = cache_range_entries(r);
+	memmove(&v[i], &v[i + 1], (r->count - i - 1) * sizeof(*v));
 	r->count--;
 	fifo_remove(c, e);
 	arena_free(&c->arena, e->frame, e->order);
@@ -692,7 +710,7 @@ static int64_t alloc_evicting(struct cache *c, struct cache_shard *sh, unsigned 
 }
 
 /* Largest order <= want whose aligned slot around frame is free in r. */
-static unsigned fit_order(const struct cache_export *ce, const struct cache_range *r,
+static unsigned fit_order(const struct cache_export *ce, struct cache_range *r,
 			  uint64_t frame, unsigned want)
 {
 	const struct cache *c = ce->cache;
@@ -706,11 +724,13 @@ static unsigned fit_order(const struct cache_export *ce, const struct cache_rang
 		uint32_t pos = (uint32_t)(start & (RANGE_FRAMES - 1));
 		uint32_t i = range_search(c, r, pos);
 		if (i > 0) {
-			const struct cache_entry *prev = cache_entry_at(c, r->entries[i - 1]);
+			const struct cache_entry *prev =
+				cache_entry_at(c, cache_range_entries(r)[i - 1]);
 			if (prev->pos + (1u << prev->order) > pos)
 				continue;
 		}
-		if (i < r->count && cache_entry_at(c, r->entries[i])->pos < pos + (1u << o))
+		if (i < r->count &&
+		    cache_entry_at(c, cache_range_entries(r)[i])->pos < pos + (1u << o))
 			continue;
 		return o;
 	}
@@ -726,11 +746,14 @@ static int range_reserve(struct cache *c, struct cache_range *r)
 	uint32_t cap = r->cap + r->cap / 4 + 2;
 	if (cap > RANGE_FRAMES)
 		cap = RANGE_FRAMES;
-	size_t before = heap_bytes(r->entries);
-	uint32_t *v = realloc(r->entries, cap * sizeof(*v));
+	bool in_node = r->cap <= CACHE_RANGE_INLINE;
+	size_t before = in_node ? 0 : heap_bytes(r->array);
+	uint32_t *v = realloc(in_node ? NULL : r->array, cap * sizeof(*v));
 	if (!v)
 		return -ENOMEM;
-	r->entries = v;
+	if (in_node)
+		memcpy(v, r->inline_entries, r->count * sizeof(*v));
+	r->array = v;
 	r->cap = (uint16_t)cap;
 	atomic_fetch_add(&c->counters.metadata_bytes, heap_bytes(v) - before);
 	return 0;
@@ -807,8 +830,9 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
 	e->order = (uint16_t)order;
 	e->pos = (uint16_t)pos;
 	uint32_t i = range_search(c, r, pos);
-	memmove(&r->entries[i + 1], &r->entries[i], (r->count - i) * sizeof(*r->entries));
-	r->entries[i] = ei;
+	uint32_t *v = cache_range_entries(r);
+	memmove(&v[i + 1], &v[i], (r->count - i) * sizeof(*v));
+	v[i] = ei;
 	r->count++;
 	arena_set_owner(&c->arena, e->frame, e);
 	atomic_fetch_add(&c->counters.entries, 1);
@@ -913,7 +937,8 @@ void cache_index_destroy(struct cache *c)
 					if (x)
 						free(x->maps);
 				}
-				free(r->entries);
+				if (r->cap > CACHE_RANGE_INLINE)
+					free(r->array);
 				r = cache_range_at(c, r->hash_next);
 			}
 		}

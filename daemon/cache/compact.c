@@ -360,8 +360,7 @@ static int collapse_range(struct cache *c, struct cache_export *ce, uint64_t ind
 	dirty_list_take_over(ce, old, count, ne);
 	pthread_mutex_unlock(&ce->lock);
 
-	r->entries[0] = cache_entry_index(ne);
-	r->count = 1;
+	cache_range_set_one(r, ne);
 	cache_queue_replace(c, old, count, ne);
 	arena_set_owner(a, ne->frame, ne);
 	struct cache_counters *k = &c->counters;

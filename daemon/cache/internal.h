@@ -38,8 +38,9 @@
  *
  *   shard[hash % CACHE_SHARDS]
  *     buckets[] -> range(export 1, index 7) -hash_next-> range(...) -> 0
- *                    entries[]: [3584 order 0][3600 order 4] ...  (indexes,
- *                    sorted by pos; the array grows by a quarter)
+ *                    entries: [3584 order 0][3600 order 4] ...  (indexes,
+ *                    sorted by pos; two in the node, then an array that
+ *                    grows by a quarter)
  *
  *   entry (32 bytes; the handle is a pointer into its pool's chunk)
  *     range  frame  fifo_prev|queue  fifo_next  ext  state  pins  order|pos
@@ -160,15 +161,27 @@ struct cache_entry_ext {
 	bool writeback;	       /* a writeback of this entry is in flight */
 };
 
-/* Range nodes: a slot of the ranges pool. */
+/* Range nodes: a slot of the ranges pool. The entries (pool indexes,
+ * sorted by pos) are in the node while there are at most
+ * CACHE_RANGE_INLINE (cap is then CACHE_RANGE_INLINE), in an array
+ * malloc'd at cap after: cache_range_entries(). */
+#define CACHE_RANGE_INLINE 2
 struct cache_range {
 	struct cache_export *ce;
 	uint64_t index; /* device offset >> CACHE_RANGE_SHIFT */
-	uint32_t *entries; /* entries pool indexes, sorted by pos */
+	union {
+		uint32_t *array;
+		uint32_t inline_entries[CACHE_RANGE_INLINE];
+	};
 	uint32_t hash_next; /* ranges pool index */
 	uint32_t export_prev, export_next;
 	uint16_t count, cap;
 };
+
+static inline uint32_t *cache_range_entries(struct cache_range *r)
+{
+	return r->cap > CACHE_RANGE_INLINE ? r->array : r->inline_entries;
+}
 
 #define CACHE_QUEUE_SHIFT 30
 #define CACHE_INDEX_MASK ((1u << CACHE_QUEUE_SHIFT) - 1)
@@ -361,6 +374,9 @@ void cache_entry_ext_trim(struct cache_export *ce, struct cache_entry *e);
 struct cache_entry_ext *cache_entry_ext_get(struct cache_export *ce, struct cache_entry *e);
 /* The range node's entry i. */
 struct cache_entry *cache_range_entry(const struct cache_range *r, uint32_t i);
+/* e becomes the range node's only entry (a collapse); its array, if any,
+ * goes. Shard lock held. */
+void cache_range_set_one(struct cache_range *r, struct cache_entry *e);
 /* Collapse: the new entry ne takes the place of old[0..n) in the S3-FIFO
  * queues (main if any of them was there). Takes the evict lock. */
 void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t n,
