@@ -1,8 +1,8 @@
 /*
  * daemon/cache/cache.c: the index, the entries (handles), eviction and the
- * index's part of the cache's life (see cache.h and internal.h; per-block
- * dirty state: dirty.c, the exports: exports.c, statistics: stats.c,
- * wake-ups: wake.c).
+ * index's part of the cache's life (see cache.h and internal.h; the pools,
+ * maps and side records: slots.c; per-block dirty state: dirty.c, the
+ * exports: exports.c, statistics: stats.c, wake-ups: wake.c).
  *
  * Eviction is S3-FIFO over entries: a new entry enters the small FIFO (a
  * tenth of the arena) unless the ghost table remembers it as recently
@@ -15,13 +15,11 @@
  * never dropped, the writeback thread cleans it first.
  */
 #include <errno.h>
-#include <malloc.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "daemon/cache/internal.h"
-#include "daemon/log.h"
 
 #define EVICT_SCAN_LIMIT 4096
 
@@ -57,181 +55,6 @@ struct cache_shard *cache_shard_for(struct cache *c, const struct cache_export *
 				    uint64_t range_index)
 {
 	return &c->shards[range_hash(ce, range_index) % CACHE_SHARDS];
-}
-
-/* ---- pools ---- */
-
-static int pool_init(struct cache_pool *p, struct cache *c, uint32_t slot_size, uint64_t max)
-{
-	uint32_t shift = 0;
-	while (((size_t)slot_size << (shift + 1)) <= CACHE_POOL_CHUNK_BYTES)
-		shift++;
-	uint64_t chunks = max / ((1u << shift) - 1) + 2;
-	if (chunks << shift > (1ull << CACHE_QUEUE_SHIFT))
-		return -E2BIG;
-	memset(p, 0, sizeof(*p));
-	p->cache = c;
-	p->slot_size = slot_size;
-	p->shift = shift;
-	p->max_chunks = (uint32_t)chunks;
-	p->chunks = calloc(chunks, sizeof(*p->chunks));
-	if (!p->chunks)
-		return -ENOMEM;
-	pthread_mutex_init(&p->lock, NULL);
-	atomic_fetch_add(&c->counters.metadata_bytes, chunks * sizeof(*p->chunks));
-	return 0;
-}
-
-static void pool_destroy(struct cache_pool *p)
-{
-	for (uint32_t i = 0; i < p->nchunks; i++)
-		free(p->chunks[i]);
-	free(p->chunks);
-	if (p->cache)
-		pthread_mutex_destroy(&p->lock);
-}
-
-/* A zeroed slot's index, or 0 if out of memory. */
-static uint32_t pool_alloc(struct cache_pool *p)
-{
-	pthread_mutex_lock(&p->lock);
-	uint32_t i = p->free_head;
-	if (i) {
-		p->free_head = *(uint32_t *)cache_pool_slot(p, i);
-	} else {
-		uint32_t mask = (1u << p->shift) - 1;
-		if ((p->high & mask) == 0) {
-			/* A new chunk; its slot 0 is the header. */
-			uint32_t chunk = p->high >> p->shift;
-			size_t bytes = (size_t)p->slot_size << p->shift;
-			void *mem = NULL;
-			if (chunk >= p->max_chunks ||
-			    posix_memalign(&mem, CACHE_POOL_CHUNK_BYTES, bytes) != 0) {
-				pthread_mutex_unlock(&p->lock);
-				return 0;
-			}
-			struct cache_pool_header *h = mem;
-			h->cache = p->cache;
-			h->chunk = chunk;
-			p->chunks[chunk] = mem;
-			p->nchunks = chunk + 1;
-			p->high++;
-			atomic_fetch_add(&p->cache->counters.metadata_bytes, bytes);
-		}
-		i = p->high++;
-	}
-	p->used++;
-	pthread_mutex_unlock(&p->lock);
-	memset(cache_pool_slot(p, i), 0, p->slot_size);
-	return i;
-}
-
-static void pool_free(struct cache_pool *p, uint32_t i)
-{
-	pthread_mutex_lock(&p->lock);
-	*(uint32_t *)cache_pool_slot(p, i) = p->free_head;
-	p->free_head = i;
-	if (--p->used == 0 && p->release_when_empty) {
-		/* Nothing refers to any slot: the memory goes back. */
-		for (uint32_t k = 0; k < p->nchunks; k++) {
-			free(p->chunks[k]);
-			p->chunks[k] = NULL;
-		}
-		atomic_fetch_sub(&p->cache->counters.metadata_bytes,
-				 (uint64_t)p->nchunks * ((size_t)p->slot_size << p->shift));
-		p->nchunks = p->high = p->free_head = 0;
-	}
-	pthread_mutex_unlock(&p->lock);
-}
-
-/* What malloc holds for an allocation: the block and its header. */
-static size_t heap_bytes(void *p)
-{
-	return p ? malloc_usable_size(p) + sizeof(size_t) : 0;
-}
-
-/* ---- per-block state ---- */
-
-static uint32_t map_words(uint32_t nblocks)
-{
-	return (nblocks + 31) / 32;
-}
-
-static struct cache_map entry_map(struct cache_entry *e, unsigned which)
-{
-	struct cache_entry_ext *x = cache_entry_ext(e);
-	if (x && x->maps)
-		return (struct cache_map){x->maps + which * map_words(cache_entry_nblocks(e)), 0};
-	return (struct cache_map){&e->state, which};
-}
-
-struct cache_map cache_uptodate_map(struct cache_entry *e)
-{
-	return entry_map(e, 0);
-}
-
-struct cache_map cache_dirty_map(struct cache_entry *e)
-{
-	return entry_map(e, 1);
-}
-
-struct cache_map cache_busy_map(struct cache_entry *e)
-{
-	return entry_map(e, 2);
-}
-
-/* e's side record, new (with the maps of a multi-block entry, copied from
- * nowhere: nothing is cached yet), or NULL if out of memory. */
-static struct cache_entry_ext *ext_new(struct cache *c, struct cache_entry *e, uint32_t nblocks)
-{
-	uint32_t i = pool_alloc(&c->ext);
-	if (!i)
-		return NULL;
-	struct cache_entry_ext *x = cache_pool_slot(&c->ext, i);
-	if (nblocks > 1) {
-		x->maps = calloc(3 * map_words(nblocks), sizeof(uint32_t));
-		if (!x->maps) {
-			pool_free(&c->ext, i);
-			return NULL;
-		}
-		atomic_fetch_add(&c->counters.metadata_bytes, heap_bytes(x->maps));
-	}
-	e->ext = i;
-	return x;
-}
-
-static void ext_free(struct cache *c, struct cache_entry *e)
-{
-	struct cache_entry_ext *x = cache_entry_ext(e);
-	if (!x)
-		return;
-	if (x->maps) {
-		atomic_fetch_sub(&c->counters.metadata_bytes, heap_bytes(x->maps));
-		free(x->maps);
-	}
-	pool_free(&c->ext, e->ext);
-	e->ext = 0;
-}
-
-struct cache_entry_ext *cache_entry_ext_get(struct cache_export *ce, struct cache_entry *e)
-{
-	struct cache_entry_ext *x = cache_entry_ext(e);
-	if (x)
-		return x;
-	x = ext_new(ce->cache, e, 1);
-	if (!x) {
-		log_error("cache: no memory for the state of a dirty entry");
-		abort();
-	}
-	return x;
-}
-
-void cache_entry_ext_trim(struct cache_export *ce, struct cache_entry *e)
-{
-	struct cache_entry_ext *x = cache_entry_ext(e);
-	if (x && !x->maps && !x->on_dirty_list && !x->on_unstable_list && !x->writeback &&
-	    x->ndirty == 0 && x->nunstable == 0)
-		ext_free(ce->cache, e);
 }
 
 /* ---- index ---- */
@@ -285,7 +108,7 @@ static struct cache_range *range_create(struct cache_shard *sh, struct cache_exp
 	struct cache *c = ce->cache;
 	if (sh->count >= sh->nbuckets && shard_grow(c, sh) < 0 && !sh->nbuckets)
 		return NULL;
-	uint32_t ri = pool_alloc(&c->ranges);
+	uint32_t ri = cache_pool_alloc(&c->ranges);
 	if (!ri)
 		return NULL;
 	struct cache_range *r = cache_range_at(c, ri);
@@ -306,20 +129,12 @@ static struct cache_range *range_create(struct cache_shard *sh, struct cache_exp
 	return r;
 }
 
-/* The pool index of a slot of p. */
-static uint32_t pool_index_of(const struct cache_pool *p, const void *slot)
-{
-	const struct cache_pool_header *h = cache_pool_header_of(slot);
-	return h->chunk << p->shift |
-	       (uint32_t)(((const uint8_t *)slot - (const uint8_t *)h) / p->slot_size);
-}
-
 static void range_destroy(struct cache_shard *sh, struct cache_range *r)
 {
 	struct cache_export *ce = r->ce;
 	struct cache *c = ce->cache;
 	pthread_mutex_lock(&ce->lock);
-	uint32_t ri = pool_index_of(&c->ranges, r);
+	uint32_t ri = cache_pool_index_of(&c->ranges, r);
 	if (r->export_prev)
 		cache_range_at(c, r->export_prev)->export_next = r->export_next;
 	else
@@ -334,10 +149,10 @@ static void range_destroy(struct cache_shard *sh, struct cache_range *r)
 	*p = r->hash_next;
 	sh->count--;
 	if (r->cap > CACHE_RANGE_INLINE) {
-		atomic_fetch_sub(&c->counters.metadata_bytes, heap_bytes(r->array));
+		atomic_fetch_sub(&c->counters.metadata_bytes, cache_heap_bytes(r->array));
 		free(r->array);
 	}
-	pool_free(&c->ranges, ri);
+	cache_pool_free(&c->ranges, ri);
 }
 
 struct cache_range *cache_range_get(struct cache_shard *sh, const struct cache_export *ce,
@@ -356,7 +171,7 @@ void cache_range_set_one(struct cache_range *r, struct cache_entry *e)
 {
 	struct cache *c = r->ce->cache;
 	if (r->cap > CACHE_RANGE_INLINE) {
-		atomic_fetch_sub(&c->counters.metadata_bytes, heap_bytes(r->array));
+		atomic_fetch_sub(&c->counters.metadata_bytes, cache_heap_bytes(r->array));
 		free(r->array);
 		r->cap = CACHE_RANGE_INLINE;
 	}
@@ -569,8 +384,8 @@ void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t
 
 void cache_entry_release(struct cache *c, struct cache_entry *e)
 {
-	ext_free(c, e);
-	pool_free(&c->entries, cache_entry_index(e));
+	cache_entry_ext_free(c, e);
+	cache_pool_free(&c->entries, cache_entry_index(e));
 }
 
 /* Remove an unpinned, clean, idle entry from everything and free it.
@@ -747,7 +562,7 @@ static int range_reserve(struct cache *c, struct cache_range *r)
 	if (cap > RANGE_FRAMES)
 		cap = RANGE_FRAMES;
 	bool in_node = r->cap <= CACHE_RANGE_INLINE;
-	size_t before = in_node ? 0 : heap_bytes(r->array);
+	size_t before = in_node ? 0 : cache_heap_bytes(r->array);
 	uint32_t *v = realloc(in_node ? NULL : r->array, cap * sizeof(*v));
 	if (!v)
 		return -ENOMEM;
@@ -755,7 +570,7 @@ static int range_reserve(struct cache *c, struct cache_range *r)
 		memcpy(v, r->inline_entries, r->count * sizeof(*v));
 	r->array = v;
 	r->cap = (uint16_t)cap;
-	atomic_fetch_add(&c->counters.metadata_bytes, heap_bytes(v) - before);
+	atomic_fetch_add(&c->counters.metadata_bytes, cache_heap_bytes(v) - before);
 	return 0;
 }
 
@@ -763,17 +578,17 @@ struct cache_entry *cache_entry_new_large(struct cache_export *ce, struct cache_
 					  uint32_t frame)
 {
 	struct cache *c = ce->cache;
-	uint32_t ei = pool_alloc(&c->entries);
+	uint32_t ei = cache_pool_alloc(&c->entries);
 	if (!ei)
 		return NULL;
 	struct cache_entry *e = cache_entry_at(c, ei);
-	e->range = pool_index_of(&c->ranges, r);
+	e->range = cache_pool_index_of(&c->ranges, r);
 	e->frame = frame;
 	e->order = ARENA_MAX_ORDER;
 	e->pos = 0;
 	uint32_t nblocks = (uint32_t)(ARENA_CHUNK_SIZE >> ce->block_shift);
-	if (!ext_new(c, e, nblocks)) {
-		pool_free(&c->entries, ei);
+	if (!cache_entry_ext_new(c, e, nblocks)) {
+		cache_pool_free(&c->entries, ei);
 		return NULL;
 	}
 	return e;
@@ -809,11 +624,11 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
 	uint32_t nblocks = (uint32_t)(((uint64_t)ARENA_FRAME_SIZE << order) >> ce->block_shift);
 	/* Evicting may have taken the range node away. */
 	r = range_find(c, sh, ce, index);
-	uint32_t ei = pool_alloc(&c->entries);
+	uint32_t ei = cache_pool_alloc(&c->entries);
 	if (!ei)
 		goto err_frame;
 	struct cache_entry *e = cache_entry_at(c, ei);
-	if (nblocks > 1 && !ext_new(c, e, nblocks))
+	if (nblocks > 1 && !cache_entry_ext_new(c, e, nblocks))
 		goto err_entry;
 	if (!r)
 		r = range_create(sh, ce, index);
@@ -825,7 +640,7 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
 		goto err_entry;
 	}
 	uint32_t pos = (uint32_t)((device_frame & ~((1ull << order) - 1)) & (RANGE_FRAMES - 1));
-	e->range = pool_index_of(&c->ranges, r);
+	e->range = cache_pool_index_of(&c->ranges, r);
 	e->frame = (uint32_t)frame;
 	e->order = (uint16_t)order;
 	e->pos = (uint16_t)pos;
@@ -880,9 +695,9 @@ int cache_index_init(struct cache *c, const struct options *opts)
 	/* Entries: at most one per frame, and a collapse's new one. Range
 	 * nodes and side records: at most one per entry. */
 	uint64_t most = (uint64_t)c->arena.nframes + 2;
-	if ((rc = pool_init(&c->entries, c, sizeof(struct cache_entry), most)) < 0 ||
-	    (rc = pool_init(&c->ext, c, sizeof(struct cache_entry_ext), most)) < 0 ||
-	    (rc = pool_init(&c->ranges, c, sizeof(struct cache_range), most)) < 0)
+	if ((rc = cache_pool_init(&c->entries, c, sizeof(struct cache_entry), most)) < 0 ||
+	    (rc = cache_pool_init(&c->ext, c, sizeof(struct cache_entry_ext), most)) < 0 ||
+	    (rc = cache_pool_init(&c->ranges, c, sizeof(struct cache_range), most)) < 0)
 		goto err;
 	/* Side records are only reached through an entry that has one: once
 	 * none has, the pool's chunks can go (a cache written, then clean). */
@@ -917,9 +732,9 @@ int cache_index_init(struct cache *c, const struct options *opts)
 		     (uint64_t)c->arena.nframes * (2 * sizeof(uint32_t) + 1 + sizeof(void *)));
 	return 0;
 err:
-	pool_destroy(&c->entries);
-	pool_destroy(&c->ext);
-	pool_destroy(&c->ranges);
+	cache_pool_destroy(&c->entries);
+	cache_pool_destroy(&c->ext);
+	cache_pool_destroy(&c->ranges);
 	arena_destroy(&c->arena);
 	return rc;
 }
@@ -945,9 +760,9 @@ void cache_index_destroy(struct cache *c)
 		free(sh->buckets);
 		pthread_mutex_destroy(&sh->lock);
 	}
-	pool_destroy(&c->entries);
-	pool_destroy(&c->ext);
-	pool_destroy(&c->ranges);
+	cache_pool_destroy(&c->entries);
+	cache_pool_destroy(&c->ext);
+	cache_pool_destroy(&c->ranges);
 	/* Retired exports too: they stay on the list until now (struct
 	 * cache_export, retired). */
 	struct cache_export *ce = c->exports;

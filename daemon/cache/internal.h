@@ -17,8 +17,8 @@
  *                                            internal.h, arena.h
  *   operations  op.c cached.c direct.c       ops.h, internal.h, arena.h
  *               block_status.c
- *   index       cache.c dirty.c exports.c    internal.h, arena.h
- *               stats.c wake.c
+ *   index       cache.c slots.c dirty.c      internal.h, arena.h
+ *               exports.c stats.c wake.c
  *   arena       arena.c                      arena.h
  *
  * Headers follow the same order: ops.h includes internal.h, which
@@ -332,6 +332,25 @@ struct cache {
 	struct writeback *writeback;
 	struct compactor *compactor;
 };
+
+/* slots.c: the pools, the maps, the side records */
+/* A pool of slot_size slots, for at most max of them: 0 or -errno. */
+int cache_pool_init(struct cache_pool *p, struct cache *c, uint32_t slot_size, uint64_t max);
+void cache_pool_destroy(struct cache_pool *p);
+/* A zeroed slot's index, or 0 if out of memory. Any lock held. */
+uint32_t cache_pool_alloc(struct cache_pool *p);
+void cache_pool_free(struct cache_pool *p, uint32_t i);
+/* The pool index of a slot of p. */
+uint32_t cache_pool_index_of(const struct cache_pool *p, const void *slot);
+/* What malloc holds for an allocation: the block and its header. */
+size_t cache_heap_bytes(void *p);
+/* A new side record for e (with the maps of a multi-block entry, all
+ * clear), or NULL if out of memory. Shard lock and export lock held, or e
+ * not in the index yet. */
+struct cache_entry_ext *cache_entry_ext_new(struct cache *c, struct cache_entry *e,
+					    uint32_t nblocks);
+/* Free e's side record if it has one (same locks). */
+void cache_entry_ext_free(struct cache *c, struct cache_entry *e);
 
 /* cache.c: index, entries, eviction */
 struct cache_shard *cache_shard_for(struct cache *c, const struct cache_export *ce,
