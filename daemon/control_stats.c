@@ -271,6 +271,7 @@ void control_cmd_stats(struct control_client *cl, const char *only)
 	control_add_u64(c, "writes_in_place", s.traffic.writes_in_place);
 	control_add_u64(c, "throttled_writes", s.traffic.throttled_writes);
 	control_add_u64(c, "metadata_bytes", s.metadata_bytes);
+	control_add_u64(c, "arena_metadata_bytes", s.arena_metadata_bytes);
 	json_object *arena = json_object_new_object();
 	uint64_t free_bytes = 0;
 	json_object *orders = json_object_new_array();

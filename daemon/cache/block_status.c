@@ -62,19 +62,20 @@ static void span_collect(struct cache_entry *e, void *arg)
 	struct span_walk *w = arg;
 	if (w->rc < 0)
 		return;
-	if (e->writeback) {
+	if (cache_entry_writeback(e)) {
 		w->rc = span_add(&w->spans, &w->n, &w->cap, cache_entry_offset(e),
 				 cache_entry_offset(e) + cache_entry_bytes(e));
 		return;
 	}
-	if (e->ndirty == 0)
+	if (cache_entry_ndirty(e) == 0)
 		return;
-	const uint64_t *dirty = cache_dirty_map(e);
-	for (uint32_t b = 0; b < e->nblocks && w->rc == 0; b++) {
-		if (!bit_test(dirty, b))
+	struct cache_map dirty = cache_dirty_map(e);
+	uint32_t nblocks = cache_entry_nblocks(e);
+	for (uint32_t b = 0; b < nblocks && w->rc == 0; b++) {
+		if (!map_test(dirty, b))
 			continue;
 		uint32_t r = b;
-		while (r < e->nblocks && bit_test(dirty, r))
+		while (r < nblocks && map_test(dirty, r))
 			r++;
 		uint64_t bs, be, rs, re;
 		block_range(e, b, &bs, &be);

@@ -1,8 +1,8 @@
 /*
  * daemon/cache/cache.c: the index, the entries (handles), eviction and the
- * index's part of the cache's life (see cache.h and internal.h; per-block
- * dirty state: dirty.c, the exports: exports.c, statistics: stats.c,
- * wake-ups: wake.c).
+ * index's part of the cache's life (see cache.h and internal.h; the pools,
+ * maps and side records: slots.c; per-block dirty state: dirty.c, the
+ * exports: exports.c, statistics: stats.c, wake-ups: wake.c).
  *
  * Eviction is S3-FIFO over entries: a new entry enters the small FIFO (a
  * tenth of the arena) unless the ghost table remembers it as recently
@@ -57,122 +57,136 @@ struct cache_shard *cache_shard_for(struct cache *c, const struct cache_export *
 	return &c->shards[range_hash(ce, range_index) % CACHE_SHARDS];
 }
 
-static size_t words_per_map(const struct cache_entry *e)
-{
-	return (e->nblocks + 63) / 64;
-}
-
-uint64_t *cache_uptodate_map(struct cache_entry *e)
-{
-	return e->bits;
-}
-
-uint64_t *cache_dirty_map(struct cache_entry *e)
-{
-	return e->bits + words_per_map(e);
-}
-
-uint64_t *cache_busy_map(struct cache_entry *e)
-{
-	return e->bits + 2 * words_per_map(e);
-}
-
 /* ---- index ---- */
 
-static struct cache_range *range_find(struct cache_shard *sh, const struct cache_export *ce,
-				      uint64_t index)
+static uint32_t bucket_of(const struct cache_shard *sh, const struct cache_export *ce,
+			  uint64_t index)
+{
+	return (uint32_t)(range_hash(ce, index) / CACHE_SHARDS & (sh->nbuckets - 1));
+}
+
+static struct cache_range *range_find(struct cache *c, struct cache_shard *sh,
+				      const struct cache_export *ce, uint64_t index)
 {
 	if (!sh->nbuckets)
 		return NULL;
-	struct cache_range *r = sh->buckets[range_hash(ce, index) / CACHE_SHARDS & (sh->nbuckets - 1)];
+	struct cache_range *r = cache_range_at(c, sh->buckets[bucket_of(sh, ce, index)]);
 	while (r && (r->ce != ce || r->index != index))
-		r = r->hash_next;
+		r = cache_range_at(c, r->hash_next);
 	return r;
 }
 
-static int shard_grow(struct cache_shard *sh)
+static int shard_grow(struct cache *c, struct cache_shard *sh)
 {
 	size_t n = sh->nbuckets ? sh->nbuckets * 2 : 64;
-	struct cache_range **b = calloc(n, sizeof(*b));
+	uint32_t *b = calloc(n, sizeof(*b));
 	if (!b)
 		return -ENOMEM;
-	for (size_t i = 0; i < sh->nbuckets; i++) {
-		struct cache_range *r = sh->buckets[i];
-		while (r) {
-			struct cache_range *next = r->hash_next;
-			size_t slot = range_hash(r->ce, r->index) / CACHE_SHARDS & (n - 1);
-			r->hash_next = b[slot];
-			b[slot] = r;
-			r = next;
-		}
-	}
-	free(sh->buckets);
+	size_t old = sh->nbuckets;
+	uint32_t *ob = sh->buckets;
 	sh->buckets = b;
 	sh->nbuckets = n;
+	for (size_t i = 0; i < old; i++) {
+		uint32_t ri = ob[i];
+		while (ri) {
+			struct cache_range *r = cache_range_at(c, ri);
+			uint32_t next = r->hash_next;
+			uint32_t slot = bucket_of(sh, r->ce, r->index);
+			r->hash_next = b[slot];
+			b[slot] = ri;
+			ri = next;
+		}
+	}
+	free(ob);
+	atomic_fetch_add(&c->counters.metadata_bytes, (n - old) * sizeof(*b));
 	return 0;
 }
 
 static struct cache_range *range_create(struct cache_shard *sh, struct cache_export *ce,
 					uint64_t index)
 {
-	if (sh->count >= sh->nbuckets && shard_grow(sh) < 0 && !sh->nbuckets)
+	struct cache *c = ce->cache;
+	if (sh->count >= sh->nbuckets && shard_grow(c, sh) < 0 && !sh->nbuckets)
 		return NULL;
-	struct cache_range *r = calloc(1, sizeof(*r));
-	if (!r)
+	uint32_t ri = cache_pool_alloc(&c->ranges);
+	if (!ri)
 		return NULL;
+	struct cache_range *r = cache_range_at(c, ri);
 	r->ce = ce;
 	r->index = index;
-	size_t slot = range_hash(ce, index) / CACHE_SHARDS & (sh->nbuckets - 1);
+	r->cap = CACHE_RANGE_INLINE;
+	uint32_t slot = bucket_of(sh, ce, index);
 	r->hash_next = sh->buckets[slot];
-	sh->buckets[slot] = r;
+	sh->buckets[slot] = ri;
 	sh->count++;
 	pthread_mutex_lock(&ce->lock);
 	r->export_next = ce->ranges;
 	if (ce->ranges)
-		ce->ranges->export_prev = r;
-	ce->ranges = r;
+		cache_range_at(c, ce->ranges)->export_prev = ri;
+	ce->ranges = ri;
 	ce->range_count++;
 	pthread_mutex_unlock(&ce->lock);
-	atomic_fetch_add(&ce->cache->counters.metadata_bytes, sizeof(*r));
 	return r;
 }
 
 static void range_destroy(struct cache_shard *sh, struct cache_range *r)
 {
 	struct cache_export *ce = r->ce;
-	struct cache_range **p = &sh->buckets[range_hash(ce, r->index) / CACHE_SHARDS & (sh->nbuckets - 1)];
-	while (*p != r)
-		p = &(*p)->hash_next;
-	*p = r->hash_next;
-	sh->count--;
+	struct cache *c = ce->cache;
 	pthread_mutex_lock(&ce->lock);
+	uint32_t ri = cache_pool_index_of(&c->ranges, r);
 	if (r->export_prev)
-		r->export_prev->export_next = r->export_next;
+		cache_range_at(c, r->export_prev)->export_next = r->export_next;
 	else
 		ce->ranges = r->export_next;
 	if (r->export_next)
-		r->export_next->export_prev = r->export_prev;
+		cache_range_at(c, r->export_next)->export_prev = r->export_prev;
 	ce->range_count--;
 	pthread_mutex_unlock(&ce->lock);
-	atomic_fetch_sub(&ce->cache->counters.metadata_bytes,
-			 sizeof(*r) + r->cap * sizeof(*r->entries));
-	free(r->entries);
-	free(r);
+	uint32_t *p = &sh->buckets[bucket_of(sh, ce, r->index)];
+	while (*p != ri)
+		p = &cache_range_at(c, *p)->hash_next;
+	*p = r->hash_next;
+	sh->count--;
+	if (r->cap > CACHE_RANGE_INLINE) {
+		atomic_fetch_sub(&c->counters.metadata_bytes, cache_heap_bytes(r->array));
+		free(r->array);
+	}
+	cache_pool_free(&c->ranges, ri);
 }
 
 struct cache_range *cache_range_get(struct cache_shard *sh, const struct cache_export *ce,
 				    uint64_t range_index)
 {
-	return range_find(sh, ce, range_index);
+	return range_find(ce->cache, sh, ce, range_index);
 }
 
-/* Index of the first entry whose first_frame is >= frame. */
-static uint32_t range_search(const struct cache_range *r, uint64_t frame)
+struct cache_entry *cache_range_entry(const struct cache_range *r, uint32_t i)
 {
+	const uint32_t *v = r->cap > CACHE_RANGE_INLINE ? r->array : r->inline_entries;
+	return cache_entry_at(r->ce->cache, v[i]);
+}
+
+void cache_range_set_one(struct cache_range *r, struct cache_entry *e)
+{
+	struct cache *c = r->ce->cache;
+	if (r->cap > CACHE_RANGE_INLINE) {
+		atomic_fetch_sub(&c->counters.metadata_bytes, cache_heap_bytes(r->array));
+		free(r->array);
+		r->cap = CACHE_RANGE_INLINE;
+	}
+	r->inline_entries[0] = cache_entry_index(e);
+	r->count = 1;
+}
+
+/* Index of the first entry whose pos is >= pos. */
+static uint32_t range_search(const struct cache *c, struct cache_range *r, uint32_t pos)
+{
+	const uint32_t *v = cache_range_entries(r);
 	uint32_t lo = 0, hi = r->count;
 	while (lo < hi) {
 		uint32_t mid = (lo + hi) / 2;
-		if (r->entries[mid]->first_frame < frame)
+		if (cache_entry_at(c, v[mid])->pos < pos)
 			lo = mid + 1;
 		else
 			hi = mid;
@@ -180,18 +194,22 @@ static uint32_t range_search(const struct cache_range *r, uint64_t frame)
 	return lo;
 }
 
+#define RANGE_FRAMES (1u << (CACHE_RANGE_SHIFT - ARENA_FRAME_SHIFT))
+
 struct cache_entry *cache_lookup(struct cache_export *ce, struct cache_shard *sh,
 				 uint64_t device_frame)
 {
+	struct cache *c = ce->cache;
 	struct cache_range *r =
-		range_find(sh, ce, device_frame >> (CACHE_RANGE_SHIFT - ARENA_FRAME_SHIFT));
+		range_find(c, sh, ce, device_frame >> (CACHE_RANGE_SHIFT - ARENA_FRAME_SHIFT));
 	if (!r)
 		return NULL;
-	uint32_t i = range_search(r, device_frame + 1);
+	uint32_t pos = (uint32_t)(device_frame & (RANGE_FRAMES - 1));
+	uint32_t i = range_search(c, r, pos + 1);
 	if (i == 0)
 		return NULL;
-	struct cache_entry *e = r->entries[i - 1];
-	if (device_frame < e->first_frame + (1ull << e->order))
+	struct cache_entry *e = cache_entry_at(c, cache_range_entries(r)[i - 1]);
+	if (pos < e->pos + (1u << e->order))
 		return e;
 	return NULL;
 }
@@ -199,6 +217,7 @@ struct cache_entry *cache_lookup(struct cache_export *ce, struct cache_shard *sh
 int cache_ranges_between(struct cache_export *ce, uint64_t first, uint64_t last,
 			 uint64_t **out, size_t *count)
 {
+	struct cache *c = ce->cache;
 	pthread_mutex_lock(&ce->lock);
 	size_t n = 0, cap = ce->range_count;
 	uint64_t *v = malloc((cap ? cap : 1) * sizeof(*v));
@@ -206,7 +225,8 @@ int cache_ranges_between(struct cache_export *ce, uint64_t first, uint64_t last,
 		pthread_mutex_unlock(&ce->lock);
 		return -ENOMEM;
 	}
-	for (struct cache_range *r = ce->ranges; r; r = r->export_next)
+	for (struct cache_range *r = cache_range_at(c, ce->ranges); r;
+	     r = cache_range_at(c, r->export_next))
 		if (r->index >= first && r->index <= last)
 			v[n++] = r->index;
 	pthread_mutex_unlock(&ce->lock);
@@ -244,7 +264,7 @@ int cache_for_each_entry(struct cache_export *ce, uint64_t offset, uint64_t leng
 		pthread_mutex_lock(&sh->lock);
 		struct cache_range *r = cache_range_get(sh, ce, index);
 		for (uint32_t i = 0; r && i < r->count; i++) {
-			struct cache_entry *e = r->entries[i];
+			struct cache_entry *e = cache_range_entry(r, i);
 			uint64_t eo = cache_entry_offset(e);
 			if (eo < offset + length && offset < eo + cache_entry_bytes(e))
 				fn(e, arg);
@@ -276,44 +296,70 @@ void cache_entry_touch(struct cache_entry *e)
 		atomic_store_explicit(&e->freq, (unsigned char)(f + 1), memory_order_relaxed);
 }
 
-static void fifo_append(struct cache_fifo *q, struct cache_entry *e)
+/* The queue (CACHE_SMALL, CACHE_MAIN, CACHE_NOT_QUEUED) lives in the top
+ * bits of fifo_prev. Evict lock held. */
+static unsigned entry_queue(const struct cache_entry *e)
 {
-	e->fifo_next = NULL;
-	e->fifo_prev = q->tail;
+	return e->fifo_prev >> CACHE_QUEUE_SHIFT;
+}
+
+static uint32_t fifo_prev(const struct cache_entry *e)
+{
+	return e->fifo_prev & CACHE_INDEX_MASK;
+}
+
+static void fifo_append(struct cache *c, unsigned queue, struct cache_entry *e)
+{
+	struct cache_fifo *q = queue == CACHE_MAIN ? &c->main : &c->small;
+	uint32_t i = cache_entry_index(e);
+	e->fifo_next = 0;
+	e->fifo_prev = q->tail | (uint32_t)queue << CACHE_QUEUE_SHIFT;
 	if (q->tail)
-		q->tail->fifo_next = e;
+		cache_entry_at(c, q->tail)->fifo_next = i;
 	else
-		q->head = e;
-	q->tail = e;
+		q->head = i;
+	q->tail = i;
 	q->frames += 1ull << e->order;
 }
 
-static void fifo_remove(struct cache_fifo *q, struct cache_entry *e)
+/* Out of its queue (if any); it is CACHE_NOT_QUEUED after. */
+static void fifo_remove(struct cache *c, struct cache_entry *e)
 {
-	if (e->fifo_prev)
-		e->fifo_prev->fifo_next = e->fifo_next;
+	unsigned queue = entry_queue(e);
+	if (queue == CACHE_NOT_QUEUED)
+		return;
+	struct cache_fifo *q = queue == CACHE_MAIN ? &c->main : &c->small;
+	uint32_t prev = fifo_prev(e);
+	if (prev)
+		cache_entry_at(c, prev)->fifo_next = e->fifo_next;
 	else
 		q->head = e->fifo_next;
-	if (e->fifo_next)
-		e->fifo_next->fifo_prev = e->fifo_prev;
-	else
-		q->tail = e->fifo_prev;
+	if (e->fifo_next) {
+		struct cache_entry *n = cache_entry_at(c, e->fifo_next);
+		n->fifo_prev = prev | (n->fifo_prev & ~CACHE_INDEX_MASK);
+	} else {
+		q->tail = prev;
+	}
 	q->frames -= 1ull << e->order;
+	e->fifo_prev = e->fifo_next = 0;
 }
 
 static uint64_t entry_fingerprint(const struct cache_entry *e)
 {
-	return mix64(e->first_frame ^ ((uint64_t)e->ce->id << 56)) | 1;
+	return mix64(cache_entry_first_frame(e) ^ ((uint64_t)cache_entry_export(e)->id << 56));
 }
 
-static size_t entry_size(uint32_t nblocks)
+/* The ghost table keeps 16 bits of a fingerprint in the slot its low bits
+ * name (never 0: 0 is an empty slot). */
+static uint16_t ghost_tag(uint64_t fp)
 {
-	return sizeof(struct cache_entry) + 3 * ((nblocks + 63) / 64) * sizeof(uint64_t);
+	return (uint16_t)(fp >> 48) | 1;
 }
 
-size_t cache_entry_struct_size(uint32_t nblocks)
+static void ghost_remember(struct cache *c, const struct cache_entry *e)
 {
-	return entry_size(nblocks);
+	uint64_t fp = entry_fingerprint(e);
+	c->ghost[fp & c->ghost_mask] = ghost_tag(fp);
 }
 
 void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t n,
@@ -327,48 +373,50 @@ void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t
 		unsigned char f = atomic_load_explicit(&e->freq, memory_order_relaxed);
 		if (f > freq)
 			freq = f;
-		if (e->queue == CACHE_SMALL) {
-			fifo_remove(&c->small, e);
-		} else if (e->queue == CACHE_MAIN) {
-			fifo_remove(&c->main, e);
+		if (entry_queue(e) == CACHE_MAIN)
 			main = true;
-		}
-		e->queue = CACHE_NOT_QUEUED;
+		fifo_remove(c, e);
 	}
 	atomic_store_explicit(&ne->freq, freq, memory_order_relaxed);
-	ne->queue = main ? CACHE_MAIN : CACHE_SMALL;
-	fifo_append(main ? &c->main : &c->small, ne);
+	fifo_append(c, main ? CACHE_MAIN : CACHE_SMALL, ne);
 	pthread_mutex_unlock(&c->evict_lock);
+}
+
+void cache_entry_release(struct cache *c, struct cache_entry *e)
+{
+	cache_entry_ext_free(c, e);
+	cache_pool_free(&c->entries, cache_entry_index(e));
 }
 
 /* Remove an unpinned, clean, idle entry from everything and free it.
  * Shard lock and evict lock held. */
 static void entry_destroy(struct cache *c, struct cache_shard *sh, struct cache_entry *e)
 {
-	struct cache_range *r = e->range;
-	uint32_t i = range_search(r, e->first_frame);
-	memmove(&r->entries[i], &r->entries[i + 1], (r->count - i - 1) * sizeof(*r->entries));
+	struct cache_range *r = cache_entry_range(e);
+	struct cache_export *ce = r->ce;
+	uint32_t i = range_search(c, r, e->pos);
+	uint32_t *v = cache_range_entries(r);
+	memmove(&v[i], &v[i + 1], (r->count - i - 1) * sizeof(*v));
 	r->count--;
-	if (r->count == 0)
-		range_destroy(sh, r);
-	if (e->queue == CACHE_SMALL)
-		fifo_remove(&c->small, e);
-	else if (e->queue == CACHE_MAIN)
-		fifo_remove(&c->main, e);
+	fifo_remove(c, e);
 	arena_free(&c->arena, e->frame, e->order);
 	atomic_fetch_sub(&c->counters.entries, 1);
 	atomic_fetch_sub(&c->counters.entry_bytes, cache_entry_bytes(e));
 	if (e->order == ARENA_MAX_ORDER)
 		atomic_fetch_sub(&c->counters.large_bytes, cache_entry_bytes(e));
-	atomic_fetch_sub(&c->counters.metadata_bytes, entry_size(e->nblocks));
-	atomic_fetch_sub(&e->ce->counters.cached_bytes, (uint64_t)ARENA_FRAME_SIZE << e->order);
-	free(e);
+	atomic_fetch_sub(&ce->counters.cached_bytes, (uint64_t)ARENA_FRAME_SIZE << e->order);
+	cache_entry_release(c, e);
+	if (r->count == 0)
+		range_destroy(sh, r);
 }
 
 static bool entry_evictable(struct cache_entry *e)
 {
-	return atomic_load_explicit(&e->pins, memory_order_acquire) == 0 && !e->on_dirty_list &&
-	       !e->writeback && e->ndirty == 0 && !e->on_unstable_list;
+	if (atomic_load_explicit(&e->pins, memory_order_acquire) != 0)
+		return false;
+	const struct cache_entry_ext *x = cache_entry_ext(e);
+	return !x || (!x->on_dirty_list && !x->writeback && x->ndirty == 0 &&
+		      !x->on_unstable_list);
 }
 
 /*
@@ -379,43 +427,44 @@ static bool evict_one(struct cache *c, struct cache_shard *held_shard)
 {
 	uint64_t small_target = c->arena.nframes / 10;
 	for (unsigned scan = 0; scan < EVICT_SCAN_LIMIT; scan++) {
-		struct cache_fifo *q;
+		unsigned queue;
 		if (c->small.head && (c->small.frames > small_target || !c->main.head))
-			q = &c->small;
+			queue = CACHE_SMALL;
 		else if (c->main.head)
-			q = &c->main;
+			queue = CACHE_MAIN;
 		else
 			return false;
-		struct cache_entry *e = q->head;
-		fifo_remove(q, e);
+		struct cache_entry *e =
+			cache_entry_at(c, queue == CACHE_MAIN ? c->main.head : c->small.head);
+		fifo_remove(c, e);
 		unsigned char freq = atomic_load_explicit(&e->freq, memory_order_relaxed);
-		if (q == &c->small && freq > 0) {
+		if (queue == CACHE_SMALL && freq > 0) {
 			atomic_store_explicit(&e->freq, 0, memory_order_relaxed);
-			e->queue = CACHE_MAIN;
-			fifo_append(&c->main, e);
+			fifo_append(c, CACHE_MAIN, e);
 			continue;
 		}
-		if (q == &c->main && freq > 0) {
+		if (queue == CACHE_MAIN && freq > 0) {
 			atomic_store_explicit(&e->freq, (unsigned char)(freq - 1),
 					      memory_order_relaxed);
-			fifo_append(q, e);
+			fifo_append(c, queue, e);
 			continue;
 		}
-		struct cache_shard *sh =
-			cache_shard_for(c, e->ce, e->first_frame >> (CACHE_RANGE_SHIFT - ARENA_FRAME_SHIFT));
+		/* The range node and its export do not change while the entry
+		 * is queued (the evict lock is held): they may be read here. */
+		struct cache_range *r = cache_entry_range(e);
+		struct cache_shard *sh = cache_shard_for(c, r->ce, r->index);
 		if (sh == held_shard || pthread_mutex_trylock(&sh->lock) != 0) {
-			fifo_append(q, e);
+			fifo_append(c, queue, e);
 			continue;
 		}
 		if (!entry_evictable(e)) {
 			pthread_mutex_unlock(&sh->lock);
-			fifo_append(q, e);
+			fifo_append(c, queue, e);
 			continue;
 		}
-		e->queue = CACHE_NOT_QUEUED;
-		if (q == &c->small)
-			c->ghost[entry_fingerprint(e) & c->ghost_mask] = entry_fingerprint(e);
-		struct cache_export *ce = e->ce;
+		if (queue == CACHE_SMALL)
+			ghost_remember(c, e);
+		struct cache_export *ce = r->ce;
 		entry_destroy(c, sh, e);
 		pthread_mutex_unlock(&sh->lock);
 		atomic_fetch_add(&ce->counters.evictions, 1);
@@ -429,9 +478,9 @@ bool cache_entry_evict_cold(struct cache *c, struct cache_shard *sh, struct cach
 	if (!entry_evictable(e) || atomic_load_explicit(&e->freq, memory_order_relaxed) != 0)
 		return false;
 	pthread_mutex_lock(&c->evict_lock);
-	if (e->queue == CACHE_SMALL)
-		c->ghost[entry_fingerprint(e) & c->ghost_mask] = entry_fingerprint(e);
-	struct cache_export *ce = e->ce;
+	if (entry_queue(e) == CACHE_SMALL)
+		ghost_remember(c, e);
+	struct cache_export *ce = cache_entry_export(e);
 	entry_destroy(c, sh, e);
 	pthread_mutex_unlock(&c->evict_lock);
 	atomic_fetch_add(&ce->counters.evictions, 1);
@@ -476,9 +525,10 @@ static int64_t alloc_evicting(struct cache *c, struct cache_shard *sh, unsigned 
 }
 
 /* Largest order <= want whose aligned slot around frame is free in r. */
-static unsigned fit_order(const struct cache_export *ce, const struct cache_range *r,
+static unsigned fit_order(const struct cache_export *ce, struct cache_range *r,
 			  uint64_t frame, unsigned want)
 {
+	const struct cache *c = ce->cache;
 	uint64_t end_frame = (ce->size + ARENA_FRAME_SIZE - 1) >> ARENA_FRAME_SHIFT;
 	for (unsigned o = want; o > ce->min_order; o--) {
 		uint64_t start = frame & ~((1ull << o) - 1);
@@ -486,17 +536,62 @@ static unsigned fit_order(const struct cache_export *ce, const struct cache_rang
 			continue;
 		if (!r)
 			return o;
-		uint32_t i = range_search(r, start);
+		uint32_t pos = (uint32_t)(start & (RANGE_FRAMES - 1));
+		uint32_t i = range_search(c, r, pos);
 		if (i > 0) {
-			const struct cache_entry *prev = r->entries[i - 1];
-			if (prev->first_frame + (1ull << prev->order) > start)
+			const struct cache_entry *prev =
+				cache_entry_at(c, cache_range_entries(r)[i - 1]);
+			if (prev->pos + (1u << prev->order) > pos)
 				continue;
 		}
-		if (i < r->count && r->entries[i]->first_frame < start + (1ull << o))
+		if (i < r->count &&
+		    cache_entry_at(c, cache_range_entries(r)[i])->pos < pos + (1u << o))
 			continue;
 		return o;
 	}
 	return ce->min_order;
+}
+
+/* Room for one more entry in r's array: grown by a quarter, so the slack
+ * stays small (the array is most of the index's memory per entry). */
+static int range_reserve(struct cache *c, struct cache_range *r)
+{
+	if (r->count < r->cap)
+		return 0;
+	uint32_t cap = r->cap + r->cap / 4 + 2;
+	if (cap > RANGE_FRAMES)
+		cap = RANGE_FRAMES;
+	bool in_node = r->cap <= CACHE_RANGE_INLINE;
+	size_t before = in_node ? 0 : cache_heap_bytes(r->array);
+	uint32_t *v = realloc(in_node ? NULL : r->array, cap * sizeof(*v));
+	if (!v)
+		return -ENOMEM;
+	if (in_node)
+		memcpy(v, r->inline_entries, r->count * sizeof(*v));
+	r->array = v;
+	r->cap = (uint16_t)cap;
+	atomic_fetch_add(&c->counters.metadata_bytes, cache_heap_bytes(v) - before);
+	return 0;
+}
+
+struct cache_entry *cache_entry_new_large(struct cache_export *ce, struct cache_range *r,
+					  uint32_t frame)
+{
+	struct cache *c = ce->cache;
+	uint32_t ei = cache_pool_alloc(&c->entries);
+	if (!ei)
+		return NULL;
+	struct cache_entry *e = cache_entry_at(c, ei);
+	e->range = cache_pool_index_of(&c->ranges, r);
+	e->frame = frame;
+	e->order = ARENA_MAX_ORDER;
+	e->pos = 0;
+	uint32_t nblocks = (uint32_t)(ARENA_CHUNK_SIZE >> ce->block_shift);
+	if (!cache_entry_ext_new(c, e, nblocks)) {
+		cache_pool_free(&c->entries, ei);
+		return NULL;
+	}
+	return e;
 }
 
 struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_shard *sh,
@@ -504,7 +599,7 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
 {
 	struct cache *c = ce->cache;
 	uint64_t index = device_frame >> (CACHE_RANGE_SHIFT - ARENA_FRAME_SHIFT);
-	struct cache_range *r = range_find(sh, ce, index);
+	struct cache_range *r = range_find(c, sh, ce, index);
 	if (want_order < ce->min_order)
 		want_order = ce->min_order;
 	unsigned order = fit_order(ce, r, device_frame, want_order);
@@ -527,57 +622,52 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
 		return NULL;
 	}
 	uint32_t nblocks = (uint32_t)(((uint64_t)ARENA_FRAME_SIZE << order) >> ce->block_shift);
-	struct cache_entry *e = calloc(1, entry_size(nblocks));
-	if (!e)
+	/* Evicting may have taken the range node away. */
+	r = range_find(c, sh, ce, index);
+	uint32_t ei = cache_pool_alloc(&c->entries);
+	if (!ei)
 		goto err_frame;
+	struct cache_entry *e = cache_entry_at(c, ei);
+	if (nblocks > 1 && !cache_entry_ext_new(c, e, nblocks))
+		goto err_entry;
 	if (!r)
 		r = range_create(sh, ce, index);
 	if (!r)
 		goto err_entry;
-	if (r->count == r->cap) {
-		uint32_t cap = r->cap ? r->cap * 2 : 4;
-		struct cache_entry **v = realloc(r->entries, cap * sizeof(*v));
-		if (!v) {
-			if (r->count == 0)
-				range_destroy(sh, r);
-			goto err_entry;
-		}
-		atomic_fetch_add(&c->counters.metadata_bytes, (cap - r->cap) * sizeof(*v));
-		r->entries = v;
-		r->cap = cap;
+	if (range_reserve(c, r) < 0) {
+		if (r->count == 0)
+			range_destroy(sh, r);
+		goto err_entry;
 	}
-	e->first_frame = device_frame & ~((1ull << order) - 1);
-	e->ce = ce;
-	e->range = r;
+	uint32_t pos = (uint32_t)((device_frame & ~((1ull << order) - 1)) & (RANGE_FRAMES - 1));
+	e->range = cache_pool_index_of(&c->ranges, r);
 	e->frame = (uint32_t)frame;
-	e->order = (uint8_t)order;
-	e->nblocks = nblocks;
-	uint32_t i = range_search(r, e->first_frame);
-	memmove(&r->entries[i + 1], &r->entries[i], (r->count - i) * sizeof(*r->entries));
-	r->entries[i] = e;
+	e->order = (uint16_t)order;
+	e->pos = (uint16_t)pos;
+	uint32_t i = range_search(c, r, pos);
+	uint32_t *v = cache_range_entries(r);
+	memmove(&v[i + 1], &v[i], (r->count - i) * sizeof(*v));
+	v[i] = ei;
 	r->count++;
 	arena_set_owner(&c->arena, e->frame, e);
 	atomic_fetch_add(&c->counters.entries, 1);
 	atomic_fetch_add(&c->counters.entry_bytes, cache_entry_bytes(e));
 	if (order == ARENA_MAX_ORDER)
 		atomic_fetch_add(&c->counters.large_bytes, cache_entry_bytes(e));
-	atomic_fetch_add(&c->counters.metadata_bytes, entry_size(nblocks));
 	atomic_fetch_add(&ce->counters.cached_bytes, (uint64_t)ARENA_FRAME_SIZE << order);
 
 	pthread_mutex_lock(&c->evict_lock);
 	uint64_t fp = entry_fingerprint(e);
-	if (c->ghost[fp & c->ghost_mask] == fp) {
+	if (c->ghost[fp & c->ghost_mask] == ghost_tag(fp)) {
 		c->ghost[fp & c->ghost_mask] = 0;
-		e->queue = CACHE_MAIN;
-		fifo_append(&c->main, e);
+		fifo_append(c, CACHE_MAIN, e);
 	} else {
-		e->queue = CACHE_SMALL;
-		fifo_append(&c->small, e);
+		fifo_append(c, CACHE_SMALL, e);
 	}
 	pthread_mutex_unlock(&c->evict_lock);
 	return e;
 err_entry:
-	free(e);
+	cache_entry_release(c, e);
 err_frame:
 	arena_free(&c->arena, (uint32_t)frame, order);
 	return NULL;
@@ -585,18 +675,40 @@ err_frame:
 
 /* ---- the index's part of the cache's life (lifecycle.c) ---- */
 
+/* The entry's layout is what map_test reads: a one-block entry's maps are
+ * bits 0..2 of state. Bit-field order is the ABI's: checked once. */
+static bool layout_ok(void)
+{
+	struct cache_entry e;
+	memset(&e, 0, sizeof(e));
+	e.inline_maps = 1;
+	return e.state == 1;
+}
+
 int cache_index_init(struct cache *c, const struct options *opts)
 {
+	if (!layout_ok())
+		return -ENOTSUP;
 	int rc = arena_init(&c->arena, (size_t)opts->cache_size, opts->hugepages);
 	if (rc < 0)
 		return rc;
+	/* Entries: at most one per frame, and a collapse's new one. Range
+	 * nodes and side records: at most one per entry. */
+	uint64_t most = (uint64_t)c->arena.nframes + 2;
+	if ((rc = cache_pool_init(&c->entries, c, sizeof(struct cache_entry), most)) < 0 ||
+	    (rc = cache_pool_init(&c->ext, c, sizeof(struct cache_entry_ext), most)) < 0 ||
+	    (rc = cache_pool_init(&c->ranges, c, sizeof(struct cache_range), most)) < 0)
+		goto err;
+	/* Side records are only reached through an entry that has one: once
+	 * none has, the pool's chunks can go (a cache written, then clean). */
+	c->ext.release_when_empty = true;
 	uint32_t ghost = 1024;
 	while (ghost < c->arena.nframes / 2)
 		ghost *= 2;
 	c->ghost = calloc(ghost, sizeof(*c->ghost));
 	if (!c->ghost) {
-		arena_destroy(&c->arena);
-		return -ENOMEM;
+		rc = -ENOMEM;
+		goto err;
 	}
 	c->ghost_mask = ghost - 1;
 	for (unsigned i = 0; i < CACHE_SHARDS; i++)
@@ -613,9 +725,18 @@ int cache_index_init(struct cache *c, const struct options *opts)
 	c->dirty_high = c->arena.size / 100 * opts->dirty_high;
 	c->dirty_low = c->arena.size / 100 * opts->dirty_low;
 	c->dirty_expire_ns = (uint64_t)opts->dirty_expire * 1000000000u;
-	atomic_store(&c->counters.metadata_bytes,
-		     (uint64_t)c->arena.nframes * 9 + (uint64_t)ghost * sizeof(*c->ghost));
+	atomic_fetch_add(&c->counters.metadata_bytes, (uint64_t)ghost * sizeof(*c->ghost));
+	/* The arena's own tables (free lists, frame states, owners): fixed
+	 * by the cache size, whatever is cached; counted apart. */
+	atomic_store(&c->counters.arena_metadata_bytes,
+		     (uint64_t)c->arena.nframes * (2 * sizeof(uint32_t) + 1 + sizeof(void *)));
 	return 0;
+err:
+	cache_pool_destroy(&c->entries);
+	cache_pool_destroy(&c->ext);
+	cache_pool_destroy(&c->ranges);
+	arena_destroy(&c->arena);
+	return rc;
 }
 
 void cache_index_destroy(struct cache *c)
@@ -623,19 +744,25 @@ void cache_index_destroy(struct cache *c)
 	for (unsigned i = 0; i < CACHE_SHARDS; i++) {
 		struct cache_shard *sh = &c->shards[i];
 		for (size_t b = 0; b < sh->nbuckets; b++) {
-			struct cache_range *r = sh->buckets[b];
+			struct cache_range *r = cache_range_at(c, sh->buckets[b]);
 			while (r) {
-				struct cache_range *next = r->hash_next;
-				for (uint32_t k = 0; k < r->count; k++)
-					free(r->entries[k]);
-				free(r->entries);
-				free(r);
-				r = next;
+				for (uint32_t k = 0; k < r->count; k++) {
+					struct cache_entry_ext *x =
+						cache_entry_ext(cache_range_entry(r, k));
+					if (x)
+						free(x->maps);
+				}
+				if (r->cap > CACHE_RANGE_INLINE)
+					free(r->array);
+				r = cache_range_at(c, r->hash_next);
 			}
 		}
 		free(sh->buckets);
 		pthread_mutex_destroy(&sh->lock);
 	}
+	cache_pool_destroy(&c->entries);
+	cache_pool_destroy(&c->ext);
+	cache_pool_destroy(&c->ranges);
 	/* Retired exports too: they stay on the list until now (struct
 	 * cache_export, retired). */
 	struct cache_export *ce = c->exports;
@@ -672,16 +799,17 @@ int cache_export_drop_clean(struct cache_export *ce, uint64_t *dropped, uint64_t
 		pthread_mutex_unlock(&ce->lock);
 		return -ENOMEM;
 	}
-	for (struct cache_range *r = ce->ranges; r && i < n; r = r->export_next)
+	for (struct cache_range *r = cache_range_at(c, ce->ranges); r && i < n;
+	     r = cache_range_at(c, r->export_next))
 		indexes[i++] = r->index;
 	pthread_mutex_unlock(&ce->lock);
 	for (size_t k = 0; k < i; k++) {
 		struct cache_shard *sh = cache_shard_for(c, ce, indexes[k]);
 		pthread_mutex_lock(&sh->lock);
 		pthread_mutex_lock(&c->evict_lock);
-		struct cache_range *r = range_find(sh, ce, indexes[k]);
+		struct cache_range *r = range_find(c, sh, ce, indexes[k]);
 		for (uint32_t j = r ? r->count : 0; r && j-- > 0;) {
-			struct cache_entry *e = r->entries[j];
+			struct cache_entry *e = cache_range_entry(r, j);
 			if (!entry_evictable(e))
 				continue;
 			*dropped += cache_entry_bytes(e);

@@ -176,7 +176,12 @@ struct cache_export_stats {
 struct cache_stats {
 	uint64_t cache_bytes, used_bytes, entries;
 	struct cache_export_stats traffic;
+	/* The index's memory: entries, side records, range nodes and their
+	 * arrays, hash buckets, the ghost table (all of it, at capacity). */
 	uint64_t metadata_bytes;
+	/* The arena's tables (free lists, frame states, block owners): fixed
+	 * by the cache size. */
+	uint64_t arena_metadata_bytes;
 	uint64_t free_2m_bytes;
 	const char *arena;
 

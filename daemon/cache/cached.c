@@ -163,9 +163,9 @@ static bool range_uptodate(struct cache_entry *e, uint64_t offset, uint64_t leng
 {
 	uint32_t first, last;
 	piece_blocks(e, offset, length, &first, &last);
-	const uint64_t *uptodate = cache_uptodate_map(e);
+	struct cache_map uptodate = cache_uptodate_map(e);
 	for (uint32_t b = first; b <= last; b++)
-		if (!bit_test(uptodate, b))
+		if (!map_test(uptodate, b))
 			return false;
 	return true;
 }
@@ -196,14 +196,14 @@ static void fill_done(struct backend_io *io, int result)
 										    : ARENA_FRAME_SIZE);
 	}
 	pthread_mutex_lock(&sh->lock);
-	uint64_t *busy = cache_busy_map(e), *uptodate = cache_uptodate_map(e);
+	struct cache_map busy = cache_busy_map(e), uptodate = cache_uptodate_map(e);
 	bool keep = result >= 0 && e->invalidations == f->invalidations;
 	if (keep && zeros)
 		e->may_hold_zeros = true;
 	for (uint32_t b = f->first; b < f->first + f->count; b++) {
-		bit_clear(busy, b);
+		map_clear(busy, b);
 		if (keep)
-			bit_set(uptodate, b);
+			map_set(uptodate, b);
 	}
 	pthread_mutex_unlock(&sh->lock);
 	cache_waitq_wake(ce->cache);
@@ -290,25 +290,27 @@ static bool piece_examine(struct cache_op *op, struct cache_piece *p, struct run
 	struct cache_entry *e = p->entry;
 	uint32_t first, last;
 	piece_blocks(e, p->offset, p->length, &first, &last);
-	uint64_t *uptodate = cache_uptodate_map(e), *busy = cache_busy_map(e);
+	struct cache_map uptodate = cache_uptodate_map(e), busy = cache_busy_map(e);
 	bool blocked = false, missing = false;
-	uint32_t fill_last = op->readahead && op->cmd == BACKEND_READ ? e->nblocks - 1 : last;
-	uint64_t end_block = (e->ce->size - cache_entry_offset(e) + e->ce->block_size - 1) >>
-			     e->ce->block_shift;
+	uint32_t fill_last =
+		op->readahead && op->cmd == BACKEND_READ ? cache_entry_nblocks(e) - 1 : last;
+	const struct cache_export *ece = cache_entry_export(e);
+	uint64_t end_block = (ece->size - cache_entry_offset(e) + ece->block_size - 1) >>
+			     ece->block_shift;
 	if (fill_last >= end_block)
 		fill_last = last > end_block - 1 ? last : (uint32_t)(end_block - 1);
 	*nruns = 0;
 	for (uint32_t b = first; b <= fill_last; b++) {
 		if (b > last) { /* readahead: never waits, never counts as missing */
-			if (bit_test(uptodate, b) || bit_test(busy, b)) {
+			if (map_test(uptodate, b) || map_test(busy, b)) {
 				continue;
 			}
-			bit_set(busy, b);
+			map_set(busy, b);
 			run_append(runs, nruns, b);
 			runs[*nruns - 1].ahead = true;
 			continue;
 		}
-		if (bit_test(uptodate, b)) {
+		if (map_test(uptodate, b)) {
 			*any_cached = true;
 			continue;
 		}
@@ -319,11 +321,11 @@ static bool piece_examine(struct cache_op *op, struct cache_piece *p, struct run
 				continue; /* fully overwritten: never read */
 		}
 		missing = true;
-		if (bit_test(busy, b)) {
+		if (map_test(busy, b)) {
 			blocked = true;
 			continue;
 		}
-		bit_set(busy, b);
+		map_set(busy, b);
 		run_append(runs, nruns, b);
 	}
 	if (!missing)
@@ -356,7 +358,7 @@ static int op_examine(struct cache_op *op, bool *blocked)
 			continue;
 		}
 		struct cache_entry *e = p->entry;
-		uint32_t nblocks_max = e->nblocks;
+		uint32_t nblocks_max = cache_entry_nblocks(e);
 		struct run stack_runs[8];
 		struct run *runs = stack_runs;
 		if (nblocks_max > 8) {
@@ -389,7 +391,7 @@ static int op_examine(struct cache_op *op, bool *blocked)
 			pthread_mutex_lock(&sh->lock);
 			for (k = k - 1; k < nruns; k++)
 				for (uint32_t b = runs[k].first; b < runs[k].first + runs[k].count; b++)
-					bit_clear(cache_busy_map(e), b);
+					map_clear(cache_busy_map(e), b);
 			pthread_mutex_unlock(&sh->lock);
 			cache_waitq_wake(ce->cache);
 		}
@@ -430,16 +432,16 @@ static bool write_commit(struct cache_op *op, bool *blocked)
 		piece_blocks(e, p->offset, p->length, &first, &last);
 		struct cache_shard *sh = shard_of(ce, p->offset);
 		pthread_mutex_lock(&sh->lock);
-		uint64_t *uptodate = cache_uptodate_map(e), *busy = cache_busy_map(e);
+		struct cache_map uptodate = cache_uptodate_map(e), busy = cache_busy_map(e);
 		bool ok = true;
 		for (uint32_t b = first; b <= last && ok; b++) {
 			uint64_t bs, be;
 			block_range(e, b, &bs, &be);
 			bool full = p->offset <= bs && p->offset + p->length >= be;
-			if (bit_test(busy, b)) {
+			if (map_test(busy, b)) {
 				ok = false;
 				*blocked = true;
-			} else if (!full && !bit_test(uptodate, b)) {
+			} else if (!full && !map_test(uptodate, b)) {
 				ok = false;
 				p->ready = false; /* examine again: fill it */
 			}
@@ -449,15 +451,15 @@ static bool write_commit(struct cache_op *op, bool *blocked)
 			continue;
 		}
 		for (uint32_t b = first; b <= last; b++)
-			bit_set(busy, b);
+			map_set(busy, b);
 		uint8_t *dst = arena_address(&ce->cache->arena, e->frame) +
 			       (size_t)(p->offset - cache_entry_offset(e));
 		pthread_mutex_unlock(&sh->lock);
 		memcpy(dst, op->payload + (p->offset - op->offset), p->length);
 		pthread_mutex_lock(&sh->lock);
 		for (uint32_t b = first; b <= last; b++) {
-			bit_clear(busy, b);
-			bit_set(uptodate, b);
+			map_clear(busy, b);
+			map_set(uptodate, b);
 		}
 		cache_mark_dirty(e, first, last - first + 1);
 		e->may_hold_zeros = true; /* not worth scanning the payload */
@@ -627,17 +629,17 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 		piece_blocks(e, p->offset, p->length, &first, &last);
 		struct cache_shard *sh = shard_of(ce, p->offset);
 		pthread_mutex_lock(&sh->lock);
-		uint64_t *busy = cache_busy_map(e), *dirty = cache_dirty_map(e);
+		struct cache_map busy = cache_busy_map(e), dirty = cache_dirty_map(e);
 		/* Unflushed data may be overwritten only by a payload that cannot
 		 * be cut short: one already received whole. */
-		if (e->on_unstable_list && !payload_here)
+		if (cache_entry_on_unstable_list(e) && !payload_here)
 			rc = -EAGAIN; /* its data may have to be written again */
 		for (uint32_t b = first; b <= last && rc == 0; b++)
-			if (bit_test(busy, b) || (!payload_here && bit_test(dirty, b)))
+			if (map_test(busy, b) || (!payload_here && map_test(dirty, b)))
 				rc = -EAGAIN; /* a fill, writeback or write is on it, or unflushed data */
 		if (rc == 0) {
 			for (uint32_t b = first; b <= last; b++)
-				bit_set(busy, b);
+				map_set(busy, b);
 			marked++;
 		}
 		pthread_mutex_unlock(&sh->lock);
@@ -650,7 +652,7 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 			struct cache_shard *sh = shard_of(ce, p->offset);
 			pthread_mutex_lock(&sh->lock);
 			for (uint32_t b = first; b <= last; b++)
-				bit_clear(cache_busy_map(p->entry), b);
+				map_clear(cache_busy_map(p->entry), b);
 			pthread_mutex_unlock(&sh->lock);
 		}
 		if (marked)
@@ -672,13 +674,13 @@ void cache_write_end(struct cache_op *op, uint64_t received)
 		bool whole = received == op->length;
 		struct cache_shard *sh = shard_of(ce, p->offset);
 		pthread_mutex_lock(&sh->lock);
-		uint64_t *uptodate = cache_uptodate_map(e), *busy = cache_busy_map(e);
+		struct cache_map uptodate = cache_uptodate_map(e), busy = cache_busy_map(e);
 		for (uint32_t b = first; b <= last; b++) {
-			bit_clear(busy, b);
+			map_clear(busy, b);
 			if (whole)
-				bit_set(uptodate, b);
+				map_set(uptodate, b);
 			else
-				bit_clear(uptodate, b); /* clean: the backend has its data */
+				map_clear(uptodate, b); /* clean: the backend has its data */
 		}
 		if (whole) {
 			cache_mark_dirty(e, first, last - first + 1);

@@ -113,13 +113,10 @@ static bool worth_trying(struct cache *c, bool evict)
 
 static bool entry_movable(struct cache_entry *e)
 {
-	if (atomic_load_explicit(&e->pins, memory_order_acquire) != 0 || e->writeback)
+	if (atomic_load_explicit(&e->pins, memory_order_acquire) != 0 || cache_entry_writeback(e))
 		return false;
-	size_t words = (e->nblocks + 63) / 64;
-	const uint64_t *busy = cache_busy_map(e);
-	for (size_t i = 0; i < words; i++)
-		if (busy[i])
-			return false; /* cannot be without a pin; survivable */
+	if (map_any(cache_busy_map(e), cache_entry_nblocks(e)))
+		return false; /* cannot be without a pin; survivable */
 	return true;
 }
 
@@ -138,16 +135,16 @@ static enum move_result move_block(struct cache *c, const struct arena_block *b,
 		pthread_mutex_unlock(&a->lock);
 		return MOVE_GONE; /* freed since: held back in the chunk */
 	}
-	struct cache_export *ce = e->ce;
-	uint64_t first_frame = e->first_frame;
+	struct cache_export *ce = cache_entry_export(e);
+	uint64_t first_frame = cache_entry_first_frame(e);
 	pthread_mutex_unlock(&a->lock);
 
 	struct cache_shard *sh =
 		cache_shard_for(c, ce, first_frame >> (CACHE_RANGE_SHIFT - ARENA_FRAME_SHIFT));
 	pthread_mutex_lock(&sh->lock);
 	pthread_mutex_lock(&a->lock);
-	bool same = a->owner[b->frame] == e && e->ce == ce && e->first_frame == first_frame &&
-		    e->frame == b->frame;
+	bool same = a->owner[b->frame] == e && cache_entry_export(e) == ce &&
+		    cache_entry_first_frame(e) == first_frame && e->frame == b->frame;
 	pthread_mutex_unlock(&a->lock);
 	enum move_result result = MOVE_GONE;
 	if (!same)
@@ -250,17 +247,18 @@ static void compact_chunks(struct compactor *k, unsigned target, bool evict,
 /* Merge the bits of small entry e into the order-9 entry ne. */
 static void merge_bits(struct cache_entry *ne, struct cache_entry *e, uint64_t base_frame)
 {
-	unsigned shift = e->ce->block_shift;
-	uint32_t at = (uint32_t)(((e->first_frame - base_frame) << ARENA_FRAME_SHIFT) >> shift);
-	const uint64_t *up = cache_uptodate_map(e), *dirty = cache_dirty_map(e);
-	uint64_t *nup = cache_uptodate_map(ne), *ndirty = cache_dirty_map(ne);
-	for (uint32_t b = 0; b < e->nblocks; b++) {
-		if (bit_test(up, b))
-			bit_set(nup, at + b);
-		if (bit_test(dirty, b))
-			bit_set(ndirty, at + b);
+	unsigned shift = cache_entry_export(e)->block_shift;
+	uint32_t at = (uint32_t)(((cache_entry_first_frame(e) - base_frame) << ARENA_FRAME_SHIFT) >>
+				 shift);
+	struct cache_map up = cache_uptodate_map(e), dirty = cache_dirty_map(e);
+	struct cache_map nup = cache_uptodate_map(ne), ndirty = cache_dirty_map(ne);
+	for (uint32_t b = 0, n = cache_entry_nblocks(e); b < n; b++) {
+		if (map_test(up, b))
+			map_set(nup, at + b);
+		if (map_test(dirty, b))
+			map_set(ndirty, at + b);
 	}
-	ne->ndirty += e->ndirty;
+	cache_entry_ext(ne)->ndirty += cache_entry_ndirty(e);
 	ne->may_hold_zeros |= e->may_hold_zeros;
 }
 
@@ -271,24 +269,28 @@ static void merge_bits(struct cache_entry *ne, struct cache_entry *e, uint64_t b
 static void dirty_list_take_over(struct cache_export *ce, struct cache_entry **old, size_t n,
 				 struct cache_entry *ne)
 {
+	struct cache *c = ce->cache;
 	struct cache_entry *oldest = NULL;
 	for (size_t i = 0; i < n; i++)
-		if (old[i]->on_dirty_list && (!oldest || old[i]->dirty_since < oldest->dirty_since))
+		if (cache_entry_on_dirty_list(old[i]) &&
+		    (!oldest || cache_entry_dirty_since(old[i]) < cache_entry_dirty_since(oldest)))
 			oldest = old[i];
 	if (!oldest)
 		return;
 	/* ne goes in just before the oldest, then the old ones leave. */
-	ne->dirty_since = oldest->dirty_since;
-	ne->on_dirty_list = true;
-	ne->dirty_next = oldest;
-	ne->dirty_prev = oldest->dirty_prev;
-	if (oldest->dirty_prev)
-		oldest->dirty_prev->dirty_next = ne;
+	struct cache_entry_ext *nx = cache_entry_ext(ne), *ox = cache_entry_ext(oldest);
+	uint32_t ni = cache_entry_index(ne);
+	nx->dirty_since = ox->dirty_since;
+	nx->on_dirty_list = true;
+	nx->dirty_next = cache_entry_index(oldest);
+	nx->dirty_prev = ox->dirty_prev;
+	if (ox->dirty_prev)
+		cache_entry_ext(cache_entry_at(c, ox->dirty_prev))->dirty_next = ni;
 	else
 		ce->dirty_head = ne;
-	oldest->dirty_prev = ne;
+	ox->dirty_prev = ni;
 	for (size_t i = 0; i < n; i++)
-		if (old[i]->on_dirty_list)
+		if (cache_entry_on_dirty_list(old[i]))
 			cache_dirty_list_remove(ce, old[i]);
 }
 
@@ -309,7 +311,7 @@ static int collapse_range(struct cache *c, struct cache_export *ce, uint64_t ind
 		goto out;
 	uint64_t frames = 0;
 	for (uint32_t i = 0; i < r->count; i++) {
-		struct cache_entry *e = r->entries[i];
+		struct cache_entry *e = cache_range_entry(r, i);
 		if (e->order >= ARENA_MAX_ORDER)
 			goto out;
 		frames += 1ull << e->order;
@@ -317,12 +319,12 @@ static int collapse_range(struct cache *c, struct cache_export *ce, uint64_t ind
 	if (frames != ARENA_CHUNK_FRAMES)
 		goto out; /* entries never overlap: this is full coverage */
 	for (uint32_t i = 0; i < r->count; i++) {
-		if (!entry_movable(r->entries[i])) {
+		if (!entry_movable(cache_range_entry(r, i))) {
 			res->skipped_pinned++;
 			goto out;
 		}
 		/* Waiting for a backend flush: the flush settles it by handle. */
-		if (r->entries[i]->on_unstable_list)
+		if (cache_entry_on_unstable_list(cache_range_entry(r, i)))
 			goto out;
 	}
 	frame = arena_alloc(a, ARENA_MAX_ORDER);
@@ -330,26 +332,19 @@ static int collapse_range(struct cache *c, struct cache_export *ce, uint64_t ind
 		rc = -ENOSPC;
 		goto out;
 	}
-	uint32_t nblocks = (uint32_t)(ARENA_CHUNK_SIZE >> ce->block_shift);
 	size_t count = r->count;
-	ne = calloc(1, cache_entry_struct_size(nblocks));
+	ne = cache_entry_new_large(ce, r, (uint32_t)frame);
 	old = malloc(count * sizeof(*old));
 	if (!ne || !old) {
 		rc = -ENOMEM;
 		goto out;
 	}
 	uint64_t base = index << (CACHE_RANGE_SHIFT - ARENA_FRAME_SHIFT);
-	ne->first_frame = base;
-	ne->ce = ce;
-	ne->range = r;
-	ne->frame = (uint32_t)frame;
-	ne->order = ARENA_MAX_ORDER;
-	ne->nblocks = nblocks;
 	uint8_t *dst = arena_address(a, (uint32_t)frame);
 	for (size_t i = 0; i < count; i++) {
-		struct cache_entry *e = r->entries[i];
+		struct cache_entry *e = cache_range_entry(r, i);
 		old[i] = e;
-		memcpy(dst + ((e->first_frame - base) << ARENA_FRAME_SHIFT),
+		memcpy(dst + ((cache_entry_first_frame(e) - base) << ARENA_FRAME_SHIFT),
 		       arena_address(a, e->frame), (size_t)cache_entry_bytes(e));
 		merge_bits(ne, e, base);
 	}
@@ -365,22 +360,21 @@ static int collapse_range(struct cache *c, struct cache_export *ce, uint64_t ind
 	dirty_list_take_over(ce, old, count, ne);
 	pthread_mutex_unlock(&ce->lock);
 
-	r->entries[0] = ne;
-	r->count = 1;
+	cache_range_set_one(r, ne);
 	cache_queue_replace(c, old, count, ne);
 	arena_set_owner(a, ne->frame, ne);
 	struct cache_counters *k = &c->counters;
 	for (size_t i = 0; i < count; i++) {
 		struct cache_entry *e = old[i];
-		atomic_fetch_sub(&e->ce->counters.cached_bytes, (uint64_t)ARENA_FRAME_SIZE << e->order);
+		atomic_fetch_sub(&ce->counters.cached_bytes, (uint64_t)ARENA_FRAME_SIZE << e->order);
 		arena_free(a, e->frame, e->order); /* clears the owner first */
-		atomic_fetch_sub(&k->metadata_bytes, cache_entry_struct_size(e->nblocks));
-		free(e);
+		pthread_mutex_lock(&ce->lock); /* the side record goes: see internal.h */
+		cache_entry_release(c, e);
+		pthread_mutex_unlock(&ce->lock);
 	}
-	atomic_fetch_add(&k->metadata_bytes, cache_entry_struct_size(nblocks));
 	atomic_fetch_sub(&k->entries, count - 1);
 	atomic_fetch_add(&k->large_bytes, ARENA_CHUNK_SIZE);
-	atomic_fetch_add(&ne->ce->counters.cached_bytes, ARENA_CHUNK_SIZE);
+	atomic_fetch_add(&ce->counters.cached_bytes, ARENA_CHUNK_SIZE);
 	res->collapsed++;
 	ne = NULL;
 	frame = -1;
@@ -389,7 +383,8 @@ out:
 	pthread_mutex_unlock(&sh->lock);
 	if (frame >= 0)
 		arena_free(a, (uint32_t)frame, ARENA_MAX_ORDER);
-	free(ne);
+	if (ne)
+		cache_entry_release(c, ne);
 	free(old);
 	return rc;
 }

@@ -59,7 +59,7 @@ bool cache_direct_overlaps(struct cache_export *ce, uint64_t offset, uint64_t le
 
 static void find_writeback(struct cache_entry *e, void *arg)
 {
-	if (e->writeback)
+	if (cache_entry_writeback(e))
 		*(bool *)arg = true;
 }
 
@@ -76,8 +76,8 @@ static void direct_apply(struct cache_entry *e, void *arg)
 		b = base + cache_entry_bytes(e);
 	uint32_t first, last;
 	piece_blocks(e, a, b - a, &first, &last);
-	uint64_t *uptodate = cache_uptodate_map(e), *dirty = cache_dirty_map(e),
-		 *busy = cache_busy_map(e);
+	struct cache_map uptodate = cache_uptodate_map(e), dirty = cache_dirty_map(e),
+			 busy = cache_busy_map(e);
 	uint8_t *mem = arena_address(&ce->cache->arena, e->frame);
 	bool populate = ok && op->cmd == BACKEND_WRITE && ce->mode == CACHE_MODE_WRITETHROUGH;
 	uint32_t touched = 0;
@@ -91,22 +91,22 @@ static void direct_apply(struct cache_entry *e, void *arg)
 			 * forgotten; one of an unstable entry may be the only
 			 * copy of acknowledged data not yet flushed: it is
 			 * written again instead. */
-			if (bit_test(uptodate, blk) && !bit_test(dirty, blk)) {
-				if (e->on_unstable_list)
+			if (map_test(uptodate, blk) && !map_test(dirty, blk)) {
+				if (cache_entry_on_unstable_list(e))
 					cache_mark_dirty(e, blk, 1);
 				else
-					bit_clear(uptodate, blk);
+					map_clear(uptodate, blk);
 			}
 			continue;
 		}
 		if (op->cmd == BACKEND_TRIM && full) {
 			/* The backend decides what a trimmed block reads as. */
 			cache_clear_dirty(e, blk, 1);
-			bit_clear(uptodate, blk);
+			map_clear(uptodate, blk);
 			continue;
 		}
-		bool up = bit_test(uptodate, blk);
-		if (!up && !(populate && full && !bit_test(busy, blk)))
+		bool up = map_test(uptodate, blk);
+		if (!up && !(populate && full && !map_test(busy, blk)))
 			continue;
 		if (x < y) {
 			if (op->cmd == BACKEND_WRITE)
@@ -116,10 +116,10 @@ static void direct_apply(struct cache_entry *e, void *arg)
 			touched++;
 		}
 		if (full) {
-			bit_set(uptodate, blk);
+			map_set(uptodate, blk);
 			cache_clear_dirty(e, blk, 1);
 		}
-		if (op->maybe_lost && x < y && bit_test(uptodate, blk))
+		if (op->maybe_lost && x < y && map_test(uptodate, blk))
 			cache_mark_dirty(e, blk, 1); /* written again: see direct_done */
 	}
 	e->invalidations++;

@@ -9,69 +9,91 @@
 
 #include "daemon/cache/internal.h"
 
+/* The ext of an entry on a list (export lock held). */
+static struct cache_entry_ext *ext_of(const struct cache *c, uint32_t i)
+{
+	return cache_entry_ext(cache_entry_at(c, i));
+}
+
 void cache_mark_dirty(struct cache_entry *e, uint32_t first, uint32_t count)
 {
-	struct cache_export *ce = e->ce;
-	uint64_t *dirty = cache_dirty_map(e);
+	struct cache_export *ce = cache_entry_export(e);
+	struct cache_entry_ext *x = cache_entry_ext(e);
+	if (!x) {
+		pthread_mutex_lock(&ce->lock);
+		x = cache_entry_ext_get(ce, e);
+		pthread_mutex_unlock(&ce->lock);
+	}
+	struct cache_map dirty = cache_dirty_map(e);
 	uint32_t added = 0;
 	for (uint32_t b = first; b < first + count; b++) {
-		if (!bit_test(dirty, b)) {
-			bit_set(dirty, b);
+		if (!map_test(dirty, b)) {
+			map_set(dirty, b);
 			added++;
 		}
 	}
-	e->ndirty += added;
+	x->ndirty += added;
 	cache_dirty_bytes_add(ce, (uint64_t)added << ce->block_shift);
-	if (e->on_dirty_list)
+	if (x->on_dirty_list)
 		return;
+	uint32_t i = cache_entry_index(e);
 	pthread_mutex_lock(&ce->lock);
-	e->dirty_next = NULL;
-	e->dirty_prev = ce->dirty_tail;
+	x->dirty_next = 0;
+	x->dirty_prev = ce->dirty_tail ? cache_entry_index(ce->dirty_tail) : 0;
 	if (ce->dirty_tail)
-		ce->dirty_tail->dirty_next = e;
+		cache_entry_ext(ce->dirty_tail)->dirty_next = i;
 	else
 		ce->dirty_head = e;
 	ce->dirty_tail = e;
-	e->on_dirty_list = true;
-	e->dirty_since = cache_now_ns();
+	x->on_dirty_list = true;
+	x->dirty_since = cache_now_ns();
 	pthread_mutex_unlock(&ce->lock);
 }
 
 void cache_clear_dirty(struct cache_entry *e, uint32_t first, uint32_t count)
 {
-	struct cache_export *ce = e->ce;
-	uint64_t *dirty = cache_dirty_map(e);
+	struct cache_entry_ext *x = cache_entry_ext(e);
+	if (!x || x->ndirty == 0)
+		return;
+	struct cache_export *ce = cache_entry_export(e);
+	struct cache_map dirty = cache_dirty_map(e);
 	uint32_t removed = 0;
 	for (uint32_t b = first; b < first + count; b++) {
-		if (bit_test(dirty, b)) {
-			bit_clear(dirty, b);
+		if (map_test(dirty, b)) {
+			map_clear(dirty, b);
 			removed++;
 		}
 	}
-	e->ndirty -= removed;
+	x->ndirty -= removed;
 	cache_dirty_bytes_sub(ce, (uint64_t)removed << ce->block_shift);
 }
 
 void cache_dirty_list_remove(struct cache_export *ce, struct cache_entry *e)
 {
-	if (e->dirty_prev)
-		e->dirty_prev->dirty_next = e->dirty_next;
+	struct cache *c = ce->cache;
+	struct cache_entry_ext *x = cache_entry_ext(e);
+	if (x->dirty_prev)
+		ext_of(c, x->dirty_prev)->dirty_next = x->dirty_next;
 	else
-		ce->dirty_head = e->dirty_next;
-	if (e->dirty_next)
-		e->dirty_next->dirty_prev = e->dirty_prev;
+		ce->dirty_head = cache_entry_at(c, x->dirty_next);
+	if (x->dirty_next)
+		ext_of(c, x->dirty_next)->dirty_prev = x->dirty_prev;
 	else
-		ce->dirty_tail = e->dirty_prev;
-	e->on_dirty_list = false;
+		ce->dirty_tail = cache_entry_at(c, x->dirty_prev);
+	x->dirty_prev = x->dirty_next = 0;
+	x->on_dirty_list = false;
 }
 
 void cache_dirty_list_update(struct cache_entry *e)
 {
-	if (!e->on_dirty_list || e->ndirty || e->writeback)
+	struct cache_entry_ext *x = cache_entry_ext(e);
+	if (!x || x->ndirty || x->writeback)
 		return;
-	struct cache_export *ce = e->ce;
+	struct cache_export *ce = cache_entry_export(e);
 	pthread_mutex_lock(&ce->lock);
-	cache_dirty_list_remove(ce, e);
+	if (x->on_dirty_list)
+		cache_dirty_list_remove(ce, e);
+	cache_entry_ext_trim(ce, e);
 	pthread_mutex_unlock(&ce->lock);
 }
 
@@ -80,76 +102,85 @@ void cache_dirty_list_update(struct cache_entry *e)
 /* Export lock held, e on the unstable list. */
 static void unstable_list_unlink(struct cache_export *ce, struct cache_entry *e)
 {
-	if (e->unstable_prev)
-		e->unstable_prev->unstable_next = e->unstable_next;
+	struct cache *c = ce->cache;
+	struct cache_entry_ext *x = cache_entry_ext(e);
+	if (x->unstable_prev)
+		ext_of(c, x->unstable_prev)->unstable_next = x->unstable_next;
 	else
-		ce->unstable_head = e->unstable_next;
-	if (e->unstable_next)
-		e->unstable_next->unstable_prev = e->unstable_prev;
+		ce->unstable_head = cache_entry_at(c, x->unstable_next);
+	if (x->unstable_next)
+		ext_of(c, x->unstable_next)->unstable_prev = x->unstable_prev;
 	else
-		ce->unstable_tail = e->unstable_prev;
-	e->unstable_prev = e->unstable_next = NULL;
-	e->on_unstable_list = false;
+		ce->unstable_tail = cache_entry_at(c, x->unstable_prev);
+	x->unstable_prev = x->unstable_next = 0;
+	x->on_unstable_list = false;
 }
 
 void cache_mark_unstable(struct cache_entry *e, uint32_t blocks, uint64_t seq)
 {
-	struct cache_export *ce = e->ce;
-	uint32_t room = e->nblocks - e->nunstable;
-	uint32_t added = blocks < room ? blocks : room;
-	e->nunstable += added;
-	atomic_fetch_add(&ce->counters.unstable_bytes, (uint64_t)added << ce->block_shift);
+	struct cache_export *ce = cache_entry_export(e);
 	pthread_mutex_lock(&ce->lock);
-	if (e->on_unstable_list) /* to the tail: the list stays in write order */
+	struct cache_entry_ext *x = cache_entry_ext_get(ce, e);
+	uint32_t room = cache_entry_nblocks(e) - x->nunstable;
+	uint32_t added = blocks < room ? blocks : room;
+	x->nunstable += added;
+	atomic_fetch_add(&ce->counters.unstable_bytes, (uint64_t)added << ce->block_shift);
+	if (x->on_unstable_list) /* to the tail: the list stays in write order */
 		unstable_list_unlink(ce, e);
-	e->unstable_next = NULL;
-	e->unstable_prev = ce->unstable_tail;
+	x->unstable_next = 0;
+	x->unstable_prev = ce->unstable_tail ? cache_entry_index(ce->unstable_tail) : 0;
 	if (!ce->unstable_head)
 		ce->unstable_since = cache_now_ns();
 	if (ce->unstable_tail)
-		ce->unstable_tail->unstable_next = e;
+		cache_entry_ext(ce->unstable_tail)->unstable_next = cache_entry_index(e);
 	else
 		ce->unstable_head = e;
 	ce->unstable_tail = e;
-	e->on_unstable_list = true;
-	if (seq > e->unstable_seq)
-		e->unstable_seq = seq;
+	x->on_unstable_list = true;
+	if (seq > x->unstable_seq)
+		x->unstable_seq = seq;
 	pthread_mutex_unlock(&ce->lock);
 }
 
 void cache_unstable_settle(struct cache_entry *e, bool redirty)
 {
-	struct cache_export *ce = e->ce;
-	if (!e->on_unstable_list)
+	struct cache_export *ce = cache_entry_export(e);
+	struct cache_entry_ext *x = cache_entry_ext(e);
+	if (!x || !x->on_unstable_list)
 		return;
 	if (redirty) {
-		const uint64_t *uptodate = cache_uptodate_map(e);
-		for (uint32_t b = 0; b < e->nblocks; b++)
-			if (bit_test(uptodate, b))
+		struct cache_map uptodate = cache_uptodate_map(e);
+		uint32_t nblocks = cache_entry_nblocks(e);
+		for (uint32_t b = 0; b < nblocks; b++)
+			if (map_test(uptodate, b))
 				cache_mark_dirty(e, b, 1);
 	}
-	atomic_fetch_sub(&ce->counters.unstable_bytes, (uint64_t)e->nunstable << ce->block_shift);
-	e->nunstable = 0;
-	e->unstable_seq = 0;
+	atomic_fetch_sub(&ce->counters.unstable_bytes, (uint64_t)x->nunstable << ce->block_shift);
+	x->nunstable = 0;
+	x->unstable_seq = 0;
 	pthread_mutex_lock(&ce->lock);
 	unstable_list_unlink(ce, e);
+	cache_entry_ext_trim(ce, e);
 	pthread_mutex_unlock(&ce->lock);
 }
 
 /* The entry after e on the dirty or the unstable list. */
-static struct cache_entry *list_next(const struct cache_entry *e, enum cache_list list)
+static struct cache_entry *list_next(const struct cache *c, const struct cache_entry *e,
+				     enum cache_list list)
 {
-	return list == CACHE_LIST_DIRTY ? e->dirty_next : e->unstable_next;
+	const struct cache_entry_ext *x = cache_entry_ext(e);
+	return cache_entry_at(c, list == CACHE_LIST_DIRTY ? x->dirty_next : x->unstable_next);
 }
 
 int cache_list_pin(struct cache_export *ce, enum cache_list list, uint64_t seq,
 		   struct cache_entry ***out, size_t *count)
 {
+	struct cache *c = ce->cache;
 	pthread_mutex_lock(&ce->lock);
 	struct cache_entry *head = list == CACHE_LIST_DIRTY ? ce->dirty_head : ce->unstable_head;
 	size_t n = 0;
-	for (struct cache_entry *e = head; e; e = list_next(e, list))
-		if (list == CACHE_LIST_DIRTY || e->unstable_seq <= seq)
+	for (struct cache_entry *e = head; e; e = list_next(c, e, list))
+		if (list == CACHE_LIST_DIRTY || cache_entry_unstable_seq(e) <= seq)
 			n++;
 	struct cache_entry **v = malloc((n ? n : 1) * sizeof(*v));
 	if (!v) {
@@ -157,8 +188,8 @@ int cache_list_pin(struct cache_export *ce, enum cache_list list, uint64_t seq,
 		return -ENOMEM;
 	}
 	size_t i = 0;
-	for (struct cache_entry *e = head; e && i < n; e = list_next(e, list)) {
-		if (list == CACHE_LIST_DIRTY || e->unstable_seq <= seq) {
+	for (struct cache_entry *e = head; e && i < n; e = list_next(c, e, list)) {
+		if (list == CACHE_LIST_DIRTY || cache_entry_unstable_seq(e) <= seq) {
 			/* On the list: it cannot be evicted (see cache.h). */
 			cache_entry_pin(e);
 			v[i++] = e;

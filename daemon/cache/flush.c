@@ -135,7 +135,7 @@ static void unstable_settle_all(struct cache_export *ce, uint64_t seq, bool redi
 		for (unsigned guard = 0; guard < 1u << 30; guard++) {
 			pthread_mutex_lock(&ce->lock);
 			struct cache_entry *e = ce->unstable_head;
-			if (e && e->unstable_seq > seq)
+			if (e && cache_entry_unstable_seq(e) > seq)
 				e = NULL;
 			if (e)
 				cache_entry_pin(e);
@@ -147,7 +147,7 @@ static void unstable_settle_all(struct cache_export *ce, uint64_t seq, bool redi
 			pthread_mutex_lock(&sh->lock);
 			/* Written again (a direct write applied) since the export
 			 * lock was dropped: not covered, as below. */
-			if (redirty || e->unstable_seq <= seq)
+			if (redirty || cache_entry_unstable_seq(e) <= seq)
 				cache_unstable_settle(e, redirty);
 			pthread_mutex_unlock(&sh->lock);
 			cache_entry_unpin(e);
@@ -160,7 +160,8 @@ static void unstable_settle_all(struct cache_export *ce, uint64_t seq, bool redi
 			cache_shard_for(ce->cache, ce, cache_entry_offset(e) >> CACHE_RANGE_SHIFT);
 		pthread_mutex_lock(&sh->lock);
 		/* Written back again since it was collected: not covered. */
-		if (e->on_unstable_list && (redirty || e->unstable_seq <= seq))
+		if (cache_entry_on_unstable_list(e) &&
+		    (redirty || cache_entry_unstable_seq(e) <= seq))
 			cache_unstable_settle(e, redirty);
 		pthread_mutex_unlock(&sh->lock);
 		cache_entry_unpin(e);

@@ -17,8 +17,8 @@
  *                                            internal.h, arena.h
  *   operations  op.c cached.c direct.c       ops.h, internal.h, arena.h
  *               block_status.c throttle.c
- *   index       cache.c dirty.c exports.c    internal.h, arena.h
- *               stats.c wake.c
+ *   index       cache.c slots.c dirty.c      internal.h, arena.h
+ *               exports.c stats.c wake.c
  *   arena       arena.c                      arena.h
  *
  * Headers follow the same order: ops.h includes internal.h, which
@@ -31,16 +31,35 @@
  * cache_submit, there, hands a FLUSH to the writeback thread.
  *
  * The index: a hash of (export, 2 MiB device range) to a range node, which
- * lists the entries inside that range sorted by device frame. Memory follows
- * what is cached, never the device size.
+ * lists the entries inside that range sorted by position. Memory follows
+ * what is cached, never the device size. Entries, side records and range
+ * nodes are slots of three pools, named by 32-bit index (0: none); every
+ * link below is one.
  *
  *   shard[hash % CACHE_SHARDS]
- *     bucket -> range(export 1, index 7) -> range(...) -> NULL
- *                 entries: [e@frame 3584 order 0][e@3600 order 4] ...
+ *     buckets[] -> range(export 1, index 7) -hash_next-> range(...) -> 0
+ *                    entries: [3584 order 0][3600 order 4] ...  (indexes,
+ *                    sorted by pos; two in the node, then an array that
+ *                    grows by a quarter)
  *
- *   entry (the handle)
- *     frame, order, pins  -> arena_address(frame)
- *     bits: uptodate[words] dirty[words] busy[words], one bit per block
+ *   entry (32 bytes; the handle is a pointer into its pool's chunk)
+ *     range  frame  fifo_prev|queue  fifo_next  ext  state  pins  order|pos
+ *     may_hold_zeros  freq
+ *       first frame = range->index * 512 + pos; export = range->ce
+ *       state = invalidations (29 bits) | the three map bits of a one-block
+ *               entry (uptodate, dirty, busy)
+ *       ext -> side record (56 bytes on 64-bit, 48 on i386), only while
+ *              dirty, unstable or under writeback, or for an entry of more
+ *              than one block: dirty_since, unstable_seq, maps (uptodate,
+ *              dirty, busy words, malloc'd), dirty and unstable list links,
+ *              ndirty, nunstable, on_dirty_list, on_unstable_list, writeback
+ *
+ *   pool: directory[chunk] -> 16 KiB chunk aligned to 16 KiB,
+ *         slot 0 = header {cache, chunk number}, then slots 1..2^shift-1
+ *
+ * metadata_bytes counts all of it (pool chunks, range arrays and buckets at
+ * capacity, large entries' maps, the ghost table, the directories); the
+ * arena's own tables are arena_metadata_bytes.
  */
 #ifndef NBDCACHED_DAEMON_CACHE_INTERNAL_H
 #define NBDCACHED_DAEMON_CACHE_INTERNAL_H
@@ -59,52 +78,122 @@ struct flush_job;
 #define CACHE_SMALL 1
 #define CACHE_MAIN 2
 
+/*
+ * A pool of fixed-size slots addressed by 32-bit index (0: none): chunks
+ * of 2^shift slots (at most 16 KiB, aligned to 16 KiB), allocated as the
+ * pool grows and kept, so a slot never moves (entries are handled by
+ * pointer) and a pointer finds its chunk by alignment. Slot 0 of every
+ * chunk is its header (the cache, the chunk's number), never handed out.
+ * Freed slots go on a free list and are used again first; a pool whose
+ * slots are only reached through their owners (side records) gives its
+ * chunks back when none is in use. The lock is a leaf; the directory is
+ * sized for the most the pool can hold.
+ */
+#define CACHE_POOL_CHUNK_BYTES 16384u
+struct cache_pool {
+	struct cache *cache;
+	uint32_t slot_size, shift; /* 2^shift slots per chunk */
+	uint32_t max_chunks, nchunks;
+	uint8_t **chunks; /* the directory */
+	pthread_mutex_t lock;
+	uint32_t free_head, high; /* high: the next never used index */
+	uint64_t used;
+	bool release_when_empty; /* free the chunks when no slot is in use */
+};
+
+struct cache_pool_header {
+	struct cache *cache;
+	uint32_t chunk;
+};
+
+/*
+ * An entry: 32 bytes on every ABI. Everything the hit path reads is here
+ * (frame, order, pins, freq, the one-block maps); the range node gives
+ * the export and the device offset (first frame = range index * 512 +
+ * pos). State that only dirty or unstable entries need, and the maps of
+ * entries of more than one block, is in a side record (ext).
+ */
 struct cache_entry {
-	uint64_t first_frame; /* device offset >> 12 of the first byte cached */
-	struct cache_export *ce;
-	struct cache_range *range;
-	uint32_t frame;	     /* arena location */
-	uint32_t invalidations; /* bumped to discard fills in flight */
-	uint32_t nblocks, ndirty;
+	uint32_t range;	    /* range node (ranges pool index) */
+	uint32_t frame;	    /* arena location */
+	uint32_t fifo_prev; /* evict lock: entries pool index | queue << 30 */
+	uint32_t fifo_next; /* evict lock: entries pool index */
+	/* Shard lock and export lock to change, either to read: the side
+	 * record (ext pool index), 0 for a clean one-block entry. */
+	uint32_t ext;
+	union { /* shard lock */
+		uint32_t state;
+		struct {
+			/* uptodate, dirty, busy of a one-block entry (bits 0..2) */
+			uint32_t inline_maps : 3;
+			/* bumped to discard fills in flight (29 bits, wraps) */
+			uint32_t invalidations : 29;
+		};
+	};
 	atomic_uint pins;
-	atomic_uchar freq; /* S3-FIFO access counter, 0..3 */
-	uint8_t order;
-	uint8_t queue; /* CACHE_SMALL, CACHE_MAIN or CACHE_NOT_QUEUED */
-	bool writeback; /* a writeback of this entry is in flight */
+	uint16_t order : 4; /* set at creation, never changed */
+	uint16_t pos : 9;   /* first frame - range index * 512 */
 	/* A hint for sparse reads: false while no 4 KiB block of the entry
 	 * can be all zeros (fills found none, nothing was written since), so
 	 * a hit sends it as data without reading it first. */
 	bool may_hold_zeros;
-	bool on_dirty_list;
-	bool on_unstable_list; /* written back, no backend flush since: see cache.h */
-	uint32_t nunstable;    /* blocks written back since the last flush (<= nblocks) */
+	atomic_uchar freq; /* S3-FIFO access counter, 0..3 */
+};
+
+_Static_assert(sizeof(struct cache_entry) == 32, "an entry is 32 bytes on every ABI");
+
+/*
+ * The side record of an entry that is dirty, unstable or under writeback,
+ * or of more than one block (it holds their maps). Lists link entries by
+ * pool index; the export lock guards the links and the list flags, the
+ * shard lock the rest.
+ */
+struct cache_entry_ext {
 	uint64_t dirty_since; /* monotonic ns, when it joined the dirty list */
 	/* backend_writes_done after its latest write back: a backend flush sent
 	 * once that many writes were done makes the entry clean. */
 	uint64_t unstable_seq;
-	struct cache_entry *fifo_prev, *fifo_next;
-	struct cache_entry *dirty_prev, *dirty_next;
-	struct cache_entry *unstable_prev, *unstable_next;
-	uint64_t bits[]; /* uptodate, dirty, busy: words_per_map each */
+	uint32_t *maps; /* more than one block: uptodate, dirty, busy (words each) */
+	uint32_t dirty_prev, dirty_next, unstable_prev, unstable_next;
+	uint32_t ndirty, nunstable; /* nunstable: written back since the last flush */
+	bool on_dirty_list;
+	bool on_unstable_list; /* written back, no backend flush since: see cache.h */
+	bool writeback;	       /* a writeback of this entry is in flight */
 };
 
+/* Range nodes: a slot of the ranges pool. The entries (pool indexes,
+ * sorted by pos) are in the node while there are at most
+ * CACHE_RANGE_INLINE (cap is then CACHE_RANGE_INLINE), in an array
+ * malloc'd at cap after: cache_range_entries(). */
+#define CACHE_RANGE_INLINE 2
 struct cache_range {
-	struct cache_range *hash_next;
-	struct cache_range *export_prev, *export_next;
 	struct cache_export *ce;
 	uint64_t index; /* device offset >> CACHE_RANGE_SHIFT */
-	uint32_t count, cap;
-	struct cache_entry **entries; /* sorted by first_frame */
+	union {
+		uint32_t *array;
+		uint32_t inline_entries[CACHE_RANGE_INLINE];
+	};
+	uint32_t hash_next; /* ranges pool index */
+	uint32_t export_prev, export_next;
+	uint16_t count, cap;
 };
+
+static inline uint32_t *cache_range_entries(struct cache_range *r)
+{
+	return r->cap > CACHE_RANGE_INLINE ? r->array : r->inline_entries;
+}
+
+#define CACHE_QUEUE_SHIFT 30
+#define CACHE_INDEX_MASK ((1u << CACHE_QUEUE_SHIFT) - 1)
 
 struct cache_shard {
 	pthread_mutex_t lock;
-	struct cache_range **buckets;
+	uint32_t *buckets; /* ranges pool indexes */
 	size_t nbuckets, count;
 } __attribute__((aligned(64)));
 
 struct cache_fifo {
-	struct cache_entry *head, *tail;
+	uint32_t head, tail; /* entries pool indexes */
 	uint64_t frames;
 };
 
@@ -123,6 +212,7 @@ struct cache_counters {
 	atomic_uint_fast64_t writes_in_place; /* WRITEs received into the arena */
 	atomic_uint_fast64_t throttled_writes; /* WRITEs that waited at the high watermark */
 	atomic_uint_fast64_t dirty_bytes, entries, metadata_bytes, cached_bytes;
+	atomic_uint_fast64_t arena_metadata_bytes; /* the arena's own tables, fixed */
 	atomic_uint_fast64_t unstable_bytes, backend_flushes, backend_flush_errors, losses;
 	/* Client requests by command (enum backend_cmd), and those with FUA. */
 	atomic_uint_fast64_t commands[CACHE_COMMANDS], fua_commands;
@@ -152,7 +242,7 @@ struct cache_export {
 	struct cache_entry *dirty_head, *dirty_tail; /* oldest first */
 	/* Written back, waiting for a backend flush; oldest write first. */
 	struct cache_entry *unstable_head, *unstable_tail;
-	struct cache_range *ranges;
+	uint32_t ranges; /* ranges pool index of the first range node */
 	uint64_t range_count;
 	struct cache_op *direct; /* direct operations in flight */
 	/* Moves when acknowledged data the cache does not hold (a direct write
@@ -224,13 +314,14 @@ struct compactor;
 
 struct cache {
 	struct arena arena;
+	struct cache_pool entries, ext, ranges;
 	struct cache_shard shards[CACHE_SHARDS];
 	pthread_mutex_t evict_lock;
 	struct cache_fifo small, main;
-	uint64_t *ghost;	/* fingerprints of recently evicted entries */
-	uint32_t ghost_mask;	/* table size - 1 */
-	uint64_t *ghost_ring;	/* insertion order, for forgetting the oldest */
-	uint32_t ghost_ring_size, ghost_ring_pos, ghost_count;
+	/* Fingerprints of recently evicted entries, 16 bits kept: the slot
+	 * number is the rest of it. */
+	uint16_t *ghost;
+	uint32_t ghost_mask; /* table size - 1 */
 	struct cache_waitq waitq;
 	struct cache_counters counters;
 	pthread_mutex_t exports_lock;
@@ -248,6 +339,25 @@ struct cache {
 	struct writeback *writeback;
 	struct compactor *compactor;
 };
+
+/* slots.c: the pools, the maps, the side records */
+/* A pool of slot_size slots, for at most max of them: 0 or -errno. */
+int cache_pool_init(struct cache_pool *p, struct cache *c, uint32_t slot_size, uint64_t max);
+void cache_pool_destroy(struct cache_pool *p);
+/* A zeroed slot's index, or 0 if out of memory. Any lock held. */
+uint32_t cache_pool_alloc(struct cache_pool *p);
+void cache_pool_free(struct cache_pool *p, uint32_t i);
+/* The pool index of a slot of p. */
+uint32_t cache_pool_index_of(const struct cache_pool *p, const void *slot);
+/* What malloc holds for an allocation: the block and its header. */
+size_t cache_heap_bytes(void *p);
+/* A new side record for e (with the maps of a multi-block entry, all
+ * clear), or NULL if out of memory. Shard lock and export lock held, or e
+ * not in the index yet. */
+struct cache_entry_ext *cache_entry_ext_new(struct cache *c, struct cache_entry *e,
+					    uint32_t nblocks);
+/* Free e's side record if it has one (same locks). */
+void cache_entry_ext_free(struct cache *c, struct cache_entry *e);
 
 /* cache.c: index, entries, eviction */
 struct cache_shard *cache_shard_for(struct cache *c, const struct cache_export *ce,
@@ -273,8 +383,26 @@ int cache_ranges_between(struct cache_export *ce, uint64_t first, uint64_t last,
  * its shard lock held. No lock held; 0 or -ENOMEM. */
 int cache_for_each_entry(struct cache_export *ce, uint64_t offset, uint64_t length,
 			 void (*fn)(struct cache_entry *e, void *arg), void *arg);
-/* Size of an entry (handle) with nblocks blocks. */
-size_t cache_entry_struct_size(uint32_t nblocks);
+/* An entry of ne's shape (order 9) for the collapse of range r: a slot,
+ * its side record with the maps, nothing cached, in no queue and not in
+ * the range. Shard lock held; NULL if out of memory. */
+struct cache_entry *cache_entry_new_large(struct cache_export *ce, struct cache_range *r,
+					  uint32_t frame);
+/* Give back the slot (and side record) of an entry no longer in the index
+ * nor a queue, its frames freed. Shard lock held. */
+void cache_entry_release(struct cache *c, struct cache_entry *e);
+/* Free e's side record if nothing needs it any more (clean, idle, one
+ * block). Shard lock and export lock held. */
+void cache_entry_ext_trim(struct cache_export *ce, struct cache_entry *e);
+/* e's side record, allocated if it has none. Shard lock and export lock
+ * held; never fails (the pool has room for one per entry), aborts if the
+ * memory for it cannot be had. */
+struct cache_entry_ext *cache_entry_ext_get(struct cache_export *ce, struct cache_entry *e);
+/* The range node's entry i. */
+struct cache_entry *cache_range_entry(const struct cache_range *r, uint32_t i);
+/* e becomes the range node's only entry (a collapse); its array, if any,
+ * goes. Shard lock held. */
+void cache_range_set_one(struct cache_range *r, struct cache_entry *e);
 /* Collapse: the new entry ne takes the place of old[0..n) in the S3-FIFO
  * queues (main if any of them was there). Takes the evict lock. */
 void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t n,
@@ -291,10 +419,18 @@ void cache_entry_pin(struct cache_entry *e);
 void cache_entry_unpin(struct cache_entry *e);
 void cache_entry_touch(struct cache_entry *e);
 
-/* Per-block state; shard lock held. */
-uint64_t *cache_uptodate_map(struct cache_entry *e);
-uint64_t *cache_dirty_map(struct cache_entry *e);
-uint64_t *cache_busy_map(struct cache_entry *e);
+/*
+ * Per-block state; shard lock held. A map is bits of 32-bit words from a
+ * bit offset: a one-block entry keeps its three bits in the entry
+ * (inline_maps), a larger one in its side record. map_test/set/clear.
+ */
+struct cache_map {
+	uint32_t *w;
+	uint32_t shift;
+};
+struct cache_map cache_uptodate_map(struct cache_entry *e);
+struct cache_map cache_dirty_map(struct cache_entry *e);
+struct cache_map cache_busy_map(struct cache_entry *e);
 
 /* dirty.c: dirty and unstable state, and the export's lists */
 /* Mark blocks [first, first+count) dirty; keeps the dirty list and counts.
@@ -320,9 +456,112 @@ enum cache_list { CACHE_LIST_DIRTY, CACHE_LIST_UNSTABLE };
 int cache_list_pin(struct cache_export *ce, enum cache_list list, uint64_t seq,
 		   struct cache_entry ***out, size_t *count);
 
+/* ---- from a handle to the pools (internal.h's picture) ---- */
+
+static inline void *cache_pool_slot(const struct cache_pool *p, uint32_t i)
+{
+	return p->chunks[i >> p->shift] + (size_t)(i & ((1u << p->shift) - 1)) * p->slot_size;
+}
+
+static inline const struct cache_pool_header *cache_pool_header_of(const void *slot)
+{
+	return (const struct cache_pool_header *)((uintptr_t)slot &
+						  ~(uintptr_t)(CACHE_POOL_CHUNK_BYTES - 1));
+}
+
+static inline struct cache *cache_of_entry(const struct cache_entry *e)
+{
+	return cache_pool_header_of(e)->cache;
+}
+
+static inline uint32_t cache_entry_index(const struct cache_entry *e)
+{
+	const struct cache_pool_header *h = cache_pool_header_of(e);
+	uint32_t slot = (uint32_t)((const struct cache_entry *)e - (const struct cache_entry *)h);
+	return h->chunk << cache_of_entry(e)->entries.shift | slot;
+}
+
+static inline struct cache_entry *cache_entry_at(const struct cache *c, uint32_t i)
+{
+	return i ? (struct cache_entry *)cache_pool_slot(&c->entries, i) : NULL;
+}
+
+static inline struct cache_range *cache_range_at(const struct cache *c, uint32_t i)
+{
+	return i ? (struct cache_range *)cache_pool_slot(&c->ranges, i) : NULL;
+}
+
+static inline struct cache_range *cache_entry_range(const struct cache_entry *e)
+{
+	return cache_range_at(cache_of_entry(e), e->range);
+}
+
+static inline struct cache_export *cache_entry_export(const struct cache_entry *e)
+{
+	return cache_entry_range(e)->ce;
+}
+
+/* Device frame of the entry's first byte. */
+static inline uint64_t cache_entry_first_frame(const struct cache_entry *e)
+{
+	return cache_entry_range(e)->index << (CACHE_RANGE_SHIFT - ARENA_FRAME_SHIFT) | e->pos;
+}
+
+static inline uint32_t cache_entry_nblocks(const struct cache_entry *e)
+{
+	return (uint32_t)(((uint64_t)ARENA_FRAME_SIZE << e->order) >>
+			  cache_entry_export(e)->block_shift);
+}
+
+/* The side record, or NULL (clean one-block entry). Shard lock or export
+ * lock held. */
+static inline struct cache_entry_ext *cache_entry_ext(const struct cache_entry *e)
+{
+	return e->ext ? (struct cache_entry_ext *)cache_pool_slot(&cache_of_entry(e)->ext, e->ext)
+		      : NULL;
+}
+
+/* The dirty-only state, read through the side record. */
+static inline uint32_t cache_entry_ndirty(const struct cache_entry *e)
+{
+	const struct cache_entry_ext *x = cache_entry_ext(e);
+	return x ? x->ndirty : 0;
+}
+static inline bool cache_entry_writeback(const struct cache_entry *e)
+{
+	const struct cache_entry_ext *x = cache_entry_ext(e);
+	return x && x->writeback;
+}
+static inline bool cache_entry_on_dirty_list(const struct cache_entry *e)
+{
+	const struct cache_entry_ext *x = cache_entry_ext(e);
+	return x && x->on_dirty_list;
+}
+static inline bool cache_entry_on_unstable_list(const struct cache_entry *e)
+{
+	const struct cache_entry_ext *x = cache_entry_ext(e);
+	return x && x->on_unstable_list;
+}
+/* Unstable: the write-back sequence number; 0 when not. Export lock. */
+static inline uint64_t cache_entry_unstable_seq(const struct cache_entry *e)
+{
+	const struct cache_entry_ext *x = cache_entry_ext(e);
+	return x ? x->unstable_seq : 0;
+}
+static inline uint64_t cache_entry_dirty_since(const struct cache_entry *e)
+{
+	const struct cache_entry_ext *x = cache_entry_ext(e);
+	return x ? x->dirty_since : 0;
+}
+/* The next entry on the export's dirty list. Export lock held. */
+static inline struct cache_entry *cache_dirty_next(const struct cache_entry *e)
+{
+	return cache_entry_at(cache_of_entry(e), cache_entry_ext(e)->dirty_next);
+}
+
 static inline uint64_t cache_entry_offset(const struct cache_entry *e)
 {
-	return e->first_frame << ARENA_FRAME_SHIFT;
+	return cache_entry_first_frame(e) << ARENA_FRAME_SHIFT;
 }
 static inline uint64_t cache_entry_bytes(const struct cache_entry *e)
 {
@@ -340,6 +579,31 @@ static inline void cache_dirty_bytes_sub(struct cache_export *ce, uint64_t bytes
 {
 	atomic_fetch_sub(&ce->counters.dirty_bytes, bytes);
 	atomic_fetch_sub(&ce->cache->counters.dirty_bytes, bytes);
+}
+
+/* Bits of a map (struct cache_map). */
+static inline bool map_test(struct cache_map m, uint32_t i)
+{
+	i += m.shift;
+	return (m.w[i >> 5] >> (i & 31)) & 1;
+}
+static inline void map_set(struct cache_map m, uint32_t i)
+{
+	i += m.shift;
+	m.w[i >> 5] |= 1u << (i & 31);
+}
+static inline void map_clear(struct cache_map m, uint32_t i)
+{
+	i += m.shift;
+	m.w[i >> 5] &= ~(1u << (i & 31));
+}
+/* Any bit set among the first n. */
+static inline bool map_any(struct cache_map m, uint32_t n)
+{
+	for (uint32_t i = 0; i < n; i++)
+		if (map_test(m, i))
+			return true;
+	return false;
 }
 
 /* Bit helpers over uint64_t words. */

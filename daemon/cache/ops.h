@@ -108,7 +108,7 @@ static inline unsigned order_for_length(uint64_t length)
 static inline void piece_blocks(const struct cache_entry *e, uint64_t offset, uint64_t length,
 				uint32_t *first, uint32_t *last)
 {
-	unsigned shift = e->ce->block_shift;
+	unsigned shift = cache_entry_export(e)->block_shift;
 	uint64_t base = cache_entry_offset(e);
 	*first = (uint32_t)((offset - base) >> shift);
 	*last = (uint32_t)((offset + length - 1 - base) >> shift);
@@ -118,10 +118,11 @@ static inline void piece_blocks(const struct cache_entry *e, uint64_t offset, ui
 static inline void block_range(const struct cache_entry *e, uint32_t b, uint64_t *start,
 			       uint64_t *end)
 {
-	*start = cache_entry_offset(e) + ((uint64_t)b << e->ce->block_shift);
-	*end = *start + e->ce->block_size;
-	if (*end > e->ce->size)
-		*end = e->ce->size;
+	const struct cache_export *ce = cache_entry_export(e);
+	*start = cache_entry_offset(e) + ((uint64_t)b << ce->block_shift);
+	*end = *start + ce->block_size;
+	if (*end > ce->size)
+		*end = ce->size;
 }
 
 #endif

@@ -85,6 +85,7 @@ void cache_get_stats(struct cache *c, struct cache_stats *s)
 	pthread_mutex_unlock(&c->arena.lock);
 	s->entries = atomic_load(&k->entries);
 	s->metadata_bytes = atomic_load(&k->metadata_bytes);
+	s->arena_metadata_bytes = atomic_load(&k->arena_metadata_bytes);
 	struct cache_export_stats one;
 	pthread_mutex_lock(&c->exports_lock);
 	for (struct cache_export *ce = c->exports; ce; ce = ce->next) {
@@ -125,7 +126,8 @@ void cache_log_stats(struct cache *c)
 		 "misses=%llu partial_hits=%llu backend_reads=%llu backend_read_bytes=%llu "
 		 "backend_writes=%llu backend_write_bytes=%llu dirty_bytes=%llu evictions=%llu "
 		 "writeback_errors=%llu bypass_reads=%llu direct_writes=%llu throttled_writes=%llu "
-		 "metadata_bytes=%llu free_2m_bytes=%llu fragmentation=%llu "
+		 "metadata_bytes=%llu arena_metadata_bytes=%llu free_2m_bytes=%llu "
+		 "fragmentation=%llu "
 		 "free_bytes_by_order=%s large_bytes=%llu large_share=%llu alloc_2m_attempts=%llu "
 		 "alloc_2m_ok=%llu alloc_failures=%llu compact_moves=%llu compact_skipped_pinned=%llu "
 		 "compact_collapses=%llu compact_chunks_freed=%llu compact_passes=%llu "
@@ -140,6 +142,7 @@ void cache_log_stats(struct cache *c)
 		 (unsigned long long)s.traffic.writeback_errors, (unsigned long long)s.traffic.bypass_reads,
 		 (unsigned long long)s.traffic.direct_writes,
 		 (unsigned long long)s.traffic.throttled_writes, (unsigned long long)s.metadata_bytes,
+		 (unsigned long long)s.arena_metadata_bytes,
 		 (unsigned long long)s.free_2m_bytes, (unsigned long long)s.fragmentation, by_order,
 		 (unsigned long long)s.large_bytes, (unsigned long long)s.large_share,
 		 (unsigned long long)s.alloc_2m_attempts, (unsigned long long)s.alloc_2m_ok,

@@ -147,7 +147,7 @@ static void wb_op_put(struct wb_op *op)
 		return;
 	struct writeback *wb = op->wb;
 	struct cache *c = wb->cache;
-	struct cache_export *ce = op->m[0].e->ce;
+	struct cache_export *ce = cache_entry_export(op->m[0].e);
 	/* A connection was lost since the writes went: the server may have
 	 * acknowledged them and lost them, and a loss the flush rounds acted
 	 * on already may not have seen these blocks yet. Written again. */
@@ -157,20 +157,21 @@ static void wb_op_put(struct wb_op *op)
 		struct cache_entry *e = m->e;
 		struct cache_shard *sh =
 			cache_shard_for(c, ce, cache_entry_offset(e) >> CACHE_RANGE_SHIFT);
-		size_t words = (e->nblocks + 63) / 64;
 		pthread_mutex_lock(&sh->lock);
+		uint32_t nblocks = cache_entry_nblocks(e);
 		cache_dirty_bytes_sub(ce, m->bytes);
-		uint64_t *busy = cache_busy_map(e);
-		for (size_t w = 0; w < words; w++)
-			busy[w] &= ~m->bits[w];
+		struct cache_map busy = cache_busy_map(e);
+		for (uint32_t b = 0; b < nblocks; b++)
+			if (bit_test(m->bits, b))
+				map_clear(busy, b);
 		if (op->error || maybe_lost) {
-			for (uint32_t b = 0; b < e->nblocks; b++)
+			for (uint32_t b = 0; b < nblocks; b++)
 				if (bit_test(m->bits, b))
 					cache_mark_dirty(e, b, 1);
 		} else {
 			cache_mark_unstable(e, m->blocks, op->seq);
 		}
-		e->writeback = false;
+		cache_entry_ext(e)->writeback = false;
 		cache_dirty_list_update(e);
 		pthread_mutex_unlock(&sh->lock);
 		cache_entry_unpin(e);
@@ -211,7 +212,7 @@ static void wb_io_done(struct backend_io *io, int result)
 	if (result < 0 && !op->error)
 		op->error = result;
 	if (result >= 0) {
-		struct cache_export *ce = op->m[0].e->ce;
+		struct cache_export *ce = cache_entry_export(op->m[0].e);
 		uint64_t seq = atomic_fetch_add(&ce->backend_writes_done, 1) + 1;
 		if (seq > op->seq)
 			op->seq = seq;
@@ -229,10 +230,11 @@ static void wb_io_done(struct backend_io *io, int result)
  */
 static int claim_locked(struct wb_op *op, struct cache_entry *e)
 {
-	struct cache_export *ce = e->ce;
-	if (e->writeback)
+	struct cache_export *ce = cache_entry_export(e);
+	struct cache_entry_ext *x = cache_entry_ext(e);
+	if (x && x->writeback)
 		return -EBUSY;
-	if (e->ndirty == 0)
+	if (!x || x->ndirty == 0)
 		return 0;
 	pthread_mutex_lock(&ce->lock);
 	bool locked = cache_direct_overlaps(ce, cache_entry_offset(e), cache_entry_bytes(e));
@@ -247,29 +249,29 @@ static int claim_locked(struct wb_op *op, struct cache_entry *e)
 		op->m = m;
 		op->cap = cap;
 	}
-	size_t words = (e->nblocks + 63) / 64;
-	uint64_t *bits = malloc(words * sizeof(uint64_t));
+	uint32_t nblocks = cache_entry_nblocks(e);
+	uint64_t *bits = calloc((nblocks + 63) / 64, sizeof(uint64_t));
 	if (!bits)
 		return -ENOMEM;
-	uint64_t *dirty = cache_dirty_map(e), *busy = cache_busy_map(e);
+	struct cache_map dirty = cache_dirty_map(e), busy = cache_busy_map(e);
 	uint32_t taken = 0;
-	for (size_t w = 0; w < words; w++) {
-		bits[w] = dirty[w] & ~busy[w];
-		taken += (uint32_t)__builtin_popcountll(bits[w]);
+	for (uint32_t b = 0; b < nblocks; b++) {
+		if (map_test(dirty, b) && !map_test(busy, b)) {
+			bit_set(bits, b);
+			map_clear(dirty, b);
+			map_set(busy, b);
+			taken++;
+		}
 	}
 	if (taken == 0) {
 		free(bits);
 		return -EBUSY;
 	}
-	for (size_t w = 0; w < words; w++) {
-		dirty[w] &= ~bits[w];
-		busy[w] |= bits[w];
-	}
 	/* The data is not on the backend yet: it stays in dirty_bytes (the
 	 * watermarks and the stats) until the write completes. */
-	e->ndirty -= taken;
+	x->ndirty -= taken;
 	uint64_t bytes = (uint64_t)taken << ce->block_shift;
-	e->writeback = true;
+	x->writeback = true;
 	cache_entry_pin(e);
 	op->m[op->n++] = (struct wb_member){e, arena_address(&ce->cache->arena, e->frame), bits,
 					    taken, bytes};
@@ -287,10 +289,10 @@ static void group_extend(struct wb_op *op)
 	struct cache *c = op->wb->cache;
 	while (op->n < WB_GROUP_MAX && op->bytes < WB_GROUP_MAX_BYTES) {
 		struct wb_member *last = &op->m[op->n - 1];
-		struct cache_export *ce = last->e->ce;
-		if (!bit_test(last->bits, last->e->nblocks - 1))
+		struct cache_export *ce = cache_entry_export(last->e);
+		if (!bit_test(last->bits, cache_entry_nblocks(last->e) - 1))
 			return;
-		uint64_t next = last->e->first_frame + (1ull << last->e->order);
+		uint64_t next = cache_entry_first_frame(last->e) + (1ull << last->e->order);
 		if (next << ARENA_FRAME_SHIFT >= ce->size)
 			return;
 		struct cache_shard *sh =
@@ -298,8 +300,9 @@ static void group_extend(struct wb_op *op)
 		pthread_mutex_lock(&sh->lock);
 		struct cache_entry *e = cache_lookup(ce, sh, next);
 		int rc = 0;
-		if (e && e->first_frame == next && !e->writeback && e->ndirty &&
-		    bit_test(cache_dirty_map(e), 0) && !bit_test(cache_busy_map(e), 0))
+		if (e && cache_entry_first_frame(e) == next && !cache_entry_writeback(e) &&
+		    cache_entry_ndirty(e) && map_test(cache_dirty_map(e), 0) &&
+		    !map_test(cache_busy_map(e), 0))
 			rc = claim_locked(op, e);
 		pthread_mutex_unlock(&sh->lock);
 		if (rc <= 0)
@@ -309,11 +312,11 @@ static void group_extend(struct wb_op *op)
 /* Write the run from (i0, b0) up to (i1, b1) exclusive: one backend write. */
 static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, uint32_t b1)
 {
-	struct cache_export *ce = op->m[0].e->ce;
+	struct cache_export *ce = cache_entry_export(op->m[0].e);
 	unsigned shift = ce->block_shift;
 	if (b1 == 0 && i1 > i0) { /* ends at an entry boundary */
 		i1--;
-		b1 = op->m[i1].e->nblocks;
+		b1 = cache_entry_nblocks(op->m[i1].e);
 	}
 	uint64_t off = cache_entry_offset(op->m[i0].e) + ((uint64_t)b0 << shift);
 	uint64_t end = cache_entry_offset(op->m[i1].e) + ((uint64_t)b1 << shift);
@@ -336,7 +339,8 @@ static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, u
 		unsigned k = 0;
 		for (unsigned i = i0; i <= i1; i++) {
 			struct wb_member *m = &op->m[i];
-			uint32_t from = i == i0 ? b0 : 0, to = i == i1 ? b1 : m->e->nblocks;
+			uint32_t from = i == i0 ? b0 : 0,
+				 to = i == i1 ? b1 : cache_entry_nblocks(m->e);
 			size_t n = (size_t)(to - from) << shift;
 			if (at + n > end - off)
 				n = (size_t)(end - off) - at;
@@ -387,7 +391,7 @@ static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, u
 int writeback_entry(struct writeback *wb, struct cache_entry *e, struct flush_job *job)
 {
 	struct cache *c = wb->cache;
-	struct cache_export *ce = e->ce;
+	struct cache_export *ce = cache_entry_export(e);
 	struct wb_op *op = calloc(1, sizeof(*op));
 	if (!op)
 		return -ENOMEM;
@@ -415,7 +419,7 @@ int writeback_entry(struct writeback *wb, struct cache_entry *e, struct flush_jo
 	uint32_t rb = 0;
 	for (unsigned i = 0; i < op->n && !op->error; i++) {
 		struct wb_member *m = &op->m[i];
-		for (uint32_t b = 0; b < m->e->nblocks; b++) {
+		for (uint32_t b = 0, nb = cache_entry_nblocks(m->e); b < nb; b++) {
 			bool dirty = bit_test(m->bits, b);
 			if (dirty && !in_run) {
 				in_run = true;
@@ -432,7 +436,7 @@ int writeback_entry(struct writeback *wb, struct cache_entry *e, struct flush_jo
 	}
 	if (in_run && !op->error) {
 		unsigned last = op->n - 1;
-		if (submit_run(op, ri, rb, last, op->m[last].e->nblocks) < 0)
+		if (submit_run(op, ri, rb, last, cache_entry_nblocks(op->m[last].e)) < 0)
 			op->error = -ENOMEM;
 	}
 	uring_submit(&wb->thread.ring);
@@ -484,10 +488,10 @@ static void background_pass_once(struct writeback *wb)
 		pthread_mutex_lock(&ce->lock);
 		if (!ce->writeback_failing || now >= ce->retry_at) {
 			for (struct cache_entry *e = ce->dirty_head;
-			     e && n < WB_MAX_INFLIGHT - wb->inflight; e = e->dirty_next) {
-				if (!drain && now - e->dirty_since < c->dirty_expire_ns)
+			     e && n < WB_MAX_INFLIGHT - wb->inflight; e = cache_dirty_next(e)) {
+				if (!drain && now - cache_entry_dirty_since(e) < c->dirty_expire_ns)
 					break; /* the list is oldest first */
-				if (e->writeback)
+				if (cache_entry_writeback(e))
 					continue;
 				cache_entry_pin(e); /* on the dirty list: see cache.h */
 				batch[n++] = e;
