@@ -157,6 +157,26 @@ void pieces_release(struct cache_op *op)
 	op->npieces = op->pieces_cap = 0;
 }
 
+/* Dirty data above a high watermark (the export's or the cache's): get
+ * writeback going. */
+static void kick_if_above_high(struct cache_export *ce)
+{
+	struct cache *c = ce->cache;
+	if (atomic_load(&c->counters.dirty_bytes) > c->dirty_high ||
+	    atomic_load(&ce->counters.dirty_bytes) > atomic_load(&ce->dirty_high))
+		cache_kick_writeback(c);
+}
+
+/* The blocks of piece p's entry it covers, and its shard, locked. */
+static struct cache_shard *piece_lock(struct cache_export *ce, const struct cache_piece *p,
+				      uint32_t *first, uint32_t *last)
+{
+	piece_blocks(p->entry, p->offset, p->length, first, last);
+	struct cache_shard *sh = shard_of(ce, p->offset);
+	pthread_mutex_lock(&sh->lock);
+	return sh;
+}
+
 /* Is every block of e that [offset, offset+length) touches uptodate?
  * Shard lock held. */
 static bool range_uptodate(struct cache_entry *e, uint64_t offset, uint64_t length)
@@ -429,9 +449,7 @@ static bool write_commit(struct cache_op *op, bool *blocked)
 			continue; /* committed already (ready cleared) or not yet examined */
 		struct cache_entry *e = p->entry;
 		uint32_t first, last;
-		piece_blocks(e, p->offset, p->length, &first, &last);
-		struct cache_shard *sh = shard_of(ce, p->offset);
-		pthread_mutex_lock(&sh->lock);
+		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
 		struct cache_map uptodate = cache_uptodate_map(e), busy = cache_busy_map(e);
 		bool ok = true;
 		for (uint32_t b = first; b <= last && ok; b++) {
@@ -510,10 +528,7 @@ void cached_step(struct cache_op *op)
 				op->rerun = true;
 			return;
 		}
-		struct cache *c = op->ce->cache;
-		if (atomic_load(&c->counters.dirty_bytes) > c->dirty_high ||
-		    atomic_load(&op->ce->counters.dirty_bytes) > atomic_load(&op->ce->dirty_high))
-			cache_kick_writeback(c);
+		kick_if_above_high(op->ce);
 		pieces_release(op);
 		op_finish(op, 0);
 		return;
@@ -616,9 +631,7 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 	    ((end & (ce->block_size - 1)) && end != ce->size))
 		return -EAGAIN;
 	/* Above the high watermark, writes take the path that waits for writeback. */
-	struct cache *c = ce->cache;
-	if (atomic_load(&c->counters.dirty_bytes) > c->dirty_high ||
-	    atomic_load(&ce->counters.dirty_bytes) > atomic_load(&ce->dirty_high))
+	if (throttle_over_high(ce))
 		return -EAGAIN;
 	int rc = pieces_build(op, true, true);
 	size_t marked = 0; /* pieces [0, marked) have their blocks busy */
@@ -626,9 +639,7 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 		struct cache_piece *p = &op->pieces[i];
 		struct cache_entry *e = p->entry;
 		uint32_t first, last;
-		piece_blocks(e, p->offset, p->length, &first, &last);
-		struct cache_shard *sh = shard_of(ce, p->offset);
-		pthread_mutex_lock(&sh->lock);
+		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
 		struct cache_map busy = cache_busy_map(e), dirty = cache_dirty_map(e);
 		/* Unflushed data may be overwritten only by a payload that cannot
 		 * be cut short: one already received whole. */
@@ -648,15 +659,13 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 		for (size_t j = 0; j < marked; j++) {
 			struct cache_piece *p = &op->pieces[j];
 			uint32_t first, last;
-			piece_blocks(p->entry, p->offset, p->length, &first, &last);
-			struct cache_shard *sh = shard_of(ce, p->offset);
-			pthread_mutex_lock(&sh->lock);
+			struct cache_shard *sh = piece_lock(ce, p, &first, &last);
 			for (uint32_t b = first; b <= last; b++)
 				map_clear(cache_busy_map(p->entry), b);
 			pthread_mutex_unlock(&sh->lock);
 		}
 		if (marked)
-			cache_waitq_wake(c);
+			cache_waitq_wake(ce->cache);
 		pieces_release(op);
 		return -EAGAIN;
 	}
@@ -669,11 +678,9 @@ void cache_write_end(struct cache_op *op, uint64_t received)
 	for (size_t i = 0; i < op->npieces; i++) {
 		struct cache_piece *p = &op->pieces[i];
 		struct cache_entry *e = p->entry;
-		uint32_t first, last;
-		piece_blocks(e, p->offset, p->length, &first, &last);
 		bool whole = received == op->length;
-		struct cache_shard *sh = shard_of(ce, p->offset);
-		pthread_mutex_lock(&sh->lock);
+		uint32_t first, last;
+		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
 		struct cache_map uptodate = cache_uptodate_map(e), busy = cache_busy_map(e);
 		for (uint32_t b = first; b <= last; b++) {
 			map_clear(busy, b);
@@ -690,10 +697,7 @@ void cache_write_end(struct cache_op *op, uint64_t received)
 	}
 	cache_waitq_wake(ce->cache);
 	pieces_release(op);
-	struct cache *c = ce->cache;
-	if (atomic_load(&c->counters.dirty_bytes) > c->dirty_high ||
-	    atomic_load(&ce->counters.dirty_bytes) > atomic_load(&ce->dirty_high))
-		cache_kick_writeback(c);
+	kick_if_above_high(ce);
 	if (received == op->length)
 		atomic_fetch_add(&ce->counters.writes_in_place, 1);
 	op_finish(op, received == op->length ? 0 : -ECONNRESET);

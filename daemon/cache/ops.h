@@ -69,6 +69,9 @@ void pieces_release(struct cache_op *op);
  * (dirty data above a high watermark)? true: it is OP_STAGE_THROTTLED and
  * op_run steps it with throttle_step. */
 bool throttle_write(struct cache_op *op);
+/* Is dirty data above the high watermark, ce's or the cache's (not counting
+ * exports whose writeback is failing)? Where a WRITE would wait. */
+bool throttle_over_high(struct cache_export *ce);
 /* One step of a throttled WRITE: wait, or admit it (cached_write_room). */
 void throttle_step(struct cache_op *op);
 /* The writeback thread's tick: wake throttled writes so they look again

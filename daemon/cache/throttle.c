@@ -49,7 +49,7 @@
  * cache's count, the dirty data of exports whose writeback is failing
  * does not hold the others back: waiting would not bring it down.
  */
-static bool over_high(struct cache_export *ce)
+bool throttle_over_high(struct cache_export *ce)
 {
 	struct cache *c = ce->cache;
 	if (atomic_load(&ce->counters.dirty_bytes) > atomic_load(&ce->dirty_high))
@@ -75,7 +75,7 @@ static bool may_pass(struct cache_op *op)
 {
 	struct cache_export *ce = op->ce;
 	struct cache *c = ce->cache;
-	if (!over_high(ce) || !c->kick.worker || ce->writeback_failing) /* racy peeks: hints */
+	if (!throttle_over_high(ce) || !c->kick.worker || ce->writeback_failing) /* racy peeks: hints */
 		return true;
 	uint64_t done = atomic_load(&c->writebacks_done), now = cache_now_ns();
 	if (done != op->throttle_seen) {
@@ -88,7 +88,7 @@ static bool may_pass(struct cache_op *op)
 bool throttle_write(struct cache_op *op)
 {
 	struct cache_export *ce = op->ce;
-	if (!over_high(ce) || !ce->cache->kick.worker || ce->writeback_failing)
+	if (!throttle_over_high(ce) || !ce->cache->kick.worker || ce->writeback_failing)
 		return false;
 	op->throttle_seen = atomic_load(&ce->cache->writebacks_done);
 	op->throttle_seen_ns = cache_now_ns();

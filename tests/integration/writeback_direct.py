@@ -211,16 +211,21 @@ def check_tmpfs(tmp):
         check_file(tmp, os.path.join(d, "disk.img"), False)
 
 
+def slow_backend_daemon(tmp, fs, total, cache_size):
+    """A daemon over a file of total bytes in fs, 200 ms per backend
+    operation: dirty-high 25%, dirty-low 10%, nothing expires."""
+    with open(fs.source("disk.img"), "wb") as f:
+        f.truncate(total)
+    fs.set("delay-ms 200")
+    return nbdtest.Daemon([("disk", fs.path("disk.img"), "")], workdir=tmp,
+                          extra=["--cache-size", cache_size, "--dirty-high", "25",
+                                 "--dirty-low", "10", "--dirty-expire", "3600"])
+
+
 def check_throttle(tmp):
     total = 192 * MIB
     with faults.FaultFS(tmp) as fs:
-        path = fs.path("disk.img")
-        with open(fs.source("disk.img"), "wb") as f:
-            f.truncate(total)
-        fs.set("delay-ms 200")
-        d = nbdtest.Daemon([("disk", path, "")], workdir=tmp,
-                           extra=["--cache-size", "64M", "--dirty-high", "25",
-                                  "--dirty-low", "10", "--dirty-expire", "3600"])
+        d = slow_backend_daemon(tmp, fs, total, "64M")
         with d:
             high = 16 * MIB
             h = nbdtest.libnbd_handle(d.unix_uri("disk"))
@@ -302,13 +307,7 @@ def check_throttle_fail(tmp):
     durable."""
     total = 48 * MIB
     with faults.FaultFS(tmp) as fs:
-        path = fs.path("disk.img")
-        with open(fs.source("disk.img"), "wb") as f:
-            f.truncate(total)
-        fs.set("delay-ms 200")
-        d = nbdtest.Daemon([("disk", path, "")], workdir=tmp,
-                           extra=["--cache-size", "16M", "--dirty-high", "25",
-                                  "--dirty-low", "10", "--dirty-expire", "3600"])
+        d = slow_backend_daemon(tmp, fs, total, "16M")
         with d:
             h = nbdtest.libnbd_handle(d.unix_uri("disk"))
             rnd = random.Random(5)
