@@ -437,6 +437,7 @@ def run_metadata(h, args, tmp, path):
                 h.run_fio("metadata-%s" % kind, uri, region, opts, 0, tmp)
                 full = h.durability.ctl_stats(h, control)["cache"]
             out[kind] = {"empty_meta": empty["metadata_bytes"], "meta": full["metadata_bytes"],
+                         "arena_meta": full.get("arena_metadata_bytes", 0),
                          "used": full["used_bytes"], "entries": full["entries"],
                          "large_share": full.get("arena", {}).get("large_share")}
         except (RuntimeError, subprocess.TimeoutExpired, KeyError) as e:
@@ -463,13 +464,19 @@ def print_metadata(res):
             100.0 * r["meta"] / r["used"] if r["used"] else float("nan"),
             "%.1f" % (r["meta"] / ent) if ent else "n/a",
             "%.1f" % ((r["meta"] - r["empty_meta"]) / ent) if ent else "n/a"))
+    # The index (metadata_bytes), and with the arena's own tables
+    # (arena_metadata_bytes: free lists, frame states, owners, fixed by the
+    # cache size): all the memory the cache needs besides the arena.
     for kind, label in (("4k", "4 KiB entries"), ("2m", "2 MiB entries")):
         r = res.get(kind)
-        ratio = r["meta"] / r["used"] if isinstance(r, dict) and r["used"] else None
+        ok = isinstance(r, dict) and r["used"]
         bound = METADATA_TARGETS[kind]
-        print("TARGET metadata_bytes/cached bytes, %s <= %g%%: %s %s" % (
-            label, 100 * bound, "n/a" if ratio is None else "%.4f%%" % (100 * ratio),
-            verdict(ratio, "max", bound)))
+        for what, ratio in (("metadata_bytes", r["meta"] / r["used"] if ok else None),
+                            ("metadata_bytes + arena_metadata_bytes",
+                             (r["meta"] + r["arena_meta"]) / r["used"] if ok else None)):
+            print("TARGET %s / cached bytes, %s <= %g%%: %s %s" % (
+                what, label, 100 * bound, "n/a" if ratio is None else "%.4f%%" % (100 * ratio),
+                verdict(ratio, "max", bound)))
 
 
 # ---------------------------------------------------------------- main
