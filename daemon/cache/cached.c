@@ -35,9 +35,10 @@
  * so no fill, writeback or other write touches them); the connection then
  * reads the payload from the socket straight into the entries, and
  * cache_write_end() marks the blocks uptodate and dirty. No copy of the
- * payload is made. A payload that never fully arrives must change
- * nothing: every block of the range loses its uptodate bit, and since
- * they were all clean the backend holds what they held. (That is why
+ * payload is made. Meanwhile the blocks are not uptodate (a READ of them
+ * waits for the end, never sees a payload half arrived), and a payload
+ * that never fully arrives changes nothing: the blocks stay not
+ * uptodate, and since they were all clean the backend holds their data. (That is why
  * dirty blocks are received into only from a payload already received
  * whole, which cannot be cut short: a torn one would lose their data.
  * Another WRITE over dirty blocks is read into a buffer of its own and
@@ -649,13 +650,24 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 			if (map_test(busy, b) || (!payload_here && map_test(dirty, b)))
 				rc = -EAGAIN; /* a fill, writeback or write is on it, or unflushed data */
 		if (rc == 0) {
-			for (uint32_t b = first; b <= last; b++)
+			/* Arriving from the network, the payload is in the blocks a
+			 * while, part new, part old: readers must not see that (a
+			 * WRITE that then fails would have flickered into view).
+			 * Not uptodate and busy, the blocks make a READ wait for
+			 * the end; they are clean, so the backend has their data.
+			 * A payload here already is copied at once, like any. */
+			struct cache_map uptodate = cache_uptodate_map(e);
+			for (uint32_t b = first; b <= last; b++) {
 				map_set(busy, b);
+				if (!payload_here)
+					map_clear(uptodate, b);
+			}
 			marked++;
 		}
 		pthread_mutex_unlock(&sh->lock);
 	}
 	if (rc < 0) {
+		/* (Blocks that lost uptodate above stay so: they are clean.) */
 		for (size_t j = 0; j < marked; j++) {
 			struct cache_piece *p = &op->pieces[j];
 			uint32_t first, last;

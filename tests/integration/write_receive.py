@@ -14,7 +14,8 @@ still arriving:
               paths were taken (writes_in_place moved, and not for all)
   truncated   a WRITE cut off after half its payload by the client closing
               changes nothing, whether its blocks were uncached, cached
-              clean (the in-place path) or dirty (the buffer path): READ and
+              clean (the in-place path) or dirty (the buffer path): a READ
+              from another connection while the half is in, READ after, and
               the file after FLUSH show the old bytes
   rewrite     4 KiB WRITEs over dirty blocks, each sent whole with its
               header: received in place (the payload cannot be cut short
@@ -170,7 +171,18 @@ def truncated(d, path, model, offset, state):
     _, hdr = write_header(r, offset, n)
     r.send(hdr + b"\xee" * (n // 2))
     time.sleep(0.2)
+    # Another connection reads the range while the payload is half in: it
+    # must never see the half (it waits, or reads what was there).
+    seen = []
+    reader = threading.Thread(target=lambda: seen.append(libnbd_read(d, offset, n)))
+    reader.start()
+    time.sleep(0.2)
     r.close()
+    reader.join(30)
+    expect(seen and seen[0] == bytes(model[offset:offset + n]),
+           "%s blocks read by another connection while a WRITE's payload was half in: %s" % (
+               state, nbdtest.describe_diff(seen[0], bytes(model[offset:offset + n]), offset)
+               if seen else "no reply within 30 s"))
     # The server notices the close; the request ends without touching data.
     deadline = time.time() + 10
     while time.time() < deadline:
