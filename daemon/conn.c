@@ -587,7 +587,8 @@ static void conn_on_readable(evutil_socket_t fd, short what, void *arg)
 	/* The bufferevent keeps its input's end frozen but while it reads. */
 	evbuffer_unfreeze(in, 0);
 	if (!c->closing) {
-		nev = evbuffer_reserve_space(in, k->left ? 4096 : CONN_READ_CHUNK, ev, 2);
+		nev = evbuffer_reserve_space(in, k->left ? 4096 : CONN_READ_SIZE(c->read_shift), ev,
+					     2);
 		if (nev < 0)
 			nev = 0;
 		for (int i = 0; i < nev; i++) {
@@ -607,6 +608,13 @@ static void conn_on_readable(evutil_socket_t fd, short what, void *arg)
 		return;
 	}
 	size_t rest = (size_t)got;
+	if (!want) {
+		size_t asked = CONN_READ_SIZE(c->read_shift);
+		if (rest >= asked && c->read_shift < CONN_READ_MAX_SHIFT)
+			c->read_shift++;
+		else if (rest < asked / 4 && c->read_shift > CONN_READ_MIN_SHIFT)
+			c->read_shift--;
+	}
 	if (want) {
 		size_t to_sink = rest < want ? rest : (size_t)want;
 		sink_advance(k, to_sink);
@@ -910,6 +918,7 @@ int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *
 	c->reading = true;
 	/* Plaintext: the socket is read by conn_on_readable (STARTTLS hands
 	 * reading back to the bufferevent, conn_set_filter). */
+	c->read_shift = CONN_READ_MIN_SHIFT;
 	c->reader = event_new(w->base, fd, EV_READ | EV_PERSIST, conn_on_readable, c);
 	if (c->reader) {
 		c->reader_on = true;

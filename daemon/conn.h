@@ -101,6 +101,12 @@ struct conn;
  * evbuffer chain of 256 KiB with its header): libevent's own reads are
  * 4 KiB each, with an ioctl(FIONREAD) before every one. */
 #define CONN_READ_CHUNK ((256u << 10) - 256u)
+/* ... or less: a read that fills what it asked for doubles the next, from
+ * 16 KiB up to CONN_READ_CHUNK; one that fills less than a quarter halves
+ * it (small requests one at a time do not allocate 256 KiB per read). */
+#define CONN_READ_MIN_SHIFT 2 /* 16 KiB (4 KiB << 2) */
+#define CONN_READ_MAX_SHIFT 6 /* 256 KiB */
+#define CONN_READ_SIZE(shift) ((4096u << (shift)) - 256u)
 /* At most this many segments of a sink in one readv. */
 #define CONN_SINK_IOV 64
 
@@ -167,6 +173,7 @@ struct conn {
 	struct event *reader;
 	bool reader_on;
 	struct conn_sink sink;
+	unsigned read_shift; /* the reader's next read: CONN_READ_SIZE(read_shift) */
 
 	/* The daemon-wide budget (budget.h). */
 	uint64_t reserved; /* reply bytes reserved for requests not answered yet */
