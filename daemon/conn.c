@@ -543,6 +543,18 @@ bool conn_sink_start(struct conn *c, const struct iovec *iov, size_t niov, uint6
 	return false;
 }
 
+/* The sink got bytes: the stall clock; once full, handed back (its request
+ * may prepare backend I/O on the ring, submitted here). True when full. */
+static bool sink_moved(struct conn *c)
+{
+	conn_payload_progress(c, (size_t)c->sink.filled, false);
+	if (c->sink.left)
+		return false;
+	conn_sink_end(c);
+	uring_submit(&c->worker->ring);
+	return true;
+}
+
 /*
  * The input buffer got bytes: a sink takes its own first (under TLS, the
  * filter decrypted them there), then the phase reads what follows.
@@ -551,11 +563,8 @@ static void conn_input_ready(struct conn *c)
 {
 	if (c->sink.left) {
 		sink_from_input(c);
-		conn_payload_progress(c, (size_t)c->sink.filled, false);
-		if (c->sink.left)
+		if (!sink_moved(c))
 			return;
-		conn_sink_end(c);
-		uring_submit(&c->worker->ring);
 	}
 	if (c->bev && !c->closing)
 		c->on_input(c);
@@ -629,14 +638,8 @@ static void conn_on_readable(evutil_socket_t fd, short what, void *arg)
 		evbuffer_commit_space(in, ev, nev);
 	evbuffer_freeze(in, 0);
 	conn_ref(c);
-	if (want) {
-		conn_payload_progress(c, (size_t)k->filled, false);
-		if (!k->left) {
-			conn_sink_end(c);
-			/* Its request may have prepared backend I/O on the ring. */
-			uring_submit(&c->worker->ring);
-		}
-	}
+	if (want)
+		sink_moved(c);
 	if (c->bev && !c->closing && !k->left && evbuffer_get_length(in))
 		c->on_input(c);
 	conn_unref(c);
