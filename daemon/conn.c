@@ -250,6 +250,8 @@ void conn_unref(struct conn *c)
 		event_free(c->hangup);
 	if (c->reader)
 		event_free(c->reader);
+	if (c->writer)
+		event_free(c->writer);
 	free(c);
 }
 
@@ -275,6 +277,9 @@ void conn_kill(struct conn *c, const char *why)
 	if (c->reader)
 		event_del(c->reader);
 	c->reader_on = false;
+	if (c->writer)
+		event_del(c->writer);
+	c->write_queued = false;
 	/* A payload half received: its request ends without a reply. */
 	if (c->sink.left)
 		conn_sink_end(c);
@@ -451,6 +456,11 @@ static void conn_on_output(struct evbuffer *buf, const struct evbuffer_cb_info *
 		conn_output_moved(c, info->n_deleted);
 	if (!info->n_added)
 		return;
+	if (c->writer && !c->write_queued &&
+	    !(bufferevent_get_enabled(c->bev) & EV_WRITE)) {
+		c->write_queued = true;
+		event_active(c->writer, 0, 0);
+	}
 	if (info->orig_size == 0) {
 		c->output_moved_ns = clock_now_ns();
 		c->output_moved_bytes = 0;
@@ -658,6 +668,13 @@ int conn_set_filter(struct conn *c, struct bufferevent *filter)
 		c->reader_on = false;
 		bufferevent_enable(c->bev, EV_READ);
 	}
+	/* ... and writes it: the ciphertext, after what plaintext is queued. */
+	if (c->writer) {
+		event_free(c->writer);
+		c->writer = NULL;
+		c->write_queued = false;
+		bufferevent_enable(c->bev, EV_WRITE);
+	}
 	evbuffer_remove_cb_entry(bufferevent_get_output(c->bev), c->output_cb);
 	c->output_cb = cb;
 	c->bev = filter;
@@ -835,16 +852,56 @@ static void conn_on_read(struct bufferevent *bev, void *arg)
 	conn_unref(c);
 }
 
-static void conn_on_write(struct bufferevent *bev, void *arg)
+/* Replies drained: what it holds may fit its reserve now. */
+static void conn_output_drained(struct conn *c)
 {
-	(void)bev;
-	struct conn *c = arg;
-	conn_ref(c);
-	/* Its own replies drained: what it holds may fit its reserve now. */
 	if (c->budget_waiting && budget_fits(c->budget_cost, conn_held(c)))
 		conn_stop_waiting(c);
 	else
 		conn_update_reading(c);
+}
+
+static void conn_on_write(struct bufferevent *bev, void *arg)
+{
+	struct conn *c = arg;
+	conn_ref(c);
+	/* The socket took all of it: the writer (conn_on_writable) again. */
+	if (c->writer && !evbuffer_get_length(bufferevent_get_output(bev)))
+		bufferevent_disable(bev, EV_WRITE);
+	conn_output_drained(c);
+	conn_unref(c);
+}
+
+/*
+ * Replies were queued (conn_on_output made this event active, so it runs
+ * once this round of events is done, after every request the round read):
+ * one writev for all of them, straight away. Only what the socket will not
+ * take now goes to the bufferevent, which waits for EPOLLOUT. Without this
+ * every reply batch cost an epoll_ctl to watch for EPOLLOUT, an epoll_wait
+ * that reported it, and another epoll_ctl to stop watching.
+ */
+static void conn_on_writable(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	struct conn *c = arg;
+	c->write_queued = false;
+	if (!c->bev)
+		return;
+	struct evbuffer *out = bufferevent_get_output(c->bev);
+	conn_ref(c);
+	/* The bufferevent keeps its output's start frozen but while it writes. */
+	evbuffer_unfreeze(out, 1);
+	errno = 0;
+	int n = evbuffer_write(out, conn_fd(c));
+	int err = errno;
+	evbuffer_freeze(out, 1);
+	if (n < 0 && err != EAGAIN && err != EWOULDBLOCK && err != EINTR)
+		conn_kill(c, strerror(err ? err : EIO));
+	else if (evbuffer_get_length(out))
+		bufferevent_enable(c->bev, EV_WRITE);
+	else
+		conn_output_drained(c);
 	conn_unref(c);
 }
 
@@ -923,10 +980,16 @@ int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *
 	 * reading back to the bufferevent, conn_set_filter). */
 	c->read_shift = CONN_READ_MIN_SHIFT;
 	c->reader = event_new(w->base, fd, EV_READ | EV_PERSIST, conn_on_readable, c);
+	c->writer = c->reader ? event_new(w->base, -1, 0, conn_on_writable, c) : NULL;
 	if (c->reader) {
 		c->reader_on = true;
 		event_add(c->reader, NULL);
-		bufferevent_enable(c->bev, EV_WRITE);
+		/* ... and written by conn_on_writable, the bufferevent's writes
+		 * only while the socket is full. */
+		if (!c->writer)
+			bufferevent_enable(c->bev, EV_WRITE);
+		else
+			bufferevent_disable(c->bev, EV_WRITE);
 	} else {
 		bufferevent_enable(c->bev, EV_READ | EV_WRITE);
 	}

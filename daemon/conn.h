@@ -172,6 +172,11 @@ struct conn {
 	 * time, sinks by readv), not by the bufferevent, which only writes. */
 	struct event *reader;
 	bool reader_on;
+	/* ... and written by it (conn_on_writable, made active when replies
+	 * are queued); the bufferevent writes only what the socket would not
+	 * take then. NULL under TLS. */
+	struct event *writer;
+	bool write_queued;
 	struct conn_sink sink;
 	unsigned read_shift; /* the reader's next read: CONN_READ_SIZE(read_shift) */
 
