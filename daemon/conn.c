@@ -1,18 +1,15 @@
 /*
  * daemon/conn.c: connection lifetime and the read loop (see conn.h).
  *
- * The read callback hands the input buffer to c->on_input (session.c,
- * which runs the phase's step function until it needs more bytes). A
- * plaintext connection reads its socket itself (conn_on_readable): up to
- * CONN_READ_CHUNK into the input buffer per readv, and a payload that has
- * a sink (conn_sink_start: a WRITE received straight into the cache's
- * arena) straight into the sink, in the same readv as the bytes after it.
- * Under TLS the bufferevent reads (the filter decrypts into the input
- * buffer) and a sink is filled from the input buffer. Reading
- * pauses while too many requests or too many reply bytes are pending, or
- * while the daemon-wide budget refuses the connection, and resumes from
- * conn_update_reading() when replies complete, the output drains or the
- * budget has room again; input already buffered goes to c->on_input then.
+ * The phase gets its input through c->on_input (session.c, which runs the
+ * phase's step function until it needs more bytes). A plaintext
+ * connection reads and writes its socket itself (conn_socket.c); under TLS
+ * the bufferevent reads (the filter decrypts into the input buffer) and
+ * writes. Reading pauses while too many requests or too many reply bytes
+ * are pending, or while the daemon-wide budget refuses the connection, and
+ * resumes from conn_update_reading() when replies complete, the output
+ * drains or the budget has room again; input already buffered goes to
+ * c->on_input then.
  *
  * The output buffer's callback keeps two facts: what it holds, in the
  * budget (conn_output_sync), and when the replies last moved, for the
@@ -34,10 +31,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include "daemon/budget.h"
+#include "daemon/conn_internal.h"
 #include "daemon/clock.h"
 #include "daemon/export.h"
 #include "daemon/log.h"
@@ -456,8 +453,7 @@ static void conn_on_output(struct evbuffer *buf, const struct evbuffer_cb_info *
 		conn_output_moved(c, info->n_deleted);
 	if (!info->n_added)
 		return;
-	if (c->writer && !c->write_queued &&
-	    !(bufferevent_get_enabled(c->bev) & EV_WRITE)) {
+	if (c->writer && !c->write_queued && !(bufferevent_get_enabled(c->bev) & EV_WRITE)) {
 		c->write_queued = true;
 		event_active(c->writer, 0, 0);
 	}
@@ -480,180 +476,6 @@ void conn_output_moved(struct conn *c, size_t n)
 static void conn_on_read(struct bufferevent *bev, void *arg);
 static void conn_on_write(struct bufferevent *bev, void *arg);
 static void conn_on_event(struct bufferevent *bev, short what, void *arg);
-
-/* Reading on or off: the connection's own reader, or the bufferevent's. */
-static void conn_read_set(struct conn *c, bool on)
-{
-	if (c->reader) {
-		if (on == c->reader_on)
-			return;
-		c->reader_on = on;
-		if (on)
-			event_add(c->reader, NULL);
-		else
-			event_del(c->reader);
-	} else if (on) {
-		bufferevent_enable(c->bev, EV_READ);
-	} else {
-		bufferevent_disable(c->bev, EV_READ);
-	}
-}
-
-/* n more bytes are in the sink's segments. */
-static void sink_advance(struct conn_sink *k, size_t n)
-{
-	k->left -= n;
-	k->filled += n;
-	while (n) {
-		size_t room = k->iov[k->at].iov_len - k->at_filled;
-		size_t take = n < room ? n : room;
-		k->at_filled += take;
-		n -= take;
-		if (k->at_filled == k->iov[k->at].iov_len) {
-			k->at++;
-			k->at_filled = 0;
-		}
-	}
-}
-
-/* Move what the input buffer holds of the sink's bytes into it. */
-static void sink_from_input(struct conn *c)
-{
-	struct conn_sink *k = &c->sink;
-	struct evbuffer *in = conn_input(c);
-	while (k->left && evbuffer_get_length(in)) {
-		size_t room = k->iov[k->at].iov_len - k->at_filled;
-		int n = evbuffer_remove(in, (char *)k->iov[k->at].iov_base + k->at_filled, room);
-		if (n <= 0)
-			break;
-		sink_advance(k, (size_t)n);
-	}
-}
-
-/* The sink is full, or will never be: hand it back. */
-void conn_sink_end(struct conn *c)
-{
-	struct conn_sink k = c->sink;
-	memset(&c->sink, 0, sizeof(c->sink));
-	if (c->closing && c->bev)
-		conn_read_set(c, false); /* it was reading for the sink only */
-	k.done(c, k.arg, k.filled);
-}
-
-bool conn_sink_start(struct conn *c, const struct iovec *iov, size_t niov, uint64_t len,
-		     void (*done)(struct conn *c, void *arg, uint64_t received), void *arg)
-{
-	c->sink = (struct conn_sink){.iov = iov, .niov = niov, .left = len, .done = done, .arg = arg};
-	sink_from_input(c);
-	if (!c->sink.left) {
-		memset(&c->sink, 0, sizeof(c->sink));
-		return true;
-	}
-	conn_payload_progress(c, (size_t)c->sink.filled, true);
-	return false;
-}
-
-/* The sink got bytes: the stall clock; once full, handed back (its request
- * may prepare backend I/O on the ring, submitted here). True when full. */
-static bool sink_moved(struct conn *c)
-{
-	conn_payload_progress(c, (size_t)c->sink.filled, false);
-	if (c->sink.left)
-		return false;
-	conn_sink_end(c);
-	uring_submit(&c->worker->ring);
-	return true;
-}
-
-/*
- * The input buffer got bytes: a sink takes its own first (under TLS, the
- * filter decrypted them there), then the phase reads what follows.
- */
-static void conn_input_ready(struct conn *c)
-{
-	if (c->sink.left) {
-		sink_from_input(c);
-		if (!sink_moved(c))
-			return;
-	}
-	if (c->bev && !c->closing)
-		c->on_input(c);
-}
-
-/*
- * The plaintext socket is readable: one readv, into what a sink still
- * wants and then up to CONN_READ_CHUNK of the input buffer (while a sink
- * waits, only a little of it: the next request's header and the start of
- * its payload, so that the next sink gets its bytes straight too).
- */
-static void conn_on_readable(evutil_socket_t fd, short what, void *arg)
-{
-	(void)what;
-	struct conn *c = arg;
-	struct conn_sink *k = &c->sink;
-	struct iovec iov[CONN_SINK_IOV + 2];
-	size_t n = 0;
-	uint64_t want = 0;
-	for (size_t i = k->at; k->left && i < k->niov && n < CONN_SINK_IOV; i++) {
-		size_t skip = i == k->at ? k->at_filled : 0;
-		iov[n].iov_base = (char *)k->iov[i].iov_base + skip;
-		iov[n].iov_len = k->iov[i].iov_len - skip;
-		want += iov[n++].iov_len;
-	}
-	struct evbuffer *in = conn_input(c);
-	struct evbuffer_iovec ev[2];
-	int nev = 0;
-	/* The bufferevent keeps its input's end frozen but while it reads. */
-	evbuffer_unfreeze(in, 0);
-	if (!c->closing) {
-		nev = evbuffer_reserve_space(in, k->left ? 4096 : CONN_READ_SIZE(c->read_shift), ev,
-					     2);
-		if (nev < 0)
-			nev = 0;
-		for (int i = 0; i < nev; i++) {
-			iov[n].iov_base = ev[i].iov_base;
-			iov[n++].iov_len = ev[i].iov_len;
-		}
-	}
-	ssize_t got = n ? readv(fd, iov, (int)n) : -1;
-	if (got <= 0) {
-		int err = n ? errno : ENOMEM;
-		evbuffer_freeze(in, 0);
-		if (got < 0 && (err == EAGAIN || err == EWOULDBLOCK || err == EINTR))
-			return;
-		conn_ref(c);
-		conn_kill(c, got == 0 ? "client closed the connection" : strerror(err));
-		conn_unref(c);
-		return;
-	}
-	size_t rest = (size_t)got;
-	if (!want) {
-		size_t asked = CONN_READ_SIZE(c->read_shift);
-		if (rest >= asked && c->read_shift < CONN_READ_MAX_SHIFT)
-			c->read_shift++;
-		else if (rest < asked / 4 && c->read_shift > CONN_READ_MIN_SHIFT)
-			c->read_shift--;
-	}
-	if (want) {
-		size_t to_sink = rest < want ? rest : (size_t)want;
-		sink_advance(k, to_sink);
-		rest -= to_sink;
-	}
-	for (int i = 0; i < nev; i++) {
-		size_t take = rest < ev[i].iov_len ? rest : ev[i].iov_len;
-		ev[i].iov_len = take;
-		rest -= take;
-	}
-	if (nev)
-		evbuffer_commit_space(in, ev, nev);
-	evbuffer_freeze(in, 0);
-	conn_ref(c);
-	if (want)
-		sink_moved(c);
-	if (c->bev && !c->closing && !k->left && evbuffer_get_length(in))
-		c->on_input(c);
-	conn_unref(c);
-}
 
 int conn_set_filter(struct conn *c, struct bufferevent *filter)
 {
@@ -853,7 +675,7 @@ static void conn_on_read(struct bufferevent *bev, void *arg)
 }
 
 /* Replies drained: what it holds may fit its reserve now. */
-static void conn_output_drained(struct conn *c)
+void conn_output_drained(struct conn *c)
 {
 	if (c->budget_waiting && budget_fits(c->budget_cost, conn_held(c)))
 		conn_stop_waiting(c);
@@ -869,39 +691,6 @@ static void conn_on_write(struct bufferevent *bev, void *arg)
 	if (c->writer && !evbuffer_get_length(bufferevent_get_output(bev)))
 		bufferevent_disable(bev, EV_WRITE);
 	conn_output_drained(c);
-	conn_unref(c);
-}
-
-/*
- * Replies were queued (conn_on_output made this event active, so it runs
- * once this round of events is done, after every request the round read):
- * one writev for all of them, straight away. Only what the socket will not
- * take now goes to the bufferevent, which waits for EPOLLOUT. Without this
- * every reply batch cost an epoll_ctl to watch for EPOLLOUT, an epoll_wait
- * that reported it, and another epoll_ctl to stop watching.
- */
-static void conn_on_writable(evutil_socket_t fd, short what, void *arg)
-{
-	(void)fd;
-	(void)what;
-	struct conn *c = arg;
-	c->write_queued = false;
-	if (!c->bev)
-		return;
-	struct evbuffer *out = bufferevent_get_output(c->bev);
-	conn_ref(c);
-	/* The bufferevent keeps its output's start frozen but while it writes. */
-	evbuffer_unfreeze(out, 1);
-	errno = 0;
-	int n = evbuffer_write(out, conn_fd(c));
-	int err = errno;
-	evbuffer_freeze(out, 1);
-	if (n < 0 && err != EAGAIN && err != EWOULDBLOCK && err != EINTR)
-		conn_kill(c, strerror(err ? err : EIO));
-	else if (evbuffer_get_length(out))
-		bufferevent_enable(c->bev, EV_WRITE);
-	else
-		conn_output_drained(c);
 	conn_unref(c);
 }
 
