@@ -22,18 +22,12 @@
  * Each request is admitted against the daemon-wide budget (conn_admit)
  * for what it costs (request_cost) before it is read, payload included; it
  * gives that reservation back once its reply is queued, where the output
- * buffer's count takes over.
+ * buffer's count takes over. A request's life and references: struct
+ * request, drawn in transmit_internal.h.
  *
- *   struct request            refs: 1 while the request is live
- *   +-----------+                   + 1 per output-buffer reference
- *   | hdr, op   |--buf-->[ data ... ]    freed at 0: op released, buffer,
- *   | extents   |                        request, connection reference
- *   +-----------+
- *
- * A WRITE of whole blocks is received straight into the cache's arena
- * when the cache can reserve its blocks at once (receive_direct,
- * cache_write_begin): the payload goes from the socket into the entries
- * (conn_sink_start), with no buffer of the request's and no copy.
+ * A WRITE's payload is received by transmit_receive.c (receive_write):
+ * straight into the cache's arena where it can be, else into a buffer of
+ * the request's.
  *
  * A payload that must not be acted on (a request that fails its checks) is
  * still consumed, by draining it as it arrives (conn->discard) without ever
@@ -41,19 +35,18 @@
  */
 #include "daemon/transmit.h"
 
-#include <errno.h>
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
 #include <event2/event.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/uio.h>
 
 #include "daemon/budget.h"
 #include "daemon/conn.h"
 #include "daemon/export.h"
 #include "daemon/log.h"
+#include "daemon/transmit_internal.h"
 #include "daemon/worker.h"
 
 /* Copies of cached read data this large are mmap'd (request_copy_out). */
@@ -61,26 +54,6 @@
 
 /* Largest extent a compact (32-bit) block status descriptor carries. */
 #define COMPACT_EXTENT_MAX 0xfffff000u
-
-struct request {
-	struct conn *conn;
-	struct nbd_request hdr;
-	struct cache_op op;
-	uint8_t *buf;	 /* WRITE payload; READ data when copied */
-	size_t buf_len;
-	bool copied;	       /* cached READ copied into buf, op released */
-	bool copy_may_hold_zeros;
-	bool buf_mapped;       /* buf is an mmap of buf_len bytes (a large copy) */
-	uint64_t accounted; /* bytes counted in conn->inflight_bytes */
-	uint64_t reserved;  /* reply bytes reserved (conn->reserved) until answered */
-	uint64_t pinned;    /* arena bytes counted by budget_pin until sent */
-	unsigned refs;
-	struct nbd_extent *extents;
-	size_t n_extents;
-	struct iovec *iov; /* WRITE: where its payload is received (conn_sink_start) */
-	struct iovec buf_iov; /* ... when that is buf, or one arena segment */
-	bool in_arena;	      /* ... when that is the arena (cache_write_begin) */
-};
 
 /*
  * What a request may hold from when it is read until it is answered: the
@@ -116,8 +89,8 @@ static uint64_t request_cost(const struct conn *c, const struct nbd_request *req
 }
 
 /* r becomes one of c's live requests, with the reservation its header got. */
-static void request_attach(struct conn *c, struct request *r, const struct nbd_request *hdr,
-			   uint64_t accounted)
+void request_attach(struct conn *c, struct request *r, const struct nbd_request *hdr,
+		    uint64_t accounted)
 {
 	r->conn = c;
 	r->hdr = *hdr;
@@ -509,7 +482,7 @@ static void reply_refused(struct conn *c, const struct nbd_request *req, uint32_
 }
 
 /* The request's work is done (result 0 or -errno): reply, let it go. */
-static void request_finish(struct request *r, int result)
+void request_finish(struct request *r, int result)
 {
 	struct conn *c = r->conn;
 	if (c->bev) {
@@ -541,7 +514,7 @@ static void request_finish(struct request *r, int result)
 	conn_unref(c);
 }
 
-static void request_cache_done(struct cache_op *op, int result)
+void request_cache_done(struct cache_op *op, int result)
 {
 	struct request *r = (struct request *)((char *)op - offsetof(struct request, op));
 	r->n_extents = op->n_extents;
@@ -569,7 +542,7 @@ static enum backend_cmd backend_cmd_of(uint16_t type)
 }
 
 /* The cache op of r (c's, header h): what the request asks of the cache. */
-static void request_op_init(struct request *r, struct conn *c, const struct nbd_request *h)
+void request_op_init(struct request *r, struct conn *c, const struct nbd_request *h)
 {
 	uint32_t flags = (h->flags & NBD_CMD_FLAG_FUA) ? BACKEND_FUA : 0;
 	if (h->type == NBD_CMD_WRITE_ZEROES) {
@@ -606,116 +579,11 @@ static void request_op_init(struct request *r, struct conn *c, const struct nbd_
  * Start a checked request (its payload already in r->buf) through the
  * cache, whatever the export's mode (in mode none the cache passes it on).
  */
-static void request_start(struct request *r)
+void request_start(struct request *r)
 {
 	request_op_init(r, r->conn, &r->hdr);
 	cache_export_count_command(r->op.ce, r->op.cmd, r->op.flags);
 	cache_submit(&r->op);
-}
-
-static void request_dropped(struct cache_op *op, int result)
-{
-	(void)op;
-	(void)result;
-}
-
-/* The payload of a WRITE is in: all of it, or what came before the
- * connection ended (then nothing may change, and no reply goes out). */
-static void request_received(struct conn *c, void *arg, uint64_t received)
-{
-	(void)c;
-	struct request *r = arg;
-	if (r->in_arena)
-		cache_write_end(&r->op, received);
-	else if (received == r->buf_len)
-		request_start(r);
-	else
-		request_finish(r, -ECONNRESET);
-}
-
-/*
- * r's payload straight into the arena, if the cache can reserve its blocks
- * now (cache_write_begin): r->iov are their segments (*niov). false: it
- * cannot, nothing changed.
- */
-static bool receive_into_arena(struct request *r, size_t *niov, bool payload_here)
-{
-	if (cache_write_begin(&r->op, payload_here) < 0)
-		return false;
-	size_t n = 0, len;
-	const uint8_t *data;
-	bool zeros;
-	while (cache_op_segment(&r->op, n, &data, &len, &zeros))
-		n++;
-	/* One segment (a small WRITE) needs no array of its own. */
-	r->iov = n == 1 ? &r->buf_iov : malloc(n * sizeof(*r->iov));
-	if (!r->iov) {
-		r->op.done = request_dropped;
-		cache_write_end(&r->op, 0); /* nothing received: nothing changes */
-		cache_op_release(&r->op);
-		return false;
-	}
-	/* Adjacent segments (neighbouring entries in the arena) are one. */
-	size_t k = 0;
-	for (size_t i = 0; i < n; i++) {
-		cache_op_segment(&r->op, i, &data, &len, &zeros);
-		if (k && (uint8_t *)r->iov[k - 1].iov_base + r->iov[k - 1].iov_len == data) {
-			r->iov[k - 1].iov_len += len;
-		} else {
-			r->iov[k].iov_base = (void *)data;
-			r->iov[k++].iov_len = len;
-		}
-	}
-	r->in_arena = true;
-	r->op.done = request_cache_done;
-	cache_export_count_command(r->op.ce, r->op.cmd, r->op.flags);
-	*niov = k;
-	return true;
-}
-
-/*
- * A WRITE (checked, admitted, its header still in the input buffer): its
- * payload is received by the connection (conn_sink_start) straight into
- * the arena where the cache can take it so, else into a buffer of the
- * request's, which is then submitted as usual. Either way in large reads,
- * not through the input buffer.
- */
-static int receive_write(struct conn *c, const struct nbd_request *req, uint64_t cost,
-			 size_t hsize)
-{
-	struct request *r = calloc(1, sizeof(*r));
-	size_t niov = 1;
-	if (r)
-		request_op_init(r, c, req);
-	/* Already in the input buffer: it cannot be cut short any more. */
-	bool here = evbuffer_get_length(conn_input(c)) >= hsize + req->payload_length;
-	if (r && !receive_into_arena(r, &niov, here)) {
-		r->buf_len = (size_t)req->payload_length;
-		r->buf = malloc(r->buf_len);
-		r->buf_iov.iov_base = r->buf;
-		r->buf_iov.iov_len = r->buf_len;
-		r->iov = &r->buf_iov;
-		if (!r->buf) {
-			free(r);
-			r = NULL;
-		}
-	}
-	evbuffer_drain(conn_input(c), hsize);
-	if (!r) {
-		conn_unreserve(c, c->admitted);
-		c->admitted = 0;
-		c->discard = req->payload_length;
-		c->discard_req = *req;
-		c->discard_error = NBD_ENOMEM;
-		return 1;
-	}
-	request_attach(c, r, req, cost);
-	log_debug("conn %llu: WRITE flags 0x%x offset %llu length %llu%s", (unsigned long long)c->id,
-		  req->flags, (unsigned long long)req->offset, (unsigned long long)req->length,
-		  r->in_arena ? " (into the cache)" : "");
-	if (conn_sink_start(c, r->iov, niov, req->payload_length, request_received, r))
-		request_received(c, r, req->payload_length);
-	return 1;
 }
 
 /* Drop payload bytes of a refused request as they arrive; then answer it. */

@@ -1,5 +1,6 @@
 /*
- * daemon/transmit.h: the transmission phase, server side (transmit.c).
+ * daemon/transmit.h: the transmission phase, server side (transmit.c; a
+ * WRITE's payload: transmit_receive.c).
  *
  * Owns: the connection's requests and their replies (struct conn,
  * "Transmission"). Called by session.c once the handshake set

@@ -1,18 +1,13 @@
 /*
- * daemon/cache/cache.c: the index, the entries (handles), eviction and the
- * index's part of the cache's life (see cache.h and internal.h; the pools,
- * maps and side records: slots.c; per-block dirty state: dirty.c, the
- * exports: exports.c, statistics: stats.c, wake-ups: wake.c).
+ * daemon/cache/cache.c: the index, the entries (handles) and the index's
+ * part of the cache's life (see cache.h and internal.h; the S3-FIFO queues
+ * and eviction: evict.c; the pools, maps and side records: slots.c;
+ * per-block dirty state: dirty.c, the exports: exports.c, statistics:
+ * stats.c, wake-ups: wake.c).
  *
- * Eviction is S3-FIFO over entries: a new entry enters the small FIFO (a
- * tenth of the arena) unless the ghost table remembers it as recently
- * evicted, in which case it enters the main FIFO. At the head of the small
- * FIFO an entry that was hit since insertion moves to main, others are
- * evicted (and remembered in the ghost table); at the head of main an
- * entry that was hit gets another round with its counter decremented. A
- * hit costs one relaxed atomic increment and no lock. Entries that are
- * pinned, dirty or being written back are passed over: a dirty block is
- * never dropped, the writeback thread cleans it first.
+ * A new entry gets its frames here, through evict.c when the arena is full
+ * (cache_alloc_evicting), and joins its queue there (cache_queue_insert);
+ * an evicted entry leaves the index here (cache_entry_destroy).
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -20,8 +15,6 @@
 #include <time.h>
 
 #include "daemon/cache/internal.h"
-
-#define EVICT_SCAN_LIMIT 4096
 
 uint64_t cache_now_ns(void)
 {
@@ -36,19 +29,9 @@ bool cache_all_zero(const uint8_t *p, size_t n)
 	return memcmp(p, zero16, 16) == 0 && memcmp(p, p + 16, n - 16) == 0;
 }
 
-static uint64_t mix64(uint64_t x)
-{
-	x ^= x >> 33;
-	x *= 0xff51afd7ed558ccdull;
-	x ^= x >> 33;
-	x *= 0xc4ceb9fe1a85ec53ull;
-	x ^= x >> 33;
-	return x;
-}
-
 static uint64_t range_hash(const struct cache_export *ce, uint64_t range_index)
 {
-	return mix64(range_index * 0x9e3779b97f4a7c15ull + ce->id);
+	return cache_mix64(range_index * 0x9e3779b97f4a7c15ull + ce->id);
 }
 
 struct cache_shard *cache_shard_for(struct cache *c, const struct cache_export *ce,
@@ -296,92 +279,6 @@ void cache_entry_touch(struct cache_entry *e)
 		atomic_store_explicit(&e->freq, (unsigned char)(f + 1), memory_order_relaxed);
 }
 
-/* The queue (CACHE_SMALL, CACHE_MAIN, CACHE_NOT_QUEUED) lives in the top
- * bits of fifo_prev. Evict lock held. */
-static unsigned entry_queue(const struct cache_entry *e)
-{
-	return e->fifo_prev >> CACHE_QUEUE_SHIFT;
-}
-
-static uint32_t fifo_prev(const struct cache_entry *e)
-{
-	return e->fifo_prev & CACHE_INDEX_MASK;
-}
-
-static void fifo_append(struct cache *c, unsigned queue, struct cache_entry *e)
-{
-	struct cache_fifo *q = queue == CACHE_MAIN ? &c->main : &c->small;
-	uint32_t i = cache_entry_index(e);
-	e->fifo_next = 0;
-	e->fifo_prev = q->tail | (uint32_t)queue << CACHE_QUEUE_SHIFT;
-	if (q->tail)
-		cache_entry_at(c, q->tail)->fifo_next = i;
-	else
-		q->head = i;
-	q->tail = i;
-	q->frames += 1ull << e->order;
-}
-
-/* Out of its queue (if any); it is CACHE_NOT_QUEUED after. */
-static void fifo_remove(struct cache *c, struct cache_entry *e)
-{
-	unsigned queue = entry_queue(e);
-	if (queue == CACHE_NOT_QUEUED)
-		return;
-	struct cache_fifo *q = queue == CACHE_MAIN ? &c->main : &c->small;
-	uint32_t prev = fifo_prev(e);
-	if (prev)
-		cache_entry_at(c, prev)->fifo_next = e->fifo_next;
-	else
-		q->head = e->fifo_next;
-	if (e->fifo_next) {
-		struct cache_entry *n = cache_entry_at(c, e->fifo_next);
-		n->fifo_prev = prev | (n->fifo_prev & ~CACHE_INDEX_MASK);
-	} else {
-		q->tail = prev;
-	}
-	q->frames -= 1ull << e->order;
-	e->fifo_prev = e->fifo_next = 0;
-}
-
-static uint64_t entry_fingerprint(const struct cache_entry *e)
-{
-	return mix64(cache_entry_first_frame(e) ^ ((uint64_t)cache_entry_export(e)->id << 56));
-}
-
-/* The ghost table keeps 16 bits of a fingerprint in the slot its low bits
- * name (never 0: 0 is an empty slot). */
-static uint16_t ghost_tag(uint64_t fp)
-{
-	return (uint16_t)(fp >> 48) | 1;
-}
-
-static void ghost_remember(struct cache *c, const struct cache_entry *e)
-{
-	uint64_t fp = entry_fingerprint(e);
-	c->ghost[fp & c->ghost_mask] = ghost_tag(fp);
-}
-
-void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t n,
-			 struct cache_entry *ne)
-{
-	bool main = false;
-	unsigned char freq = 0;
-	pthread_mutex_lock(&c->evict_lock);
-	for (size_t i = 0; i < n; i++) {
-		struct cache_entry *e = old[i];
-		unsigned char f = atomic_load_explicit(&e->freq, memory_order_relaxed);
-		if (f > freq)
-			freq = f;
-		if (entry_queue(e) == CACHE_MAIN)
-			main = true;
-		fifo_remove(c, e);
-	}
-	atomic_store_explicit(&ne->freq, freq, memory_order_relaxed);
-	fifo_append(c, main ? CACHE_MAIN : CACHE_SMALL, ne);
-	pthread_mutex_unlock(&c->evict_lock);
-}
-
 void cache_entry_release(struct cache *c, struct cache_entry *e)
 {
 	cache_entry_ext_free(c, e);
@@ -390,7 +287,7 @@ void cache_entry_release(struct cache *c, struct cache_entry *e)
 
 /* Remove an unpinned, clean, idle entry from everything and free it.
  * Shard lock and evict lock held. */
-static void entry_destroy(struct cache *c, struct cache_shard *sh, struct cache_entry *e)
+void cache_entry_destroy(struct cache *c, struct cache_shard *sh, struct cache_entry *e)
 {
 	struct cache_range *r = cache_entry_range(e);
 	struct cache_export *ce = r->ce;
@@ -398,7 +295,7 @@ static void entry_destroy(struct cache *c, struct cache_shard *sh, struct cache_
 	uint32_t *v = cache_range_entries(r);
 	memmove(&v[i], &v[i + 1], (r->count - i - 1) * sizeof(*v));
 	r->count--;
-	fifo_remove(c, e);
+	cache_queue_remove(c, e);
 	arena_free(&c->arena, e->frame, e->order);
 	atomic_fetch_sub(&c->counters.entries, 1);
 	atomic_fetch_sub(&c->counters.entry_bytes, cache_entry_bytes(e));
@@ -408,120 +305,6 @@ static void entry_destroy(struct cache *c, struct cache_shard *sh, struct cache_
 	cache_entry_release(c, e);
 	if (r->count == 0)
 		range_destroy(sh, r);
-}
-
-static bool entry_evictable(struct cache_entry *e)
-{
-	if (atomic_load_explicit(&e->pins, memory_order_acquire) != 0)
-		return false;
-	const struct cache_entry_ext *x = cache_entry_ext(e);
-	return !x || (!x->on_dirty_list && !x->writeback && x->ndirty == 0 &&
-		      !x->on_unstable_list);
-}
-
-/*
- * Evict one entry if any can go. Evict lock held; held_shard is the shard
- * lock the caller holds (its entries are passed over: try-lock would fail).
- */
-static bool evict_one(struct cache *c, struct cache_shard *held_shard)
-{
-	uint64_t small_target = c->arena.nframes / 10;
-	for (unsigned scan = 0; scan < EVICT_SCAN_LIMIT; scan++) {
-		unsigned queue;
-		if (c->small.head && (c->small.frames > small_target || !c->main.head))
-			queue = CACHE_SMALL;
-		else if (c->main.head)
-			queue = CACHE_MAIN;
-		else
-			return false;
-		struct cache_entry *e =
-			cache_entry_at(c, queue == CACHE_MAIN ? c->main.head : c->small.head);
-		fifo_remove(c, e);
-		unsigned char freq = atomic_load_explicit(&e->freq, memory_order_relaxed);
-		if (queue == CACHE_SMALL && freq > 0) {
-			atomic_store_explicit(&e->freq, 0, memory_order_relaxed);
-			fifo_append(c, CACHE_MAIN, e);
-			continue;
-		}
-		if (queue == CACHE_MAIN && freq > 0) {
-			atomic_store_explicit(&e->freq, (unsigned char)(freq - 1),
-					      memory_order_relaxed);
-			fifo_append(c, queue, e);
-			continue;
-		}
-		/* The range node and its export do not change while the entry
-		 * is queued (the evict lock is held): they may be read here. */
-		struct cache_range *r = cache_entry_range(e);
-		struct cache_shard *sh = cache_shard_for(c, r->ce, r->index);
-		if (sh == held_shard || pthread_mutex_trylock(&sh->lock) != 0) {
-			fifo_append(c, queue, e);
-			continue;
-		}
-		if (!entry_evictable(e)) {
-			pthread_mutex_unlock(&sh->lock);
-			fifo_append(c, queue, e);
-			continue;
-		}
-		if (queue == CACHE_SMALL)
-			ghost_remember(c, e);
-		struct cache_export *ce = r->ce;
-		entry_destroy(c, sh, e);
-		pthread_mutex_unlock(&sh->lock);
-		atomic_fetch_add(&ce->counters.evictions, 1);
-		return true;
-	}
-	return false;
-}
-
-bool cache_entry_evict_cold(struct cache *c, struct cache_shard *sh, struct cache_entry *e)
-{
-	if (!entry_evictable(e) || atomic_load_explicit(&e->freq, memory_order_relaxed) != 0)
-		return false;
-	pthread_mutex_lock(&c->evict_lock);
-	if (entry_queue(e) == CACHE_SMALL)
-		ghost_remember(c, e);
-	struct cache_export *ce = cache_entry_export(e);
-	entry_destroy(c, sh, e);
-	pthread_mutex_unlock(&c->evict_lock);
-	atomic_fetch_add(&ce->counters.evictions, 1);
-	return true;
-}
-
-uint64_t cache_evict_until(struct cache *c, uint64_t free_frames)
-{
-	uint64_t evicted = 0;
-	for (;;) {
-		pthread_mutex_lock(&c->arena.lock);
-		uint64_t now = c->arena.free_frames;
-		pthread_mutex_unlock(&c->arena.lock);
-		if (now >= free_frames)
-			return evicted;
-		unsigned batch = 0;
-		pthread_mutex_lock(&c->evict_lock);
-		while (batch < 16 && evict_one(c, NULL))
-			batch++;
-		pthread_mutex_unlock(&c->evict_lock);
-		evicted += batch;
-		if (batch < 16)
-			return evicted;
-	}
-}
-
-/* Frames of the given order, evicting up to max_evictions entries. */
-static int64_t alloc_evicting(struct cache *c, struct cache_shard *sh, unsigned order,
-			      unsigned max_evictions)
-{
-	int64_t f = arena_alloc(&c->arena, order);
-	if (f >= 0 || max_evictions == 0)
-		return f;
-	pthread_mutex_lock(&c->evict_lock);
-	for (unsigned i = 0; i < max_evictions && f < 0; i++) {
-		if (!evict_one(c, sh))
-			break;
-		f = arena_alloc(&c->arena, order);
-	}
-	pthread_mutex_unlock(&c->evict_lock);
-	return f;
 }
 
 /* Largest order <= want whose aligned slot around frame is free in r. */
@@ -605,11 +388,11 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
 	unsigned order = fit_order(ce, r, device_frame, want_order);
 	unsigned fit = order;
 	/* Large entries are a hint: fall back to smaller orders, then evict. */
-	int64_t frame = alloc_evicting(c, sh, order, 32);
+	int64_t frame = cache_alloc_evicting(c, sh, order, 32);
 	while (frame < 0 && order > ce->min_order)
 		frame = arena_alloc(&c->arena, --order);
 	if (frame < 0)
-		frame = alloc_evicting(c, sh, order, 256);
+		frame = cache_alloc_evicting(c, sh, order, 256);
 	if (fit == ARENA_MAX_ORDER) {
 		atomic_fetch_add(&c->counters.alloc_2m_attempts, 1);
 		if (frame >= 0 && order == fit)
@@ -656,15 +439,7 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
 		atomic_fetch_add(&c->counters.large_bytes, cache_entry_bytes(e));
 	atomic_fetch_add(&ce->counters.cached_bytes, (uint64_t)ARENA_FRAME_SIZE << order);
 
-	pthread_mutex_lock(&c->evict_lock);
-	uint64_t fp = entry_fingerprint(e);
-	if (c->ghost[fp & c->ghost_mask] == ghost_tag(fp)) {
-		c->ghost[fp & c->ghost_mask] = 0;
-		fifo_append(c, CACHE_MAIN, e);
-	} else {
-		fifo_append(c, CACHE_SMALL, e);
-	}
-	pthread_mutex_unlock(&c->evict_lock);
+	cache_queue_insert(c, e);
 	return e;
 err_entry:
 	cache_entry_release(c, e);
@@ -810,11 +585,11 @@ int cache_export_drop_clean(struct cache_export *ce, uint64_t *dropped, uint64_t
 		struct cache_range *r = range_find(c, sh, ce, indexes[k]);
 		for (uint32_t j = r ? r->count : 0; r && j-- > 0;) {
 			struct cache_entry *e = cache_range_entry(r, j);
-			if (!entry_evictable(e))
+			if (!cache_entry_evictable(e))
 				continue;
 			*dropped += cache_entry_bytes(e);
 			bool last = r->count == 1;
-			entry_destroy(c, sh, e);
+			cache_entry_destroy(c, sh, e);
 			if (last)
 				break; /* the range went with its last entry */
 		}

@@ -20,10 +20,11 @@
  *   compaction pass lock -> shard lock -> evict lock -> export lock
  *                                      -> export lock
  *                                      -> arena lock
- *   evict lock  ->  export lock   (entry_destroy -> range_destroy: an
- *                                  eviction unlinks the entry's last range
- *                                  from the export's range list)
- *   evict lock  ->  arena lock    (alloc_evicting, entry_destroy)
+ *   evict lock  ->  export lock   (cache_entry_destroy -> range_destroy:
+ *                                  an eviction unlinks the entry's last
+ *                                  range from the export's range list)
+ *   evict lock  ->  arena lock    (cache_alloc_evicting,
+ *                                  cache_entry_destroy)
  *   evict lock  ->  another shard's lock: try-lock only (evict_one)
  *
  *   Never the reverse: the evict lock is not taken under an export lock,

@@ -17,8 +17,9 @@
  *                                            internal.h, arena.h
  *   operations  op.c cached.c direct.c       ops.h, internal.h, arena.h
  *               block_status.c throttle.c
- *   index       cache.c slots.c dirty.c      internal.h, arena.h
- *               exports.c stats.c wake.c
+ *   index       cache.c evict.c slots.c      internal.h, arena.h
+ *               dirty.c exports.c stats.c
+ *               wake.c
  *   arena       arena.c                      arena.h
  *
  * Headers follow the same order: ops.h includes internal.h, which
@@ -359,7 +360,7 @@ struct cache_entry_ext *cache_entry_ext_new(struct cache *c, struct cache_entry 
 /* Free e's side record if it has one (same locks). */
 void cache_entry_ext_free(struct cache *c, struct cache_entry *e);
 
-/* cache.c: index, entries, eviction */
+/* cache.c: index, entries */
 struct cache_shard *cache_shard_for(struct cache *c, const struct cache_export *ce,
 				    uint64_t range_index);
 /* The range node of that index, or NULL. Shard lock held. */
@@ -403,10 +404,32 @@ struct cache_entry *cache_range_entry(const struct cache_range *r, uint32_t i);
 /* e becomes the range node's only entry (a collapse); its array, if any,
  * goes. Shard lock held. */
 void cache_range_set_one(struct cache_range *r, struct cache_entry *e);
+/* Remove an unpinned, clean, idle entry from everything (its range, the
+ * range node if it was the last, its queue) and free it. Shard lock and
+ * evict lock held. */
+void cache_entry_destroy(struct cache *c, struct cache_shard *sh, struct cache_entry *e);
+void cache_entry_pin(struct cache_entry *e);
+void cache_entry_unpin(struct cache_entry *e);
+void cache_entry_touch(struct cache_entry *e);
+
+/* evict.c: the S3-FIFO queues, the ghost table, eviction */
+/* A new entry joins the main queue if the ghost table remembers it, else
+ * the small one. Takes the evict lock. */
+void cache_queue_insert(struct cache *c, struct cache_entry *e);
+/* Out of its queue (if any); it is CACHE_NOT_QUEUED after. Evict lock
+ * held. */
+void cache_queue_remove(struct cache *c, struct cache_entry *e);
 /* Collapse: the new entry ne takes the place of old[0..n) in the S3-FIFO
  * queues (main if any of them was there). Takes the evict lock. */
 void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t n,
 			 struct cache_entry *ne);
+/* No pin, nothing dirty, not on the dirty or unstable list, not being
+ * written back: e may go. Shard lock held. */
+bool cache_entry_evictable(struct cache_entry *e);
+/* Frames of the given order, evicting up to max_evictions entries. Shard
+ * lock sh held (its entries are passed over); takes the evict lock. */
+int64_t cache_alloc_evicting(struct cache *c, struct cache_shard *sh, unsigned order,
+			     unsigned max_evictions);
 /* Evict clean entries until at least free_frames frames are free or none
  * can go; a few at a time, so the I/O path is never kept waiting long.
  * No lock held. Returns the entries evicted. */
@@ -415,9 +438,6 @@ uint64_t cache_evict_until(struct cache *c, uint64_t free_frames);
  * (compaction: cheaper than moving it when room is needed anyway). Shard
  * lock held; takes the evict lock. */
 bool cache_entry_evict_cold(struct cache *c, struct cache_shard *sh, struct cache_entry *e);
-void cache_entry_pin(struct cache_entry *e);
-void cache_entry_unpin(struct cache_entry *e);
-void cache_entry_touch(struct cache_entry *e);
 
 /*
  * Per-block state; shard lock held. A map is bits of 32-bit words from a
@@ -604,6 +624,18 @@ static inline bool map_any(struct cache_map m, uint32_t n)
 		if (map_test(m, i))
 			return true;
 	return false;
+}
+
+/* A 64-bit mix of every input bit into every output bit: range nodes'
+ * hash (cache.c) and the ghost table's fingerprints (evict.c). */
+static inline uint64_t cache_mix64(uint64_t x)
+{
+	x ^= x >> 33;
+	x *= 0xff51afd7ed558ccdull;
+	x ^= x >> 33;
+	x *= 0xc4ceb9fe1a85ec53ull;
+	x ^= x >> 33;
+	return x;
 }
 
 /* Bit helpers over uint64_t words. */

@@ -6,10 +6,11 @@
              time; each must exit 1 and name the planted FILE:LINE:
              proto/ including a daemon header, a backend including the
              cache, the cache index including the writeback thread's
-             header, transmit.c including handshake.h, the connection
-             primitives including the dispatch, the compactor including
-             the writeback thread's header, the cache's operations
-             including it, the client including a daemon header
+             header, transmit.c and transmit_receive.c including
+             handshake.h, the connection primitives including the
+             dispatch, the compactor including the writeback thread's
+             header, the cache's operations including it, the client
+             including a daemon header
   unplaced   a copy with a new file in no layer: exit 1, named
 """
 
@@ -32,6 +33,7 @@ PLANTS = [
     ("daemon/backend/file.c", "daemon/cache/cache.h"),
     ("daemon/cache/cache.c", "daemon/cache/writeback.h"),
     ("daemon/transmit.c", "daemon/handshake.h"),
+    ("daemon/transmit_receive.c", "daemon/handshake.h"),
     ("daemon/conn.c", "daemon/session.h"),
     ("daemon/cache/compact.c", "daemon/cache/writeback.h"),
     ("daemon/cache/cached.c", "daemon/cache/writeback.h"),
