@@ -49,6 +49,7 @@
 #include <string.h>
 
 #include "daemon/cache/ops.h"
+#include "daemon/log.h"
 
 #define CACHE_PREFETCH_MAX (32u << 20)
 
@@ -176,6 +177,53 @@ static struct cache_shard *piece_lock(struct cache_export *ce, const struct cach
 	struct cache_shard *sh = shard_of(ce, p->offset);
 	pthread_mutex_lock(&sh->lock);
 	return sh;
+}
+
+/* Give back the side records pieces_reserve() made for pieces [0, n) and
+ * that turned out not to be needed. */
+static void pieces_unreserve(struct cache_op *op, size_t n)
+{
+	struct cache_export *ce = op->ce;
+	for (size_t i = 0; i < n; i++) {
+		struct cache_piece *p = &op->pieces[i];
+		if (!p->entry)
+			continue;
+		uint32_t first, last;
+		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
+		cache_entry_ext_unreserve(ce, p->entry);
+		pthread_mutex_unlock(&sh->lock);
+	}
+}
+
+/*
+ * A side record for every piece's entry before any byte of the WRITE lands
+ * (cache_entry_ext_reserve), so that marking the blocks dirty cannot fail
+ * later, when the payload is in them. -ENOMEM if one cannot be had, with
+ * nothing reserved left behind; logged at most once a second.
+ */
+static int pieces_reserve(struct cache_op *op)
+{
+	static _Atomic uint64_t logged_ns;
+	struct cache_export *ce = op->ce;
+	for (size_t i = 0; i < op->npieces; i++) {
+		struct cache_piece *p = &op->pieces[i];
+		if (!p->entry)
+			continue;
+		uint32_t first, last;
+		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
+		int rc = cache_entry_ext_reserve(ce, p->entry);
+		pthread_mutex_unlock(&sh->lock);
+		if (rc < 0) {
+			pieces_unreserve(op, i);
+			uint64_t now = cache_now_ns(), last_ns = atomic_load(&logged_ns);
+			if (now - last_ns >= 1000000000ull &&
+			    atomic_compare_exchange_strong(&logged_ns, &last_ns, now))
+				log_error("cache: no memory for the state of dirty blocks: "
+					  "writes go to the backend directly meanwhile");
+			return rc;
+		}
+	}
+	return 0;
 }
 
 /* Is every block of e that [offset, offset+length) touches uptodate?
@@ -438,12 +486,14 @@ static int op_examine(struct cache_op *op, bool *blocked)
  * WRITE: copy the payload into every piece and mark it dirty. The blocks
  * are marked busy while the copy runs without the lock, so no fill can
  * start under it. Returns false if some piece must wait or be examined
- * again (a partial block lost its uptodate bit, or another op is busy).
+ * again (a partial block lost its uptodate bit, or another op is busy), or
+ * if a piece's side record cannot be had (*nomem: the WRITE fails).
  */
-static bool write_commit(struct cache_op *op, bool *blocked)
+static bool write_commit(struct cache_op *op, bool *blocked, bool *nomem)
 {
 	struct cache_export *ce = op->ce;
 	*blocked = false;
+	*nomem = false;
 	for (size_t i = 0; i < op->npieces; i++) {
 		struct cache_piece *p = &op->pieces[i];
 		if (!p->ready)
@@ -452,6 +502,14 @@ static bool write_commit(struct cache_op *op, bool *blocked)
 		uint32_t first, last;
 		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
 		struct cache_map uptodate = cache_uptodate_map(e), busy = cache_busy_map(e);
+		/* Reserved by cached_write_room(); a piece examined again since
+		 * may have a new entry. Without one the WRITE fails here, before
+		 * this piece's bytes land. */
+		if (cache_entry_ext_reserve(ce, e) < 0) {
+			pthread_mutex_unlock(&sh->lock);
+			*nomem = true;
+			return false;
+		}
 		bool ok = true;
 		for (uint32_t b = first; b <= last && ok; b++) {
 			uint64_t bs, be;
@@ -522,8 +580,12 @@ void cached_step(struct cache_op *op)
 		}
 	}
 	if (op->cmd == BACKEND_WRITE) {
-		if (!write_commit(op, &blocked)) {
-			if (blocked)
+		bool nomem;
+		if (!write_commit(op, &blocked, &nomem)) {
+			if (nomem) {
+				pieces_release(op);
+				op_finish(op, -ENOMEM);
+			} else if (blocked)
 				op_wait(op, seq);
 			else
 				op->rerun = true;
@@ -545,6 +607,9 @@ void cached_step(struct cache_op *op)
 int cached_write_room(struct cache_op *op)
 {
 	int rc = pieces_build(op, true, true);
+	/* No memory to keep the blocks dirty: no room either. */
+	if (rc == 0 && pieces_reserve(op) < 0)
+		rc = -ENOSPC;
 	if (rc == -ENOSPC) {
 		/* No room: write through, and get writeback going. */
 		pieces_release(op);
@@ -635,6 +700,9 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 	if (throttle_over_high(ce))
 		return -EAGAIN;
 	int rc = pieces_build(op, true, true);
+	if (rc == 0)
+		rc = pieces_reserve(op);
+	bool reserved = rc == 0;
 	size_t marked = 0; /* pieces [0, marked) have their blocks busy */
 	for (size_t i = 0; rc == 0 && i < op->npieces; i++) {
 		struct cache_piece *p = &op->pieces[i];
@@ -678,6 +746,8 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 		}
 		if (marked)
 			cache_waitq_wake(ce->cache);
+		if (reserved)
+			pieces_unreserve(op, op->npieces);
 		pieces_release(op);
 		return -EAGAIN;
 	}

@@ -80,6 +80,16 @@ static void direct_apply(struct cache_entry *e, void *arg)
 			 busy = cache_busy_map(e);
 	uint8_t *mem = arena_address(&ce->cache->arena, e->frame);
 	bool populate = ok && op->cmd == BACKEND_WRITE && ce->mode == CACHE_MODE_WRITETHROUGH;
+	/* A cached copy of what was written stays unstable until a flush
+	 * covers it (below), which takes a side record: without memory for
+	 * one it is forgotten instead, and the backend's bytes are the ones. */
+	if (ok && (op->write_seq || op->maybe_lost) && cache_entry_ext_reserve(ce, e) < 0) {
+		for (uint32_t blk = first; blk <= last; blk++)
+			if (!map_test(dirty, blk))
+				map_clear(uptodate, blk);
+		e->invalidations++;
+		return;
+	}
 	uint32_t touched = 0;
 	for (uint32_t blk = first; blk <= last; blk++) {
 		uint64_t bs, be;

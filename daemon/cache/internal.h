@@ -395,9 +395,20 @@ void cache_entry_release(struct cache *c, struct cache_entry *e);
 /* Free e's side record if nothing needs it any more (clean, idle, one
  * block). Shard lock and export lock held. */
 void cache_entry_ext_trim(struct cache_export *ce, struct cache_entry *e);
+/*
+ * Make sure e has a side record, so that marking it dirty or unstable later
+ * cannot fail: every path that will is given one here first, where an
+ * error can still be reported or gone around (a WRITE writes through,
+ * a direct write forgets its cached copy). Shard lock held; takes the
+ * export lock. 0 or -ENOMEM. cache_entry_ext_unreserve() gives it back if
+ * it turned out not to be needed (it stays while e is dirty or unstable).
+ */
+int cache_entry_ext_reserve(struct cache_export *ce, struct cache_entry *e);
+void cache_entry_ext_unreserve(struct cache_export *ce, struct cache_entry *e);
 /* e's side record, allocated if it has none. Shard lock and export lock
- * held; never fails (the pool has room for one per entry), aborts if the
- * memory for it cannot be had. */
+ * held. Callers reserved it (cache_entry_ext_reserve) or e is dirty,
+ * unstable or under writeback, which keep it: if the memory for it still
+ * cannot be had, that is a bug, and the daemon aborts. */
 struct cache_entry_ext *cache_entry_ext_get(struct cache_export *ce, struct cache_entry *e);
 /* The range node's entry i. */
 struct cache_entry *cache_range_entry(const struct cache_range *r, uint32_t i);

@@ -167,6 +167,23 @@ void cache_entry_ext_free(struct cache *c, struct cache_entry *e)
 	e->ext = 0;
 }
 
+int cache_entry_ext_reserve(struct cache_export *ce, struct cache_entry *e)
+{
+	if (cache_entry_ext(e))
+		return 0;
+	pthread_mutex_lock(&ce->lock);
+	bool ok = cache_entry_ext(e) || cache_entry_ext_new(ce->cache, e, 1);
+	pthread_mutex_unlock(&ce->lock);
+	return ok ? 0 : -ENOMEM;
+}
+
+void cache_entry_ext_unreserve(struct cache_export *ce, struct cache_entry *e)
+{
+	pthread_mutex_lock(&ce->lock);
+	cache_entry_ext_trim(ce, e);
+	pthread_mutex_unlock(&ce->lock);
+}
+
 struct cache_entry_ext *cache_entry_ext_get(struct cache_export *ce, struct cache_entry *e)
 {
 	struct cache_entry_ext *x = cache_entry_ext(e);
@@ -174,7 +191,9 @@ struct cache_entry_ext *cache_entry_ext_get(struct cache_export *ce, struct cach
 		return x;
 	x = cache_entry_ext_new(ce->cache, e, 1);
 	if (!x) {
-		log_error("cache: no memory for the state of a dirty entry");
+		/* A caller that did not reserve (cache_entry_ext_reserve): a
+		 * bug. Going on would lose track of acknowledged data. */
+		log_error("cache: no memory for the state of a dirty entry, and none was reserved");
 		abort();
 	}
 	return x;

@@ -1,0 +1,157 @@
+#!/usr/bin/python3
+"""memory_pressure: the daemon out of memory for its cache index keeps
+serving, and loses nothing.
+
+A clean cached block of a one-block entry has no side record; it gets one
+(from a pool that grows 16 KiB at a time) when a WRITE makes it dirty. Here
+the daemon's data segment limit (RLIMIT_DATA, set with prlimit on its PID
+once the cache is warm) leaves no room for the pool to grow, as
+strict overcommit or a memory limit would:
+
+  dirty    16,384 4 KiB WRITEs, each to a block of its own, all cached
+           clean in one-block entries. Every WRITE either succeeds or fails
+           with ENOMEM; the daemon stays up (before, it aborted: "no memory
+           for the state of a dirty entry"); at least one WRITE needed
+           memory it could not have (the log says so: such WRITEs go to the
+           backend directly, and a cached copy is dropped).
+           READs of every 32nd block under the limit return what was written.
+           Then the limit is lifted, FLUSH succeeds, and every block of the
+           file holds what the last successful WRITE put there, or its old
+           bytes if none did. The daemon exits 0.
+"""
+
+import os
+import random
+import resource
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import nbdtest  # noqa: E402
+from nbdtest import Failed, log, read_at  # noqa: E402
+from nbdtest import require as expect  # noqa: E402
+
+import nbd  # noqa: E402
+
+KIB = 1024
+MIB = 1024 * KIB
+SIZE = 64 * MIB
+BLOCK = 4 * KIB
+NBLOCKS = SIZE // BLOCK
+
+
+def vm_data(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * KIB
+    raise Failed("no VmData in /proc/%d/status" % pid)
+
+
+def cache_stats(d):
+    return nbdtest.control_request(d.control, {"command": "stats"}, timeout=20)["cache"]
+
+
+def aio_all(h, requests, depth=16):
+    for fn, args in requests:
+        while h.aio_in_flight() >= depth:
+            h.poll(-1)
+        fn(*args)
+    while h.aio_in_flight() > 0:
+        h.poll(-1)
+
+
+def check_dirty(d, path, model):
+    h = nbd.NBD()
+    h.connect_uri(d.unix_uri("disk"))
+    # Every block cached, clean, in an entry of its own: 4 KiB reads at
+    # random (no readahead for them).
+    order = list(range(NBLOCKS))
+    random.Random(3).shuffle(order)
+    bufs = [nbd.Buffer(BLOCK) for _ in range(64)]
+    aio_all(h, [(h.aio_pread, (bufs[i % 64], b * BLOCK)) for i, b in enumerate(order)])
+    pid = d.pid
+    before = cache_stats(d)
+    limit = vm_data(pid) + 256 * KIB
+    resource.prlimit(pid, resource.RLIMIT_DATA, (limit, resource.RLIM_INFINITY))
+    log("RLIMIT_DATA of the daemon set to %d KiB (its VmData + 256 KiB)" % (limit // KIB))
+    ok = failed = 0
+    other = []
+    try:
+        rng = random.Random(5)
+        for b in order:
+            data = rng.randbytes(BLOCK)
+            try:
+                h.pwrite(data, b * BLOCK)
+                model[b * BLOCK:(b + 1) * BLOCK] = data
+                ok += 1
+            except nbd.Error as e:
+                if e.errnum == 12:  # ENOMEM
+                    failed += 1
+                else:
+                    other.append("block %d: %s" % (b, e))
+                    if len(other) > 5:
+                        break
+            if not d.alive():
+                break
+        # Read back under the limit too: a block written around the cache
+        # must not be served from a stale cached copy.
+        for b in order[::32]:
+            if not d.alive():
+                break
+            got = h.pread(BLOCK, b * BLOCK)
+            if got != bytes(model[b * BLOCK:(b + 1) * BLOCK]):
+                other.append("block %d: READ under the limit returned other bytes" % b)
+                break
+    finally:
+        if d.alive():
+            resource.prlimit(pid, resource.RLIMIT_DATA,
+                             (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    log("under the limit: %d WRITEs succeeded, %d failed with ENOMEM, %d otherwise"
+        % (ok, failed, len(other)))
+    if d.alive():
+        after = cache_stats(d)
+        cached = after["dirty_bytes"] // BLOCK
+        direct = after["direct_writes"] - before["direct_writes"]
+        log("of them: %d blocks dirty in the cache, %d WRITEs went to the backend directly"
+            % (cached, direct))
+        expect(cached > 0 and direct > 0, "expected some WRITEs cached before the limit bit "
+               "and some written directly after: %d and %d" % (cached, direct))
+    expect(d.alive(), "the daemon died under the memory limit (its log is above)")
+    expect(not other, "WRITEs failed other than with ENOMEM: %s" % other[:5])
+    text = d.log_text()
+    went = [line for line in text.splitlines() if "no memory for" in line]
+    log("log lines about it: %d, first: %s" % (len(went), went[0] if went else "-"))
+    expect(went, "no WRITE needed memory it could not have: the limit did not bite "
+           "(the check proves nothing)")
+    h.flush()
+    h.shutdown()
+    got = read_at(path, 0, SIZE)
+    bad = [i for i in range(NBLOCKS) if got[i * BLOCK:(i + 1) * BLOCK] !=
+           model[i * BLOCK:(i + 1) * BLOCK]]
+    expect(not bad, "after FLUSH, %d blocks of the file differ from the model (first %s)"
+           % (len(bad), bad[:5]))
+
+
+def main():
+    checks = nbdtest.Checks()
+    with nbdtest.tempdir() as tmp:
+        path = os.path.join(tmp, "disk.img")
+        nbdtest.random_file(path, SIZE, seed=9)
+        model = bytearray(read_at(path, 0, SIZE))
+        d = nbdtest.Daemon([("disk", path, "")], extra=["--cache-size", "256M"])
+        try:
+            checks.run("dirty", check_dirty, d, path, model)
+            if not d.alive():
+                d.dump_log()
+            else:
+                d.stop()
+        except Failed:
+            d.dump_log()
+            raise
+        finally:
+            d.discard()
+    checks.finish("memory_pressure")
+
+
+if __name__ == "__main__":
+    main()
