@@ -21,11 +21,14 @@
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
 #include <event2/event.h>
+#include <stdatomic.h>
 #include <string.h>
 #include <sys/uio.h>
 
+#include "daemon/clock.h"
 #include "daemon/conn.h"
 #include "daemon/conn_internal.h"
+#include "daemon/log.h"
 #include "daemon/uring.h"
 #include "daemon/worker.h"
 
@@ -129,6 +132,39 @@ void conn_input_ready(struct conn *c)
 		c->on_input(c);
 }
 
+static void read_resume(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	struct conn *c = arg;
+	if (c->bev && (c->reading || c->sink.left))
+		conn_read_set(c, true);
+	conn_unref(c);
+}
+
+/*
+ * No memory for the input buffer: reading stops for 10 ms, and then tries
+ * again. Ending the connection would fail every request in flight, and
+ * going on would spin on a socket that stays readable; memory that runs
+ * short often comes back (writeback, replies sent). The deadlines still
+ * run meanwhile.
+ */
+static void read_pause(struct conn *c)
+{
+	static _Atomic uint64_t logged_ns;
+	uint64_t now = clock_now_ns(), last = atomic_load(&logged_ns);
+	if (now - last >= 1000000000ull && atomic_compare_exchange_strong(&logged_ns, &last, now))
+		log_error("conn %llu: no memory to read requests into: reading again in 10 ms",
+			  (unsigned long long)c->id);
+	struct timeval tv = {0, 10000};
+	conn_read_set(c, false);
+	conn_ref(c);
+	if (event_base_once(c->worker->base, -1, EV_TIMEOUT, read_resume, c, &tv) < 0) {
+		conn_kill(c, "out of memory reading requests");
+		conn_unref(c);
+	}
+}
+
 /*
  * The plaintext socket is readable: one readv, into what a sink still
  * wants and then up to CONN_READ_CHUNK of the input buffer (while a sink
@@ -155,8 +191,12 @@ void conn_on_readable(evutil_socket_t fd, short what, void *arg)
 	/* The bufferevent keeps its input's end frozen but while it reads. */
 	evbuffer_unfreeze(in, 0);
 	if (!c->closing) {
-		nev = evbuffer_reserve_space(in, k->left ? 4096 : CONN_READ_SIZE(c->read_shift), ev,
-					     2);
+		size_t size = k->left ? 4096 : CONN_READ_SIZE(c->read_shift);
+		nev = evbuffer_reserve_space(in, size, ev, 2);
+		if (nev < 0 && size > 4096) {
+			c->read_shift = CONN_READ_MIN_SHIFT;
+			nev = evbuffer_reserve_space(in, 4096, ev, 2);
+		}
 		if (nev < 0)
 			nev = 0;
 		for (int i = 0; i < nev; i++) {
@@ -164,9 +204,14 @@ void conn_on_readable(evutil_socket_t fd, short what, void *arg)
 			iov[n++].iov_len = ev[i].iov_len;
 		}
 	}
-	ssize_t got = n ? readv(fd, iov, (int)n) : -1;
+	if (!n) {
+		evbuffer_freeze(in, 0);
+		read_pause(c);
+		return;
+	}
+	ssize_t got = readv(fd, iov, (int)n);
 	if (got <= 0) {
-		int err = n ? errno : ENOMEM;
+		int err = errno;
 		evbuffer_freeze(in, 0);
 		if (got < 0 && (err == EAGAIN || err == EWOULDBLOCK || err == EINTR))
 			return;
