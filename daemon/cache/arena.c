@@ -11,8 +11,9 @@
  * merge into one block of the next. The arena may end in a short chunk
  * (a 1 MiB cache has no order-9 block), so a buddy past the end is never
  * free. Metadata costs 9 bytes a frame (0.2%), outside the arena, so the
- * arena itself is only touched when data is cached in it; the owner
- * pointers add 4 or 8 bytes a frame, the chunk counts 2 bytes a chunk.
+ * arena itself is only touched when data is cached in it; the owners
+ * (32-bit entry slot indexes, not pointers) add 4 bytes a frame, the chunk
+ * counts 2 bytes a chunk.
  *
  * An isolated chunk (compaction) keeps its free blocks off the free lists:
  * they look allocated (state = order) and are listed in iso_frame /
@@ -163,7 +164,7 @@ int arena_init(struct arena *a, size_t size, enum hugepages_policy policy)
 	a->next = malloc(a->nframes * sizeof(*a->next));
 	a->prev = malloc(a->nframes * sizeof(*a->prev));
 	a->state = malloc(a->nframes);
-	a->owner = calloc(a->nframes, sizeof(*a->owner));
+	a->owner = malloc(a->nframes * sizeof(*a->owner));
 	a->nchunks = a->nframes >> ARENA_MAX_ORDER;
 	a->chunk_used = calloc(a->nchunks ? a->nchunks : 1, sizeof(*a->chunk_used));
 	a->iso_chunk = ARENA_NONE;
@@ -184,6 +185,7 @@ int arena_init(struct arena *a, size_t size, enum hugepages_policy policy)
 	for (unsigned o = 0; o < ARENA_ORDERS; o++)
 		a->free_head[o] = ARENA_NONE;
 	memset(a->state, ARENA_INSIDE, a->nframes);
+	memset(a->owner, 0xff, a->nframes * sizeof(*a->owner)); /* ARENA_NONE */
 	/* Cover the frames with the largest aligned blocks that fit. */
 	uint32_t f = 0;
 	while (f < a->nframes) {
@@ -239,7 +241,7 @@ int64_t arena_alloc_max(struct arena *a, unsigned order, unsigned max_split)
 	}
 	a->state[f] = (uint8_t)order;
 	a->free_frames -= 1u << order;
-	a->owner[f] = NULL;
+	a->owner[f] = ARENA_NONE;
 	if ((f >> ARENA_MAX_ORDER) < a->nchunks)
 		a->chunk_used[f >> ARENA_MAX_ORDER] += (uint16_t)(1u << order);
 	pthread_mutex_unlock(&a->lock);
@@ -266,7 +268,7 @@ static void free_locked(struct arena *a, uint32_t frame, unsigned order)
 void arena_free(struct arena *a, uint32_t frame, unsigned order)
 {
 	pthread_mutex_lock(&a->lock);
-	a->owner[frame] = NULL;
+	a->owner[frame] = ARENA_NONE;
 	uint32_t chunk = frame >> ARENA_MAX_ORDER;
 	if (chunk < a->nchunks)
 		a->chunk_used[chunk] -= (uint16_t)(1u << order);
@@ -280,11 +282,16 @@ void arena_free(struct arena *a, uint32_t frame, unsigned order)
 	pthread_mutex_unlock(&a->lock);
 }
 
-void arena_set_owner(struct arena *a, uint32_t frame, void *owner)
+void arena_set_owner(struct arena *a, uint32_t frame, uint32_t owner)
 {
 	pthread_mutex_lock(&a->lock);
 	a->owner[frame] = owner;
 	pthread_mutex_unlock(&a->lock);
+}
+
+uint32_t arena_owner_locked(const struct arena *a, uint32_t frame)
+{
+	return a->owner[frame];
 }
 
 void arena_free_by_order(struct arena *a, uint64_t out[ARENA_ORDERS])

@@ -16,8 +16,10 @@
  * frame into a pointer only while the entry that owns it is pinned (see
  * cache.h), so a later compactor may move unpinned entries.
  *
- * Compaction support (compact.c): each allocated block has an owner
- * pointer (set by the cache, cleared when the block is freed), each chunk a
+ * Compaction support (compact.c): each allocated block has an owner, a
+ * 32-bit value the caller chooses (the cache: its entry's slot index; set
+ * by the cache, ARENA_NONE until then and once the block is freed), each
+ * chunk a
  * count of its allocated frames, and one chunk at a time may be isolated:
  * its free blocks leave the free lists and blocks freed inside it while it
  * is isolated are held back, so nothing is allocated there while its
@@ -44,7 +46,7 @@
 #define ARENA_ORDERS (ARENA_MAX_ORDER + 1)
 #define ARENA_CHUNK_SIZE ((size_t)ARENA_FRAME_SIZE << ARENA_MAX_ORDER)
 #define ARENA_CHUNK_FRAMES (1u << ARENA_MAX_ORDER)
-#define ARENA_NONE UINT32_MAX
+#define ARENA_NONE UINT32_MAX /* no frame, no chunk, no owner */
 
 enum arena_kind { ARENA_HUGETLB, ARENA_THP, ARENA_PLAIN };
 
@@ -63,7 +65,7 @@ struct arena {
 	uint64_t free_frames;
 	uint64_t free_blocks[ARENA_ORDERS];
 
-	void **owner;	     /* per frame: the owner of the block starting there */
+	uint32_t *owner;      /* per frame: the owner of the block starting there */
 	uint16_t *chunk_used; /* per chunk: allocated frames */
 	uint32_t nchunks;     /* whole 2 MiB chunks (a short tail is not one) */
 	uint32_t iso_chunk;   /* the isolated chunk, or ARENA_NONE */
@@ -76,7 +78,7 @@ struct arena {
 struct arena_block {
 	uint32_t frame;
 	uint8_t order;
-	void *owner;
+	uint32_t owner;
 };
 
 /* Map size bytes (rounded down to 4 KiB) as policy allows. 0 or -errno. */
@@ -96,8 +98,12 @@ void arena_free_by_order(struct arena *a, uint64_t out[ARENA_ORDERS]);
  * frames: the compactor must not break a free 2 MiB block to empty another.
  */
 int64_t arena_alloc_max(struct arena *a, unsigned order, unsigned max_split);
-/* Record the owner of the allocated block starting at frame. */
-void arena_set_owner(struct arena *a, uint32_t frame, void *owner);
+/* Record the owner of the allocated block starting at frame (any value but
+ * ARENA_NONE, which clears it). */
+void arena_set_owner(struct arena *a, uint32_t frame, uint32_t owner);
+/* The owner of the allocated block starting at frame, or ARENA_NONE.
+ * arena->lock held: the answer holds only as long as the lock. */
+uint32_t arena_owner_locked(const struct arena *a, uint32_t frame);
 /*
  * Up to max whole chunks that hold allocated frames but are not full, the
  * emptiest first (ties by chunk number). Returns how many were written.

@@ -649,7 +649,7 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
 	memmove(&v[i + 1], &v[i], (r->count - i) * sizeof(*v));
 	v[i] = ei;
 	r->count++;
-	arena_set_owner(&c->arena, e->frame, e);
+	arena_set_owner(&c->arena, e->frame, ei);
 	atomic_fetch_add(&c->counters.entries, 1);
 	atomic_fetch_add(&c->counters.entry_bytes, cache_entry_bytes(e));
 	if (order == ARENA_MAX_ORDER)
@@ -729,7 +729,7 @@ int cache_index_init(struct cache *c, const struct options *opts)
 	/* The arena's own tables (free lists, frame states, owners): fixed
 	 * by the cache size, whatever is cached; counted apart. */
 	atomic_store(&c->counters.arena_metadata_bytes,
-		     (uint64_t)c->arena.nframes * (2 * sizeof(uint32_t) + 1 + sizeof(void *)));
+		     (uint64_t)c->arena.nframes * (3 * sizeof(uint32_t) + 1));
 	return 0;
 err:
 	cache_pool_destroy(&c->entries);
