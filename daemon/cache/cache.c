@@ -726,10 +726,6 @@ int cache_index_init(struct cache *c, const struct options *opts)
 	c->dirty_low = c->arena.size / 100 * opts->dirty_low;
 	c->dirty_expire_ns = (uint64_t)opts->dirty_expire * 1000000000u;
 	atomic_fetch_add(&c->counters.metadata_bytes, (uint64_t)ghost * sizeof(*c->ghost));
-	/* The arena's own tables (free lists, frame states, owners): fixed
-	 * by the cache size, whatever is cached; counted apart. */
-	atomic_store(&c->counters.arena_metadata_bytes,
-		     (uint64_t)c->arena.nframes * (3 * sizeof(uint32_t) + 1));
 	return 0;
 err:
 	cache_pool_destroy(&c->entries);
