@@ -81,8 +81,8 @@ struct arena_chunk {
 	struct arena_split *split; /* SPLIT only */
 	uint32_t next, prev;	   /* FREE: the order-9 list */
 	uint32_t owner;		   /* WHOLE */
-	uint16_t used;
-	uint8_t state; /* enum chunk_state */
+	uint16_t used;		   /* allocated frames */
+	uint8_t state;		   /* enum chunk_state */
 };
 _Static_assert(sizeof(struct arena_chunk) <= 24, "a chunk's record stays small");
 
@@ -135,8 +135,10 @@ static uint32_t map_first(const uint64_t *map, unsigned order)
 			bits &= ~0ull << (first % 64);
 		if ((w + 1) * 64 > end)
 			bits &= ~(~0ull << (end % 64));
-		if (bits)
-			return (uint32_t)(w * 64 + (unsigned)__builtin_ctzll(bits) - first) << order;
+		if (bits) {
+			unsigned bit = w * 64 + (unsigned)__builtin_ctzll(bits);
+			return (uint32_t)(bit - first) << order;
+		}
 	}
 	return ARENA_NONE;
 }
@@ -213,8 +215,8 @@ static uint64_t table_bytes(void *p)
 	return malloc_usable_size(p) + sizeof(size_t);
 }
 
-/* Give chunk c (not on any list) a split table with no block in it, or
- * -ENOMEM. */
+/* Give chunk c, one free 2 MiB block about to be split, a table with no
+ * block in it; -ENOMEM leaves the chunk as it was. */
 static int split_begin(struct arena *a, uint32_t c)
 {
 	struct arena_split *s = malloc(sizeof(*s));

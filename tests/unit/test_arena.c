@@ -149,7 +149,8 @@ static void check_isolation(struct arena *a, struct model *m, uint32_t c)
 			expect++;
 	assert_int_equal(n, expect);
 	for (size_t i = 0; i < n; i++) {
-		assert_true(blocks[i].frame >= first && blocks[i].frame < first + ARENA_CHUNK_FRAMES);
+		assert_true(blocks[i].frame >= first &&
+			    blocks[i].frame < first + ARENA_CHUNK_FRAMES);
 		int32_t k = m->block[blocks[i].frame];
 		assert_true(k >= 0);
 		assert_int_equal(m->live[k].frame, blocks[i].frame);
