@@ -472,8 +472,9 @@ def print_metadata(res):
             "%.1f" % (r["meta"] / ent) if ent else "n/a",
             "%.1f" % ((r["meta"] - r["empty_meta"]) / ent) if ent else "n/a"))
     # The index (metadata_bytes), and with the arena's own tables
-    # (arena_metadata_bytes: free lists, frame states, owners, fixed by the
-    # cache size): all the memory the cache needs besides the arena.
+    # (arena_metadata_bytes: a record per 2 MiB chunk, per-frame tables with
+    # the owners for split chunks): all the memory the cache needs besides
+    # the arena.
     for kind, label in (("4k", "4 KiB entries"), ("2m", "2 MiB entries")):
         r = res.get(kind)
         ok = isinstance(r, dict) and r["used"]

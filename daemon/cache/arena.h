@@ -12,21 +12,31 @@
  *   | chunk 0 (2 MiB) | chunk 1 | ...                     | last (maybe short)
  *   |f0|f1|f2|...|f511|
  *
+ * The allocator's tables never live in the arena (nothing is written there
+ * until data is cached, so start-up faults none of it in) and cost little
+ * per cached byte: one record per chunk (24 bytes on 64-bit, 20 on i386)
+ * while the chunk is one block, free or allocated, and per-frame tables
+ * only for a chunk split into smaller blocks, allocated when it splits and
+ * given back when it merges into one free 2 MiB block again (arena.c has
+ * the picture). arena->metadata_bytes is what they hold now.
+ *
  * Callers hold frame numbers, never addresses: arena_address() turns a
  * frame into a pointer only while the entry that owns it is pinned (see
  * cache.h), so a later compactor may move unpinned entries.
  *
- * Compaction support (compact.c): each allocated block has an owner
- * pointer (set by the cache, cleared when the block is freed), each chunk a
- * count of its allocated frames, and one chunk at a time may be isolated:
- * its free blocks leave the free lists and blocks freed inside it while it
- * is isolated are held back, so nothing is allocated there while its
- * entries move out. Un-isolating frees the held blocks at once; a chunk
- * whose entries all moved out comes back as one 2 MiB block.
+ * Compaction support (compact.c): each allocated block has an owner, a
+ * 32-bit value the caller chooses (the cache: its entry's slot index; set
+ * by the cache, ARENA_NONE until then and once the block is freed), each
+ * chunk a count of its allocated frames, and one chunk at a time may be
+ * isolated: its free blocks leave the free lists and blocks freed inside
+ * it while it is isolated are held back, so nothing is allocated there
+ * while its entries move out. Un-isolating frees the held blocks at once;
+ * a chunk whose entries all moved out comes back as one 2 MiB block.
  *
- * Locking: arena->lock guards the free lists, the owners, the chunk counts
- * and the isolated chunk; it is innermost (cache.h).
- * Dependency-free (pthread and mmap only), so it is unit tested on i386 too.
+ * Locking: arena->lock guards the free lists, the chunk records and split
+ * tables (owners among them), the counts and the isolated chunk; it is
+ * innermost (cache.h). Dependency-free (pthread and mmap only), so it is
+ * unit tested on i386 too.
  */
 #ifndef NBDCACHED_DAEMON_CACHE_ARENA_H
 #define NBDCACHED_DAEMON_CACHE_ARENA_H
@@ -44,9 +54,11 @@
 #define ARENA_ORDERS (ARENA_MAX_ORDER + 1)
 #define ARENA_CHUNK_SIZE ((size_t)ARENA_FRAME_SIZE << ARENA_MAX_ORDER)
 #define ARENA_CHUNK_FRAMES (1u << ARENA_MAX_ORDER)
-#define ARENA_NONE UINT32_MAX
+#define ARENA_NONE UINT32_MAX /* no frame, no chunk, no owner */
 
 enum arena_kind { ARENA_HUGETLB, ARENA_THP, ARENA_PLAIN };
+
+struct arena_chunk; /* arena.c */
 
 struct arena {
 	uint8_t *base;
@@ -57,17 +69,18 @@ struct arena {
 	int memfd; /* hugetlb only; -1 otherwise */
 
 	pthread_mutex_t lock;
+	/* Free lists: chunk numbers (ARENA_NONE: empty). Order 9 lists whole
+	 * free chunks, orders 0..8 the split chunks with a free block of that
+	 * order (arena.c). */
 	uint32_t free_head[ARENA_ORDERS];
-	uint32_t *next, *prev; /* free-list links, valid at a free block's first frame */
-	uint8_t *state;	       /* per frame, see arena.c */
 	uint64_t free_frames;
 	uint64_t free_blocks[ARENA_ORDERS];
+	uint64_t metadata_bytes; /* the chunk records and split tables, now */
 
-	void **owner;	     /* per frame: the owner of the block starting there */
-	uint16_t *chunk_used; /* per chunk: allocated frames */
-	uint32_t nchunks;     /* whole 2 MiB chunks (a short tail is not one) */
-	uint32_t iso_chunk;   /* the isolated chunk, or ARENA_NONE */
-	uint32_t iso_n;	      /* blocks held back in it */
+	struct arena_chunk *chunks; /* one per chunk, the short tail included */
+	uint32_t nchunks;	    /* whole 2 MiB chunks (a short tail is not one) */
+	uint32_t iso_chunk;	    /* the isolated chunk, or ARENA_NONE */
+	uint32_t iso_n;		    /* blocks held back in it */
 	uint32_t iso_frame[ARENA_CHUNK_FRAMES];
 	uint8_t iso_order[ARENA_CHUNK_FRAMES];
 };
@@ -76,13 +89,17 @@ struct arena {
 struct arena_block {
 	uint32_t frame;
 	uint8_t order;
-	void *owner;
+	uint32_t owner;
 };
 
 /* Map size bytes (rounded down to 4 KiB) as policy allows. 0 or -errno. */
 int arena_init(struct arena *a, size_t size, enum hugepages_policy policy);
 void arena_destroy(struct arena *a);
-/* A free block of 2^order frames; its first frame number, or -ENOMEM. */
+/*
+ * A free block of 2^order frames; its first frame number, or -ENOMEM: no
+ * free block of that order or above, or no memory for the tables of a
+ * chunk it would split (the caller treats both as a full arena).
+ */
 int64_t arena_alloc(struct arena *a, unsigned order);
 void arena_free(struct arena *a, uint32_t frame, unsigned order);
 const char *arena_kind_name(enum arena_kind kind);
@@ -96,8 +113,12 @@ void arena_free_by_order(struct arena *a, uint64_t out[ARENA_ORDERS]);
  * frames: the compactor must not break a free 2 MiB block to empty another.
  */
 int64_t arena_alloc_max(struct arena *a, unsigned order, unsigned max_split);
-/* Record the owner of the allocated block starting at frame. */
-void arena_set_owner(struct arena *a, uint32_t frame, void *owner);
+/* Record the owner of the allocated block starting at frame (any value but
+ * ARENA_NONE, which clears it). */
+void arena_set_owner(struct arena *a, uint32_t frame, uint32_t owner);
+/* The owner of the allocated block starting at frame, or ARENA_NONE.
+ * arena->lock held: the answer holds only as long as the lock. */
+uint32_t arena_owner_locked(const struct arena *a, uint32_t frame);
 /*
  * Up to max whole chunks that hold allocated frames but are not full, the
  * emptiest first (ties by chunk number). Returns how many were written.

@@ -432,7 +432,7 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
 	memmove(&v[i + 1], &v[i], (r->count - i) * sizeof(*v));
 	v[i] = ei;
 	r->count++;
-	arena_set_owner(&c->arena, e->frame, e);
+	arena_set_owner(&c->arena, e->frame, ei);
 	atomic_fetch_add(&c->counters.entries, 1);
 	atomic_fetch_add(&c->counters.entry_bytes, cache_entry_bytes(e));
 	if (order == ARENA_MAX_ORDER)
@@ -501,10 +501,6 @@ int cache_index_init(struct cache *c, const struct options *opts)
 	c->dirty_low = c->arena.size / 100 * opts->dirty_low;
 	c->dirty_expire_ns = (uint64_t)opts->dirty_expire * 1000000000u;
 	atomic_fetch_add(&c->counters.metadata_bytes, (uint64_t)ghost * sizeof(*c->ghost));
-	/* The arena's own tables (free lists, frame states, owners): fixed
-	 * by the cache size, whatever is cached; counted apart. */
-	atomic_store(&c->counters.arena_metadata_bytes,
-		     (uint64_t)c->arena.nframes * (2 * sizeof(uint32_t) + 1 + sizeof(void *)));
 	return 0;
 err:
 	cache_pool_destroy(&c->entries);

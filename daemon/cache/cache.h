@@ -180,8 +180,8 @@ struct cache_stats {
 	/* The index's memory: entries, side records, range nodes and their
 	 * arrays, hash buckets, the ghost table (all of it, at capacity). */
 	uint64_t metadata_bytes;
-	/* The arena's tables (free lists, frame states, block owners): fixed
-	 * by the cache size. */
+	/* The arena's tables (chunk records, the split chunks' per-frame
+	 * tables with the block owners): they follow how split the arena is. */
 	uint64_t arena_metadata_bytes;
 	uint64_t free_2m_bytes;
 	const char *arena;

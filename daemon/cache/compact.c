@@ -38,12 +38,12 @@
  * under the export lock and unlinks them from the dirty list in the same
  * hold: nobody can find them after that.
  *
- * Finding an entry from a block: the arena keeps each block's owner (set
- * under the arena lock once the entry is in the index, cleared when the
- * block is freed, which is before its handle is freed). The compactor reads
- * the owner's export and device frame under the arena lock, takes that
- * shard's lock, and checks the owner again: then the entry is alive and in
- * that shard.
+ * Finding an entry from a block: the arena keeps each block's owner, its
+ * entry's slot index (set under the arena lock once the entry is in the
+ * index, cleared when the block is freed, which is before its slot is
+ * freed). The compactor reads the owner's export and device frame under
+ * the arena lock, takes that shard's lock, and checks the owner again:
+ * then the entry is alive and in that shard.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -127,11 +127,13 @@ enum move_result { MOVE_DONE, MOVE_EVICTED, MOVE_GONE, MOVE_PINNED, MOVE_NO_ROOM
 static enum move_result move_block(struct cache *c, const struct arena_block *b, bool evict)
 {
 	struct arena *a = &c->arena;
-	struct cache_entry *e = b->owner;
-	if (!e)
+	if (b->owner == ARENA_NONE)
 		return MOVE_UNOWNED;
+	/* The slot stays an entry's slot (pools keep their chunks); whose, the
+	 * owner read under the arena lock says. */
+	struct cache_entry *e = cache_entry_at(c, b->owner);
 	pthread_mutex_lock(&a->lock);
-	if (a->owner[b->frame] != e) {
+	if (arena_owner_locked(a, b->frame) != b->owner) {
 		pthread_mutex_unlock(&a->lock);
 		return MOVE_GONE; /* freed since: held back in the chunk */
 	}
@@ -143,7 +145,7 @@ static enum move_result move_block(struct cache *c, const struct arena_block *b,
 		cache_shard_for(c, ce, first_frame >> (CACHE_RANGE_SHIFT - ARENA_FRAME_SHIFT));
 	pthread_mutex_lock(&sh->lock);
 	pthread_mutex_lock(&a->lock);
-	bool same = a->owner[b->frame] == e && cache_entry_export(e) == ce &&
+	bool same = arena_owner_locked(a, b->frame) == b->owner && cache_entry_export(e) == ce &&
 		    cache_entry_first_frame(e) == first_frame && e->frame == b->frame;
 	pthread_mutex_unlock(&a->lock);
 	enum move_result result = MOVE_GONE;
@@ -164,7 +166,7 @@ static enum move_result move_block(struct cache *c, const struct arena_block *b,
 	       (size_t)cache_entry_bytes(e));
 	uint32_t from = e->frame;
 	e->frame = (uint32_t)to;
-	arena_set_owner(a, (uint32_t)to, e);
+	arena_set_owner(a, (uint32_t)to, b->owner);
 	arena_free(a, from, e->order); /* held back: the chunk is isolated */
 	result = MOVE_DONE;
 out:
@@ -362,7 +364,7 @@ static int collapse_range(struct cache *c, struct cache_export *ce, uint64_t ind
 
 	cache_range_set_one(r, ne);
 	cache_queue_replace(c, old, count, ne);
-	arena_set_owner(a, ne->frame, ne);
+	arena_set_owner(a, ne->frame, cache_entry_index(ne));
 	struct cache_counters *k = &c->counters;
 	for (size_t i = 0; i < count; i++) {
 		struct cache_entry *e = old[i];

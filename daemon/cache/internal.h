@@ -60,7 +60,7 @@
  *
  * metadata_bytes counts all of it (pool chunks, range arrays and buckets at
  * capacity, large entries' maps, the ghost table, the directories); the
- * arena's own tables are arena_metadata_bytes.
+ * arena's own tables are arena->metadata_bytes (stats: arena_metadata_bytes).
  */
 #ifndef NBDCACHED_DAEMON_CACHE_INTERNAL_H
 #define NBDCACHED_DAEMON_CACHE_INTERNAL_H
@@ -213,7 +213,6 @@ struct cache_counters {
 	atomic_uint_fast64_t writes_in_place; /* WRITEs received into the arena */
 	atomic_uint_fast64_t throttled_writes; /* WRITEs that waited at the high watermark */
 	atomic_uint_fast64_t dirty_bytes, entries, metadata_bytes, cached_bytes;
-	atomic_uint_fast64_t arena_metadata_bytes; /* the arena's own tables, fixed */
 	atomic_uint_fast64_t unstable_bytes, backend_flushes, backend_flush_errors, losses;
 	/* Client requests by command (enum backend_cmd), and those with FUA. */
 	atomic_uint_fast64_t commands[CACHE_COMMANDS], fua_commands;

@@ -82,10 +82,10 @@ void cache_get_stats(struct cache *c, struct cache_stats *s)
 	s->cache_bytes = c->arena.size;
 	pthread_mutex_lock(&c->arena.lock);
 	s->used_bytes = (uint64_t)(c->arena.nframes - c->arena.free_frames) << ARENA_FRAME_SHIFT;
+	s->arena_metadata_bytes = c->arena.metadata_bytes;
 	pthread_mutex_unlock(&c->arena.lock);
 	s->entries = atomic_load(&k->entries);
 	s->metadata_bytes = atomic_load(&k->metadata_bytes);
-	s->arena_metadata_bytes = atomic_load(&k->arena_metadata_bytes);
 	struct cache_export_stats one;
 	pthread_mutex_lock(&c->exports_lock);
 	for (struct cache_export *ce = c->exports; ce; ce = ce->next) {

@@ -69,8 +69,9 @@
  *             throttled_writes (WRITEs that waited at --dirty-high for
  *             writeback), metadata_bytes (the index: entries, side
  *             records, range nodes and arrays, hash buckets, ghost
- *             table), arena_metadata_bytes (the arena's free lists,
- *             frame states and owners: fixed by the cache size),
+ *             table), arena_metadata_bytes (the arena allocator's
+ *             tables: a record per 2 MiB chunk, and per-frame tables for
+ *             the chunks split into smaller blocks),
  *             arena: {kind (string), free_bytes, free_bytes_by_order (array
  *                     of 10: free bytes in free blocks of order 0..9, a
  *                     block of order k being 4 KiB << k),
