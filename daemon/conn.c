@@ -46,6 +46,12 @@ struct evbuffer *conn_output(struct conn *c)
 	return bufferevent_get_output(c->bev);
 }
 
+void conn_add(struct conn *c, const void *data, size_t n)
+{
+	if (c->bev && evbuffer_add(bufferevent_get_output(c->bev), data, n) < 0)
+		conn_kill(c, "out of memory queueing a reply");
+}
+
 struct evbuffer *conn_input(struct conn *c)
 {
 	return bufferevent_get_input(c->bev);

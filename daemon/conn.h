@@ -295,6 +295,12 @@ void conn_ref(struct conn *c);
 void conn_unref(struct conn *c);
 struct evbuffer *conn_output(struct conn *c);
 struct evbuffer *conn_input(struct conn *c);
+/*
+ * Queue n bytes of a reply or option reply on the output. If the memory
+ * for them cannot be had, the connection ends: a reply silently missing
+ * would leave its client waiting for it for good. Nothing once killed.
+ */
+void conn_add(struct conn *c, const void *data, size_t n);
 /* Re-evaluate whether to read more (after a reply or a drained output). */
 void conn_update_reading(struct conn *c);
 /* Reserve cost reply bytes for the next request (budget_reserve); false:

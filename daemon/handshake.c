@@ -35,8 +35,9 @@ void handshake_send_greeting(struct conn *c)
 {
 	uint8_t buf[NBD_GREETING_SIZE];
 	size_t n = nbd_encode_greeting(buf, NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES);
-	evbuffer_add(conn_output(c), buf, n);
-	tls_conn_begin(c); /* the TLS mode of this connection, for its whole life */
+	conn_add(c, buf, n);
+	if (c->bev)
+		tls_conn_begin(c); /* the TLS mode of this connection, for its whole life */
 }
 
 static void option_reply(struct conn *c, uint32_t option, uint32_t type, const void *data,
@@ -44,10 +45,9 @@ static void option_reply(struct conn *c, uint32_t option, uint32_t type, const v
 {
 	uint8_t hdr[NBD_OPTION_REPLY_HEADER_SIZE];
 	nbd_encode_option_reply(hdr, option, type, (uint32_t)len);
-	struct evbuffer *out = conn_output(c);
-	evbuffer_add(out, hdr, sizeof(hdr));
+	conn_add(c, hdr, sizeof(hdr));
 	if (len)
-		evbuffer_add(out, data, len);
+		conn_add(c, data, len);
 }
 
 static void option_error(struct conn *c, uint32_t option, uint32_t type, const char *message)
@@ -69,13 +69,12 @@ static void option_reply_prefixed(struct conn *c, uint32_t option, uint32_t type
 {
 	uint8_t hdr[NBD_OPTION_REPLY_HEADER_SIZE];
 	nbd_encode_option_reply(hdr, option, type, (uint32_t)(prefix_len + a_len + b_len));
-	struct evbuffer *out = conn_output(c);
-	evbuffer_add(out, hdr, sizeof(hdr));
-	evbuffer_add(out, prefix, prefix_len);
+	conn_add(c, hdr, sizeof(hdr));
+	conn_add(c, prefix, prefix_len);
 	if (a_len)
-		evbuffer_add(out, a, a_len);
+		conn_add(c, a, a_len);
 	if (b_len)
-		evbuffer_add(out, b, b_len);
+		conn_add(c, b, b_len);
 }
 
 /*
@@ -191,7 +190,7 @@ static void handle_export_name(struct conn *c, const char *data, uint32_t len)
 	uint8_t buf[NBD_EXPORT_NAME_REPLY_SIZE];
 	size_t n = nbd_encode_export_name_reply(buf, export_size(e), export_eflags(e, c->structured),
 						c->no_zeroes);
-	evbuffer_add(conn_output(c), buf, n);
+	conn_add(c, buf, n);
 	enter_transmission(c, e);
 }
 

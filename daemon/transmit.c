@@ -164,17 +164,6 @@ static void request_buf_release(const void *data, size_t len, void *arg)
 	request_put(r);
 }
 
-/*
- * Queue n bytes of a reply. If the memory for them cannot be had, the
- * connection ends: a reply silently missing would leave its client
- * waiting for it for good.
- */
-static void reply_add(struct conn *c, const void *data, size_t n)
-{
-	if (c->bev && evbuffer_add(conn_output(c), data, n) < 0)
-		conn_kill(c, "out of memory queueing a reply");
-}
-
 /* Queue a chunk header (structured or extended form). */
 static void add_chunk_header(struct conn *c, const struct nbd_request *req, uint16_t flags,
 			     uint16_t type, uint64_t payload_length)
@@ -184,7 +173,7 @@ static void add_chunk_header(struct conn *c, const struct nbd_request *req, uint
 	uint8_t hdr[NBD_CHUNK_HEADER_MAX];
 	size_t n = nbd_encode_chunk_header(hdr, c->extended, flags, type, req->cookie,
 					   req->offset, payload_length);
-	reply_add(c, hdr, n);
+	conn_add(c, hdr, n);
 }
 
 /* An NBD error reply in whatever form was negotiated. */
@@ -199,7 +188,7 @@ static void reply_error(struct conn *c, const struct nbd_request *req, uint32_t 
 	if (!c->structured) {
 		uint8_t buf[NBD_SIMPLE_REPLY_SIZE];
 		size_t n = nbd_encode_simple_reply(buf, req->cookie, error);
-		reply_add(c, buf, n);
+		conn_add(c, buf, n);
 		return;
 	}
 	uint8_t payload[NBD_ERROR_CHUNK_FIXED_SIZE + 256];
@@ -207,7 +196,7 @@ static void reply_error(struct conn *c, const struct nbd_request *req, uint32_t 
 	snprintf(msg, sizeof(msg), "%s", message ? message : "");
 	size_t n = nbd_encode_error_chunk(payload, sizeof(payload), error, msg);
 	add_chunk_header(c, req, NBD_REPLY_FLAG_DONE, NBD_REPLY_TYPE_ERROR, n);
-	reply_add(c, payload, n);
+	conn_add(c, payload, n);
 }
 
 static void reply_ok(struct conn *c, const struct nbd_request *req)
@@ -217,7 +206,7 @@ static void reply_ok(struct conn *c, const struct nbd_request *req)
 	if (!c->structured) {
 		uint8_t buf[NBD_SIMPLE_REPLY_SIZE];
 		size_t n = nbd_encode_simple_reply(buf, req->cookie, 0);
-		reply_add(c, buf, n);
+		conn_add(c, buf, n);
 		return;
 	}
 	add_chunk_header(c, req, NBD_REPLY_FLAG_DONE, NBD_REPLY_TYPE_NONE, 0);
@@ -250,7 +239,7 @@ static void add_data_chunk_header(struct request *r, size_t at, size_t len, uint
 	add_chunk_header(r->conn, &r->hdr, flags, NBD_REPLY_TYPE_OFFSET_DATA,
 			 NBD_OFFSET_DATA_PREFIX_SIZE + (uint64_t)len);
 	nbd_encode_offset_data_prefix(prefix, r->hdr.offset + at);
-	reply_add(r->conn, prefix, sizeof(prefix));
+	conn_add(r->conn, prefix, sizeof(prefix));
 }
 
 /* Segment i of the read data, in order; false past the last one. */
@@ -339,7 +328,7 @@ static void add_hole_chunk(struct request *r, size_t at, size_t len, uint16_t fl
 	uint8_t payload[NBD_OFFSET_HOLE_SIZE];
 	add_chunk_header(r->conn, &r->hdr, flags, NBD_REPLY_TYPE_OFFSET_HOLE, sizeof(payload));
 	nbd_encode_offset_hole(payload, r->hdr.offset + at, (uint32_t)len);
-	reply_add(r->conn, payload, sizeof(payload));
+	conn_add(r->conn, payload, sizeof(payload));
 }
 
 /*
@@ -364,7 +353,7 @@ static void reply_read(struct request *r)
 	if (!c->structured) {
 		uint8_t buf[NBD_SIMPLE_REPLY_SIZE];
 		size_t n = nbd_encode_simple_reply(buf, r->hdr.cookie, 0);
-		reply_add(c, buf, n);
+		conn_add(c, buf, n);
 		add_all_data(r);
 		return;
 	}
@@ -462,7 +451,7 @@ static void reply_block_status(struct request *r)
 	add_chunk_header(c, &r->hdr, NBD_REPLY_FLAG_DONE,
 			 c->extended ? NBD_REPLY_TYPE_BLOCK_STATUS_EXT : NBD_REPLY_TYPE_BLOCK_STATUS,
 			 size);
-	reply_add(c, payload, size);
+	conn_add(c, payload, size);
 	free(payload);
 }
 
