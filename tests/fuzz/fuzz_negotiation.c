@@ -90,6 +90,12 @@ struct evbuffer *conn_input(struct conn *c)
 	return in;
 }
 
+void conn_add(struct conn *c, const void *data, size_t n)
+{
+	if (c->bev && evbuffer_add(out, data, n) < 0)
+		conn_kill(c, "out of memory queueing a reply");
+}
+
 void conn_kill(struct conn *c, const char *why)
 {
 	(void)why;
