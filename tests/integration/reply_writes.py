@@ -129,17 +129,10 @@ def main():
         path = os.path.join(tmp, "disk.img")
         nbdtest.random_file(path, SIZE, seed=5)
         model = bytearray(nbdtest.read_at(path, 0, SIZE))
-        d = nbdtest.Daemon([("disk", path, "")], extra=["--cache-size", "256M"])
-        try:
+        with nbdtest.Daemon([("disk", path, "")], extra=["--cache-size", "256M"]) as d:
             for transport in ("unix", "tcp"):
                 checks.run("backlog and after, " + transport, backlog, d, path, model, transport)
             checks.run("mixed", mixed, d, model)
-            d.stop()
-        except nbdtest.Failed:
-            d.dump_log()
-            raise
-        finally:
-            d.discard()
     checks.finish("reply_writes")
 
 
