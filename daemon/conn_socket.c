@@ -21,11 +21,9 @@
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
 #include <event2/event.h>
-#include <stdatomic.h>
 #include <string.h>
 #include <sys/uio.h>
 
-#include "daemon/clock.h"
 #include "daemon/conn.h"
 #include "daemon/conn_internal.h"
 #include "daemon/log.h"
@@ -152,8 +150,7 @@ static void read_resume(evutil_socket_t fd, short what, void *arg)
 static void read_pause(struct conn *c)
 {
 	static _Atomic uint64_t logged_ns;
-	uint64_t now = clock_now_ns(), last = atomic_load(&logged_ns);
-	if (now - last >= 1000000000ull && atomic_compare_exchange_strong(&logged_ns, &last, now))
+	if (log_due(&logged_ns, 1000000000u))
 		log_error("conn %llu: no memory to read requests into: reading again in 10 ms",
 			  (unsigned long long)c->id);
 	struct timeval tv = {0, 10000};

@@ -21,6 +21,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "daemon/clock.h"
+
 static volatile int current_level = LOG_INFO;
 
 static const char *const level_names[] = {"error", "warn", "info", "debug"};
@@ -95,4 +97,11 @@ void log_msg(enum log_level level, const char *fmt, ...)
 	ssize_t w = write(STDERR_FILENO, line, len);
 	(void)w;
 	errno = saved;
+}
+
+bool log_due(_Atomic uint64_t *last_ns, uint64_t interval_ns)
+{
+	uint64_t now = clock_now_ns(), last = atomic_load(last_ns);
+	return (!last || now - last >= interval_ns) &&
+	       atomic_compare_exchange_strong(last_ns, &last, now);
 }

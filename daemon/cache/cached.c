@@ -92,8 +92,10 @@ static struct cache_piece *piece_add(struct cache_op *op)
  * piece is a bypass piece, and so is the rest of the range that is not
  * cached already: a failed allocation scanned the eviction queues and
  * found every entry pinned, dirty or unflushed, and a 4 KiB frame at a
- * time that scan would hold the worker for seconds. Returns 0, -ENOMEM, or -ENOSPC when a WRITE
- * could not get room for every piece (the caller goes direct).
+ * time that scan would hold the worker for seconds. A WRITE's entries get
+ * their side records reserved on the way. Returns 0, -ENOMEM, or -ENOSPC
+ * when a WRITE could not get room, or memory for a side record, for every
+ * piece (the caller goes direct).
  */
 static bool range_uptodate(struct cache_entry *e, uint64_t offset, uint64_t length);
 
@@ -116,6 +118,17 @@ static int pieces_build(struct cache_op *op, bool allocate, bool need_all)
 				       : (frame + 1) << ARENA_FRAME_SHIFT;
 		if (piece_end > end)
 			piece_end = end;
+		/* A WRITE's blocks get their side records now, before any byte
+		 * lands (cache_entry_ext_reserve): marking them dirty must not
+		 * fail later. Without memory for one there is no room either. */
+		if (e && op->cmd == BACKEND_WRITE && cache_entry_ext_reserve(ce, e) < 0) {
+			pthread_mutex_unlock(&sh->lock);
+			static _Atomic uint64_t logged_ns;
+			if (log_due(&logged_ns, 1000000000u))
+				log_error("cache: no memory for the state of dirty blocks: "
+					  "writes go to the backend directly meanwhile");
+			return -ENOSPC;
+		}
 		/* A read hit is settled here, under the lock already held. */
 		bool hit = false;
 		if (e) {
@@ -179,8 +192,9 @@ static struct cache_shard *piece_lock(struct cache_export *ce, const struct cach
 	return sh;
 }
 
-/* Give back the side records pieces_reserve() made for pieces [0, n) and
- * that turned out not to be needed. */
+/* Give back the side records pieces_build() reserved for a WRITE's pieces
+ * [0, n) that turned out not to be needed (they stay where blocks are
+ * dirty or unstable). */
 static void pieces_unreserve(struct cache_op *op, size_t n)
 {
 	struct cache_export *ce = op->ce;
@@ -193,37 +207,6 @@ static void pieces_unreserve(struct cache_op *op, size_t n)
 		cache_entry_ext_unreserve(ce, p->entry);
 		pthread_mutex_unlock(&sh->lock);
 	}
-}
-
-/*
- * A side record for every piece's entry before any byte of the WRITE lands
- * (cache_entry_ext_reserve), so that marking the blocks dirty cannot fail
- * later, when the payload is in them. -ENOMEM if one cannot be had, with
- * nothing reserved left behind; logged at most once a second.
- */
-static int pieces_reserve(struct cache_op *op)
-{
-	static _Atomic uint64_t logged_ns;
-	struct cache_export *ce = op->ce;
-	for (size_t i = 0; i < op->npieces; i++) {
-		struct cache_piece *p = &op->pieces[i];
-		if (!p->entry)
-			continue;
-		uint32_t first, last;
-		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
-		int rc = cache_entry_ext_reserve(ce, p->entry);
-		pthread_mutex_unlock(&sh->lock);
-		if (rc < 0) {
-			pieces_unreserve(op, i);
-			uint64_t now = cache_now_ns(), last_ns = atomic_load(&logged_ns);
-			if (now - last_ns >= 1000000000ull &&
-			    atomic_compare_exchange_strong(&logged_ns, &last_ns, now))
-				log_error("cache: no memory for the state of dirty blocks: "
-					  "writes go to the backend directly meanwhile");
-			return rc;
-		}
-	}
-	return 0;
 }
 
 /* Is every block of e that [offset, offset+length) touches uptodate?
@@ -607,11 +590,9 @@ void cached_step(struct cache_op *op)
 int cached_write_room(struct cache_op *op)
 {
 	int rc = pieces_build(op, true, true);
-	/* No memory to keep the blocks dirty: no room either. */
-	if (rc == 0 && pieces_reserve(op) < 0)
-		rc = -ENOSPC;
 	if (rc == -ENOSPC) {
 		/* No room: write through, and get writeback going. */
+		pieces_unreserve(op, op->npieces);
 		pieces_release(op);
 		cache_kick_writeback(op->ce->cache);
 		rc = 0;
@@ -700,9 +681,6 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 	if (throttle_over_high(ce))
 		return -EAGAIN;
 	int rc = pieces_build(op, true, true);
-	if (rc == 0)
-		rc = pieces_reserve(op);
-	bool reserved = rc == 0;
 	size_t marked = 0; /* pieces [0, marked) have their blocks busy */
 	for (size_t i = 0; rc == 0 && i < op->npieces; i++) {
 		struct cache_piece *p = &op->pieces[i];
@@ -746,8 +724,7 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 		}
 		if (marked)
 			cache_waitq_wake(ce->cache);
-		if (reserved)
-			pieces_unreserve(op, op->npieces);
+		pieces_unreserve(op, op->npieces);
 		pieces_release(op);
 		return -EAGAIN;
 	}
