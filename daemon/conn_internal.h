@@ -1,12 +1,14 @@
 /*
- * daemon/conn_internal.h: what conn.c and conn_socket.c share. Not for
- * anything outside those two files.
+ * daemon/conn_internal.h: what conn.c, conn_socket.c and conn_registry.c
+ * share. Not for anything outside those files.
  *
  *   conn.c          lifetime, the bufferevent, output accounting, timers,
  *                   reading on and off (conn_update_reading), the budget
  *   conn_socket.c   the plaintext socket's own reader and writer, sinks
+ *   conn_registry.c every connection, for conn_list() and conn_disconnect()
  *
- * All of it runs on the connection's worker thread.
+ * All of it runs on the connection's worker thread, but the registry,
+ * which has its own lock.
  */
 #ifndef NBDCACHED_DAEMON_CONN_INTERNAL_H
 #define NBDCACHED_DAEMON_CONN_INTERNAL_H
@@ -23,6 +25,9 @@ void conn_input_ready(struct conn *c);
 /* The reader's and the writer's events (conn_start). */
 void conn_on_readable(evutil_socket_t fd, short what, void *arg);
 void conn_on_writable(evutil_socket_t fd, short what, void *arg);
+/* The registry (conn_registry.c): from conn_start() to the free. */
+void conn_registry_add(struct conn *c);
+void conn_registry_remove(struct conn *c);
 /* Replies drained (conn.c): the budget's wait, or reading again. */
 void conn_output_drained(struct conn *c);
 
