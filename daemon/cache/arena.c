@@ -209,10 +209,9 @@ static void remove_free(struct arena *a, uint32_t c, unsigned order, uint32_t po
 
 /* ---- split tables ---- */
 
-/* What a table costs: what malloc holds for it, its header included. */
-static uint64_t table_bytes(void *p)
+size_t arena_heap_bytes(void *p)
 {
-	return malloc_usable_size(p) + sizeof(size_t);
+	return p ? malloc_usable_size(p) + sizeof(size_t) : 0;
 }
 
 /* Give chunk c, one free 2 MiB block about to be split, a table with no
@@ -228,7 +227,7 @@ static int split_begin(struct arena *a, uint32_t c)
 	memset(s->nfree, 0, sizeof(s->nfree));
 	a->chunks[c].split = s;
 	a->chunks[c].state = CHUNK_SPLIT;
-	a->metadata_bytes += table_bytes(s);
+	a->metadata_bytes += arena_heap_bytes(s);
 	return 0;
 }
 
@@ -236,7 +235,7 @@ static int split_begin(struct arena *a, uint32_t c)
 static void split_end(struct arena *a, uint32_t c)
 {
 	struct arena_chunk *ch = &a->chunks[c];
-	a->metadata_bytes -= table_bytes(ch->split);
+	a->metadata_bytes -= arena_heap_bytes(ch->split);
 	free(ch->split);
 	ch->split = NULL;
 }

@@ -92,6 +92,9 @@ struct arena_block {
 	uint32_t owner;
 };
 
+/* What malloc holds for an allocation, its header included (0 for NULL):
+ * how the arena's tables and the cache's index count their memory. */
+size_t arena_heap_bytes(void *p);
 /* Map size bytes (rounded down to 4 KiB) as policy allows. 0 or -errno. */
 int arena_init(struct arena *a, size_t size, enum hugepages_policy policy);
 void arena_destroy(struct arena *a);

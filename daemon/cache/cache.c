@@ -132,7 +132,7 @@ static void range_destroy(struct cache_shard *sh, struct cache_range *r)
 	*p = r->hash_next;
 	sh->count--;
 	if (r->cap > CACHE_RANGE_INLINE) {
-		atomic_fetch_sub(&c->counters.metadata_bytes, cache_heap_bytes(r->array));
+		atomic_fetch_sub(&c->counters.metadata_bytes, arena_heap_bytes(r->array));
 		free(r->array);
 	}
 	cache_pool_free(&c->ranges, ri);
@@ -154,7 +154,7 @@ void cache_range_set_one(struct cache_range *r, struct cache_entry *e)
 {
 	struct cache *c = r->ce->cache;
 	if (r->cap > CACHE_RANGE_INLINE) {
-		atomic_fetch_sub(&c->counters.metadata_bytes, cache_heap_bytes(r->array));
+		atomic_fetch_sub(&c->counters.metadata_bytes, arena_heap_bytes(r->array));
 		free(r->array);
 		r->cap = CACHE_RANGE_INLINE;
 	}
@@ -345,7 +345,7 @@ static int range_reserve(struct cache *c, struct cache_range *r)
 	if (cap > RANGE_FRAMES)
 		cap = RANGE_FRAMES;
 	bool in_node = r->cap <= CACHE_RANGE_INLINE;
-	size_t before = in_node ? 0 : cache_heap_bytes(r->array);
+	size_t before = in_node ? 0 : arena_heap_bytes(r->array);
 	uint32_t *v = realloc(in_node ? NULL : r->array, cap * sizeof(*v));
 	if (!v)
 		return -ENOMEM;
@@ -353,7 +353,7 @@ static int range_reserve(struct cache *c, struct cache_range *r)
 		memcpy(v, r->inline_entries, r->count * sizeof(*v));
 	r->array = v;
 	r->cap = (uint16_t)cap;
-	atomic_fetch_add(&c->counters.metadata_bytes, cache_heap_bytes(v) - before);
+	atomic_fetch_add(&c->counters.metadata_bytes, arena_heap_bytes(v) - before);
 	return 0;
 }
 

@@ -349,8 +349,6 @@ uint32_t cache_pool_alloc(struct cache_pool *p);
 void cache_pool_free(struct cache_pool *p, uint32_t i);
 /* The pool index of a slot of p. */
 uint32_t cache_pool_index_of(const struct cache_pool *p, const void *slot);
-/* What malloc holds for an allocation: the block and its header. */
-size_t cache_heap_bytes(void *p);
 /* A new side record for e (with the maps of a multi-block entry, all
  * clear), or NULL if out of memory. Shard lock and export lock held, or e
  * not in the index yet. */

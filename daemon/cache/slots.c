@@ -7,7 +7,6 @@
  * byte allocated here is counted in metadata_bytes.
  */
 #include <errno.h>
-#include <malloc.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -97,12 +96,6 @@ void cache_pool_free(struct cache_pool *p, uint32_t i)
 	pthread_mutex_unlock(&p->lock);
 }
 
-/* What malloc holds for an allocation: the block and its header. */
-size_t cache_heap_bytes(void *p)
-{
-	return p ? malloc_usable_size(p) + sizeof(size_t) : 0;
-}
-
 /* ---- per-block state ---- */
 
 static uint32_t map_words(uint32_t nblocks)
@@ -148,7 +141,7 @@ struct cache_entry_ext *cache_entry_ext_new(struct cache *c, struct cache_entry 
 			cache_pool_free(&c->ext, i);
 			return NULL;
 		}
-		atomic_fetch_add(&c->counters.metadata_bytes, cache_heap_bytes(x->maps));
+		atomic_fetch_add(&c->counters.metadata_bytes, arena_heap_bytes(x->maps));
 	}
 	e->ext = i;
 	return x;
@@ -160,7 +153,7 @@ void cache_entry_ext_free(struct cache *c, struct cache_entry *e)
 	if (!x)
 		return;
 	if (x->maps) {
-		atomic_fetch_sub(&c->counters.metadata_bytes, cache_heap_bytes(x->maps));
+		atomic_fetch_sub(&c->counters.metadata_bytes, arena_heap_bytes(x->maps));
 		free(x->maps);
 	}
 	cache_pool_free(&c->ext, e->ext);
