@@ -10,7 +10,11 @@
  * with its counter decremented. A hit costs one relaxed atomic increment
  * and no lock (cache_entry_touch). Entries that are pinned, dirty or being
  * written back are passed over: a dirty block is never dropped, the
- * writeback thread cleans it first.
+ * writeback thread cleans it first. Once an eviction has passed over a
+ * whole queue's frames, it takes from the other queue only, even one below
+ * its share: a write stream fills the small queue with dirty entries while
+ * main holds the clean ones (scanning small alone, half of a stream larger
+ * than the cache went to the backend directly).
  *
  * Locking: the evict lock guards both queues, every entry's queue links
  * (fifo_prev, fifo_next) and the ghost table. It is taken under a shard
@@ -146,11 +150,16 @@ bool cache_entry_evictable(struct cache_entry *e)
 static bool evict_one(struct cache *c, struct cache_shard *held_shard)
 {
 	uint64_t small_target = c->arena.nframes / 10;
+	/* Frames of each queue passed over as not evictable in this call: once
+	 * a whole queue was, only the other one can give an entry. */
+	uint64_t seen[3] = {0, 0, 0};
 	for (unsigned scan = 0; scan < EVICT_SCAN_LIMIT; scan++) {
+		bool small_left = c->small.head && seen[CACHE_SMALL] < c->small.frames;
+		bool main_left = c->main.head && seen[CACHE_MAIN] < c->main.frames;
 		unsigned queue;
-		if (c->small.head && (c->small.frames > small_target || !c->main.head))
+		if (small_left && (c->small.frames > small_target || !main_left))
 			queue = CACHE_SMALL;
-		else if (c->main.head)
+		else if (main_left)
 			queue = CACHE_MAIN;
 		else
 			return false;
@@ -174,11 +183,13 @@ static bool evict_one(struct cache *c, struct cache_shard *held_shard)
 		struct cache_range *r = cache_entry_range(e);
 		struct cache_shard *sh = cache_shard_for(c, r->ce, r->index);
 		if (sh == held_shard || pthread_mutex_trylock(&sh->lock) != 0) {
+			seen[queue] += 1ull << e->order;
 			fifo_append(c, queue, e);
 			continue;
 		}
 		if (!cache_entry_evictable(e)) {
 			pthread_mutex_unlock(&sh->lock);
+			seen[queue] += 1ull << e->order;
 			fifo_append(c, queue, e);
 			continue;
 		}

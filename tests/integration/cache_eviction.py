@@ -26,6 +26,20 @@ through the daemon; after SIGTERM the file is checked again.
             of the eviction queues), and return and store the right bytes.
             Once the non-reader is gone the cache takes new data again.
 
+  stream    a 128 MiB writeback cache (default watermarks) filled by reads,
+            then 1 MiB WRITEs, 8 in flight, over four times the cache from
+            the start: the first quarter hits the cached entries (so they
+            move to the main queue), the rest needs new ones while the small
+            queue holds the dirty data. Clean entries are in the cache all
+            along (dirty data is throttled at the high watermark), so the
+            WRITEs must find room in it: evictions grows, and at most 1/16
+            of them go to the backend directly (direct_writes, control
+            socket; a few may, when the data written back and not flushed
+            yet briefly fills what the dirty data leaves). Then FLUSH, and
+            the file holds every byte. (Eviction used to scan only the small
+            queue while it was over its share, passing over the same dirty
+            entries until it gave up: 370 of the 512 went directly.)
+
 Seeds are fixed (printed); CACHE_EVICTION_SEED changes the base seed.
 """
 
@@ -188,6 +202,45 @@ def all_pinned(seed):
         require_same(nbdtest.read_at(path, 0, size), model, "the backend file after SIGTERM")
 
 
+def stream(seed):
+    log("  stream: seed %d" % seed)
+    r = random.Random(seed)
+    cache, size, piece, depth = 128 * MIB, 512 * MIB, MIB, 8
+    with nbdtest.tempdir(base=nbdtest.shm_dir()) as tmp:
+        path = nbdtest.sparse_file(os.path.join(tmp, "disk.img"), size)
+        model = bytearray(size)
+        extra = ["--cache-size", "128M", "--cache-mode", "writeback"]
+        with nbdtest.Daemon([("disk", path, "")], threads=2, extra=extra) as d:
+            h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+            try:
+                for off in range(0, cache, piece):
+                    h.pread(piece, off)
+                before = nbdtest.control_request(d.control, {"command": "stats"})["cache"]
+                pending, bufs = [], []
+                for off in range(0, size, piece):
+                    data = r.randbytes(piece)
+                    model[off:off + piece] = data
+                    bufs.append(nbd.Buffer.from_bytearray(bytearray(data)))
+                    pending.append((h, h.aio_pwrite(bufs[-1], off)))
+                    if len(pending) >= depth:
+                        nbdtest.aio_wait(pending[:1], timeout=60)
+                        pending.pop(0)
+                nbdtest.aio_wait(pending, timeout=60)
+                after = nbdtest.control_request(d.control, {"command": "stats"})["cache"]
+                direct = after["direct_writes"] - before["direct_writes"]
+                evicted = after["evictions"] - before["evictions"]
+                log("    %d WRITEs of 1 MiB: %d went to the backend directly, %d evictions"
+                    % (size // piece, direct, evicted))
+                require(direct <= size // piece // 16, "%d of %d WRITEs found no room in a "
+                        "cache that held clean data, and went to the backend directly"
+                        % (direct, size // piece))
+                require(evicted > 0, "a stream four times the cache evicted nothing")
+                h.flush()
+                require_same(nbdtest.read_at(path, 0, size), model, "the file after FLUSH")
+            finally:
+                nbdtest.shutdown_all([h])
+
+
 def main():
     checks = nbdtest.Checks(catch=(Failed, nbd.Error))
     parts = [("a", 4096, False, 1, False), ("a-512", 512, True, 1, False),
@@ -195,6 +248,7 @@ def main():
     for k, (name, bs, unaligned, writers, aio) in enumerate(parts):
         checks.run(name, part, name, BASE_SEED + k, bs, unaligned, writers, aio)
     checks.run("all-pinned", all_pinned, BASE_SEED + len(parts))
+    checks.run("stream", stream, BASE_SEED + len(parts) + 1)
     checks.finish("cache eviction", unit="part")
 
 
