@@ -1,0 +1,552 @@
+/*
+ * daemon/config_keys.c: the keys of the config file (config_internal.h):
+ * [generic] (generic_key), an export's section (export_key), the access
+ * rules of both (access_key), and nbd-server's keys that nbdcached refuses
+ * by name. Key names: dashes and underscores are the same (cache-size,
+ * cache_size); nbd-server's spellings are aliases.
+ */
+#include <errno.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "daemon/config_internal.h"
+
+static bool key_is(const char *name, const char *key)
+{
+	for (; *name && *key; name++, key++) {
+		char a = *name == '_' ? '-' : *name;
+		if (a != *key)
+			return false;
+	}
+	return *name == '\0' && *key == '\0';
+}
+
+static int parse_bool(const char *v, bool *out)
+{
+	static const char *const yes[] = {"true", "yes", "on", "1"};
+	static const char *const no[] = {"false", "no", "off", "0"};
+	for (size_t i = 0; i < 4; i++) {
+		if (strcasecmp(v, yes[i]) == 0) {
+			*out = true;
+			return 0;
+		}
+		if (strcasecmp(v, no[i]) == 0) {
+			*out = false;
+			return 0;
+		}
+	}
+	return -EINVAL;
+}
+
+static int out_of_memory(struct config_ctx *x)
+{
+	x->rc = -ENOMEM;
+	return 0;
+}
+
+static int set_string(struct config_ctx *x, char **slot, const char *value)
+{
+	char *copy = strdup(value);
+	if (!copy)
+		return out_of_memory(x);
+	free(*slot);
+	*slot = copy;
+	return 1;
+}
+
+/* Keys of nbd-server that nbdcached does not implement: refused by name. */
+static const char *const nbd_server_unsupported[] = {
+    "allowlist",   "includedir", "oldstyle",
+    "cacertfile",  "certfile",	 "keyfile",
+    "tlsonly",	   "tlsprio",	 "duallisten",
+    "copyonwrite", "sparse-cow", "sdp",
+    "sync",	   "timeout",	 "filesize",
+    "virtstyle",   "prerun",	 "postrun",
+    "authfile",	   "multifile",	 "temporary",
+    "treefiles",   "waitfile",	 "splice",
+    "cowdir",	   "rotational", "maxconnections-per-client",
+    NULL,
+};
+
+static bool is_nbd_server_key(const char *name)
+{
+	for (size_t i = 0; nbd_server_unsupported[i]; i++)
+		if (key_is(name, nbd_server_unsupported[i]))
+			return true;
+	return false;
+}
+
+/* Bits of config_ctx.spec_keys, to refuse a key given twice. */
+enum {
+	K_BACKEND = 1u << 0,
+	K_READONLY = 1u << 1,
+	K_DESCRIPTION = 1u << 2,
+	K_BLOCK_SIZE = 1u << 3,
+	K_CACHE_MODE = 1u << 4,
+	K_SEQ_CUTOFF = 1u << 5,
+	K_MAX_CONNECTIONS = 1u << 6,
+	K_DIRTY_HIGH = 1u << 7,
+	K_DIRTY_LOW = 1u << 8,
+	K_FLAGS = 1u << 9,
+	K_OFFSET = 1u << 12,
+	K_SIZE = 1u << 13,
+	K_SPLIT = 1u << 14,
+	K_TLS = 1u << 15,
+};
+
+static int once(struct config_ctx *x, unsigned *mask, unsigned bit, const char *name)
+{
+	if (*mask & bit)
+		return config_fail(x, "'%s' given twice", name);
+	*mask |= bit;
+	return 1;
+}
+
+/*
+ * The access-rule keys, in [generic] (global) or an export's section
+ * (access.h): allow, deny, allow-users, allow-groups, allow-identities
+ * (one identity per key: a DN holds commas). Each is checked
+ * now (addresses parsed, names looked up) so that an error names its line;
+ * a key given twice adds to its list. -1: not one of them.
+ */
+static int access_key(struct config_ctx *x, const char *name, const char *v,
+		      struct access_spec *spec)
+{
+	const struct access_list *l = NULL;
+	for (size_t i = 0; i < ACCESS_LISTS && !l; i++)
+		if (key_is(name, access_lists[i].key))
+			l = &access_lists[i];
+	if (!l)
+		return -1;
+	char why[256];
+	int rc = access_spec_add(spec, l, v, why, sizeof(why));
+	if (rc == -ENOMEM)
+		return out_of_memory(x);
+	if (rc < 0)
+		return config_fail(x, "%s", why);
+	if (spec == &x->file.access)
+		x->set |= l->given;
+	return 1;
+}
+
+static int generic_key(struct config_ctx *x, const char *name, const char *v)
+{
+	int access_rc = access_key(x, name, v, &x->file.access);
+	if (access_rc >= 0)
+		return access_rc;
+	struct options *f = &x->file;
+	if (key_is(name, "listen")) {
+		/* Several addresses: repeat the key, or separate them by spaces. */
+		char *copy = strdup(v), *save = NULL;
+		if (!copy)
+			return out_of_memory(x);
+		for (char *t = strtok_r(copy, " \t,", &save); t;
+		     t = strtok_r(NULL, " \t,", &save)) {
+			char host[256], port[16];
+			if (options_split_host_port(t, host, sizeof(host), port, sizeof(port)) <
+			    0) {
+				config_fail(x, "listen %s: expected HOST:PORT or [IPV6]:PORT", t);
+				free(copy);
+				return 0;
+			}
+			if (options_push_string(&f->listen, &f->listen_count, t) < 0) {
+				free(copy);
+				return out_of_memory(x);
+			}
+		}
+		free(copy);
+		x->set |= OPT_GIVEN_LISTEN;
+		return 1;
+	}
+	if (key_is(name, "unix") || key_is(name, "unixsock")) {
+		if (v[0] == '\0' || strlen(v) >= 108)
+			return config_fail(x, "%s: path empty or longer than 107 bytes", name);
+		if (options_push_string(&f->unix_paths, &f->unix_count, v) < 0)
+			return out_of_memory(x);
+		x->set |= OPT_GIVEN_LISTEN;
+		return 1;
+	}
+	if (key_is(name, "listenaddr")) {
+		if (x->listenaddr)
+			return config_fail(x, "'%s' given twice", name);
+		return set_string(x, &x->listenaddr, v);
+	}
+	if (key_is(name, "port")) {
+		char *end;
+		unsigned long p = strtoul(v, &end, 10);
+		if (v[0] == '\0' || *end || p == 0 || p > 65535)
+			return config_fail(x, "port %s: expected 1..65535", v);
+		if (x->port)
+			return config_fail(x, "'%s' given twice", name);
+		return set_string(x, &x->port, v);
+	}
+	struct {
+		const char *key;
+		uint64_t bit;
+	} const globals[] = {
+	    {"threads", OPT_GIVEN_THREADS},
+	    {"pidfile", OPT_GIVEN_PIDFILE},
+	    {"log-level", OPT_GIVEN_LOG_LEVEL},
+	    {"cache-size", OPT_GIVEN_CACHE_SIZE},
+	    {"hugepages", OPT_GIVEN_HUGEPAGES},
+	    {"block-size", OPT_GIVEN_BLOCK_SIZE},
+	    {"cache-mode", OPT_GIVEN_CACHE_MODE},
+	    {"seq-cutoff", OPT_GIVEN_SEQ_CUTOFF},
+	    {"dirty-high", OPT_GIVEN_DIRTY_HIGH},
+	    {"dirty-low", OPT_GIVEN_DIRTY_LOW},
+	    {"dirty-expire", OPT_GIVEN_DIRTY_EXPIRE},
+	    {"backend-timeout", OPT_GIVEN_BACKEND_TIMEOUT},
+	    {"control", OPT_GIVEN_CONTROL},
+	    {"user", OPT_GIVEN_USER},
+	    {"group", OPT_GIVEN_GROUP},
+	    {"max-connections", OPT_GIVEN_MAX_CONNECTIONS},
+	    {"maxconnections", OPT_GIVEN_MAX_CONNECTIONS},
+	    {"compact", OPT_GIVEN_COMPACT},
+	    {"compact-interval-ms", OPT_GIVEN_COMPACT_INTERVAL},
+	    {"compact-threshold", OPT_GIVEN_COMPACT_THRESHOLD},
+	    {"max-clients", OPT_GIVEN_MAX_CLIENTS},
+	    {"max-reply-memory", OPT_GIVEN_MAX_REPLY_MEMORY},
+	    {"max-pinned-replies", OPT_GIVEN_MAX_PINNED_REPLIES},
+	    {"stall-timeout", OPT_GIVEN_STALL_TIMEOUT},
+	    {"negotiation-timeout", OPT_GIVEN_NEGOTIATION_TIMEOUT},
+	    {"max-connections-per-client", OPT_GIVEN_MAX_PER_CLIENT},
+	    {"tls", OPT_GIVEN_TLS},
+	    {"tls-certificates", OPT_GIVEN_TLS_CERTIFICATES},
+	    {"tls-psk", OPT_GIVEN_TLS_PSK},
+	    {"tls-verify-peer", OPT_GIVEN_TLS_VERIFY_PEER},
+	    {"tls-priority", OPT_GIVEN_TLS_PRIORITY},
+	};
+	uint64_t bit = 0;
+	for (size_t i = 0; i < sizeof(globals) / sizeof(globals[0]); i++)
+		if (key_is(name, globals[i].key))
+			bit = globals[i].bit;
+	if (!bit) {
+		if (is_nbd_server_key(name))
+			return config_fail(x, "nbd-server key '%s' is not supported by nbdcached",
+					   name);
+		return config_fail(x, "unknown key '%s' in [generic]", name);
+	}
+	if (x->set & bit)
+		return config_fail(x, "'%s' given twice", name);
+	x->set |= bit;
+	switch (bit) {
+	case OPT_GIVEN_THREADS:
+		if (options_parse_threads(v, &f->threads) < 0)
+			return config_fail(x, "threads %s: expected 0..%d", v, OPTIONS_MAX_THREADS);
+		return 1;
+	case OPT_GIVEN_PIDFILE:
+		return set_string(x, &f->pidfile, v);
+	case OPT_GIVEN_LOG_LEVEL:
+		if (log_parse_level(v, &f->log_level) < 0)
+			return config_fail(x, "log-level %s: expected error, warn, info or debug",
+					   v);
+		return 1;
+	case OPT_GIVEN_CACHE_SIZE:
+		if (options_parse_cache_size(v, &f->cache_size) < 0)
+			return config_fail(x,
+					   "cache-size %s: expected a size from 1M up to half the "
+					   "address space (K, M, G, T suffixes)",
+					   v);
+		return 1;
+	case OPT_GIVEN_HUGEPAGES:
+		if (options_parse_hugepages(v, &f->hugepages) < 0)
+			return config_fail(x, "hugepages %s: expected auto, require or off", v);
+		return 1;
+	case OPT_GIVEN_BLOCK_SIZE:
+		if (options_parse_block_size(v, &f->block_size) < 0)
+			return config_fail(x,
+					   "block-size %s: must be a power of two from 512 to "
+					   "65536",
+					   v);
+		return 1;
+	case OPT_GIVEN_CACHE_MODE:
+		if (options_parse_cache_mode(v, &f->cache_mode) < 0)
+			return config_fail(x,
+					   "cache-mode %s: expected writeback, writethrough, "
+					   "writearound or none",
+					   v);
+		return 1;
+	case OPT_GIVEN_SEQ_CUTOFF:
+		if (options_parse_size(v, &f->seq_cutoff) < 0)
+			return config_fail(x, "seq-cutoff %s: expected a size", v);
+		return 1;
+	case OPT_GIVEN_DIRTY_HIGH:
+	case OPT_GIVEN_DIRTY_LOW:
+		if (options_parse_percent(v, bit == OPT_GIVEN_DIRTY_HIGH ? &f->dirty_high
+									 : &f->dirty_low) < 0)
+			return config_fail(x, "%s %s: expected 0..100", name, v);
+		return 1;
+	case OPT_GIVEN_DIRTY_EXPIRE:
+	case OPT_GIVEN_BACKEND_TIMEOUT:
+		if (options_parse_seconds(v, bit == OPT_GIVEN_DIRTY_EXPIRE
+						 ? &f->dirty_expire
+						 : &f->backend_timeout) < 0)
+			return config_fail(x, "%s %s: expected 1..86400 seconds", name, v);
+		return 1;
+	case OPT_GIVEN_CONTROL:
+		if (v[0] == '\0' || strlen(v) >= 108)
+			return config_fail(x, "control: path empty or longer than 107 bytes");
+		return set_string(x, &f->control_path, v);
+	case OPT_GIVEN_USER:
+	case OPT_GIVEN_GROUP:
+		if (v[0] == '\0')
+			return config_fail(x, "%s: empty name", name);
+		return set_string(x, bit == OPT_GIVEN_USER ? &f->user : &f->group, v);
+	case OPT_GIVEN_COMPACT:
+		if (options_parse_compact(v, &f->compact) < 0)
+			return config_fail(x, "compact %s: expected on or off", v);
+		return 1;
+	case OPT_GIVEN_COMPACT_INTERVAL:
+		if (options_parse_compact_interval(v, &f->compact_interval_ms) < 0)
+			return config_fail(x, "compact-interval-ms %s: expected 1..3600000", v);
+		return 1;
+	case OPT_GIVEN_COMPACT_THRESHOLD:
+		if (options_parse_compact_threshold(v, &f->compact_threshold) < 0)
+			return config_fail(x, "compact-threshold %s: expected 0..1000 (per mille)",
+					   v);
+		return 1;
+	case OPT_GIVEN_MAX_CLIENTS:
+		if (options_parse_max_clients(v, &f->max_clients) < 0)
+			return config_fail(x, "max-clients %s: expected 0..%d (0: unlimited)", v,
+					   OPTIONS_MAX_CONNECTIONS);
+		return 1;
+	case OPT_GIVEN_MAX_REPLY_MEMORY:
+		if (options_parse_reply_memory(v, &f->max_reply_memory) < 0)
+			return config_fail(
+			    x,
+			    "max-reply-memory %s: expected a size from 64M up to half "
+			    "the address space (K, M, G, T suffixes)",
+			    v);
+		return 1;
+	case OPT_GIVEN_MAX_PINNED_REPLIES:
+		if (options_parse_pinned_replies(v, &f->max_pinned_replies) < 0)
+			return config_fail(x, "max-pinned-replies %s: expected a size", v);
+		return 1;
+	case OPT_GIVEN_STALL_TIMEOUT:
+		if (options_parse_stall_timeout(v, &f->stall_timeout) < 0)
+			return config_fail(x, "stall-timeout %s: expected 1..%d seconds", v,
+					   OPTIONS_MAX_STALL_TIMEOUT);
+		return 1;
+	case OPT_GIVEN_NEGOTIATION_TIMEOUT:
+		if (options_parse_negotiation_timeout(v, &f->negotiation_timeout) < 0)
+			return config_fail(x, "negotiation-timeout %s: expected 1..%d seconds", v,
+					   OPTIONS_MAX_NEGOTIATION_TIMEOUT);
+		return 1;
+	case OPT_GIVEN_MAX_PER_CLIENT:
+		if (options_parse_max_connections(v, &f->max_connections_per_client) < 0)
+			return config_fail(x, "%s %s: expected 0..%d (0: unlimited)", name, v,
+					   OPTIONS_MAX_CONNECTIONS);
+		return 1;
+	case OPT_GIVEN_TLS:
+		if (options_parse_tls(v, &f->tls) < 0)
+			return config_fail(x, "tls %s: expected off, on or require", v);
+		return 1;
+	case OPT_GIVEN_TLS_VERIFY_PEER:
+		if (parse_bool(v, &f->tls_verify_peer) < 0)
+			return config_fail(x, "tls-verify-peer %s: expected true or false", v);
+		return 1;
+	case OPT_GIVEN_TLS_CERTIFICATES:
+	case OPT_GIVEN_TLS_PSK:
+	case OPT_GIVEN_TLS_PRIORITY:
+		if (v[0] == '\0')
+			return config_fail(x, "%s: empty", name);
+		return set_string(x,
+				  bit == OPT_GIVEN_TLS_CERTIFICATES ? &f->tls_certificates
+				  : bit == OPT_GIVEN_TLS_PSK	    ? &f->tls_psk
+								    : &f->tls_priority,
+				  v);
+	case OPT_GIVEN_MAX_CONNECTIONS:
+		if (options_parse_max_connections(v, &f->max_connections) < 0)
+			return config_fail(x, "%s %s: expected 0..%d (0: unlimited)", name, v,
+					   OPTIONS_MAX_CONNECTIONS);
+		return 1;
+	}
+	return config_fail(x, "unknown key '%s'", name);
+}
+
+void config_finish_export(struct config_ctx *x)
+{
+	if (!x->spec)
+		return;
+	if (!x->spec->backend && x->rc == 0) {
+		/* Named where the section starts, not where it was found to end. */
+		snprintf(x->err, x->errlen, "%s: export '%s' has no backend (or exportname)",
+			 x->spec->origin, x->spec->name);
+		x->rc = -EINVAL;
+	}
+	x->spec = NULL;
+}
+
+static int start_export(struct config_ctx *x, const char *section)
+{
+	config_finish_export(x);
+	if (strlen(section) >= sizeof(x->current))
+		return config_fail(x, "section name longer than 4096 bytes");
+	strcpy(x->current, section);
+	if (section[0] == '\0')
+		return config_fail(x, "an export section needs a name");
+	for (size_t i = 0; i < x->file.export_count; i++)
+		if (strcmp(x->file.exports[i].name, section) == 0)
+			return config_fail(x, "export '%s' defined twice (first at %s)", section,
+					   x->file.exports[i].origin);
+	struct export_spec spec = {0};
+	char origin[4200];
+	snprintf(origin, sizeof(origin), "%s:%u", x->path, x->section_line);
+	spec.name = strdup(section);
+	spec.origin = strdup(origin);
+	if (!spec.name || !spec.origin ||
+	    options_add_export(&x->file, &spec, x->err, x->errlen) < 0) {
+		options_export_spec_free(&spec);
+		return out_of_memory(x);
+	}
+	x->spec = &x->file.exports[x->file.export_count - 1];
+	x->spec_keys = 0;
+	return 1;
+}
+
+static int export_key(struct config_ctx *x, const char *name, const char *v)
+{
+	struct export_spec *e = x->spec;
+	if (key_is(name, "backend") || key_is(name, "exportname")) {
+		if (!once(x, &x->spec_keys, K_BACKEND, name))
+			return 0;
+		if (v[0] == '\0')
+			return config_fail(x, "%s: empty", name);
+		return set_string(x, &e->backend, v);
+	}
+	if (key_is(name, "readonly")) {
+		if (!once(x, &x->spec_keys, K_READONLY, name))
+			return 0;
+		if (parse_bool(v, &e->readonly) < 0)
+			return config_fail(x, "readonly %s: expected true or false", v);
+		return 1;
+	}
+	if (key_is(name, "description")) {
+		if (!once(x, &x->spec_keys, K_DESCRIPTION, name))
+			return 0;
+		if (strlen(v) > 4096)
+			return config_fail(x, "description longer than 4096 bytes");
+		return set_string(x, &e->description, v);
+	}
+	if (key_is(name, "block-size")) {
+		if (!once(x, &x->spec_keys, K_BLOCK_SIZE, name))
+			return 0;
+		if (options_parse_block_size(v, &e->block_size) < 0)
+			return config_fail(x,
+					   "block-size %s: must be a power of two from 512 to "
+					   "65536",
+					   v);
+		e->has_block_size = true;
+		return 1;
+	}
+	if (key_is(name, "cache-mode")) {
+		if (!once(x, &x->spec_keys, K_CACHE_MODE, name))
+			return 0;
+		if (options_parse_cache_mode(v, &e->cache_mode) < 0)
+			return config_fail(x,
+					   "cache-mode %s: expected writeback, writethrough, "
+					   "writearound or none",
+					   v);
+		return 1;
+	}
+	if (key_is(name, "seq-cutoff")) {
+		if (!once(x, &x->spec_keys, K_SEQ_CUTOFF, name))
+			return 0;
+		if (options_parse_size(v, &e->seq_cutoff) < 0)
+			return config_fail(x, "seq-cutoff %s: expected a size", v);
+		e->has_seq_cutoff = true;
+		return 1;
+	}
+	if (key_is(name, "max-connections") || key_is(name, "maxconnections")) {
+		if (!once(x, &x->spec_keys, K_MAX_CONNECTIONS, name))
+			return 0;
+		if (options_parse_max_connections(v, &e->max_connections) < 0)
+			return config_fail(x, "%s %s: expected 0..%d (0: unlimited)", name, v,
+					   OPTIONS_MAX_CONNECTIONS);
+		e->has_max_connections = true;
+		return 1;
+	}
+	if (key_is(name, "dirty-high") || key_is(name, "dirty-low")) {
+		bool high = key_is(name, "dirty-high");
+		if (!once(x, &x->spec_keys, high ? K_DIRTY_HIGH : K_DIRTY_LOW, name))
+			return 0;
+		if (options_parse_percent(v, high ? &e->dirty_high : &e->dirty_low) < 0)
+			return config_fail(x, "%s %s: expected 0..100", name, v);
+		*(high ? &e->has_dirty_high : &e->has_dirty_low) = true;
+		return 1;
+	}
+	if (key_is(name, "offset") || key_is(name, "size")) {
+		bool off = key_is(name, "offset");
+		if (!once(x, &x->spec_keys, off ? K_OFFSET : K_SIZE, name))
+			return 0;
+		uint64_t *to = off ? &e->offset : &e->size;
+		if (options_parse_size(v, to) < 0 || (!off && *to == 0))
+			return config_fail(x, "%s %s: expected a size%s", name, v,
+					   off ? "" : " above 0");
+		return 1;
+	}
+	if (key_is(name, "split")) {
+		if (!once(x, &x->spec_keys, K_SPLIT, name))
+			return 0;
+		if (options_parse_split(v, &e->split) < 0)
+			return config_fail(x, "split %s: expected a size above 0, or 32bit", v);
+		return 1;
+	}
+	int access_rc = access_key(x, name, v, &e->access);
+	if (access_rc >= 0)
+		return access_rc;
+	if (key_is(name, "tls")) {
+		if (!once(x, &x->spec_keys, K_TLS, name))
+			return 0;
+		/* Only require: on and off are the global setting's ([generic]). */
+		if (strcmp(v, "require") == 0)
+			e->tls_require = true;
+		else if (strcmp(v, "on") != 0)
+			return config_fail(x, "tls %s: expected require (or on) in an export", v);
+		return 1;
+	}
+	/* nbd-server's flush, fua and trim: nbdcached always honours them. */
+	if (key_is(name, "flush") || key_is(name, "fua") || key_is(name, "trim")) {
+		bool on;
+		if (parse_bool(v, &on) < 0)
+			return config_fail(x, "%s %s: expected true or false", name, v);
+		if (!on)
+			return config_fail(x, "%s cannot be turned off in nbdcached", name);
+		return 1;
+	}
+	if (is_nbd_server_key(name))
+		return config_fail(x, "nbd-server key '%s' is not supported by nbdcached", name);
+	return config_fail(x, "unknown key '%s' in export [%s]", name, x->current);
+}
+
+int config_on_key(void *user, const char *section, const char *name, const char *value)
+{
+	struct config_ctx *x = user;
+	if (x->rc == -ENOMEM)
+		return 0;
+	if (strcmp(value, "\x1f") == 0) {
+		if (!x->long_value)
+			return out_of_memory(x);
+		value = x->long_value;
+	}
+	if (strcmp(section, "\x1f") == 0) {
+		if (!x->long_section)
+			return out_of_memory(x);
+		section = x->long_section;
+	}
+	if (strcmp(section, "generic") == 0) {
+		config_finish_export(x);
+		return generic_key(x, name, value);
+	}
+	if (!x->spec || strcmp(section, x->current) != 0) {
+		if (section[0] == '\0')
+			return config_fail(x, "'%s' outside a section: put it under [generic]",
+					   name);
+		if (!start_export(x, section))
+			return 0;
+	}
+	return export_key(x, name, value);
+}
