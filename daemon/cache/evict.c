@@ -50,7 +50,7 @@ static void fifo_append(struct cache *c, unsigned queue, struct cache_entry *e)
 	else
 		q->head = i;
 	q->tail = i;
-	q->frames += 1ull << e->order;
+	q->frames += 1ull << cache_entry_order(e);
 }
 
 /* Out of its queue (if any); it is CACHE_NOT_QUEUED after. */
@@ -71,7 +71,7 @@ void cache_queue_remove(struct cache *c, struct cache_entry *e)
 	} else {
 		q->tail = prev;
 	}
-	q->frames -= 1ull << e->order;
+	q->frames -= 1ull << cache_entry_order(e);
 	e->fifo_prev = e->fifo_next = 0;
 }
 
@@ -114,25 +114,26 @@ void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t
 			 struct cache_entry *ne)
 {
 	bool main = false;
-	unsigned char freq = 0;
+	unsigned freq = 0;
 	pthread_mutex_lock(&c->evict_lock);
 	for (size_t i = 0; i < n; i++) {
 		struct cache_entry *e = old[i];
-		unsigned char f = atomic_load_explicit(&e->freq, memory_order_relaxed);
+		unsigned f = cache_entry_freq(e);
 		if (f > freq)
 			freq = f;
 		if (entry_queue(e) == CACHE_MAIN)
 			main = true;
 		cache_queue_remove(c, e);
 	}
-	atomic_store_explicit(&ne->freq, freq, memory_order_relaxed);
+	/* ne is reached by nothing else yet: its counter was 0. */
+	atomic_fetch_add_explicit(&ne->hot, freq << CACHE_FREQ_SHIFT, memory_order_relaxed);
 	fifo_append(c, main ? CACHE_MAIN : CACHE_SMALL, ne);
 	pthread_mutex_unlock(&c->evict_lock);
 }
 
 bool cache_entry_evictable(struct cache_entry *e)
 {
-	if (atomic_load_explicit(&e->pins, memory_order_acquire) != 0)
+	if (cache_entry_pinned(e))
 		return false;
 	const struct cache_entry_ext *x = cache_entry_ext(e);
 	return !x || (!x->on_dirty_list && !x->writeback && x->ndirty == 0 &&
@@ -157,15 +158,16 @@ static bool evict_one(struct cache *c, struct cache_shard *held_shard)
 		struct cache_entry *e =
 			cache_entry_at(c, queue == CACHE_MAIN ? c->main.head : c->small.head);
 		cache_queue_remove(c, e);
-		unsigned char freq = atomic_load_explicit(&e->freq, memory_order_relaxed);
+		/* Hits only raise the counter meanwhile (cache_entry_touch):
+		 * lowering it is an atomic and or subtract on the word. */
+		unsigned freq = cache_entry_freq(e);
 		if (queue == CACHE_SMALL && freq > 0) {
-			atomic_store_explicit(&e->freq, 0, memory_order_relaxed);
+			atomic_fetch_and_explicit(&e->hot, ~CACHE_FREQ_MASK, memory_order_relaxed);
 			fifo_append(c, CACHE_MAIN, e);
 			continue;
 		}
 		if (queue == CACHE_MAIN && freq > 0) {
-			atomic_store_explicit(&e->freq, (unsigned char)(freq - 1),
-					      memory_order_relaxed);
+			atomic_fetch_sub_explicit(&e->hot, CACHE_FREQ_ONE, memory_order_relaxed);
 			fifo_append(c, queue, e);
 			continue;
 		}
@@ -195,7 +197,7 @@ static bool evict_one(struct cache *c, struct cache_shard *held_shard)
 
 bool cache_entry_evict_cold(struct cache *c, struct cache_shard *sh, struct cache_entry *e)
 {
-	if (!cache_entry_evictable(e) || atomic_load_explicit(&e->freq, memory_order_relaxed) != 0)
+	if (!cache_entry_evictable(e) || cache_entry_freq(e) != 0)
 		return false;
 	pthread_mutex_lock(&c->evict_lock);
 	if (entry_queue(e) == CACHE_SMALL)
