@@ -150,10 +150,13 @@ struct cache_entry {
 	};
 	/*
 	 * One atomic word, read and changed without a lock:
-	 *   bits  0..24  pins (fetch_add / fetch_sub; at most 2^25 - 1: one
-	 *                per live request touching the entry, at most 128 per
-	 *                connection, and a few of the background threads'; a
-	 *                pin past it aborts rather than carry, cache_entry_pin)
+	 *   bits  0..24  pins (fetch_add / fetch_sub), at most 2^25 - 1: a live
+	 *                request pins an entry once (one piece each), a
+	 *                connection has at most 128 live (conn.h) and
+	 *                --max-clients is at most 65536, so 2^23 and the
+	 *                background threads' few; unlimited clients would need
+	 *                262144 connections on one entry. A pin past the
+	 *                bound aborts rather than carry (cache_entry_pin)
 	 *   bit   25     may_hold_zeros, changed under the shard lock: a hint
 	 *                for sparse reads, clear while no 4 KiB block of the
 	 *                entry can be all zeros (fills found none, nothing was
