@@ -7,10 +7,12 @@
  * the main FIFO. At the head of the small FIFO an entry that was hit since
  * insertion moves to main, others are evicted (and remembered in the ghost
  * table); at the head of main an entry that was hit gets another round
- * with its counter decremented. A hit costs one relaxed atomic increment
- * and no lock (cache_entry_touch). Entries that are pinned, dirty or being
- * written back are passed over: a dirty block is never dropped, the
- * writeback thread cleans it first.
+ * with its counter decremented. A hit costs a relaxed load of the entry's
+ * atomic word, and a compare-and-swap while the counter is below 3 (the
+ * word holds the pins too), and no lock (cache_entry_touch); the evictor
+ * lowers the counter by an atomic and or subtract. Entries that are
+ * pinned, dirty or being written back are passed over: a dirty block is
+ * never dropped, the writeback thread cleans it first.
  *
  * Locking: the evict lock guards both queues, every entry's queue links
  * (fifo_prev, fifo_next) and the ghost table. It is taken under a shard
@@ -125,8 +127,13 @@ void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t
 			main = true;
 		cache_queue_remove(c, e);
 	}
-	/* ne is reached by nothing else yet: its counter was 0. */
-	atomic_fetch_add_explicit(&ne->hot, freq << CACHE_FREQ_SHIFT, memory_order_relaxed);
+	/* Raise ne's counter to freq: its word holds the pins too. */
+	unsigned v = atomic_load_explicit(&ne->hot, memory_order_relaxed);
+	while ((v & CACHE_FREQ_MASK) >> CACHE_FREQ_SHIFT < freq &&
+	       !atomic_compare_exchange_weak_explicit(&ne->hot, &v,
+						      (v & ~CACHE_FREQ_MASK) | freq << CACHE_FREQ_SHIFT,
+						      memory_order_relaxed, memory_order_relaxed))
+		;
 	fifo_append(c, main ? CACHE_MAIN : CACHE_SMALL, ne);
 	pthread_mutex_unlock(&c->evict_lock);
 }
