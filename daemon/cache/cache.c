@@ -357,8 +357,8 @@ static unsigned fit_order(const struct cache_export *ce, struct cache_range *r,
 		uint32_t i = range_search(c, r, pos);
 		if (i > 0) {
 			uint32_t prev = cache_range_entries(r)[i - 1];
-			if (element_pos(c, prev) + (1u << cache_entry_order(element_entry(c, prev))) >
-			    pos)
+			unsigned prev_order = cache_entry_order(element_entry(c, prev));
+			if (element_pos(c, prev) + (1u << prev_order) > pos)
 				continue;
 		}
 		if (i < r->count && element_pos(c, cache_range_entries(r)[i]) < pos + (1u << o))

@@ -130,9 +130,9 @@ void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t
 	/* Raise ne's counter to freq: its word holds the pins too. */
 	unsigned v = atomic_load_explicit(&ne->hot, memory_order_relaxed);
 	while ((v & CACHE_FREQ_MASK) >> CACHE_FREQ_SHIFT < freq &&
-	       !atomic_compare_exchange_weak_explicit(&ne->hot, &v,
-						      (v & ~CACHE_FREQ_MASK) | freq << CACHE_FREQ_SHIFT,
-						      memory_order_relaxed, memory_order_relaxed))
+	       !atomic_compare_exchange_weak_explicit(
+		   &ne->hot, &v, (v & ~CACHE_FREQ_MASK) | freq << CACHE_FREQ_SHIFT,
+		   memory_order_relaxed, memory_order_relaxed))
 		;
 	fifo_append(c, main ? CACHE_MAIN : CACHE_SMALL, ne);
 	pthread_mutex_unlock(&c->evict_lock);

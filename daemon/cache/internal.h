@@ -91,8 +91,8 @@ struct flush_job;
  * pointer) and a pointer finds its chunk by alignment. Slot 0 of every
  * chunk is its header (the cache, the chunk's number), never handed out.
  * A pool may give each slot tail_size more bytes in the chunk's tail, after
- * its 2^shift slots (cache_pool_tail): the entries' pos_low. Freed slots go
- * on a free list and are used again first; a pool whose
+ * its 2^shift slots: the entries' pos_low (cache_entry_tail). Freed slots
+ * go on a free list and are used again first; a pool whose
  * slots are only reached through their owners (side records) gives its
  * chunks back when none is in use. The lock is a leaf; the directory is
  * sized for the most the pool can hold.
@@ -117,12 +117,13 @@ struct cache_pool_header {
 /*
  * An entry: 28 bytes on every ABI, and one more byte, pos_low, in its pool
  * chunk's tail (the chunk: 512 slots of 28 bytes, then 512 bytes, one per
- * slot). Everything the hit path reads is in the 28 bytes (frame, and in
- * one atomic word the pins, the frequency and the order; the one-block
- * maps); the range node gives the export and the device offset (first
- * frame = range index * 512 + pos). State that only dirty or unstable
- * entries need, and the maps of entries of more than one block, is in a
- * side record (ext).
+ * slot). A lookup's binary search reads the tail bytes of the entries it
+ * probes (as it read their pos before); everything else the hit path reads
+ * is in the 28 bytes (frame, and in one atomic word the pins, the
+ * frequency and the order; the one-block maps); the range node gives the
+ * export and the device offset (first frame = range index * 512 + pos).
+ * State that only dirty or unstable entries need, and the maps of entries
+ * of more than one block, is in a side record (ext).
  *
  * pos (0..511, set at creation, never changed) is split: its low 8 bits
  * in the chunk's tail, its top bit (pos_high) beside the range index. The
@@ -175,15 +176,14 @@ _Static_assert(sizeof(struct cache_entry) == 28, "an entry is 28 bytes on every 
 #define CACHE_FREQ_SHIFT 26
 #define CACHE_FREQ_ONE (1u << CACHE_FREQ_SHIFT)
 #define CACHE_FREQ_MASK (3u << CACHE_FREQ_SHIFT)
-#define CACHE_FREQ_MAX 3u
 #define CACHE_ORDER_SHIFT 28
 /* The entries pool: 2^9 slots a chunk, each with a tail byte (pos_low). */
 #define CACHE_ENTRY_SHIFT 9
 #define CACHE_ENTRY_TAIL 1
 _Static_assert((sizeof(struct cache_entry) + CACHE_ENTRY_TAIL) << CACHE_ENTRY_SHIFT <=
-			       CACHE_POOL_CHUNK_BYTES &&
-		       (sizeof(struct cache_entry) + CACHE_ENTRY_TAIL) << (CACHE_ENTRY_SHIFT + 1) >
-			       CACHE_POOL_CHUNK_BYTES,
+		       CACHE_POOL_CHUNK_BYTES &&
+		   (sizeof(struct cache_entry) + CACHE_ENTRY_TAIL) << (CACHE_ENTRY_SHIFT + 1) >
+		       CACHE_POOL_CHUNK_BYTES,
 	       "an entries pool chunk is 2^CACHE_ENTRY_SHIFT slots and their tails");
 
 /*
@@ -206,9 +206,10 @@ struct cache_entry_ext {
 };
 
 /* Range nodes: a slot of the ranges pool. The entries (pool indexes,
- * sorted by pos; bit 31 a copy of the entry's pos_high) are in the node while there are at most
- * CACHE_RANGE_INLINE (cap is then CACHE_RANGE_INLINE), in an array
- * malloc'd at cap after: cache_range_entries(). */
+ * sorted by pos; bit 31 a copy of the entry's pos_high) are in the node
+ * while there are at most CACHE_RANGE_INLINE (cap is then
+ * CACHE_RANGE_INLINE), in an array malloc'd at cap after:
+ * cache_range_entries(). */
 #define CACHE_RANGE_INLINE 2
 struct cache_range {
 	struct cache_export *ce;
@@ -386,8 +387,8 @@ struct cache {
 /* slots.c: the pools, the maps, the side records */
 /* A pool of slot_size slots (and tail_size bytes each in the chunk's
  * tail), for at most max of them: 0 or -errno. */
-int cache_pool_init(struct cache_pool *p, struct cache *c, uint32_t slot_size,
-		    uint32_t tail_size, uint64_t max);
+int cache_pool_init(struct cache_pool *p, struct cache *c, uint32_t slot_size, uint32_t tail_size,
+		    uint64_t max);
 void cache_pool_destroy(struct cache_pool *p);
 /* A zeroed slot's index (its tail zeroed too), or 0 if out of memory.
  * Any lock held. */

@@ -19,8 +19,8 @@ static size_t chunk_bytes(const struct cache_pool *p)
 	return (size_t)(p->slot_size + p->tail_size) << p->shift;
 }
 
-int cache_pool_init(struct cache_pool *p, struct cache *c, uint32_t slot_size,
-		    uint32_t tail_size, uint64_t max)
+int cache_pool_init(struct cache_pool *p, struct cache *c, uint32_t slot_size, uint32_t tail_size,
+		    uint64_t max)
 {
 	uint32_t shift = 0;
 	while (((size_t)(slot_size + tail_size) << (shift + 1)) <= CACHE_POOL_CHUNK_BYTES)
@@ -85,7 +85,7 @@ uint32_t cache_pool_alloc(struct cache_pool *p)
 	memset(cache_pool_slot(p, i), 0, p->slot_size);
 	if (p->tail_size)
 		memset(p->chunks[i >> p->shift] + ((size_t)p->slot_size << p->shift) +
-			       (size_t)(i & ((1u << p->shift) - 1)) * p->tail_size,
+			   (size_t)(i & ((1u << p->shift) - 1)) * p->tail_size,
 		       0, p->tail_size);
 	return i;
 }
