@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include "daemon/cache/internal.h"
+#include "daemon/log.h"
 
 uint64_t cache_now_ns(void)
 {
@@ -144,10 +145,31 @@ struct cache_range *cache_range_get(struct cache_shard *sh, const struct cache_e
 	return range_find(ce->cache, sh, ce, range_index);
 }
 
+/*
+ * An element of a range node's array: the entry's pool index, and a copy of
+ * its pos_high in bit 31 (indexes have 30 bits). With it the binary search
+ * by pos reads the entry's tail byte and nothing else of it.
+ */
+#define ELEMENT_POS_HIGH 31
+static uint32_t range_element(const struct cache_entry *e)
+{
+	return cache_entry_index(e) | (uint32_t)e->pos_high << ELEMENT_POS_HIGH;
+}
+
+static struct cache_entry *element_entry(const struct cache *c, uint32_t v)
+{
+	return cache_entry_at(c, v & CACHE_INDEX_MASK);
+}
+
+static uint32_t element_pos(const struct cache *c, uint32_t v)
+{
+	return (v >> ELEMENT_POS_HIGH) << 8 | *cache_entry_tail(element_entry(c, v));
+}
+
 struct cache_entry *cache_range_entry(const struct cache_range *r, uint32_t i)
 {
 	const uint32_t *v = r->cap > CACHE_RANGE_INLINE ? r->array : r->inline_entries;
-	return cache_entry_at(r->ce->cache, v[i]);
+	return element_entry(r->ce->cache, v[i]);
 }
 
 void cache_range_set_one(struct cache_range *r, struct cache_entry *e)
@@ -158,7 +180,7 @@ void cache_range_set_one(struct cache_range *r, struct cache_entry *e)
 		free(r->array);
 		r->cap = CACHE_RANGE_INLINE;
 	}
-	r->inline_entries[0] = cache_entry_index(e);
+	r->inline_entries[0] = range_element(e);
 	r->count = 1;
 }
 
@@ -169,7 +191,7 @@ static uint32_t range_search(const struct cache *c, struct cache_range *r, uint3
 	uint32_t lo = 0, hi = r->count;
 	while (lo < hi) {
 		uint32_t mid = (lo + hi) / 2;
-		if (cache_entry_at(c, v[mid])->pos < pos)
+		if (element_pos(c, v[mid]) < pos)
 			lo = mid + 1;
 		else
 			hi = mid;
@@ -191,8 +213,9 @@ struct cache_entry *cache_lookup(struct cache_export *ce, struct cache_shard *sh
 	uint32_t i = range_search(c, r, pos + 1);
 	if (i == 0)
 		return NULL;
-	struct cache_entry *e = cache_entry_at(c, cache_range_entries(r)[i - 1]);
-	if (pos < e->pos + (1u << e->order))
+	uint32_t v = cache_range_entries(r)[i - 1];
+	struct cache_entry *e = element_entry(c, v);
+	if (pos < element_pos(c, v) + (1u << cache_entry_order(e)))
 		return e;
 	return NULL;
 }
@@ -264,19 +287,29 @@ int cache_for_each_entry(struct cache_export *ce, uint64_t offset, uint64_t leng
 
 void cache_entry_pin(struct cache_entry *e)
 {
-	atomic_fetch_add_explicit(&e->pins, 1, memory_order_relaxed);
+	unsigned old = atomic_fetch_add_explicit(&e->hot, 1, memory_order_relaxed);
+	if ((old & CACHE_PINS_MASK) == CACHE_PINS_MASK) {
+		/* Cannot be (struct cache_entry: the bound); a carry would
+		 * corrupt the frequency and the order. */
+		log_error("cache: an entry's pin count overflowed");
+		abort();
+	}
 }
 
 void cache_entry_unpin(struct cache_entry *e)
 {
-	atomic_fetch_sub_explicit(&e->pins, 1, memory_order_release);
+	atomic_fetch_sub_explicit(&e->hot, 1, memory_order_release);
 }
 
+/* Count a hit, up to 3. The word also holds the pins, which other threads
+ * move meanwhile: a compare-and-swap, not a store. */
 void cache_entry_touch(struct cache_entry *e)
 {
-	unsigned char f = atomic_load_explicit(&e->freq, memory_order_relaxed);
-	if (f < 3)
-		atomic_store_explicit(&e->freq, (unsigned char)(f + 1), memory_order_relaxed);
+	unsigned v = atomic_load_explicit(&e->hot, memory_order_relaxed);
+	while ((v & CACHE_FREQ_MASK) != CACHE_FREQ_MASK &&
+	       !atomic_compare_exchange_weak_explicit(&e->hot, &v, v + CACHE_FREQ_ONE,
+						      memory_order_relaxed, memory_order_relaxed))
+		;
 }
 
 void cache_entry_release(struct cache *c, struct cache_entry *e)
@@ -291,17 +324,18 @@ void cache_entry_destroy(struct cache *c, struct cache_shard *sh, struct cache_e
 {
 	struct cache_range *r = cache_entry_range(e);
 	struct cache_export *ce = r->ce;
-	uint32_t i = range_search(c, r, e->pos);
+	uint32_t i = range_search(c, r, cache_entry_pos(e));
 	uint32_t *v = cache_range_entries(r);
 	memmove(&v[i], &v[i + 1], (r->count - i - 1) * sizeof(*v));
 	r->count--;
 	cache_queue_remove(c, e);
-	arena_free(&c->arena, e->frame, e->order);
+	unsigned order = cache_entry_order(e);
+	arena_free(&c->arena, e->frame, order);
 	atomic_fetch_sub(&c->counters.entries, 1);
 	atomic_fetch_sub(&c->counters.entry_bytes, cache_entry_bytes(e));
-	if (e->order == ARENA_MAX_ORDER)
+	if (order == ARENA_MAX_ORDER)
 		atomic_fetch_sub(&c->counters.large_bytes, cache_entry_bytes(e));
-	atomic_fetch_sub(&ce->counters.cached_bytes, (uint64_t)ARENA_FRAME_SIZE << e->order);
+	atomic_fetch_sub(&ce->counters.cached_bytes, (uint64_t)ARENA_FRAME_SIZE << order);
 	cache_entry_release(c, e);
 	if (r->count == 0)
 		range_destroy(sh, r);
@@ -322,13 +356,12 @@ static unsigned fit_order(const struct cache_export *ce, struct cache_range *r,
 		uint32_t pos = (uint32_t)(start & (RANGE_FRAMES - 1));
 		uint32_t i = range_search(c, r, pos);
 		if (i > 0) {
-			const struct cache_entry *prev =
-				cache_entry_at(c, cache_range_entries(r)[i - 1]);
-			if (prev->pos + (1u << prev->order) > pos)
+			uint32_t prev = cache_range_entries(r)[i - 1];
+			unsigned prev_order = cache_entry_order(element_entry(c, prev));
+			if (element_pos(c, prev) + (1u << prev_order) > pos)
 				continue;
 		}
-		if (i < r->count &&
-		    cache_entry_at(c, cache_range_entries(r)[i])->pos < pos + (1u << o))
+		if (i < r->count && element_pos(c, cache_range_entries(r)[i]) < pos + (1u << o))
 			continue;
 		return o;
 	}
@@ -365,10 +398,8 @@ struct cache_entry *cache_entry_new_large(struct cache_export *ce, struct cache_
 	if (!ei)
 		return NULL;
 	struct cache_entry *e = cache_entry_at(c, ei);
-	e->range = cache_pool_index_of(&c->ranges, r);
+	cache_entry_set_place(e, cache_pool_index_of(&c->ranges, r), 0, ARENA_MAX_ORDER);
 	e->frame = frame;
-	e->order = ARENA_MAX_ORDER;
-	e->pos = 0;
 	uint32_t nblocks = (uint32_t)(ARENA_CHUNK_SIZE >> ce->block_shift);
 	if (!cache_entry_ext_new(c, e, nblocks)) {
 		cache_pool_free(&c->entries, ei);
@@ -423,14 +454,12 @@ struct cache_entry *cache_entry_create(struct cache_export *ce, struct cache_sha
 		goto err_entry;
 	}
 	uint32_t pos = (uint32_t)((device_frame & ~((1ull << order) - 1)) & (RANGE_FRAMES - 1));
-	e->range = cache_pool_index_of(&c->ranges, r);
+	cache_entry_set_place(e, cache_pool_index_of(&c->ranges, r), pos, order);
 	e->frame = (uint32_t)frame;
-	e->order = (uint16_t)order;
-	e->pos = (uint16_t)pos;
 	uint32_t i = range_search(c, r, pos);
 	uint32_t *v = cache_range_entries(r);
 	memmove(&v[i + 1], &v[i], (r->count - i) * sizeof(*v));
-	v[i] = ei;
+	v[i] = range_element(e);
 	r->count++;
 	arena_set_owner(&c->arena, e->frame, ei);
 	atomic_fetch_add(&c->counters.entries, 1);
@@ -470,10 +499,15 @@ int cache_index_init(struct cache *c, const struct options *opts)
 	/* Entries: at most one per frame, and a collapse's new one. Range
 	 * nodes and side records: at most one per entry. */
 	uint64_t most = (uint64_t)c->arena.nframes + 2;
-	if ((rc = cache_pool_init(&c->entries, c, sizeof(struct cache_entry), most)) < 0 ||
-	    (rc = cache_pool_init(&c->ext, c, sizeof(struct cache_entry_ext), most)) < 0 ||
-	    (rc = cache_pool_init(&c->ranges, c, sizeof(struct cache_range), most)) < 0)
+	if ((rc = cache_pool_init(&c->entries, c, sizeof(struct cache_entry), CACHE_ENTRY_TAIL,
+				  most)) < 0 ||
+	    (rc = cache_pool_init(&c->ext, c, sizeof(struct cache_entry_ext), 0, most)) < 0 ||
+	    (rc = cache_pool_init(&c->ranges, c, sizeof(struct cache_range), 0, most)) < 0)
 		goto err;
+	if (c->entries.shift != CACHE_ENTRY_SHIFT) { /* cache_entry_tail() counts on it */
+		rc = -ENOTSUP;
+		goto err;
+	}
 	/* Side records are only reached through an entry that has one: once
 	 * none has, the pool's chunks can go (a cache written, then clean). */
 	c->ext.release_when_empty = true;

@@ -37,7 +37,7 @@
  *   counts the bytes left while it waits).
  *
  *   shard lock   index of its device ranges, and every field of their
- *                entries except pins and freq (atomics)
+ *                entries except their atomic word (pins, frequency)
  *   export lock  the export's dirty and unstable lists, its range list,
  *                its direct (write to backend) operations in flight and
  *                its error sequence;

@@ -251,7 +251,7 @@ static void fill_done(struct backend_io *io, int result)
 	struct cache_map busy = cache_busy_map(e), uptodate = cache_uptodate_map(e);
 	bool keep = result >= 0 && e->invalidations == f->invalidations;
 	if (keep && zeros)
-		e->may_hold_zeros = true;
+		cache_entry_set_may_hold_zeros(e);
 	for (uint32_t b = f->first; b < f->first + f->count; b++) {
 		map_clear(busy, b);
 		if (keep)
@@ -522,7 +522,7 @@ static bool write_commit(struct cache_op *op, bool *blocked, bool *nomem)
 			map_set(uptodate, b);
 		}
 		cache_mark_dirty(e, first, last - first + 1);
-		e->may_hold_zeros = true; /* not worth scanning the payload */
+		cache_entry_set_may_hold_zeros(e); /* not worth scanning the payload */
 		pthread_mutex_unlock(&sh->lock);
 		cache_waitq_wake(ce->cache);
 		cache_entry_unpin(e);
@@ -650,7 +650,7 @@ bool cache_op_segment(const struct cache_op *op, size_t i, const uint8_t **data,
 	if (p->entry) {
 		*data = arena_address(&op->ce->cache->arena, p->entry->frame) +
 			(size_t)(p->offset - cache_entry_offset(p->entry));
-		*may_hold_zeros = p->entry->may_hold_zeros;
+		*may_hold_zeros = cache_entry_may_hold_zeros(p->entry);
 	} else {
 		*data = p->buf;
 		*may_hold_zeros = true;
@@ -750,7 +750,7 @@ void cache_write_end(struct cache_op *op, uint64_t received)
 		}
 		if (whole) {
 			cache_mark_dirty(e, first, last - first + 1);
-			e->may_hold_zeros = true; /* not worth scanning the payload */
+			cache_entry_set_may_hold_zeros(e); /* not worth scanning the payload */
 		}
 		pthread_mutex_unlock(&sh->lock);
 	}

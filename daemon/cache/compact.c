@@ -113,7 +113,7 @@ static bool worth_trying(struct cache *c, bool evict)
 
 static bool entry_movable(struct cache_entry *e)
 {
-	if (atomic_load_explicit(&e->pins, memory_order_acquire) != 0 || cache_entry_writeback(e))
+	if (cache_entry_pinned(e) || cache_entry_writeback(e))
 		return false;
 	if (map_any(cache_busy_map(e), cache_entry_nblocks(e)))
 		return false; /* cannot be without a pin; survivable */
@@ -158,7 +158,8 @@ static enum move_result move_block(struct cache *c, const struct arena_block *b,
 	if (evict && cache_entry_evict_cold(c, sh, e))
 		goto out;
 	/* Never break a free 2 MiB block to empty another chunk. */
-	int64_t to = arena_alloc_max(a, e->order, ARENA_MAX_ORDER - 1);
+	unsigned order = cache_entry_order(e);
+	int64_t to = arena_alloc_max(a, order, ARENA_MAX_ORDER - 1);
 	result = MOVE_NO_ROOM;
 	if (to < 0)
 		goto out;
@@ -167,7 +168,7 @@ static enum move_result move_block(struct cache *c, const struct arena_block *b,
 	uint32_t from = e->frame;
 	e->frame = (uint32_t)to;
 	arena_set_owner(a, (uint32_t)to, b->owner);
-	arena_free(a, from, e->order); /* held back: the chunk is isolated */
+	arena_free(a, from, order); /* held back: the chunk is isolated */
 	result = MOVE_DONE;
 out:
 	pthread_mutex_unlock(&sh->lock);
@@ -261,7 +262,8 @@ static void merge_bits(struct cache_entry *ne, struct cache_entry *e, uint64_t b
 			map_set(ndirty, at + b);
 	}
 	cache_entry_ext(ne)->ndirty += cache_entry_ndirty(e);
-	ne->may_hold_zeros |= e->may_hold_zeros;
+	if (cache_entry_may_hold_zeros(e))
+		cache_entry_set_may_hold_zeros(ne);
 }
 
 /*
@@ -314,9 +316,9 @@ static int collapse_range(struct cache *c, struct cache_export *ce, uint64_t ind
 	uint64_t frames = 0;
 	for (uint32_t i = 0; i < r->count; i++) {
 		struct cache_entry *e = cache_range_entry(r, i);
-		if (e->order >= ARENA_MAX_ORDER)
+		if (cache_entry_order(e) >= ARENA_MAX_ORDER)
 			goto out;
-		frames += 1ull << e->order;
+		frames += 1ull << cache_entry_order(e);
 	}
 	if (frames != ARENA_CHUNK_FRAMES)
 		goto out; /* entries never overlap: this is full coverage */
@@ -353,7 +355,7 @@ static int collapse_range(struct cache *c, struct cache_export *ce, uint64_t ind
 	/* Dirty-list pinners pin under the export lock alone: look again. */
 	pthread_mutex_lock(&ce->lock);
 	for (size_t i = 0; i < count; i++) {
-		if (atomic_load_explicit(&old[i]->pins, memory_order_acquire) != 0) {
+		if (cache_entry_pinned(old[i])) {
 			pthread_mutex_unlock(&ce->lock);
 			res->skipped_pinned++;
 			goto out;
@@ -368,8 +370,8 @@ static int collapse_range(struct cache *c, struct cache_export *ce, uint64_t ind
 	struct cache_counters *k = &c->counters;
 	for (size_t i = 0; i < count; i++) {
 		struct cache_entry *e = old[i];
-		atomic_fetch_sub(&ce->counters.cached_bytes, (uint64_t)ARENA_FRAME_SIZE << e->order);
-		arena_free(a, e->frame, e->order); /* clears the owner first */
+		atomic_fetch_sub(&ce->counters.cached_bytes, cache_entry_bytes(e));
+		arena_free(a, e->frame, cache_entry_order(e)); /* clears the owner first */
 		pthread_mutex_lock(&ce->lock); /* the side record goes: see internal.h */
 		cache_entry_release(c, e);
 		pthread_mutex_unlock(&ce->lock);

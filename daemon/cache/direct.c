@@ -134,7 +134,7 @@ static void direct_apply(struct cache_entry *e, void *arg)
 	}
 	e->invalidations++;
 	if (ok)
-		e->may_hold_zeros = true;
+		cache_entry_set_may_hold_zeros(e);
 	/* The cached copy is the one to write again if the backend loses
 	 * the write before a flush: it stays until one covers it. */
 	if (touched && op->write_seq)

@@ -7,14 +7,17 @@
  * the main FIFO. At the head of the small FIFO an entry that was hit since
  * insertion moves to main, others are evicted (and remembered in the ghost
  * table); at the head of main an entry that was hit gets another round
- * with its counter decremented. A hit costs one relaxed atomic increment
- * and no lock (cache_entry_touch). Entries that are pinned, dirty or being
- * written back are passed over: a dirty block is never dropped, the
- * writeback thread cleans it first. Once an eviction has passed over a
- * whole queue's frames, it takes from the other queue only, even one below
- * its share: a write stream fills the small queue with dirty entries while
- * main holds the clean ones (scanning small alone, half of a stream larger
- * than the cache went to the backend directly).
+ * with its counter decremented. A hit costs a relaxed load of the entry's
+ * atomic word, and a compare-and-swap while the counter is below 3 (the
+ * word holds the pins too), and no lock (cache_entry_touch); the evictor
+ * lowers the counter by an atomic and or subtract. Entries that are
+ * pinned, dirty or being written back are passed over: a dirty block is
+ * never dropped, the writeback thread cleans it first. Once an eviction
+ * has passed over a whole queue's frames, it takes from the other queue
+ * only, even one below its share: a write stream fills the small queue
+ * with dirty entries while main holds the clean ones (scanning small
+ * alone, half of a stream larger than the cache went to the backend
+ * directly).
  *
  * Locking: the evict lock guards both queues, every entry's queue links
  * (fifo_prev, fifo_next) and the ghost table. It is taken under a shard
@@ -54,7 +57,7 @@ static void fifo_append(struct cache *c, unsigned queue, struct cache_entry *e)
 	else
 		q->head = i;
 	q->tail = i;
-	q->frames += 1ull << e->order;
+	q->frames += 1ull << cache_entry_order(e);
 }
 
 /* Out of its queue (if any); it is CACHE_NOT_QUEUED after. */
@@ -75,7 +78,7 @@ void cache_queue_remove(struct cache *c, struct cache_entry *e)
 	} else {
 		q->tail = prev;
 	}
-	q->frames -= 1ull << e->order;
+	q->frames -= 1ull << cache_entry_order(e);
 	e->fifo_prev = e->fifo_next = 0;
 }
 
@@ -118,25 +121,31 @@ void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t
 			 struct cache_entry *ne)
 {
 	bool main = false;
-	unsigned char freq = 0;
+	unsigned freq = 0;
 	pthread_mutex_lock(&c->evict_lock);
 	for (size_t i = 0; i < n; i++) {
 		struct cache_entry *e = old[i];
-		unsigned char f = atomic_load_explicit(&e->freq, memory_order_relaxed);
+		unsigned f = cache_entry_freq(e);
 		if (f > freq)
 			freq = f;
 		if (entry_queue(e) == CACHE_MAIN)
 			main = true;
 		cache_queue_remove(c, e);
 	}
-	atomic_store_explicit(&ne->freq, freq, memory_order_relaxed);
+	/* Raise ne's counter to freq: its word holds the pins too. */
+	unsigned v = atomic_load_explicit(&ne->hot, memory_order_relaxed);
+	while ((v & CACHE_FREQ_MASK) >> CACHE_FREQ_SHIFT < freq &&
+	       !atomic_compare_exchange_weak_explicit(
+		   &ne->hot, &v, (v & ~CACHE_FREQ_MASK) | freq << CACHE_FREQ_SHIFT,
+		   memory_order_relaxed, memory_order_relaxed))
+		;
 	fifo_append(c, main ? CACHE_MAIN : CACHE_SMALL, ne);
 	pthread_mutex_unlock(&c->evict_lock);
 }
 
 bool cache_entry_evictable(struct cache_entry *e)
 {
-	if (atomic_load_explicit(&e->pins, memory_order_acquire) != 0)
+	if (cache_entry_pinned(e))
 		return false;
 	const struct cache_entry_ext *x = cache_entry_ext(e);
 	return !x || (!x->on_dirty_list && !x->writeback && x->ndirty == 0 &&
@@ -166,15 +175,16 @@ static bool evict_one(struct cache *c, struct cache_shard *held_shard)
 		struct cache_entry *e =
 			cache_entry_at(c, queue == CACHE_MAIN ? c->main.head : c->small.head);
 		cache_queue_remove(c, e);
-		unsigned char freq = atomic_load_explicit(&e->freq, memory_order_relaxed);
+		/* Hits only raise the counter meanwhile (cache_entry_touch):
+		 * lowering it is an atomic and or subtract on the word. */
+		unsigned freq = cache_entry_freq(e);
 		if (queue == CACHE_SMALL && freq > 0) {
-			atomic_store_explicit(&e->freq, 0, memory_order_relaxed);
+			atomic_fetch_and_explicit(&e->hot, ~CACHE_FREQ_MASK, memory_order_relaxed);
 			fifo_append(c, CACHE_MAIN, e);
 			continue;
 		}
 		if (queue == CACHE_MAIN && freq > 0) {
-			atomic_store_explicit(&e->freq, (unsigned char)(freq - 1),
-					      memory_order_relaxed);
+			atomic_fetch_sub_explicit(&e->hot, CACHE_FREQ_ONE, memory_order_relaxed);
 			fifo_append(c, queue, e);
 			continue;
 		}
@@ -183,13 +193,13 @@ static bool evict_one(struct cache *c, struct cache_shard *held_shard)
 		struct cache_range *r = cache_entry_range(e);
 		struct cache_shard *sh = cache_shard_for(c, r->ce, r->index);
 		if (sh == held_shard || pthread_mutex_trylock(&sh->lock) != 0) {
-			seen[queue] += 1ull << e->order;
+			seen[queue] += 1ull << cache_entry_order(e);
 			fifo_append(c, queue, e);
 			continue;
 		}
 		if (!cache_entry_evictable(e)) {
 			pthread_mutex_unlock(&sh->lock);
-			seen[queue] += 1ull << e->order;
+			seen[queue] += 1ull << cache_entry_order(e);
 			fifo_append(c, queue, e);
 			continue;
 		}
@@ -206,7 +216,7 @@ static bool evict_one(struct cache *c, struct cache_shard *held_shard)
 
 bool cache_entry_evict_cold(struct cache *c, struct cache_shard *sh, struct cache_entry *e)
 {
-	if (!cache_entry_evictable(e) || atomic_load_explicit(&e->freq, memory_order_relaxed) != 0)
+	if (!cache_entry_evictable(e) || cache_entry_freq(e) != 0)
 		return false;
 	pthread_mutex_lock(&c->evict_lock);
 	if (entry_queue(e) == CACHE_SMALL)

@@ -40,12 +40,15 @@
  *   shard[hash % CACHE_SHARDS]
  *     buckets[] -> range(export 1, index 7) -hash_next-> range(...) -> 0
  *                    entries: [3584 order 0][3600 order 4] ...  (indexes,
- *                    sorted by pos; two in the node, then an array that
- *                    grows by a quarter)
+ *                    sorted by pos, each with a copy of its entry's
+ *                    pos_high in bit 31; two in the node, then an array
+ *                    that grows by a quarter)
  *
- *   entry (32 bytes; the handle is a pointer into its pool's chunk)
- *     range  frame  fifo_prev|queue  fifo_next  ext  state  pins  order|pos
- *     may_hold_zeros  freq
+ *   entry (28 bytes and a tail byte; the handle is a pointer into its
+ *          pool's chunk)
+ *     range|pos_high  frame  fifo_prev|queue  fifo_next  ext  state
+ *     hot = pins (25 bits) | may_hold_zeros | freq (2 bits) | order (4 bits)
+ *     tail byte in the chunk: pos_low
  *       first frame = range->index * 512 + pos; export = range->ce
  *       state = invalidations (29 bits) | the three map bits of a one-block
  *               entry (uptodate, dirty, busy)
@@ -55,8 +58,10 @@
  *              dirty, busy words, malloc'd), dirty and unstable list links,
  *              ndirty, nunstable, on_dirty_list, on_unstable_list, writeback
  *
- *   pool: directory[chunk] -> 16 KiB chunk aligned to 16 KiB,
- *         slot 0 = header {cache, chunk number}, then slots 1..2^shift-1
+ *   pool: directory[chunk] -> chunk of at most 16 KiB aligned to 16 KiB,
+ *         slot 0 = header {cache, chunk number}, then slots 1..2^shift-1,
+ *         then (entries only) a tail byte per slot:
+ *         [hdr][e1][e2]...[e511][t0 t1 t2 ... t511]   512 * 28 + 512 bytes
  *
  * metadata_bytes counts all of it (pool chunks, range arrays and buckets at
  * capacity, large entries' maps, the ghost table, the directories); the
@@ -85,7 +90,9 @@ struct flush_job;
  * pool grows and kept, so a slot never moves (entries are handled by
  * pointer) and a pointer finds its chunk by alignment. Slot 0 of every
  * chunk is its header (the cache, the chunk's number), never handed out.
- * Freed slots go on a free list and are used again first; a pool whose
+ * A pool may give each slot tail_size more bytes in the chunk's tail, after
+ * its 2^shift slots: the entries' pos_low (cache_entry_tail). Freed slots
+ * go on a free list and are used again first; a pool whose
  * slots are only reached through their owners (side records) gives its
  * chunks back when none is in use. The lock is a leaf; the directory is
  * sized for the most the pool can hold.
@@ -93,7 +100,7 @@ struct flush_job;
 #define CACHE_POOL_CHUNK_BYTES 16384u
 struct cache_pool {
 	struct cache *cache;
-	uint32_t slot_size, shift; /* 2^shift slots per chunk */
+	uint32_t slot_size, tail_size, shift; /* 2^shift slots per chunk */
 	uint32_t max_chunks, nchunks;
 	uint8_t **chunks; /* the directory */
 	pthread_mutex_t lock;
@@ -108,14 +115,25 @@ struct cache_pool_header {
 };
 
 /*
- * An entry: 32 bytes on every ABI. Everything the hit path reads is here
- * (frame, order, pins, freq, the one-block maps); the range node gives
- * the export and the device offset (first frame = range index * 512 +
- * pos). State that only dirty or unstable entries need, and the maps of
- * entries of more than one block, is in a side record (ext).
+ * An entry: 28 bytes on every ABI, and one more byte, pos_low, in its pool
+ * chunk's tail (the chunk: 512 slots of 28 bytes, then 512 bytes, one per
+ * slot). A lookup's binary search reads the tail bytes of the entries it
+ * probes (as it read their pos before); everything else the hit path reads
+ * is in the 28 bytes (frame, and in one atomic word the pins, the
+ * frequency and the order; the one-block maps); the range node gives the
+ * export and the device offset (first frame = range index * 512 + pos).
+ * State that only dirty or unstable entries need, and the maps of entries
+ * of more than one block, is in a side record (ext).
+ *
+ * pos (0..511, set at creation, never changed) is split: its low 8 bits
+ * in the chunk's tail, its top bit (pos_high) beside the range index. The
+ * range node's array keeps a copy of pos_high in each index it holds, so
+ * a binary search by pos reads the tail byte alone (cache.c).
  */
 struct cache_entry {
-	uint32_t range;	    /* range node (ranges pool index) */
+	uint32_t range : 30;   /* range node (ranges pool index); never changed */
+	uint32_t pos_high : 1; /* pos >> 8; never changed */
+	uint32_t : 1;
 	uint32_t frame;	    /* arena location */
 	uint32_t fifo_prev; /* evict lock: entries pool index | queue << 30 */
 	uint32_t fifo_next; /* evict lock: entries pool index */
@@ -131,17 +149,42 @@ struct cache_entry {
 			uint32_t invalidations : 29;
 		};
 	};
-	atomic_uint pins;
-	uint16_t order : 4; /* set at creation, never changed */
-	uint16_t pos : 9;   /* first frame - range index * 512 */
-	/* A hint for sparse reads: false while no 4 KiB block of the entry
-	 * can be all zeros (fills found none, nothing was written since), so
-	 * a hit sends it as data without reading it first. */
-	bool may_hold_zeros;
-	atomic_uchar freq; /* S3-FIFO access counter, 0..3 */
+	/*
+	 * One atomic word, read and changed without a lock:
+	 *   bits  0..24  pins (fetch_add / fetch_sub), at most 2^25 - 1: a live
+	 *                request pins an entry once (one piece each), a
+	 *                connection has at most 128 live (conn.h) and
+	 *                --max-clients is at most 65536, so 2^23 and the
+	 *                background threads' few; unlimited clients would need
+	 *                262144 connections on one entry. A pin past the
+	 *                bound aborts rather than carry (cache_entry_pin)
+	 *   bit   25     may_hold_zeros, changed under the shard lock: a hint
+	 *                for sparse reads, clear while no 4 KiB block of the
+	 *                entry can be all zeros (fills found none, nothing was
+	 *                written since), so a hit sends it as data without
+	 *                reading it first
+	 *   bits 26..27  S3-FIFO access counter, 0..3 (cache_entry_touch, evict.c)
+	 *   bits 28..31  order, set at creation, never changed
+	 */
+	atomic_uint hot;
 };
 
-_Static_assert(sizeof(struct cache_entry) == 32, "an entry is 32 bytes on every ABI");
+_Static_assert(sizeof(struct cache_entry) == 28, "an entry is 28 bytes on every ABI");
+
+#define CACHE_PINS_MASK ((1u << 25) - 1)
+#define CACHE_ZEROS_BIT (1u << 25)
+#define CACHE_FREQ_SHIFT 26
+#define CACHE_FREQ_ONE (1u << CACHE_FREQ_SHIFT)
+#define CACHE_FREQ_MASK (3u << CACHE_FREQ_SHIFT)
+#define CACHE_ORDER_SHIFT 28
+/* The entries pool: 2^9 slots a chunk, each with a tail byte (pos_low). */
+#define CACHE_ENTRY_SHIFT 9
+#define CACHE_ENTRY_TAIL 1
+_Static_assert((sizeof(struct cache_entry) + CACHE_ENTRY_TAIL) << CACHE_ENTRY_SHIFT <=
+		       CACHE_POOL_CHUNK_BYTES &&
+		   (sizeof(struct cache_entry) + CACHE_ENTRY_TAIL) << (CACHE_ENTRY_SHIFT + 1) >
+		       CACHE_POOL_CHUNK_BYTES,
+	       "an entries pool chunk is 2^CACHE_ENTRY_SHIFT slots and their tails");
 
 /*
  * The side record of an entry that is dirty, unstable or under writeback,
@@ -163,9 +206,10 @@ struct cache_entry_ext {
 };
 
 /* Range nodes: a slot of the ranges pool. The entries (pool indexes,
- * sorted by pos) are in the node while there are at most
- * CACHE_RANGE_INLINE (cap is then CACHE_RANGE_INLINE), in an array
- * malloc'd at cap after: cache_range_entries(). */
+ * sorted by pos; bit 31 a copy of the entry's pos_high) are in the node
+ * while there are at most CACHE_RANGE_INLINE (cap is then
+ * CACHE_RANGE_INLINE), in an array malloc'd at cap after:
+ * cache_range_entries(). */
 #define CACHE_RANGE_INLINE 2
 struct cache_range {
 	struct cache_export *ce;
@@ -341,10 +385,13 @@ struct cache {
 };
 
 /* slots.c: the pools, the maps, the side records */
-/* A pool of slot_size slots, for at most max of them: 0 or -errno. */
-int cache_pool_init(struct cache_pool *p, struct cache *c, uint32_t slot_size, uint64_t max);
+/* A pool of slot_size slots (and tail_size bytes each in the chunk's
+ * tail), for at most max of them: 0 or -errno. */
+int cache_pool_init(struct cache_pool *p, struct cache *c, uint32_t slot_size, uint32_t tail_size,
+		    uint64_t max);
 void cache_pool_destroy(struct cache_pool *p);
-/* A zeroed slot's index, or 0 if out of memory. Any lock held. */
+/* A zeroed slot's index (its tail zeroed too), or 0 if out of memory.
+ * Any lock held. */
 uint32_t cache_pool_alloc(struct cache_pool *p);
 void cache_pool_free(struct cache_pool *p, uint32_t i);
 /* The pool index of a slot of p. */
@@ -509,6 +556,56 @@ static inline uint32_t cache_entry_index(const struct cache_entry *e)
 	return h->chunk << cache_of_entry(e)->entries.shift | slot;
 }
 
+/* The entry's byte in its chunk's tail (pos_low). */
+static inline uint8_t *cache_entry_tail(const struct cache_entry *e)
+{
+	const struct cache_pool_header *h = cache_pool_header_of(e);
+	size_t slot = (size_t)((const struct cache_entry *)e - (const struct cache_entry *)h);
+	return (uint8_t *)h + (sizeof(struct cache_entry) << CACHE_ENTRY_SHIFT) + slot;
+}
+
+/* First frame - range index * 512; set at creation (cache_entry_set_place). */
+static inline uint32_t cache_entry_pos(const struct cache_entry *e)
+{
+	return (uint32_t)e->pos_high << 8 | *cache_entry_tail(e);
+}
+
+/* A new entry's place, before anything else can reach it: its range node,
+ * pos and order. */
+static inline void cache_entry_set_place(struct cache_entry *e, uint32_t range, uint32_t pos,
+					 unsigned order)
+{
+	e->range = range & CACHE_INDEX_MASK;
+	e->pos_high = (pos >> 8) & 1;
+	*cache_entry_tail(e) = (uint8_t)pos;
+	atomic_store_explicit(&e->hot, (unsigned)order << CACHE_ORDER_SHIFT, memory_order_relaxed);
+}
+
+/* The word of pins, frequency, order and the zeros hint (struct cache_entry). */
+static inline unsigned cache_entry_order(const struct cache_entry *e)
+{
+	return atomic_load_explicit(&e->hot, memory_order_relaxed) >> CACHE_ORDER_SHIFT;
+}
+/* Pinned: acquire, so that what the last unpinner did is seen. */
+static inline bool cache_entry_pinned(const struct cache_entry *e)
+{
+	return (atomic_load_explicit(&e->hot, memory_order_acquire) & CACHE_PINS_MASK) != 0;
+}
+static inline unsigned cache_entry_freq(const struct cache_entry *e)
+{
+	return (atomic_load_explicit(&e->hot, memory_order_relaxed) & CACHE_FREQ_MASK) >>
+	       CACHE_FREQ_SHIFT;
+}
+static inline bool cache_entry_may_hold_zeros(const struct cache_entry *e)
+{
+	return atomic_load_explicit(&e->hot, memory_order_relaxed) & CACHE_ZEROS_BIT;
+}
+/* Shard lock held (the hint's writers hold it; readers need not). */
+static inline void cache_entry_set_may_hold_zeros(struct cache_entry *e)
+{
+	atomic_fetch_or_explicit(&e->hot, CACHE_ZEROS_BIT, memory_order_relaxed);
+}
+
 static inline struct cache_entry *cache_entry_at(const struct cache *c, uint32_t i)
 {
 	return i ? (struct cache_entry *)cache_pool_slot(&c->entries, i) : NULL;
@@ -532,12 +629,13 @@ static inline struct cache_export *cache_entry_export(const struct cache_entry *
 /* Device frame of the entry's first byte. */
 static inline uint64_t cache_entry_first_frame(const struct cache_entry *e)
 {
-	return cache_entry_range(e)->index << (CACHE_RANGE_SHIFT - ARENA_FRAME_SHIFT) | e->pos;
+	return cache_entry_range(e)->index << (CACHE_RANGE_SHIFT - ARENA_FRAME_SHIFT) |
+	       cache_entry_pos(e);
 }
 
 static inline uint32_t cache_entry_nblocks(const struct cache_entry *e)
 {
-	return (uint32_t)(((uint64_t)ARENA_FRAME_SIZE << e->order) >>
+	return (uint32_t)(((uint64_t)ARENA_FRAME_SIZE << cache_entry_order(e)) >>
 			  cache_entry_export(e)->block_shift);
 }
 
@@ -593,7 +691,7 @@ static inline uint64_t cache_entry_offset(const struct cache_entry *e)
 }
 static inline uint64_t cache_entry_bytes(const struct cache_entry *e)
 {
-	return (uint64_t)ARENA_FRAME_SIZE << e->order;
+	return (uint64_t)ARENA_FRAME_SIZE << cache_entry_order(e);
 }
 
 /* Dirty bytes move in the export's count and the cache's together. */

@@ -13,10 +13,17 @@
 #include "daemon/cache/internal.h"
 #include "daemon/log.h"
 
-int cache_pool_init(struct cache_pool *p, struct cache *c, uint32_t slot_size, uint64_t max)
+/* Bytes of a chunk: its slots, then their tails. */
+static size_t chunk_bytes(const struct cache_pool *p)
+{
+	return (size_t)(p->slot_size + p->tail_size) << p->shift;
+}
+
+int cache_pool_init(struct cache_pool *p, struct cache *c, uint32_t slot_size, uint32_t tail_size,
+		    uint64_t max)
 {
 	uint32_t shift = 0;
-	while (((size_t)slot_size << (shift + 1)) <= CACHE_POOL_CHUNK_BYTES)
+	while (((size_t)(slot_size + tail_size) << (shift + 1)) <= CACHE_POOL_CHUNK_BYTES)
 		shift++;
 	uint64_t chunks = max / ((1u << shift) - 1) + 2;
 	if (chunks << shift > (1ull << CACHE_QUEUE_SHIFT))
@@ -24,6 +31,7 @@ int cache_pool_init(struct cache_pool *p, struct cache *c, uint32_t slot_size, u
 	memset(p, 0, sizeof(*p));
 	p->cache = c;
 	p->slot_size = slot_size;
+	p->tail_size = tail_size;
 	p->shift = shift;
 	p->max_chunks = (uint32_t)chunks;
 	p->chunks = calloc(chunks, sizeof(*p->chunks));
@@ -55,7 +63,7 @@ uint32_t cache_pool_alloc(struct cache_pool *p)
 		if ((p->high & mask) == 0) {
 			/* A new chunk; its slot 0 is the header. */
 			uint32_t chunk = p->high >> p->shift;
-			size_t bytes = (size_t)p->slot_size << p->shift;
+			size_t bytes = chunk_bytes(p);
 			void *mem = NULL;
 			if (chunk >= p->max_chunks ||
 			    posix_memalign(&mem, CACHE_POOL_CHUNK_BYTES, bytes) != 0) {
@@ -75,6 +83,10 @@ uint32_t cache_pool_alloc(struct cache_pool *p)
 	p->used++;
 	pthread_mutex_unlock(&p->lock);
 	memset(cache_pool_slot(p, i), 0, p->slot_size);
+	if (p->tail_size)
+		memset(p->chunks[i >> p->shift] + ((size_t)p->slot_size << p->shift) +
+			   (size_t)(i & ((1u << p->shift) - 1)) * p->tail_size,
+		       0, p->tail_size);
 	return i;
 }
 
@@ -90,7 +102,7 @@ void cache_pool_free(struct cache_pool *p, uint32_t i)
 			p->chunks[k] = NULL;
 		}
 		atomic_fetch_sub(&p->cache->counters.metadata_bytes,
-				 (uint64_t)p->nchunks * ((size_t)p->slot_size << p->shift));
+				 (uint64_t)p->nchunks * chunk_bytes(p));
 		p->nchunks = p->high = p->free_head = 0;
 	}
 	pthread_mutex_unlock(&p->lock);

@@ -292,7 +292,7 @@ static void group_extend(struct wb_op *op)
 		struct cache_export *ce = cache_entry_export(last->e);
 		if (!bit_test(last->bits, cache_entry_nblocks(last->e) - 1))
 			return;
-		uint64_t next = cache_entry_first_frame(last->e) + (1ull << last->e->order);
+		uint64_t next = cache_entry_first_frame(last->e) + (1ull << cache_entry_order(last->e));
 		if (next << ARENA_FRAME_SHIFT >= ce->size)
 			return;
 		struct cache_shard *sh =
