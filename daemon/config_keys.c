@@ -10,9 +10,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
 #include "daemon/config_internal.h"
+#include "daemon/option_values.h"
 
 static bool key_is(const char *name, const char *key)
 {
@@ -22,23 +22,6 @@ static bool key_is(const char *name, const char *key)
 			return false;
 	}
 	return *name == '\0' && *key == '\0';
-}
-
-static int parse_bool(const char *v, bool *out)
-{
-	static const char *const yes[] = {"true", "yes", "on", "1"};
-	static const char *const no[] = {"false", "no", "off", "0"};
-	for (size_t i = 0; i < 4; i++) {
-		if (strcasecmp(v, yes[i]) == 0) {
-			*out = true;
-			return 0;
-		}
-		if (strcasecmp(v, no[i]) == 0) {
-			*out = false;
-			return 0;
-		}
-	}
-	return -EINVAL;
 }
 
 static int out_of_memory(struct config_ctx *x)
@@ -345,7 +328,7 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 			return config_fail(x, "tls %s: expected off, on or require", v);
 		return 1;
 	case OPT_GIVEN_TLS_VERIFY_PEER:
-		if (parse_bool(v, &f->tls_verify_peer) < 0)
+		if (options_parse_bool(v, &f->tls_verify_peer) < 0)
 			return config_fail(x, "tls-verify-peer %s: expected true or false", v);
 		return 1;
 	case OPT_GIVEN_TLS_CERTIFICATES:
@@ -420,7 +403,7 @@ static int export_key(struct config_ctx *x, const char *name, const char *v)
 	if (key_is(name, "readonly")) {
 		if (!once(x, &x->spec_keys, K_READONLY, name))
 			return 0;
-		if (parse_bool(v, &e->readonly) < 0)
+		if (options_parse_bool(v, &e->readonly) < 0)
 			return config_fail(x, "readonly %s: expected true or false", v);
 		return 1;
 	}
@@ -511,7 +494,7 @@ static int export_key(struct config_ctx *x, const char *name, const char *v)
 	/* nbd-server's flush, fua and trim: nbdcached always honours them. */
 	if (key_is(name, "flush") || key_is(name, "fua") || key_is(name, "trim")) {
 		bool on;
-		if (parse_bool(v, &on) < 0)
+		if (options_parse_bool(v, &on) < 0)
 			return config_fail(x, "%s %s: expected true or false", name, v);
 		if (!on)
 			return config_fail(x, "%s cannot be turned off in nbdcached", name);
