@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """budgets: what all clients together can make the daemon hold, against the
 real daemon (daemon/budget.h): arena bytes pinned by unsent replies, reply
 memory, the number of connections, and the stall deadline.
