@@ -2,7 +2,9 @@
 #
 #   make            build/nbdcached and the client programs
 #   make check      install missing Debian packages, build, run unit +
-#                   integration + interop tests (tests/run)
+#                   integration + interop tests (tests/run: integration
+#                   tests two at a time, those marked "alone" by
+#                   themselves; TEST_JOBS=1 runs them one after the other)
 #   make asan       the same suite under ASan + UBSan (build-asan/)
 #   make tsan       the unit tests and the cache concurrency tests
 #                   (cache_compact, cache_races, durability) under ThreadSanitizer

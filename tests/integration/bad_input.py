@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """bad_input: a hostile raw-socket client against the real daemon.
 
 Two tables drive the test: HANDSHAKE_ROWS (option haggling) and

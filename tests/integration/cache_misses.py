@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """cache_misses: misses behind a slow backend (nbdkit memory + delay filter,
 200 ms per read, started by the daemon itself).
 

@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """cache_writeback: when and how dirty data reaches the backend.
 
   coalesce   256 sequential 4 KiB writes (256 cache entries), FLUSH: the

@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """The config file (nbdcached.conf(5)): the examples in configs/ load; every
 kind of bad input is refused with FILE:LINE and a reason; an nbd-server
 style config is served as it says (read-only, connection limit); the command

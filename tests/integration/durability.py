@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """durability: what a FLUSH promises, on the paths where things go wrong.
 
   torn        a writeback is stuck half sent (the backend nbdkit stopped

@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """fault_matrix: writeback data survives backend faults, and FLUSH tells
 the truth about it, over every kind of backend fault we can make.
 

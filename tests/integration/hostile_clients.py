@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """hostile_clients: clients that try to make the daemon hold memory, sockets,
 file descriptors or CPU without end, against the real daemon.
 

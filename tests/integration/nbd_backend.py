@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """nbd_backend: exports served from another NBD server (nbdkit on a Unix socket).
 
 Every backend is an nbdkit started here in the foreground (-f -U SOCK -P

@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """nbd_backend_faults: an NBD backend that dies, stalls, hangs up or changes.
 
 Each backend is an nbdkit on a Unix socket, started and stopped by PID

@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """systemd_units: the daemon as systemd runs it.
 
   activation  systemd-socket-activate hands nbdcached a TCP and a Unix

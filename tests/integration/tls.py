@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """tls: STARTTLS with x509 certificates and PSK, against real clients, and
 every refusal with its exact NBD reply.
 

@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """write_receive: WRITE payloads read from the socket straight into the cache.
 
 A WRITE of whole blocks over clean blocks, or over dirty ones when its

@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """writeback_direct: writeback in large O_DIRECT writes, and the write throttle.
 
   ext4       a file on the disk (the test's temporary directory; skipped

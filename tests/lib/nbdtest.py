@@ -7,6 +7,12 @@ feature), anything else fails. Tests import this module with:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "lib"))
     import nbdtest
 
+tests/run runs two integration tests at a time, so a test must not assume
+the machine is its own (ports from free_port(), its own temporary
+directory). A test that asserts times, rates or an upper bound on a wait,
+which a test beside it would disturb, says so with a line
+"# tests/run: alone" after its #! line: it then runs by itself.
+
 The daemon is started by PID and stopped by PID; nothing else is killed.
 """
 
