@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# tests/run: alone (sets vm.nr_hugepages: a daemon of a test beside it could take the pages it reserves)
 """cache_arena: where the cache's memory comes from, as the user chose it.
 
   off       --hugepages off: plain pages (stats say arena=plain)
