@@ -161,9 +161,10 @@ static struct cache_entry *element_entry(const struct cache *c, uint32_t v)
 	return cache_entry_at(c, v & CACHE_INDEX_MASK);
 }
 
-static uint32_t element_pos(const struct cache *c, uint32_t v)
+/* The pos of element v, whose entry is e (element_entry). */
+static uint32_t element_pos(uint32_t v, const struct cache_entry *e)
 {
-	return (v >> ELEMENT_POS_HIGH) << 8 | *cache_entry_tail(element_entry(c, v));
+	return (v >> ELEMENT_POS_HIGH) << 8 | *cache_entry_tail(e);
 }
 
 struct cache_entry *cache_range_entry(const struct cache_range *r, uint32_t i)
@@ -191,7 +192,7 @@ static uint32_t range_search(const struct cache *c, struct cache_range *r, uint3
 	uint32_t lo = 0, hi = r->count;
 	while (lo < hi) {
 		uint32_t mid = (lo + hi) / 2;
-		if (element_pos(c, v[mid]) < pos)
+		if (element_pos(v[mid], element_entry(c, v[mid])) < pos)
 			lo = mid + 1;
 		else
 			hi = mid;
@@ -215,7 +216,7 @@ struct cache_entry *cache_lookup(struct cache_export *ce, struct cache_shard *sh
 		return NULL;
 	uint32_t v = cache_range_entries(r)[i - 1];
 	struct cache_entry *e = element_entry(c, v);
-	if (pos < element_pos(c, v) + (1u << cache_entry_order(e)))
+	if (pos < element_pos(v, e) + (1u << cache_entry_order(e)))
 		return e;
 	return NULL;
 }
@@ -357,12 +358,15 @@ static unsigned fit_order(const struct cache_export *ce, struct cache_range *r,
 		uint32_t i = range_search(c, r, pos);
 		if (i > 0) {
 			uint32_t prev = cache_range_entries(r)[i - 1];
-			unsigned prev_order = cache_entry_order(element_entry(c, prev));
-			if (element_pos(c, prev) + (1u << prev_order) > pos)
+			const struct cache_entry *pe = element_entry(c, prev);
+			if (element_pos(prev, pe) + (1u << cache_entry_order(pe)) > pos)
 				continue;
 		}
-		if (i < r->count && element_pos(c, cache_range_entries(r)[i]) < pos + (1u << o))
-			continue;
+		if (i < r->count) {
+			uint32_t next = cache_range_entries(r)[i];
+			if (element_pos(next, element_entry(c, next)) < pos + (1u << o))
+				continue;
+		}
 		return o;
 	}
 	return ce->min_order;
