@@ -107,6 +107,9 @@ struct conn;
 #define CONN_READ_MIN_SHIFT 2 /* 16 KiB (4 KiB << 2) */
 #define CONN_READ_MAX_SHIFT 6 /* 256 KiB */
 #define CONN_READ_SIZE(shift) ((4096u << (shift)) - 256u)
+/* A sink of at least this much is a large payload: the read after it takes
+ * only the next header and the start of its payload (conn_on_readable). */
+#define CONN_SINK_LARGE (64u << 10)
 /* At most this many segments of a sink in one readv. */
 #define CONN_SINK_IOV 64
 
@@ -138,7 +141,7 @@ struct conn {
 	struct conn *prev, *next;
 	/* Atomic: conn_list() reads it from the control thread (so are the
 	 * fields it reports: inflight, requests, bytes_read, bytes_written,
-	 * export_name; only this connection's worker writes them). */
+	 * payload_copied, export_name; only this connection's worker writes them). */
 	_Atomic enum conn_phase phase;
 	unsigned refs;
 	/* Reads whatever complete messages the input buffer holds (session.c):
@@ -179,6 +182,7 @@ struct conn {
 	bool write_queued;
 	struct conn_sink sink;
 	unsigned read_shift; /* the reader's next read: CONN_READ_SIZE(read_shift) */
+	bool after_large_payload; /* the last sink was CONN_SINK_LARGE or more */
 
 	/* The daemon-wide budget (budget.h). */
 	uint64_t reserved; /* reply bytes reserved for requests not answered yet */
@@ -208,6 +212,9 @@ struct conn {
 	/* For the line the log gets when the connection ends (conn_unref). */
 	uint64_t started_ns;
 	_Atomic uint64_t requests, bytes_read, bytes_written; /* answered; READ / WRITE data */
+	/* WRITE payload bytes a sink took from the input buffer (copied), not
+	 * straight from the socket. */
+	_Atomic uint64_t payload_copied;
 	char end_why[96]; /* why it ended: the first reason given */
 	struct conn *reg_prev, *reg_next; /* the registry of conn_list (its lock) */
 	atomic_bool disconnect_asked;	  /* conn_disconnect() was called */
@@ -238,7 +245,7 @@ struct conn_info {
 	struct access_peer peer;
 	bool transmitting; /* else negotiating */
 	char export[4097]; /* "" while negotiating */
-	uint64_t bytes_read, bytes_written, requests;
+	uint64_t bytes_read, bytes_written, requests, payload_copied;
 	unsigned inflight;
 	uint64_t age_ms;
 	unsigned worker;

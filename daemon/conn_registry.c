@@ -97,6 +97,7 @@ int conn_list(struct conn_info **out, size_t *count)
 		i->bytes_read = atomic_load(&c->bytes_read);
 		i->bytes_written = atomic_load(&c->bytes_written);
 		i->requests = atomic_load(&c->requests);
+		i->payload_copied = atomic_load(&c->payload_copied);
 		i->inflight = atomic_load(&c->inflight);
 		i->age_ms = (now - c->started_ns) / 1000000u;
 		i->worker = c->worker->index;

@@ -70,13 +70,16 @@ static void sink_from_input(struct conn *c)
 {
 	struct conn_sink *k = &c->sink;
 	struct evbuffer *in = conn_input(c);
+	size_t copied = 0;
 	while (k->left && evbuffer_get_length(in)) {
 		size_t room = k->iov[k->at].iov_len - k->at_filled;
 		int n = evbuffer_remove(in, (char *)k->iov[k->at].iov_base + k->at_filled, room);
 		if (n <= 0)
 			break;
 		sink_advance(k, (size_t)n);
+		copied += (size_t)n;
 	}
+	conn_counter_add(&c->payload_copied, copied);
 }
 
 /* The sink is full, or will never be: hand it back. */
@@ -94,6 +97,7 @@ bool conn_sink_start(struct conn *c, const struct iovec *iov, size_t niov, uint6
 {
 	c->sink =
 	    (struct conn_sink){.iov = iov, .niov = niov, .left = len, .done = done, .arg = arg};
+	c->after_large_payload = len >= CONN_SINK_LARGE;
 	sink_from_input(c);
 	if (!c->sink.left) {
 		memset(&c->sink, 0, sizeof(c->sink));
@@ -185,10 +189,16 @@ void conn_on_readable(evutil_socket_t fd, short what, void *arg)
 	struct evbuffer *in = conn_input(c);
 	struct evbuffer_iovec ev[2];
 	int nev = 0;
+	/* While a sink waits, or right after a large one (the next request may
+	 * be another), the input buffer takes 4 KiB: the next header and the
+	 * start of its payload, so that the rest of a large one goes straight
+	 * into its sink and not through the input buffer. */
+	bool small = k->left || c->after_large_payload;
+	c->after_large_payload = k->left && c->after_large_payload;
 	/* The bufferevent keeps its input's end frozen but while it reads. */
 	evbuffer_unfreeze(in, 0);
 	if (!c->closing) {
-		size_t size = k->left ? 4096 : CONN_READ_SIZE(c->read_shift);
+		size_t size = small ? 4096 : CONN_READ_SIZE(c->read_shift);
 		nev = evbuffer_reserve_space(in, size, ev, 2);
 		if (nev < 0 && size > 4096) {
 			c->read_shift = CONN_READ_MIN_SHIFT;
@@ -218,7 +228,7 @@ void conn_on_readable(evutil_socket_t fd, short what, void *arg)
 		return;
 	}
 	size_t rest = (size_t)got;
-	if (!want) {
+	if (!small) {
 		size_t asked = CONN_READ_SIZE(c->read_shift);
 		if (rest >= asked && c->read_shift < CONN_READ_MAX_SHIFT)
 			c->read_shift++;

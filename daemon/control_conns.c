@@ -51,6 +51,7 @@ static json_object *connection_object(const struct conn_info *i)
 	control_add_u64(o, "bytes_read", i->bytes_read);
 	control_add_u64(o, "bytes_written", i->bytes_written);
 	control_add_u64(o, "requests", i->requests);
+	control_add_u64(o, "payload_copied", i->payload_copied);
 	control_add_u64(o, "inflight", i->inflight);
 	control_add_u64(o, "age_s", i->age_ms / 1000);
 	control_add_u64(o, "age_ms", i->age_ms);

@@ -160,7 +160,9 @@
  *       and pid (Unix, from SO_PEERCRED; null for TCP or when unknown),
  *       phase (string: "negotiating" or "transmitting"), export (string,
  *       or null while negotiating), bytes_read, bytes_written (data of the
- *       READs and WRITEs answered), requests (answered), inflight
+ *       READs and WRITEs answered), requests (answered), payload_copied
+ *       (WRITE payload bytes taken from the input buffer, not read from
+ *       the socket straight into where they go), inflight
  *       (requests without a reply yet), age_s and age_ms (since accept),
  *       worker (the worker thread's index), disconnecting (bool: a
  *       disconnect was asked for), tls (bool: its TLS handshake is done),

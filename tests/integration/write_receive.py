@@ -18,6 +18,10 @@ still arriving:
               clean (the in-place path) or dirty (the buffer path): a READ
               from another connection while the half is in, READ after, and
               the file after FLUSH show the old bytes
+  straight    1 MiB WRITEs, 8 in flight, over TCP: at most 1/32 of their
+              payload bytes pass through the input buffer (the connection's
+              payload_copied, control socket); the rest is read from the
+              socket straight into the arena or the request's buffer
   rewrite     4 KiB WRITEs over dirty blocks, each sent whole with its
               header: received in place (the payload cannot be cut short
               any more), and READ shows the last one
@@ -213,6 +217,48 @@ def check_truncated(d, path, model):
            % (before["writes_in_place"], after["writes_in_place"]))
 
 
+def payload_copied(d):
+    """The one transmitting connection's payload_copied."""
+    conns = [c for c in nbdtest.control_request(d.control, {"command": "connections"},
+                                                timeout=20)["connections"]
+             if c["phase"] == "transmitting"]
+    expect(len(conns) == 1, "%d transmitting connections, not 1" % len(conns))
+    return conns[0]["payload_copied"]
+
+
+def check_straight(d, path, model):
+    offset, span, passes = 16 * MIB, 32 * MIB, 4
+    rnd = random.Random(16)
+    h = nbd.NBD()
+    h.connect_uri(d.tcp_uri("disk"))
+    try:
+        for off in range(offset, offset + span, MIB):
+            h.pread(MIB, off)
+        before = payload_copied(d)
+        bufs = []
+        for p in range(passes):
+            for off in range(offset, offset + span, MIB):
+                data = rnd.randbytes(MIB)
+                model[off:off + MIB] = data
+                bufs.append(nbd.Buffer.from_bytearray(bytearray(data)))
+                h.aio_pwrite(bufs[-1], off)
+                while h.aio_in_flight() >= 8:
+                    h.poll(1)
+        while h.aio_in_flight():
+            h.poll(1)
+        copied = payload_copied(d) - before
+        got = h.pread(span, offset)
+    finally:
+        h.shutdown()
+    total = passes * span
+    log("  %d of %d payload bytes through the input buffer (%.2f%%)"
+        % (copied, total, 100.0 * copied / total))
+    expect(copied <= total // 32, "%d of %d WRITE payload bytes went through the input buffer "
+           "(at most 1/32 may)" % (copied, total))
+    expect(got == bytes(model[offset:offset + span]), "READ after the WRITEs: %s"
+           % nbdtest.describe_diff(got, bytes(model[offset:offset + span]), offset))
+
+
 def check_rewrite(d, path, model):
     offset = 56 * MIB
     r = raw_open(d)
@@ -347,6 +393,7 @@ def main():
         model = bytearray(read_at(path, 0, SIZE))
         d = nbdtest.Daemon([("disk", path, "")], extra=["--cache-size", "256M"])
         try:
+            checks.run("straight", check_straight, d, path, model)
             checks.run("mixed", check_mixed, d, path, model)
             checks.run("truncated", check_truncated, d, path, model)
             checks.run("rewrite", check_rewrite, d, path, model)
