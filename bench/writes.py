@@ -56,6 +56,7 @@ TABLE_WORKLOADS = [
 ]
 COLUMNS = [("iops", "IOPS", "%.0f"), ("mibs", "MiB/s", "%.1f"), ("p99_us", "p99 us", "%.0f"),
            ("cpu_us_per_io", "CPU us/IO", "%.2f"), ("cpu_us_per_mib", "CPU us/MiB", "%.1f"),
+           ("sys_pct", "kernel %", "%.0f"), ("client_cpu_pct", "client %", "%.0f"),
            ("ios", "I/Os", "%d")]
 TRANSPORTS = ("unix", "tcp")
 PEER = "nbdkit-memory"
@@ -73,6 +74,9 @@ DIRTY_EXPIRE = "3600"
 # The write region: this share of the dirty high watermark.
 REGION_SHARE = 0.9
 SLOW_DELAY = "1ms"
+# fio at this share of one CPU or more, with both servers: the cell measures
+# the client (print_targets says so).
+CLIENT_BOUND_PCT = 90
 SUSTAINED_TARGET = 0.9
 METADATA_TARGETS = {"4k": 0.01, "2m": 0.001}
 
@@ -211,8 +215,23 @@ def print_targets(results, transport):
     for wname, key, label, kind, bound in TARGETS:
         a, b = ours.get(wname), theirs.get(wname)
         r = a[key] / b[key] if a and b and b[key] else None
-        print("  %-18s %-8s %s %.2f: %6s %s" % (wname, label, ">=" if kind == "min" else "<=",
-                                                bound, fmt_ratio(r), verdict(r, kind, bound)))
+        print("  %-18s %-8s %s %.2f: %6s %s%s" % (wname, label, ">=" if kind == "min" else "<=",
+                                                  bound, fmt_ratio(r), verdict(r, kind, bound),
+                                                  target_context(a, b, key)))
+
+
+def target_context(a, b, key):
+    """What bounds a target's cell from outside the daemon: for a rate,
+    fio's own CPU (a client near one whole CPU cannot go faster, whoever
+    serves it); for CPU, the share of ours spent in the kernel."""
+    if not a or not b:
+        return ""
+    if key in ("mibs", "iops"):
+        bound = " (client-bound)" if min(a["client_cpu_pct"], b["client_cpu_pct"]) >= \
+            CLIENT_BOUND_PCT else ""
+        return "  fio at %.0f%% / %.0f%% of a CPU%s" % (a["client_cpu_pct"], b["client_cpu_pct"],
+                                                        bound)
+    return "  ours %.0f%% in the kernel" % a["sys_pct"]
 
 
 # ---------------------------------------------------------------- 1 ms backend
