@@ -274,17 +274,25 @@ def run_slow(h, args, tmp, path):
             info = {"workloads": {}, "mem": {}, "stats": {}}
             h.bench_server("nbdcached-file-%d" % i, filespec, sock, uri, path, args.size,
                            args.seconds, tmp, cell, info)
-            runs["file"].append(info["workloads"][wname])
+            runs["file"].append(dict(info["workloads"][wname], mem=info["mem"].get("warm")))
             info = {"workloads": {}, "mem": {}, "stats": {}}
             # The daemon (SIGKILL: its dirty data is not written back)
             # stops before the backend.
             with h.running_server("slow-backend-%d" % i, backend["argv"], bsock, tmp):
                 h.bench_server("nbdcached-slow-%d" % i, spec, sock, uri, path, args.size,
                                args.seconds, tmp, cell, info)
-            runs["slow"].append(info["workloads"][wname])
+            runs["slow"].append(dict(info["workloads"][wname], mem=info["mem"].get("warm")))
     except (RuntimeError, subprocess.TimeoutExpired, KeyError) as e:
         return None, "FAILED (%s)" % e
     return runs, stats_delta(info)
+
+
+def thp_share(mem):
+    """AnonHugePages / VmRSS as text: a pass into an arena the kernel could
+    not give huge pages costs more (TLB misses in the receive copy)."""
+    if not mem or not mem.get("rss") or mem.get("thp") is None:
+        return "n/a"
+    return "%.0f%%" % (100.0 * mem["thp"] / mem["rss"])
 
 
 def median(values):
@@ -588,6 +596,8 @@ def run(args, tmp, h):
                          median([m["mibs"] for m in ms]),
                          median([m["cpu_us_per_mib"] for m in ms]),
                          median([m["p99_us"] for m in ms])))
+                print("       huge pages (THP) of RSS after the warm-up: %s"
+                      % " ".join(thp_share(m.get("mem")) for m in ms))
             f, s = median([m["mibs"] for m in runs["file"]]), median([m["mibs"] for m in
                                                                         runs["slow"]])
             r = s / f if f else None
