@@ -12,9 +12,13 @@ In the order it prints them:
   hit-path references 4 KiB random reads iodepth 32 x 2 jobs and 1 MiB
   sequential reads iodepth 8. The writes stay within a region below
   nbdcached's dirty high watermark (nothing is written back during them).
-  Then the 1 MiB sequential writes once more, Unix socket, with nbdcached's
-  backend an NBD server taking 1 ms per request (nbdkit --filter=delay
-  file), against the same writes on the file backend.
+  The one-pass cell (the first) is the median of CLEAN_ROUNDS passes, each
+  server started and warmed anew for each. Then that cell once more, Unix
+  socket, with nbdcached's backend an NBD server taking 1 ms per request
+  (nbdkit --filter=delay file), against the same on the file backend:
+  SLOW_PAIRS pairs, compared by medians. Every row also has the server's
+  kernel share of its CPU and fio's own CPU (a client at a whole CPU is
+  what bounds the cell, not the server).
 3. Sustained sequential 1 MiB writes, twice a smaller cache's size, into a
   file on a disk file system, through nbdcached (final FLUSH included)
   against fio writing the same file itself (libaio, O_DIRECT, final fsync).
