@@ -182,7 +182,9 @@ struct conn {
 	bool write_queued;
 	struct conn_sink sink;
 	unsigned read_shift; /* the reader's next read: CONN_READ_SIZE(read_shift) */
-	bool after_large_payload; /* the last sink was CONN_SINK_LARGE or more */
+	/* The last sink was CONN_SINK_LARGE or more, and no read without a sink
+	 * came after it. */
+	bool after_large_payload;
 
 	/* The daemon-wide budget (budget.h). */
 	uint64_t reserved; /* reply bytes reserved for requests not answered yet */

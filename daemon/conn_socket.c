@@ -194,7 +194,8 @@ void conn_on_readable(evutil_socket_t fd, short what, void *arg)
 	 * start of its payload, so that the rest of a large one goes straight
 	 * into its sink and not through the input buffer. */
 	bool small = k->left || c->after_large_payload;
-	c->after_large_payload = k->left && c->after_large_payload;
+	if (!k->left)
+		c->after_large_payload = false; /* this read takes the next header */
 	/* The bufferevent keeps its input's end frozen but while it reads. */
 	evbuffer_unfreeze(in, 0);
 	if (!c->closing) {
