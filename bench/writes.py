@@ -36,6 +36,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import tempfile
 import time
@@ -227,13 +228,20 @@ def clean_rounds(h, args, name, transport, spec, addr, uri, path, tmp, cell, inf
     wname = cell[0]
     passes = [info["workloads"][wname]]
     for i in range(1, CLEAN_ROUNDS):
-        more = {"workloads": {}, "mem": {}, "stats": {}}
-        h.bench_server("%s-%s-clean%d" % (name, transport, i), spec, addr, uri, path, args.size,
-                       args.seconds, tmp, [cell], more)
-        passes.append(more["workloads"][wname])
-    m = {k: median([p[k] for p in passes]) for k in passes[0]}
+        passes.append(one_cell(h, args, "%s-%s-clean%d" % (name, transport, i), spec, addr, uri,
+                               path, tmp, cell)[0])
+    # The table's keys: the repeated passes also carry "mem".
+    m = {k: statistics.median([p[k] for p in passes]) for k in passes[0]}
     m["rounds"] = [p["mibs"] for p in passes]
     info["workloads"][wname] = m
+
+
+def one_cell(h, args, label, spec, addr, uri, path, tmp, cell):
+    """A fresh server, warmed, and one cell on it: its metrics with "mem"
+    (the server's memory after the warm-up), and bench_server's info."""
+    info = {"workloads": {}, "mem": {}, "stats": {}}
+    h.bench_server(label, spec, addr, uri, path, args.size, args.seconds, tmp, [cell], info)
+    return dict(info["workloads"][cell[0]], mem=info["mem"].get("warm")), info
 
 
 def print_targets(results, transport):
@@ -290,23 +298,20 @@ def run_slow(h, args, tmp, path):
             + dirty_options(args),
             "stats": True, "stop_signal": signal.SIGKILL}
     filespec = table_servers(h, args, "unix", sock, 0, path, tmp)["nbdcached"]
-    cell = [(wname, opts + ["--size=%d" % write_region(args)], jobs)]
+    cell = (wname, opts + ["--size=%d" % write_region(args)], jobs)
     runs = {"file": [], "slow": []}
     print("running nbdcached over the file and over the %s backend (Unix socket), %d times ..."
           % (SLOW_DELAY, SLOW_PAIRS), flush=True)
     try:
         for i in range(SLOW_PAIRS):
-            info = {"workloads": {}, "mem": {}, "stats": {}}
-            h.bench_server("nbdcached-file-%d" % i, filespec, sock, uri, path, args.size,
-                           args.seconds, tmp, cell, info)
-            runs["file"].append(dict(info["workloads"][wname], mem=info["mem"].get("warm")))
-            info = {"workloads": {}, "mem": {}, "stats": {}}
+            runs["file"].append(one_cell(h, args, "nbdcached-file-%d" % i, filespec, sock, uri,
+                                         path, tmp, cell)[0])
             # The daemon (SIGKILL: its dirty data is not written back)
             # stops before the backend.
             with h.running_server("slow-backend-%d" % i, backend["argv"], bsock, tmp):
-                h.bench_server("nbdcached-slow-%d" % i, spec, sock, uri, path, args.size,
-                               args.seconds, tmp, cell, info)
-            runs["slow"].append(dict(info["workloads"][wname], mem=info["mem"].get("warm")))
+                m, info = one_cell(h, args, "nbdcached-slow-%d" % i, spec, sock, uri, path, tmp,
+                                   cell)
+            runs["slow"].append(m)
     except (RuntimeError, subprocess.TimeoutExpired, KeyError) as e:
         return None, "FAILED (%s)" % e
     return runs, stats_delta(info)
@@ -319,10 +324,6 @@ def thp_share(mem):
         return "n/a"
     return "%.0f%%" % (100.0 * mem["thp"] / mem["rss"])
 
-
-def median(values):
-    v = sorted(values)
-    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
 
 
 # ---------------------------------------------------------------- sustained
@@ -602,10 +603,11 @@ def run(args, tmp, h):
         print("=== %s (%s) ===" % (transport, "nbd+unix:///?socket=SOCK" if transport == "unix"
                                    else "nbd://127.0.0.1:PORT/"))
         h.print_table(results[transport], workloads, COLUMNS, reasons)
+        clean = TABLE_WORKLOADS[0][0]
         print("  %s: medians of %d passes, each on a fresh server; MiB/s of the passes: %s"
-              % (TABLE_WORKLOADS[0][0], CLEAN_ROUNDS, "; ".join(
-                  "%s %s" % (s, " ".join("%.0f" % v for v in r[TABLE_WORKLOADS[0][0]]["rounds"]))
-                  for s, r in results[transport].items() if TABLE_WORKLOADS[0][0] in r)))
+              % (clean, CLEAN_ROUNDS, "; ".join(
+                  "%s %s" % (s, " ".join("%.0f" % v for v in r[clean]["rounds"]))
+                  for s, r in results[transport].items() if clean in r)))
         print_targets(results[transport], transport)
         if "nbdcached" in stats[transport]:
             print("  nbdcached stats over the measured runs: %s" % stats[transport]["nbdcached"])
@@ -622,13 +624,12 @@ def run(args, tmp, h):
                 ms = runs[kind]
                 print("  %-4s MiB/s %s (median %.1f); CPU us/MiB median %.1f; p99 us median %.0f"
                       % (kind, " ".join("%.1f" % m["mibs"] for m in ms),
-                         median([m["mibs"] for m in ms]),
-                         median([m["cpu_us_per_mib"] for m in ms]),
-                         median([m["p99_us"] for m in ms])))
+                         statistics.median([m["mibs"] for m in ms]),
+                         statistics.median([m["cpu_us_per_mib"] for m in ms]),
+                         statistics.median([m["p99_us"] for m in ms])))
                 print("       huge pages (THP) of RSS after the warm-up: %s"
                       % " ".join(thp_share(m.get("mem")) for m in ms))
-            f, s = median([m["mibs"] for m in runs["file"]]), median([m["mibs"] for m in
-                                                                        runs["slow"]])
+            f, s = (statistics.median([m["mibs"] for m in runs[kind]]) for kind in ("file", "slow"))
             r = s / f if f else None
             print("  ratio of the medians, 1 ms backend / file backend >= %.2f: %s %s"
                   % (SLOW_TARGET, fmt_ratio(r), verdict(r, "min", SLOW_TARGET)))
