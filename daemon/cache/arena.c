@@ -487,6 +487,36 @@ void arena_free(struct arena *a, uint32_t frame, unsigned order)
 	pthread_mutex_unlock(&a->lock);
 }
 
+int arena_split_block(struct arena *a, uint32_t frame, unsigned order)
+{
+	if (order == 0 || order > ARENA_MAX_ORDER)
+		return -EINVAL;
+	uint32_t c = frame >> ARENA_MAX_ORDER, pos = frame & (ARENA_CHUNK_FRAMES - 1);
+	uint32_t half = 1u << (order - 1);
+	int rc = 0;
+	pthread_mutex_lock(&a->lock);
+	struct arena_chunk *ch = &a->chunks[c];
+	if (c == a->iso_chunk) {
+		rc = -EBUSY; /* its blocks are being moved out by the list taken */
+	} else if (order == ARENA_MAX_ORDER) {
+		uint32_t owner = ch->owner;
+		if (split_begin(a, c) < 0) {
+			rc = -ENOMEM; /* the chunk stays one block */
+		} else {
+			ch->split->owner[0] = owner;
+			map_set(ch->split->used_map, order - 1, 0);
+			map_set(ch->split->used_map, order - 1, half);
+		}
+	} else {
+		map_clear(ch->split->used_map, order, pos);
+		map_set(ch->split->used_map, order - 1, pos);
+		map_set(ch->split->used_map, order - 1, pos + half);
+		ch->split->owner[pos + half] = ARENA_NONE;
+	}
+	pthread_mutex_unlock(&a->lock);
+	return rc;
+}
+
 void arena_set_owner(struct arena *a, uint32_t frame, uint32_t owner)
 {
 	pthread_mutex_lock(&a->lock);

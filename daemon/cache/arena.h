@@ -116,6 +116,14 @@ void arena_free_by_order(struct arena *a, uint64_t out[ARENA_ORDERS]);
  * frames: the compactor must not break a free 2 MiB block to empty another.
  */
 int64_t arena_alloc_max(struct arena *a, unsigned order, unsigned max_split);
+/*
+ * Make the allocated block of 2^order frames at frame two allocated blocks
+ * of half its size (order >= 1): the low one keeps the owner, the high one
+ * has none (ARENA_NONE) until set. Each is freed on its own after. 0,
+ * -ENOMEM (no memory for the table of the chunk a 2 MiB block splits),
+ * -EBUSY (the chunk is isolated) or -EINVAL; on failure nothing changed.
+ */
+int arena_split_block(struct arena *a, uint32_t frame, unsigned order);
 /* Record the owner of the allocated block starting at frame (any value but
  * ARENA_NONE, which clears it). */
 void arena_set_owner(struct arena *a, uint32_t frame, uint32_t owner);

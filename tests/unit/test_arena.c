@@ -157,6 +157,11 @@ static void check_isolation(struct arena *a, struct model *m, uint32_t c)
 		assert_int_equal(m->live[k].order, blocks[i].order);
 		assert_int_equal(m->live[k].owner, blocks[i].owner);
 	}
+	/* Its blocks are being moved out by the list just taken: none splits. */
+	for (size_t i = 0; i < n; i++)
+		if (blocks[i].order > 0)
+			assert_int_equal(arena_split_block(a, blocks[i].frame, blocks[i].order),
+					 -EBUSY);
 	uint64_t free_before = a->free_frames;
 	/* Whatever is asked for comes from elsewhere, or not at all. */
 	for (unsigned o = 0; o < ARENA_ORDERS; o++) {
@@ -205,6 +210,24 @@ static void check_random(size_t size, unsigned seed)
 			size_t k = (size_t)rand() % m.nlive;
 			m.live[k].owner = (uint32_t)rand();
 			arena_set_owner(&a, m.live[k].frame, m.live[k].owner);
+			continue;
+		}
+		if (m.nlive && what < 60) {
+			/* A block splits in two halves: the low keeps the owner. */
+			size_t k = (size_t)rand() % m.nlive;
+			struct live l = m.live[k];
+			if (l.order == 0) {
+				assert_int_equal(arena_split_block(&a, l.frame, 0), -EINVAL);
+				continue;
+			}
+			assert_int_equal(arena_split_block(&a, l.frame, l.order), 0);
+			model_remove(&m, k);
+			uint32_t half = 1u << (l.order - 1);
+			model_add(&m, l.frame, l.order - 1, l.owner);
+			model_add(&m, l.frame + half, l.order - 1, ARENA_NONE);
+			assert_int_equal(owner_of(&a, l.frame), l.owner);
+			assert_int_equal(owner_of(&a, l.frame + half), ARENA_NONE);
+			check_counts(&a, &m);
 			continue;
 		}
 		if (m.nlive && what < 460) {
@@ -432,8 +455,12 @@ static void test_table_allocation_fails(void **state)
 	/* A 2 MiB block needs no table. */
 	fail_malloc = true;
 	int64_t big = arena_alloc(&a, ARENA_MAX_ORDER);
-	fail_malloc = false;
 	assert_true(big >= 0);
+	/* Splitting it would: refused, and it stays one block. */
+	assert_int_equal(arena_split_block(&a, (uint32_t)big, ARENA_MAX_ORDER), -ENOMEM);
+	fail_malloc = false;
+	assert_int_equal(a.metadata_bytes, idle);
+	assert_int_equal(arena_owner_locked(&a, (uint32_t)big + 256), ARENA_NONE);
 	/* Once the other chunk is split, its free blocks need none either. */
 	int64_t f = arena_alloc(&a, 0);
 	assert_true(f >= 0);
