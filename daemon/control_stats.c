@@ -269,6 +269,7 @@ void control_cmd_stats(struct control_client *cl, const char *only)
 	control_add_u64(c, "bypass_reads", s.traffic.bypass_reads);
 	control_add_u64(c, "direct_writes", s.traffic.direct_writes);
 	control_add_u64(c, "writes_in_place", s.traffic.writes_in_place);
+	control_add_u64(c, "writes_swapped", s.traffic.writes_swapped);
 	control_add_u64(c, "throttled_writes", s.traffic.throttled_writes);
 	control_add_u64(c, "metadata_bytes", s.metadata_bytes);
 	control_add_u64(c, "arena_metadata_bytes", s.arena_metadata_bytes);
@@ -294,6 +295,7 @@ void control_cmd_stats(struct control_client *cl, const char *only)
 	control_add_u64(arena, "compact_moves", s.compact_moves);
 	control_add_u64(arena, "compact_skipped_pinned", s.compact_skipped_pinned);
 	control_add_u64(arena, "compact_collapses", s.compact_collapses);
+	control_add_u64(arena, "entry_splits", s.entry_splits);
 	control_add_u64(arena, "compact_chunks_freed", s.compact_chunks_freed);
 	control_add_u64(arena, "compact_passes", s.compact_passes);
 	control_add_u64(arena, "compact_ns", s.compact_ns);

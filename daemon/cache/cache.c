@@ -481,6 +481,103 @@ err_frame:
 	return NULL;
 }
 
+/* ---- splitting an entry ---- */
+
+/* Copy the bits [from, from+n) of each of the three maps of old (words
+ * per map: old_words) to [0, n) of the maps at to (words per map: words).
+ * Returns how many dirty bits were copied. */
+static uint32_t copy_maps(const uint32_t *old, uint32_t old_words, uint32_t from, uint32_t n,
+			  uint32_t *to, uint32_t words)
+{
+	uint32_t dirty = 0;
+	for (unsigned which = 0; which < 3; which++) {
+		struct cache_map src = {(uint32_t *)old + which * old_words, 0};
+		struct cache_map dst = {to + which * words, 0};
+		for (uint32_t b = 0; b < n; b++) {
+			if (map_test(src, from + b)) {
+				map_set(dst, b);
+				dirty += which == 1;
+			}
+		}
+	}
+	return dirty;
+}
+
+int cache_entry_split(struct cache_export *ce, struct cache_entry *e)
+{
+	struct cache *c = ce->cache;
+	unsigned order = cache_entry_order(e);
+	uint32_t nblocks = cache_entry_nblocks(e), half = nblocks / 2;
+	struct cache_entry_ext *x = cache_entry_ext(e);
+	if (order == 0 || half < 2 || !x || !x->maps)
+		return -EINVAL;
+	if (cache_entry_pinned(e) || x->writeback || x->on_unstable_list ||
+	    map_any(cache_busy_map(e), nblocks))
+		return -EBUSY;
+	struct cache_range *r = cache_entry_range(e);
+	if (range_reserve(c, r) < 0)
+		return -ENOMEM;
+	uint32_t ni = cache_pool_alloc(&c->entries);
+	if (!ni)
+		return -ENOMEM;
+	struct cache_entry *n = cache_entry_at(c, ni);
+	uint32_t words = (half + 31) / 32, old_words = (nblocks + 31) / 32;
+	uint32_t *maps = calloc(3 * words, sizeof(*maps));
+	struct cache_entry_ext *nx = maps ? cache_entry_ext_new(c, n, half) : NULL;
+	if (!nx) {
+		free(maps);
+		cache_pool_free(&c->entries, ni);
+		return -ENOMEM;
+	}
+	uint32_t half_frames = 1u << (order - 1);
+	pthread_mutex_lock(&c->evict_lock);
+	int rc = arena_split_block(&c->arena, e->frame, order);
+	if (rc < 0) {
+		pthread_mutex_unlock(&c->evict_lock);
+		cache_entry_release(c, n);
+		free(maps);
+		return rc;
+	}
+	cache_entry_set_place(n, e->range, cache_entry_pos(e) + half_frames, order - 1);
+	n->frame = e->frame + half_frames;
+	atomic_fetch_or(&n->hot, atomic_load(&e->hot) & (CACHE_FREQ_MASK | CACHE_ZEROS_BIT));
+	/* The order is in the word with the pins: no one pins e meanwhile
+	 * (shard lock), but a subtraction leaves any count alone anyway. */
+	atomic_fetch_sub(&e->hot, 1u << CACHE_ORDER_SHIFT);
+	cache_queue_split(c, e, n);
+	pthread_mutex_unlock(&c->evict_lock);
+	arena_set_owner(&c->arena, n->frame, ni);
+
+	uint32_t e_dirty = copy_maps(x->maps, old_words, 0, half, maps, words);
+	uint32_t n_dirty = copy_maps(x->maps, old_words, half, half, nx->maps, words);
+	atomic_fetch_add(&c->counters.metadata_bytes, arena_heap_bytes(maps));
+	atomic_fetch_sub(&c->counters.metadata_bytes, arena_heap_bytes(x->maps));
+	free(x->maps);
+	x->maps = maps;
+	x->ndirty = e_dirty;
+	nx->ndirty = n_dirty;
+
+	uint32_t i = range_search(c, r, cache_entry_pos(e)) + 1;
+	uint32_t *v = cache_range_entries(r);
+	memmove(&v[i + 1], &v[i], (r->count - i) * sizeof(*v));
+	v[i] = range_element(n);
+	r->count++;
+
+	pthread_mutex_lock(&ce->lock);
+	if (x->on_dirty_list) {
+		if (n_dirty)
+			cache_dirty_list_insert_after(ce, e, n);
+		if (!e_dirty)
+			cache_dirty_list_remove(ce, e);
+	}
+	pthread_mutex_unlock(&ce->lock);
+	atomic_fetch_add(&c->counters.entries, 1);
+	atomic_fetch_add(&c->counters.entry_splits, 1);
+	if (order == ARENA_MAX_ORDER)
+		atomic_fetch_sub(&c->counters.large_bytes, ARENA_CHUNK_SIZE);
+	return 0;
+}
+
 /* ---- the index's part of the cache's life (lifecycle.c) ---- */
 
 /* The entry's layout is what map_test reads: a one-block entry's maps are

@@ -163,6 +163,9 @@ struct cache_export_stats {
 	uint64_t backend_reads, backend_read_bytes, backend_writes, backend_write_bytes;
 	uint64_t writeback_bytes, evictions, writeback_errors, bypass_reads, direct_writes;
 	uint64_t writes_in_place; /* WRITEs received straight into the arena */
+	/* ... of them, over dirty blocks: into fresh frames that then took the
+	 * old ones' place (cached.c) */
+	uint64_t writes_swapped;
 	uint64_t throttled_writes; /* WRITEs that waited for writeback (throttle) */
 	uint64_t dirty_bytes;  /* dirty, or being written back */
 	uint64_t cached_bytes; /* arena bytes its entries hold */
@@ -202,6 +205,7 @@ struct cache_stats {
 	uint64_t compact_moves;	     /* entries moved */
 	uint64_t compact_skipped_pinned; /* entries left in place: pinned */
 	uint64_t compact_collapses;	 /* 2 MiB ranges collapsed into one entry */
+	uint64_t entry_splits;		 /* entries split in two for a WRITE (cached.c) */
 	uint64_t compact_chunks_freed;	 /* 2 MiB chunks emptied by compaction */
 	uint64_t compact_passes;	 /* passes, background and on demand */
 	uint64_t compact_ns;		 /* time spent in passes */

@@ -38,11 +38,18 @@
  * payload is made. Meanwhile the blocks are not uptodate (a READ of them
  * waits for the end, never sees a payload half arrived), and a payload
  * that never fully arrives changes nothing: the blocks stay not
- * uptodate, and since they were all clean the backend holds their data. (That is why
- * dirty blocks are received into only from a payload already received
- * whole, which cannot be cut short: a torn one would lose their data.
- * Another WRITE over dirty blocks is read into a buffer of its own and
- * copied, as before.)
+ * uptodate, and since they were all clean the backend holds their data.
+ *
+ * Dirty blocks (or an unstable entry) are received into only from a
+ * payload already received whole, which cannot be cut short: a torn one
+ * would lose their data. Otherwise a piece of SWAP_MIN_BYTES or more that
+ * covers its entry whole (fit_edge splits the entries at the WRITE's two
+ * edges to make it so) is received into fresh frames, the blocks busy but
+ * still uptodate (a READ sends the old data); cache_write_end() makes the
+ * fresh frames the entry's and frees the old (piece_swap), or, if someone
+ * else pins the entry, copies them over the old. A payload cut short only
+ * frees the fresh frames. Any other WRITE over dirty blocks is read into a
+ * buffer of its own and copied.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -60,6 +67,11 @@ struct cache_piece {
 	uint8_t *buf;		   /* bypass data */
 	bool ready;
 	bool issued; /* bypass read submitted */
+	/* cache_write_begin over dirty blocks: the payload goes into these
+	 * frames (allocated, no owner yet), which replace the entry's at the
+	 * end (cache_write_end) */
+	bool swap;
+	uint32_t fresh;
 };
 
 struct cache_fill {
@@ -647,7 +659,10 @@ bool cache_op_segment(const struct cache_op *op, size_t i, const uint8_t **data,
 		return true;
 	}
 	const struct cache_piece *p = &op->pieces[i];
-	if (p->entry) {
+	if (p->swap) { /* a whole entry's payload, into fresh frames */
+		*data = arena_address(&op->ce->cache->arena, p->fresh);
+		*may_hold_zeros = true;
+	} else if (p->entry) {
 		*data = arena_address(&op->ce->cache->arena, p->entry->frame) +
 			(size_t)(p->offset - cache_entry_offset(p->entry));
 		*may_hold_zeros = cache_entry_may_hold_zeros(p->entry);
@@ -668,6 +683,67 @@ void cache_op_release(struct cache_op *op)
 	}
 }
 
+/* A payload at least this large over dirty blocks is received into fresh
+ * frames (below); a smaller one is copied from a buffer of its own, which
+ * costs little. */
+#define SWAP_MIN_BYTES (64u << 10)
+
+/* Are any of e's blocks in [offset, end) dirty? Shard lock held. */
+static bool dirty_within(struct cache_entry *e, uint64_t offset, uint64_t end)
+{
+	uint64_t base = cache_entry_offset(e), stop = base + cache_entry_bytes(e);
+	uint32_t first, last;
+	piece_blocks(e, offset > base ? offset : base,
+		     (end < stop ? end : stop) - (offset > base ? offset : base), &first, &last);
+	struct cache_map dirty = cache_dirty_map(e);
+	for (uint32_t b = first; b <= last; b++)
+		if (map_test(dirty, b))
+			return true;
+	return false;
+}
+
+/*
+ * The entry holding the device byte at, if it holds dirty blocks of
+ * [offset, end) and reaches out of it: split it (cache_entry_split) until
+ * the part inside is an entry of its own, or is smaller than
+ * SWAP_MIN_BYTES, or the entry cannot be split now.
+ */
+static void fit_edge(struct cache_export *ce, uint64_t at, uint64_t offset, uint64_t end)
+{
+	struct cache_shard *sh = shard_of(ce, at);
+	pthread_mutex_lock(&sh->lock);
+	for (;;) {
+		struct cache_entry *e = cache_lookup(ce, sh, at >> ARENA_FRAME_SHIFT);
+		if (!e)
+			break;
+		uint64_t base = cache_entry_offset(e), stop = base + cache_entry_bytes(e);
+		uint64_t lo = base > offset ? base : offset, hi = stop < end ? stop : end;
+		if ((base >= offset && stop <= end) || hi - lo < SWAP_MIN_BYTES ||
+		    !dirty_within(e, offset, end) || cache_entry_split(ce, e) < 0)
+			break;
+	}
+	pthread_mutex_unlock(&sh->lock);
+}
+
+/* Does a piece of op hold dirty blocks in an entry reaching out of it? */
+static bool pieces_need_fitting(struct cache_op *op)
+{
+	struct cache_export *ce = op->ce;
+	bool need = false;
+	for (size_t i = 0; i < op->npieces && !need; i++) {
+		struct cache_piece *p = &op->pieces[i];
+		struct cache_entry *e = p->entry;
+		if (p->length < SWAP_MIN_BYTES ||
+		    (p->offset == cache_entry_offset(e) && p->length == cache_entry_bytes(e)))
+			continue;
+		uint32_t first, last;
+		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
+		need = dirty_within(e, p->offset, p->offset + p->length);
+		pthread_mutex_unlock(&sh->lock);
+	}
+	return need;
+}
+
 int cache_write_begin(struct cache_op *op, bool payload_here)
 {
 	struct cache_export *ce = op->ce;
@@ -681,6 +757,16 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 	if (throttle_over_high(ce))
 		return -EAGAIN;
 	int rc = pieces_build(op, true, true);
+	/* Dirty blocks take a payload only in whole entries (below): split
+	 * the two at the edges (the only ones that can reach out), build
+	 * again. */
+	if (rc == 0 && !payload_here && pieces_need_fitting(op)) {
+		pieces_unreserve(op, op->npieces);
+		pieces_release(op);
+		fit_edge(ce, op->offset, op->offset, end);
+		fit_edge(ce, end - 1, op->offset, end);
+		rc = pieces_build(op, true, true);
+	}
 	size_t marked = 0; /* pieces [0, marked) have their blocks busy */
 	for (size_t i = 0; rc == 0 && i < op->npieces; i++) {
 		struct cache_piece *p = &op->pieces[i];
@@ -688,13 +774,27 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 		uint32_t first, last;
 		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
 		struct cache_map busy = cache_busy_map(e), dirty = cache_dirty_map(e);
-		/* Unflushed data may be overwritten only by a payload that cannot
-		 * be cut short: one already received whole. */
-		if (cache_entry_on_unstable_list(e) && !payload_here)
-			rc = -EAGAIN; /* its data may have to be written again */
-		for (uint32_t b = first; b <= last && rc == 0; b++)
-			if (map_test(busy, b) || (!payload_here && map_test(dirty, b)))
-				rc = -EAGAIN; /* a fill, writeback or write is on it, or unflushed data */
+		/* Unflushed data (dirty, or written back and not flushed) must
+		 * survive a payload cut short: unless the payload is here whole,
+		 * it goes into fresh frames, swapped in at the end. */
+		bool unflushed = cache_entry_on_unstable_list(e);
+		for (uint32_t b = first; b <= last && rc == 0; b++) {
+			if (map_test(busy, b))
+				rc = -EAGAIN; /* a fill, writeback or write is on it */
+			unflushed |= map_test(dirty, b);
+		}
+		if (rc == 0 && unflushed && !payload_here) {
+			/* Whole entries only (pieces_need_fitting), large ones. */
+			if (p->length < SWAP_MIN_BYTES || p->offset != cache_entry_offset(e) ||
+			    p->length != cache_entry_bytes(e))
+				rc = -EAGAIN;
+			int64_t fresh =
+			    rc == 0 ? arena_alloc(&ce->cache->arena, cache_entry_order(e)) : -1;
+			if (fresh < 0)
+				rc = -EAGAIN; /* no room: the buffer and copy path */
+			p->swap = fresh >= 0;
+			p->fresh = fresh >= 0 ? (uint32_t)fresh : 0;
+		}
 		if (rc == 0) {
 			/* Arriving from the network, the payload is in the blocks a
 			 * while, part new, part old: readers must not see that (a
@@ -705,7 +805,7 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 			struct cache_map uptodate = cache_uptodate_map(e);
 			for (uint32_t b = first; b <= last; b++) {
 				map_set(busy, b);
-				if (!payload_here)
+				if (!payload_here && !p->swap)
 					map_clear(uptodate, b);
 			}
 			marked++;
@@ -721,6 +821,10 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 			for (uint32_t b = first; b <= last; b++)
 				map_clear(cache_busy_map(p->entry), b);
 			pthread_mutex_unlock(&sh->lock);
+			if (p->swap)
+				arena_free(&ce->cache->arena, p->fresh,
+					   cache_entry_order(p->entry));
+			p->swap = false;
 		}
 		if (marked)
 			cache_waitq_wake(ce->cache);
@@ -731,21 +835,59 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 	return 0;
 }
 
+/*
+ * The payload of swap piece p is in its fresh frames, whole: they become
+ * the entry's, and the old ones go. Unless someone else pins the entry (a
+ * READ sending from it, writeback about to read it): then the payload is
+ * copied over the old frames, as any WRITE's is. Shard lock held; the
+ * blocks are busy. True if swapped.
+ */
+static bool piece_swap(struct cache_export *ce, struct cache_shard *sh, struct cache_piece *p)
+{
+	struct cache_entry *e = p->entry;
+	struct arena *a = &ce->cache->arena;
+	unsigned order = cache_entry_order(e);
+	uint32_t old = e->frame;
+	bool alone = (atomic_load_explicit(&e->hot, memory_order_acquire) & CACHE_PINS_MASK) == 1;
+	if (alone) {
+		e->frame = p->fresh;
+		arena_set_owner(a, p->fresh, cache_entry_index(e));
+	} else {
+		/* Pinned and busy, the entry stays where it is meanwhile. */
+		pthread_mutex_unlock(&sh->lock);
+		memcpy(arena_address(a, old), arena_address(a, p->fresh), p->length);
+		pthread_mutex_lock(&sh->lock);
+	}
+	arena_free(a, alone ? old : p->fresh, order);
+	p->swap = false;
+	return alone;
+}
+
 void cache_write_end(struct cache_op *op, uint64_t received)
 {
 	struct cache_export *ce = op->ce;
+	bool swapped = false;
 	for (size_t i = 0; i < op->npieces; i++) {
 		struct cache_piece *p = &op->pieces[i];
 		struct cache_entry *e = p->entry;
 		bool whole = received == op->length;
 		uint32_t first, last;
 		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
+		/* A swap piece's old frames are untouched: on a payload cut
+		 * short its blocks stay as they were, dirty data and all. */
+		bool kept = p->swap && !whole;
+		if (p->swap && whole)
+			swapped |= piece_swap(ce, sh, p);
+		if (kept) {
+			arena_free(&ce->cache->arena, p->fresh, cache_entry_order(e));
+			p->swap = false;
+		}
 		struct cache_map uptodate = cache_uptodate_map(e), busy = cache_busy_map(e);
 		for (uint32_t b = first; b <= last; b++) {
 			map_clear(busy, b);
 			if (whole)
 				map_set(uptodate, b);
-			else
+			else if (!kept)
 				map_clear(uptodate, b); /* clean: the backend has its data */
 		}
 		if (whole) {
@@ -759,5 +901,7 @@ void cache_write_end(struct cache_op *op, uint64_t received)
 	kick_if_above_high(ce);
 	if (received == op->length)
 		atomic_fetch_add(&ce->counters.writes_in_place, 1);
+	if (swapped)
+		atomic_fetch_add(&ce->counters.writes_swapped, 1);
 	op_finish(op, received == op->length ? 0 : -ECONNRESET);
 }

@@ -84,6 +84,23 @@ void cache_dirty_list_remove(struct cache_export *ce, struct cache_entry *e)
 	x->on_dirty_list = false;
 }
 
+void cache_dirty_list_insert_after(struct cache_export *ce, struct cache_entry *e,
+				   struct cache_entry *n)
+{
+	struct cache *c = ce->cache;
+	struct cache_entry_ext *x = cache_entry_ext(e), *nx = cache_entry_ext(n);
+	uint32_t ni = cache_entry_index(n);
+	nx->dirty_prev = cache_entry_index(e);
+	nx->dirty_next = x->dirty_next;
+	if (x->dirty_next)
+		ext_of(c, x->dirty_next)->dirty_prev = ni;
+	else
+		ce->dirty_tail = n;
+	x->dirty_next = ni;
+	nx->on_dirty_list = true;
+	nx->dirty_since = x->dirty_since;
+}
+
 void cache_dirty_list_update(struct cache_entry *e)
 {
 	struct cache_entry_ext *x = cache_entry_ext(e);

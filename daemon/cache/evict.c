@@ -143,6 +143,24 @@ void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t
 	pthread_mutex_unlock(&c->evict_lock);
 }
 
+void cache_queue_split(struct cache *c, struct cache_entry *e, struct cache_entry *n)
+{
+	unsigned queue = entry_queue(e);
+	if (queue == CACHE_NOT_QUEUED)
+		return;
+	struct cache_fifo *q = queue == CACHE_MAIN ? &c->main : &c->small;
+	uint32_t ei = cache_entry_index(e), ni = cache_entry_index(n);
+	n->fifo_prev = ei | (uint32_t)queue << CACHE_QUEUE_SHIFT;
+	n->fifo_next = e->fifo_next;
+	if (e->fifo_next) {
+		struct cache_entry *after = cache_entry_at(c, e->fifo_next);
+		after->fifo_prev = ni | (after->fifo_prev & ~CACHE_INDEX_MASK);
+	} else {
+		q->tail = ni;
+	}
+	e->fifo_next = ni; /* q->frames stay: e gave n its frames */
+}
+
 bool cache_entry_evictable(struct cache_entry *e)
 {
 	if (cache_entry_pinned(e))

@@ -255,6 +255,7 @@ struct cache_counters {
 	atomic_uint_fast64_t backend_writes, backend_write_bytes, writeback_bytes;
 	atomic_uint_fast64_t evictions, writeback_errors, bypass_reads, direct_writes;
 	atomic_uint_fast64_t writes_in_place; /* WRITEs received into the arena */
+	atomic_uint_fast64_t writes_swapped;  /* ... into fresh frames, swapped in */
 	atomic_uint_fast64_t throttled_writes; /* WRITEs that waited at the high watermark */
 	atomic_uint_fast64_t dirty_bytes, entries, metadata_bytes, cached_bytes;
 	atomic_uint_fast64_t unstable_bytes, backend_flushes, backend_flush_errors, losses;
@@ -265,6 +266,7 @@ struct cache_counters {
 	atomic_uint_fast64_t alloc_2m_attempts, alloc_2m_ok, alloc_failures;
 	atomic_uint_fast64_t compact_moves, compact_skipped_pinned, compact_collapses;
 	atomic_uint_fast64_t compact_chunks_freed, compact_passes, compact_ns;
+	atomic_uint_fast64_t entry_splits; /* cache_entry_split */
 };
 
 struct cache_export {
@@ -433,6 +435,17 @@ int cache_for_each_entry(struct cache_export *ce, uint64_t offset, uint64_t leng
  * the range. Shard lock held; NULL if out of memory. */
 struct cache_entry *cache_entry_new_large(struct cache_export *ce, struct cache_range *r,
 					  uint32_t frame);
+/*
+ * Split e in two entries of half its size (a WRITE over dirty data fitting
+ * its entries, cached.c): e keeps its first half, its handle, state and
+ * places; a new entry takes the second half, its blocks' bits, a dirty-list
+ * place right after e's and a queue place right after e's. Only an entry
+ * of more than 2 blocks a half that no one pins, with no block busy, not
+ * under writeback and not waiting for a backend flush. Shard lock held;
+ * takes the evict, arena and export locks. 0, -EBUSY (it does not
+ * qualify now), -EINVAL (too small) or -ENOMEM; nothing changes on error.
+ */
+int cache_entry_split(struct cache_export *ce, struct cache_entry *e);
 /* Give back the slot (and side record) of an entry no longer in the index
  * nor a queue, its frames freed. Shard lock held. */
 void cache_entry_release(struct cache *c, struct cache_entry *e);
@@ -478,6 +491,10 @@ void cache_queue_remove(struct cache *c, struct cache_entry *e);
  * queues (main if any of them was there). Takes the evict lock. */
 void cache_queue_replace(struct cache *c, struct cache_entry *const *old, size_t n,
 			 struct cache_entry *ne);
+/* A split: n, e's second half, takes the queue place right after e, with
+ * its frames (e's order is halved already); if e is in no queue, neither
+ * is n. Evict lock held. */
+void cache_queue_split(struct cache *c, struct cache_entry *e, struct cache_entry *n);
 /* No pin, nothing dirty, not on the dirty or unstable list, not being
  * written back: e may go. Shard lock held. */
 bool cache_entry_evictable(struct cache_entry *e);
@@ -513,6 +530,10 @@ struct cache_map cache_busy_map(struct cache_entry *e);
 void cache_mark_dirty(struct cache_entry *e, uint32_t first, uint32_t count);
 /* Clear dirty bits of [first, first+count). Shard lock held. */
 void cache_clear_dirty(struct cache_entry *e, uint32_t first, uint32_t count);
+/* n joins the dirty list right after e, which is on it, with e's age
+ * (a split: n holds half of what e did). Export lock held. */
+void cache_dirty_list_insert_after(struct cache_export *ce, struct cache_entry *e,
+				   struct cache_entry *n);
 /* Leave the dirty list if nothing is dirty or being written. Shard lock. */
 void cache_dirty_list_update(struct cache_entry *e);
 /* Unlink e from its export's dirty list (export lock held, e on it). */

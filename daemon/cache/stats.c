@@ -24,6 +24,7 @@ static void counters_load(const struct cache_counters *k, struct cache_export_st
 	s->bypass_reads = atomic_load(&k->bypass_reads);
 	s->direct_writes = atomic_load(&k->direct_writes);
 	s->writes_in_place = atomic_load(&k->writes_in_place);
+	s->writes_swapped = atomic_load(&k->writes_swapped);
 	s->throttled_writes = atomic_load(&k->throttled_writes);
 	s->dirty_bytes = atomic_load(&k->dirty_bytes);
 	s->cached_bytes = atomic_load(&k->cached_bytes);
@@ -51,6 +52,7 @@ static void counters_sum(struct cache_export_stats *sum, const struct cache_expo
 	sum->bypass_reads += s->bypass_reads;
 	sum->direct_writes += s->direct_writes;
 	sum->writes_in_place += s->writes_in_place;
+	sum->writes_swapped += s->writes_swapped;
 	sum->throttled_writes += s->throttled_writes;
 	sum->unstable_bytes += s->unstable_bytes;
 	sum->backend_flushes += s->backend_flushes;
@@ -108,6 +110,7 @@ void cache_get_stats(struct cache *c, struct cache_stats *s)
 	s->compact_moves = atomic_load(&k->compact_moves);
 	s->compact_skipped_pinned = atomic_load(&k->compact_skipped_pinned);
 	s->compact_collapses = atomic_load(&k->compact_collapses);
+	s->entry_splits = atomic_load(&k->entry_splits);
 	s->compact_chunks_freed = atomic_load(&k->compact_chunks_freed);
 	s->compact_passes = atomic_load(&k->compact_passes);
 	s->compact_ns = atomic_load(&k->compact_ns);
@@ -130,7 +133,7 @@ void cache_log_stats(struct cache *c)
 		 "fragmentation=%llu "
 		 "free_bytes_by_order=%s large_bytes=%llu large_share=%llu alloc_2m_attempts=%llu "
 		 "alloc_2m_ok=%llu alloc_failures=%llu compact_moves=%llu compact_skipped_pinned=%llu "
-		 "compact_collapses=%llu compact_chunks_freed=%llu compact_passes=%llu "
+		 "compact_collapses=%llu entry_splits=%llu compact_chunks_freed=%llu compact_passes=%llu "
 		 "compact_ns=%llu unstable_bytes=%llu backend_flushes=%llu "
 		 "backend_flush_errors=%llu losses=%llu",
 		 s.arena, (unsigned long long)s.cache_bytes, (unsigned long long)s.used_bytes,
@@ -147,7 +150,7 @@ void cache_log_stats(struct cache *c)
 		 (unsigned long long)s.large_bytes, (unsigned long long)s.large_share,
 		 (unsigned long long)s.alloc_2m_attempts, (unsigned long long)s.alloc_2m_ok,
 		 (unsigned long long)s.alloc_failures, (unsigned long long)s.compact_moves, (unsigned long long)s.compact_skipped_pinned,
-		 (unsigned long long)s.compact_collapses,
+		 (unsigned long long)s.compact_collapses, (unsigned long long)s.entry_splits,
 		 (unsigned long long)s.compact_chunks_freed, (unsigned long long)s.compact_passes,
 		 (unsigned long long)s.compact_ns, (unsigned long long)s.traffic.unstable_bytes,
 		 (unsigned long long)s.traffic.backend_flushes,

@@ -66,6 +66,8 @@
  *             over the last whole second), evictions, writeback_errors,
  *             bypass_reads, direct_writes, writes_in_place (WRITEs
  *             received from the socket straight into the cache),
+ *             writes_swapped (of those, WRITEs over dirty blocks: received
+ *             into fresh arena frames that then replaced the entry's),
  *             throttled_writes (WRITEs that waited at --dirty-high for
  *             writeback), metadata_bytes (the index: entries, side
  *             records, range nodes and arrays, hash buckets, ghost
@@ -82,6 +84,8 @@
  *                     entries), alloc_2m_attempts, alloc_2m_ok (entries
  *                     that asked for 2 MiB, and got it), compact_moves,
  *                     compact_skipped_pinned, compact_collapses,
+ *                     entry_splits (entries split in two so that a WRITE
+ *                     over dirty blocks covers whole entries),
  *                     compact_chunks_freed, compact_passes, compact_ns}}
  *     clients: {connections (NBD connections open, all exports, negotiating
  *             ones too), max_clients (--max-clients; 0: unlimited), refused

@@ -238,6 +238,14 @@ def model_run(base, k, size, bs, mode, cache, budget):
                 off = r.randrange(size)
                 ln = r.randint(1, min(size - off, 300000))
                 x = r.random()
+                if x >= .35 and x < .75 and r.random() < 0.3 and size >= 2 * bs:
+                    # Whole blocks, 64 KiB or more where the export allows:
+                    # over dirty blocks these are swapped in (fresh frames
+                    # replacing the entry's, its entry split first).
+                    off = r.randrange(size // bs) * bs
+                    ln = min(size - off, bs * r.randint(max(1, 65536 // bs),
+                                                        max(2, 1048576 // bs)))
+                    ln -= ln % bs if off + ln < size else 0
                 kind = ("read" if x < .35 else "write" if x < .75 else "zero" if x < .82
                         else "trim" if x < .88 else "flush" if x < .95 else "cache")
                 fua = kind == "write" and r.random() < 0.2
@@ -267,7 +275,9 @@ def model_run(base, k, size, bs, mode, cache, budget):
         except (Failed, nbd.Error):
             log("  last operations:\n    " + "\n    ".join(trace))
             raise
-        log("  %d ops in %.1fs" % (ops, time.time() - t0))
+        st = nbdtest.control_request(d.control, {"command": "stats"})["cache"]
+        log("  %d ops in %.1fs; %d WRITEs swapped in, %d entry splits"
+            % (ops, time.time() - t0, st["writes_swapped"], st["arena"]["entry_splits"]))
         nbdtest.shutdown_all(hs)
     # Daemon.stop(): SIGTERM, exit 0; every dirty byte must be written back.
     require_same(read_at(path, 0, size + 1), model,

@@ -30,6 +30,15 @@ still arriving:
   stall       --stall-timeout 2: a payload that stops half way ends the
               connection within the deadline, the blocks are unchanged and
               reply_bytes is back to 0
+  swap        1 MiB WRITEs over the dirty blocks of 2 MiB entries: each
+              is received into fresh frames that then replace the entry's
+              (writes_swapped), its 2 MiB entry split in two first
+              (entry_splits); READ and the file after FLUSH match. A swap
+              WRITE cut short changes nothing, while a READ and a FLUSH
+              from other connections wait or see the old bytes, and the
+              FLUSH writes the old dirty bytes. One whose entry another
+              connection's unsent READ reply pins is copied instead (not
+              swapped) and lands all the same
   shutdown    SIGTERM while a payload is half sent: the client sends the
               rest, gets its reply (success), and the bytes are in the file
               once the daemon has exited 0
@@ -54,7 +63,10 @@ import nbd  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
-SIZE = 64 * MIB
+SIZE = 80 * MIB
+# mixed writes below this; swap uses what is above it.
+MIXED_SPAN = 64 * MIB
+SWAP_AT = MIXED_SPAN
 
 
 def control_stats(d):
@@ -116,7 +128,7 @@ def check_mixed(d, path, model):
                 n = rnd.choice([2 * MIB, 4 * MIB, 3 * MIB + 4 * KIB])
             align = 4 * KIB if kind >= 0.1 else 512
             # Half the writes go to the first 8 MiB: rewrites of dirty blocks.
-            span = 8 * MIB if rnd.random() < 0.5 else SIZE
+            span = 8 * MIB if rnd.random() < 0.5 else MIXED_SPAN
             off = rnd.randrange(0, span - n + 1) // align * align
             if rnd.random() < 0.75:
                 data = rnd.randbytes(n)
@@ -280,6 +292,170 @@ def check_rewrite(d, path, model):
            % nbdtest.describe_diff(got, bytes(model[offset:offset + 4 * KIB]), offset))
 
 
+def cache_counters(d):
+    c = control_stats(d)["cache"]
+    return c["writes_swapped"], c["arena"]["entry_splits"], c["writes_in_place"]
+
+
+def pipelined_writes(h, model, rnd, offsets, n):
+    bufs = []
+    for off in offsets:
+        data = rnd.randbytes(n)
+        model[off:off + n] = data
+        bufs.append(nbd.Buffer.from_bytearray(bytearray(data)))
+        h.aio_pwrite(bufs[-1], off)
+        while h.aio_in_flight() >= 8:
+            h.poll(1)
+    while h.aio_in_flight():
+        h.poll(1)
+
+
+def swap_rewrites(d, path, model):
+    """8 MiB read in 2 MiB READs, written once (clean: in place), then
+    twice more in 1 MiB WRITEs over the dirty blocks: swapped."""
+    offset, span = SWAP_AT, 8 * MIB
+    rnd = random.Random(17)
+    h = nbd.NBD()
+    h.connect_uri(d.unix_uri("disk"))
+    try:
+        for off in range(offset, offset + span, 2 * MIB):
+            h.pread(2 * MIB, off)
+        offsets = list(range(offset, offset + span, MIB))
+        pipelined_writes(h, model, rnd, offsets, MIB)
+        swapped0, splits0, _ = cache_counters(d)
+        for _ in range(2):
+            pipelined_writes(h, model, rnd, offsets, MIB)
+        swapped, splits, _ = cache_counters(d)
+        got = h.pread(span, offset)
+        h.flush()
+    finally:
+        h.shutdown()
+    writes = 2 * len(offsets)
+    log("  %d of %d WRITEs over dirty blocks swapped in, %d entries split"
+        % (swapped - swapped0, writes, splits - splits0))
+    # Each 2 MiB entry splits once; a WRITE finding its entry pinned (the
+    # writeback thread, say) is copied instead: at most a few.
+    expect(splits - splits0 == span // (2 * MIB), "%d entry splits, not %d (one per 2 MiB "
+           "entry)" % (splits - splits0, span // (2 * MIB)))
+    expect(swapped - swapped0 >= writes * 7 // 8, "%d of %d 1 MiB WRITEs over dirty blocks "
+           "were swapped in" % (swapped - swapped0, writes))
+    expect(got == bytes(model[offset:offset + span]), "READ after the rewrites: %s"
+           % nbdtest.describe_diff(got, bytes(model[offset:offset + span]), offset))
+    disk = read_at(path, offset, span)
+    expect(disk == bytes(model[offset:offset + span]), "the file after FLUSH: %s"
+           % nbdtest.describe_diff(disk, bytes(model[offset:offset + span]), offset))
+
+
+def swap_cut_short(d, path, model):
+    """A 1 MiB WRITE over dirty blocks, in the middle of a 2 MiB entry, cut
+    off after 3/4 of its payload: nothing changes; a READ and a FLUSH from
+    other connections meanwhile see (and write) the old bytes."""
+    base, offset, n = SWAP_AT + 8 * MIB, SWAP_AT + 8 * MIB + 512 * KIB, MIB
+    old = random.Random(18).randbytes(n)
+    h = nbd.NBD()
+    h.connect_uri(d.unix_uri("disk"))
+    try:
+        h.pread(2 * MIB, base)
+        h.pwrite(old, offset) # clean blocks: in place, no split
+    finally:
+        h.shutdown()
+    model[offset:offset + n] = old
+    swapped0, splits0, in_place0 = cache_counters(d)
+    r = raw_open(d)
+    _, hdr = write_header(r, offset, n)
+    r.send(hdr + b"\xee" * (3 * n // 4))
+    time.sleep(0.2)
+    seen, flushed = [], []
+    reader = threading.Thread(target=lambda: seen.append(libnbd_read(d, offset, n)))
+    reader.start()
+
+    def flush():
+        libnbd_flush(d)
+        flushed.append(time.time())
+    flusher = threading.Thread(target=flush)
+    flusher.start()
+    time.sleep(0.3)
+    closed_at = time.time()
+    r.close()
+    reader.join(30)
+    flusher.join(30)
+    want = bytes(model[offset:offset + n])
+    expect(seen and seen[0] == want, "READ by another connection while a swap WRITE's payload "
+           "was 3/4 in: %s" % (nbdtest.describe_diff(seen[0], want, offset) if seen
+                               else "no reply within 30 s"))
+    expect(bool(flushed), "a FLUSH from another connection did not complete within 30 s of "
+           "the WRITE being cut short")
+    swapped, splits, in_place_ = cache_counters(d)
+    # The 2 MiB entry is split twice at each edge: four of 512 KiB.
+    expect(splits - splits0 == 3, "%d entry splits for a 1 MiB WRITE in the middle of a 2 MiB "
+           "entry, not 3 (2 MiB -> 1+1 -> 512 KiB pieces at both edges)" % (splits - splits0))
+    expect(swapped == swapped0 and in_place_ == in_place0,
+           "a WRITE cut short counted as received (writes_swapped %d -> %d, writes_in_place "
+           "%d -> %d)" % (swapped0, swapped, in_place0, in_place_))
+    got = libnbd_read(d, offset, n)
+    expect(got == want, "after a swap WRITE cut short: %s"
+           % nbdtest.describe_diff(got, want, offset))
+    disk = read_at(path, offset, n)
+    expect(disk == want, "the file after the FLUSH that waited for the cut-short WRITE: %s"
+           % nbdtest.describe_diff(disk, want, offset))
+    log("  the FLUSH completed %.2f s after the WRITE was cut short"
+        % (flushed[0] - closed_at))
+
+
+def swap_pinned(d, path, model):
+    """Another connection's READ reply, unsent (its client reads nothing),
+    pins the entry: the WRITE over it is copied into place, not swapped."""
+    offset, n = SWAP_AT, MIB
+    dirty = random.Random(20).randbytes(n)
+    h = nbd.NBD()
+    h.connect_uri(d.unix_uri("disk"))
+    try:
+        h.pwrite(dirty, offset) # flushed before: clean, in place; dirty after
+    finally:
+        h.shutdown()
+    model[offset:offset + n] = dirty
+    b = raw_open(d)
+    try:
+        cookie = b.request(raw.CMD_READ, offset, n)
+        deadline = time.time() + 10
+        while (control_stats(d)["clients"]["pinned_reply_bytes"] == 0
+               and time.time() < deadline):
+            time.sleep(0.02)
+        expect(control_stats(d)["clients"]["pinned_reply_bytes"] > 0,
+               "a READ reply its client does not read pins nothing")
+        swapped0, _, in_place0 = cache_counters(d)
+        data = random.Random(19).randbytes(n)
+        h = nbd.NBD()
+        h.connect_uri(d.unix_uri("disk"))
+        try:
+            h.pwrite(data, offset)
+            model[offset:offset + n] = data
+            got = h.pread(n, offset)
+        finally:
+            h.shutdown()
+        swapped, _, in_place_ = cache_counters(d)
+        expect(swapped == swapped0 and in_place_ == in_place0 + 1,
+               "a WRITE over a pinned entry: writes_swapped %d -> %d (must stay), "
+               "writes_in_place %d -> %d (must grow by 1)"
+               % (swapped0, swapped, in_place0, in_place_))
+        expect(got == data, "READ after a WRITE over an entry a READ reply pins: %s"
+               % nbdtest.describe_diff(got, data, offset))
+        rep_ = b.read_reply(cookie)
+        expect(rep_.error == 0, "the pinned READ failed with %s" % raw.err_name(rep_.error))
+    finally:
+        b.close()
+    libnbd_flush(d)
+    disk = read_at(path, offset, n)
+    expect(disk == bytes(model[offset:offset + n]), "the file after FLUSH: %s"
+           % nbdtest.describe_diff(disk, bytes(model[offset:offset + n]), offset))
+
+
+def check_swap(d, path, model):
+    swap_rewrites(d, path, model)
+    swap_cut_short(d, path, model)
+    swap_pinned(d, path, model)
+
+
 def check_dribble(d, path, model):
     offset, n = 52 * MIB, 1 * MIB
     data = random.Random(52).randbytes(n)
@@ -398,6 +574,7 @@ def main():
             checks.run("truncated", check_truncated, d, path, model)
             checks.run("rewrite", check_rewrite, d, path, model)
             checks.run("dribble", check_dribble, d, path, model)
+            checks.run("swap", check_swap, d, path, model)
             d.stop()
         except Failed:
             d.dump_log()
