@@ -7,7 +7,7 @@
 #                   themselves; TEST_JOBS=1 runs them one after the other)
 #   make asan       the same suite under ASan + UBSan (build-asan/)
 #   make tsan       the unit tests and the cache concurrency tests
-#                   (cache_compact, cache_races, durability) under ThreadSanitizer
+#                   (cache_compact, cache_races, durability, write_receive) under TSan
 #                   (build-tsan/; suppressions in tests/tsan.supp)
 #   make i386       proto/, the dependency-free daemon core and their unit
 #                   tests built with -m32 and run (build-i386/); then the
@@ -173,6 +173,7 @@ tsan: deps
 	$(TSAN_RUN) CACHE_COMPACT_SECONDS=10 tests/run --integration-only cache_compact
 	$(TSAN_RUN) tests/run --integration-only cache_races
 	$(TSAN_RUN) tests/run --integration-only durability
+	$(TSAN_RUN) tests/run --integration-only write_receive
 
 i386: deps
 	$(MAKE) BUILD=build-i386 M32=-m32 unit
