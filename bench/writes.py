@@ -168,7 +168,8 @@ def table_servers(h, args, transport, sock, port, path, tmp):
     return {k: v for k, v in s.items() if not args.servers or k in args.servers}
 
 
-def stats_delta(info, keys=("backend_writes", "backend_write_bytes", "misses")):
+def stats_delta(info, keys=("backend_writes", "backend_write_bytes", "misses",
+                             "writes_in_place", "writes_swapped", "entry_splits")):
     """The SIGUSR1 stats' counters over the measured runs, and dirty bytes at
     the end, as text (or why not)."""
     a, b = info["stats"].get("warm"), info["stats"].get("end")

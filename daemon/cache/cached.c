@@ -759,8 +759,10 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 	int rc = pieces_build(op, true, true);
 	/* Dirty blocks take a payload only in whole entries (below): split
 	 * the two at the edges (the only ones that can reach out), build
-	 * again. */
-	if (rc == 0 && !payload_here && pieces_need_fitting(op)) {
+	 * again. Only for edges at multiples of SWAP_MIN_BYTES: other edges
+	 * would end in a smaller piece, which goes the copy path anyway. */
+	if (rc == 0 && !payload_here && op->offset % SWAP_MIN_BYTES == 0 &&
+	    end % SWAP_MIN_BYTES == 0 && pieces_need_fitting(op)) {
 		pieces_unreserve(op, op->npieces);
 		pieces_release(op);
 		fit_edge(ce, op->offset, op->offset, end);
@@ -801,7 +803,9 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 			 * WRITE that then fails would have flickered into view).
 			 * Not uptodate and busy, the blocks make a READ wait for
 			 * the end; they are clean, so the backend has their data.
-			 * A payload here already is copied at once, like any. */
+			 * A payload here already is copied at once, like any. A
+			 * swap piece's blocks stay uptodate: their frames keep the
+			 * old data until the end. */
 			struct cache_map uptodate = cache_uptodate_map(e);
 			for (uint32_t b = first; b <= last; b++) {
 				map_set(busy, b);

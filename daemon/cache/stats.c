@@ -128,7 +128,8 @@ void cache_log_stats(struct cache *c)
 	log_info("stats: arena=%s cache_bytes=%llu used_bytes=%llu entries=%llu hits=%llu "
 		 "misses=%llu partial_hits=%llu backend_reads=%llu backend_read_bytes=%llu "
 		 "backend_writes=%llu backend_write_bytes=%llu dirty_bytes=%llu evictions=%llu "
-		 "writeback_errors=%llu bypass_reads=%llu direct_writes=%llu throttled_writes=%llu "
+		 "writeback_errors=%llu bypass_reads=%llu direct_writes=%llu writes_in_place=%llu "
+		 "writes_swapped=%llu throttled_writes=%llu "
 		 "metadata_bytes=%llu arena_metadata_bytes=%llu free_2m_bytes=%llu "
 		 "fragmentation=%llu "
 		 "free_bytes_by_order=%s large_bytes=%llu large_share=%llu alloc_2m_attempts=%llu "
@@ -144,6 +145,8 @@ void cache_log_stats(struct cache *c)
 		 (unsigned long long)s.traffic.dirty_bytes, (unsigned long long)s.traffic.evictions,
 		 (unsigned long long)s.traffic.writeback_errors, (unsigned long long)s.traffic.bypass_reads,
 		 (unsigned long long)s.traffic.direct_writes,
+		 (unsigned long long)s.traffic.writes_in_place,
+		 (unsigned long long)s.traffic.writes_swapped,
 		 (unsigned long long)s.traffic.throttled_writes, (unsigned long long)s.metadata_bytes,
 		 (unsigned long long)s.arena_metadata_bytes,
 		 (unsigned long long)s.free_2m_bytes, (unsigned long long)s.fragmentation, by_order,

@@ -38,7 +38,8 @@ still arriving:
               from other connections wait or see the old bytes, and the
               FLUSH writes the old dirty bytes. One whose entry another
               connection's unsent READ reply pins is copied instead (not
-              swapped) and lands all the same
+              swapped) and lands all the same; one whose edges are off
+              64 KiB splits nothing and is copied
   shutdown    SIGTERM while a payload is half sent: the client sends the
               rest, gets its reply (success), and the bytes are in the file
               once the daemon has exited 0
@@ -450,10 +451,38 @@ def swap_pinned(d, path, model):
            % nbdtest.describe_diff(disk, bytes(model[offset:offset + n]), offset))
 
 
+def swap_unaligned(d, path, model):
+    """A 512 KiB WRITE over dirty blocks 4 KiB past a 64 KiB boundary: its
+    entry is not split (its edge pieces would be too small to swap), it is
+    copied, and it lands."""
+    offset, n = SWAP_AT + 2 * MIB, MIB
+    rnd = random.Random(21)
+    h = nbd.NBD()
+    h.connect_uri(d.unix_uri("disk"))
+    try:
+        dirty = rnd.randbytes(n)
+        h.pwrite(dirty, offset)
+        model[offset:offset + n] = dirty
+        swapped0, splits0, _ = cache_counters(d)
+        at, data = offset + 4 * KIB, rnd.randbytes(512 * KIB)
+        h.pwrite(data, at)
+        model[at:at + len(data)] = data
+        swapped, splits, _ = cache_counters(d)
+        got = h.pread(n, offset)
+    finally:
+        h.shutdown()
+    expect(splits == splits0 and swapped == swapped0,
+           "a WRITE over dirty blocks with edges off 64 KiB: entry_splits %d -> %d, "
+           "writes_swapped %d -> %d (both must stay)" % (splits0, splits, swapped0, swapped))
+    expect(got == bytes(model[offset:offset + n]), "READ after it: %s"
+           % nbdtest.describe_diff(got, bytes(model[offset:offset + n]), offset))
+
+
 def check_swap(d, path, model):
     swap_rewrites(d, path, model)
     swap_cut_short(d, path, model)
     swap_pinned(d, path, model)
+    swap_unaligned(d, path, model)
 
 
 def check_dribble(d, path, model):
