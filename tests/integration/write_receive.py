@@ -239,6 +239,20 @@ def payload_copied(d):
     return conns[0]["payload_copied"]
 
 
+def pipelined_writes(h, model, rnd, offsets, n):
+    """WRITEs of n random bytes at each offset, 8 in flight; the model too."""
+    bufs = []
+    for off in offsets:
+        data = rnd.randbytes(n)
+        model[off:off + n] = data
+        bufs.append(nbd.Buffer.from_bytearray(bytearray(data)))
+        h.aio_pwrite(bufs[-1], off)
+        while h.aio_in_flight() >= 8:
+            h.poll(1)
+    while h.aio_in_flight():
+        h.poll(1)
+
+
 def check_straight(d, path, model):
     offset, span, passes = 16 * MIB, 32 * MIB, 4
     rnd = random.Random(16)
@@ -248,17 +262,7 @@ def check_straight(d, path, model):
         for off in range(offset, offset + span, MIB):
             h.pread(MIB, off)
         before = payload_copied(d)
-        bufs = []
-        for p in range(passes):
-            for off in range(offset, offset + span, MIB):
-                data = rnd.randbytes(MIB)
-                model[off:off + MIB] = data
-                bufs.append(nbd.Buffer.from_bytearray(bytearray(data)))
-                h.aio_pwrite(bufs[-1], off)
-                while h.aio_in_flight() >= 8:
-                    h.poll(1)
-        while h.aio_in_flight():
-            h.poll(1)
+        pipelined_writes(h, model, rnd, list(range(offset, offset + span, MIB)) * passes, MIB)
         copied = payload_copied(d) - before
         got = h.pread(span, offset)
     finally:
@@ -296,19 +300,6 @@ def check_rewrite(d, path, model):
 def cache_counters(d):
     c = control_stats(d)["cache"]
     return c["writes_swapped"], c["arena"]["entry_splits"], c["writes_in_place"]
-
-
-def pipelined_writes(h, model, rnd, offsets, n):
-    bufs = []
-    for off in offsets:
-        data = rnd.randbytes(n)
-        model[off:off + n] = data
-        bufs.append(nbd.Buffer.from_bytearray(bytearray(data)))
-        h.aio_pwrite(bufs[-1], off)
-        while h.aio_in_flight() >= 8:
-            h.poll(1)
-    while h.aio_in_flight():
-        h.poll(1)
 
 
 def swap_rewrites(d, path, model):
