@@ -65,6 +65,9 @@ COLUMNS = [("iops", "IOPS", "%.0f"), ("mibs", "MiB/s", "%.1f"), ("p99_us", "p99 
            ("ios", "I/Os", "%d")]
 TRANSPORTS = ("unix", "tcp")
 PEER = "nbdkit-memory"
+# A server that only receives (writes discarded, reads zeros): what no server
+# can do better than with this client on this machine (print_targets).
+FLOOR = "nbdkit-null"
 # (workload, metric, label, "min" or "max", bound): nbdcached/PEER.
 TARGETS = [
     ("seqwrite-1m-qd8-clean", "mibs", "MiB/s", "min", 1.3),
@@ -164,6 +167,13 @@ def table_servers(h, args, transport, sock, port, path, tmp):
         "qemu-nbd": {"argv": ["qemu-nbd"] + listen("qemu-nbd", transport, sock, port)
                      + ["-f", "raw", "-t", "--shared=8", path],
                      "needs": ["qemu-nbd"], "stop_signal": kill},
+        # Not a peer: the floor. It receives each payload and discards it
+        # (reads return zeros), so its rate is what this client sends to a
+        # server that does nothing, and its CPU what receiving alone costs.
+        FLOOR: {"argv": ["nbdkit", "--foreground"] + listen("nbdkit", transport, sock, port)
+                + ["null", "size=%d" % args.size],
+                "needs": ["nbdkit"], "probe": ["nbdkit", "--dump-plugin", "null"],
+                "stop_signal": kill},
     }
     return {k: v for k, v in s.items() if not args.servers or k in args.servers}
 
@@ -248,6 +258,7 @@ def one_cell(h, args, label, spec, addr, uri, path, tmp, cell):
 def print_targets(results, transport):
     ours = results.get("nbdcached", {})
     theirs = results.get(PEER, {})
+    floor = results.get(FLOOR, {})
     print()
     print("TARGETS %s, nbdcached/%s" % (transport, PEER))
     for wname, key, label, kind, bound in TARGETS:
@@ -255,21 +266,26 @@ def print_targets(results, transport):
         r = a[key] / b[key] if a and b and b[key] else None
         print("  %-18s %-8s %s %.2f: %6s %s%s" % (wname, label, ">=" if kind == "min" else "<=",
                                                   bound, fmt_ratio(r), verdict(r, kind, bound),
-                                                  target_context(a, b, key)))
+                                                  target_context(a, b, floor.get(wname), key)))
 
 
-def target_context(a, b, key):
+def target_context(a, b, f, key):
     """What bounds a target's cell from outside the daemon: for a rate,
     fio's own CPU (a client near one whole CPU cannot go faster, whoever
-    serves it); for CPU, the share of ours spent in the kernel."""
+    serves it); for CPU, the share of ours spent in the kernel. Then the
+    floor's ratio to the peer (f: FLOOR's metrics, if it ran): the best any
+    server could show here, one that only receives."""
     if not a or not b:
         return ""
+    at_floor = ""
+    if f and b[key]:
+        at_floor = "; %s %.2f" % (FLOOR, f[key] / b[key])
     if key in ("mibs", "iops"):
         bound = " (client-bound)" if min(a["client_cpu_pct"], b["client_cpu_pct"]) >= \
             CLIENT_BOUND_PCT else ""
-        return "  fio at %.0f%% / %.0f%% of a CPU%s" % (a["client_cpu_pct"], b["client_cpu_pct"],
-                                                        bound)
-    return "  ours %.0f%% in the kernel" % a["sys_pct"]
+        return "  fio at %.0f%% / %.0f%% of a CPU%s%s" % (
+            a["client_cpu_pct"], b["client_cpu_pct"], bound, at_floor)
+    return "  ours %.0f%% in the kernel%s" % (a["sys_pct"], at_floor)
 
 
 # ---------------------------------------------------------------- 1 ms backend
