@@ -725,21 +725,29 @@ static void fit_edge(struct cache_export *ce, uint64_t at, uint64_t offset, uint
 	pthread_mutex_unlock(&sh->lock);
 }
 
-/* Does a piece of op hold dirty blocks in an entry reaching out of it? */
+/*
+ * Does a piece of op hold dirty blocks in an entry reaching out of it, and
+ * could the WRITE be swapped in once it is split? Not if a block is busy
+ * (cache_write_begin would refuse the WRITE) or an entry that reaches out
+ * is under writeback or unstable (cache_entry_split would refuse it).
+ */
 static bool pieces_need_fitting(struct cache_op *op)
 {
 	struct cache_export *ce = op->ce;
 	bool need = false;
-	for (size_t i = 0; i < op->npieces && !need; i++) {
+	for (size_t i = 0; i < op->npieces; i++) {
 		struct cache_piece *p = &op->pieces[i];
 		struct cache_entry *e = p->entry;
-		if (p->length < SWAP_MIN_BYTES ||
-		    (p->offset == cache_entry_offset(e) && p->length == cache_entry_bytes(e)))
-			continue;
+		bool whole = p->offset == cache_entry_offset(e) && p->length == cache_entry_bytes(e);
 		uint32_t first, last;
 		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
-		need = dirty_within(e, p->offset, p->offset + p->length);
+		bool hopeless = map_any(cache_busy_map(e), cache_entry_nblocks(e)) ||
+				(!whole && (cache_entry_writeback(e) || cache_entry_on_unstable_list(e)));
+		if (!hopeless && !whole && p->length >= SWAP_MIN_BYTES)
+			need |= dirty_within(e, p->offset, p->offset + p->length);
 		pthread_mutex_unlock(&sh->lock);
+		if (hopeless)
+			return false;
 	}
 	return need;
 }
