@@ -738,11 +738,13 @@ static bool pieces_need_fitting(struct cache_op *op)
 	for (size_t i = 0; i < op->npieces; i++) {
 		struct cache_piece *p = &op->pieces[i];
 		struct cache_entry *e = p->entry;
-		bool whole = p->offset == cache_entry_offset(e) && p->length == cache_entry_bytes(e);
+		bool whole =
+		    p->offset == cache_entry_offset(e) && p->length == cache_entry_bytes(e);
 		uint32_t first, last;
 		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
-		bool hopeless = map_any(cache_busy_map(e), cache_entry_nblocks(e)) ||
-				(!whole && (cache_entry_writeback(e) || cache_entry_on_unstable_list(e)));
+		bool hopeless =
+		    map_any(cache_busy_map(e), cache_entry_nblocks(e)) ||
+		    (!whole && (cache_entry_writeback(e) || cache_entry_on_unstable_list(e)));
 		if (!hopeless && !whole && p->length >= SWAP_MIN_BYTES)
 			need |= dirty_within(e, p->offset, p->offset + p->length);
 		pthread_mutex_unlock(&sh->lock);
