@@ -149,11 +149,11 @@ void print_stats(json_object *r)
 	       ctl_get_int(cmds, "cache"), ctl_get_int(cmds, "block_status"),
 	       ctl_get_int(cmds, "fua"));
 	printf("other        %" PRId64 " evictions, %" PRId64 " bypassed reads, %" PRId64
-	       " direct writes, %" PRId64 " writes received in place, %" PRId64
-	       " writes throttled\n",
+	       " direct writes, %" PRId64 " writes received in place (%" PRId64
+	       " swapped in), %" PRId64 " writes throttled\n",
 	       ctl_get_int(c, "evictions"), ctl_get_int(c, "bypass_reads"),
 	       ctl_get_int(c, "direct_writes"), ctl_get_int(c, "writes_in_place"),
-	       ctl_get_int(c, "throttled_writes"));
+	       ctl_get_int(c, "writes_swapped"), ctl_get_int(c, "throttled_writes"));
 	printf("arena        %s, %s free, fragmentation %s\n",
 	       ctl_get_string(arena, "kind") ? ctl_get_string(arena, "kind") : "?",
 	       SIZE(free_bytes), PERCENT(ctl_get_double(arena, "fragmentation")));
