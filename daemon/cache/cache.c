@@ -486,19 +486,15 @@ err_frame:
 /* Copy the bits [from, from+n) of each of the three maps of old (words
  * per map: old_words) to [0, n) of the maps at to (words per map: words).
  * Returns how many dirty bits were copied. */
-static uint32_t copy_maps(const uint32_t *old, uint32_t old_words, uint32_t from, uint32_t n,
+static uint32_t copy_maps(uint32_t *old, uint32_t old_words, uint32_t from, uint32_t n,
 			  uint32_t *to, uint32_t words)
 {
 	uint32_t dirty = 0;
 	for (unsigned which = 0; which < 3; which++) {
-		struct cache_map src = {(uint32_t *)old + which * old_words, 0};
-		struct cache_map dst = {to + which * words, 0};
-		for (uint32_t b = 0; b < n; b++) {
-			if (map_test(src, from + b)) {
-				map_set(dst, b);
-				dirty += which == 1;
-			}
-		}
+		uint32_t set = map_copy((struct cache_map){to + which * words, 0}, 0,
+					(struct cache_map){old + which * old_words, 0}, from, n);
+		if (which == 1)
+			dirty = set;
 	}
 	return dirty;
 }

@@ -688,13 +688,12 @@ void cache_op_release(struct cache_op *op)
  * costs little. */
 #define SWAP_MIN_BYTES (64u << 10)
 
-/* Are any of e's blocks in [offset, end) dirty? Shard lock held. */
+/* Are any of e's blocks in [offset, end), which is inside e, dirty?
+ * Shard lock held. */
 static bool dirty_within(struct cache_entry *e, uint64_t offset, uint64_t end)
 {
-	uint64_t base = cache_entry_offset(e), stop = base + cache_entry_bytes(e);
 	uint32_t first, last;
-	piece_blocks(e, offset > base ? offset : base,
-		     (end < stop ? end : stop) - (offset > base ? offset : base), &first, &last);
+	piece_blocks(e, offset, end - offset, &first, &last);
 	struct cache_map dirty = cache_dirty_map(e);
 	for (uint32_t b = first; b <= last; b++)
 		if (map_test(dirty, b))
@@ -719,7 +718,7 @@ static void fit_edge(struct cache_export *ce, uint64_t at, uint64_t offset, uint
 		uint64_t base = cache_entry_offset(e), stop = base + cache_entry_bytes(e);
 		uint64_t lo = base > offset ? base : offset, hi = stop < end ? stop : end;
 		if ((base >= offset && stop <= end) || hi - lo < SWAP_MIN_BYTES ||
-		    !dirty_within(e, offset, end) || cache_entry_split(ce, e) < 0)
+		    !dirty_within(e, lo, hi) || cache_entry_split(ce, e) < 0)
 			break;
 	}
 	pthread_mutex_unlock(&sh->lock);
@@ -731,15 +730,27 @@ static void fit_edge(struct cache_export *ce, uint64_t at, uint64_t offset, uint
  * (cache_write_begin would refuse the WRITE) or an entry that reaches out
  * is under writeback or unstable (cache_entry_split would refuse it).
  */
+static bool piece_whole(const struct cache_piece *p)
+{
+	return p->offset == cache_entry_offset(p->entry) &&
+	       p->length == cache_entry_bytes(p->entry);
+}
+
 static bool pieces_need_fitting(struct cache_op *op)
 {
 	struct cache_export *ce = op->ce;
+	/* Without a lock first: most WRITEs have no large piece reaching out
+	 * (a pinned entry's extent does not change). */
+	bool candidate = false;
+	for (size_t i = 0; i < op->npieces && !candidate; i++)
+		candidate = op->pieces[i].length >= SWAP_MIN_BYTES && !piece_whole(&op->pieces[i]);
+	if (!candidate)
+		return false;
 	bool need = false;
 	for (size_t i = 0; i < op->npieces; i++) {
 		struct cache_piece *p = &op->pieces[i];
 		struct cache_entry *e = p->entry;
-		bool whole =
-		    p->offset == cache_entry_offset(e) && p->length == cache_entry_bytes(e);
+		bool whole = piece_whole(p);
 		uint32_t first, last;
 		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
 		bool hopeless =
@@ -797,8 +808,7 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 		}
 		if (rc == 0 && unflushed && !payload_here) {
 			/* Whole entries only (pieces_need_fitting), large ones. */
-			if (p->length < SWAP_MIN_BYTES || p->offset != cache_entry_offset(e) ||
-			    p->length != cache_entry_bytes(e))
+			if (p->length < SWAP_MIN_BYTES || !piece_whole(p))
 				rc = -EAGAIN;
 			int64_t fresh =
 			    rc == 0 ? arena_alloc(&ce->cache->arena, cache_entry_order(e)) : -1;

@@ -253,14 +253,9 @@ static void merge_bits(struct cache_entry *ne, struct cache_entry *e, uint64_t b
 	unsigned shift = cache_entry_export(e)->block_shift;
 	uint32_t at = (uint32_t)(((cache_entry_first_frame(e) - base_frame) << ARENA_FRAME_SHIFT) >>
 				 shift);
-	struct cache_map up = cache_uptodate_map(e), dirty = cache_dirty_map(e);
-	struct cache_map nup = cache_uptodate_map(ne), ndirty = cache_dirty_map(ne);
-	for (uint32_t b = 0, n = cache_entry_nblocks(e); b < n; b++) {
-		if (map_test(up, b))
-			map_set(nup, at + b);
-		if (map_test(dirty, b))
-			map_set(ndirty, at + b);
-	}
+	uint32_t n = cache_entry_nblocks(e);
+	map_copy(cache_uptodate_map(ne), at, cache_uptodate_map(e), 0, n);
+	map_copy(cache_dirty_map(ne), at, cache_dirty_map(e), 0, n);
 	cache_entry_ext(ne)->ndirty += cache_entry_ndirty(e);
 	if (cache_entry_may_hold_zeros(e))
 		cache_entry_set_may_hold_zeros(ne);

@@ -753,6 +753,21 @@ static inline bool map_any(struct cache_map m, uint32_t n)
 	return false;
 }
 
+/* Set bit to + i of dst for each bit from + i of src set, i < n; returns
+ * how many were set in src. */
+static inline uint32_t map_copy(struct cache_map dst, uint32_t to, struct cache_map src,
+				uint32_t from, uint32_t n)
+{
+	uint32_t set = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		if (map_test(src, from + i)) {
+			map_set(dst, to + i);
+			set++;
+		}
+	}
+	return set;
+}
+
 /* A 64-bit mix of every input bit into every output bit: range nodes'
  * hash (cache.c) and the ghost table's fingerprints (evict.c). */
 static inline uint64_t cache_mix64(uint64_t x)
