@@ -865,3 +865,87 @@ def shutdown_all(handles):
             h.shutdown()
         except nbd.Error:
             pass
+
+
+# ---- A client that must stay served while a hostile one misbehaves. ----
+
+class ServedProbe:
+    """Another client, served within `limit` seconds throughout a hostile
+    test: in a thread, round after round, a new libnbd connection to `uri`
+    (negotiation included), a 4 KiB WRITE of a fresh pattern at `offset`,
+    FLUSH, and a READ that must return the pattern. Each round's time is
+    kept; check() fails with the slowest rounds when any took longer than
+    the limit, or when a round failed, or when fewer than `min_rounds`
+    rounds ended (a probe that hangs in its first round must not pass).
+
+        with nbdtest.ServedProbe(d.unix_uri("probe")) as probe:
+            ... the hostile client ...
+        probe.check("while a WRITE payload trickles")
+
+    Rounds are spaced by `interval` and bounded in number (max_rounds)."""
+
+    def __init__(self, uri, offset=0, limit=0.1, interval=0.05, max_rounds=2000,
+                 min_rounds=5):
+        import threading
+        self.uri, self.offset, self.limit = uri, offset, limit
+        self.interval, self.max_rounds, self.min_rounds = interval, max_rounds, min_rounds
+        self.times = []
+        self.errors = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _round(self, n):
+        import nbd
+        data = (b"probe-%08d-" % n) * (4096 // 15) + b"\0" * (4096 % 15)
+        start = time.monotonic()
+        h = nbd.NBD()
+        h.connect_uri(self.uri)
+        h.pwrite(data, self.offset)
+        h.flush()
+        got = h.pread(4096, self.offset)
+        h.shutdown()
+        del h
+        took = time.monotonic() - start
+        if got != data:
+            raise Failed("probe round %d read back other bytes" % n)
+        return took
+
+    def _loop(self):
+        for n in range(self.max_rounds):
+            if self._stop.is_set():
+                return
+            try:
+                self.times.append(self._round(n))
+            except Exception as e:  # noqa: BLE001 - every failure is reported
+                self.errors.append("round %d: %s" % (n, e))
+                return
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.stop()
+
+    def stop(self, timeout=60):
+        """Ends the rounds; waits for the one in flight (bounded)."""
+        self._stop.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self.errors.append("a round was still running %d s after the stop" % timeout)
+
+    def slow(self):
+        return [t for t in self.times if t > self.limit]
+
+    def check(self, what):
+        """Raises Failed (see Checks) unless every round was served in time."""
+        self.stop()
+        worst = sorted(self.times, reverse=True)[:5] or [0.0]
+        log("probe %s: %d rounds, slowest %s s" % (
+            what, len(self.times), ", ".join("%.3f" % t for t in worst)))
+        require(not self.errors, "probe %s: %s" % (what, "; ".join(self.errors)))
+        require(len(self.times) >= self.min_rounds,
+                "probe %s: only %d rounds ended" % (what, len(self.times)))
+        require(not self.slow(), "probe %s: %d of %d rounds took over %.0f ms (slowest %.3f s)" % (
+            what, len(self.slow()), len(self.times), self.limit * 1000, worst[0]))
