@@ -35,6 +35,7 @@
  */
 #include "daemon/transmit.h"
 
+#include <errno.h>
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
 #include <event2/event.h>
@@ -242,31 +243,105 @@ static void add_data_chunk_header(struct request *r, size_t at, size_t len, uint
 	conn_add(r->conn, prefix, sizeof(prefix));
 }
 
-/* Segment i of the read data, in order; false past the last one. */
-static bool request_segment(const struct request *r, size_t i, const uint8_t **data, size_t *len,
-			    bool *may_hold_zeros)
+/*
+ * A READ reply is planned before anything is queued: runs of the request,
+ * each a hole (structured replies only) or data contiguous in memory. Only
+ * the data runs are then pinned, or copied out of the cache; a hole costs
+ * neither (a 32 MiB READ of a sparse range is one hole chunk, whatever the
+ * pinned-replies limit).
+ */
+struct reply_run {
+	size_t at, len;	     /* in the request */
+	const uint8_t *data; /* NULL: a hole */
+};
+
+struct reply_plan {
+	struct reply_run *runs;
+	size_t count, cap;
+	size_t data_bytes; /* the data runs' lengths, summed */
+	struct reply_run stack_runs[16];
+};
+
+static int plan_add(struct reply_plan *p, size_t at, size_t len, const uint8_t *data)
 {
-	if (!r->copied)
-		return cache_op_segment(&r->op, i, data, len, may_hold_zeros);
-	if (i > 0)
-		return false;
-	*data = r->buf;
-	*len = r->buf_len;
-	*may_hold_zeros = r->copy_may_hold_zeros;
-	return true;
+	struct reply_run *last = p->count ? &p->runs[p->count - 1] : NULL;
+	if (data)
+		p->data_bytes += len;
+	/* Holes join holes; data joins data that it continues in memory. */
+	if (last && last->at + last->len == at &&
+	    (data ? last->data && last->data + last->len == data : !last->data)) {
+		last->len += len;
+		return 0;
+	}
+	if (p->count == p->cap) {
+		size_t cap = p->cap * 2;
+		struct reply_run *v = p->runs == p->stack_runs ? malloc(cap * sizeof(*v))
+							       : realloc(p->runs, cap * sizeof(*v));
+		if (!v)
+			return -ENOMEM;
+		if (p->runs == p->stack_runs)
+			memcpy(v, p->stack_runs, sizeof(p->stack_runs));
+		p->runs = v;
+		p->cap = cap;
+	}
+	p->runs[p->count++] = (struct reply_run){at, len, data};
+	return 0;
+}
+
+static void plan_free(struct reply_plan *p)
+{
+	if (p->runs != p->stack_runs)
+		free(p->runs);
 }
 
 /*
- * A cached read's data, out of the cache into the request's own buffer;
- * the op is released now (its entries unpinned). False when out of memory.
+ * The runs of r's read data. With sparse, all-zero, export-aligned
+ * CONN_HOLE_GRANULE blocks are holes (partial blocks at either end are
+ * data): zero blocks are what the client would read, whatever the
+ * backend's allocation, and the test is cheap for data (it stops at the
+ * first non-zero byte; a segment the cache knows holds no zero block is
+ * not looked at). Asking the file system instead (SEEK_HOLE) costs a walk
+ * over every cached page on tmpfs. 0 or -ENOMEM.
  */
-static bool request_copy_out(struct request *r, size_t len)
+static int reply_plan_build(const struct request *r, bool sparse, struct reply_plan *p)
+{
+	*p = (struct reply_plan){.runs = p->stack_runs, .cap = 16};
+	const uint8_t *data;
+	size_t seg_len, pos = 0;
+	bool zeros;
+	for (size_t i = 0; cache_op_segment(&r->op, i, &data, &seg_len, &zeros); i++) {
+		for (size_t off = 0; off < seg_len;) {
+			size_t at = pos + off;
+			size_t n = sparse && zeros
+				       ? CONN_HOLE_GRANULE -
+					     (size_t)((r->hdr.offset + at) % CONN_HOLE_GRANULE)
+				       : seg_len - off;
+			if (n > seg_len - off)
+				n = seg_len - off;
+			bool hole = sparse && zeros && n == CONN_HOLE_GRANULE &&
+				    cache_all_zero(data + off, n);
+			if (plan_add(p, at, n, hole ? NULL : data + off) < 0)
+				return -ENOMEM;
+			off += n;
+		}
+		pos += seg_len;
+	}
+	return 0;
+}
+
+/*
+ * A cached read's data runs, out of the cache into the request's own
+ * buffer, one after the other (the runs then point there); the op is
+ * released now (its entries unpinned). False when out of memory.
+ */
+static bool request_copy_out(struct request *r, struct reply_plan *p)
 {
 	/*
 	 * Large copies are mapped, not malloc'd: freeing one gives the memory
 	 * back at once, where glibc would raise its mmap threshold and keep
 	 * the next ones in a heap that slow readers leave full of holes.
 	 */
+	size_t len = p->data_bytes;
 	bool mapped = len >= COPY_MMAP_MIN;
 	uint8_t *buf = mapped ? mmap(NULL, len, PROT_READ | PROT_WRITE,
 				      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
@@ -275,50 +350,40 @@ static bool request_copy_out(struct request *r, size_t len)
 		buf = NULL;
 	if (!buf)
 		return false;
-	const uint8_t *data;
-	size_t n, at = 0;
-	bool zeros, any_zeros = false;
-	for (size_t i = 0; request_segment(r, i, &data, &n, &zeros); i++) {
-		memcpy(buf + at, data, n);
-		at += n;
-		any_zeros |= zeros;
+	size_t at = 0;
+	for (size_t i = 0; i < p->count; i++) {
+		struct reply_run *run = &p->runs[i];
+		if (!run->data)
+			continue;
+		memcpy(buf + at, run->data, run->len);
+		run->data = buf + at;
+		at += run->len;
 	}
 	cache_op_release(&r->op);
 	r->copied = true;
 	r->buf_mapped = mapped;
-	r->copy_may_hold_zeros = any_zeros;
 	r->buf = buf;
-	r->buf_len = at;
-	budget_count_copy(at);
+	r->buf_len = len;
+	budget_count_copy(len);
 	return true;
 }
 
 /*
- * Before a read's reply references the arena: pin its bytes in the
+ * Before a read's reply references the arena: pin its data bytes in the
  * daemon-wide count, or copy them out when that is full. Without memory
  * for the copy the reply pins anyway (counted, over the limit). Data the
- * op owns (mode none) pins nothing.
+ * op owns (mode none) pins nothing, and neither does a reply of holes.
  */
-static void request_hold_data(struct request *r, size_t len)
+static void request_hold_data(struct request *r, struct reply_plan *p)
 {
-	if (!cache_op_pins_arena(&r->op))
+	if (!cache_op_pins_arena(&r->op) || !p->data_bytes)
 		return;
-	if (!budget_pin(len, false)) {
-		if (request_copy_out(r, len))
+	if (!budget_pin(p->data_bytes, false)) {
+		if (request_copy_out(r, p))
 			return;
-		budget_pin(len, true);
+		budget_pin(p->data_bytes, true);
 	}
-	r->pinned = len;
-}
-
-/* All of the read data, as references to its segments. */
-static void add_all_data(struct request *r)
-{
-	const uint8_t *data;
-	size_t len;
-	bool zeros;
-	for (size_t i = 0; request_segment(r, i, &data, &len, &zeros); i++)
-		add_data_ref(r, data, len);
+	r->pinned = p->data_bytes;
 }
 
 static void add_hole_chunk(struct request *r, size_t at, size_t len, uint16_t flags)
@@ -332,13 +397,9 @@ static void add_hole_chunk(struct request *r, size_t at, size_t len, uint16_t fl
 }
 
 /*
- * A read reply: one simple reply, one data chunk (DF, or nothing sparse), or
- * runs of data and hole chunks, the last one flagged DONE. Holes are found
- * in the bytes just read, one export-aligned CONN_HOLE_GRANULE block at a
- * time (partial blocks at either end are data): zero blocks are what
- * the client would read, whatever the backend's allocation, and the test is
- * cheap for data (it stops at the first non-zero byte). Asking the file
- * system instead (SEEK_HOLE) costs a walk over every cached page on tmpfs.
+ * A read reply: one simple reply, one data chunk (DF, or shorter than a
+ * hole granule), or one chunk per run, the last one flagged DONE (runs
+ * that became adjacent in a copy go as one chunk).
  */
 static void reply_read(struct request *r)
 {
@@ -349,67 +410,37 @@ static void reply_read(struct request *r)
 		reply_ok(c, &r->hdr);
 		return;
 	}
-	request_hold_data(r, len);
+	bool sparse =
+	    c->structured && !(r->hdr.flags & NBD_CMD_FLAG_DF) && len >= CONN_HOLE_GRANULE;
+	struct reply_plan p;
+	if (reply_plan_build(r, sparse, &p) < 0) {
+		plan_free(&p);
+		reply_error(c, &r->hdr, NBD_ENOMEM, "out of memory");
+		return;
+	}
+	request_hold_data(r, &p);
 	if (!c->structured) {
 		uint8_t buf[NBD_SIMPLE_REPLY_SIZE];
 		size_t n = nbd_encode_simple_reply(buf, r->hdr.cookie, 0);
 		conn_add(c, buf, n);
-		add_all_data(r);
-		return;
-	}
-	if ((r->hdr.flags & NBD_CMD_FLAG_DF) || len < CONN_HOLE_GRANULE) {
+	} else if (!sparse) {
 		add_data_chunk_header(r, 0, len, NBD_REPLY_FLAG_DONE);
-		add_all_data(r);
-		return;
 	}
-	/*
-	 * Runs of hole granules become one hole chunk; runs of data become
-	 * one data chunk per contiguous stretch of memory (segments are the
-	 * request buffer or arena entries, which need not be adjacent).
-	 */
-	size_t pos = 0, run_start = 0;
-	const uint8_t *run_data = NULL;
-	bool run_hole = false, have_run = false;
-	const uint8_t *data;
-	size_t seg_len;
-	bool zeros;
-	for (size_t i = 0; request_segment(r, i, &data, &seg_len, &zeros); i++) {
-		for (size_t off = 0; off < seg_len;) {
-			size_t at = pos + off;
-			/* A segment known to hold no zero block is one stretch of data. */
-			size_t n = zeros ? CONN_HOLE_GRANULE -
-						   (size_t)((r->hdr.offset + at) % CONN_HOLE_GRANULE)
-					 : seg_len - off;
-			if (n > seg_len - off)
-				n = seg_len - off;
-			bool hole = zeros && n == CONN_HOLE_GRANULE && cache_all_zero(data + off, n);
-			bool joins = have_run && hole == run_hole &&
-				     (hole || run_data + (at - run_start) == data + off);
-			if (have_run && !joins) {
-				if (run_hole) {
-					add_hole_chunk(r, run_start, at - run_start, 0);
-				} else {
-					add_data_chunk_header(r, run_start, at - run_start, 0);
-					add_data_ref(r, run_data, at - run_start);
-				}
-				have_run = false;
-			}
-			if (!have_run) {
-				run_start = at;
-				run_data = data + off;
-				run_hole = hole;
-				have_run = true;
-			}
-			off += n;
+	for (size_t i = 0; i < p.count; i++) {
+		struct reply_run run = p.runs[i];
+		while (sparse && run.data && i + 1 < p.count &&
+		       p.runs[i + 1].data == run.data + run.len)
+			run.len += p.runs[++i].len;
+		uint16_t flags = i + 1 == p.count ? NBD_REPLY_FLAG_DONE : 0;
+		if (!run.data) {
+			add_hole_chunk(r, run.at, run.len, flags);
+			continue;
 		}
-		pos += seg_len;
+		if (sparse)
+			add_data_chunk_header(r, run.at, run.len, flags);
+		add_data_ref(r, run.data, run.len);
 	}
-	if (run_hole) {
-		add_hole_chunk(r, run_start, pos - run_start, NBD_REPLY_FLAG_DONE);
-	} else {
-		add_data_chunk_header(r, run_start, pos - run_start, NBD_REPLY_FLAG_DONE);
-		add_data_ref(r, run_data, pos - run_start);
-	}
+	plan_free(&p);
 }
 
 /*

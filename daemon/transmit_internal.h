@@ -38,8 +38,7 @@ struct request {
 	struct cache_op op;
 	uint8_t *buf;	 /* WRITE payload; READ data when copied */
 	size_t buf_len;
-	bool copied;	       /* cached READ copied into buf, op released */
-	bool copy_may_hold_zeros;
+	bool copied;	       /* cached READ's data runs copied into buf, op released */
 	bool buf_mapped;       /* buf is an mmap of buf_len bytes (a large copy) */
 	uint64_t accounted; /* bytes counted in conn->inflight_bytes */
 	uint64_t reserved;  /* reply bytes reserved (conn->reserved) until answered */
