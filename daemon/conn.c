@@ -486,6 +486,63 @@ void conn_budget_wake(struct worker *w)
 	uring_submit(&w->ring);
 }
 
+/* Reading on, and whatever input is buffered to the phase. */
+static void conn_reading_on(struct conn *c)
+{
+	conn_read_set(c, true);
+	/* Under a filter, records read before reading stopped are decrypted
+	 * now (the socket will not say so again). */
+	if (bufferevent_get_underlying(c->bev))
+		bufferevent_flush(c->bev, EV_READ, BEV_NORMAL);
+	/* Requests may already sit in the input buffer. */
+	conn_input_ready(c);
+}
+
+/*
+ * The worker's yielded connections wait in a queue (with a reference
+ * each), and its resume timer, due at once, gives the first of them its
+ * next share: one per turn of the loop, so that a turn costs at most one
+ * connection's share whatever the number that flood the worker. A timer,
+ * not event_active(): an event made active from a callback runs in the
+ * same pass over the active events, before the loop polls again; a timer
+ * due now runs after the next poll, with everything that poll found.
+ */
+static const struct timeval next_turn = {0, 0};
+
+void conn_yield(struct conn *c)
+{
+	struct worker *w = c->worker;
+	if (c->yielded || !c->bev)
+		return;
+	c->yielded = true;
+	conn_read_set(c, false);
+	conn_ref(c);
+	c->yield_next = NULL;
+	if (w->yielded_tail)
+		w->yielded_tail->yield_next = c;
+	else
+		w->yielded_head = c;
+	w->yielded_tail = c;
+	if (!evtimer_pending(w->resume, NULL))
+		evtimer_add(w->resume, &next_turn);
+}
+
+void conn_resume_next(struct worker *w)
+{
+	struct conn *c = w->yielded_head;
+	if (!c)
+		return;
+	w->yielded_head = c->yield_next;
+	if (!w->yielded_head)
+		w->yielded_tail = NULL;
+	else
+		evtimer_add(w->resume, &next_turn); /* the next one, next turn */
+	c->yielded = false;
+	if (c->bev && (c->reading || c->sink.left))
+		conn_reading_on(c);
+	conn_unref(c);
+}
+
 void conn_update_reading(struct conn *c)
 {
 	if (!c->bev)
@@ -513,17 +570,10 @@ void conn_update_reading(struct conn *c)
 	if (want == c->reading)
 		return;
 	c->reading = want;
-	if (want) {
-		conn_read_set(c, true);
-		/* Under a filter, records read before reading stopped are
-		 * decrypted now (the socket will not say so again). */
-		if (bufferevent_get_underlying(c->bev))
-			bufferevent_flush(c->bev, EV_READ, BEV_NORMAL);
-		/* Requests may already sit in the input buffer. */
-		conn_input_ready(c);
-	} else {
+	if (want)
+		conn_reading_on(c);
+	else
 		conn_read_set(c, false);
-	}
 }
 
 static void conn_on_read(struct bufferevent *bev, void *arg)

@@ -112,6 +112,20 @@ struct conn;
 #define CONN_SINK_LARGE (64u << 10)
 /* At most this many segments of a sink in one readv. */
 #define CONN_SINK_IOV 64
+/*
+ * What one connection gets of its worker per turn of the event loop: at
+ * most this many messages (requests, options), and requests of at most
+ * this many bytes of work (request_cost: the data to read, write or copy,
+ * whatever the reply's size; the request that crosses it is still taken).
+ * Then it yields (conn_yield): the rest of its input waits in the
+ * worker's queue of yielded connections, which gives one of them its next
+ * share per turn, after every other connection's events, the worker's
+ * tasks (a stop among them) and the ring. Replies of holes are a few bytes
+ * each: the socket never fills, and without this a pipeline of 32 MiB
+ * READs held the worker for as long as it was.
+ */
+#define CONN_TURN_MESSAGES 16
+#define CONN_TURN_BYTES (4u << 20)
 
 /*
  * A payload received straight into its destination (conn_sink_start): the
@@ -171,6 +185,13 @@ struct conn {
 	uint64_t seq_next, seq_run; /* sequential read detection (readahead, --seq-cutoff) */
 	bool closing; /* no more reading; close once drained */
 	bool reading; /* EV_READ enabled */
+	/* This turn of the loop (CONN_TURN_*): the work taken so far (the
+	 * phase adds a request's cost, session.c counts the messages); once
+	 * yielded, reading and input wait in the worker's queue of yielded
+	 * connections (yield_next) for conn_resume_next(). */
+	uint64_t turn_work;
+	bool yielded;
+	struct conn *yield_next;
 	/* Plaintext: the socket is read by conn.c (reader, CONN_READ_CHUNK at a
 	 * time, sinks by readv), not by the bufferevent, which only writes. */
 	struct event *reader;
@@ -312,6 +333,15 @@ struct evbuffer *conn_input(struct conn *c);
 void conn_add(struct conn *c, const void *data, size_t n);
 /* Re-evaluate whether to read more (after a reply or a drained output). */
 void conn_update_reading(struct conn *c);
+/*
+ * c had its share of this turn of the loop (CONN_TURN_*): its reading
+ * pauses and its input waits until the next turn, when it is handed to
+ * c->on_input again (and reading resumes if it should).
+ */
+void conn_yield(struct conn *c);
+/* Worker w's resume timer (worker.c): the first of its yielded connections
+ * gets its next share; the timer is armed again while others wait. */
+void conn_resume_next(struct worker *w);
 /* Reserve cost reply bytes for the next request (budget_reserve); false:
  * refused, the connection stopped reading until conn_budget_wake(). */
 bool conn_admit(struct conn *c, uint64_t cost);

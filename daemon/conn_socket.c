@@ -33,6 +33,8 @@
 /* Reading on or off: the connection's own reader, or the bufferevent's. */
 void conn_read_set(struct conn *c, bool on)
 {
+	if (on && c->yielded)
+		return; /* until its next turn (conn_resume_next) */
 	if (c->reader) {
 		if (on == c->reader_on)
 			return;
@@ -125,6 +127,8 @@ static bool sink_moved(struct conn *c)
  */
 void conn_input_ready(struct conn *c)
 {
+	if (c->yielded)
+		return; /* its share of this turn is spent: the next one */
 	if (c->sink.left) {
 		sink_from_input(c);
 		if (!sink_moved(c))

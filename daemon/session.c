@@ -4,10 +4,12 @@
  *
  * session_input() runs the phase's step function until it needs more
  * bytes, re-evaluating after each step whether the connection may read on
- * (the step may have queued replies or reserved budget); then every SQE
- * those steps prepared is submitted in one io_uring_enter. The phase is
- * read before each step, so a GO answered in one step has the next
- * message parsed as a request.
+ * (the step may have queued replies or reserved budget), or until the
+ * connection had its share of this turn of the worker's loop
+ * (CONN_TURN_MESSAGES steps, CONN_TURN_BYTES of requests' work: then it
+ * yields, conn_yield); then every SQE those steps prepared is submitted
+ * in one io_uring_enter. The phase is read before each step, so a GO
+ * answered in one step has the next message parsed as a request.
  */
 #include "daemon/session.h"
 
@@ -19,11 +21,19 @@
 static void session_input(struct conn *c)
 {
 	int rc = 1;
-	while (rc > 0 && c->bev && c->reading && !c->closing) {
+	unsigned messages = 0;
+	c->turn_work = 0;
+	while (rc > 0 && c->bev && c->reading && !c->closing && !c->yielded) {
+		if (messages == CONN_TURN_MESSAGES || c->turn_work >= CONN_TURN_BYTES) {
+			conn_yield(c);
+			break;
+		}
 		if (c->phase == CONN_TRANSMISSION)
 			rc = transmit_step(c);
 		else
 			rc = handshake_step(c);
+		if (rc > 0)
+			messages++;
 		if (c->bev && !c->closing)
 			conn_update_reading(c);
 	}

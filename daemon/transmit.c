@@ -689,6 +689,8 @@ int transmit_step(struct conn *c)
 	if (started && !conn_admit(c, cost))
 		return 0;
 	c->admitted = cost;
+	if (started)
+		c->turn_work += cost; /* this turn's share (session.c) */
 	if (req.type == NBD_CMD_WRITE && req.payload_length)
 		return receive_write(c, &req, cost, hsize);
 	if (req.payload_length && avail < hsize + req.payload_length) {

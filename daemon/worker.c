@@ -104,6 +104,15 @@ static void worker_on_wake(evutil_socket_t fd, short what, void *arg)
 	uring_submit(&w->ring);
 }
 
+static void worker_on_resume(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	struct worker *w = arg;
+	conn_resume_next(w);
+	uring_submit(&w->ring);
+}
+
 static void *worker_main(void *arg)
 {
 	struct worker *w = arg;
@@ -142,10 +151,17 @@ int worker_start(struct worker *w, unsigned index, struct export_table *exports)
 		rc = -ENOMEM;
 		goto err_ring;
 	}
+	w->resume = evtimer_new(w->base, worker_on_resume, w);
+	if (!w->resume) {
+		rc = -ENOMEM;
+		goto err_wake;
+	}
 	rc = -pthread_create(&w->thread, NULL, worker_main, w);
 	if (rc < 0)
-		goto err_wake;
+		goto err_resume;
 	return 0;
+err_resume:
+	event_free(w->resume);
 err_wake:
 	event_free(w->wake);
 err_ring:
@@ -224,6 +240,7 @@ void worker_join(struct worker *w)
 	free(w->pending);
 	if (w->stop_timer)
 		event_free(w->stop_timer);
+	event_free(w->resume);
 	event_free(w->wake);
 	uring_close(&w->ring);
 	event_base_free(w->base);

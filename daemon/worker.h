@@ -56,6 +56,10 @@ struct worker {
 	bool stopping; /* worker-thread copy of stop_requested */
 	struct conn *conns;
 	unsigned conn_count;
+	/* Connections that had their share of a turn (conn_yield), first
+	 * resumed first, one per turn by the resume timer. */
+	struct conn *yielded_head, *yielded_tail;
+	struct event *resume;
 };
 
 int worker_start(struct worker *w, unsigned index, struct export_table *exports);
