@@ -47,8 +47,54 @@ struct evbuffer *conn_output(struct conn *c)
 
 void conn_add(struct conn *c, const void *data, size_t n)
 {
-	if (c->bev && evbuffer_add(bufferevent_get_output(c->bev), data, n) < 0)
+	if (!c->bev)
+		return;
+	struct evbuffer *out = bufferevent_get_output(c->bev);
+	int rc;
+	if (c->output_after_ref) {
+		/*
+		 * evbuffer_add() would size the chain after a reference like
+		 * the reference (a 4 KiB READ's data: an 8 KiB chain for the
+		 * next reply's 16-byte header; a 32 MiB one: 32 MiB). Space
+		 * reserved is a chain of its own size, at least 1 KiB, which
+		 * CONN_REF_OVERHEAD counts.
+		 */
+		struct evbuffer_iovec v;
+		rc = evbuffer_reserve_space(out, n, &v, 1) == 1 ? 0 : -1;
+		if (rc == 0) {
+			memcpy(v.iov_base, data, n);
+			v.iov_len = n;
+			rc = evbuffer_commit_space(out, &v, 1);
+		}
+	} else {
+		rc = evbuffer_add(out, data, n);
+	}
+	if (rc < 0) {
 		conn_kill(c, "out of memory queueing a reply");
+		return;
+	}
+	c->output_after_ref = false;
+}
+
+bool conn_add_ref(struct conn *c, const void *data, size_t len,
+		  void (*done)(const void *data, size_t len, void *arg), void *arg)
+{
+	if (!c->bev)
+		return false;
+	if (evbuffer_add_reference(conn_output(c), data, len, done, arg) < 0) {
+		conn_kill(c, "out of memory queueing a reply");
+		return false;
+	}
+	c->output_after_ref = true;
+	c->output_refs += len + CONN_REF_OVERHEAD;
+	conn_output_sync(c);
+	return true;
+}
+
+void conn_ref_released(struct conn *c, size_t len)
+{
+	c->output_refs -= len + CONN_REF_OVERHEAD;
+	conn_output_sync(c);
 }
 
 struct evbuffer *conn_input(struct conn *c)

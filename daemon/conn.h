@@ -126,6 +126,15 @@ struct conn;
  */
 #define CONN_TURN_MESSAGES 16
 #define CONN_TURN_BYTES (4u << 20)
+/*
+ * What a reference from the output (conn_add_ref) holds beside its bytes,
+ * counted with them: libevent's chain for it (1 KiB, its smallest), the
+ * chain of 1 KiB the next small addition gets after it (conn_add), and
+ * its owner's records (a request, its pieces: under 1 KiB). Uncounted, 8
+ * clients asking for 4 KiB and never reading the replies held twice the
+ * reply memory limit.
+ */
+#define CONN_REF_OVERHEAD 3072u
 
 /*
  * A payload received straight into its destination (conn_sink_start): the
@@ -216,7 +225,10 @@ struct conn {
 	struct event *hangup; /* while waiting: the client closing (not read otherwise) */
 	uint64_t budget_cost; /* ... what it waits for (0: any room) */
 	struct evbuffer_cb_entry *output_cb; /* counts the output buffer */
-	uint64_t output_refs;	 /* bytes the output references (whole, until freed) */
+	/* Bytes the output references (whole, until freed), with
+	 * CONN_REF_OVERHEAD each; is its last chain a reference? */
+	uint64_t output_refs;
+	bool output_after_ref;
 	uint64_t output_counted; /* what the output counts in the budget now */
 	uint64_t output_moved_ns;    /* the output was last empty, or last drained */
 	uint64_t output_moved_bytes; /* drained since then */
@@ -331,6 +343,17 @@ struct evbuffer *conn_input(struct conn *c);
  * would leave its client waiting for it for good. Nothing once killed.
  */
 void conn_add(struct conn *c, const void *data, size_t n);
+/*
+ * Queue len bytes at data by reference, no copy: done(data, len, arg) once
+ * the output has sent them or is freed (the connection killed), which the
+ * owner follows with conn_ref_released(). Counted in the budget, whole
+ * and with CONN_REF_OVERHEAD, until then. False (the connection ended, as
+ * conn_add) when out of memory, or once killed: done() is not called.
+ */
+bool conn_add_ref(struct conn *c, const void *data, size_t len,
+		  void (*done)(const void *data, size_t len, void *arg), void *arg);
+/* A reference of len bytes is released (from its done callback). */
+void conn_ref_released(struct conn *c, size_t len);
 /* Re-evaluate whether to read more (after a reply or a drained output). */
 void conn_update_reading(struct conn *c);
 /*

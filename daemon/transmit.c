@@ -160,8 +160,7 @@ static void request_buf_release(const void *data, size_t len, void *arg)
 {
 	(void)data;
 	struct request *r = arg;
-	r->conn->output_refs -= len;
-	conn_output_sync(r->conn);
+	conn_ref_released(r->conn, len);
 	request_put(r);
 }
 
@@ -219,16 +218,9 @@ static void reply_ok(struct conn *c, const struct nbd_request *req)
  */
 static void add_data_ref(struct request *r, const uint8_t *data, size_t len)
 {
-	if (!r->conn->bev)
-		return;
 	r->refs++;
-	if (evbuffer_add_reference(conn_output(r->conn), data, len, request_buf_release, r) < 0) {
-		r->refs--;
-		conn_kill(r->conn, "out of memory queueing a reply");
-		return;
-	}
-	r->conn->output_refs += len;
-	conn_output_sync(r->conn);
+	if (!conn_add_ref(r->conn, data, len, request_buf_release, r))
+		r->refs--; /* not referenced: the request's own reference holds it */
 }
 
 /* One data chunk at request offset at: its header, then the data. */
