@@ -156,6 +156,11 @@ static void request_put(struct request *r)
 	conn_unref(c);
 }
 
+/* A reference's owner, counted in CONN_REF_OVERHEAD beside libevent's two
+ * chains of 1 KiB. */
+_Static_assert(sizeof(struct request) + 2048 + 256 <= CONN_REF_OVERHEAD,
+	       "CONN_REF_OVERHEAD counts a request and its pieces");
+
 static void request_buf_release(const void *data, size_t len, void *arg)
 {
 	(void)data;
