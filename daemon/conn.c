@@ -561,7 +561,11 @@ void conn_yield(struct conn *c)
 	if (c->yielded || !c->bev)
 		return;
 	c->yielded = true;
-	conn_read_set(c, false);
+	/* The plaintext reader stays in epoll (conn_on_readable reads nothing
+	 * meanwhile): taking it out and back costs two epoll_ctl a yield. The
+	 * TLS filter is told to stop reading. */
+	if (!c->reader)
+		conn_read_set(c, false);
 	conn_ref(c);
 	c->yield_next = NULL;
 	if (w->yielded_tail)

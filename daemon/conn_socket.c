@@ -180,6 +180,8 @@ void conn_on_readable(evutil_socket_t fd, short what, void *arg)
 {
 	(void)what;
 	struct conn *c = arg;
+	if (c->yielded)
+		return; /* its next turn reads (conn_resume_next) */
 	struct conn_sink *k = &c->sink;
 	struct iovec iov[CONN_SINK_IOV + 2];
 	size_t n = 0;
