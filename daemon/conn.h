@@ -357,9 +357,9 @@ void conn_ref_released(struct conn *c, size_t len);
 /* Re-evaluate whether to read more (after a reply or a drained output). */
 void conn_update_reading(struct conn *c);
 /*
- * c had its share of this turn of the loop (CONN_TURN_*): its reading
- * pauses and its input waits until the next turn, when it is handed to
- * c->on_input again (and reading resumes if it should).
+ * c had its share of this turn of the loop (CONN_TURN_*): nothing more is
+ * read from it and its input waits until its next turn, when it is handed
+ * to c->on_input again (and reading resumes if it should).
  */
 void conn_yield(struct conn *c);
 /* Worker w's resume timer (worker.c): the first of its yielded connections
