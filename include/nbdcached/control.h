@@ -93,12 +93,14 @@
  *             refused_per_client (closed at accept by
  *             --max-connections-per-client), refused_access (closed at
  *             accept by the global access rules), reply_bytes
- *             (requests in service and replies not yet sent, all
- *             connections: what --max-reply-memory bounds), max_reply_bytes,
+ *             (requests in service and replies not yet sent, 3 KiB more
+ *             for each reference to data, all connections: what
+ *             --max-reply-memory bounds), max_reply_bytes,
  *             pinned_reply_bytes (cache memory that unsent READ replies
  *             hold pinned), max_pinned_reply_bytes (--max-pinned-replies),
- *             copied_replies, copied_reply_bytes (READ replies copied out
- *             of the cache because the pinned ones were at the limit),
+ *             copied_replies, copied_reply_bytes (READ replies, their
+ *             data without their holes, copied out of the cache because
+ *             the pinned ones were at the limit),
  *             budget_waits (times a connection stopped reading to wait for
  *             reply memory)}
  *     exports: array of {name, connections, hits, misses, partial_hits,
