@@ -80,7 +80,6 @@ BUDGET_CONN_RESERVE = 1 * MIB  # daemon/budget.h
 MEMORY_MARGIN = NON_READERS * BUDGET_CONN_RESERVE + 8 * MIB
 
 CHECKS = nbdtest.Checks()
-expect = CHECKS.expect
 need = nbdtest.require
 
 
