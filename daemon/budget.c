@@ -18,6 +18,7 @@
 #include "daemon/budget.h"
 
 #include <errno.h>
+#include <malloc.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <stdatomic.h>
@@ -305,6 +306,19 @@ void budget_count_copy(uint64_t bytes)
 {
 	atomic_fetch_add(&budget.copied_replies, 1);
 	atomic_fetch_add(&budget.copied_bytes, bytes);
+}
+
+bool budget_trim_tick(void)
+{
+	static uint64_t high; /* the control thread's only */
+	uint64_t now = atomic_load(&budget.reply_bytes);
+	if (now > high)
+		high = now;
+	if (high - now < BUDGET_TRIM_BYTES)
+		return false;
+	high = now;
+	malloc_trim(0);
+	return true;
 }
 
 void budget_get_stats(struct budget_stats *out)

@@ -36,6 +36,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "daemon/budget.h"
 #include "daemon/clock.h"
 #include "daemon/control_internal.h"
 #include "daemon/log.h"
@@ -387,6 +388,7 @@ static void on_tick(evutil_socket_t fd, short what, void *arg)
 	(void)fd;
 	(void)what;
 	struct control *ctl = arg;
+	budget_trim_tick(); /* a flood of replies ended: its memory back */
 	/* Sample first: it frees the rate slots of removed exports, before
 	 * reaping may free their cache exports. */
 	control_sample_rates(ctl);
