@@ -175,7 +175,7 @@ static void conn_arm_timer(struct conn *c, int seconds)
  */
 static struct {
 	uint64_t ns;
-	char replies_why[80], payload_why[96];
+	char replies_why[80], payload_why[128];
 } stall;
 
 void conn_set_stall_timeout(unsigned seconds)
@@ -184,7 +184,9 @@ void conn_set_stall_timeout(unsigned seconds)
 	snprintf(stall.replies_why, sizeof(stall.replies_why),
 		 "client has not read its replies for %u s", seconds);
 	snprintf(stall.payload_why, sizeof(stall.payload_why),
-		 "client sent no more of a request's payload for %u s", seconds);
+		 "client sent a request's payload too slowly (under 1 MiB/s after %u s, or "
+		 "nothing for %u s)",
+		 seconds, seconds);
 }
 
 /* The negotiation deadline, likewise set once before the workers start. */
@@ -217,6 +219,14 @@ static uint64_t conn_stall_left(struct conn *c, const char **why)
 	if ((c->admitted || c->sink.left) && left) {
 		uint64_t still = now - c->payload_moved_ns;
 		uint64_t payload_left = still < stall.ns ? stall.ns - still : 0;
+		if (c->sink.left) {
+			/* The floor: the grace, then CONN_PAYLOAD_FLOOR on average. */
+			uint64_t due = c->payload_start_ns + stall.ns +
+				       c->sink.filled * 1000000000u / CONN_PAYLOAD_FLOOR;
+			uint64_t floor_left = due > now ? due - now : 0;
+			if (floor_left < payload_left)
+				payload_left = floor_left;
+		}
 		if (payload_left == 0)
 			*why = stall.payload_why;
 		if (payload_left < left)
@@ -274,6 +284,8 @@ void conn_payload_progress(struct conn *c, size_t avail, bool started)
 	if (started || avail >= c->payload_seen + CONN_STALL_PROGRESS) {
 		c->payload_seen = avail;
 		c->payload_moved_ns = clock_now_ns();
+		if (started)
+			c->payload_start_ns = c->payload_moved_ns;
 	}
 	conn_watch_stall(c);
 }

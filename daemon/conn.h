@@ -91,6 +91,11 @@ struct conn;
  * client took this much of them (or all): a kernel that takes a few bytes
  * now and then is not a reader. */
 #define CONN_STALL_PROGRESS (64u << 10)
+/* A payload must come at this rate at least (bytes a second), averaged from
+ * its first byte, after a grace of --stall-timeout: a client that sends
+ * 64 KiB per deadline would otherwise hold its request (and its budget) for
+ * hours. 2 MiB takes at most the grace plus 2 s at this rate. */
+#define CONN_PAYLOAD_FLOOR (1u << 20)
 /* Negotiation stops reading while this much of its output is unread. */
 #define CONN_MAX_NEGOTIATION_OUTPUT (1u << 20)
 /* Block status replies describe at most this many extents. */
@@ -191,6 +196,7 @@ struct conn {
 	uint64_t admitted; /* ... of which for the request whose payload is arriving */
 	size_t payload_seen;	   /* input bytes when that payload last moved */
 	uint64_t payload_moved_ns; /* ... and when */
+	uint64_t payload_start_ns; /* when the payload arriving now began */
 	bool budget_waiting; /* refused; reading again at conn_budget_wake() */
 	struct event *hangup; /* while waiting: the client closing (not read otherwise) */
 	uint64_t budget_cost; /* ... what it waits for (0: any room) */

@@ -135,6 +135,7 @@ struct cache_op {
 	bool registered; /* direct op: its range is in the export's list */
 	bool counted;	 /* hit / miss already counted */
 	bool some_cached; /* a piece was all uptodate when it was pinned */
+	bool swapped;	  /* cache_write_end: fresh frames became an entry's */
 	bool readahead;	  /* sequential READ: 2 MiB entries, filled whole */
 	bool running, rerun, finished;
 	struct cache_waiter waiter;
@@ -265,22 +266,27 @@ uint64_t cache_export_error_seq(struct cache_export *ce);
 void cache_submit(struct cache_op *op);
 /*
  * A WRITE received straight into the arena, instead of cache_submit(): op
- * filled as for it, payload NULL. 0: the blocks are reserved (entries
- * pinned, blocks busy) and cache_op_segment() gives the arena segments the
- * payload goes to, in order; the caller must then call cache_write_end().
+ * filled as for it, payload NULL. 0: room is reserved (entries pinned)
+ * and cache_op_segment() gives the arena segments the payload goes to, in
+ * order; the caller must then call cache_write_end().
  * payload_here: the caller holds the whole payload already (it cannot be
- * cut short), so blocks holding unflushed data may be written too.
+ * cut short): it is copied into the entries at once, their blocks busy
+ * meanwhile. Otherwise the payload goes into fresh frames, one whole
+ * entry's for each piece, that replace the entries' at the end: nothing
+ * is busy while it arrives, so a READ, writeback and a FLUSH go on as if
+ * the WRITE had not been sent yet, however slowly its payload comes.
  * -EAGAIN: not possible now (not writeback mode, FUA, not whole blocks,
- * dirty data above a watermark, no room at once, a block busy, or dirty
- * without payload_here):
+ * dirty data above a watermark, a piece not a whole entry of at least
+ * 64 KiB once split, no room at once, a block busy with payload_here):
  * nothing was done, cache_submit() it with its payload as usual. Never
  * waits.
  */
 int cache_write_begin(struct cache_op *op, bool payload_here);
 /* received bytes of the payload are in the segments: all of them (the
- * blocks become uptodate and dirty), or fewer if the connection ended
- * (nothing changes: the blocks will be read from the backend again).
- * Finishes op, done() as after cache_submit(): 0, or -ECONNRESET. */
+ * blocks become uptodate and dirty, once fills and writeback on the old
+ * frames have ended), or fewer if the connection ended (nothing changes).
+ * Finishes op, done() as after cache_submit() (maybe later): 0, or
+ * -ECONNRESET. */
 void cache_write_end(struct cache_op *op, uint64_t received);
 /* READ result: segment i of the reply, in order; false past the last.
  * *may_hold_zeros false: no 4 KiB block in it is all zeros (skip looking). */

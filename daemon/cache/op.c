@@ -34,6 +34,8 @@ static void op_step(struct cache_op *op)
 {
 	if (op->cmd == BACKEND_WRITE && op->stage == OP_STAGE_THROTTLED)
 		throttle_step(op);
+	else if (op->cmd == BACKEND_WRITE && op->stage == OP_STAGE_RECEIVED)
+		cached_received_step(op);
 	else if (op->cmd == BACKEND_READ || op->cmd == BACKEND_CACHE ||
 	    (op->cmd == BACKEND_WRITE && op->stage == -1))
 		cached_step(op);
@@ -73,6 +75,7 @@ void op_reset(struct cache_op *op)
 	op->stage = 0;
 	op->registered = op->counted = op->running = op->rerun = op->finished = false;
 	op->some_cached = false;
+	op->swapped = false;
 	op->spans = NULL;
 	op->nspans = 0;
 	op->write_seq = 0;
