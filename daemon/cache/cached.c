@@ -795,7 +795,8 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 			if (!piece_whole(p) || p->length < SWAP_MIN_BYTES)
 				rc = -EAGAIN;
 			else
-				fresh = cache_alloc_evicting(ce->cache, sh, cache_entry_order(e), 32);
+				fresh =
+				    cache_alloc_evicting(ce->cache, sh, cache_entry_order(e), 32);
 			if (rc == 0 && fresh < 0)
 				rc = -EAGAIN; /* no room: the buffer and copy path */
 			p->swap = fresh >= 0;
@@ -809,7 +810,8 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 		for (size_t j = 0; j < marked; j++) {
 			struct cache_piece *p = &op->pieces[j];
 			if (p->swap) {
-				arena_free(&ce->cache->arena, p->fresh, cache_entry_order(p->entry));
+				arena_free(&ce->cache->arena, p->fresh,
+					   cache_entry_order(p->entry));
 				p->swap = false;
 				continue;
 			}
