@@ -28,28 +28,27 @@
  * A WRITE that finds no room for every piece, and every WRITE not in
  * writeback mode or with FUA, is a direct operation instead (direct.c).
  *
- * Received into the arena: a WRITE of whole blocks whose entries exist or
- * can be made at once, and whose blocks are all clean (neither dirty nor
- * busy, and the entries not waiting for a backend flush), may be reserved
- * before its payload is read (cache_write_begin: pinned, every block busy,
- * so no fill, writeback or other write touches them); the connection then
- * reads the payload from the socket straight into the entries, and
- * cache_write_end() marks the blocks uptodate and dirty. No copy of the
- * payload is made. Meanwhile the blocks are not uptodate (a READ of them
- * waits for the end, never sees a payload half arrived), and a payload
- * that never fully arrives changes nothing: the blocks stay not
- * uptodate, and since they were all clean the backend holds their data.
+ * Received into the arena (cache_write_begin): a WRITE of whole blocks
+ * whose entries exist or can be made at once may take room before its
+ * payload is read, and the connection then reads the payload from the
+ * socket straight into the arena, with no buffer of the request's.
  *
- * Dirty blocks (or an unstable entry) are received into only from a
- * payload already received whole, which cannot be cut short: a torn one
- * would lose their data. Otherwise a piece of SWAP_MIN_BYTES or more that
- * covers its entry whole (fit_edge splits the entries at the WRITE's two
- * edges to make it so) is received into fresh frames, the blocks busy but
- * still uptodate (a READ sends the old data); cache_write_end() makes the
- * fresh frames the entry's and frees the old (piece_swap), or, if someone
- * else pins the entry, copies them over the old. A payload cut short only
- * frees the fresh frames. Any other WRITE over dirty blocks is read into a
- * buffer of its own and copied.
+ *   a payload still to come goes into fresh frames, one whole entry's for
+ *   each piece (fit_edge splits the entries at the WRITE's two edges to
+ *   make it so; pieces of SWAP_MIN_BYTES or more), and nothing is marked
+ *   busy meanwhile: a READ sends the old data or fills the old frames,
+ *   writeback writes the old dirty data and a FLUSH completes, however
+ *   slowly the payload comes (a FLUSH covers only acknowledged writes).
+ *   Once the payload is whole, cached_received_step() waits for any fill
+ *   or writeback on the old frames to end, then makes the fresh frames the
+ *   entry's and frees the old (piece_swap), or, if someone else pins the
+ *   entry, copies them over the old. A payload cut short only frees the
+ *   fresh frames: nothing changed.
+ *   a payload already received whole (it came with its header) cannot be
+ *   cut short: it is copied into the entries at once, their blocks busy
+ *   for that moment.
+ *
+ * Any other WRITE is read into a buffer of its own and committed as above.
  */
 #include <errno.h>
 #include <stdlib.h>
