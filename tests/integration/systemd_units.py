@@ -25,7 +25,8 @@
               serves a file, an nbdkit plugin (nbdkit runs in the same
               sandbox) and an NBD server, under strace -f: every system
               call it and nbdkit made is one the unit's SystemCallFilter=
-              allows (resolved by systemd-analyze syscall-filter)
+              allows (resolved by systemd-analyze syscall-filter), every
+              socket of a family RestrictAddressFamilies= allows
 """
 
 import ctypes
@@ -376,7 +377,7 @@ def sandbox(tmp):
     daemon_log = open(os.path.join(tmp, "daemon.log"), "w")
     cmd = ["setpriv", "--reuid=%d" % NOBODY, "--regid=%d" % NOBODY, "--clear-groups",
            "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
-           "strace", "-f", "-qq", "-c", "-S", "name", "-o", census,
+           "strace", "-f", "-qq", "-o", census,
            nbdtest.NBDCACHED, "--foreground", "--threads", "2", "--cache-size", "64M",
            "--listen", "127.0.0.1:%d" % port, "--unix", usock, "--control", ctl,
            "--pidfile", pidfile, "--hugepages", "auto",
@@ -428,19 +429,29 @@ def sandbox(tmp):
         daemon_log.close()
     arena = [l for l in text.splitlines() if "cache:" in l and "bytes in" in l]
     log("  as uid %d: %s" % (NOBODY, arena[0].split("info: ", 1)[-1] if arena else "?"))
-    used = set()
-    for line in open(census).read().splitlines():
-        fields = line.split()
-        # "% time  seconds  usecs/call  calls  [errors]  syscall" rows.
-        if (len(fields) >= 5 and re.fullmatch(r"[0-9.]+", fields[0])
-                and re.fullmatch(r"[a-z_0-9]+", fields[-1]) and fields[-1] != "total"):
-            used.add(fields[-1])
+    used, families = set(), set()
+    for line in open(census, errors="replace"):
+        # "PID name(args...) = result", "PID name(args <unfinished ...>",
+        # "PID <... name resumed>...": every call is on a line of the first
+        # two kinds.
+        m = re.match(r"\d+\s+([a-z_0-9]+)\((.*)", line)
+        if m:
+            used.add(m.group(1))
+            if m.group(1) in ("socket", "socketpair"):
+                families.add(m.group(2).split(",")[0])
     log("  %d system calls seen: %s" % (len(used), " ".join(sorted(used))))
     # The census is worth something only if it saw the I/O paths and nbdkit.
     expect({"io_uring_setup", "io_uring_enter", "execve", "memfd_create"} <= used,
            "the census missed io_uring, nbdkit or the arena: %s" % sorted(used))
     expect(used <= allowed, "system calls the unit's SystemCallFilter= refuses: %s"
            % " ".join(sorted(used - allowed)))
+    restricted = set(dict(unit_lines("nbdcached.service")).get("RestrictAddressFamilies",
+                                                              "").split())
+    log("  socket families: %s; RestrictAddressFamilies=%s"
+        % (" ".join(sorted(families)), " ".join(sorted(restricted))))
+    expect(families and families <= restricted,
+           "socket families the unit's RestrictAddressFamilies= refuses: %s"
+           % " ".join(sorted(families - restricted)))
 
 
 def journal(tmp):
