@@ -23,7 +23,8 @@
               no_new_privs and the kernel's MDWE (what NoNewPrivileges=,
               CapabilityBoundingSet= and MemoryDenyWriteExecute= give),
               serves a file, an nbdkit plugin (nbdkit runs in the same
-              sandbox) and an NBD server, under strace -f: every system
+              sandbox) and an NBD server, in plain text and TLS (PSK),
+              under strace -f: every system
               call it and nbdkit made is one the unit's SystemCallFilter=
               allows (resolved by systemd-analyze syscall-filter), every
               socket of a family RestrictAddressFamilies= allows
@@ -345,6 +346,9 @@ PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN = 65, 1
 NOBODY = 65534
 
 
+PR_GET_MDWE = 66
+
+
 def deny_write_execute():
     """preexec_fn: the kernel's MemoryDenyWriteExecute (Linux 6.3; kept
     across fork and exec), so nbdkit and its plugin run under it as well."""
@@ -353,8 +357,29 @@ def deny_write_execute():
         os._exit(100 + ctypes.get_errno())
 
 
+def mdwe_supported():
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_GET_MDWE, 0, 0, 0, 0) >= 0
+
+
+def tls_round(usock, psk, export):
+    """64 KiB written and read back over TLS (PSK, user alice)."""
+    import nbd
+    h = nbd.NBD()
+    h.set_tls(nbd.TLS_REQUIRE)
+    h.set_tls_psk_file(psk)
+    h.set_tls_username("alice")
+    h.set_export_name(export)
+    h.connect_unix(usock)
+    data = os.urandom(64 * 1024)
+    h.pwrite(data, 0)
+    h.flush()
+    got = h.pread(len(data), 0)
+    h.shutdown()
+    expect(got == data, "export %s over TLS: the bytes read back differ" % export)
+
+
 def sandbox(tmp):
-    for tool in ("strace", "setpriv", "nbdkit", "systemd-analyze"):
+    for tool in ("strace", "setpriv", "nbdkit", "systemd-analyze", "psktool"):
         if not shutil.which(tool):
             raise nbdtest.Failed(tool + " is missing (scripts/deps installs it)")
     allowed = filter_allows([v for k, v in unit_lines("nbdcached.service")
@@ -370,22 +395,40 @@ def sandbox(tmp):
     os.chown(img, NOBODY, NOBODY)
     usock, ctl, pidfile = (os.path.join(home, n) for n in ("nbd.sock", "control.sock", "pid"))
     census = os.path.join(home, "strace.out")
+    psk = os.path.join(home, "keys.psk")
+    nbdtest.run(["psktool", "-u", "alice", "-p", psk], timeout=60)
+    os.chown(psk, NOBODY, NOBODY)
     port, remote_port = nbdtest.free_port(), nbdtest.free_port()
     remote_log = open(os.path.join(tmp, "remote.log"), "w")
     remote = subprocess.Popen(["nbdkit", "-f", "-i", "127.0.0.1", "-p", str(remote_port),
                                "memory", "size=64M"], stdout=remote_log, stderr=subprocess.STDOUT)
+
+    def remote_listening():
+        try:
+            socket.create_connection(("127.0.0.1", remote_port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    if not nbdtest.wait_until(remote_listening, 15):
+        remote.kill()
+        remote.wait()
+        raise nbdtest.Failed("nbdkit (the NBD backend) did not listen on port %d" % remote_port)
+    mdwe = mdwe_supported()
+    log("  MDWE (the kernel's MemoryDenyWriteExecute): %s"
+        % ("applied" if mdwe else "not in this kernel, not applied"))
     daemon_log = open(os.path.join(tmp, "daemon.log"), "w")
     cmd = ["setpriv", "--reuid=%d" % NOBODY, "--regid=%d" % NOBODY, "--clear-groups",
            "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
            "strace", "-f", "-qq", "-o", census,
            nbdtest.NBDCACHED, "--foreground", "--threads", "2", "--cache-size", "64M",
            "--listen", "127.0.0.1:%d" % port, "--unix", usock, "--control", ctl,
-           "--pidfile", pidfile, "--hugepages", "auto",
+           "--pidfile", pidfile, "--hugepages", "auto", "--tls", "on", "--tls-psk", psk,
            "--export", "file=" + img, "--export", "kit=nbdkit:memory size=64M",
            "--export", "remote=nbd://127.0.0.1:%d" % remote_port]
     log("+ " + " ".join(cmd))
     proc = subprocess.Popen(cmd, stdout=daemon_log, stderr=subprocess.STDOUT,
-                            preexec_fn=deny_write_execute)
+                            preexec_fn=deny_write_execute if mdwe else None)
     io = [nbdtest.NBDCACHE_IO, "--unix", usock, "--export"]
     try:
         expect(nbdtest.wait_until(lambda: os.path.exists(pidfile) and os.path.getsize(pidfile)
@@ -407,7 +450,8 @@ def sandbox(tmp):
                                   "--export", name, "read", str(MIB), "4096"],
                                  capture_output=True, check=True, timeout=60).stdout
             expect(tcp == data[:4096], "export %s over TCP: the bytes read back differ" % name)
-            log("  %s: 1 MiB written, flushed, read back (Unix and TCP)" % name)
+            tls_round(usock, psk, name)
+            log("  %s: 1 MiB written, flushed, read back (Unix and TCP); 64 KiB over TLS" % name)
         for sub in ("status", "stats"):
             subprocess.run([nbdtest.NBDCACHECTL, "--control", ctl, sub], check=True, timeout=60,
                            capture_output=True)
