@@ -19,23 +19,26 @@
               directives nbdcached(8), SYSTEMD lists; systemd-analyze
               security rates its exposure below 4, with and without the
               block-device drop-in
-  sandbox     the daemon as an unprivileged user, with no capabilities,
-              no_new_privs and the kernel's MDWE (what NoNewPrivileges=,
-              CapabilityBoundingSet= and MemoryDenyWriteExecute= give),
-              serves a file, an nbdkit plugin (nbdkit runs in the same
-              sandbox) and an NBD server, in plain text and TLS (PSK),
-              under strace -f: every system
+  sandbox     the daemon as an unprivileged user in group disk, with no
+              capabilities, no_new_privs and the kernel's MDWE (what
+              NoNewPrivileges=, CapabilityBoundingSet= and
+              MemoryDenyWriteExecute= give), serves a file, a loop device
+              (its node group disk, 0660, as udev makes it), an nbdkit
+              plugin (nbdkit runs in the same sandbox) and an NBD server,
+              in plain text and TLS (PSK), under strace -f: every system
               call it and nbdkit made is one the unit's SystemCallFilter=
               allows (resolved by systemd-analyze syscall-filter), every
               socket of a family RestrictAddressFamilies= allows
 """
 
 import ctypes
+import grp
 import os
 import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -414,11 +417,33 @@ def sandbox(tmp):
         remote.kill()
         remote.wait()
         raise nbdtest.Failed("nbdkit (the NBD backend) did not listen on port %d" % remote_port)
+    # A block device as the unit reaches one: a loop device whose node (made
+    # here, as udev would make it) has group disk, mode 0660, and the daemon
+    # in group disk, as systemd/nbdcached.sysusers puts nbdcached.
+    disk_gid = grp.getgrnam("disk").gr_gid
+    loopdev, exports = None, ["file", "kit", "remote"]
+    if os.path.exists("/dev/loop-control"):
+        backing = os.path.join(tmp, "loop.img")
+        nbdtest.sparse_file(backing, 64 * MIB)
+        p = subprocess.run(["losetup", "-f", "--show", backing], capture_output=True, text=True,
+                           timeout=60)
+        if p.returncode != 0:
+            remote.kill()
+            remote.wait()
+            raise nbdtest.Failed("losetup: " + p.stderr.strip())
+        loopdev = p.stdout.strip()
+        node = os.path.join(home, "disk")
+        os.mknod(node, 0o660 | stat.S_IFBLK, os.stat(loopdev).st_rdev)
+        os.chown(node, 0, disk_gid)
+        os.chmod(node, 0o660)
+        exports.append("disk")
+    else:
+        log("  no loop devices in this kernel: no block device export")
     mdwe = mdwe_supported()
     log("  MDWE (the kernel's MemoryDenyWriteExecute): %s"
         % ("applied" if mdwe else "not in this kernel, not applied"))
     daemon_log = open(os.path.join(tmp, "daemon.log"), "w")
-    cmd = ["setpriv", "--reuid=%d" % NOBODY, "--regid=%d" % NOBODY, "--clear-groups",
+    cmd = ["setpriv", "--reuid=%d" % NOBODY, "--regid=%d" % NOBODY, "--groups=%d" % disk_gid,
            "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
            "strace", "-f", "-qq", "-o", census,
            nbdtest.NBDCACHED, "--foreground", "--threads", "2", "--cache-size", "64M",
@@ -426,6 +451,7 @@ def sandbox(tmp):
            "--pidfile", pidfile, "--hugepages", "auto", "--tls", "on", "--tls-psk", psk,
            "--export", "file=" + img, "--export", "kit=nbdkit:memory size=64M",
            "--export", "remote=nbd://127.0.0.1:%d" % remote_port]
+    cmd += ["--export", "disk=" + os.path.join(home, "disk")] if loopdev else []
     log("+ " + " ".join(cmd))
     proc = subprocess.Popen(cmd, stdout=daemon_log, stderr=subprocess.STDOUT,
                             preexec_fn=deny_write_execute if mdwe else None)
@@ -436,7 +462,7 @@ def sandbox(tmp):
                "the daemon did not start: exit %s\n%s"
                % (proc.poll(), open(os.path.join(tmp, "daemon.log")).read()[-3000:]))
         pid = int(open(pidfile).read())
-        for name in ("file", "kit", "remote"):
+        for name in exports:
             data = os.urandom(MIB)
             subprocess.run(io + [name, "write", str(MIB), str(MIB)], input=data, check=True,
                            timeout=60)
@@ -470,6 +496,8 @@ def sandbox(tmp):
         remote.terminate()
         remote.wait(30)
         remote_log.close()
+        if loopdev:
+            subprocess.run(["losetup", "-d", loopdev], timeout=60)
         daemon_log.close()
     arena = [l for l in text.splitlines() if "cache:" in l and "bytes in" in l]
     log("  as uid %d: %s" % (NOBODY, arena[0].split("info: ", 1)[-1] if arena else "?"))
