@@ -431,7 +431,7 @@ int control_listen(const char *path, int *fd)
 	struct stat st;
 	if (lstat(path, &st) == 0 && S_ISSOCK(st.st_mode))
 		unlink(path);
-	mode_t old = umask(0077); /* root only (the owner) until the operator says otherwise */
+	mode_t old = umask(0077); /* the owner (and root) until the operator says otherwise */
 	int rc = 0;
 	if (bind(s, (struct sockaddr *)&sa, sizeof(sa)) < 0 || chmod(path, 0600) < 0 ||
 	    listen(s, 16) < 0)
