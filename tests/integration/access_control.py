@@ -11,7 +11,8 @@ deny = 127.0.0.2, allow-users = root; export "disk" without rules, export
                  stats counts it in clients.refused_access
   allowed        127.0.0.1 and ::1 get the greeting and GO "disk"
   export_deny    from 127.0.0.3: LIST shows "disk" only; INFO and GO
-                 "secret" get NBD_REP_ERR_POLICY, so do LIST_META_CONTEXT
+                 "secret" get NBD_REP_ERR_UNKNOWN (as a missing export
+                 does), so do LIST_META_CONTEXT
                  and SET_META_CONTEXT (and the connection goes on: GO
                  "disk" then works); EXPORT_NAME "secret" closes; one
                  log line per connection; from 127.0.0.1 LIST shows both
@@ -206,16 +207,16 @@ def main():
                     r.greeting()
                     names = list_names(r)
                     require(names == ["disk"], "LIST from 127.0.0.3 shows %s" % names)
-                    r.option(raw.OPT_INFO, raw.go_payload("secret"), want=raw.REP_ERR_POLICY)
-                    r.option(raw.OPT_GO, raw.go_payload("secret"), want=raw.REP_ERR_POLICY)
+                    r.option(raw.OPT_INFO, raw.go_payload("secret"), want=raw.REP_ERR_UNKNOWN)
+                    r.option(raw.OPT_GO, raw.go_payload("secret"), want=raw.REP_ERR_UNKNOWN)
                     r.option(raw.OPT_STRUCTURED_REPLY)
                     r.structured = True
                     r.option(raw.OPT_LIST_META_CONTEXT,
                              raw.meta_payload("secret", ["base:allocation"]),
-                             want=raw.REP_ERR_POLICY)
+                             want=raw.REP_ERR_UNKNOWN)
                     r.option(raw.OPT_SET_META_CONTEXT,
                              raw.meta_payload("secret", ["base:allocation"]),
-                             want=raw.REP_ERR_POLICY)
+                             want=raw.REP_ERR_UNKNOWN)
                     r.go("disk")  # the connection goes on
                     require(r.command(raw.CMD_READ, 0, 4096).error == 0, "READ after refusal")
                     r.close()
