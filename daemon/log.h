@@ -39,7 +39,7 @@ void log_msg(enum log_level level, const char *fmt, ...) __attribute__((format(p
  */
 bool log_due(_Atomic uint64_t *last_ns, uint64_t interval_ns);
 
-#define LOG_LIMIT_BURST 5
+#define LOG_LIMIT_BURST 10
 #define LOG_LIMIT_INTERVAL_NS (5 * 1000000000ull)
 
 struct log_limit {
