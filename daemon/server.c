@@ -139,8 +139,22 @@ static int listen_tcp(struct server *s, const char *spec)
 	return rc;
 }
 
-static int listen_unix(struct server *s, const char *path)
+/*
+ * A --unix socket: PATH[,mode=OCTAL][,group=GROUP] (option_values.h).
+ * With a mode or a group the socket is bound under umask 0777 (nobody may
+ * connect yet), then given its group and mode: no moment when it is open
+ * to more than asked.
+ */
+static int listen_unix(struct server *s, const char *spec)
 {
+	struct unix_listen u;
+	char why[300];
+	int rc = options_parse_unix(spec, &u, why, sizeof(why));
+	if (rc < 0) {
+		log_error("--unix %s: %s", spec, why);
+		return rc;
+	}
+	const char *path = u.path;
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 	if (strlen(path) >= sizeof(sa.sun_path))
 		return -ENAMETOOLONG;
@@ -151,11 +165,22 @@ static int listen_unix(struct server *s, const char *path)
 	struct stat st;
 	if (lstat(path, &st) == 0 && S_ISSOCK(st.st_mode))
 		unlink(path); /* a stale socket from an earlier run */
-	int rc = 0;
-	if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(fd, 128) < 0) {
+	bool restrict_first = u.has_mode || u.has_group;
+	mode_t old = restrict_first ? umask(0777) : 0;
+	if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0)
 		rc = -errno;
+	if (restrict_first)
+		umask(old);
+	if (rc == 0 && u.has_group && chown(path, (uid_t)-1, (gid_t)u.gid) < 0)
+		rc = -errno;
+	if (rc == 0 && restrict_first &&
+	    chmod(path, u.has_mode ? (mode_t)u.mode : (0777 & ~old)) < 0)
+		rc = -errno;
+	if (rc == 0 && listen(fd, 128) < 0)
+		rc = -errno;
+	if (rc < 0) {
 		close(fd);
-		log_error("--unix %s: %s", path, strerror(-rc));
+		log_error("--unix %s: %s", spec, strerror(-rc));
 		return rc;
 	}
 	char *copy = strdup(path);
@@ -165,7 +190,12 @@ static int listen_unix(struct server *s, const char *path)
 		return -ENOMEM;
 	}
 	s->listeners[s->listener_count++] = (struct listener){.fd = fd, .unix_path = copy};
-	log_info("listening on unix socket %s", path);
+	if (restrict_first)
+		log_info("listening on unix socket %s (mode %04o, group %u)", path,
+			 u.has_mode ? u.mode : (unsigned)(0777 & ~old),
+			 u.has_group ? u.gid : (unsigned)getegid());
+	else
+		log_info("listening on unix socket %s", path);
 	return 0;
 }
 
