@@ -31,8 +31,8 @@ client sees the names in LIST, INFO and GO succeed, READ returns the
 target's bytes, and EXPORT_NAME opens it.
 
   maxconn     max-connections = 1 on w-R, h-R and s-R: one client holds the
-              target, a second one's GO gets NBD_REP_ERR_POLICY and its
-              EXPORT_NAME is closed; for the split export one connection
+              target, a second one still sees it in LIST and gets INFO,
+              its GO gets NBD_REP_ERR_POLICY and its EXPORT_NAME is closed; for the split export one connection
               to s-R/1 keeps out s-R, s-R/0 and s-R/3 (one limit for the
               export and its windows), and the same held on s-R keeps out
               s-R/2; once it closes, s-R/2 is served.
@@ -347,6 +347,8 @@ def main():
                             listed = [raw.parse_server_reply(p)[0]
                                       for _, p in second.option(raw.OPT_LIST)]
                             require(target in listed, "maxconn %s: LIST %s" % (kind, listed))
+                            got = reply(second, raw.OPT_INFO, target)
+                            require(got == "ACK", "maxconn %s: INFO: %s" % (kind, got))
                             got = reply(second, raw.OPT_GO, target)
                             require(got == "ERR_POLICY",
                                     "maxconn %s: a second GO: %s" % (kind, got))
