@@ -67,8 +67,8 @@ struct access_peer {
 	uint16_t port;
 	bool has_cred;		/* Unix: SO_PEERCRED worked */
 	uint32_t uid, gid, pid; /* Unix */
-	uint32_t *groups; /* Unix: supplementary groups (SO_PEERGROUPS), all of
-			   * them (malloc'd; access_peer_release) */
+	uint32_t *groups;	/* Unix: supplementary groups (SO_PEERGROUPS), all of
+				 * them (malloc'd; access_peer_release) */
 	unsigned group_count;
 	char text[64]; /* "127.0.0.1:5000", "[::1]:5000", "unix uid 0 pid 12" */
 	/* TLS, once its handshake is done: the client certificate's DN or

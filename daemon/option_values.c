@@ -299,8 +299,7 @@ int options_parse_unix(const char *text, struct unix_listen *out, char *err, siz
 	const char *end = unix_next_key(text);
 	size_t n = (size_t)(end - text);
 	if (n == 0 || n >= sizeof(u.path))
-		return options_fail(err, errlen, -EINVAL,
-				    "path empty or longer than 107 bytes");
+		return options_fail(err, errlen, -EINVAL, "path empty or longer than 107 bytes");
 	memcpy(u.path, text, n);
 	while (*end) {
 		const char *key = end + 1, *next = unix_next_key(key);
@@ -327,17 +326,17 @@ int options_parse_unix(const char *text, struct unix_listen *out, char *err, siz
 			uint32_t *gids = NULL;
 			size_t count = 0;
 			char why[200];
-			int rc = strpbrk(value, " \t") ? -EINVAL
-							: access_parse_groups(value, &gids, &count,
-									      why, sizeof(why));
+			int rc = strpbrk(value, " \t")
+				     ? -EINVAL
+				     : access_parse_groups(value, &gids, &count, why, sizeof(why));
 			if (rc == 0 && count == 1)
 				u.gid = gids[0];
 			free(gids);
 			if (rc == -ENOMEM)
 				return options_fail(err, errlen, rc, "out of memory");
 			if (rc < 0 || count != 1)
-				return options_fail(err, errlen, -EINVAL,
-						    "no such group '%s'", value);
+				return options_fail(err, errlen, -EINVAL, "no such group '%s'",
+						    value);
 			u.has_group = true;
 		}
 		end = next;

@@ -749,7 +749,8 @@ void tls_conn_end(struct conn *c, const char *why)
 {
 	struct tls_conn *t = c->tls;
 	if (t && !t->handshake_done && !t->failed)
-		log_limited(&tls_failed_log, LOG_WARN, "conn %llu: TLS handshake with %s failed: %s",
+		log_limited(&tls_failed_log, LOG_WARN,
+			    "conn %llu: TLS handshake with %s failed: %s",
 			    (unsigned long long)c->id, t->peer, why);
 	if (t) {
 		t->conn = NULL;
