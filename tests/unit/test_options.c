@@ -500,13 +500,14 @@ static void test_unix_listen(void **state)
 	assert_string_equal(u.path, "/run/n.sock");
 	assert_false(u.has_mode);
 	assert_false(u.has_group);
-	assert_int_equal(options_parse_unix("/run/n.sock,mode=0660,group=root", &u, err, sizeof(err)),
-			 0);
+	assert_int_equal(
+	    options_parse_unix("/run/n.sock,mode=0660,group=root", &u, err, sizeof(err)), 0);
 	assert_string_equal(u.path, "/run/n.sock");
 	assert_true(u.has_mode && u.has_group);
 	assert_int_equal(u.mode, 0660);
 	assert_int_equal(u.gid, 0);
-	assert_int_equal(options_parse_unix("/a,b.sock,group=4242,mode=600", &u, err, sizeof(err)), 0);
+	assert_int_equal(options_parse_unix("/a,b.sock,group=4242,mode=600", &u, err, sizeof(err)),
+			 0);
 	assert_string_equal(u.path, "/a,b.sock"); /* a comma before no key: the path's */
 	assert_int_equal(u.mode, 0600);
 	assert_int_equal(u.gid, 4242);
