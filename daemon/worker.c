@@ -169,7 +169,8 @@ void worker_hand_off(struct worker *w, int fd, uint64_t id, const struct access_
 		struct worker_handoff *p = realloc(w->pending, cap * sizeof(*p));
 		if (!p) {
 			pthread_mutex_unlock(&w->lock);
-			log_error("conn %llu: out of memory handing off", (unsigned long long)id);
+			log_limited(&start_failed_log, LOG_ERROR,
+				    "conn %llu: out of memory handing off", (unsigned long long)id);
 			close(fd);
 			budget_peer_remove(peer);
 			access_peer_release(peer);
