@@ -80,22 +80,34 @@ void conn_ref(struct conn *c)
 	c->refs++;
 }
 
+LOG_LIMIT(ended_negotiating_log, "connections ended in negotiation");
+
 void conn_unref(struct conn *c)
 {
 	if (--c->refs > 0)
 		return;
 	conn_registry_remove(c);
 	uint64_t ms = (clock_now_ns() - c->started_ns) / 1000000u;
-	log_info("conn %llu: ended after %llu.%03llu s: %s; export \"%s\", %llu requests, "
-		 "%llu bytes read, %llu bytes written",
-		 (unsigned long long)c->id, (unsigned long long)(ms / 1000),
-		 (unsigned long long)(ms % 1000), c->end_why[0] ? c->end_why : "closed",
-		 c->export ? c->export->name : "", (unsigned long long)c->requests,
-		 (unsigned long long)c->bytes_read, (unsigned long long)c->bytes_written);
+	char line[2048];
+	snprintf(line, sizeof(line),
+		 "ended after %llu.%03llu s: %s; export \"%s\", %llu requests, %llu bytes read, "
+		 "%llu bytes written",
+		 (unsigned long long)(ms / 1000), (unsigned long long)(ms % 1000),
+		 c->end_why[0] ? c->end_why : "closed", c->export ? c->export->name : "",
+		 (unsigned long long)c->requests, (unsigned long long)c->bytes_read,
+		 (unsigned long long)c->bytes_written);
+	/* One that never opened an export is any client's to make, as many as
+	 * it likes (refused ones too): its line is rate-limited. */
+	if (c->export)
+		log_info("conn %llu: %s", (unsigned long long)c->id, line);
+	else
+		log_limited(&ended_negotiating_log, LOG_INFO, "conn %llu: %s",
+			    (unsigned long long)c->id, line);
 	if (c->budget_waiting)
 		budget_wait_done(c->worker);
 	budget_client_remove();
 	budget_peer_remove(&c->peer);
+	access_peer_release(&c->peer);
 	worker_conn_removed(c->worker, c);
 	if (c->export) {
 		export_detach(c->export);
@@ -589,6 +601,7 @@ int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *
 		close(fd);
 		budget_client_remove();
 		budget_peer_remove(peer);
+		access_peer_release(peer);
 		return -ENOMEM;
 	}
 	c->peer = *peer;
@@ -607,6 +620,7 @@ int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *
 		free(c);
 		budget_client_remove();
 		budget_peer_remove(peer);
+		access_peer_release(peer);
 		return -ENOMEM;
 	}
 	worker_conn_added(w, c);
@@ -633,6 +647,7 @@ int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *
 		free(c);
 		budget_client_remove();
 		budget_peer_remove(peer);
+		access_peer_release(peer);
 		return -ENOMEM;
 	}
 	conn_registry_add(c);

@@ -380,7 +380,7 @@ static void on_accept(struct evconnlistener *l, evutil_socket_t fd, struct socka
 	bufferevent_enable(cl->bev, EV_READ | EV_WRITE);
 }
 
-/* ---- the once-a-second tick: rates and reaping ---- */
+/* ---- the once-a-second tick: rates, reaping, suppressed log lines ---- */
 
 static void on_tick(evutil_socket_t fd, short what, void *arg)
 {
@@ -392,6 +392,7 @@ static void on_tick(evutil_socket_t fd, short what, void *arg)
 	control_sample_rates(ctl);
 	if (!ctl->stopping)
 		control_reap(ctl);
+	log_limits_flush(); /* the counts of rate-limited lines whose flood ended */
 }
 
 /* ---- life cycle ---- */
