@@ -81,6 +81,7 @@ void conn_ref(struct conn *c)
 }
 
 LOG_LIMIT(ended_negotiating_log, "connections ended in negotiation");
+LOG_LIMIT_SESSIONS(ended_log, "connections ended");
 
 void conn_unref(struct conn *c)
 {
@@ -99,7 +100,7 @@ void conn_unref(struct conn *c)
 	/* One that never opened an export is any client's to make, as many as
 	 * it likes (refused ones too): its line is rate-limited. */
 	if (c->export)
-		log_info("conn %llu: %s", (unsigned long long)c->id, line);
+		log_limited(&ended_log, LOG_INFO, "conn %llu: %s", (unsigned long long)c->id, line);
 	else
 		log_limited(&ended_negotiating_log, LOG_INFO, "conn %llu: %s",
 			    (unsigned long long)c->id, line);

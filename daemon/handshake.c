@@ -132,6 +132,7 @@ out:
 
 LOG_LIMIT(refused_export_log, "refused exports");
 LOG_LIMIT(export_full_log, "exports at their connection limit");
+LOG_LIMIT_SESSIONS(negotiated_log, "exports negotiated");
 
 /* export_view() for a client that named e (NULL: no such export): a
  * refusal is logged, once per connection (and under a rate limit). */
@@ -183,9 +184,10 @@ static void enter_transmission(struct conn *c, struct export *e)
 		.max_payload = e->max_payload,
 		.min_block = e->backend->min_block,
 	};
-	log_info("conn %llu: export \"%s\" negotiated structured=%d extended=%d meta=%d",
-		 (unsigned long long)c->id, e->name, c->structured, c->extended,
-		 c->session.block_status);
+	log_limited(&negotiated_log, LOG_INFO,
+		    "conn %llu: export \"%s\" negotiated structured=%d extended=%d meta=%d",
+		    (unsigned long long)c->id, e->name, c->structured, c->extended,
+		    c->session.block_status);
 }
 
 /* The refusal of such an export: TLS_REQD, but never to a connection that

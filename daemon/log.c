@@ -148,7 +148,7 @@ void log_limited(struct log_limit *l, enum log_level level, const char *fmt, ...
 		l->window_ns = now;
 		l->printed = 0;
 	}
-	if (l->printed < LOG_LIMIT_BURST) {
+	if (l->printed < (l->burst ? l->burst : LOG_LIMIT_BURST)) {
 		l->printed++;
 		va_list ap;
 		va_start(ap, fmt);

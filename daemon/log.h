@@ -15,6 +15,12 @@
  * log_limits_flush() (the control thread's tick, once a second) once the
  * interval is over. A limiter's fields are guarded by one lock in log.c;
  * a limiter registers itself, for the flush, on its first use.
+ *
+ * The lines of a client's session that opened an export (TLS with whom,
+ * the export negotiated, how it ended) are any allowed client's to cause
+ * too, by reconnecting in a loop, but a busy server has many of them: they
+ * get LOG_LIMIT_SESSION_BURST (LOG_LIMIT_SESSIONS), so a hundred clients
+ * attaching at once are all logged and a reconnect loop is not.
  */
 #ifndef NBDCACHED_DAEMON_LOG_H
 #define NBDCACHED_DAEMON_LOG_H
@@ -40,10 +46,12 @@ void log_msg(enum log_level level, const char *fmt, ...) __attribute__((format(p
 bool log_due(_Atomic uint64_t *last_ns, uint64_t interval_ns);
 
 #define LOG_LIMIT_BURST 10
+#define LOG_LIMIT_SESSION_BURST 200
 #define LOG_LIMIT_INTERVAL_NS (5 * 1000000000ull)
 
 struct log_limit {
 	const char *kind; /* names the lines in the suppression count */
+	unsigned burst;	  /* lines per interval; 0: LOG_LIMIT_BURST */
 	/* log.c's lock: */
 	uint64_t window_ns;   /* when the current interval began (0: never) */
 	unsigned printed;     /* lines printed in it */
@@ -54,6 +62,9 @@ struct log_limit {
 };
 /* A limiter for one call site: static, named, zero otherwise. */
 #define LOG_LIMIT(var, kind_text) static struct log_limit var = {.kind = (kind_text)}
+/* ... for a session's lines (see above). */
+#define LOG_LIMIT_SESSIONS(var, kind_text)                                                          \
+	static struct log_limit var = {.kind = (kind_text), .burst = LOG_LIMIT_SESSION_BURST}
 
 /* log_msg() under l's limit (see above). Any thread. */
 void log_limited(struct log_limit *l, enum log_level level, const char *fmt, ...)

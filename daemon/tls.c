@@ -416,6 +416,7 @@ static void peer_name(struct conn *c, char *buf, size_t len)
  * from its own event. */
 /* Failed TLS handshakes and sessions: a client can cause one per connect. */
 LOG_LIMIT(tls_failed_log, "TLS failures");
+LOG_LIMIT_SESSIONS(established_log, "TLS sessions established");
 
 static void tls_fail(struct tls_conn *t, int rc)
 {
@@ -513,8 +514,9 @@ static void tls_established(struct tls_conn *t)
 		}
 	}
 	conn_tls_established(c, identity);
-	log_info("conn %llu: TLS with %s: %s, %s%s%s", (unsigned long long)c->id, t->peer,
-		 c->tls_version, c->tls_cipher, identity[0] ? ", identity " : "", identity);
+	log_limited(&established_log, LOG_INFO, "conn %llu: TLS with %s: %s, %s%s%s",
+		    (unsigned long long)c->id, t->peer, c->tls_version, c->tls_cipher,
+		    identity[0] ? ", identity " : "", identity);
 }
 
 /* The filter's input side: handshake, then decrypt into the connection's

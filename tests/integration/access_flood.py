@@ -23,6 +23,13 @@ all along.
              the counts, the harness's own readiness connections end so too)
   per_client 2 connections held from 127.0.0.4 and 500 more refused
              (--max-connections-per-client): the same
+  sessions   1500 connects from 127.0.0.5 that open "disk" (GO) and close:
+             allowed, but any client can make them in a loop, so the
+             "negotiated" and "ended" lines of sessions are limited too, at
+             a larger burst (LOG_LIMIT_SESSION_BURST, 200 in 5 s: a hundred
+             clients attaching at once are all logged): bounded, with the
+             counts adding up to at least 1500 (the probe's sessions count
+             too)
   served     a client from 127.0.0.1 still opens "disk" and reads it
 """
 import os
@@ -40,6 +47,7 @@ import bad_input as raw  # noqa: E402
 MIB = 1 << 20
 LIMIT_S = 5  # LOG_LIMIT_INTERVAL_NS (daemon/log.h)
 BURST = 10  # LOG_LIMIT_BURST
+SESSION_BURST = 200  # LOG_LIMIT_SESSION_BURST
 MAX_LINES = 40  # per kind: a few dozen at most
 
 
@@ -75,6 +83,16 @@ def info_refused(port, source):
         r.close()
 
 
+def session(port, source):
+    r = raw.RawClient.__new__(raw.RawClient)
+    r.s = connect_from(port, source)
+    r.timeout = 10
+    try:
+        r.open("disk")
+    finally:
+        r.close()
+
+
 def flood(what, count, fn, pace=0.001):
     """count calls of fn, pace seconds apart (so that the probe beside
     has rounds all along), in 60 s at most."""
@@ -90,7 +108,7 @@ def flood(what, count, fn, pace=0.001):
     return secs
 
 
-def accounted(d, line_re, kind, count, secs, exact=True):
+def accounted(d, line_re, kind, count, secs, exact=True, burst=BURST, max_lines=MAX_LINES):
     """The lines matching line_re and kind's suppression counts: bounded,
     and adding up to count (at least count when not exact: other clients'
     lines of that kind count too); waits for the tick to say the last
@@ -111,7 +129,7 @@ def accounted(d, line_re, kind, count, secs, exact=True):
         log("    " + ln)
     require(counts, "%s: no line says how many were suppressed" % kind)
     # BURST lines and a count in each interval the flood touched.
-    bound = min(MAX_LINES, (BURST + 1) * (2 + int(secs / LIMIT_S)))
+    bound = min(max_lines, (burst + 1) * (2 + int(secs / LIMIT_S)))
     require(len(lines) + len(counts) <= bound,
             "%s: %d lines for %d refusals in %.1f s" % (kind, len(lines) + len(counts), count,
                                                         secs))
@@ -166,13 +184,24 @@ def main():
                     for s in held:
                         s.close()
 
+            def sessions():
+                with nbdtest.ServedProbe(d.unix_uri("probe")) as probe:
+                    secs = flood("127.0.0.5", 1500, lambda: session(d.port, "127.0.0.5"))
+                probe.check("beside 1500 sessions opened and closed")
+                for line_re, kind in ((r"conn \d+: export \"\w+\" negotiated", "exports negotiated"),
+                                      (r"conn \d+: ended after [0-9.]+ s: .*; export \"\w+\"",
+                                       "connections ended")):
+                    accounted(d, line_re, kind, 1500, secs, exact=False, burst=SESSION_BURST,
+                              max_lines=4 * (SESSION_BURST + 1))
+
             def served():
                 h = nbdtest.libnbd_handle(d.tcp_uri("disk"))
                 require(h.pread(4096, 0) == nbdtest.read_at(disk, 0, 4096), "READ disk")
                 h.shutdown()
 
             for name, fn in (("accept", accept), ("export", export),
-                             ("per_client", per_client), ("served", served)):
+                             ("per_client", per_client), ("sessions", sessions),
+                             ("served", served)):
                 checks.run(name, fn)
             checks.dump_log(d)
         checks.finish("access flood")
