@@ -124,6 +124,7 @@ void conn_kill(struct conn *c, const char *why)
 	struct bufferevent *bev = c->bev;
 	c->bev = NULL;
 	c->reading = false;
+	c->cancel_requests = true; /* no reply can reach the client now */
 	if (c->timer)
 		evtimer_del(c->timer);
 	if (c->budget_waiting) {
@@ -656,5 +657,8 @@ void conn_shutdown(struct conn *c)
 		conn_kill(c, "server shutting down");
 		return;
 	}
+	/* The replies of short requests go out; a long one stops at its next
+	 * step and says ESHUTDOWN. */
+	c->cancel_requests = true;
 	conn_begin_close(c, "server shutting down");
 }
