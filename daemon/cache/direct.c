@@ -35,11 +35,12 @@
  * export's next operation starts at the length its last step settled on
  * (ce->direct_step_bytes). Each step is applied before the next is sent,
  * and the next is started from the event loop (a backend that completes
- * inline cannot keep the worker). When nobody waits for the reply any more (op->cancel: the
- * client has gone, the server stops) the operation ends between two
- * steps with -ESHUTDOWN: it was never acknowledged, and the protocol
- * leaves the range of a failed TRIM or WRITE_ZEROES unspecified. A WRITE
- * is one step (its payload is bounded by the maximum payload).
+ * inline cannot keep the worker). When nobody waits for the reply any
+ * more (op->cancel: the client has gone, the server stops) the operation
+ * ends between two steps with -ESHUTDOWN: it was never acknowledged, and
+ * the protocol leaves the range of a failed TRIM or WRITE_ZEROES
+ * unspecified. A WRITE is one step (its payload is bounded by the maximum
+ * payload).
  *
  * Durability, per step: each step is a backend write of its own
  * (backend_writes_done, so a flush sent after it covers it, and the

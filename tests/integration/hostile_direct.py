@@ -6,6 +6,8 @@ but the step it is on, stops when its client goes, and stops with the daemon.
 One daemon (--cache-size 64M), exports of SIZE = 2^63 - 1 MiB bytes:
     nbd    nbd+unix:// to an nbdkit started here (memory plugin, log filter)
     kit    nbdkit:--filter=log memory ... (the daemon starts it)
+    none   the same with cache-mode=none (nothing cached: TRIM and
+           WRITE_ZEROES still go in steps there)
     file   a sparse file of SIZE bytes on tmpfs (/dev/shm)
     probe  a 64 MiB file on tmpfs: nbdtest.ServedProbe's own export
 The nbdkit log filter writes a line per request: the backend requests of
@@ -13,7 +15,8 @@ an operation are counted there. The hostile client is nbdcache-io (extended
 headers: 64-bit lengths, which libnbd 1.14 lacks), `zero 0 SIZE` or
 `trim 0 SIZE`, killed by its PID to disconnect.
 
-For nbd and kit, each with WRITE_ZEROES then TRIM:
+For nbd and kit, each with WRITE_ZEROES then TRIM, and none with
+WRITE_ZEROES:
   1  acknowledged writes first, not flushed: BEHIND at offset 0 (the first
      step covers it) and AHEAD at 2^62 (no step gets there in the test)
   2  the hostile operation starts: the backend sees its requests coming
@@ -259,6 +262,7 @@ def main():
     t0 = time.time()
     with nbdtest.tempdir() as tmp, nbdtest.tempdir(base=shm) as stmp:
         kitlog = os.path.join(tmp, "kit.log")
+        nonelog = os.path.join(tmp, "none.log")
         peers = []
         nk = nbdtest.Nbdkit(tmp, "nbd", ["--filter=log", "memory", "size=%d" % SIZE,
                                          "logfile=%s" % os.path.join(tmp, "nbd.log")],
@@ -269,16 +273,20 @@ def main():
         nbdtest.sparse_file(probe_img, 64 * MIB)
         exports = [("nbd", nk.uri(), ""),
                    ("kit", "nbdkit:--filter=log memory size=%d logfile=%s" % (SIZE, kitlog), ""),
+                   ("none", "nbdkit:--filter=log memory size=%d logfile=%s" % (SIZE, nonelog),
+                    "cache-mode=none"),
                    ("file", big, ""),
                    ("probe", probe_img, "")]
         d = nbdtest.CheckedDaemon(exports, extra=["--cache-size", "64M"], ready_timeout=30,
                                   what="its nbdkit exports")
         direct = nbdtest.libnbd_handle(nk.uri())
         try:
-            logs = {"nbd": RequestLog(os.path.join(tmp, "nbd.log")), "kit": RequestLog(kitlog)}
+            logs = {"nbd": RequestLog(os.path.join(tmp, "nbd.log")), "kit": RequestLog(kitlog),
+                    "none": RequestLog(nonelog)}
             with nbdtest.ServedProbe(d.unix_uri("probe")) as probe:
-                for name in ("nbd", "kit"):
-                    for command in ("zero", "trim"):
+                for name, commands in (("nbd", ("zero", "trim")), ("kit", ("zero", "trim")),
+                                       ("none", ("zero",))):
+                    for command in commands:
                         CHECKS.run("%s: %s of 2^63 - 1 MiB bytes, its client killed"
                                    % (name, command), one_op, d, name, command, logs[name],
                                    direct if name == "nbd" else None)
