@@ -37,7 +37,8 @@
  * and the next is started from the event loop (a backend that completes
  * inline cannot keep the worker). When nobody waits for the reply any
  * more (op->cancel: the client has gone, the server stops) the operation
- * ends between two steps with -ESHUTDOWN: it was never acknowledged, and
+ * ends before its next step, or before its first, with -ESHUTDOWN
+ * (step_cancelled): it was never acknowledged, and
  * the protocol leaves the range of a failed TRIM or WRITE_ZEROES
  * unspecified. A WRITE is one step (its payload is bounded by the maximum
  * payload).
@@ -302,17 +303,23 @@ static void step_next(struct cache_op *op)
 		direct_end(op);
 		return;
 	}
-	if (op->cancel && *op->cancel) {
-		log_debug("cache: %s of %llu bytes at %llu stopped after %llu bytes: nobody waits "
-			  "for its reply",
-			  op->cmd == BACKEND_TRIM ? "TRIM" : "WRITE_ZEROES",
-			  (unsigned long long)op->length, (unsigned long long)op->offset,
-			  (unsigned long long)(op->step_offset - op->offset));
-		op_finish(op, -ESHUTDOWN);
-		return;
-	}
 	op->stage = 0;
 	worker_post(op->worker, &op->waiter.task); /* runs op_task: op_run */
+}
+
+/* A TRIM or WRITE_ZEROES nobody waits for any more: it ends before its
+ * next step (the first one too) with -ESHUTDOWN. A WRITE is one step. */
+static bool step_cancelled(struct cache_op *op)
+{
+	if (op->cmd == BACKEND_WRITE || !op->cancel || !*op->cancel)
+		return false;
+	log_debug("cache: %s of %llu bytes at %llu stopped after %llu bytes: nobody waits for "
+		  "its reply",
+		  op->cmd == BACKEND_TRIM ? "TRIM" : "WRITE_ZEROES", (unsigned long long)op->length,
+		  (unsigned long long)op->offset,
+		  (unsigned long long)(op->step_bytes ? op->step_offset - op->offset : 0));
+	op_finish(op, -ESHUTDOWN);
+	return true;
 }
 
 void direct_step(struct cache_op *op)
@@ -324,6 +331,8 @@ void direct_step(struct cache_op *op)
 	uint64_t seq = cache_waitq_seq(c);
 	switch (op->stage) {
 	case 0: /* register the step's range (the first step: the op's start) */
+		if (step_cancelled(op))
+			return;
 		if (!op->step_bytes) {
 			uint64_t learned =
 			    atomic_load_explicit(&ce->direct_step_bytes, memory_order_relaxed);

@@ -29,6 +29,9 @@ WRITE_ZEROES:
   5  BEHIND reads as zeros through the daemon (and on nbd, on nbdkit
      itself after a FLUSH: no stale copy written back over the zeros);
      AHEAD still reads back, and a FLUSH succeeds
+Then on kit a raw client pipelines PIPELINED such WRITE_ZEROES (more than
+the 128 a connection may have in flight: the daemon stops reading it) and
+closes its socket: the backend's count stops growing as in 4.
 Meanwhile the probe (connect, 4 KiB WRITE, FLUSH, READ, on its own export
 of the same daemon and cache) is served within 100 ms in every round.
 Then SIGTERM with a WRITE_ZEROES in progress on nbd and file and a TRIM on
@@ -48,9 +51,12 @@ import threading
 import time
 
 sys.dont_write_bytecode = True
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "lib"))
+sys.path.insert(0, HERE)
 import nbdtest  # noqa: E402
 from nbdtest import Failed, log, require  # noqa: E402
+import bad_input as raw  # noqa: E402  (RawClient: extended headers, which libnbd 1.14 lacks)
 
 import nbd  # noqa: E402
 
@@ -63,7 +69,8 @@ QUIET = 2.0          # ... then the backend's count must not move for this long
 STOP_LIMIT = 5.0     # SIGTERM to exit
 GROW_LIMIT = 10.0    # for the backend to show the hostile requests
 RUN = 2.0            # how long a hostile operation runs before its client goes
-CHECKS = nbdtest.Checks(catch=(Failed, nbd.Error))
+PIPELINED = 140      # WRITE_ZEROES sent at once (a connection has at most 128 in flight)
+CHECKS = nbdtest.Checks(catch=(Failed, nbd.Error, raw.Mismatch, raw.Closed))
 expect = CHECKS.expect
 REQUEST = re.compile(rb" (Zero|Trim) id=")
 
@@ -179,14 +186,7 @@ def one_op(d, name, command, reqlog, nbdkit_direct):
         require_running(proc, what)
     finally:
         kill(proc)
-    time.sleep(SETTLE)
-    c1 = reqlog.count(key)
-    time.sleep(QUIET)
-    c2 = reqlog.count(key)
-    log("  %s: %d backend requests in all; %d in the %g s after the client had gone "
-        "for %g s" % (what, c2 - before, c2 - c1, QUIET, SETTLE))
-    expect(c1 == c2, "%s: the backend got %d more of its requests %g-%g s after its client "
-           "had gone" % (what, c2 - c1, SETTLE, SETTLE + QUIET))
+    expect_quiet(reqlog, key, before, what)
     r = nbdtest.libnbd_handle(d.unix_uri(name))
     try:
         expect(r.pread(4096, 0) == bytes(4096),
@@ -199,6 +199,35 @@ def one_op(d, name, command, reqlog, nbdkit_direct):
     if nbdkit_direct:
         expect(nbdkit_direct.pread(4096, 0) == bytes(4096),
                "%s: nbdkit holds other bytes than zeros at offset 0 after FLUSH" % what)
+
+
+def expect_quiet(reqlog, key, before, what):
+    """SETTLE s after the client went, QUIET s without a request of key."""
+    time.sleep(SETTLE)
+    c1 = reqlog.count(key)
+    time.sleep(QUIET)
+    c2 = reqlog.count(key)
+    log("  %s: %d backend requests in all; %d in the %g s after the client had gone "
+        "for %g s" % (what, c2 - before, c2 - c1, QUIET, SETTLE))
+    expect(c1 == c2, "%s: the backend got %d more of its requests %g-%g s after its client "
+           "had gone" % (what, c2 - c1, SETTLE, SETTLE + QUIET))
+
+
+def pipelined(d, name, reqlog):
+    what = "%s: %d WRITE_ZEROES pipelined" % (name, PIPELINED)
+    before = reqlog.count(b"Zero")
+    r = raw.RawClient(d.sock)
+    try:
+        r.open(name, extended=True)
+        for _ in range(PIPELINED):
+            r.request(raw.CMD_WRITE_ZEROES, 0, SIZE)
+        got = reqlog.wait_growth(b"Zero", before, 20, GROW_LIMIT)
+        require(got >= before + 20, "%s: the backend saw %d of their requests in %g s"
+                % (what, got - before, GROW_LIMIT))
+        time.sleep(RUN)
+    finally:
+        r.close()
+    expect_quiet(reqlog, b"Zero", before, what)
 
 
 def sigterm(d):
@@ -290,6 +319,8 @@ def main():
                         CHECKS.run("%s: %s of 2^63 - 1 MiB bytes, its client killed"
                                    % (name, command), one_op, d, name, command, logs[name],
                                    direct if name == "nbd" else None)
+                CHECKS.run("kit: %d WRITE_ZEROES of 2^63 - 1 MiB bytes pipelined, the client "
+                           "gone" % PIPELINED, pipelined, d, "kit", logs["kit"])
             CHECKS.run("another client served within 100 ms throughout",
                        probe.check, "beside the hostile operations")
             CHECKS.run("SIGTERM with operations of 2^63 bytes in progress", sigterm, d)
