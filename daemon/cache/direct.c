@@ -31,7 +31,7 @@
  * waits for that writeback, then zeroes). A step ends on a 2 MiB boundary
  * (no entry is cut between two steps) and aims at DIRECT_STEP_TARGET_NS
  * of backend time: its length doubles after a quicker step and halves
- * after a slower one, between DIRECT_STEP_MIN and DIRECT_STEP_MAX, and the
+ * after a slower one, between DIRECT_STEP_MIN and step_max(), and the
  * export's next operation starts at the length its last step settled on
  * (ce->direct_step_bytes). Each step is applied before the next is sent,
  * and the next is started from the event loop (a backend that completes
@@ -68,8 +68,21 @@
 /* A step's length: it never cuts an index range (2 MiB), so no entry. */
 #define DIRECT_STEP_MIN (1ull << CACHE_RANGE_SHIFT)
 #define DIRECT_STEP_FIRST (64ull << 20)
-/* An NBD backend's whole window of its largest chunks (16 of 4 GiB). */
-#define DIRECT_STEP_MAX (64ull << 30)
+/* The largest step: an NBD backend's whole window of its largest chunks
+ * (16 of 4 GiB); a backend that takes any range in one request (a file's
+ * fallocate, instant where nothing is allocated) up to 2^62, so that a
+ * WRITE_ZEROES of 2^63 bytes over a sparse file takes a few dozen steps,
+ * not 2^27. A step doubles only after one under half the target, so a
+ * backend whose time grows with the range stays near the target. */
+#define DIRECT_STEP_MAX_CHUNKS 16
+#define DIRECT_STEP_MAX_ANY (1ull << 62)
+
+static uint64_t step_max(const struct cache_export *ce)
+{
+	uint64_t r = ce->backend->max_range;
+	return r && r <= DIRECT_STEP_MAX_ANY / DIRECT_STEP_MAX_CHUNKS ? r * DIRECT_STEP_MAX_CHUNKS
+								      : DIRECT_STEP_MAX_ANY;
+}
 /* What a step aims at: how long a stop (a client gone, SIGTERM) may wait. */
 #define DIRECT_STEP_TARGET_NS 100000000ull
 
@@ -291,7 +304,7 @@ static void step_next(struct cache_op *op)
 	uint64_t took = cache_now_ns() - op->step_sent_ns;
 	if (op->cmd != BACKEND_WRITE && op->step_length == op->step_bytes) {
 		/* A whole step: what it took says what the next may cover. */
-		if (took < DIRECT_STEP_TARGET_NS / 2 && op->step_bytes < DIRECT_STEP_MAX)
+		if (took < DIRECT_STEP_TARGET_NS / 2 && op->step_bytes < step_max(op->ce))
 			op->step_bytes *= 2;
 		else if (took > DIRECT_STEP_TARGET_NS && op->step_bytes > DIRECT_STEP_MIN)
 			op->step_bytes /= 2;

@@ -34,6 +34,10 @@ the 128 a connection may have in flight: the daemon stops reading it) and
 closes its socket: the backend's count stops growing as in 4.
 Meanwhile the probe (connect, 4 KiB WRITE, FLUSH, READ, on its own export
 of the same daemon and cache) is served within 100 ms in every round.
+On file, a WRITE_ZEROES of all SIZE bytes completes within FILE_LIMIT s: a
+file takes any range in one fallocate, so its steps grow to 2^62 bytes
+(with NBD's 64 GiB at most, 2^63 bytes would be 2^27 steps, hours), and
+bytes written at 2^62 before it read as zeros after it.
 Then SIGTERM with a WRITE_ZEROES in progress on nbd and file and a TRIM on
 kit: the daemon exits 0 within STOP_LIMIT s, the clients of the ops in
 progress on nbd and kit get NBD_ESHUTDOWN, the file's a reply (ESHUTDOWN,
@@ -106,6 +110,35 @@ class RequestLog:
                 return got
             time.sleep(0.05)
         return self.count(what)
+
+
+FILE_LIMIT = 10
+
+
+def file_whole_zero(d):
+    h = nbdtest.libnbd_handle(d.unix_uri("file"))
+    try:
+        h.pwrite(b"\xaa" * 4096, 1 << 62)
+    finally:
+        h.shutdown()
+    p = hostile(d, "file", "zero")
+    t0 = time.time()
+    try:
+        p.wait(timeout=FILE_LIMIT)
+    except subprocess.TimeoutExpired:
+        kill(p)
+        raise Failed("a WRITE_ZEROES of 2^63 - 1 MiB bytes on a sparse file took over %d s"
+                     % FILE_LIMIT)
+    took = time.time() - t0
+    require(p.returncode == 0, "WRITE_ZEROES on file: exit %d: %s"
+            % (p.returncode, p.stderr.read().decode(errors="replace")))
+    h = nbdtest.libnbd_handle(d.unix_uri("file"))
+    try:
+        got = h.pread(4096, 1 << 62)
+    finally:
+        h.shutdown()
+    require(got == bytes(4096), "bytes at 2^62 not zeros after the WRITE_ZEROES")
+    log("  file: WRITE_ZEROES of 2^63 - 1 MiB bytes in %.2f s" % took)
 
 
 def hostile(d, name, command):
@@ -321,6 +354,8 @@ def main():
                                    direct if name == "nbd" else None)
                 CHECKS.run("kit: %d WRITE_ZEROES of 2^63 - 1 MiB bytes pipelined, the client "
                            "gone" % PIPELINED, pipelined, d, "kit", logs["kit"])
+                CHECKS.run("file: a WRITE_ZEROES of 2^63 - 1 MiB bytes, whole",
+                           file_whole_zero, d)
             CHECKS.run("another client served within 100 ms throughout",
                        probe.check, "beside the hostile operations")
             CHECKS.run("SIGTERM with operations of 2^63 bytes in progress", sigterm, d)
