@@ -137,6 +137,7 @@ void conn_kill(struct conn *c, const char *why)
 	struct bufferevent *bev = c->bev;
 	c->bev = NULL;
 	c->reading = false;
+	c->cancel_requests = true; /* no reply can reach the client now */
 	if (c->timer)
 		evtimer_del(c->timer);
 	if (c->budget_waiting) {
@@ -433,17 +434,31 @@ static void conn_on_hangup(evutil_socket_t fd, short what, void *arg)
 	(void)what;
 	struct conn *c = arg;
 	conn_ref(c);
-	conn_kill(c, "client closed the connection while waiting for reply memory");
+	conn_kill(c, c->budget_waiting
+			 ? "client closed the connection while waiting for reply memory"
+			 : "client closed the connection with its most requests in flight");
 	conn_unref(c);
 }
 
 /*
- * Register as a waiter for cost; false if budget came back meanwhile.
- * While it waits nothing reads the socket: a client that goes away would
- * be noticed only once room came back (and after a request was served for
- * nobody), so the hang-up is watched on its own (EV_CLOSED, epoll's
- * RDHUP).
+ * Watch for the client closing while nothing reads the socket (EV_CLOSED,
+ * epoll's RDHUP): waiting for reply memory, or at the most requests in
+ * flight. Either would otherwise be noticed only once a reply is written,
+ * after requests were served for nobody; and a long TRIM or WRITE_ZEROES
+ * replies only when done, so its steps would go on (cancel_requests).
  */
+static void conn_watch_hangup(struct conn *c, bool on)
+{
+	if (on && !c->hangup)
+		c->hangup = event_new(c->worker->base, conn_fd(c), EV_CLOSED | EV_PERSIST,
+				      conn_on_hangup, c);
+	if (c->hangup && on)
+		event_add(c->hangup, NULL);
+	else if (c->hangup)
+		event_del(c->hangup);
+}
+
+/* Register as a waiter for cost; false if budget came back meanwhile. */
 static bool conn_wait(struct conn *c, uint64_t cost)
 {
 	budget_wait(c->worker, cost);
@@ -453,11 +468,7 @@ static bool conn_wait(struct conn *c, uint64_t cost)
 	}
 	c->budget_waiting = true;
 	c->budget_cost = cost;
-	if (!c->hangup)
-		c->hangup = event_new(c->worker->base, conn_fd(c), EV_CLOSED | EV_PERSIST,
-				      conn_on_hangup, c);
-	if (c->hangup)
-		event_add(c->hangup, NULL);
+	conn_watch_hangup(c, true);
 	return true;
 }
 
@@ -484,8 +495,7 @@ static void conn_stop_waiting(struct conn *c)
 {
 	c->budget_waiting = false;
 	budget_wait_done(c->worker);
-	if (c->hangup)
-		event_del(c->hangup);
+	conn_watch_hangup(c, false);
 	conn_update_reading(c);
 }
 
@@ -538,6 +548,10 @@ void conn_update_reading(struct conn *c)
 	if (want == c->reading)
 		return;
 	c->reading = want;
+	/* At the most requests in flight a client that is gone would not be
+	 * noticed (the budget's wait watches for it itself). */
+	if (c->phase == CONN_TRANSMISSION && !c->budget_waiting)
+		conn_watch_hangup(c, !want && c->inflight >= CONN_MAX_INFLIGHT);
 	if (want) {
 		conn_read_set(c, true);
 		/* Under a filter, records read before reading stopped are
@@ -684,5 +698,8 @@ void conn_shutdown(struct conn *c)
 		conn_kill(c, "server shutting down");
 		return;
 	}
+	/* The replies of short requests go out; a long one stops at its next
+	 * step and says ESHUTDOWN. */
+	c->cancel_requests = true;
 	conn_begin_close(c, "server shutting down");
 }

@@ -175,6 +175,10 @@ struct conn {
 	uint64_t seen_error; /* the export's writeback error sequence last reported */
 	uint64_t seq_next, seq_run; /* sequential read detection (readahead, --seq-cutoff) */
 	bool closing; /* no more reading; close once drained */
+	/* Nobody waits for the replies of the requests in flight any more
+	 * (killed, or the server stops): a long one (a TRIM or WRITE_ZEROES
+	 * going in steps) ends before its next step (cache_op.cancel). */
+	bool cancel_requests;
 	bool reading; /* EV_READ enabled */
 	/* Plaintext: the socket is read by conn.c (reader, CONN_READ_CHUNK at a
 	 * time, sinks by readv), not by the bufferevent, which only writes. */
@@ -296,7 +300,8 @@ void conn_set_negotiation_timeout(unsigned seconds);
  */
 int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *peer,
 	       void (*on_input)(struct conn *c), struct conn **out);
-/* Stop reading and close once in-flight requests have replied. */
+/* Stop reading and close once in-flight requests have replied (a long
+ * one stops at its next step, with ESHUTDOWN: cancel_requests). */
 void conn_shutdown(struct conn *c);
 /* Stop reading; close when drained, or after CONN_CLOSE_TIMEOUT seconds.
  * why is what the log's line at the end of the connection says, unless

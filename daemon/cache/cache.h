@@ -69,6 +69,22 @@
  *   once. Shutdown writes everything back and flushes; what it cannot make
  *   durable it keeps retrying, and says how many bytes.
  *
+ *   What a FLUSH waits for: the writes acknowledged before it, and nothing
+ *   else. Its round writes back the entries dirty when it starts (an
+ *   entry waits only for a writeback already in flight over it, or for
+ *   the one step of a direct operation in flight over it), then flushes
+ *   the backend, which covers every backend write completed by then. A
+ *   TRIM or WRITE_ZEROES not yet acknowledged is not covered and not
+ *   waited for: it goes in steps (direct.c), holds only the range of the
+ *   step in flight, and a step completed before the backend flush is
+ *   covered by it anyway. Dirty blocks ahead of its steps keep their
+ *   data and are written back as usual (the step over them waits for
+ *   that writeback, then zeroes); blocks its steps passed are zeros in
+ *   the cache and on the backend, clean or unstable, never dirty with
+ *   old data. An operation that stops half way (an error, its client
+ *   gone, the server stopping) leaves its range as the steps done left
+ *   it, which the protocol allows for a request not acknowledged.
+ *
  * Threads: cache_submit() runs on a worker thread and uses that worker's
  * ring; completions and retries come back to the same worker. Writeback and
  * FLUSH run on the cache's own writeback thread, background compaction on
@@ -121,7 +137,12 @@ struct cache_op {
 	bool sequential;	    /* READ: continues the connection's last read */
 	struct nbd_extent *extents; /* BLOCK_STATUS: room for max_extents */
 	size_t max_extents, n_extents;
-	uint64_t *seen_error;	    /* FLUSH: the connection's error sequence */
+	uint64_t *seen_error; /* FLUSH: the connection's error sequence */
+	/* TRIM, WRITE_ZEROES: set true (on op->worker) once nobody waits for
+	 * the reply any more (the client has gone, the server stops): the
+	 * op, which goes in steps, ends before its next one with
+	 * -ESHUTDOWN. NULL: never. */
+	const bool *cancel;
 	void (*done)(struct cache_op *op, int result);
 
 	/* Private to the cache. */
@@ -145,11 +166,15 @@ struct cache_op {
 	uint8_t *own_data;    /* mode none READ: the backend read into this */
 	struct cache_op *direct_next;
 	struct cache_op *flush_next; /* FLUSH: waiting for or in a flush round */
-	uint64_t write_seq;	     /* direct write: backend_writes_done after it */
-	uint64_t loss_at_submit;     /* direct: the backend's loss_seq when sent */
-	bool maybe_lost;	     /* direct: a connection was lost meanwhile */
-	uint64_t throttle_seen;	     /* throttled WRITE: the cache's writebacks done */
-	uint64_t throttle_seen_ns;   /* ... when that count last moved */
+	uint64_t write_seq;	     /* direct step: backend_writes_done after it */
+	uint64_t loss_at_submit;     /* direct step: the backend's loss_seq when sent */
+	uint64_t loss_at_start;	     /* direct: ... when its first step was sent */
+	bool maybe_lost;	     /* direct step: a connection was lost meanwhile */
+	/* Direct: the step in flight (the range registered), the length the
+	 * next step may take, and when the step was sent (direct.c). */
+	uint64_t step_offset, step_length, step_bytes, step_sent_ns;
+	uint64_t throttle_seen;	   /* throttled WRITE: the cache's writebacks done */
+	uint64_t throttle_seen_ns; /* ... when that count last moved */
 };
 
 /*
