@@ -216,6 +216,9 @@ install: programs
 	install -m 0644 man/*.8 $(DESTDIR)$(PREFIX)/share/man/man8/
 	sed 's|/usr/local|$(PREFIX)|g' systemd/nbdcached.service >$(DESTDIR)/lib/systemd/system/nbdcached.service
 	install -m 644 systemd/nbdcached.socket $(DESTDIR)/lib/systemd/system/nbdcached.socket
+	install -D -m 644 systemd/nbdcached.sysusers $(DESTDIR)/usr/lib/sysusers.d/nbdcached.conf
+	install -D -m 644 systemd/block-device.conf \
+		$(DESTDIR)$(PREFIX)/share/doc/nbdcached/nbdcached.service.d/block-device.conf
 	install -d $(DESTDIR)$(PREFIX)/share/man/man5 $(DESTDIR)$(PREFIX)/share/doc/nbdcached \
 		$(DESTDIR)$(PREFIX)/include/nbdcached
 	for m in man/*.5; do [ -e "$$m" ] && install -m 0644 $$m $(DESTDIR)$(PREFIX)/share/man/man5/; done; true

@@ -385,6 +385,50 @@ bool access_identity_allow(const struct access_rules *r, const struct access_pee
 	return false;
 }
 
+/*
+ * All of a Unix peer's supplementary groups. SO_PEERGROUPS fails with
+ * ERANGE when the buffer is short, and then says in gl how long it must
+ * be: grow to that and ask again (the peer's groups are fixed at its
+ * connect, so the second answer fits; a few tries cover a kernel that says
+ * otherwise). Without memory, or without SO_PEERGROUPS, the peer has no
+ * supplementary groups: a rule on them refuses it, never lets it in.
+ */
+static void peer_groups(struct access_peer *p, int fd)
+{
+#ifdef SO_PEERGROUPS
+	gid_t small[64], *groups = small;
+	socklen_t gl = sizeof(small);
+	int rc = -1;
+	for (int tries = 0; tries < 4; tries++) {
+		socklen_t have = gl;
+		rc = getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &gl);
+		if (rc == 0 || errno != ERANGE || gl <= have)
+			break;
+		if (groups != small)
+			free(groups);
+		groups = malloc(gl);
+		if (!groups)
+			return;
+	}
+	unsigned n = rc == 0 ? (unsigned)(gl / sizeof(gid_t)) : 0;
+	if (n && (p->groups = malloc(n * sizeof(*p->groups)))) {
+		for (unsigned i = 0; i < n; i++)
+			p->groups[i] = (uint32_t)groups[i];
+		p->group_count = n;
+	}
+	if (groups != small)
+		free(groups);
+#else
+	(void)p;
+	(void)fd;
+#endif
+}
+
+void access_peer_release(const struct access_peer *p)
+{
+	free(p->groups);
+}
+
 void access_peer_from_socket(struct access_peer *p, int fd, const void *sa, size_t len)
 {
 	memset(p, 0, sizeof(*p));
@@ -418,15 +462,7 @@ void access_peer_from_socket(struct access_peer *p, int fd, const void *sa, size
 		p->uid = (uint32_t)cred.uid;
 		p->gid = (uint32_t)cred.gid;
 		p->pid = (uint32_t)cred.pid;
-#ifdef SO_PEERGROUPS
-		gid_t groups[32];
-		socklen_t gl = sizeof(groups);
-		if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &gl) == 0) {
-			p->group_count = (unsigned)(gl / sizeof(gid_t));
-			for (unsigned i = 0; i < p->group_count; i++)
-				p->groups[i] = (uint32_t)groups[i];
-		}
-#endif
+		peer_groups(p, fd);
 		snprintf(p->text, sizeof(p->text), "unix uid %u pid %u", p->uid, p->pid);
 	} else {
 		snprintf(p->text, sizeof(p->text), "unix (no credentials)");

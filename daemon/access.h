@@ -19,7 +19,7 @@
  *   - Unix socket clients: when allow-users or allow-groups is set, the
  *     peer (SO_PEERCRED) must be one of the users or have one of the
  *     groups (its primary group or, from SO_PEERGROUPS, a supplementary
- *     one); otherwise everyone. Address rules do not apply to them.
+ *     one, however many it has); otherwise everyone. Address rules do not apply to them.
  *   - An export's rules apply on top of the global ones: a client must
  *     pass both.
  *
@@ -67,7 +67,8 @@ struct access_peer {
 	uint16_t port;
 	bool has_cred;		/* Unix: SO_PEERCRED worked */
 	uint32_t uid, gid, pid; /* Unix */
-	uint32_t groups[32];	/* Unix: supplementary groups (SO_PEERGROUPS) */
+	uint32_t *groups;	/* Unix: supplementary groups (SO_PEERGROUPS), all of
+				 * them (malloc'd; access_peer_release) */
 	unsigned group_count;
 	char text[64]; /* "127.0.0.1:5000", "[::1]:5000", "unix uid 0 pid 12" */
 	/* TLS, once its handshake is done: the client certificate's DN or
@@ -135,9 +136,17 @@ bool access_rules_allow(const struct access_rules *r, const struct access_peer *
 bool access_identity_allow(const struct access_rules *r, const struct access_peer *p,
 			   char *why, size_t whylen);
 
-/* Fill a peer from a socket address (sa, len) and, for Unix sockets, fd's
- * credentials. */
+/*
+ * Fill a peer from a socket address (sa, len) and, for Unix sockets, fd's
+ * credentials and every supplementary group (the buffer grows to what
+ * SO_PEERGROUPS says it needs). The peer owns its groups: a copy of the
+ * struct takes them over (the accept thread hands the peer to a worker,
+ * the worker to its connection), and whoever holds the peer last calls
+ * access_peer_release().
+ */
 void access_peer_from_socket(struct access_peer *p, int fd, const void *sa, size_t len);
+/* Free what the peer holds (its groups). */
+void access_peer_release(const struct access_peer *p);
 
 void access_spec_free(struct access_spec *s);
 int access_spec_copy(struct access_spec *dst, const struct access_spec *src);

@@ -145,8 +145,10 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		return 1;
 	}
 	if (key_is(name, "unix") || key_is(name, "unixsock")) {
-		if (v[0] == '\0' || strlen(v) >= 108)
-			return config_fail(x, "%s: path empty or longer than 107 bytes", name);
+		struct unix_listen u;
+		char why[300];
+		if (options_parse_unix(v, &u, why, sizeof(why)) < 0)
+			return config_fail(x, "%s %s: %s", name, v, why);
 		if (options_push_string(&f->unix_paths, &f->unix_count, v) < 0)
 			return out_of_memory(x);
 		x->set |= OPT_GIVEN_LISTEN;

@@ -126,22 +126,35 @@ void conn_ref(struct conn *c)
 	c->refs++;
 }
 
+LOG_LIMIT(ended_negotiating_log, "connections ended in negotiation");
+LOG_LIMIT_SESSIONS(ended_log, "connections ended");
+
 void conn_unref(struct conn *c)
 {
 	if (--c->refs > 0)
 		return;
 	conn_registry_remove(c);
 	uint64_t ms = (clock_now_ns() - c->started_ns) / 1000000u;
-	log_info("conn %llu: ended after %llu.%03llu s: %s; export \"%s\", %llu requests, "
-		 "%llu bytes read, %llu bytes written",
-		 (unsigned long long)c->id, (unsigned long long)(ms / 1000),
-		 (unsigned long long)(ms % 1000), c->end_why[0] ? c->end_why : "closed",
-		 c->export ? c->export->name : "", (unsigned long long)c->requests,
-		 (unsigned long long)c->bytes_read, (unsigned long long)c->bytes_written);
+	char line[2048];
+	snprintf(line, sizeof(line),
+		 "ended after %llu.%03llu s: %s; export \"%s\", %llu requests, %llu bytes read, "
+		 "%llu bytes written",
+		 (unsigned long long)(ms / 1000), (unsigned long long)(ms % 1000),
+		 c->end_why[0] ? c->end_why : "closed", c->export ? c->export->name : "",
+		 (unsigned long long)c->requests, (unsigned long long)c->bytes_read,
+		 (unsigned long long)c->bytes_written);
+	/* One that never opened an export is any client's to make, as many as
+	 * it likes (refused ones too): its line is rate-limited. */
+	if (c->export)
+		log_limited(&ended_log, LOG_INFO, "conn %llu: %s", (unsigned long long)c->id, line);
+	else
+		log_limited(&ended_negotiating_log, LOG_INFO, "conn %llu: %s",
+			    (unsigned long long)c->id, line);
 	if (c->budget_waiting)
 		budget_wait_done(c->worker);
 	budget_client_remove();
 	budget_peer_remove(&c->peer);
+	access_peer_release(&c->peer);
 	worker_conn_removed(c->worker, c);
 	if (c->export) {
 		export_detach(c->export);
@@ -170,6 +183,7 @@ void conn_kill(struct conn *c, const char *why)
 	struct bufferevent *bev = c->bev;
 	c->bev = NULL;
 	c->reading = false;
+	c->cancel_requests = true; /* no reply can reach the client now */
 	if (c->timer)
 		evtimer_del(c->timer);
 	if (c->budget_waiting) {
@@ -221,7 +235,7 @@ static void conn_arm_timer(struct conn *c, int seconds)
  */
 static struct {
 	uint64_t ns;
-	char replies_why[80], payload_why[96];
+	char replies_why[80], payload_why[128];
 } stall;
 
 void conn_set_stall_timeout(unsigned seconds)
@@ -230,7 +244,9 @@ void conn_set_stall_timeout(unsigned seconds)
 	snprintf(stall.replies_why, sizeof(stall.replies_why),
 		 "client has not read its replies for %u s", seconds);
 	snprintf(stall.payload_why, sizeof(stall.payload_why),
-		 "client sent no more of a request's payload for %u s", seconds);
+		 "client sent a request's payload too slowly (under 1 MiB/s after %u s, or "
+		 "nothing for %u s)",
+		 seconds, seconds);
 }
 
 /* The negotiation deadline, likewise set once before the workers start. */
@@ -263,6 +279,14 @@ static uint64_t conn_stall_left(struct conn *c, const char **why)
 	if ((c->admitted || c->sink.left) && left) {
 		uint64_t still = now - c->payload_moved_ns;
 		uint64_t payload_left = still < stall.ns ? stall.ns - still : 0;
+		if (c->sink.left) {
+			/* The floor: the grace, then CONN_PAYLOAD_FLOOR on average. */
+			uint64_t due = c->payload_start_ns + stall.ns +
+				       c->sink.filled * 1000000000u / CONN_PAYLOAD_FLOOR;
+			uint64_t floor_left = due > now ? due - now : 0;
+			if (floor_left < payload_left)
+				payload_left = floor_left;
+		}
 		if (payload_left == 0)
 			*why = stall.payload_why;
 		if (payload_left < left)
@@ -320,6 +344,8 @@ void conn_payload_progress(struct conn *c, size_t avail, bool started)
 	if (started || avail >= c->payload_seen + CONN_STALL_PROGRESS) {
 		c->payload_seen = avail;
 		c->payload_moved_ns = clock_now_ns();
+		if (started)
+			c->payload_start_ns = c->payload_moved_ns;
 	}
 	conn_watch_stall(c);
 }
@@ -454,17 +480,31 @@ static void conn_on_hangup(evutil_socket_t fd, short what, void *arg)
 	(void)what;
 	struct conn *c = arg;
 	conn_ref(c);
-	conn_kill(c, "client closed the connection while waiting for reply memory");
+	conn_kill(c, c->budget_waiting
+			 ? "client closed the connection while waiting for reply memory"
+			 : "client closed the connection with its most requests in flight");
 	conn_unref(c);
 }
 
 /*
- * Register as a waiter for cost; false if budget came back meanwhile.
- * While it waits nothing reads the socket: a client that goes away would
- * be noticed only once room came back (and after a request was served for
- * nobody), so the hang-up is watched on its own (EV_CLOSED, epoll's
- * RDHUP).
+ * Watch for the client closing while nothing reads the socket (EV_CLOSED,
+ * epoll's RDHUP): waiting for reply memory, or at the most requests in
+ * flight. Either would otherwise be noticed only once a reply is written,
+ * after requests were served for nobody; and a long TRIM or WRITE_ZEROES
+ * replies only when done, so its steps would go on (cancel_requests).
  */
+static void conn_watch_hangup(struct conn *c, bool on)
+{
+	if (on && !c->hangup)
+		c->hangup = event_new(c->worker->base, conn_fd(c), EV_CLOSED | EV_PERSIST,
+				      conn_on_hangup, c);
+	if (c->hangup && on)
+		event_add(c->hangup, NULL);
+	else if (c->hangup)
+		event_del(c->hangup);
+}
+
+/* Register as a waiter for cost; false if budget came back meanwhile. */
 static bool conn_wait(struct conn *c, uint64_t cost)
 {
 	budget_wait(c->worker, cost);
@@ -474,11 +514,7 @@ static bool conn_wait(struct conn *c, uint64_t cost)
 	}
 	c->budget_waiting = true;
 	c->budget_cost = cost;
-	if (!c->hangup)
-		c->hangup = event_new(c->worker->base, conn_fd(c), EV_CLOSED | EV_PERSIST,
-				      conn_on_hangup, c);
-	if (c->hangup)
-		event_add(c->hangup, NULL);
+	conn_watch_hangup(c, true);
 	return true;
 }
 
@@ -505,8 +541,7 @@ static void conn_stop_waiting(struct conn *c)
 {
 	c->budget_waiting = false;
 	budget_wait_done(c->worker);
-	if (c->hangup)
-		event_del(c->hangup);
+	conn_watch_hangup(c, false);
 	conn_update_reading(c);
 }
 
@@ -620,6 +655,10 @@ void conn_update_reading(struct conn *c)
 	if (want == c->reading)
 		return;
 	c->reading = want;
+	/* At the most requests in flight a client that is gone would not be
+	 * noticed (the budget's wait watches for it itself). */
+	if (c->phase == CONN_TRANSMISSION && !c->budget_waiting)
+		conn_watch_hangup(c, !want && c->inflight >= CONN_MAX_INFLIGHT);
 	if (want)
 		conn_reading_on(c);
 	else
@@ -677,6 +716,7 @@ int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *
 		close(fd);
 		budget_client_remove();
 		budget_peer_remove(peer);
+		access_peer_release(peer);
 		return -ENOMEM;
 	}
 	c->peer = *peer;
@@ -695,6 +735,7 @@ int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *
 		free(c);
 		budget_client_remove();
 		budget_peer_remove(peer);
+		access_peer_release(peer);
 		return -ENOMEM;
 	}
 	worker_conn_added(w, c);
@@ -721,6 +762,7 @@ int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *
 		free(c);
 		budget_client_remove();
 		budget_peer_remove(peer);
+		access_peer_release(peer);
 		return -ENOMEM;
 	}
 	conn_registry_add(c);
@@ -756,5 +798,8 @@ void conn_shutdown(struct conn *c)
 		conn_kill(c, "server shutting down");
 		return;
 	}
+	/* The replies of short requests go out; a long one stops at its next
+	 * step and says ESHUTDOWN. */
+	c->cancel_requests = true;
 	conn_begin_close(c, "server shutting down");
 }

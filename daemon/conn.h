@@ -91,6 +91,11 @@ struct conn;
  * client took this much of them (or all): a kernel that takes a few bytes
  * now and then is not a reader. */
 #define CONN_STALL_PROGRESS (64u << 10)
+/* A payload must come at this rate at least (bytes a second), averaged from
+ * its first byte, after a grace of --stall-timeout: a client that sends
+ * 64 KiB per deadline would otherwise hold its request (and its budget) for
+ * hours. 2 MiB takes at most the grace plus 2 s at this rate. */
+#define CONN_PAYLOAD_FLOOR (1u << 20)
 /* Negotiation stops reading while this much of its output is unread. */
 #define CONN_MAX_NEGOTIATION_OUTPUT (1u << 20)
 /* Block status replies describe at most this many extents. */
@@ -193,6 +198,10 @@ struct conn {
 	uint64_t seen_error; /* the export's writeback error sequence last reported */
 	uint64_t seq_next, seq_run; /* sequential read detection (readahead, --seq-cutoff) */
 	bool closing; /* no more reading; close once drained */
+	/* Nobody waits for the replies of the requests in flight any more
+	 * (killed, or the server stops): a long one (a TRIM or WRITE_ZEROES
+	 * going in steps) ends before its next step (cache_op.cancel). */
+	bool cancel_requests;
 	bool reading; /* EV_READ enabled */
 	/* This turn of the loop (CONN_TURN_*): the work taken so far (the
 	 * phase adds a request's cost, session.c counts the messages); once
@@ -221,6 +230,7 @@ struct conn {
 	uint64_t admitted; /* ... of which for the request whose payload is arriving */
 	size_t payload_seen;	   /* input bytes when that payload last moved */
 	uint64_t payload_moved_ns; /* ... and when */
+	uint64_t payload_start_ns; /* when the payload arriving now began */
 	bool budget_waiting; /* refused; reading again at conn_budget_wake() */
 	struct event *hangup; /* while waiting: the client closing (not read otherwise) */
 	uint64_t budget_cost; /* ... what it waits for (0: any room) */
@@ -323,7 +333,8 @@ void conn_set_negotiation_timeout(unsigned seconds);
  */
 int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *peer,
 	       void (*on_input)(struct conn *c), struct conn **out);
-/* Stop reading and close once in-flight requests have replied. */
+/* Stop reading and close once in-flight requests have replied (a long
+ * one stops at its next step, with ESHUTDOWN: cancel_requests). */
 void conn_shutdown(struct conn *c);
 /* Stop reading; close when drained, or after CONN_CLOSE_TIMEOUT seconds.
  * why is what the log's line at the end of the connection says, unless

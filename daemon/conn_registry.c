@@ -92,6 +92,8 @@ int conn_list(struct conn_info **out, size_t *count)
 		const char *name = atomic_load(&c->export_name);
 		i->id = c->id;
 		i->peer = c->peer;
+		i->peer.groups = NULL; /* the connection's: not kept in a snapshot */
+		i->peer.group_count = 0;
 		i->transmitting = atomic_load(&c->phase) == CONN_TRANSMISSION;
 		snprintf(i->export, sizeof(i->export), "%s", name ? name : "");
 		i->bytes_read = atomic_load(&c->bytes_read);

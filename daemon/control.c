@@ -381,7 +381,7 @@ static void on_accept(struct evconnlistener *l, evutil_socket_t fd, struct socka
 	bufferevent_enable(cl->bev, EV_READ | EV_WRITE);
 }
 
-/* ---- the once-a-second tick: rates and reaping ---- */
+/* ---- the once-a-second tick: rates, reaping, suppressed log lines ---- */
 
 static void on_tick(evutil_socket_t fd, short what, void *arg)
 {
@@ -394,6 +394,7 @@ static void on_tick(evutil_socket_t fd, short what, void *arg)
 	control_sample_rates(ctl);
 	if (!ctl->stopping)
 		control_reap(ctl);
+	log_limits_flush(); /* the counts of rate-limited lines whose flood ended */
 }
 
 /* ---- life cycle ---- */
@@ -433,7 +434,7 @@ int control_listen(const char *path, int *fd)
 	struct stat st;
 	if (lstat(path, &st) == 0 && S_ISSOCK(st.st_mode))
 		unlink(path);
-	mode_t old = umask(0077); /* root only (the owner) until the operator says otherwise */
+	mode_t old = umask(0077); /* the owner (and root) until the operator says otherwise */
 	int rc = 0;
 	if (bind(s, (struct sockaddr *)&sa, sizeof(sa)) < 0 || chmod(path, 0600) < 0 ||
 	    listen(s, 16) < 0)

@@ -250,8 +250,8 @@ static void version_place_of_spec(struct version_place *at, const struct export_
 
 /*
  * Append split export p's windows to x, in order. On reload (r set) a
- * published window that still matches is kept, others are new versions
- * (named in r's added or changed).
+ * published window that still matches (and counts its connections with
+ * p's) is kept, others are new versions (named in r's added or changed).
  */
 static int windows_push(struct export_table *t, const struct export *p, struct version_vec *x,
 			struct export_reload *r)
@@ -273,15 +273,17 @@ static int windows_push(struct export_table *t, const struct export *p, struct v
 		struct export *old = r ? export_get(t, name, strlen(name)) : NULL;
 		if (old && old->backing == p->backing && old->offset == at.offset &&
 		    old->size == size && old->window_of && strcmp(old->window_of, p->name) == 0 &&
-		    same_policy(old, p)) {
+		    old->counter == p->counter && same_policy(old, p)) {
 			if (vec_push(x, old) < 0) {
 				export_put(old);
 				return -ENOMEM;
 			}
 			continue;
 		}
+		/* The export's counter: max_connections counts it and its
+		 * windows together. */
 		struct export *e;
-		int rc = version_make(p, p->backing, &at, old ? old->counter : NULL, &e);
+		int rc = version_make(p, p->backing, &at, p->counter, &e);
 		bool existed = old != NULL;
 		export_put(old);
 		if (rc < 0)

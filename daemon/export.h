@@ -25,7 +25,12 @@
  * through one is seen at once through every overlapping one, and a FLUSH on
  * any makes the backend durable. A split export (split=W) publishes its
  * windows NAME/0, NAME/1, ... of W bytes (the last one shorter) right after
- * itself; they copy its policy and are regenerated with it on reload. The
+ * itself; they copy its policy and are regenerated with it on reload. They
+ * are its windows in every rule: the access rules of the export
+ * (export_rules_name) decide who may see and open them, its tls setting
+ * is theirs, and its max_connections counts the connections to it and to
+ * all its windows together (they share its counter). A window made by
+ * hand (offset=, size=) is an export of its own, with its own rules. The
  * connection layer adds e->offset to every request's offset.
  *
  * Locking: the table lock guards the published array and the backings list.
@@ -64,8 +69,8 @@ struct export_backing {
 	struct export_backing *next;
 };
 
-/* Connections of one export name, carried across its versions (for
- * max_connections). */
+/* Connections of one export name and its split windows, carried across
+ * their versions (for max_connections). */
 struct export_counter {
 	atomic_uint refs;
 	atomic_uint connections;
@@ -129,7 +134,8 @@ struct export *export_get(struct export_table *table, const char *name, size_t l
 int export_list(struct export_table *table, struct export ***out, size_t *count);
 void export_ref(struct export *e);
 void export_put(struct export *e);
-/* A connection enters transmission on the export: false when it already has
+/* A connection enters transmission on the export: false when it (with its
+ * split windows, or its export and the other windows) already has
  * max_connections. export_detach() when the connection ends. */
 bool export_attach(struct export *e);
 void export_detach(struct export *e);
@@ -157,6 +163,12 @@ void export_reap_flushed(struct export_backing *b, int result);
 
 /* Transmission flags for an export, given what the client negotiated. */
 uint16_t export_eflags(const struct export *e, bool structured);
+/* The export whose access rules apply to e: e's own name, or for a split
+ * window the export it is a window of. */
+static inline const char *export_rules_name(const struct export *e)
+{
+	return e->window_of ? e->window_of : e->name;
+}
 static inline uint64_t export_size(const struct export *e)
 {
 	return e->size;

@@ -77,45 +77,93 @@ static void option_reply_prefixed(struct conn *c, uint32_t option, uint32_t type
 		conn_add(c, b, b_len);
 }
 
-/*
- * May this client open e, by the access rules in force now (a reload
- * changes them for the negotiations that follow)? The global rules were
- * checked at accept; they are checked again here, in case a reload
- * tightened them meanwhile, then the export's. A refusal is logged once
- * per connection, with the client and the rule.
- */
-/* Do the global and e's rules let c open e (its address or user, and its
- * TLS identity)? When not, why and which rules (*scope). */
-static bool access_check(const struct conn *c, const struct export *e, char *why, size_t len,
-			 const char **scope)
+/* SELECTIVETLS: an export with tls = require, and no TLS yet. */
+static bool export_needs_tls(const struct conn *c, const struct export *e)
 {
-	struct access_policy *p = access_policy_get();
-	if (!p)
-		return true;
-	*scope = "global access rules";
-	bool ok = access_rules_allow(&p->global, &c->peer, why, len) &&
-		  access_identity_allow(&p->global, &c->peer, why, len);
-	const struct access_rules *r = access_policy_export(p, e->name);
-	if (ok && r) {
-		*scope = "the export's access rules";
-		ok = access_rules_allow(r, &c->peer, why, len) &&
-		     access_identity_allow(r, &c->peer, why, len);
-	}
-	access_policy_put(p);
-	return ok;
+	return e->tls_require && !tls_conn_secure(c);
 }
 
-static bool may_open(struct conn *c, const struct export *e)
+/* What a client may know of an export (export_view). */
+enum export_view {
+	EXPORT_OPEN,	  /* it may open it */
+	EXPORT_NEEDS_TLS, /* its address or user may, but only after STARTTLS */
+	EXPORT_HIDDEN,	  /* the rules refuse it: answered as if there were no such export */
+};
+
+/*
+ * The one place that decides what client c may know of e, for LIST, INFO,
+ * GO, the meta context options and EXPORT_NAME alike, by the access rules
+ * in force now (a reload changes them for the negotiations that follow).
+ * The rules of a split window are its export's (export_rules_name): its
+ * address, user, group and identity rules, as its tls and its connection
+ * limit are. The global rules were checked at accept; they are checked
+ * again here, in case a reload tightened them meanwhile. Address and user
+ * rules come before TLS (a refused client does not learn that an export
+ * wants TLS); identity rules after it (without TLS there is no identity).
+ * When hidden, why and *scope say which rule.
+ */
+static enum export_view export_view(const struct conn *c, const struct export *e, char *why,
+				    size_t len, const char **scope)
 {
+	struct access_policy *p = access_policy_get();
+	const struct access_rules *r = access_policy_export(p, export_rules_name(e));
+	enum export_view v = EXPORT_HIDDEN;
+	*scope = "global access rules";
+	if (p && !access_rules_allow(&p->global, &c->peer, why, len))
+		goto out;
+	*scope = "the export's access rules";
+	if (r && !access_rules_allow(r, &c->peer, why, len))
+		goto out;
+	v = EXPORT_NEEDS_TLS;
+	if (export_needs_tls(c, e))
+		goto out;
+	v = EXPORT_HIDDEN;
+	*scope = "global access rules";
+	if (p && !access_identity_allow(&p->global, &c->peer, why, len))
+		goto out;
+	*scope = "the export's access rules";
+	if (r && !access_identity_allow(r, &c->peer, why, len))
+		goto out;
+	v = EXPORT_OPEN;
+out:
+	access_policy_put(p);
+	return v;
+}
+
+LOG_LIMIT(refused_export_log, "refused exports");
+LOG_LIMIT(export_full_log, "exports at their connection limit");
+LOG_LIMIT_SESSIONS(negotiated_log, "exports negotiated");
+
+/* export_view() for a client that named e (NULL: no such export): a
+ * refusal is logged, once per connection (and under a rate limit). */
+static enum export_view export_view_named(struct conn *c, const struct export *e)
+{
+	if (!e)
+		return EXPORT_HIDDEN;
 	char why[320] = "";
 	const char *scope;
-	bool ok = access_check(c, e, why, sizeof(why), &scope);
-	if (!ok && !c->access_logged) {
-		log_warn("conn %llu: refused %s export '%s': %s (%s)", (unsigned long long)c->id,
-			 c->peer.text, e->name, why, scope);
+	enum export_view v = export_view(c, e, why, sizeof(why), &scope);
+	if (v == EXPORT_HIDDEN && !c->access_logged) {
+		const char *of = e->window_of ? "' (a window of '" : "";
+		log_limited(&refused_export_log, LOG_WARN,
+			    "conn %llu: refused %s export '%s%s%s%s: %s (%s)",
+			    (unsigned long long)c->id, c->peer.text, e->name, of,
+			    e->window_of ? e->window_of : "", e->window_of ? "')" : "'", why,
+			    scope);
 		c->access_logged = true;
 	}
-	return ok;
+	return v;
+}
+
+/* Attach c to e for transmission: false (logged) when e and its windows
+ * already have max_connections. */
+static bool attach(struct conn *c, struct export *e)
+{
+	if (export_attach(e))
+		return true;
+	log_limited(&export_full_log, LOG_WARN, "conn %llu: export '%s' has its %u connections",
+		    (unsigned long long)c->id, export_rules_name(e), e->max_connections);
+	return false;
 }
 
 /* Takes over the caller's reference to e, and its attachment. */
@@ -136,15 +184,10 @@ static void enter_transmission(struct conn *c, struct export *e)
 		.max_payload = e->max_payload,
 		.min_block = e->backend->min_block,
 	};
-	log_info("conn %llu: export \"%s\" negotiated structured=%d extended=%d meta=%d",
-		 (unsigned long long)c->id, e->name, c->structured, c->extended,
-		 c->session.block_status);
-}
-
-/* SELECTIVETLS: an export with tls = require, and no TLS yet. */
-static bool export_needs_tls(const struct conn *c, const struct export *e)
-{
-	return e->tls_require && !tls_conn_secure(c);
+	log_limited(&negotiated_log, LOG_INFO,
+		    "conn %llu: export \"%s\" negotiated structured=%d extended=%d meta=%d",
+		    (unsigned long long)c->id, e->name, c->structured, c->extended,
+		    c->session.block_status);
 }
 
 /* The refusal of such an export: TLS_REQD, but never to a connection that
@@ -162,34 +205,25 @@ static void refuse_needs_tls(struct conn *c, uint32_t option)
 
 static void handle_export_name(struct conn *c, const char *data, uint32_t len)
 {
+	if (c->extended) {
+		conn_kill(c, "EXPORT_NAME after extended headers");
+		return;
+	}
+	/* EXPORT_NAME cannot fail: the spec wants the session ended. A hidden
+	 * export ends it as an unknown one does. */
 	struct export *e = export_get(c->worker->exports, data, len);
-	if (c->extended || !e) {
+	enum export_view v = export_view_named(c, e);
+	if (v != EXPORT_OPEN || !attach(c, e)) {
 		export_put(e);
-		conn_kill(c, c->extended ? "EXPORT_NAME after extended headers"
-					 : "EXPORT_NAME of an unknown export");
-		return;
-	}
-	if (export_needs_tls(c, e)) {
-		/* EXPORT_NAME cannot fail: the spec wants the session ended. */
-		export_put(e);
-		conn_kill(c, "EXPORT_NAME without TLS of an export with tls = require");
-		return;
-	}
-	if (!may_open(c, e)) {
-		export_put(e);
-		conn_kill(c, "EXPORT_NAME of an export the access rules refuse it");
-		return;
-	}
-	if (!export_attach(e)) {
-		log_warn("conn %llu: export '%s' has its %u connections", (unsigned long long)c->id,
-			 e->name, e->max_connections);
-		export_put(e);
-		conn_kill(c, "EXPORT_NAME of an export at its connection limit");
+		conn_kill(c, v == EXPORT_HIDDEN ? "EXPORT_NAME of an unknown export"
+			     : v == EXPORT_NEEDS_TLS
+				 ? "EXPORT_NAME without TLS of an export with tls = require"
+				 : "EXPORT_NAME of an export at its connection limit");
 		return;
 	}
 	uint8_t buf[NBD_EXPORT_NAME_REPLY_SIZE];
-	size_t n = nbd_encode_export_name_reply(buf, export_size(e), export_eflags(e, c->structured),
-						c->no_zeroes);
+	size_t n = nbd_encode_export_name_reply(buf, export_size(e),
+						export_eflags(e, c->structured), c->no_zeroes);
 	conn_add(c, buf, n);
 	enter_transmission(c, e);
 }
@@ -223,29 +257,27 @@ static void send_info(struct conn *c, uint32_t option, const struct export *e,
 
 /*
  * The export an INFO, GO or meta context option names, referenced, when
- * this client may use it; else NULL, the option answered: no such export
- * (UNKNOWN), TLS first (TLS_REQD, or POLICY in NOTLS mode), or the access
- * rules (POLICY).
+ * this client may use it; else NULL, the option answered: no such export,
+ * or one the access rules hide from it (UNKNOWN, the same answer: a
+ * refused client does not learn which names exist), or TLS first
+ * (TLS_REQD, or POLICY in NOTLS mode).
  */
 static struct export *option_export(struct conn *c, uint32_t option, const char *name,
 				    size_t len)
 {
 	struct export *e = export_get(c->worker->exports, name, len);
-	if (!e) {
-		option_error(c, option, NBD_REP_ERR_UNKNOWN, "no such export");
-		return NULL;
-	}
-	if (export_needs_tls(c, e)) {
+	switch (export_view_named(c, e)) {
+	case EXPORT_OPEN:
+		return e;
+	case EXPORT_NEEDS_TLS:
 		refuse_needs_tls(c, option);
-		export_put(e);
-		return NULL;
+		break;
+	case EXPORT_HIDDEN:
+		option_error(c, option, NBD_REP_ERR_UNKNOWN, "no such export");
+		break;
 	}
-	if (!may_open(c, e)) {
-		option_error(c, option, NBD_REP_ERR_POLICY, "access denied by the server's rules");
-		export_put(e);
-		return NULL;
-	}
-	return e;
+	export_put(e);
+	return NULL;
 }
 
 static void handle_info_go(struct conn *c, uint32_t option, const uint8_t *data, uint32_t len)
@@ -258,9 +290,7 @@ static void handle_info_go(struct conn *c, uint32_t option, const uint8_t *data,
 	struct export *e = option_export(c, option, go.name, go.name_length);
 	if (!e)
 		return;
-	if (option == NBD_OPT_GO && !export_attach(e)) {
-		log_warn("conn %llu: export '%s' has its %u connections", (unsigned long long)c->id,
-			 e->name, e->max_connections);
+	if (option == NBD_OPT_GO && !attach(c, e)) {
 		option_error(c, option, NBD_REP_ERR_POLICY,
 			     "the export has reached its maximum number of connections");
 		export_put(e);
@@ -288,11 +318,10 @@ static void handle_list(struct conn *c, uint32_t len)
 	}
 	for (size_t i = 0; i < count; i++) {
 		const struct export *e = list[i];
-		if (export_needs_tls(c, e))
-			continue; /* not shown before TLS (the spec allows it) */
-		/* Only what the client may open (no log line: a LIST is no refusal). */
+		/* Only what the client may open, not what needs TLS first (the
+		 * spec allows that); no log line: a LIST is no refusal. */
 		const char *scope;
-		if (!access_check(c, e, NULL, 0, &scope))
+		if (export_view(c, e, NULL, 0, &scope) != EXPORT_OPEN)
 			continue;
 		uint8_t prefix[4];
 		size_t name_len = strlen(e->name);

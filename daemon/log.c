@@ -11,6 +11,7 @@
 #include "daemon/log.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdatomic.h>
@@ -61,10 +62,8 @@ enum log_level log_get_level(void)
 	return (enum log_level)current_level;
 }
 
-void log_msg(enum log_level level, const char *fmt, ...)
+static void log_vmsg(enum log_level level, const char *fmt, va_list ap)
 {
-	if ((int)level > current_level)
-		return;
 	char line[2048];
 	int n;
 	if (to_journal < 0)
@@ -83,10 +82,7 @@ void log_msg(enum log_level level, const char *fmt, ...)
 	}
 	if (n < 0)
 		return;
-	va_list ap;
-	va_start(ap, fmt);
 	int m = vsnprintf(line + n, sizeof(line) - (size_t)n - 1, fmt, ap);
-	va_end(ap);
 	if (m < 0)
 		return;
 	size_t len = (size_t)n + (size_t)m;
@@ -99,9 +95,77 @@ void log_msg(enum log_level level, const char *fmt, ...)
 	errno = saved;
 }
 
+void log_msg(enum log_level level, const char *fmt, ...)
+{
+	if ((int)level > current_level)
+		return;
+	va_list ap;
+	va_start(ap, fmt);
+	log_vmsg(level, fmt, ap);
+	va_end(ap);
+}
+
 bool log_due(_Atomic uint64_t *last_ns, uint64_t interval_ns)
 {
 	uint64_t now = clock_now_ns(), last = atomic_load(last_ns);
 	return (!last || now - last >= interval_ns) &&
 	       atomic_compare_exchange_strong(last_ns, &last, now);
+}
+
+/* ---- rate limits for lines a remote party can cause ---- */
+
+/* Guards every struct log_limit and the list of them. Held while their
+ * lines are written, so a count is never printed after the line it
+ * precedes; the work under it is one write(2). */
+static pthread_mutex_t limits_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct log_limit *limits;
+
+/* Say l's count, if any (limits_lock held). */
+static void limit_say(struct log_limit *l, uint64_t now)
+{
+	if (!l->suppressed)
+		return;
+	log_msg(l->level, "%s: %llu similar lines suppressed in the last %llu s", l->kind,
+		(unsigned long long)l->suppressed,
+		(unsigned long long)((now - l->window_ns + 999999999u) / 1000000000u));
+	l->suppressed = 0;
+}
+
+void log_limited(struct log_limit *l, enum log_level level, const char *fmt, ...)
+{
+	if ((int)level > current_level)
+		return;
+	uint64_t now = clock_now_ns();
+	pthread_mutex_lock(&limits_lock);
+	if (!l->registered) {
+		l->registered = true;
+		l->next = limits;
+		limits = l;
+	}
+	l->level = level;
+	if (!l->window_ns || now - l->window_ns >= LOG_LIMIT_INTERVAL_NS) {
+		limit_say(l, now);
+		l->window_ns = now;
+		l->printed = 0;
+	}
+	if (l->printed < (l->burst ? l->burst : LOG_LIMIT_BURST)) {
+		l->printed++;
+		va_list ap;
+		va_start(ap, fmt);
+		log_vmsg(level, fmt, ap);
+		va_end(ap);
+	} else {
+		l->suppressed++;
+	}
+	pthread_mutex_unlock(&limits_lock);
+}
+
+void log_limits_flush(void)
+{
+	uint64_t now = clock_now_ns();
+	pthread_mutex_lock(&limits_lock);
+	for (struct log_limit *l = limits; l; l = l->next)
+		if (l->suppressed && now - l->window_ns >= LOG_LIMIT_INTERVAL_NS)
+			limit_say(l, now);
+	pthread_mutex_unlock(&limits_lock);
 }

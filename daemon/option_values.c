@@ -13,6 +13,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "daemon/access.h"
 #include "daemon/options.h"
 
 /* Parse a decimal unsigned number with optional K/M/G/T suffix (binary). */
@@ -276,5 +277,70 @@ int options_split_host_port(const char *text, char *host, size_t hostlen, char *
 	memcpy(host, h, hn);
 	host[hn] = '\0';
 	memcpy(port, pt, pn + 1);
+	return 0;
+}
+
+/* Where the ",mode=" or ",group=" that ends the path (or the key before)
+ * begins in text, or its end. */
+static const char *unix_next_key(const char *text)
+{
+	const char *p = text;
+	while ((p = strchr(p, ',')))
+		if (strncmp(p + 1, "mode=", 5) == 0 || strncmp(p + 1, "group=", 6) == 0)
+			return p;
+		else
+			p++;
+	return text + strlen(text);
+}
+
+int options_parse_unix(const char *text, struct unix_listen *out, char *err, size_t errlen)
+{
+	struct unix_listen u = {0};
+	const char *end = unix_next_key(text);
+	size_t n = (size_t)(end - text);
+	if (n == 0 || n >= sizeof(u.path))
+		return options_fail(err, errlen, -EINVAL, "path empty or longer than 107 bytes");
+	memcpy(u.path, text, n);
+	while (*end) {
+		const char *key = end + 1, *next = unix_next_key(key);
+		bool mode = strncmp(key, "mode=", 5) == 0;
+		const char *v = key + (mode ? 5 : 6);
+		char value[256];
+		if ((size_t)(next - v) >= sizeof(value))
+			return options_fail(err, errlen, -EINVAL, "value too long");
+		memcpy(value, v, (size_t)(next - v));
+		value[next - v] = '\0';
+		if (mode ? u.has_mode : u.has_group)
+			return options_fail(err, errlen, -EINVAL, "%s given twice",
+					    mode ? "mode" : "group");
+		if (mode) {
+			char *e;
+			unsigned long m = strtoul(value, &e, 8);
+			if (value[0] < '0' || value[0] > '7' || *e || strlen(value) > 4 || m > 0777)
+				return options_fail(err, errlen, -EINVAL,
+						    "mode '%s' is not an octal mode 0 to 0777",
+						    value);
+			u.mode = (unsigned)m;
+			u.has_mode = true;
+		} else {
+			uint32_t *gids = NULL;
+			size_t count = 0;
+			char why[200];
+			int rc = strpbrk(value, " \t")
+				     ? -EINVAL
+				     : access_parse_groups(value, &gids, &count, why, sizeof(why));
+			if (rc == 0 && count == 1)
+				u.gid = gids[0];
+			free(gids);
+			if (rc == -ENOMEM)
+				return options_fail(err, errlen, rc, "out of memory");
+			if (rc < 0 || count != 1)
+				return options_fail(err, errlen, -EINVAL, "no such group '%s'",
+						    value);
+			u.has_group = true;
+		}
+		end = next;
+	}
+	*out = u;
 	return 0;
 }

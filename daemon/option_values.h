@@ -70,6 +70,23 @@ int options_parse_negotiation_timeout(const char *text, unsigned *out); /* 1..36
 int options_parse_tls(const char *text, enum tls_mode *out); /* off, on, require */
 const char *options_tls_name(enum tls_mode mode);
 int options_parse_bool(const char *text, bool *out); /* true/false, yes/no, on/off, 1/0 */
+/*
+ * A --unix value (and the config file's unix key): PATH[,mode=OCTAL]
+ * [,group=GROUP], e.g. "/run/nbd.sock,mode=0660,group=disk". The socket
+ * is made with that mode (0..0777; default: the umask's) and group (a
+ * name, looked up now, or a number; default: the daemon's). A comma not
+ * followed by mode= or group= belongs to the path. -EINVAL with the
+ * reason in err (the caller names the option): a path empty or over 107
+ * bytes, a bad mode, no such group, a key given twice.
+ */
+struct unix_listen {
+	char path[108];
+	bool has_mode, has_group;
+	unsigned mode;
+	uint32_t gid;
+};
+int options_parse_unix(const char *text, struct unix_listen *out, char *err, size_t errlen);
+
 /* Split "HOST:PORT", "[V6]:PORT" or ":PORT" into host (maybe "") and port. */
 int options_split_host_port(const char *text, char *host, size_t hostlen, char *port,
 			    size_t portlen);

@@ -21,7 +21,8 @@
 const char *options_usage(void)
 {
 	return "usage: nbdcached [--config FILE] [--check-config] [--foreground]\n"
-	       "                 [--listen HOST:PORT]... [--unix PATH]... [--control PATH|none]\n"
+	       "                 [--listen HOST:PORT]... [--unix PATH[,mode=OCTAL][,group=GROUP]]...\n"
+	       "                 [--control PATH|none]\n"
 	       "                 [--export NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]\n"
 	       "                           [,cache-mode=MODE][,seq-cutoff=SIZE][,max-connections=N]\n"
 	       "                           [,dirty-high=PCT][,dirty-low=PCT]\n"
@@ -252,10 +253,11 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 			out->given |= OPT_GIVEN_LISTEN;
 			break;
 		}
-		case 'u':
-			if (optarg[0] == '\0' || strlen(optarg) >= 108) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--unix: path empty or longer than 107 bytes");
+		case 'u': {
+			struct unix_listen u;
+			char why[300];
+			if ((rc = options_parse_unix(optarg, &u, why, sizeof(why))) < 0) {
+				fail(err, errlen, rc, "--unix %s: %s", optarg, why);
 				goto error;
 			}
 			if ((rc = options_push_string(&out->unix_paths, &out->unix_count, optarg)) <
@@ -263,6 +265,7 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 				goto error;
 			out->given |= OPT_GIVEN_LISTEN;
 			break;
+		}
 		case 'e': {
 			struct export_spec spec;
 			rc = options_parse_export(optarg, &spec, err, errlen);

@@ -59,17 +59,22 @@ struct server {
 	struct control *control;
 	unsigned max_clients;
 	bool refusing; /* at --max-clients: said so once for this spell */
-	/* Refusals by --max-connections-per-client: at most one line a second. */
-	uint64_t per_client_logged_ns, per_client_unlogged;
 };
+
+/* The lines a client's connects cause, each kind under its rate limit
+ * (log.h): a flood of connects must not flood the log. */
+LOG_LIMIT(refused_access_log, "connections refused at accept by the access rules");
+LOG_LIMIT(refused_per_client_log, "connections refused at accept by --max-connections-per-client");
+LOG_LIMIT(max_clients_log, "--max-clients refusals begun and ended");
+LOG_LIMIT(accept_error_log, "accept errors");
 
 /*
  * The access rules and the per-client limit at accept (main thread): a
- * client the global rules refuse is closed at once, with one log line; one
- * over its connection count too, with at most one line a second (a flood
- * from one address must not flood the log either). false: fd is closed.
+ * client the global rules refuse is closed at once, and so is one over its
+ * connection count, each with a line (rate-limited). false: fd is closed
+ * (and peer released).
  */
-static bool accept_allowed(struct server *s, int fd, const struct access_peer *peer)
+static bool accept_allowed(int fd, struct access_peer *peer)
 {
 	struct access_policy *p = access_policy_get();
 	char why[160] = "";
@@ -77,25 +82,19 @@ static bool accept_allowed(struct server *s, int fd, const struct access_peer *p
 	unsigned limit = p ? p->max_per_client : 0;
 	access_policy_put(p);
 	if (!ok) {
-		log_warn("refused %s: %s (global access rules); closed at accept", peer->text, why);
+		log_limited(&refused_access_log, LOG_WARN,
+			    "refused %s: %s (global access rules); closed at accept", peer->text,
+			    why);
 		budget_count_refused_access();
-		evutil_closesocket(fd);
-		return false;
-	}
-	if (budget_peer_add(peer, limit))
+	} else if (budget_peer_add(peer, limit)) {
 		return true;
-	uint64_t now = clock_now_ns();
-	if (now - s->per_client_logged_ns >= 1000000000u || !s->per_client_logged_ns) {
-		log_warn("refused %s: it has %u connections (--max-connections-per-client); "
-			 "closed at accept%s",
-			 peer->text, limit,
-			 s->per_client_unlogged ? " (and others not logged in the last second)"
-						: "");
-		s->per_client_logged_ns = now;
-		s->per_client_unlogged = 0;
 	} else {
-		s->per_client_unlogged++;
+		log_limited(&refused_per_client_log, LOG_WARN,
+			    "refused %s: it has %u connections (--max-connections-per-client); "
+			    "closed at accept",
+			    peer->text, limit);
 	}
+	access_peer_release(peer);
 	evutil_closesocket(fd);
 	return false;
 }
@@ -140,8 +139,22 @@ static int listen_tcp(struct server *s, const char *spec)
 	return rc;
 }
 
-static int listen_unix(struct server *s, const char *path)
+/*
+ * A --unix socket: PATH[,mode=OCTAL][,group=GROUP] (option_values.h).
+ * With a mode or a group the socket is bound under umask 0777 (nobody may
+ * connect yet), then given its group and mode: no moment when it is open
+ * to more than asked.
+ */
+static int listen_unix(struct server *s, const char *spec)
 {
+	struct unix_listen u;
+	char why[300];
+	int rc = options_parse_unix(spec, &u, why, sizeof(why));
+	if (rc < 0) {
+		log_error("--unix %s: %s", spec, why);
+		return rc;
+	}
+	const char *path = u.path;
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 	if (strlen(path) >= sizeof(sa.sun_path))
 		return -ENAMETOOLONG;
@@ -152,11 +165,22 @@ static int listen_unix(struct server *s, const char *path)
 	struct stat st;
 	if (lstat(path, &st) == 0 && S_ISSOCK(st.st_mode))
 		unlink(path); /* a stale socket from an earlier run */
-	int rc = 0;
-	if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(fd, 128) < 0) {
+	bool restrict_first = u.has_mode || u.has_group;
+	mode_t old = restrict_first ? umask(0777) : 0;
+	if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0)
 		rc = -errno;
+	if (restrict_first)
+		umask(old);
+	if (rc == 0 && u.has_group && chown(path, (uid_t)-1, (gid_t)u.gid) < 0)
+		rc = -errno;
+	if (rc == 0 && restrict_first &&
+	    chmod(path, u.has_mode ? (mode_t)u.mode : (0777 & ~old)) < 0)
+		rc = -errno;
+	if (rc == 0 && listen(fd, 128) < 0)
+		rc = -errno;
+	if (rc < 0) {
 		close(fd);
-		log_error("--unix %s: %s", path, strerror(-rc));
+		log_error("--unix %s: %s", spec, strerror(-rc));
 		return rc;
 	}
 	char *copy = strdup(path);
@@ -166,7 +190,12 @@ static int listen_unix(struct server *s, const char *path)
 		return -ENOMEM;
 	}
 	s->listeners[s->listener_count++] = (struct listener){.fd = fd, .unix_path = copy};
-	log_info("listening on unix socket %s", path);
+	if (restrict_first)
+		log_info("listening on unix socket %s (mode %04o, group %u)", path,
+			 u.has_mode ? u.mode : (unsigned)(0777 & ~old),
+			 u.has_group ? u.gid : (unsigned)getegid());
+	else
+		log_info("listening on unix socket %s", path);
 	return 0;
 }
 
@@ -177,16 +206,18 @@ static void on_accept(struct evconnlistener *l, evutil_socket_t fd, struct socka
 	struct server *s = arg;
 	struct access_peer peer;
 	access_peer_from_socket(&peer, fd, sa, len > 0 ? (size_t)len : 0);
-	if (!accept_allowed(s, fd, &peer))
+	if (!accept_allowed(fd, &peer))
 		return;
 	/* Accept and close, not leave in the backlog: the client learns at
 	 * once, and the listener does not fire again and again. */
 	if (!budget_client_add()) {
 		budget_peer_remove(&peer);
+		access_peer_release(&peer);
 		if (!s->refusing)
-			log_warn("%u clients connected (--max-clients): refusing new connections "
-				 "until one closes",
-				 s->max_clients);
+			log_limited(&max_clients_log, LOG_WARN,
+				    "%u clients connected (--max-clients): refusing new "
+				    "connections until one closes",
+				    s->max_clients);
 		s->refusing = true;
 		evutil_closesocket(fd);
 		return;
@@ -194,8 +225,9 @@ static void on_accept(struct evconnlistener *l, evutil_socket_t fd, struct socka
 	if (s->refusing) {
 		struct budget_stats st;
 		budget_get_stats(&st);
-		log_info("accepting connections again (%llu refused in all)",
-			 (unsigned long long)st.refused_clients);
+		log_limited(&max_clients_log, LOG_INFO,
+			    "accepting connections again (%llu refused in all)",
+			    (unsigned long long)st.refused_clients);
 		s->refusing = false;
 	}
 	struct worker *w = &s->workers[s->next_worker++ % s->worker_count];
@@ -211,7 +243,8 @@ static void on_accept_error(struct evconnlistener *l, void *arg)
 {
 	(void)l;
 	struct server *s = arg;
-	log_warn("accept: %s; pausing new connections for 1 s", strerror(EVUTIL_SOCKET_ERROR()));
+	log_limited(&accept_error_log, LOG_WARN, "accept: %s; pausing new connections for 1 s",
+		    strerror(EVUTIL_SOCKET_ERROR()));
 	for (size_t i = 0; i < s->listener_count; i++)
 		if (s->listeners[i].ev)
 			evconnlistener_disable(s->listeners[i].ev);

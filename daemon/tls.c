@@ -414,6 +414,10 @@ static void peer_name(struct conn *c, char *buf, size_t len)
 
 /* Fail the session once: keep why, log it, and have the connection killed
  * from its own event. */
+/* Failed TLS handshakes and sessions: a client can cause one per connect. */
+LOG_LIMIT(tls_failed_log, "TLS failures");
+LOG_LIMIT_SESSIONS(established_log, "TLS sessions established");
+
 static void tls_fail(struct tls_conn *t, int rc)
 {
 	if (t->failed || !t->conn)
@@ -430,8 +434,9 @@ static void tls_fail(struct tls_conn *t, int rc)
 		snprintf(reason, sizeof(reason), "%s", gnutls_strerror(rc));
 	snprintf(t->why, sizeof(t->why), "TLS %s failed: %.200s",
 		 t->handshake_done ? "session" : "handshake", reason);
-	log_warn("conn %llu: TLS %s with %s failed: %s", (unsigned long long)t->conn->id,
-		 t->handshake_done ? "session" : "handshake", t->peer, reason);
+	log_limited(&tls_failed_log, LOG_WARN, "conn %llu: TLS %s with %s failed: %s",
+		    (unsigned long long)t->conn->id, t->handshake_done ? "session" : "handshake",
+		    t->peer, reason);
 	event_active(t->notify, EV_TIMEOUT, 0);
 }
 
@@ -509,8 +514,9 @@ static void tls_established(struct tls_conn *t)
 		}
 	}
 	conn_tls_established(c, identity);
-	log_info("conn %llu: TLS with %s: %s, %s%s%s", (unsigned long long)c->id, t->peer,
-		 c->tls_version, c->tls_cipher, identity[0] ? ", identity " : "", identity);
+	log_limited(&established_log, LOG_INFO, "conn %llu: TLS with %s: %s, %s%s%s",
+		    (unsigned long long)c->id, t->peer, c->tls_version, c->tls_cipher,
+		    identity[0] ? ", identity " : "", identity);
 }
 
 /* The filter's input side: handshake, then decrypt into the connection's
@@ -745,8 +751,9 @@ void tls_conn_end(struct conn *c, const char *why)
 {
 	struct tls_conn *t = c->tls;
 	if (t && !t->handshake_done && !t->failed)
-		log_warn("conn %llu: TLS handshake with %s failed: %s", (unsigned long long)c->id,
-			 t->peer, why);
+		log_limited(&tls_failed_log, LOG_WARN,
+			    "conn %llu: TLS handshake with %s failed: %s",
+			    (unsigned long long)c->id, t->peer, why);
 	if (t) {
 		t->conn = NULL;
 		event_del(t->notify);

@@ -589,6 +589,7 @@ void request_op_init(struct request *r, struct conn *c, const struct nbd_request
 	op->length = length;
 	op->payload = r->buf;
 	op->seen_error = &c->seen_error;
+	op->cancel = &c->cancel_requests; /* the request holds c */
 	op->done = request_cache_done;
 	op->sequential = false;
 	if (h->type == NBD_CMD_READ) {

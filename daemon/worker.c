@@ -62,6 +62,9 @@ static void worker_begin_stop(struct worker *w)
 	worker_maybe_exit(w);
 }
 
+/* A connection that could not start (out of memory): one per connect. */
+LOG_LIMIT(start_failed_log, "connections that could not start");
+
 static void worker_on_wake(evutil_socket_t fd, short what, void *arg)
 {
 	(void)fd;
@@ -94,12 +97,13 @@ static void worker_on_wake(evutil_socket_t fd, short what, void *arg)
 		}
 		if (w->stopping || stop) {
 			close(h.fd);
+			access_peer_release(&h.peer);
 			continue;
 		}
 		int rc = session_start(w, h.fd, h.id, &h.peer);
 		if (rc < 0)
-			log_warn("conn %llu: cannot start: %s", (unsigned long long)h.id,
-				 strerror(-rc));
+			log_limited(&start_failed_log, LOG_WARN, "conn %llu: cannot start: %s",
+				    (unsigned long long)h.id, strerror(-rc));
 	}
 	uring_submit(&w->ring);
 }
@@ -181,9 +185,11 @@ void worker_hand_off(struct worker *w, int fd, uint64_t id, const struct access_
 		struct worker_handoff *p = realloc(w->pending, cap * sizeof(*p));
 		if (!p) {
 			pthread_mutex_unlock(&w->lock);
-			log_error("conn %llu: out of memory handing off", (unsigned long long)id);
+			log_limited(&start_failed_log, LOG_ERROR,
+				    "conn %llu: out of memory handing off", (unsigned long long)id);
 			close(fd);
 			budget_peer_remove(peer);
+			access_peer_release(peer);
 			budget_client_remove();
 			return;
 		}

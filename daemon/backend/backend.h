@@ -109,6 +109,10 @@ struct backend {
 	bool can_zero;	   /* WRITE_ZEROES is native (fast) */
 	uint32_t min_block; /* smallest aligned unit for efficient I/O */
 	bool takes_iovec;   /* WRITE accepts iov / iovcnt (else buf only) */
+	/* The largest range one request to it covers: a longer TRIM or
+	 * WRITE_ZEROES is cut into requests (an NBD server: 4 GiB each); 0:
+	 * any range is one request (a file: one fallocate). */
+	uint64_t max_range;
 	/*
 	 * Moves whenever writes the backend acknowledged may have been lost
 	 * before a backend flush covered them (a connection to a remote

@@ -242,6 +242,7 @@ int backend_nbd_open(const char *spec, bool readonly, unsigned timeout_seconds,
 	nb->base.readonly = readonly || nbd_is_read_only(h) == 1;
 	nb->base.can_trim = nbd_can_trim(h) == 1;
 	nb->base.can_zero = nbd_can_zero(h) == 1;
+	nb->base.max_range = NBD_COMPACT_MAX; /* chunk_limit (nbd_io.c) */
 	nb->can_flush = nbd_can_flush(h) == 1;
 	nb->can_fua = nbd_can_fua(h) == 1;
 	nb->can_fast_zero = nbd_can_fast_zero(h) == 1;

@@ -69,6 +69,22 @@
  *   once. Shutdown writes everything back and flushes; what it cannot make
  *   durable it keeps retrying, and says how many bytes.
  *
+ *   What a FLUSH waits for: the writes acknowledged before it, and nothing
+ *   else. Its round writes back the entries dirty when it starts (an
+ *   entry waits only for a writeback already in flight over it, or for
+ *   the one step of a direct operation in flight over it), then flushes
+ *   the backend, which covers every backend write completed by then. A
+ *   TRIM or WRITE_ZEROES not yet acknowledged is not covered and not
+ *   waited for: it goes in steps (direct.c), holds only the range of the
+ *   step in flight, and a step completed before the backend flush is
+ *   covered by it anyway. Dirty blocks ahead of its steps keep their
+ *   data and are written back as usual (the step over them waits for
+ *   that writeback, then zeroes); blocks its steps passed are zeros in
+ *   the cache and on the backend, clean or unstable, never dirty with
+ *   old data. An operation that stops half way (an error, its client
+ *   gone, the server stopping) leaves its range as the steps done left
+ *   it, which the protocol allows for a request not acknowledged.
+ *
  * Threads: cache_submit() runs on a worker thread and uses that worker's
  * ring; completions and retries come back to the same worker. Writeback and
  * FLUSH run on the cache's own writeback thread, background compaction on
@@ -121,7 +137,12 @@ struct cache_op {
 	bool sequential;	    /* READ: continues the connection's last read */
 	struct nbd_extent *extents; /* BLOCK_STATUS: room for max_extents */
 	size_t max_extents, n_extents;
-	uint64_t *seen_error;	    /* FLUSH: the connection's error sequence */
+	uint64_t *seen_error; /* FLUSH: the connection's error sequence */
+	/* TRIM, WRITE_ZEROES: set true (on op->worker) once nobody waits for
+	 * the reply any more (the client has gone, the server stops): the
+	 * op, which goes in steps, ends before its next one with
+	 * -ESHUTDOWN. NULL: never. */
+	const bool *cancel;
 	void (*done)(struct cache_op *op, int result);
 
 	/* Private to the cache. */
@@ -135,6 +156,7 @@ struct cache_op {
 	bool registered; /* direct op: its range is in the export's list */
 	bool counted;	 /* hit / miss already counted */
 	bool some_cached; /* a piece was all uptodate when it was pinned */
+	bool swapped;	  /* cache_write_end: fresh frames became an entry's */
 	bool readahead;	  /* sequential READ: 2 MiB entries, filled whole */
 	bool running, rerun, finished;
 	struct cache_waiter waiter;
@@ -144,11 +166,15 @@ struct cache_op {
 	uint8_t *own_data;    /* mode none READ: the backend read into this */
 	struct cache_op *direct_next;
 	struct cache_op *flush_next; /* FLUSH: waiting for or in a flush round */
-	uint64_t write_seq;	     /* direct write: backend_writes_done after it */
-	uint64_t loss_at_submit;     /* direct: the backend's loss_seq when sent */
-	bool maybe_lost;	     /* direct: a connection was lost meanwhile */
-	uint64_t throttle_seen;	     /* throttled WRITE: the cache's writebacks done */
-	uint64_t throttle_seen_ns;   /* ... when that count last moved */
+	uint64_t write_seq;	     /* direct step: backend_writes_done after it */
+	uint64_t loss_at_submit;     /* direct step: the backend's loss_seq when sent */
+	uint64_t loss_at_start;	     /* direct: ... when its first step was sent */
+	bool maybe_lost;	     /* direct step: a connection was lost meanwhile */
+	/* Direct: the step in flight (the range registered), the length the
+	 * next step may take, and when the step was sent (direct.c). */
+	uint64_t step_offset, step_length, step_bytes, step_sent_ns;
+	uint64_t throttle_seen;	   /* throttled WRITE: the cache's writebacks done */
+	uint64_t throttle_seen_ns; /* ... when that count last moved */
 };
 
 /*
@@ -265,22 +291,27 @@ uint64_t cache_export_error_seq(struct cache_export *ce);
 void cache_submit(struct cache_op *op);
 /*
  * A WRITE received straight into the arena, instead of cache_submit(): op
- * filled as for it, payload NULL. 0: the blocks are reserved (entries
- * pinned, blocks busy) and cache_op_segment() gives the arena segments the
- * payload goes to, in order; the caller must then call cache_write_end().
+ * filled as for it, payload NULL. 0: room is reserved (entries pinned)
+ * and cache_op_segment() gives the arena segments the payload goes to, in
+ * order; the caller must then call cache_write_end().
  * payload_here: the caller holds the whole payload already (it cannot be
- * cut short), so blocks holding unflushed data may be written too.
+ * cut short): it is copied into the entries at once, their blocks busy
+ * meanwhile. Otherwise the payload goes into fresh frames, one whole
+ * entry's for each piece, that replace the entries' at the end: nothing
+ * is busy while it arrives, so a READ, writeback and a FLUSH go on as if
+ * the WRITE had not been sent yet, however slowly its payload comes.
  * -EAGAIN: not possible now (not writeback mode, FUA, not whole blocks,
- * dirty data above a watermark, no room at once, a block busy, or dirty
- * without payload_here):
+ * dirty data above a watermark, a piece not a whole entry of at least
+ * 64 KiB once split, no room at once, a block busy with payload_here):
  * nothing was done, cache_submit() it with its payload as usual. Never
  * waits.
  */
 int cache_write_begin(struct cache_op *op, bool payload_here);
 /* received bytes of the payload are in the segments: all of them (the
- * blocks become uptodate and dirty), or fewer if the connection ended
- * (nothing changes: the blocks will be read from the backend again).
- * Finishes op, done() as after cache_submit(): 0, or -ECONNRESET. */
+ * blocks become uptodate and dirty, once fills and writeback on the old
+ * frames have ended), or fewer if the connection ended (nothing changes).
+ * Finishes op, done() as after cache_submit() (maybe later): 0, or
+ * -ECONNRESET. */
 void cache_write_end(struct cache_op *op, uint64_t received);
 /* READ result: segment i of the reply, in order; false past the last.
  * *may_hold_zeros false: no 4 KiB block in it is all zeros (skip looking). */

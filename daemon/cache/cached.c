@@ -28,28 +28,27 @@
  * A WRITE that finds no room for every piece, and every WRITE not in
  * writeback mode or with FUA, is a direct operation instead (direct.c).
  *
- * Received into the arena: a WRITE of whole blocks whose entries exist or
- * can be made at once, and whose blocks are all clean (neither dirty nor
- * busy, and the entries not waiting for a backend flush), may be reserved
- * before its payload is read (cache_write_begin: pinned, every block busy,
- * so no fill, writeback or other write touches them); the connection then
- * reads the payload from the socket straight into the entries, and
- * cache_write_end() marks the blocks uptodate and dirty. No copy of the
- * payload is made. Meanwhile the blocks are not uptodate (a READ of them
- * waits for the end, never sees a payload half arrived), and a payload
- * that never fully arrives changes nothing: the blocks stay not
- * uptodate, and since they were all clean the backend holds their data.
+ * Received into the arena (cache_write_begin): a WRITE of whole blocks
+ * whose entries exist or can be made at once may take room before its
+ * payload is read, and the connection then reads the payload from the
+ * socket straight into the arena, with no buffer of the request's.
  *
- * Dirty blocks (or an unstable entry) are received into only from a
- * payload already received whole, which cannot be cut short: a torn one
- * would lose their data. Otherwise a piece of SWAP_MIN_BYTES or more that
- * covers its entry whole (fit_edge splits the entries at the WRITE's two
- * edges to make it so) is received into fresh frames, the blocks busy but
- * still uptodate (a READ sends the old data); cache_write_end() makes the
- * fresh frames the entry's and frees the old (piece_swap), or, if someone
- * else pins the entry, copies them over the old. A payload cut short only
- * frees the fresh frames. Any other WRITE over dirty blocks is read into a
- * buffer of its own and copied.
+ *   a payload still to come goes into fresh frames, one whole entry's for
+ *   each piece (fit_edge splits the entries at the WRITE's two edges to
+ *   make it so; pieces of SWAP_MIN_BYTES or more), and nothing is marked
+ *   busy meanwhile: a READ sends the old data or fills the old frames,
+ *   writeback writes the old dirty data and a FLUSH completes, however
+ *   slowly the payload comes (a FLUSH covers only acknowledged writes).
+ *   Once the payload is whole, cached_received_step() waits for any fill
+ *   or writeback on the old frames to end, then makes the fresh frames the
+ *   entry's and frees the old (piece_swap), or, if someone else pins the
+ *   entry, copies them over the old. A payload cut short only frees the
+ *   fresh frames: nothing changed.
+ *   a payload already received whole (it came with its header) cannot be
+ *   cut short: it is copied into the entries at once, their blocks busy
+ *   for that moment.
+ *
+ * Any other WRITE is read into a buffer of its own and committed as above.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -688,24 +687,11 @@ void cache_op_release(struct cache_op *op)
  * costs little. */
 #define SWAP_MIN_BYTES (64u << 10)
 
-/* Are any of e's blocks in [offset, end), which is inside e, dirty?
- * Shard lock held. */
-static bool dirty_within(struct cache_entry *e, uint64_t offset, uint64_t end)
-{
-	uint32_t first, last;
-	piece_blocks(e, offset, end - offset, &first, &last);
-	struct cache_map dirty = cache_dirty_map(e);
-	for (uint32_t b = first; b <= last; b++)
-		if (map_test(dirty, b))
-			return true;
-	return false;
-}
-
 /*
- * The entry holding the device byte at, if it holds dirty blocks of
- * [offset, end) and reaches out of it: split it (cache_entry_split) until
- * the part inside is an entry of its own, or is smaller than
- * SWAP_MIN_BYTES, or the entry cannot be split now.
+ * The entry holding the device byte at, if it reaches out of [offset,
+ * end): split it (cache_entry_split) until the part inside is an entry of
+ * its own, or is smaller than SWAP_MIN_BYTES, or the entry cannot be split
+ * now (pinned, busy, under writeback or unstable).
  */
 static void fit_edge(struct cache_export *ce, uint64_t at, uint64_t offset, uint64_t end)
 {
@@ -718,17 +704,17 @@ static void fit_edge(struct cache_export *ce, uint64_t at, uint64_t offset, uint
 		uint64_t base = cache_entry_offset(e), stop = base + cache_entry_bytes(e);
 		uint64_t lo = base > offset ? base : offset, hi = stop < end ? stop : end;
 		if ((base >= offset && stop <= end) || hi - lo < SWAP_MIN_BYTES ||
-		    !dirty_within(e, lo, hi) || cache_entry_split(ce, e) < 0)
+		    cache_entry_split(ce, e) < 0)
 			break;
 	}
 	pthread_mutex_unlock(&sh->lock);
 }
 
 /*
- * Does a piece of op hold dirty blocks in an entry reaching out of it, and
- * could the WRITE be swapped in once it is split? Not if a block is busy
- * (cache_write_begin would refuse the WRITE) or an entry that reaches out
- * is under writeback or unstable (cache_entry_split would refuse it).
+ * Does a large piece of op lie in an entry reaching out of it, and could
+ * the WRITE be received once it is split? Not if an entry that reaches
+ * out is busy, under writeback or unstable (cache_entry_split would refuse
+ * it).
  */
 static bool piece_whole(const struct cache_piece *p)
 {
@@ -741,28 +727,25 @@ static bool pieces_need_fitting(struct cache_op *op)
 	struct cache_export *ce = op->ce;
 	/* Without a lock first: most WRITEs have no large piece reaching out
 	 * (a pinned entry's extent does not change). */
-	bool candidate = false;
-	for (size_t i = 0; i < op->npieces && !candidate; i++)
-		candidate = op->pieces[i].length >= SWAP_MIN_BYTES && !piece_whole(&op->pieces[i]);
-	if (!candidate)
-		return false;
 	bool need = false;
+	for (size_t i = 0; i < op->npieces && !need; i++)
+		need = op->pieces[i].length >= SWAP_MIN_BYTES && !piece_whole(&op->pieces[i]);
+	if (!need)
+		return false;
 	for (size_t i = 0; i < op->npieces; i++) {
 		struct cache_piece *p = &op->pieces[i];
 		struct cache_entry *e = p->entry;
-		bool whole = piece_whole(p);
+		if (piece_whole(p))
+			continue;
 		uint32_t first, last;
 		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
-		bool hopeless =
-		    map_any(cache_busy_map(e), cache_entry_nblocks(e)) ||
-		    (!whole && (cache_entry_writeback(e) || cache_entry_on_unstable_list(e)));
-		if (!hopeless && !whole && p->length >= SWAP_MIN_BYTES)
-			need |= dirty_within(e, p->offset, p->offset + p->length);
+		bool hopeless = map_any(cache_busy_map(e), cache_entry_nblocks(e)) ||
+				cache_entry_writeback(e) || cache_entry_on_unstable_list(e);
 		pthread_mutex_unlock(&sh->lock);
 		if (hopeless)
 			return false;
 	}
-	return need;
+	return true;
 }
 
 int cache_write_begin(struct cache_op *op, bool payload_here)
@@ -778,10 +761,10 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 	if (throttle_over_high(ce))
 		return -EAGAIN;
 	int rc = pieces_build(op, true, true);
-	/* Dirty blocks take a payload only in whole entries (below): split
+	/* A payload still to come goes into whole entries only (below): split
 	 * the two at the edges (the only ones that can reach out), build
 	 * again. Only for edges at multiples of SWAP_MIN_BYTES: other edges
-	 * would end in a smaller piece, which goes the copy path anyway. */
+	 * would end in a smaller piece, which goes the buffer path anyway. */
 	if (rc == 0 && !payload_here && op->offset % SWAP_MIN_BYTES == 0 &&
 	    end % SWAP_MIN_BYTES == 0 && pieces_need_fitting(op)) {
 		pieces_unreserve(op, op->npieces);
@@ -790,65 +773,52 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 		fit_edge(ce, end - 1, op->offset, end);
 		rc = pieces_build(op, true, true);
 	}
-	size_t marked = 0; /* pieces [0, marked) have their blocks busy */
+	size_t marked = 0; /* pieces [0, marked) are busy or have fresh frames */
 	for (size_t i = 0; rc == 0 && i < op->npieces; i++) {
 		struct cache_piece *p = &op->pieces[i];
 		struct cache_entry *e = p->entry;
 		uint32_t first, last;
 		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
-		struct cache_map busy = cache_busy_map(e), dirty = cache_dirty_map(e);
-		/* Unflushed data (dirty, or written back and not flushed) must
-		 * survive a payload cut short: unless the payload is here whole,
-		 * it goes into fresh frames, swapped in at the end. */
-		bool unflushed = cache_entry_on_unstable_list(e);
-		for (uint32_t b = first; b <= last && rc == 0; b++) {
-			if (map_test(busy, b))
-				rc = -EAGAIN; /* a fill, writeback or write is on it */
-			unflushed |= map_test(dirty, b);
-		}
-		if (rc == 0 && unflushed && !payload_here) {
-			/* Whole entries only (pieces_need_fitting), large ones. */
-			if (p->length < SWAP_MIN_BYTES || !piece_whole(p))
+		if (payload_here) {
+			/* Copied at once (conn_sink_start), like any payload
+			 * already received: the blocks are busy for a moment. */
+			struct cache_map busy = cache_busy_map(e);
+			for (uint32_t b = first; b <= last && rc == 0; b++)
+				if (map_test(busy, b))
+					rc = -EAGAIN; /* a fill, writeback or write is on it */
+			for (uint32_t b = first; b <= last && rc == 0; b++)
+				map_set(busy, b);
+		} else {
+			/* Whole entries only, into fresh frames. */
+			int64_t fresh = -1;
+			if (!piece_whole(p) || p->length < SWAP_MIN_BYTES)
 				rc = -EAGAIN;
-			int64_t fresh =
-			    rc == 0 ? arena_alloc(&ce->cache->arena, cache_entry_order(e)) : -1;
-			if (fresh < 0)
+			else
+				fresh =
+				    cache_alloc_evicting(ce->cache, sh, cache_entry_order(e), 32);
+			if (rc == 0 && fresh < 0)
 				rc = -EAGAIN; /* no room: the buffer and copy path */
 			p->swap = fresh >= 0;
 			p->fresh = fresh >= 0 ? (uint32_t)fresh : 0;
 		}
-		if (rc == 0) {
-			/* Arriving from the network, the payload is in the blocks a
-			 * while, part new, part old: readers must not see that (a
-			 * WRITE that then fails would have flickered into view).
-			 * Not uptodate and busy, the blocks make a READ wait for
-			 * the end; they are clean, so the backend has their data.
-			 * A payload here already is copied at once, like any. A
-			 * swap piece's blocks stay uptodate: their frames keep the
-			 * old data until the end. */
-			struct cache_map uptodate = cache_uptodate_map(e);
-			for (uint32_t b = first; b <= last; b++) {
-				map_set(busy, b);
-				if (!payload_here && !p->swap)
-					map_clear(uptodate, b);
-			}
+		if (rc == 0)
 			marked++;
-		}
 		pthread_mutex_unlock(&sh->lock);
 	}
 	if (rc < 0) {
-		/* (Blocks that lost uptodate above stay so: they are clean.) */
 		for (size_t j = 0; j < marked; j++) {
 			struct cache_piece *p = &op->pieces[j];
+			if (p->swap) {
+				arena_free(&ce->cache->arena, p->fresh,
+					   cache_entry_order(p->entry));
+				p->swap = false;
+				continue;
+			}
 			uint32_t first, last;
 			struct cache_shard *sh = piece_lock(ce, p, &first, &last);
 			for (uint32_t b = first; b <= last; b++)
 				map_clear(cache_busy_map(p->entry), b);
 			pthread_mutex_unlock(&sh->lock);
-			if (p->swap)
-				arena_free(&ce->cache->arena, p->fresh,
-					   cache_entry_order(p->entry));
-			p->swap = false;
 		}
 		if (marked)
 			cache_waitq_wake(ce->cache);
@@ -890,42 +860,71 @@ static bool piece_swap(struct cache_export *ce, struct cache_shard *sh, struct c
 void cache_write_end(struct cache_op *op, uint64_t received)
 {
 	struct cache_export *ce = op->ce;
-	bool swapped = false;
+	if (received == op->length) {
+		op->stage = OP_STAGE_RECEIVED;
+		op_run(op);
+		return;
+	}
+	/* Cut short. A swap piece's entry was never touched: its fresh
+	 * frames go. A piece received in place had its payload here whole
+	 * (it cannot be cut short): only a failure before any byte moved
+	 * (received 0) ends here, and its blocks are as they were. */
 	for (size_t i = 0; i < op->npieces; i++) {
 		struct cache_piece *p = &op->pieces[i];
-		struct cache_entry *e = p->entry;
-		bool whole = received == op->length;
+		if (p->swap) {
+			arena_free(&ce->cache->arena, p->fresh, cache_entry_order(p->entry));
+			p->swap = false;
+			continue;
+		}
 		uint32_t first, last;
 		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
-		/* A swap piece's old frames are untouched: on a payload cut
-		 * short its blocks stay as they were, dirty data and all. */
-		bool kept = p->swap && !whole;
-		if (p->swap && whole)
-			swapped |= piece_swap(ce, sh, p);
-		if (kept) {
-			arena_free(&ce->cache->arena, p->fresh, cache_entry_order(e));
-			p->swap = false;
-		}
-		struct cache_map uptodate = cache_uptodate_map(e), busy = cache_busy_map(e);
-		for (uint32_t b = first; b <= last; b++) {
-			map_clear(busy, b);
-			if (whole)
-				map_set(uptodate, b);
-			else if (!kept)
-				map_clear(uptodate, b); /* clean: the backend has its data */
-		}
-		if (whole) {
-			cache_mark_dirty(e, first, last - first + 1);
-			cache_entry_set_may_hold_zeros(e); /* not worth scanning the payload */
-		}
+		for (uint32_t b = first; b <= last; b++)
+			map_clear(cache_busy_map(p->entry), b);
 		pthread_mutex_unlock(&sh->lock);
 	}
 	cache_waitq_wake(ce->cache);
 	pieces_release(op);
+	op_finish(op, -ECONNRESET);
+}
+
+void cached_received_step(struct cache_op *op)
+{
+	struct cache_export *ce = op->ce;
+	uint64_t seq = cache_waitq_seq(ce->cache);
+	for (size_t i = 0; i < op->npieces; i++) {
+		struct cache_piece *p = &op->pieces[i];
+		struct cache_entry *e = p->entry;
+		if (!e)
+			continue; /* committed already */
+		uint32_t first, last;
+		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
+		struct cache_map uptodate = cache_uptodate_map(e), busy = cache_busy_map(e);
+		if (p->swap) {
+			/* A fill or writeback on the old frames ends first. */
+			if (map_any(busy, cache_entry_nblocks(e))) {
+				pthread_mutex_unlock(&sh->lock);
+				op_wait(op, seq);
+				return;
+			}
+			for (uint32_t b = first; b <= last; b++)
+				map_set(busy, b);
+			op->swapped |= piece_swap(ce, sh, p);
+		}
+		for (uint32_t b = first; b <= last; b++) {
+			map_clear(busy, b);
+			map_set(uptodate, b);
+		}
+		cache_mark_dirty(e, first, last - first + 1);
+		cache_entry_set_may_hold_zeros(e); /* not worth scanning the payload */
+		pthread_mutex_unlock(&sh->lock);
+		cache_waitq_wake(ce->cache);
+		cache_entry_unpin(e);
+		p->entry = NULL;
+	}
+	pieces_release(op);
 	kick_if_above_high(ce);
-	if (received == op->length)
-		atomic_fetch_add(&ce->counters.writes_in_place, 1);
-	if (swapped)
+	atomic_fetch_add(&ce->counters.writes_in_place, 1);
+	if (op->swapped)
 		atomic_fetch_add(&ce->counters.writes_swapped, 1);
-	op_finish(op, received == op->length ? 0 : -ECONNRESET);
+	op_finish(op, 0);
 }

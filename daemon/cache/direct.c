@@ -17,10 +17,45 @@
  *             failure: forget clean blocks (the backend is now unknown),
  *             dirty ones stay
  *
+ * A TRIM or WRITE_ZEROES may name up to 2^63 bytes (extended headers),
+ * which a backend can take hours or forever over (an NBD server takes 4
+ * GiB at a time: 2^31 requests). So a direct operation goes in steps, the
+ * four stages above once per step, each step a range of its own:
+ *
+ *   [ done: zeros in the backend and the cache | step | not yet touched ]
+ *     offset                          step_offset  +step_length      end
+ *
+ * Only the step in flight is registered: writeback and FLUSH rounds wait
+ * for one step at most, never for the whole operation, and dirty blocks
+ * ahead of it are written back meanwhile (the step that reaches them
+ * waits for that writeback, then zeroes). A step ends on a 2 MiB boundary
+ * (no entry is cut between two steps) and aims at DIRECT_STEP_TARGET_NS
+ * of backend time: its length doubles after a quicker step and halves
+ * after a slower one, between DIRECT_STEP_MIN and step_max(), and the
+ * export's next operation starts at the length its last step settled on
+ * (ce->direct_step_bytes). Each step is applied before the next is sent,
+ * and the next is started from the event loop (a backend that completes
+ * inline cannot keep the worker). When nobody waits for the reply any
+ * more (op->cancel: the client has gone, the server stops) the operation
+ * ends before its next step, or before its first, with -ESHUTDOWN
+ * (step_cancelled): it was never acknowledged, and
+ * the protocol leaves the range of a failed TRIM or WRITE_ZEROES
+ * unspecified. A WRITE is one step (its payload is bounded by the maximum
+ * payload).
+ *
+ * Durability, per step: each step is a backend write of its own
+ * (backend_writes_done, so a flush sent after it covers it, and the
+ * cached blocks it touched are unstable with its sequence); the operation
+ * counts as one direct write (direct_writes_done) only when it succeeds,
+ * just before it is acknowledged, and if the backend's loss_seq moved at
+ * any time since its first step, the export's error_seq moves then too
+ * (a step done before a lost connection may be gone).
+ *
  * In mode none nothing is cached, so there is nothing to order against or
- * to apply: passthrough_start() sends every command but FLUSH to the
- * backend as it is, a READ into a buffer the op owns, and a write that
- * succeeded (FUA aside) is only counted as not durable yet.
+ * to apply: passthrough_start() sends READ, WRITE, CACHE and BLOCK_STATUS
+ * to the backend as they are, a READ into a buffer the op owns, and a
+ * write that succeeded (FUA aside) is only counted as not durable yet;
+ * TRIM and WRITE_ZEROES go in steps as in the other modes.
  */
 #include <errno.h>
 #include <event2/event.h>
@@ -29,6 +64,27 @@
 
 #include "daemon/cache/ops.h"
 #include "daemon/log.h"
+
+/* A step's length: it never cuts an index range (2 MiB), so no entry. */
+#define DIRECT_STEP_MIN (1ull << CACHE_RANGE_SHIFT)
+#define DIRECT_STEP_FIRST (64ull << 20)
+/* The largest step: an NBD backend's whole window of its largest chunks
+ * (16 of 4 GiB); a backend that takes any range in one request (a file's
+ * fallocate, instant where nothing is allocated) up to 2^62, so that a
+ * WRITE_ZEROES of 2^63 bytes over a sparse file takes a few dozen steps,
+ * not 2^27. A step doubles only after one under half the target, so a
+ * backend whose time grows with the range stays near the target. */
+#define DIRECT_STEP_MAX_CHUNKS 16
+#define DIRECT_STEP_MAX_ANY (1ull << 62)
+
+static uint64_t step_max(const struct cache_export *ce)
+{
+	uint64_t r = ce->backend->max_range;
+	return r && r <= DIRECT_STEP_MAX_ANY / DIRECT_STEP_MAX_CHUNKS ? r * DIRECT_STEP_MAX_CHUNKS
+								      : DIRECT_STEP_MAX_ANY;
+}
+/* What a step aims at: how long a stop (a client gone, SIGTERM) may wait. */
+#define DIRECT_STEP_TARGET_NS 100000000ull
 
 static void op_retry_timer(evutil_socket_t fd, short what, void *arg)
 {
@@ -52,7 +108,7 @@ static void op_retry_later(struct cache_op *op)
 bool cache_direct_overlaps(struct cache_export *ce, uint64_t offset, uint64_t length)
 {
 	for (struct cache_op *d = ce->direct; d; d = d->direct_next)
-		if (d->offset < offset + length && offset < d->offset + d->length)
+		if (d->step_offset < offset + length && offset < d->step_offset + d->step_length)
 			return true;
 	return false;
 }
@@ -63,15 +119,16 @@ static void find_writeback(struct cache_entry *e, void *arg)
 		*(bool *)arg = true;
 }
 
-/* Apply a finished direct operation to one entry (shard lock held). */
+/* Apply a finished step of a direct operation to one entry (shard lock
+ * held). */
 static void direct_apply(struct cache_entry *e, void *arg)
 {
 	struct cache_op *op = arg;
 	struct cache_export *ce = op->ce;
 	bool ok = !op->error;
 	uint64_t base = cache_entry_offset(e);
-	uint64_t a = op->offset > base ? op->offset : base;
-	uint64_t b = op->offset + op->length;
+	uint64_t a = op->step_offset > base ? op->step_offset : base;
+	uint64_t b = op->step_offset + op->step_length;
 	if (b > base + cache_entry_bytes(e))
 		b = base + cache_entry_bytes(e);
 	uint32_t first, last;
@@ -149,7 +206,7 @@ static void direct_apply(struct cache_entry *e, void *arg)
 static void direct_populate(struct cache_op *op)
 {
 	struct cache_export *ce = op->ce;
-	uint64_t pos = op->offset, end = op->offset + op->length;
+	uint64_t pos = op->step_offset, end = op->step_offset + op->step_length;
 	bool allocate = true;
 	while (pos < end) {
 		struct cache_shard *sh = shard_of(ce, pos);
@@ -189,27 +246,93 @@ static void direct_done(struct backend_io *io, int result)
 {
 	struct cache_op *op = (struct cache_op *)((char *)io - offsetof(struct cache_op, io));
 	struct cache_export *ce = op->ce;
+	op->write_seq = 0;
+	op->maybe_lost = false;
 	if (result < 0) {
 		op->error = result;
 	} else if (!(op->flags & BACKEND_FUA)) {
-		/* Acknowledged, not durable until a backend flush (cache.h). */
+		/* Done on the backend, not durable until a backend flush
+		 * (cache.h). */
 		op->write_seq = atomic_fetch_add(&ce->backend_writes_done, 1) + 1;
+		/* A connection was lost meanwhile: the server may have lost
+		 * this step, and a flush round may have acted on the loss
+		 * before it was counted. What the cache holds of it is written
+		 * again (direct_apply); the rest is reported when the
+		 * operation is acknowledged (direct_end). */
+		op->maybe_lost = atomic_load(&ce->backend->loss_seq) != op->loss_at_submit;
+	}
+	op->stage = 3;
+	op->pending--;
+	op_run(op);
+}
+
+/*
+ * The operation succeeded or failed as a whole, and is answered now. A
+ * success (FUA aside) is one direct write not durable yet, and its loss,
+ * if the backend may have lost writes since its first step, is reported
+ * to every connection's next FLUSH.
+ */
+static void direct_end(struct cache_op *op)
+{
+	struct cache_export *ce = op->ce;
+	if (!op->error && !(op->flags & BACKEND_FUA)) {
 		atomic_fetch_add(&ce->direct_writes_done, 1);
-		if (atomic_load(&ce->backend->loss_seq) != op->loss_at_submit) {
-			/* A connection was lost meanwhile: the server may have
-			 * lost this write, and a flush round may have acted on
-			 * the loss before it was counted. What the cache holds
-			 * of it is written again (direct_apply); the rest is
-			 * reported to every connection's next FLUSH. */
-			op->maybe_lost = true;
+		if (atomic_load(&ce->backend->loss_seq) != op->loss_at_start) {
 			pthread_mutex_lock(&ce->lock);
 			ce->error_seq++;
 			pthread_mutex_unlock(&ce->lock);
 		}
 	}
-	op->stage = 3;
-	op->pending--;
-	op_run(op);
+	op_finish(op, op->error);
+}
+
+/* The step starting at op->step_offset: at most step_bytes, ending on an
+ * index range boundary unless it ends the operation. */
+static void step_choose(struct cache_op *op)
+{
+	uint64_t n = op->offset + op->length - op->step_offset;
+	if (op->cmd != BACKEND_WRITE && n > op->step_bytes) {
+		uint64_t stop = (op->step_offset + op->step_bytes) & ~(DIRECT_STEP_MIN - 1);
+		n = stop - op->step_offset; /* > 0: step_bytes >= DIRECT_STEP_MIN */
+	}
+	op->step_length = n;
+}
+
+/* The step is applied and unregistered: the next one, or the end. */
+static void step_next(struct cache_op *op)
+{
+	uint64_t took = cache_now_ns() - op->step_sent_ns;
+	if (op->cmd != BACKEND_WRITE && op->step_length == op->step_bytes) {
+		/* A whole step: what it took says what the next may cover. */
+		if (took < DIRECT_STEP_TARGET_NS / 2 && op->step_bytes < step_max(op->ce))
+			op->step_bytes *= 2;
+		else if (took > DIRECT_STEP_TARGET_NS && op->step_bytes > DIRECT_STEP_MIN)
+			op->step_bytes /= 2;
+		atomic_store_explicit(&op->ce->direct_step_bytes, op->step_bytes,
+				      memory_order_relaxed);
+	}
+	op->step_offset += op->step_length;
+	if (op->error || op->step_offset == op->offset + op->length) {
+		direct_end(op);
+		return;
+	}
+	op->stage = 0;
+	worker_post(op->worker, &op->waiter.task); /* runs op_task: op_run */
+}
+
+/* A TRIM or WRITE_ZEROES nobody waits for any more: it ends before its
+ * next step (the first one too) with -ESHUTDOWN. A WRITE is one step. */
+static bool step_cancelled(struct cache_op *op)
+{
+	if (op->cmd == BACKEND_WRITE || !op->cancel || !*op->cancel)
+		return false;
+	log_debug("cache: %s of %llu bytes at %llu stopped after %llu bytes: nobody waits for "
+		  "its reply",
+		  op->cmd == BACKEND_TRIM ? "TRIM" : "WRITE_ZEROES", (unsigned long long)op->length,
+		  (unsigned long long)op->offset,
+		  (unsigned long long)(op->step_bytes ? op->step_offset - op->offset : 0));
+	op_finish(op, -ESHUTDOWN);
+	return true;
 }
 
 void direct_step(struct cache_op *op)
@@ -220,9 +343,19 @@ void direct_step(struct cache_op *op)
 		return;
 	uint64_t seq = cache_waitq_seq(c);
 	switch (op->stage) {
-	case 0: /* register the range */
+	case 0: /* register the step's range (the first step: the op's start) */
+		if (step_cancelled(op))
+			return;
+		if (!op->step_bytes) {
+			uint64_t learned =
+			    atomic_load_explicit(&ce->direct_step_bytes, memory_order_relaxed);
+			op->step_offset = op->offset;
+			op->step_bytes = learned ? learned : DIRECT_STEP_FIRST;
+			op->loss_at_start = atomic_load(&ce->backend->loss_seq);
+		}
+		step_choose(op);
 		pthread_mutex_lock(&ce->lock);
-		if (cache_direct_overlaps(ce, op->offset, op->length)) {
+		if (cache_direct_overlaps(ce, op->step_offset, op->step_length)) {
 			pthread_mutex_unlock(&ce->lock);
 			op_wait(op, seq);
 			return;
@@ -233,11 +366,12 @@ void direct_step(struct cache_op *op)
 		op->registered = true;
 		op->stage = 1;
 		/* fall through */
-	case 1: { /* no writeback in flight over the range */
+	case 1: { /* no writeback in flight over the step */
 		bool writing = false;
-		int rc = op->length ? cache_for_each_entry(ce, op->offset, op->length, find_writeback,
-						     &writing)
-				    : 0;
+		int rc = op->step_length
+			     ? cache_for_each_entry(ce, op->step_offset, op->step_length,
+						    find_writeback, &writing)
+			     : 0;
 		if (rc < 0) {
 			direct_unregister(op);
 			op_finish(op, rc);
@@ -248,14 +382,15 @@ void direct_step(struct cache_op *op)
 			return;
 		}
 		op->stage = 2;
-		op->io.offset = op->offset;
-		op->io.length = op->length;
-		op->io.buf = (void *)op->payload;
+		op->io.offset = op->step_offset;
+		op->io.length = op->step_length;
+		op->io.buf = (void *)op->payload; /* a WRITE is one step */
 		op->io.done = direct_done;
 		op->io.cmd = op->cmd;
 		op->io.flags = op->flags;
 		op->pending = 1;
 		op->loss_at_submit = atomic_load(&ce->backend->loss_seq);
+		op->step_sent_ns = cache_now_ns();
 		if (op->cmd == BACKEND_WRITE) {
 			atomic_fetch_add(&ce->counters.backend_writes, 1);
 			atomic_fetch_add(&ce->counters.backend_write_bytes, op->length);
@@ -264,12 +399,13 @@ void direct_step(struct cache_op *op)
 		backend_submit(ce->backend, op->worker, &op->io);
 		return;
 	}
-	case 3: /* apply to the cache */
-		if (op->length) {
+	case 3: /* apply the step to the cache */
+		if (op->step_length) {
 			if (!op->error && op->cmd == BACKEND_WRITE &&
 			    ce->mode == CACHE_MODE_WRITETHROUGH) {
 				direct_populate(op);
-			} else if (cache_for_each_entry(ce, op->offset, op->length, direct_apply, op) < 0) {
+			} else if (cache_for_each_entry(ce, op->step_offset, op->step_length,
+							direct_apply, op) < 0) {
 				/*
 				 * The backend has changed: the cache must follow or
 				 * serve stale data. Only memory can be missing here;
@@ -282,7 +418,7 @@ void direct_step(struct cache_op *op)
 			}
 		}
 		direct_unregister(op);
-		op_finish(op, op->error);
+		step_next(op);
 		return;
 	}
 }
@@ -291,8 +427,7 @@ static void passthrough_done(struct backend_io *io, int result)
 {
 	struct cache_op *op = (struct cache_op *)((char *)io - offsetof(struct cache_op, io));
 	op->n_extents = io->n_extents;
-	if (result >= 0 && !(io->flags & BACKEND_FUA) &&
-	    (io->cmd == BACKEND_WRITE || io->cmd == BACKEND_TRIM || io->cmd == BACKEND_ZERO))
+	if (result >= 0 && !(io->flags & BACKEND_FUA) && io->cmd == BACKEND_WRITE)
 		cache_export_note_direct_write(op->ce);
 	op_finish(op, result);
 }

@@ -307,6 +307,9 @@ struct cache_export {
 	 * which the cache cannot write again. */
 	atomic_uint_fast64_t backend_writes_done, backend_writes_flushed;
 	atomic_uint_fast64_t direct_writes_done, direct_writes_flushed;
+	/* direct.c: the step length the export's last TRIM or WRITE_ZEROES
+	 * step settled on, where the next one starts (0: none yet). */
+	atomic_uint_fast64_t direct_step_bytes;
 	/* Writeback thread only: the backend's loss_seq already acted on, the
 	 * flush round running (flush.c) and the FLUSHes waiting for the
 	 * next one. */
@@ -795,8 +798,8 @@ static inline void bit_clear(uint64_t *map, uint32_t i)
 }
 
 /* exports.c */
-/* Mode none: a WRITE, TRIM or WRITE_ZEROES (not FUA) went to the backend
- * as it is (direct.c, passthrough_start) and succeeded; it is not durable
+/* Mode none: a WRITE (not FUA) went to the backend as it is (direct.c,
+ * passthrough_start) and succeeded; it is not durable
  * until a backend flush (FLUSH goes through the writeback thread's rounds
  * in every mode, flush.c). */
 void cache_export_note_direct_write(struct cache_export *ce);

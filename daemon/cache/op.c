@@ -6,8 +6,8 @@
  * waitq and retries come back on the same worker and run it again. A
  * completion may run inline, inside a step: op_run then loops instead of
  * recursing, and done() is called last, after the last touch of op.
- * In mode none an op has no steps: op_submit() passes it to the backend
- * as it is (direct.c, passthrough_start).
+ * In mode none an op but TRIM and WRITE_ZEROES has no steps: op_submit()
+ * passes it to the backend as it is (direct.c, passthrough_start).
  */
 #include <errno.h>
 
@@ -34,6 +34,8 @@ static void op_step(struct cache_op *op)
 {
 	if (op->cmd == BACKEND_WRITE && op->stage == OP_STAGE_THROTTLED)
 		throttle_step(op);
+	else if (op->cmd == BACKEND_WRITE && op->stage == OP_STAGE_RECEIVED)
+		cached_received_step(op);
 	else if (op->cmd == BACKEND_READ || op->cmd == BACKEND_CACHE ||
 	    (op->cmd == BACKEND_WRITE && op->stage == -1))
 		cached_step(op);
@@ -73,10 +75,12 @@ void op_reset(struct cache_op *op)
 	op->stage = 0;
 	op->registered = op->counted = op->running = op->rerun = op->finished = false;
 	op->some_cached = false;
+	op->swapped = false;
 	op->spans = NULL;
 	op->nspans = 0;
 	op->write_seq = 0;
 	op->maybe_lost = false;
+	op->step_bytes = 0; /* direct_step: no step yet */
 	op->waiter.worker = op->worker;
 	op->waiter.task.run = op_task;
 	op->readahead = false;
@@ -86,7 +90,10 @@ void op_reset(struct cache_op *op)
 void op_submit(struct cache_op *op)
 {
 	int rc = 0;
-	if (cache_export_mode(op->ce) == CACHE_MODE_NONE) {
+	/* TRIM and WRITE_ZEROES go in steps in every mode (direct.c): one of
+	 * 2^63 bytes must be stoppable in mode none too. */
+	if (cache_export_mode(op->ce) == CACHE_MODE_NONE && op->cmd != BACKEND_TRIM &&
+	    op->cmd != BACKEND_ZERO) {
 		passthrough_start(op);
 		return;
 	}

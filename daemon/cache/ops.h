@@ -61,6 +61,13 @@ int cached_write_room(struct cache_op *op);
 /* Unpin and free op's pieces. */
 void pieces_release(struct cache_op *op);
 
+/* op->stage of a WRITE whose payload came whole (cache_write_end): its
+ * pieces are committed, fresh frames swapped in, by cached_received_step. */
+#define OP_STAGE_RECEIVED (-3)
+/* One step of such a WRITE: waits while a fill or writeback is on an
+ * entry's old frames. */
+void cached_received_step(struct cache_op *op);
+
 /* ---- throttle.c ---- */
 
 /* op->stage of a WRITE waiting for writeback to bring dirty data down. */

@@ -3,8 +3,9 @@
  * nbdcachectl and any other tool. This file is the schema.
  *
  * Transport: a Unix stream socket, by default NBDCACHED_CONTROL_DEFAULT
- * (`--control PATH` on nbdcached and nbdcachectl), mode 0600: root only
- * unless the operator loosens it. One JSON object per line (UTF-8, no
+ * (`--control PATH` on nbdcached and nbdcachectl), mode 0600: the daemon's
+ * user (nbdcached under nbdcached.service) and root only, unless the
+ * operator loosens it. One JSON object per line (UTF-8, no
  * newline inside an object) in each direction; a client may send several
  * requests on one connection, and each gets exactly one reply, in order.
  * A request line longer than NBDCACHED_CONTROL_MAX_REQUEST bytes closes the

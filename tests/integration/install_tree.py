@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """`make install DESTDIR=... PREFIX=/usr` lays out a tree the daemon runs
-from: binaries, units (pointing at PREFIX), the config and its example, man
+from: binaries, units (pointing at PREFIX), the service's account
+(sysusers.d) and the block-device drop-in, the config and its example, man
 pages in sections 5 and 8, the control-socket schema header; the installed
 nbdcached checks the installed config, and a second install keeps an edited
 config."""
@@ -25,6 +26,8 @@ WANT = [
     "usr/share/doc/nbdcached/nbdcached.conf",
     "lib/systemd/system/nbdcached.service",
     "lib/systemd/system/nbdcached.socket",
+    "usr/lib/sysusers.d/nbdcached.conf",
+    "usr/share/doc/nbdcached/nbdcached.service.d/block-device.conf",
     "etc/nbdcached/nbdcached.conf",
     "etc/nbdcached/nbdcached.conf.example",
 ]

@@ -12,13 +12,33 @@
               nbdcached.socket (ExecStart pointed at this build); a Unix
               socket the socket unit listens on inside the service's
               RuntimeDirectory needs RuntimeDirectoryPreserve=yes (else
-              stopping the service deletes it under the listening unit)
+              stopping the service deletes it under the listening unit);
+              so does it with the block-device drop-in beside it
+  hardening   the service runs as the nbdcached account (declared in
+              systemd/nbdcached.sysusers, in group disk) with the sandbox
+              directives nbdcached(8), SYSTEMD lists; systemd-analyze
+              security rates its exposure below 4, with and without the
+              block-device drop-in
+  sandbox     the daemon as an unprivileged user in group disk, with no
+              capabilities, no_new_privs and the kernel's MDWE (what
+              NoNewPrivileges=, CapabilityBoundingSet= and
+              MemoryDenyWriteExecute= give), serves a file, a loop device
+              (its node group disk, 0660, as udev makes it), an nbdkit
+              plugin (nbdkit runs in the same sandbox) and an NBD server,
+              in plain text and TLS (PSK), under strace -f: every system
+              call it and nbdkit made is one the unit's SystemCallFilter=
+              allows (resolved by systemd-analyze syscall-filter), every
+              socket of a family RestrictAddressFamilies= allows
 """
 
+import ctypes
+import grp
 import os
+import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -166,13 +186,21 @@ def verify(tmp):
         text = text.replace("/etc/nbdcached/nbdcached.conf", os.path.join(tmp, "nbdcached.conf"))
         with open(os.path.join(tmp, name), "w") as f:
             f.write(text)
+    # The documented drop-in, where systemd finds it: beside the unit.
+    dropin = os.path.join(tmp, "nbdcached.service.d")
+    os.mkdir(dropin)
+    expect(os.path.exists(os.path.join(units, "block-device.conf")),
+           "no systemd/block-device.conf (the drop-in for a block device export)")
+    shutil.copy(os.path.join(units, "block-device.conf"), dropin)
     p = subprocess.run(["systemd-analyze", "verify", "--man=no",
                         os.path.join(tmp, "nbdcached.service"),
                         os.path.join(tmp, "nbdcached.socket")],
                        capture_output=True, text=True, timeout=60)
     out = (p.stdout + p.stderr).strip()
-    log("  systemd-analyze verify: exit %d%s" % (p.returncode, (": " + out) if out else ""))
+    log("  systemd-analyze verify (with block-device.conf): exit %d%s"
+        % (p.returncode, (": " + out) if out else ""))
     expect(p.returncode == 0, "systemd-analyze verify failed: " + out)
+    expect("ignoring" not in out, "systemd-analyze verify ignored a line: " + out)
     # A Unix socket the socket unit listens on inside the service's
     # RuntimeDirectory is deleted with it when the service stops, unless
     # the directory is preserved: socket activation would then stop working.
@@ -190,6 +218,312 @@ def verify(tmp):
            "nbdcached.socket listens on %s inside the service's RuntimeDirectory, which "
            "systemd deletes when the service stops (RuntimeDirectoryPreserve=%s)"
            % (inside, preserve or "unset"))
+
+
+def unit_lines(name):
+    """(key, value) for each setting line of systemd/NAME's [Service]
+    section, in order."""
+    lines, section = [], None
+    for line in open(os.path.join(nbdtest.TOP, "systemd", name)).read().splitlines():
+        if line.startswith("["):
+            section = line.strip()
+        elif section == "[Service]" and "=" in line and line[:1] not in ("#", ";"):
+            key, value = line.split("=", 1)
+            lines.append((key.strip(), value.strip()))
+    return lines
+
+
+# What nbdcached(8), SYSTEMD promises of the service's sandbox.
+HARDENING = {
+    "User": "nbdcached", "Group": "nbdcached",
+    "RuntimeDirectory": "nbdcached", "StateDirectory": "nbdcached", "UMask": "0077",
+    "ProtectSystem": "strict", "ProtectHome": "yes", "PrivateTmp": "yes",
+    "PrivateDevices": "yes", "PrivateMounts": "yes",
+    "ProtectKernelTunables": "yes", "ProtectKernelModules": "yes",
+    "ProtectKernelLogs": "yes", "ProtectControlGroups": "yes", "ProtectClock": "yes",
+    "ProtectHostname": "yes", "ProtectProc": "invisible", "ProcSubset": "pid",
+    "NoNewPrivileges": "yes", "RestrictNamespaces": "yes", "RestrictRealtime": "yes",
+    "RestrictSUIDSGID": "yes", "MemoryDenyWriteExecute": "yes", "LockPersonality": "yes",
+    "RemoveIPC": "yes", "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6",
+    "CapabilityBoundingSet": "", "AmbientCapabilities": "",
+    "SystemCallArchitectures": "native", "SystemCallErrorNumber": "EPERM",
+}
+
+
+def exposure(unit_path):
+    """systemd-analyze security's overall exposure of the unit file, which
+    it reads offline (no systemd needs to run) with the drop-ins beside it."""
+    p = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--no-pager",
+                        unit_path], capture_output=True, text=True, timeout=60)
+    m = re.search(r"Overall exposure level for \S+: ([0-9.]+)", p.stdout)
+    expect(m is not None, "systemd-analyze security printed no exposure (exit %d): %s%s"
+           % (p.returncode, p.stdout[-1000:], p.stderr[-1000:]))
+    return float(m.group(1)), [l.strip() for l in p.stdout.splitlines() if l.startswith("✗")]
+
+
+def hardening(tmp):
+    if not shutil.which("systemd-analyze"):
+        raise nbdtest.Failed("systemd-analyze is missing (scripts/deps installs systemd)")
+    alone = os.path.join(tmp, "alone")
+    with_dropin = os.path.join(tmp, "dropin")
+    dropin = os.path.join(nbdtest.TOP, "systemd", "block-device.conf")
+    for d in (alone, with_dropin):
+        os.makedirs(d)
+        shutil.copy(os.path.join(nbdtest.TOP, "systemd", "nbdcached.service"), d)
+    os.mkdir(os.path.join(with_dropin, "nbdcached.service.d"))
+    if os.path.exists(dropin):
+        shutil.copy(dropin, os.path.join(with_dropin, "nbdcached.service.d"))
+    for d, what in ((alone, "the unit"), (with_dropin, "with block-device.conf")):
+        level, exposed = exposure(os.path.join(d, "nbdcached.service"))
+        log("  systemd-analyze security, %s: exposure %.1f; exposed: %s"
+            % (what, level, "; ".join(" ".join(e.split()[:2]) for e in exposed)))
+        expect(level < 4, "%s: exposure %.1f, not below 4 (exposed: %s)"
+               % (what, level, ", ".join(e.split()[1] for e in exposed)))
+        expect(os.path.exists(dropin),
+               "no systemd/block-device.conf (the drop-in for a block device export)")
+    settings = {}
+    for key, value in unit_lines("nbdcached.service"):
+        settings[key] = value
+    wrong = ["%s=%s (want %r)" % (k, settings.get(k, "<unset>"), v)
+             for k, v in HARDENING.items() if settings.get(k) != v]
+    expect(not wrong, "nbdcached.service: " + ", ".join(wrong))
+    filters = [v for k, v in unit_lines("nbdcached.service") if k == "SystemCallFilter"]
+    expect(filters and filters[0].split()[0] == "@system-service"
+           and {"io_uring_setup", "io_uring_enter", "io_uring_register"} <= set(filters[0].split()),
+           "SystemCallFilter= is not @system-service with io_uring: %r" % filters)
+    # The account the unit names is the one the package declares, in disk.
+    path = os.path.join(nbdtest.TOP, "systemd", "nbdcached.sysusers")
+    expect(os.path.exists(path), "no systemd/nbdcached.sysusers (the service's account)")
+    sysusers = [l.split() for l in open(path) if l.strip() and not l.startswith("#")]
+    expect(any(f[:2] == ["u", HARDENING["User"]] for f in sysusers),
+           "systemd/nbdcached.sysusers declares no user %s: %r" % (HARDENING["User"], sysusers))
+    expect(["m", HARDENING["User"], "disk"] in sysusers,
+           "systemd/nbdcached.sysusers does not put %s in group disk" % HARDENING["User"])
+
+
+def syscall_groups():
+    """systemd's system-call groups: name -> members (names or @groups)."""
+    out = subprocess.run(["systemd-analyze", "syscall-filter", "--no-pager"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    groups, current = {}, None
+    for line in out.splitlines():
+        word = line.split("#")[0].strip()
+        if not word:
+            continue
+        if line.startswith("@"):
+            current = groups.setdefault(word, [])
+        elif current is not None:
+            current.append(word)
+    return groups
+
+
+def filter_allows(lines):
+    """The system calls a unit's SystemCallFilter= lines allow: the first is
+    an allow-list, each "~" line takes its calls away again."""
+    groups = syscall_groups()
+
+    def expand(name, seen):
+        if not name.startswith("@"):
+            return {name}
+        if name in seen:
+            return set()
+        seen.add(name)
+        expect(name in groups, "systemd knows no system-call group " + name)
+        return set().union(*(expand(m, seen) for m in groups[name]))
+
+    allowed = None
+    for value in lines:
+        deny = value.startswith("~")
+        names = set().union(*(expand(n, set()) for n in value.lstrip("~").split()))
+        if allowed is None:
+            expect(not deny, "the first SystemCallFilter= is a deny-list: not an allow-list")
+            allowed = names
+        elif deny:
+            allowed -= names
+        else:
+            allowed |= names
+    return allowed or set()
+
+
+PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN = 65, 1
+NOBODY = 65534
+
+
+PR_GET_MDWE = 66
+
+
+def deny_write_execute():
+    """preexec_fn: the kernel's MemoryDenyWriteExecute (Linux 6.3; kept
+    across fork and exec), so nbdkit and its plugin run under it as well."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN, 0, 0, 0) != 0:
+        os._exit(100 + ctypes.get_errno())
+
+
+def mdwe_supported():
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_GET_MDWE, 0, 0, 0, 0) >= 0
+
+
+def tls_round(usock, psk, export):
+    """64 KiB written and read back over TLS (PSK, user alice)."""
+    import nbd
+    h = nbd.NBD()
+    h.set_tls(nbd.TLS_REQUIRE)
+    h.set_tls_psk_file(psk)
+    h.set_tls_username("alice")
+    h.set_export_name(export)
+    h.connect_unix(usock)
+    data = os.urandom(64 * 1024)
+    h.pwrite(data, 0)
+    h.flush()
+    got = h.pread(len(data), 0)
+    h.shutdown()
+    expect(got == data, "export %s over TLS: the bytes read back differ" % export)
+
+
+def sandbox(tmp):
+    for tool in ("strace", "setpriv", "nbdkit", "systemd-analyze", "psktool"):
+        if not shutil.which(tool):
+            raise nbdtest.Failed(tool + " is missing (scripts/deps installs it)")
+    allowed = filter_allows([v for k, v in unit_lines("nbdcached.service")
+                             if k == "SystemCallFilter"])
+    expect(len(allowed) > 100, "the unit's filter resolves to %d calls" % len(allowed))
+    # The daemon's own directory: it runs as nobody.
+    home = os.path.join(tmp, "svc")
+    os.mkdir(home, 0o755)
+    os.chmod(tmp, 0o755)
+    img = os.path.join(home, "file.img")
+    nbdtest.sparse_file(img, 64 * MIB)
+    os.chown(home, NOBODY, NOBODY)
+    os.chown(img, NOBODY, NOBODY)
+    usock, ctl, pidfile = (os.path.join(home, n) for n in ("nbd.sock", "control.sock", "pid"))
+    census = os.path.join(home, "strace.out")
+    psk = os.path.join(home, "keys.psk")
+    nbdtest.run(["psktool", "-u", "alice", "-p", psk], timeout=60)
+    os.chown(psk, NOBODY, NOBODY)
+    port, remote_port = nbdtest.free_port(), nbdtest.free_port()
+    remote_log = open(os.path.join(tmp, "remote.log"), "w")
+    remote = subprocess.Popen(["nbdkit", "-f", "-i", "127.0.0.1", "-p", str(remote_port),
+                               "memory", "size=64M"], stdout=remote_log, stderr=subprocess.STDOUT)
+
+    def remote_listening():
+        try:
+            socket.create_connection(("127.0.0.1", remote_port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    if not nbdtest.wait_until(remote_listening, 15):
+        remote.kill()
+        remote.wait()
+        raise nbdtest.Failed("nbdkit (the NBD backend) did not listen on port %d" % remote_port)
+    # A block device as the unit reaches one: a loop device whose node (made
+    # here, as udev would make it) has group disk, mode 0660, and the daemon
+    # in group disk, as systemd/nbdcached.sysusers puts nbdcached.
+    disk_gid = grp.getgrnam("disk").gr_gid
+    loopdev, exports = None, ["file", "kit", "remote"]
+    if os.path.exists("/dev/loop-control"):
+        backing = os.path.join(tmp, "loop.img")
+        nbdtest.sparse_file(backing, 64 * MIB)
+        p = subprocess.run(["losetup", "-f", "--show", backing], capture_output=True, text=True,
+                           timeout=60)
+        if p.returncode != 0:
+            remote.kill()
+            remote.wait()
+            raise nbdtest.Failed("losetup: " + p.stderr.strip())
+        loopdev = p.stdout.strip()
+        node = os.path.join(home, "disk")
+        os.mknod(node, 0o660 | stat.S_IFBLK, os.stat(loopdev).st_rdev)
+        os.chown(node, 0, disk_gid)
+        os.chmod(node, 0o660)
+        exports.append("disk")
+    else:
+        log("  no loop devices in this kernel: no block device export")
+    mdwe = mdwe_supported()
+    log("  MDWE (the kernel's MemoryDenyWriteExecute): %s"
+        % ("applied" if mdwe else "not in this kernel, not applied"))
+    daemon_log = open(os.path.join(tmp, "daemon.log"), "w")
+    cmd = ["setpriv", "--reuid=%d" % NOBODY, "--regid=%d" % NOBODY, "--groups=%d" % disk_gid,
+           "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
+           "strace", "-f", "-qq", "-o", census,
+           nbdtest.NBDCACHED, "--foreground", "--threads", "2", "--cache-size", "64M",
+           "--listen", "127.0.0.1:%d" % port, "--unix", usock, "--control", ctl,
+           "--pidfile", pidfile, "--hugepages", "auto", "--tls", "on", "--tls-psk", psk,
+           "--export", "file=" + img, "--export", "kit=nbdkit:memory size=64M",
+           "--export", "remote=nbd://127.0.0.1:%d" % remote_port]
+    cmd += ["--export", "disk=" + os.path.join(home, "disk")] if loopdev else []
+    log("+ " + " ".join(cmd))
+    proc = subprocess.Popen(cmd, stdout=daemon_log, stderr=subprocess.STDOUT,
+                            preexec_fn=deny_write_execute if mdwe else None)
+    io = [nbdtest.NBDCACHE_IO, "--unix", usock, "--export"]
+    try:
+        expect(nbdtest.wait_until(lambda: os.path.exists(pidfile) and os.path.getsize(pidfile)
+                                  and os.path.exists(ctl), 30),
+               "the daemon did not start: exit %s\n%s"
+               % (proc.poll(), open(os.path.join(tmp, "daemon.log")).read()[-3000:]))
+        pid = int(open(pidfile).read())
+        for name in exports:
+            data = os.urandom(MIB)
+            subprocess.run(io + [name, "write", str(MIB), str(MIB)], input=data, check=True,
+                           timeout=60)
+            subprocess.run(io + [name, "flush"], check=True, timeout=60)
+            got = subprocess.run(io + [name, "read", str(MIB), str(MIB)], capture_output=True,
+                                 check=True, timeout=60).stdout
+            expect(got == data, "export %s: the bytes read back differ" % name)
+            for op in (["trim", "0", "64K"], ["zero", "64K", "64K"], ["status", "0", "64M"]):
+                subprocess.run(io + [name] + op, check=True, timeout=60, capture_output=True)
+            tcp = subprocess.run([nbdtest.NBDCACHE_IO, "--tcp", "127.0.0.1:%d" % port,
+                                  "--export", name, "read", str(MIB), "4096"],
+                                 capture_output=True, check=True, timeout=60).stdout
+            expect(tcp == data[:4096], "export %s over TCP: the bytes read back differ" % name)
+            tls_round(usock, psk, name)
+            log("  %s: 1 MiB written, flushed, read back (Unix and TCP); 64 KiB over TLS" % name)
+        for sub in ("status", "stats"):
+            subprocess.run([nbdtest.NBDCACHECTL, "--control", ctl, sub], check=True, timeout=60,
+                           capture_output=True)
+        os.kill(pid, signal.SIGUSR1)
+        os.kill(pid, signal.SIGHUP)
+        expect(nbdtest.wait_until(lambda: "reload:" in open(os.path.join(tmp, "daemon.log")).read(),
+                                  15), "no reload after SIGHUP")
+        os.kill(pid, signal.SIGTERM)
+        rc = proc.wait(60)
+        text = open(os.path.join(tmp, "daemon.log")).read()
+        expect(rc == 0, "exit status %d:\n%s" % (rc, text[-3000:]))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        remote.terminate()
+        remote.wait(30)
+        remote_log.close()
+        if loopdev:
+            subprocess.run(["losetup", "-d", loopdev], timeout=60)
+        daemon_log.close()
+    arena = [l for l in text.splitlines() if "cache:" in l and "bytes in" in l]
+    log("  as uid %d: %s" % (NOBODY, arena[0].split("info: ", 1)[-1] if arena else "?"))
+    used, families = set(), set()
+    for line in open(census, errors="replace"):
+        # "PID name(args...) = result", "PID name(args <unfinished ...>",
+        # "PID <... name resumed>...": every call is on a line of the first
+        # two kinds.
+        m = re.match(r"\d+\s+([a-z_0-9]+)\((.*)", line)
+        if m:
+            used.add(m.group(1))
+            if m.group(1) in ("socket", "socketpair"):
+                families.add(m.group(2).split(",")[0])
+    log("  %d system calls seen: %s" % (len(used), " ".join(sorted(used))))
+    # The census is worth something only if it saw the I/O paths and nbdkit.
+    expect({"io_uring_setup", "io_uring_enter", "execve", "memfd_create"} <= used,
+           "the census missed io_uring, nbdkit or the arena: %s" % sorted(used))
+    expect(used <= allowed, "system calls the unit's SystemCallFilter= refuses: %s"
+           % " ".join(sorted(used - allowed)))
+    restricted = set(dict(unit_lines("nbdcached.service")).get("RestrictAddressFamilies",
+                                                              "").split())
+    log("  socket families: %s; RestrictAddressFamilies=%s"
+        % (" ".join(sorted(families)), " ".join(sorted(restricted))))
+    expect(families and families <= restricted,
+           "socket families the unit's RestrictAddressFamilies= refuses: %s"
+           % " ".join(sorted(families - restricted)))
 
 
 def journal(tmp):
@@ -228,7 +562,7 @@ def journal(tmp):
 def main():
     checks = nbdtest.Checks()
     for name, fn in (("activation", activation), ("notify", notify), ("verify", verify),
-                     ("journal", journal)):
+                     ("hardening", hardening), ("sandbox", sandbox), ("journal", journal)):
         with nbdtest.tempdir() as tmp:
             checks.run(name, fn, tmp)
     checks.finish("systemd")

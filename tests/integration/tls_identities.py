@@ -8,16 +8,16 @@ Daemon A (tls = on, verify-peer, x509 and PSK credentials; config file):
   psk       allow-identities = alice
 
   x509      a raw client with client1's certificate (Python ssl): LIST shows
-            open and dn, not psk; INFO and GO psk get NBD_REP_ERR_POLICY;
+            open and dn, not psk; INFO and GO psk get NBD_REP_ERR_UNKNOWN;
             GO dn works; one log line names the identity and the rule
-  plain     no TLS: LIST shows only open; GO dn gets NBD_REP_ERR_POLICY
+  plain     no TLS: LIST shows only open; GO dn gets NBD_REP_ERR_UNKNOWN
             ("no TLS identity")
   psk       libnbd as alice: psk reads; dn is refused
   conns     "connections" while an x509 and a PSK client are open: tls true,
             tls_version, tls_cipher, tls_peer = the DN / alice; a plaintext
             one tls false and nulls; nbdcachectl connections' TLS column
 Daemon B: allow-identities = alice globally (command line): the x509
-client gets POLICY for every export and an empty LIST; alice opens open.
+client gets UNKNOWN for every export and an empty LIST; alice opens open.
 check-config: the identities printed (one per key, " | " between); an
 empty identity is refused with FILE:LINE.
 """
@@ -113,7 +113,7 @@ def main():
                     got = listed(r)
                     require(got == ["dn", "open"], "LIST as client1: %s" % got)
                     for opt in (raw.OPT_INFO, raw.OPT_GO):
-                        r.option(opt, raw.go_payload("psk"), want=raw.REP_ERR_POLICY)
+                        r.option(opt, raw.go_payload("psk"), want=raw.REP_ERR_UNKNOWN)
                     r.go("dn")
                     require(r.size == SIZE, "GO dn as client1: size %r" % r.size)
                 finally:
@@ -130,7 +130,7 @@ def main():
                     r.greeting()
                     got = listed(r)
                     require(got == ["open"], "LIST without TLS: %s" % got)
-                    r.option(raw.OPT_GO, raw.go_payload("dn"), want=raw.REP_ERR_POLICY)
+                    r.option(raw.OPT_GO, raw.go_payload("dn"), want=raw.REP_ERR_UNKNOWN)
                     r.go("open")
                 finally:
                     r.close()
@@ -193,7 +193,7 @@ def main():
                 r = tls_raw(b, certs)
                 try:
                     require(listed(r) == [], "LIST as client1 under a global alice-only rule")
-                    r.option(raw.OPT_GO, raw.go_payload("open"), want=raw.REP_ERR_POLICY)
+                    r.option(raw.OPT_GO, raw.go_payload("open"), want=raw.REP_ERR_UNKNOWN)
                 finally:
                     r.close()
                 h = psk_handle(b, certs, "open")

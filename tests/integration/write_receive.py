@@ -2,9 +2,13 @@
 # tests/run: alone (asserts times or rates that a test beside it would disturb)
 """write_receive: WRITE payloads read from the socket straight into the cache.
 
-A WRITE of whole blocks over clean blocks, or over dirty ones when its
-whole payload came with its header, is received into the arena (stats:
-writes_in_place); any other WRITE is received into a buffer of its own. Both in large reads, with the next request's header in the same read.
+A WRITE of whole blocks whose payload came whole with its header is copied
+into the arena at once; one whose payload is still to come is received into
+fresh frames, one whole entry's for each piece of 64 KiB or more (the
+entries at its edges split to fit), that replace the entries' at the end
+(stats: writes_in_place, writes_swapped); any other WRITE is received into
+a buffer of its own. All in large reads, with the next request's header in
+the same read.
 These checks drive both paths and what can go wrong while a payload is
 still arriving:
 
@@ -15,7 +19,7 @@ still arriving:
               paths were taken (writes_in_place moved, and not for all)
   truncated   a WRITE cut off after half its payload by the client closing
               changes nothing, whether its blocks were uncached, cached
-              clean (the in-place path) or dirty (the buffer path): a READ
+              clean or dirty: a READ
               from another connection while the half is in, READ after, and
               the file after FLUSH show the old bytes
   straight    1 MiB WRITEs, 8 in flight, over TCP: at most 1/32 of their
@@ -30,12 +34,12 @@ still arriving:
   stall       --stall-timeout 2: a payload that stops half way ends the
               connection within the deadline, the blocks are unchanged and
               reply_bytes is back to 0
-  swap        1 MiB WRITEs over the dirty blocks of 2 MiB entries: each
-              is received into fresh frames that then replace the entry's
+  swap        1 MiB WRITEs, three times over 2 MiB entries: each is
+              received into fresh frames that then replace the entry's
               (writes_swapped), its 2 MiB entry split in two first
-              (entry_splits); READ and the file after FLUSH match. A swap
-              WRITE cut short changes nothing, while a READ and a FLUSH
-              from other connections wait or see the old bytes, and the
+              (entry_splits, once); READ and the file after FLUSH match. A
+              swap WRITE cut short changes nothing, while a READ and a
+              FLUSH from other connections see the old bytes, and the
               FLUSH writes the old dirty bytes. One whose entry another
               connection's unsent READ reply pins is copied instead (not
               swapped) and lands all the same; one whose edges are off
@@ -308,8 +312,9 @@ def cache_counters(d):
 
 
 def swap_rewrites(d, path, model):
-    """8 MiB read in 2 MiB READs, written once (clean: in place), then
-    twice more in 1 MiB WRITEs over the dirty blocks: swapped."""
+    """8 MiB read in 2 MiB READs, then written three times in 1 MiB WRITEs:
+    each 2 MiB entry is split once, by the first WRITE into it (clean
+    blocks), and every WRITE, over clean or dirty blocks, is swapped in."""
     offset, span = SWAP_AT, 8 * MIB
     rnd = random.Random(17)
     h = nbd.NBD()
@@ -318,24 +323,23 @@ def swap_rewrites(d, path, model):
         for off in range(offset, offset + span, 2 * MIB):
             h.pread(2 * MIB, off)
         offsets = list(range(offset, offset + span, MIB))
-        pipelined_writes(h, model, rnd, offsets, MIB)
         swapped0, splits0, _ = cache_counters(d)
-        for _ in range(2):
+        for _ in range(3):
             pipelined_writes(h, model, rnd, offsets, MIB)
         swapped, splits, _ = cache_counters(d)
         got = h.pread(span, offset)
         h.flush()
     finally:
         h.shutdown()
-    writes = 2 * len(offsets)
-    log("  %d of %d WRITEs over dirty blocks swapped in, %d entries split"
+    writes = 3 * len(offsets)
+    log("  %d of %d WRITEs swapped in, %d entries split"
         % (swapped - swapped0, writes, splits - splits0))
     # Each 2 MiB entry splits once; a WRITE finding its entry pinned (the
     # writeback thread, say) is copied instead: at most a few.
     expect(splits - splits0 == span // (2 * MIB), "%d entry splits, not %d (one per 2 MiB "
            "entry)" % (splits - splits0, span // (2 * MIB)))
-    expect(swapped - swapped0 >= writes * 7 // 8, "%d of %d 1 MiB WRITEs over dirty blocks "
-           "were swapped in" % (swapped - swapped0, writes))
+    expect(swapped - swapped0 >= writes * 7 // 8, "%d of %d 1 MiB WRITEs were swapped in"
+           % (swapped - swapped0, writes))
     expect(got == bytes(model[offset:offset + span]), "READ after the rewrites: %s"
            % nbdtest.describe_diff(got, bytes(model[offset:offset + span]), offset))
     disk = read_at(path, offset, span)
@@ -344,20 +348,22 @@ def swap_rewrites(d, path, model):
 
 
 def swap_cut_short(d, path, model):
-    """A 1 MiB WRITE over dirty blocks, in the middle of a 2 MiB entry, cut
-    off after 3/4 of its payload: nothing changes; a READ and a FLUSH from
-    other connections meanwhile see (and write) the old bytes."""
+    """A 1 MiB WRITE over dirty blocks, in the middle of a 2 MiB entry (split
+    to fit it by the WRITE that dirtied them), cut off after 3/4 of its
+    payload: nothing changes; a READ and a FLUSH from other connections
+    meanwhile see (and write) the old bytes."""
     base, offset, n = SWAP_AT + 8 * MIB, SWAP_AT + 8 * MIB + 512 * KIB, MIB
     old = random.Random(18).randbytes(n)
     h = nbd.NBD()
     h.connect_uri(d.unix_uri("disk"))
     try:
         h.pread(2 * MIB, base)
-        h.pwrite(old, offset) # clean blocks: in place, no split
+        splits0 = cache_counters(d)[1]
+        h.pwrite(old, offset) # clean blocks: the entry split to fit it
     finally:
         h.shutdown()
     model[offset:offset + n] = old
-    swapped0, splits0, in_place0 = cache_counters(d)
+    swapped0, _, in_place0 = cache_counters(d)
     r = raw_open(d)
     _, hdr = write_header(r, offset, n)
     r.send(hdr + b"\xee" * (3 * n // 4))
@@ -393,7 +399,7 @@ def swap_cut_short(d, path, model):
     expect(got == want, "after a swap WRITE cut short: %s"
            % nbdtest.describe_diff(got, want, offset))
     disk = read_at(path, offset, n)
-    expect(disk == want, "the file after the FLUSH that waited for the cut-short WRITE: %s"
+    expect(disk == want, "the file after the FLUSH beside the cut-short WRITE: %s"
            % nbdtest.describe_diff(disk, want, offset))
     log("  the FLUSH completed %.2f s after the WRITE was cut short"
         % (flushed[0] - closed_at))

@@ -14,7 +14,12 @@
 #include <arpa/inet.h>
 #include <cmocka.h>
 #include <errno.h>
+#include <grp.h>
 #include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "daemon/access.h"
 #include "daemon/options.h"
@@ -160,9 +165,16 @@ static void test_users_groups(void **state)
 	u.gid = 4343; /* the primary group */
 	assert_true(access_rules_allow(&r, &u, why, sizeof(why)));
 	u.gid = 1;
-	u.groups[0] = 4343; /* a supplementary one */
-	u.group_count = 1;
+	uint32_t many[40];
+	for (unsigned i = 0; i < 40; i++)
+		many[i] = 5000 + i;
+	many[39] = 4343; /* a supplementary one, the 40th */
+	u.groups = many;
+	u.group_count = 40;
 	assert_true(access_rules_allow(&r, &u, why, sizeof(why)));
+	u.group_count = 39;
+	assert_false(access_rules_allow(&r, &u, why, sizeof(why)));
+	u.group_count = 40;
 	u.has_cred = false; /* no credentials: refused */
 	assert_false(access_rules_allow(&r, &u, why, sizeof(why)));
 	/* User rules do not apply to TCP clients. */
@@ -183,6 +195,57 @@ static void test_users_groups(void **state)
 	assert_int_equal(n, 1);
 	assert_int_equal(ids[0], 0);
 	free(ids);
+}
+
+/*
+ * A Unix peer in 40 supplementary groups (more than the 32 an earlier
+ * fixed buffer held): access_peer_from_socket() reads every one. In a
+ * child, which takes the groups with setgroups() (root only), and talks
+ * to itself over a socketpair. The child's exit status is the result.
+ */
+static int peer_groups_child(void)
+{
+	gid_t want[40];
+	for (unsigned i = 0; i < 40; i++)
+		want[i] = (gid_t)(61000 + i);
+	int sv[2];
+	if (setgroups(40, want) < 0 || socketpair(AF_UNIX, SOCK_STREAM, 0, sv) < 0)
+		return 2;
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	struct access_peer p;
+	access_peer_from_socket(&p, sv[0], &sa, sizeof(sa_family_t));
+	int rc = p.has_cred && p.group_count == 40 ? 0 : 3;
+	for (unsigned i = 0; rc == 0 && i < 40; i++) {
+		bool found = false;
+		for (unsigned j = 0; j < p.group_count; j++)
+			found |= p.groups[j] == want[i];
+		rc = found ? 0 : 4;
+	}
+	struct access_spec spec = {.allow_groups = "61039"};
+	struct access_rules r;
+	char why[128];
+	if (rc == 0 && (access_rules_parse(&spec, &r, why, sizeof(why)) < 0 ||
+			!access_rules_allow(&r, &p, why, sizeof(why))))
+		rc = 5;
+	access_peer_release(&p);
+	return rc;
+}
+
+static void test_peer_groups(void **state)
+{
+	(void)state;
+	if (geteuid() != 0) {
+		skip(); /* setgroups() needs root */
+		return;
+	}
+	pid_t pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0)
+		_exit(peer_groups_child());
+	int status;
+	assert_int_equal(waitpid(pid, &status, 0), pid);
+	assert_true(WIFEXITED(status));
+	assert_int_equal(WEXITSTATUS(status), 0);
 }
 
 static void test_options(void **state)
@@ -303,6 +366,7 @@ int main(void)
 	    cmocka_unit_test(test_syntax),
 	    cmocka_unit_test(test_match),
 	    cmocka_unit_test(test_users_groups),
+	    cmocka_unit_test(test_peer_groups),
 	    cmocka_unit_test(test_options),
 	    cmocka_unit_test(test_identities),
 	};

@@ -491,6 +491,58 @@ static void test_windows(void **state)
 	}
 }
 
+static void test_unix_listen(void **state)
+{
+	(void)state;
+	struct unix_listen u;
+	char err[256] = "";
+	assert_int_equal(options_parse_unix("/run/n.sock", &u, err, sizeof(err)), 0);
+	assert_string_equal(u.path, "/run/n.sock");
+	assert_false(u.has_mode);
+	assert_false(u.has_group);
+	assert_int_equal(
+	    options_parse_unix("/run/n.sock,mode=0660,group=root", &u, err, sizeof(err)), 0);
+	assert_string_equal(u.path, "/run/n.sock");
+	assert_true(u.has_mode && u.has_group);
+	assert_int_equal(u.mode, 0660);
+	assert_int_equal(u.gid, 0);
+	assert_int_equal(options_parse_unix("/a,b.sock,group=4242,mode=600", &u, err, sizeof(err)),
+			 0);
+	assert_string_equal(u.path, "/a,b.sock"); /* a comma before no key: the path's */
+	assert_int_equal(u.mode, 0600);
+	assert_int_equal(u.gid, 4242);
+	static const struct {
+		const char *text, *why;
+	} bad[] = {
+	    {"", "path empty"},
+	    {",mode=0600", "path empty"},
+	    {"/s,mode=0999", "mode '0999' is not an octal mode"},
+	    {"/s,mode=1777", "mode '1777' is not an octal mode"},
+	    {"/s,mode=", "mode '' is not an octal mode"},
+	    {"/s,mode=-1", "mode '-1' is not an octal mode"},
+	    {"/s,mode=0600,mode=0600", "mode given twice"},
+	    {"/s,group=no-such-group-xyz", "no such group 'no-such-group-xyz'"},
+	    {"/s,group=", "no such group ''"},
+	    {"/s,group=root root", "no such group 'root root'"},
+	};
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		err[0] = '\0';
+		assert_int_equal(options_parse_unix(bad[i].text, &u, err, sizeof(err)), -EINVAL);
+		if (!strstr(err, bad[i].why))
+			fail_msg("'%s': got '%s', want '%s'", bad[i].text, err, bad[i].why);
+	}
+	/* On the command line, the error names the option. */
+	char *argv[] = {"nbdcached", "--unix", "/s,mode=8", "--export", "a=/x", NULL};
+	struct options o;
+	assert_int_equal(parse(argv, 5, &o, err, sizeof(err)), -EINVAL);
+	assert_string_equal(err, "--unix /s,mode=8: mode '8' is not an octal mode 0 to 0777");
+	char *good[] = {"nbdcached", "--unix", "/s,mode=0660", "--export", "a=/x", NULL};
+	assert_int_equal(parse(good, 5, &o, err, sizeof(err)), 0);
+	assert_int_equal(o.unix_count, 1);
+	assert_string_equal(o.unix_paths[0], "/s,mode=0660");
+	options_free(&o);
+}
+
 static void test_split_host_port(void **state)
 {
 	(void)state;
@@ -545,6 +597,7 @@ int main(void)
 		cmocka_unit_test(test_tls),
 		cmocka_unit_test(test_no_export_and_duplicates),
 		cmocka_unit_test(test_windows),
+		cmocka_unit_test(test_unix_listen),
 		cmocka_unit_test(test_split_host_port),
 		cmocka_unit_test(test_help_and_version),
 	};

@@ -1,0 +1,211 @@
+#!/usr/bin/python3
+# tests/run: alone
+"""access_flood: refused connects do not flood the log (nbdcached(8),
+LOGGING), and another client is served within 100 ms throughout.
+
+One daemon with --deny 127.0.0.2 (global), export "disk" with deny =
+127.0.0.3, --max-connections-per-client 2, and export "probe" on its own
+small file in /dev/shm, which nbdtest.ServedProbe uses over the Unix socket
+all along.
+
+  accept     3000 connects from 127.0.0.2, each closed at accept (bounded:
+             3000 connects or 60 s): stats counts 3000 in
+             clients.refused_access; the log has at most a few dozen
+             "refused 127.0.0.2" lines, at least one line "connections
+             refused at accept by the access rules: N similar lines
+             suppressed", and the printed lines plus the N said add up to
+             3000 (the last count is said by the tick once the interval is
+             over, with no new refusal to carry it)
+  export     1000 connects from 127.0.0.3 that ask INFO "disk" (answered
+             NBD_REP_ERR_UNKNOWN) and close: the same for the "refused
+             ... export 'disk'" lines, and for the "ended" lines of those
+             connections (which never opened an export; at least 1000 with
+             the counts, the harness's own readiness connections end so too)
+  per_client 2 connections held from 127.0.0.4 and 500 more refused
+             (--max-connections-per-client): the same
+  sessions   1500 connects from 127.0.0.5 that open "disk" (GO) and close:
+             allowed, but any client can make them in a loop, so the
+             "negotiated" and "ended" lines of sessions are limited too, at
+             a larger burst (LOG_LIMIT_SESSION_BURST, 200 in 5 s: a hundred
+             clients attaching at once are all logged): bounded, with the
+             counts adding up to at least 1500 (the probe's sessions count
+             too)
+  served     a client from 127.0.0.1 still opens "disk" and reads it
+"""
+import os
+import re
+import socket
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import nbdtest  # noqa: E402
+from nbdtest import log, require  # noqa: E402
+import bad_input as raw  # noqa: E402
+
+MIB = 1 << 20
+LIMIT_S = 5  # LOG_LIMIT_INTERVAL_NS (daemon/log.h)
+BURST = 10  # LOG_LIMIT_BURST
+SESSION_BURST = 200  # LOG_LIMIT_SESSION_BURST
+MAX_LINES = 40  # per kind: a few dozen at most
+
+
+def connect_from(port, source):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def closed_at_accept(port, source):
+    s = connect_from(port, source)
+    try:
+        got = s.recv(64)
+    except ConnectionResetError:
+        got = b""
+    finally:
+        s.close()
+    require(got == b"", "a client from %s got %r (expected a close)" % (source, got[:20]))
+
+
+def info_refused(port, source):
+    r = raw.RawClient.__new__(raw.RawClient)
+    r.s = connect_from(port, source)
+    r.timeout = 10
+    try:
+        r.greeting()
+        r.send_opt(raw.OPT_INFO, raw.go_payload("disk"))
+        typ, _, _ = r.opt_replies(raw.OPT_INFO)
+        require(typ & raw.REP_FLAG_ERROR, "INFO disk from 127.0.0.3: %s" % raw.rep_name(typ))
+    finally:
+        r.close()
+
+
+def session(port, source):
+    r = raw.RawClient.__new__(raw.RawClient)
+    r.s = connect_from(port, source)
+    r.timeout = 10
+    try:
+        r.open("disk")
+    finally:
+        r.close()
+
+
+def flood(what, count, fn, pace=0.001):
+    """count calls of fn, pace seconds apart (so that the probe beside
+    has rounds all along), in 60 s at most."""
+    t0 = time.monotonic()
+    n = 0
+    while n < count and time.monotonic() - t0 < 60:
+        fn()
+        n += 1
+        time.sleep(pace)
+    secs = time.monotonic() - t0
+    log("  %s: %d connects in %.2f s" % (what, n, secs))
+    require(n == count, "%s: only %d of %d connects in 60 s" % (what, n, count))
+    return secs
+
+
+def accounted(d, line_re, kind, count, secs, exact=True, burst=BURST, max_lines=MAX_LINES):
+    """The lines matching line_re and kind's suppression counts: bounded,
+    and adding up to count (at least count when not exact: other clients'
+    lines of that kind count too); waits for the tick to say the last
+    count."""
+    count_re = re.compile(re.escape(kind) + r": (\d+) similar lines suppressed in the last \d+ s")
+    state = {}
+
+    def settled():
+        text = d.log_text().splitlines()
+        state["lines"] = [ln for ln in text if re.search(line_re, ln)]
+        state["counts"] = [int(m.group(1)) for ln in text for m in [count_re.search(ln)] if m]
+        return len(state["lines"]) + sum(state["counts"]) >= count
+    nbdtest.wait_until(settled, LIMIT_S + 5, step=0.2)
+    lines, counts = state["lines"], state["counts"]
+    log("  %s: %d lines printed, %d suppression lines (%s)" % (
+        kind, len(lines), len(counts), ", ".join(map(str, counts))))
+    for ln in lines[:2]:
+        log("    " + ln)
+    require(counts, "%s: no line says how many were suppressed" % kind)
+    # BURST lines and a count in each interval the flood touched.
+    bound = min(max_lines, (burst + 1) * (2 + int(secs / LIMIT_S)))
+    require(len(lines) + len(counts) <= bound,
+            "%s: %d lines for %d refusals in %.1f s" % (kind, len(lines) + len(counts), count,
+                                                        secs))
+    require(len(lines) + sum(counts) == count or
+            (not exact and len(lines) + sum(counts) > count),
+            "%s: %d printed + %d counted as suppressed, for %d" % (
+                kind, len(lines), sum(counts), count))
+
+
+def main():
+    with nbdtest.tempdir() as tmp, nbdtest.tempdir(base=nbdtest.shm_dir()) as shm:
+        disk = nbdtest.random_file(os.path.join(tmp, "disk.img"), 4 * MIB, seed=71)
+        probe_img = nbdtest.random_file(os.path.join(shm, "probe.img"), 1 * MIB, seed=72)
+        checks = nbdtest.Checks(catch=(nbdtest.Failed, raw.Mismatch, raw.Closed))
+        with nbdtest.running_daemon(
+                [("disk", disk, "deny=127.0.0.3"), ("probe", probe_img, "")], workdir=tmp,
+                extra=["--cache-size", "32M", "--deny", "127.0.0.2",
+                       "--max-connections-per-client", "2"]) as d:
+            def accept():
+                with nbdtest.ServedProbe(d.unix_uri("probe")) as probe:
+                    secs = flood("127.0.0.2", 3000, lambda: closed_at_accept(d.port, "127.0.0.2"))
+                probe.check("beside 3000 connects refused at accept")
+
+                def counted():
+                    st = nbdtest.control_request(d.control, {"command": "stats"})
+                    return st["clients"]["refused_access"] == 3000
+                require(nbdtest.wait_until(counted, 10), "stats did not count 3000 refusals")
+                accounted(d, r"refused 127\.0\.0\.2:\d+: deny 127\.0\.0\.2 \(global access "
+                          r"rules\); closed at accept",
+                          "connections refused at accept by the access rules", 3000, secs)
+
+            def export():
+                with nbdtest.ServedProbe(d.unix_uri("probe")) as probe:
+                    secs = flood("127.0.0.3", 1000, lambda: info_refused(d.port, "127.0.0.3"))
+                probe.check("beside 1000 connects refused export 'disk'")
+                accounted(d, r"refused 127\.0\.0\.3:\d+ export 'disk': deny 127\.0\.0\.3",
+                          "refused exports", 1000, secs)
+                accounted(d, r"conn \d+: ended after [0-9.]+ s: .*; export \"\", 0 requests",
+                          "connections ended in negotiation", 1000, secs, exact=False)
+
+            def per_client():
+                held = [connect_from(d.port, "127.0.0.4") for _ in range(2)]
+                try:
+                    with nbdtest.ServedProbe(d.unix_uri("probe")) as probe:
+                        secs = flood("127.0.0.4", 500,
+                                     lambda: closed_at_accept(d.port, "127.0.0.4"))
+                    probe.check("beside 500 connects over the per-client limit")
+                    accounted(d, r"refused 127\.0\.0\.4:\d+: it has 2 connections",
+                              "connections refused at accept by --max-connections-per-client",
+                              500, secs)
+                finally:
+                    for s in held:
+                        s.close()
+
+            def sessions():
+                with nbdtest.ServedProbe(d.unix_uri("probe")) as probe:
+                    secs = flood("127.0.0.5", 1500, lambda: session(d.port, "127.0.0.5"))
+                probe.check("beside 1500 sessions opened and closed")
+                for line_re, kind in ((r"conn \d+: export \"\w+\" negotiated", "exports negotiated"),
+                                      (r"conn \d+: ended after [0-9.]+ s: .*; export \"\w+\"",
+                                       "connections ended")):
+                    accounted(d, line_re, kind, 1500, secs, exact=False, burst=SESSION_BURST,
+                              max_lines=4 * (SESSION_BURST + 1))
+
+            def served():
+                h = nbdtest.libnbd_handle(d.tcp_uri("disk"))
+                require(h.pread(4096, 0) == nbdtest.read_at(disk, 0, 4096), "READ disk")
+                h.shutdown()
+
+            for name, fn in (("accept", accept), ("export", export),
+                             ("per_client", per_client), ("sessions", sessions),
+                             ("served", served)):
+                checks.run(name, fn)
+            checks.dump_log(d)
+        checks.finish("access flood")
+
+
+if __name__ == "__main__":
+    main()
