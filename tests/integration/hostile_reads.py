@@ -46,6 +46,12 @@ reads back, round after round; every round must take under 100 ms.
    arenas: 410 MiB against 96 here on main, 183 with the overhead counted
    but no trim; now 74).
 
+Under ASan (make asan: ASAN_OPTIONS set) the two RSS bounds of 3 are
+logged, not asserted: ASan's allocator keeps freed memory in its quarantine
+and adds redzones and shadow to every allocation, so RSS says nothing of
+what the daemon counts (as in memory_pressure); the reply_bytes bounds, the
+probe and everything else still hold there.
+
 Failures are collected and listed together at the end; any one fails the
 test. Every daemon must exit 0 on SIGTERM.
 """
@@ -69,6 +75,8 @@ import bad_input as raw  # noqa: E402  (RawClient and the wire constants)
 KIB = 1024
 MIB = 1024 * KIB
 CACHE_SIZE = 64 * MIB
+# make asan: RSS is ASan's, not the daemon's (see the opening).
+ASAN = "ASAN_OPTIONS" in os.environ
 SPARSE_SIZE = 64 * MIB
 READ_SIZE = 32 * MIB
 FLOOD_READS = 300
@@ -344,7 +352,9 @@ def never_read(d):
     log("     VmRSS %d MiB once they were gone (bound: start + cache + %d MiB = %d MiB)"
         % (after >> 20, RETURN_MARGIN >> 20, after_bound >> 20))
     errors = []
-    if after > after_bound:
+    if ASAN:
+        log("     (ASan: the RSS bounds are not asserted)")
+    if after > after_bound and not ASAN:
         errors.append("VmRSS still %d MiB 5 s after the clients that never read were gone "
                       "(bound %d MiB): their replies' memory was not given back"
                       % (after >> 20, after_bound >> 20))
@@ -352,7 +362,7 @@ def never_read(d):
         probe.check("beside the clients that never read")
     except nbdtest.Failed as e:
         errors.append(str(e))
-    if hwm > bound:
+    if hwm > bound and not ASAN:
         errors.append("the daemon's peak RSS reached %d MiB (bound %d MiB) with clients that "
                       "never read their replies" % (hwm >> 20, bound >> 20))
     if reply_bytes > REPLY_MEMORY + NON_READERS * BUDGET_CONN_RESERVE:
