@@ -748,6 +748,29 @@ static bool pieces_need_fitting(struct cache_op *op)
 	return true;
 }
 
+/* Undo cache_write_begin() for pieces [0, n), before any byte of the
+ * payload landed in the entries: fresh frames freed, busy blocks cleared
+ * (their state is as it was). */
+static void pieces_unmark(struct cache_op *op, size_t n)
+{
+	struct cache_export *ce = op->ce;
+	for (size_t i = 0; i < n; i++) {
+		struct cache_piece *p = &op->pieces[i];
+		if (p->swap) {
+			arena_free(&ce->cache->arena, p->fresh, cache_entry_order(p->entry));
+			p->swap = false;
+			continue;
+		}
+		uint32_t first, last;
+		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
+		for (uint32_t b = first; b <= last; b++)
+			map_clear(cache_busy_map(p->entry), b);
+		pthread_mutex_unlock(&sh->lock);
+	}
+	if (n)
+		cache_waitq_wake(ce->cache);
+}
+
 int cache_write_begin(struct cache_op *op, bool payload_here)
 {
 	struct cache_export *ce = op->ce;
@@ -806,22 +829,7 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 		pthread_mutex_unlock(&sh->lock);
 	}
 	if (rc < 0) {
-		for (size_t j = 0; j < marked; j++) {
-			struct cache_piece *p = &op->pieces[j];
-			if (p->swap) {
-				arena_free(&ce->cache->arena, p->fresh,
-					   cache_entry_order(p->entry));
-				p->swap = false;
-				continue;
-			}
-			uint32_t first, last;
-			struct cache_shard *sh = piece_lock(ce, p, &first, &last);
-			for (uint32_t b = first; b <= last; b++)
-				map_clear(cache_busy_map(p->entry), b);
-			pthread_mutex_unlock(&sh->lock);
-		}
-		if (marked)
-			cache_waitq_wake(ce->cache);
+		pieces_unmark(op, marked);
 		pieces_unreserve(op, op->npieces);
 		pieces_release(op);
 		return -EAGAIN;
@@ -859,7 +867,6 @@ static bool piece_swap(struct cache_export *ce, struct cache_shard *sh, struct c
 
 void cache_write_end(struct cache_op *op, uint64_t received)
 {
-	struct cache_export *ce = op->ce;
 	if (received == op->length) {
 		op->stage = OP_STAGE_RECEIVED;
 		op_run(op);
@@ -869,20 +876,7 @@ void cache_write_end(struct cache_op *op, uint64_t received)
 	 * frames go. A piece received in place had its payload here whole
 	 * (it cannot be cut short): only a failure before any byte moved
 	 * (received 0) ends here, and its blocks are as they were. */
-	for (size_t i = 0; i < op->npieces; i++) {
-		struct cache_piece *p = &op->pieces[i];
-		if (p->swap) {
-			arena_free(&ce->cache->arena, p->fresh, cache_entry_order(p->entry));
-			p->swap = false;
-			continue;
-		}
-		uint32_t first, last;
-		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
-		for (uint32_t b = first; b <= last; b++)
-			map_clear(cache_busy_map(p->entry), b);
-		pthread_mutex_unlock(&sh->lock);
-	}
-	cache_waitq_wake(ce->cache);
+	pieces_unmark(op, op->npieces);
 	pieces_release(op);
 	op_finish(op, -ECONNRESET);
 }

@@ -16,9 +16,7 @@
              command line and in a config file (with FILE:LINE)
 """
 import grp
-import json
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -33,34 +31,6 @@ MIB = 1 << 20
 NOBODY = 65534
 GROUPS = list(range(61000, 61040))
 TEST_GROUP = "nbdcached-ux-grp"
-
-
-def as_child(uid, gid, groups, fn):
-    """fn() in a child as uid:gid with these supplementary groups: its
-    result (JSON), or the exception's text."""
-    rd, wr = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(rd)
-        try:
-            os.setgroups(groups)
-            os.setgid(gid)
-            os.setuid(uid)
-            answer = {"result": fn()}
-        except Exception as e:  # noqa: BLE001 - reported to the parent
-            answer = {"error": "%s: %s" % (type(e).__name__, e)}
-        os.write(wr, json.dumps(answer).encode())
-        os._exit(0)
-    os.close(wr)
-    data = b""
-    while True:
-        chunk = os.read(rd, 65536)
-        if not chunk:
-            break
-        data += chunk
-    os.close(rd)
-    os.waitpid(pid, 0)
-    return json.loads(data.decode())
 
 
 def go(path, name):
@@ -101,15 +71,15 @@ def main():
                                              ("g", img, "allow-groups=%d" % GROUPS[-1])],
                                             workdir=work, extra=["--cache-size", "16M"]) as d:
                     os.chmod(d.sock, 0o777)
-                    got = as_child(NOBODY, NOBODY, GROUPS, lambda: go(d.sock, "g"))
+                    got = nbdtest.in_child_as(NOBODY, NOBODY, GROUPS, lambda: go(d.sock, "g"))
                     log("  40 groups: %s" % got)
                     require(got.get("result") == ["ACK", "ACK", "READ error 0"],
                             "a client in 40 groups, the rule's the 40th: %s" % got)
-                    got = as_child(NOBODY, NOBODY, GROUPS[:-1], lambda: go(d.sock, "g"))
+                    got = nbdtest.in_child_as(NOBODY, NOBODY, GROUPS[:-1], lambda: go(d.sock, "g"))
                     log("  39 groups: %s" % got)
                     require(got.get("result") == ["ERR_UNKNOWN", "ERR_UNKNOWN"],
                             "a client without the rule's group: %s" % got)
-                    got = as_child(NOBODY, NOBODY, GROUPS[:-1], lambda: go(d.sock, "nosuch"))
+                    got = nbdtest.in_child_as(NOBODY, NOBODY, GROUPS[:-1], lambda: go(d.sock, "nosuch"))
                     require(got.get("result") == ["ERR_UNKNOWN", "ERR_UNKNOWN"],
                             "a missing export: %s" % got)
 
@@ -127,10 +97,10 @@ def main():
                     require(stat.S_ISSOCK(sa.st_mode) and stat.S_IMODE(sa.st_mode) == 0o660 and
                             sa.st_gid == gid, "--unix %s,mode=0660,group=%s: %o gid %d"
                             % (a, TEST_GROUP, stat.S_IMODE(sa.st_mode), sa.st_gid))
-                    got = as_child(NOBODY, NOBODY, [gid], lambda: go(a, "open"))
+                    got = nbdtest.in_child_as(NOBODY, NOBODY, [gid], lambda: go(a, "open"))
                     require(got.get("result") == ["ACK", "ACK", "READ error 0"],
                             "uid 65534 in %s on %s: %s" % (TEST_GROUP, a, got))
-                    got = as_child(NOBODY, NOBODY, [], lambda: go(a, "open"))
+                    got = nbdtest.in_child_as(NOBODY, NOBODY, [], lambda: go(a, "open"))
                     log("  not in the group: %s" % got)
                     require("PermissionError" in got.get("error", ""),
                             "uid 65534 outside %s on %s: %s" % (TEST_GROUP, a, got))

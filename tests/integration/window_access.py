@@ -38,13 +38,11 @@ target's bytes, and EXPORT_NAME opens it.
               s-R/2; once it closes, s-R/2 is served.
 """
 import grp
-import json
 import os
 import pwd
 import socket
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -142,31 +140,9 @@ def outcome(connect, target, names):
 
 
 def as_user(uid, gid, groups, fn):
-    """fn() in a child running as uid:gid with these supplementary groups;
-    its result (JSON) or {"error": ...}."""
-    rd, wr = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(rd)
-        try:
-            os.setgroups(groups)
-            os.setgid(gid)
-            os.setuid(uid)
-            answer = {"result": fn()}
-        except Exception as e:  # noqa: BLE001 - reported to the parent
-            answer = {"error": "%s: %s" % (type(e).__name__, e)}
-        os.write(wr, json.dumps(answer).encode())
-        os._exit(0)
-    os.close(wr)
-    data = b""
-    while True:
-        chunk = os.read(rd, 65536)
-        if not chunk:
-            break
-        data += chunk
-    os.close(rd)
-    os.waitpid(pid, 0)
-    answer = json.loads(data.decode())
+    """fn() in a child running as uid:gid with these supplementary groups:
+    its result (JSON)."""
+    answer = nbdtest.in_child_as(uid, gid, groups, fn)
     require("error" not in answer, "child as uid %d: %s" % (uid, answer.get("error")))
     return answer["result"]
 

@@ -867,6 +867,35 @@ def shutdown_all(handles):
             pass
 
 
+def in_child_as(uid, gid, groups, fn):
+    """fn() in a forked child running as uid:gid with these supplementary
+    groups (root only): {"result": what it returned, JSON} or {"error":
+    the exception's text}."""
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(rd)
+        try:
+            os.setgroups(groups)
+            os.setgid(gid)
+            os.setuid(uid)
+            answer = {"result": fn()}
+        except Exception as e:  # noqa: BLE001 - reported to the parent
+            answer = {"error": "%s: %s" % (type(e).__name__, e)}
+        os.write(wr, json.dumps(answer).encode())
+        os._exit(0)
+    os.close(wr)
+    data = b""
+    while True:
+        chunk = os.read(rd, 65536)
+        if not chunk:
+            break
+        data += chunk
+    os.close(rd)
+    os.waitpid(pid, 0)
+    return json.loads(data.decode())
+
+
 # ---- A client that must stay served while a hostile one misbehaves. ----
 
 class ServedProbe:
