@@ -59,14 +59,7 @@ TEST_USER = "nbdcached-acl-test"
 
 def client(sock):
     """A RawClient on an already connected socket."""
-    r = raw.RawClient.__new__(raw.RawClient)
-    r.s = sock
-    r.timeout = 10
-    r.structured = r.extended = False
-    r.meta_ctx = r.size = r.eflags = None
-    r.pending = {}
-    r.next_cookie = 0x1000
-    return r
+    return raw.RawClient(sock=sock)
 
 
 def tcp(port, source="127.0.0.1", host="127.0.0.1"):

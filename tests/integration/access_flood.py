@@ -71,9 +71,7 @@ def closed_at_accept(port, source):
 
 
 def info_refused(port, source):
-    r = raw.RawClient.__new__(raw.RawClient)
-    r.s = connect_from(port, source)
-    r.timeout = 10
+    r = raw.RawClient(sock=connect_from(port, source))
     try:
         r.greeting()
         r.send_opt(raw.OPT_INFO, raw.go_payload("disk"))
@@ -84,9 +82,7 @@ def info_refused(port, source):
 
 
 def session(port, source):
-    r = raw.RawClient.__new__(raw.RawClient)
-    r.s = connect_from(port, source)
-    r.timeout = 10
+    r = raw.RawClient(sock=connect_from(port, source))
     try:
         r.open("disk")
     finally:

@@ -254,8 +254,10 @@ Reply = collections.namedtuple("Reply", "cookie error kind chunks data holes ext
 class RawClient:
     """One hand-driven NBD connection (Unix or TCP)."""
 
-    def __init__(self, sock_path=None, port=None, timeout=10):
-        if sock_path:
+    def __init__(self, sock_path=None, port=None, timeout=10, sock=None):
+        if sock is not None:
+            self.s = sock  # connected already (from a chosen address, say)
+        elif sock_path:
             self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.s.settimeout(timeout)
             self.s.connect(sock_path)

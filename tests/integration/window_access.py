@@ -59,14 +59,7 @@ KINDS = (("whole", "w-%s", 0), ("hand", "h-%s", MIB), ("split", "s-%s/1", MIB))
 
 
 def raw_client(sock):
-    r = raw.RawClient.__new__(raw.RawClient)
-    r.s = sock
-    r.timeout = 10
-    r.structured = r.extended = False
-    r.meta_ctx = r.size = r.eflags = None
-    r.pending = {}
-    r.next_cookie = 0x1000
-    return r
+    return raw.RawClient(sock=sock)
 
 
 def tcp_from(port, source):
