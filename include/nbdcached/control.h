@@ -67,8 +67,8 @@
  *             over the last whole second), evictions, writeback_errors,
  *             bypass_reads, direct_writes, writes_in_place (WRITEs
  *             received from the socket straight into the cache),
- *             writes_swapped (of those, WRITEs over dirty blocks: received
- *             into fresh arena frames that then replaced the entry's),
+ *             writes_swapped (of those, WRITEs received into fresh
+ *             arena frames that then replaced the entry's, no copy),
  *             throttled_writes (WRITEs that waited at --dirty-high for
  *             writeback), metadata_bytes (the index: entries, side
  *             records, range nodes and arrays, hash buckets, ghost
