@@ -204,7 +204,12 @@ void conn_on_readable(evutil_socket_t fd, short what, void *arg)
 		c->after_large_payload = false; /* this read takes the next header */
 	/* The bufferevent keeps its input's end frozen but while it reads. */
 	evbuffer_unfreeze(in, 0);
-	if (!c->closing) {
+	/* The input buffer only after the sink's last byte: a sink of more
+	 * than CONN_SINK_IOV segments takes them in several reads, and bytes
+	 * of it read into the input buffer meanwhile would come before the
+	 * next read's (the sink would take those out of order, then wait
+	 * for bytes already read). */
+	if (!c->closing && want == k->left) {
 		size_t size = small ? 4096 : CONN_READ_SIZE(c->read_shift);
 		nev = evbuffer_reserve_space(in, size, ev, 2);
 		if (nev < 0 && size > 4096) {

@@ -301,8 +301,8 @@ void cache_submit(struct cache_op *op);
  * is busy while it arrives, so a READ, writeback and a FLUSH go on as if
  * the WRITE had not been sent yet, however slowly its payload comes.
  * -EAGAIN: not possible now (not writeback mode, FUA, not whole blocks,
- * dirty data above a watermark, a piece not a whole entry of at least
- * 64 KiB once split, no room at once, a block busy with payload_here):
+ * dirty data above a watermark, a piece not a whole entry once the
+ * edges are split, no room at once, a block busy with payload_here):
  * nothing was done, cache_submit() it with its payload as usual. Never
  * waits.
  */

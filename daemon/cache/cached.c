@@ -682,9 +682,10 @@ void cache_op_release(struct cache_op *op)
 	}
 }
 
-/* A payload at least this large over dirty blocks is received into fresh
- * frames (below); a smaller one is copied from a buffer of its own, which
- * costs little. */
+/* A piece at least this large is worth splitting the entries at a WRITE's
+ * edges for, so that it covers an entry whole and can be received into
+ * fresh frames (below); a smaller piece in a larger entry is copied from a
+ * buffer of its own, which costs little. */
 #define SWAP_MIN_BYTES (64u << 10)
 
 /*
@@ -814,7 +815,7 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 		} else {
 			/* Whole entries only, into fresh frames. */
 			int64_t fresh = -1;
-			if (!piece_whole(p) || p->length < SWAP_MIN_BYTES)
+			if (!piece_whole(p))
 				rc = -EAGAIN;
 			else
 				fresh =

@@ -49,6 +49,9 @@ still arriving:
               READs and FLUSHes while a fifth asks for compaction passes
               and a small cache keeps writeback running: every READ
               matches a model, and the file does after SIGTERM
+  segments    a 1 MiB WRITE into 256 clean one-block entries scattered in
+              the arena, its payload after its header: received in more
+              segments than one read takes, completes and reads back
   shutdown    SIGTERM while a payload is half sent: the client sends the
               rest, gets its reply (success), and the bytes are in the file
               once the daemon has exited 0
@@ -667,6 +670,51 @@ def check_shutdown(tmp):
            % nbdtest.describe_diff(got, data, 2 * MIB))
 
 
+def check_segments(tmp):
+    """A 1 MiB WRITE over 256 clean one-block entries cached in random
+    order (scattered in the arena: no two adjacent), its payload sent after
+    its header: received into the arena in 256 segments, more than one
+    read of the socket takes (CONN_SINK_IOV). On main the bytes of the
+    first read past the segments it had went to the input buffer, and the
+    sink then waited for them: the WRITE never completed (cut off by the
+    stall deadline, --stall-timeout 3 here)."""
+    path = os.path.join(tmp, "segments.img")
+    nbdtest.random_file(path, 8 * MIB, seed=23)
+    data = random.Random(23).randbytes(MIB)
+    with nbdtest.Daemon([("disk", path, "")], extra=["--cache-size", "64M",
+                                                     "--stall-timeout", "3"]) as d:
+        blocks = list(range(MIB // 4096, 2 * MIB // 4096))
+        random.Random(24).shuffle(blocks)
+        h = nbd.NBD()
+        h.connect_uri(d.unix_uri("disk"))
+        try:
+            for b in blocks:
+                h.pread(4096, b * 4096)
+        finally:
+            h.shutdown()
+        before = in_place(d)
+        # Over TCP, with room for all of it: one read can take more than
+        # the segments it is given.
+        r = raw.RawClient(port=d.port, timeout=20)
+        r.s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * MIB)
+        r.open("disk", structured=True)
+        cookie, hdr = write_header(r, MIB, MIB)
+        r.send(hdr)
+        time.sleep(0.2)
+        r.send(data)
+        r.s.settimeout(10)
+        try:
+            rep = r.read_reply(cookie)
+        except (raw.Closed, raw.Mismatch) as e:
+            raise Failed("a WRITE received in 256 segments got no reply: %s" % e)
+        finally:
+            r.close()
+        expect(rep.error == 0, "the WRITE failed: %s" % raw.err_name(rep.error))
+        expect(in_place(d) == before + 1, "the WRITE was not received into the arena")
+        got = libnbd_read(d, MIB, MIB)
+        expect(got == data, "READ after it: %s" % nbdtest.describe_diff(got, data, MIB))
+
+
 def main():
     checks = nbdtest.Checks()
     with nbdtest.tempdir() as tmp:
@@ -690,6 +738,7 @@ def main():
         checks.run("stall", check_stall, tmp)
         checks.run("swap-stress", check_swap_stress, tmp)
         checks.run("shutdown", check_shutdown, tmp)
+        checks.run("segments", check_segments, tmp)
     checks.finish("write_receive")
 
 
