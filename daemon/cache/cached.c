@@ -35,7 +35,7 @@
  *
  *   a payload still to come goes into fresh frames, one whole entry's for
  *   each piece (fit_edge splits the entries at the WRITE's two edges to
- *   make it so; pieces of SWAP_MIN_BYTES or more), and nothing is marked
+ *   make it so; pieces of FIT_MIN_BYTES or more), and nothing is marked
  *   busy meanwhile: a READ sends the old data or fills the old frames,
  *   writeback writes the old dirty data and a FLUSH completes, however
  *   slowly the payload comes (a FLUSH covers only acknowledged writes).
@@ -686,12 +686,12 @@ void cache_op_release(struct cache_op *op)
  * edges for, so that it covers an entry whole and can be received into
  * fresh frames (below); a smaller piece in a larger entry is copied from a
  * buffer of its own, which costs little. */
-#define SWAP_MIN_BYTES (64u << 10)
+#define FIT_MIN_BYTES (64u << 10)
 
 /*
  * The entry holding the device byte at, if it reaches out of [offset,
  * end): split it (cache_entry_split) until the part inside is an entry of
- * its own, or is smaller than SWAP_MIN_BYTES, or the entry cannot be split
+ * its own, or is smaller than FIT_MIN_BYTES, or the entry cannot be split
  * now (pinned, busy, under writeback or unstable).
  */
 static void fit_edge(struct cache_export *ce, uint64_t at, uint64_t offset, uint64_t end)
@@ -704,7 +704,7 @@ static void fit_edge(struct cache_export *ce, uint64_t at, uint64_t offset, uint
 			break;
 		uint64_t base = cache_entry_offset(e), stop = base + cache_entry_bytes(e);
 		uint64_t lo = base > offset ? base : offset, hi = stop < end ? stop : end;
-		if ((base >= offset && stop <= end) || hi - lo < SWAP_MIN_BYTES ||
+		if ((base >= offset && stop <= end) || hi - lo < FIT_MIN_BYTES ||
 		    cache_entry_split(ce, e) < 0)
 			break;
 	}
@@ -730,7 +730,7 @@ static bool pieces_need_fitting(struct cache_op *op)
 	 * (a pinned entry's extent does not change). */
 	bool need = false;
 	for (size_t i = 0; i < op->npieces && !need; i++)
-		need = op->pieces[i].length >= SWAP_MIN_BYTES && !piece_whole(&op->pieces[i]);
+		need = op->pieces[i].length >= FIT_MIN_BYTES && !piece_whole(&op->pieces[i]);
 	if (!need)
 		return false;
 	for (size_t i = 0; i < op->npieces; i++) {
@@ -787,10 +787,10 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 	int rc = pieces_build(op, true, true);
 	/* A payload still to come goes into whole entries only (below): split
 	 * the two at the edges (the only ones that can reach out), build
-	 * again. Only for edges at multiples of SWAP_MIN_BYTES: other edges
+	 * again. Only for edges at multiples of FIT_MIN_BYTES: other edges
 	 * would end in a smaller piece, which goes the buffer path anyway. */
-	if (rc == 0 && !payload_here && op->offset % SWAP_MIN_BYTES == 0 &&
-	    end % SWAP_MIN_BYTES == 0 && pieces_need_fitting(op)) {
+	if (rc == 0 && !payload_here && op->offset % FIT_MIN_BYTES == 0 &&
+	    end % FIT_MIN_BYTES == 0 && pieces_need_fitting(op)) {
 		pieces_unreserve(op, op->npieces);
 		pieces_release(op);
 		fit_edge(ce, op->offset, op->offset, end);
