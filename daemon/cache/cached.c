@@ -305,8 +305,11 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
 	if (!f)
 		return -ENOMEM;
 	struct cache_export *ce = op->ce;
-	if (offset + length > ce->size)
-		length = ce->size - offset;
+	uint64_t size = ce->size; /* once: a resize may move it */
+	if (offset >= size)
+		length = 0;
+	else if (offset + length > size)
+		length = size - offset;
 	f->op = op;
 	f->piece = p;
 	f->first = first;

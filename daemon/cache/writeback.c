@@ -320,8 +320,9 @@ static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, u
 	}
 	uint64_t off = cache_entry_offset(op->m[i0].e) + ((uint64_t)b0 << shift);
 	uint64_t end = cache_entry_offset(op->m[i1].e) + ((uint64_t)b1 << shift);
-	if (end > ce->size)
-		end = ce->size;
+	uint64_t size = ce->size; /* once: a resize may move it */
+	if (end > size)
+		end = size > off ? size : off; /* past a new end: nothing to write */
 	struct wb_io *w = calloc(1, sizeof(*w));
 	if (!w)
 		return -ENOMEM;

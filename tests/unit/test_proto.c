@@ -742,8 +742,8 @@ static const struct check_row check_rows[] = {
     {"RESIZE to a smaller size", .type = RS, .offset = SZ / 2, .want = OK},
     {"ext RESIZE past 2^32", .ext = true, .type = RS, .offset = 1ULL << 40, .want = OK},
     {"RESIZE with a length", .type = RS, .offset = 2 * SZ, .length = 512, .want = NBD_EINVAL},
-    {"read-only RESIZE (never advertised)", .read_only = true,
-     .eflags_clear = NBD_FLAG_SEND_RESIZE, .type = RS, .offset = 2 * SZ, .want = NBD_EINVAL},
+    {"read-only RESIZE (never advertised)", .read_only = true, .eflags_clear = NBD_FLAG_SEND_RESIZE,
+     .type = RS, .offset = 2 * SZ, .want = NBD_EINVAL},
     {"RESIZE with DF", .flags = DF, .type = RS, .offset = 2 * SZ, .want = NBD_EINVAL},
 
     /* 4. flags. */
