@@ -235,6 +235,7 @@ void print_reload(json_object *r)
 	print_names("changed", r, "changed");
 	print_names("removed", r, "removed");
 	print_names("refused", r, "refused");
-	print_names("resized", r, "resized");
+	if (ctl_array_length(r, "resized")) /* a backend's new size: rare */
+		print_names("resized", r, "resized");
 	print_names("needs a restart", r, "refused_settings");
 }
