@@ -324,6 +324,12 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
 	op->pending++;
 	atomic_fetch_add(&ce->counters.backend_reads, 1);
 	atomic_fetch_add(&ce->counters.backend_read_bytes, length);
+	if (!length) {
+		/* Wholly past an end a resize moved meanwhile: zeros, no I/O
+		 * (a backend read of nothing is an error). */
+		done(&f->io, 0);
+		return 0;
+	}
 	backend_submit(ce->backend, op->worker, &f->io);
 	return 0;
 }
