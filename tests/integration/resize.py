@@ -38,6 +38,10 @@ One daemon in writeback mode with --dirty-expire 3600 and --dirty-high 90
             EINVAL
   reload    g.img extended to 48 MiB, then "reload": the reply lists g as
             resized and a new connection sees 48 MiB
+  race      random 4 KiB reads and writes around the cut on an old
+            connection while z (32 MiB) is flushed, cut to 16 MiB (or
+            refused EBUSY) and grown back, 60 times: every answer is success
+            or ENOSPC, the bytes below the cut stay, the daemon lives
   bad       resize nosuch 1M, resize a 1000 (not a multiple of the block
             size), resize a xyz, resize s/1, a fixed window w (offset=,
             size=), and a shrink of wf that would cut the window w: each
@@ -325,6 +329,55 @@ def reload(d, img):
     expect(size_of(d, "g") == 48 * MIB, "g after the reload: %d" % size_of(d, "g"))
 
 
+def race(d, img):
+    """I/O around the cut on an old connection while the export is cut and
+    grown again and again: every request succeeds or gets ENOSPC, the
+    bytes below the cut are untouched, the daemon lives."""
+    rng = random.Random(3)
+    below = nbdtest.read_at(img, 0, 8 * MIB)
+    h = nbdtest.libnbd_handle(d.unix_uri("z"))
+    stop = threading.Event()
+    answers = {}
+
+    def io():
+        while not stop.is_set():
+            off = 8 * MIB + rng.randrange(24 * MIB // 4096) * 4096
+            try:
+                if rng.random() < 0.5:
+                    h.pread(4096, off)
+                else:
+                    h.pwrite(rng.randbytes(4096), off)
+                err = 0
+            except nbd.Error as e:
+                err = e.errnum
+            answers[err] = answers.get(err, 0) + 1
+
+    t = threading.Thread(target=io)
+    t.start()
+    done = {"cut": 0, "refused": 0}
+    try:
+        for _ in range(60):
+            nbdtest.control_request(d.control, {"command": "flush", "export": "z"})
+            rep = nbdtest.control_request(d.control, {"command": "resize", "export": "z",
+                                                      "size": "16M"})
+            done["cut" if rep["ok"] else "refused"] += 1
+            expect(rep["ok"] or rep.get("errno") == "EBUSY", "resize z 16M: %r" % rep)
+            rep = nbdtest.control_request(d.control, {"command": "resize", "export": "z",
+                                                      "size": "32M"})
+            expect(rep["ok"], "resize z 32M: %r" % rep)
+    finally:
+        stop.set()
+        t.join(60)
+    log("  %r resizes; answers %r" % (done, answers))
+    expect(set(answers) <= {0, raw.ENOSPC}, "answers other than success and ENOSPC: %r"
+           % answers)
+    expect(done["cut"] > 0 and answers.get(raw.ENOSPC, 0) > 0,
+           "no cut succeeded or no request met the cut: %r %r" % (done, answers))
+    h.flush()
+    expect(h.pread(8 * MIB, 0) == below, "the bytes below the cut changed")
+    h.shutdown()
+
+
 def bad(d, imgs):
     cases = [
         (("resize", "nosuch", "1M"), "no such export 'nosuch'"),
@@ -347,7 +400,8 @@ def bad(d, imgs):
 
 def main():
     with nbdtest.tempdir() as tmp:
-        sizes = {"a": 64, "s": 32, "d": 64, "r": 64, "n": 64, "ro": 64, "g": 16, "wf": 32}
+        sizes = {"a": 64, "s": 32, "d": 64, "r": 64, "n": 64, "ro": 64, "g": 16, "wf": 32,
+                 "z": 32}
         imgs = {}
         for name, mib in sizes.items():
             imgs[name] = os.path.join(tmp, name + ".img")
@@ -355,7 +409,8 @@ def main():
         exports = [("a", imgs["a"], ""), ("s", imgs["s"], "split=16M"), ("d", imgs["d"], ""),
                    ("r", imgs["r"], "allow-resize"), ("n", imgs["n"], ""),
                    ("ro", imgs["ro"], "allow-resize,readonly"), ("g", imgs["g"], ""),
-                   ("wf", imgs["wf"], ""), ("w", imgs["wf"], "offset=0,size=16M")]
+                   ("wf", imgs["wf"], ""), ("w", imgs["wf"], "offset=0,size=16M"),
+                   ("z", imgs["z"], "")]
         extra = ["--cache-size", "256M", "--cache-mode", "writeback", "--dirty-expire", "3600",
                  "--dirty-high", "90", "--dirty-low", "80"]
         with nbdtest.running_daemon(exports, extra=extra) as d:
@@ -365,6 +420,7 @@ def main():
             CHECKS.run("shrink", shrink, d, imgs["d"])
             CHECKS.run("raw", raw_resize, d, imgs)
             CHECKS.run("reload", reload, d, imgs["g"])
+            CHECKS.run("race", race, d, imgs["z"])
             CHECKS.run("bad", bad, d, imgs)
             CHECKS.dump_log(d)
     CHECKS.finish("resize")
