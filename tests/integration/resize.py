@@ -46,6 +46,8 @@ One daemon in writeback mode with --dirty-expire 3600 and --dirty-high 90
             size), resize a xyz, resize s/1, a fixed window w (offset=,
             size=), and a shrink of wf that would cut the window w: each
             refused with its reason, nothing changed
+  config_key  allow-resize = true in a config file advertises the flag,
+            false does not (a daemon of its own)
 """
 
 import os
@@ -398,6 +400,24 @@ def bad(d, imgs):
     expect(size_of(d, "w") == 16 * MIB, "w changed with its backend")
 
 
+def config_key(tmp):
+    """allow-resize in the config file: the flag on c only."""
+    conf = os.path.join(tmp, "resize.conf")
+    img = os.path.join(tmp, "c.img")
+    nbdtest.sparse_file(img, 16 * MIB)
+    with open(conf, "w") as f:
+        f.write("[generic]\ncache-size = 64M\n\n[c]\nexportname = %s\nallow-resize = true\n\n"
+                "[c2]\nexportname = %s\nallow-resize = false\n" % (img, img))
+    with nbdtest.running_daemon([], extra=["--config", conf]) as d:
+        flags = {}
+        for name in ("c", "c2"):
+            r = raw.RawClient(d.sock)
+            r.open(name)
+            flags[name] = bool(r.eflags & FLAG_SEND_RESIZE)
+            r.close()
+        expect(flags == {"c": True, "c2": False}, "NBD_FLAG_SEND_RESIZE: %r" % flags)
+
+
 def main():
     with nbdtest.tempdir() as tmp:
         sizes = {"a": 64, "s": 32, "d": 64, "r": 64, "n": 64, "ro": 64, "g": 16, "wf": 32,
@@ -423,6 +443,7 @@ def main():
             CHECKS.run("race", race, d, imgs["z"])
             CHECKS.run("bad", bad, d, imgs)
             CHECKS.dump_log(d)
+        CHECKS.run("config_key", config_key, tmp)
     CHECKS.finish("resize")
 
 
