@@ -13,6 +13,8 @@ One daemon in writeback mode with --dirty-expire 3600 and --dirty-high 90
   g    16 MiB file (reload)
   wf   32 MiB file, the whole of it, and
   w    a window made by hand over it: offset=0,size=16M
+  z    32 MiB file (the race test)
+  k    nbdkit memory 16M, allow-resize (an NBD backend)
 
   grow      a writer thread keeps random writes going on a connection to a
             (a byte model, a bounded count) while the file is extended with
@@ -44,15 +46,16 @@ One daemon in writeback mode with --dirty-expire 3600 and --dirty-high 90
             or ENOSPC, the bytes below the cut stay, the daemon lives
   bad       resize nosuch 1M, resize a 1000 (not a multiple of the block
             size), resize a xyz, resize s/1, a fixed window w (offset=,
-            size=), and a shrink of wf that would cut the window w: each
-            refused with its reason, nothing changed
+            size=), a shrink of wf that would cut the window w, and k (an
+            NBD backend: no new size to read, none to set, no flag even
+            with allow-resize): each refused with its reason, nothing
+            changed
   config_key  allow-resize = true in a config file advertises the flag,
             false does not (a daemon of its own)
 """
 
 import os
 import random
-import socket
 import struct
 import subprocess
 import sys
@@ -388,6 +391,8 @@ def bad(d, imgs):
         (("resize", "s/0", "1G"), "window of split export 's'"),
         (("resize", "w", "8M"), "window of fixed size"),
         (("resize", "wf", "8M"), "window 'w'"),
+        (("resize", "k"), "cannot report a new size"),
+        (("resize", "k", "32M"), "cannot be resized while it is connected"),
     ]
     for args, words in cases:
         p = ctl(d, *args)
@@ -398,6 +403,11 @@ def bad(d, imgs):
     p = ctl(d, "resize", "wf", "24M")  # the window still fits: fine
     expect(p.returncode == 0, "resize wf 24M: %r" % p.stderr)
     expect(size_of(d, "w") == 16 * MIB, "w changed with its backend")
+    k = raw.RawClient(d.sock)
+    k.open("k")
+    expect(not k.eflags & FLAG_SEND_RESIZE and k.size == 16 * MIB,
+           "k (an NBD backend, allow-resize) advertises NBD_FLAG_SEND_RESIZE or changed")
+    k.close()
 
 
 def config_key(tmp):
@@ -430,7 +440,7 @@ def main():
                    ("r", imgs["r"], "allow-resize"), ("n", imgs["n"], ""),
                    ("ro", imgs["ro"], "allow-resize,readonly"), ("g", imgs["g"], ""),
                    ("wf", imgs["wf"], ""), ("w", imgs["wf"], "offset=0,size=16M"),
-                   ("z", imgs["z"], "")]
+                   ("z", imgs["z"], ""), ("k", "nbdkit:memory 16M", "allow-resize")]
         extra = ["--cache-size", "256M", "--cache-mode", "writeback", "--dirty-expire", "3600",
                  "--dirty-high", "90", "--dirty-low", "80"]
         with nbdtest.running_daemon(exports, extra=extra) as d:
