@@ -21,16 +21,13 @@
 const char *options_usage(void)
 {
 	return "usage: nbdcached [--config FILE] [--check-config] [--foreground]\n"
-	       "                 [--listen HOST:PORT]... [--unix "
-	       "PATH[,mode=OCTAL][,group=GROUP]]...\n"
+	       "                 [--listen HOST:PORT]... [--unix PATH[,mode=OCTAL][,group=GROUP]]...\n"
 	       "                 [--control PATH|none]\n"
-	       "                 [--export "
-	       "NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]\n"
-	       "                           "
-	       "[,cache-mode=MODE][,seq-cutoff=SIZE][,max-connections=N]\n"
+	       "                 [--export NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]\n"
+	       "                           [,cache-mode=MODE][,seq-cutoff=SIZE][,max-connections=N]\n"
 	       "                           [,dirty-high=PCT][,dirty-low=PCT]\n"
-	       "                           "
-	       "[,offset=SIZE][,size=SIZE][,split=SIZE|32bit][,allow-resize]]...\n"
+	       "                           [,offset=SIZE][,size=SIZE][,split=SIZE|32bit]\n"
+	       "                           [,allow-resize]]...\n"
 	       "                 [--threads N] [--pidfile FILE] [--log-level LEVEL]\n"
 	       "                 [--user USER] [--group GROUP] [--max-connections N]\n"
 	       "                 [--cache-size SIZE] [--hugepages auto|require|off]\n"
@@ -52,10 +49,10 @@ const char *options_usage(void)
 	       "BACKEND is a file or block device, an NBD URI (nbd://HOST[:PORT]/NAME,\n"
 	       "nbd+unix:///NAME?socket=PATH, nbds://...) or nbdkit:PLUGIN [ARG...].\n"
 	       "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
-	       "writearound or none. SIZE takes a K, M, G or T suffix. Default "
-	       "listen: " OPTIONS_DEFAULT_LISTEN " (when neither --listen nor --unix is given).\n"
-	       "The empty export name selects the first export. FILE (nbdcached.conf(5)) "
-	       "is\n" OPTIONS_DEFAULT_CONFIG " when it exists and no --export is given;\n"
+	       "writearound or none. SIZE takes a K, M, G or T suffix. Default listen: "
+	       OPTIONS_DEFAULT_LISTEN " (when neither --listen nor --unix is given).\n"
+	       "The empty export name selects the first export. FILE (nbdcached.conf(5)) is\n"
+	       OPTIONS_DEFAULT_CONFIG " when it exists and no --export is given;\n"
 	       "the command line wins over it. SIGHUP re-reads it.\n";
 }
 

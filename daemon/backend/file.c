@@ -589,11 +589,11 @@ static int file_set_size(struct backend *be, uint64_t size)
 }
 
 static const struct backend_ops file_ops = {
-    .kind = "file",
-    .submit = file_submit,
-    .close = file_close,
-    .probe_size = file_probe_size,
-    .set_size = file_set_size,
+	.kind = "file",
+	.submit = file_submit,
+	.close = file_close,
+	.probe_size = file_probe_size,
+	.set_size = file_set_size,
 };
 
 /*

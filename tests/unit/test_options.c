@@ -498,8 +498,8 @@ static void test_allow_resize(void **state)
 	(void)state;
 	struct options o;
 	char err[256] = "";
-	char *argv[] = {"nbdcached", "--export", "a=/x,allow-resize,description=grows",
-			"--export",  "b=/y",	 NULL};
+	char *argv[] = {"nbdcached", "--export", "a=/x,allow-resize,description=grows", "--export",
+			"b=/y", NULL};
 	assert_int_equal(parse(argv, 5, &o, err, sizeof(err)), 0);
 	assert_true(o.exports[0].allow_resize);
 	assert_string_equal(o.exports[0].description, "grows");
@@ -603,22 +603,22 @@ static void test_help_and_version(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-	    cmocka_unit_test(test_defaults),
-	    cmocka_unit_test(test_full_command_line),
-	    cmocka_unit_test(test_unix_only_has_no_default_tcp),
-	    cmocka_unit_test(test_rejections),
-	    cmocka_unit_test(test_cache_settings),
-	    cmocka_unit_test(test_compact_settings),
-	    cmocka_unit_test(test_budget_settings),
-	    cmocka_unit_test(test_stall_timeout),
-	    cmocka_unit_test(test_negotiation_timeout),
-	    cmocka_unit_test(test_tls),
-	    cmocka_unit_test(test_no_export_and_duplicates),
-	    cmocka_unit_test(test_windows),
-	    cmocka_unit_test(test_allow_resize),
-	    cmocka_unit_test(test_unix_listen),
-	    cmocka_unit_test(test_split_host_port),
-	    cmocka_unit_test(test_help_and_version),
+		cmocka_unit_test(test_defaults),
+		cmocka_unit_test(test_full_command_line),
+		cmocka_unit_test(test_unix_only_has_no_default_tcp),
+		cmocka_unit_test(test_rejections),
+		cmocka_unit_test(test_cache_settings),
+		cmocka_unit_test(test_compact_settings),
+		cmocka_unit_test(test_budget_settings),
+		cmocka_unit_test(test_stall_timeout),
+		cmocka_unit_test(test_negotiation_timeout),
+		cmocka_unit_test(test_tls),
+		cmocka_unit_test(test_no_export_and_duplicates),
+		cmocka_unit_test(test_windows),
+		cmocka_unit_test(test_allow_resize),
+		cmocka_unit_test(test_unix_listen),
+		cmocka_unit_test(test_split_host_port),
+		cmocka_unit_test(test_help_and_version),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
