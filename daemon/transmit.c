@@ -453,7 +453,8 @@ static void reply_block_status(struct request *r)
 	size_t n = 0;
 	uint64_t covered = 0;
 	bool req_one = r->hdr.flags & NBD_CMD_FLAG_REQ_ONE;
-	uint64_t room = export_size(c->export) - r->hdr.offset; /* checked: above 0 */
+	uint64_t room = c->session.size - r->hdr.offset; /* checked: above 0 (an
+							  * NBD_CMD_RESIZE may grow it) */
 	for (size_t i = 0; i < r->n_extents; i++) {
 		struct nbd_extent *e = &r->extents[n];
 		*e = r->extents[i];
@@ -651,6 +652,11 @@ static void resize_done(struct export_resize_job *job)
 		result = -ENOSPC;
 	else if (result == -ENOENT)
 		result = -ESHUTDOWN; /* removed by a reload meanwhile */
+	/* The client that grew the export may use the new size at once (the
+	 * extension's words); after a shrink it keeps its old size, so that
+	 * its requests between the two ends get ENOSPC, not EINVAL. */
+	if (result == 0 && r->hdr.offset > r->conn->session.size)
+		r->conn->session.size = r->hdr.offset;
 	if (result == 0)
 		log_info("conn %llu: NBD_CMD_RESIZE: export '%s' %llu -> %llu bytes",
 			 (unsigned long long)r->conn->id, job->export->name,

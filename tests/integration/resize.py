@@ -35,9 +35,12 @@ One daemon in writeback mode with --dirty-expire 3600 and --dirty-high 90
   raw       a raw client sees NBD_FLAG_SEND_RESIZE on r only (not on n, not on
             read-only ro); NBD_CMD_RESIZE to 96 MiB is answered OK, a new
             connection sees it, the file is that long; again with extended
-            headers to 128 MiB; on n the command is EINVAL (not advertised);
-            a shrink while another connection uses r is EPERM; with a length
-            EINVAL
+            headers to 128 MiB; the client that grew r writes and reads past
+            the old end at once; a shrink while another connection uses r is
+            EPERM, by its only connection EPERM over dirty data, OK after
+            FLUSH (then its READ past the new end: ENOSPC); with a length or
+            an unaligned size EINVAL; on n the command is EINVAL (not
+            advertised)
   reload    g.img extended to 48 MiB, then "reload": the reply lists g as
             resized and a new connection sees 48 MiB
   race      random 4 KiB reads and writes around the cut on an old
@@ -285,6 +288,12 @@ def raw_resize(d, imgs):
     expect(rep.error == 0, "NBD_CMD_RESIZE to 96 MiB: error %d" % rep.error)
     expect(size_of(d, "r") == 96 * MIB, "new connection after NBD_CMD_RESIZE")
     expect(os.path.getsize(imgs["r"]) == 96 * MIB, "r.img after NBD_CMD_RESIZE")
+    # The client that grew it uses the new size at once.
+    c = r.request(raw.CMD_WRITE, 80 * MIB, 4096, payload=b"\x5a" * 4096)
+    expect(r.read_reply(c).error == 0, "WRITE past the old end by the client that grew r")
+    c = r.request(raw.CMD_READ, 80 * MIB, 4096)
+    rep = r.read_reply(c)
+    expect(rep.error == 0 and rep.data == b"\x5a" * 4096, "READ it back: error %d" % rep.error)
     c = r.request(CMD_RESIZE, 96 * MIB, 4096)
     expect(r.read_reply(c).error == raw.EINVAL, "NBD_CMD_RESIZE with a length")
     c = r.request(CMD_RESIZE, 96 * MIB + 1000, 0)
@@ -307,7 +316,12 @@ def raw_resize(d, imgs):
     nbdtest.wait_until(lambda: nbdtest.control_request(d.control, {"command": "status"})
                        ["connections"] == 1, 5)
     c = alone.request(CMD_RESIZE, 32 * MIB, 0)
-    expect(alone.read_reply(c).error == 0, "shrink of r by its only connection")
+    expect(alone.read_reply(c).error == raw.EPERM,
+           "shrink of r over the dirty block at 80 MiB (the extension's refusal: EPERM)")
+    c = alone.request(raw.CMD_FLUSH, 0, 0)
+    expect(alone.read_reply(c).error == 0, "FLUSH on r")
+    c = alone.request(CMD_RESIZE, 32 * MIB, 0)
+    expect(alone.read_reply(c).error == 0, "shrink of r by its only connection after FLUSH")
     expect(os.path.getsize(imgs["r"]) == 32 * MIB, "r.img after the shrink")
     c = alone.request(raw.CMD_READ, 40 * MIB, 4096)
     expect(alone.read_reply(c).error == raw.ENOSPC, "READ past the end the client set")
