@@ -78,6 +78,7 @@ enum {
 	K_SIZE = 1u << 13,
 	K_SPLIT = 1u << 14,
 	K_TLS = 1u << 15,
+	K_ALLOW_RESIZE = 1u << 16,
 };
 
 static int once(struct config_ctx *x, unsigned *mask, unsigned bit, const char *name)
@@ -407,6 +408,13 @@ static int export_key(struct config_ctx *x, const char *name, const char *v)
 			return 0;
 		if (options_parse_bool(v, &e->readonly) < 0)
 			return config_fail(x, "readonly %s: expected true or false", v);
+		return 1;
+	}
+	if (key_is(name, "allow-resize")) {
+		if (!once(x, &x->spec_keys, K_ALLOW_RESIZE, name))
+			return 0;
+		if (options_parse_bool(v, &e->allow_resize) < 0)
+			return config_fail(x, "allow-resize %s: expected true or false", v);
 		return 1;
 	}
 	if (key_is(name, "description")) {

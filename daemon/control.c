@@ -39,6 +39,7 @@
 #include "daemon/budget.h"
 #include "daemon/clock.h"
 #include "daemon/control_internal.h"
+#include "daemon/export.h"
 #include "daemon/log.h"
 #include "include/nbdcached/control.h"
 
@@ -224,11 +225,13 @@ static void dispatch(struct control_client *cl, const char *line, size_t len)
 		control_cmd_connections(cl);
 	else if (strcmp(cmd, "disconnect") == 0)
 		control_cmd_disconnect(cl, req);
+	else if (strcmp(cmd, "resize") == 0)
+		control_cmd_resize(cl, req);
 	else
 		control_send_error(
 		    cl, EINVAL,
 		    "unknown command '%s' (status, exports, stats, flush, drop-clean, "
-		    "compact, set-mode, reload, connections, disconnect)",
+		    "compact, set-mode, reload, connections, disconnect, resize)",
 		    cmd);
 	json_object_put(req);
 }
@@ -508,6 +511,8 @@ int control_start(const struct control_config *cfg, struct control **out)
 		return rc;
 	}
 	worker_post(&ctl->worker, &ctl->start_task);
+	/* NBD_CMD_RESIZE runs here (export_resize_post). */
+	atomic_store(&cfg->exports->resize_worker, &ctl->worker);
 	*out = ctl;
 	return 0;
 }
@@ -516,6 +521,7 @@ void control_stop(struct control *ctl)
 {
 	if (!ctl)
 		return;
+	atomic_store(&ctl->cfg.exports->resize_worker, NULL);
 	worker_post(&ctl->worker, &ctl->stop_task);
 	worker_join(&ctl->worker);
 	if (ctl->cfg.control_path)

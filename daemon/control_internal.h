@@ -10,6 +10,7 @@
  *                      drop-clean, compact; the flush a reap needs
  *   control_reload.c   reload (from SIGHUP or a client) and the reaper
  *   control_conns.c    connections, disconnect: the NBD connections
+ *   control_resize.c   resize: an export's new size (export_resize)
  *
  * Calls run one way: control.c calls into the other three; they answer
  * only through the reply functions (control_send and its helpers) and
@@ -137,6 +138,10 @@ void control_stop_when_idle(struct control *ctl);
 
 void control_cmd_connections(struct control_client *cl);
 void control_cmd_disconnect(struct control_client *cl, json_object *req);
+
+/* ---- control_resize.c ---- */
+
+void control_cmd_resize(struct control_client *cl, json_object *req);
 
 /* ---- control_reload.c ---- */
 

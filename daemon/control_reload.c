@@ -156,6 +156,8 @@ void control_reload_now(struct control *ctl, struct control_client *cl)
 					       names_array(r.removed, r.removed_count));
 			json_object_object_add(o, "refused",
 					       names_array(r.refused, r.refused_count));
+			json_object_object_add(o, "resized",
+					       names_array(r.resized, r.resized_count));
 			json_object_object_add(o, "refused_settings", refused);
 			control_send(cl, o);
 		}

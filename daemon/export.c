@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "daemon/clock.h"
+#include "daemon/export_internal.h"
 #include "daemon/log.h"
 
 static void backing_free(struct export_backing *b)
@@ -87,13 +88,7 @@ static void counter_put(struct export_counter *k)
 		free(k);
 }
 
-/* The versions being put together for the table, in order. */
-struct version_vec {
-	struct export **v;
-	size_t n, cap;
-};
-
-static int vec_push(struct version_vec *x, struct export *e)
+int vec_push(struct version_vec *x, struct export *e)
 {
 	if (x->n == x->cap) {
 		size_t cap = x->cap ? 2 * x->cap : 16;
@@ -107,13 +102,6 @@ static int vec_push(struct version_vec *x, struct export *e)
 	return 0;
 }
 
-/* Where a version's bytes are and what it is called. */
-struct version_place {
-	const char *name, *description, *window_of;
-	uint64_t offset, size; /* size 0: to the backend's end */
-	uint64_t split;
-};
-
 /* What a version does with its bytes, from its configuration. */
 static void policy_of_spec(struct export *p, const struct export_spec *spec,
 			   const struct export_backing *b)
@@ -125,13 +113,15 @@ static void policy_of_spec(struct export *p, const struct export_spec *spec,
 	p->dirty_low = spec->dirty_low;
 	p->seq_cutoff = spec->seq_cutoff;
 	p->tls_require = spec->tls_require;
+	p->allow_resize = spec->allow_resize;
 }
 
 static bool same_policy(const struct export *a, const struct export *b)
 {
 	return a->readonly == b->readonly && a->max_connections == b->max_connections &&
 	       a->dirty_high == b->dirty_high && a->dirty_low == b->dirty_low &&
-	       a->seq_cutoff == b->seq_cutoff && a->tls_require == b->tls_require;
+	       a->seq_cutoff == b->seq_cutoff && a->tls_require == b->tls_require &&
+	       a->allow_resize == b->allow_resize;
 }
 
 /* A window's size on a backend of end bytes: as given, or (0) to its end. */
@@ -140,7 +130,7 @@ static uint64_t window_size(uint64_t offset, uint64_t size, uint64_t end)
 	return size ? size : (offset < end ? end - offset : 0);
 }
 
-static uint64_t window_count(uint64_t size, uint64_t split)
+uint64_t window_count(uint64_t size, uint64_t split)
 {
 	return split ? size / split + (size % split != 0) : 0;
 }
@@ -170,9 +160,9 @@ static uint64_t place_size(const struct version_place *at, const struct export_b
  * policy's settings, at's place, and counter (NULL: a new one). -EINVAL,
  * logged, when the place does not fit the backend.
  */
-static int version_make(const struct export *policy, struct export_backing *b,
-			const struct version_place *at, struct export_counter *counter,
-			struct export **out)
+int version_make(const struct export *policy, struct export_backing *b,
+		 const struct version_place *at, struct export_counter *counter,
+		 struct export **out)
 {
 	const char *why = NULL;
 	uint64_t size = place_size(at, b, &why);
@@ -210,6 +200,8 @@ static int version_make(const struct export *policy, struct export_backing *b,
 	e->dirty_low = policy->dirty_low;
 	e->seq_cutoff = policy->seq_cutoff;
 	e->tls_require = policy->tls_require;
+	e->allow_resize = policy->allow_resize;
+	e->to_end = at->size == 0;
 	e->offset = at->offset;
 	e->size = size;
 	e->split = at->split;
@@ -221,7 +213,7 @@ static int version_make(const struct export *policy, struct export_backing *b,
 	return 0;
 }
 
-static void log_export(const struct export *e, const char *what)
+void log_export(const struct export *e, const char *what)
 {
 	char window[96] = "";
 	if (e->offset || e->size != e->backend->size)
@@ -253,8 +245,8 @@ static void version_place_of_spec(struct version_place *at, const struct export_
  * published window that still matches (and counts its connections with
  * p's) is kept, others are new versions (named in r's added or changed).
  */
-static int windows_push(struct export_table *t, const struct export *p, struct version_vec *x,
-			struct export_reload *r)
+int windows_push(struct export_table *t, const struct export *p, struct version_vec *x,
+		 struct export_reload *r)
 {
 	uint64_t n = window_count(p->size, p->split);
 	char name[4200], description[4300];
@@ -472,9 +464,10 @@ static int push_name(char ***v, size_t *n, const char *name)
 
 void export_reload_free(struct export_reload *r)
 {
-	char **lists[] = {r->added, r->changed, r->removed, r->refused};
-	size_t counts[] = {r->added_count, r->changed_count, r->removed_count, r->refused_count};
-	for (size_t l = 0; l < 4; l++) {
+	char **lists[] = {r->added, r->changed, r->removed, r->refused, r->resized};
+	size_t counts[] = {r->added_count, r->changed_count, r->removed_count, r->refused_count,
+			   r->resized_count};
+	for (size_t l = 0; l < 5; l++) {
 		for (size_t i = 0; i < counts[l]; i++)
 			free(lists[l][i]);
 		free(lists[l]);
@@ -518,6 +511,7 @@ static bool version_differs(const struct export *old, const struct export_spec *
 	       old->max_connections != spec->max_connections ||
 	       old->dirty_high != spec->dirty_high || old->dirty_low != spec->dirty_low ||
 	       old->seq_cutoff != spec->seq_cutoff || old->tls_require != spec->tls_require ||
+	       old->allow_resize != spec->allow_resize ||
 	       cache_export_mode(old->cache) != spec->cache_mode || old->offset != spec->offset ||
 	       old->size != size || old->split != spec->split;
 }
@@ -585,7 +579,9 @@ int export_table_reload(struct export_table *t, const struct options *opts, stru
 {
 	memset(r, 0, sizeof(*r));
 	struct version_vec x = {0};
-	int rc = 0;
+	/* A backend grown (or cut) since: its exports follow first, so the
+	 * comparisons below see the size it has now. */
+	int rc = export_table_refresh(t, r);
 	for (size_t i = 0; i < opts->export_count && rc == 0; i++) {
 		const struct export_spec *spec = &opts->exports[i];
 		struct export *old = export_get(t, spec->name, strlen(spec->name));
@@ -758,6 +754,8 @@ uint16_t export_eflags(const struct export *e, bool structured)
 		f |= NBD_FLAG_SEND_WRITE_ZEROES | NBD_FLAG_SEND_FAST_ZERO;
 		if (e->backend->can_trim)
 			f |= NBD_FLAG_SEND_TRIM;
+		if (export_client_may_resize(e))
+			f |= NBD_FLAG_SEND_RESIZE;
 	}
 	return f;
 }

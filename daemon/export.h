@@ -33,6 +33,18 @@
  * hand (offset=, size=) is an export of its own, with its own rules. The
  * connection layer adds e->offset to every request's offset.
  *
+ * Resize (export_resize.c): an export without size= (e->to_end) follows
+ * its backend's size. export_resize() moves the backing's size (the
+ * backend's, then the cache's) and publishes new versions of every such
+ * export over it, with their split windows regenerated (a grown split
+ * export gains windows at its end; windows past a new end are unpublished
+ * like removed exports). A window made by hand keeps its size; a shrink
+ * that would cut it is refused. Connections keep the size they
+ * negotiated, but every request is also checked against the backend's
+ * size now (export_past_end). Resizes run on the control thread only
+ * (the control socket's resize, reload, and NBD_CMD_RESIZE through
+ * export_resize_post), so they are serial.
+ *
  * Locking: the table lock guards the published array and the backings list.
  * It is taken before any cache lock: export_table_reap holds it while it
  * asks the cache whether a backing is unflushed and retires its cache
@@ -92,6 +104,8 @@ struct export
 	unsigned dirty_high, dirty_low; /* percent, as configured */
 	uint64_t seq_cutoff;		/* sequential reads beyond this bypass the cache */
 	bool tls_require;		/* only for clients that did STARTTLS */
+	bool allow_resize;		/* clients may send NBD_CMD_RESIZE (allow-resize) */
+	bool to_end;			/* no size=: runs to the backend's end, follows resizes */
 	struct backend *backend;	/* backing->backend */
 	struct cache_export *cache;	/* backing->cache: how requests reach the backend */
 	struct export_backing *backing;
@@ -110,12 +124,16 @@ struct export_table {
 	struct cache *cache;
 	unsigned backend_timeout;
 	bool started; /* backends' threads run (after the daemon detached) */
+	/* The control thread, where resizes run (export_resize_post); set
+	 * when it starts, NULL before and after. */
+	_Atomic(struct worker *) resize_worker;
 };
 
-/* What a reload did, by export name (each array malloc'd, names too). */
+/* What a reload did, by export name (each array malloc'd, names too);
+ * resized: exports whose backend had a new size (export_table_refresh). */
 struct export_reload {
-	char **added, **changed, **removed, **refused;
-	size_t added_count, changed_count, removed_count, refused_count;
+	char **added, **changed, **removed, **refused, **resized;
+	size_t added_count, changed_count, removed_count, refused_count, resized_count;
 };
 
 /* Open every export's backend and attach it to the cache. On error logs
@@ -160,6 +178,64 @@ void export_reload_free(struct export_reload *r);
 void export_table_reap(struct export_table *table,
 		       void (*start_flush)(struct export_backing *b, void *arg), void *arg);
 void export_reap_flushed(struct export_backing *b, int result);
+
+/* ---- online resize (export_resize.c) ---- */
+
+struct export_resize_result {
+	uint64_t old_size, new_size; /* the export's, as clients see it */
+	uint64_t dirty_past;	     /* a refused shrink: dirty bytes past the new end */
+	char message[320];	     /* why it failed, in words (empty on success) */
+};
+
+/*
+ * Resize export name to size bytes (has_size), or to what its backend has
+ * now (a file or block device grown or cut by someone else). A file is
+ * extended or cut to the new size; a block device takes sizes up to its
+ * own; an NBD backend cannot be resized while connected (-ENOTSUP). A
+ * shrink is refused (-EBUSY) while the cut-off part holds data that is
+ * dirty, unstable or in use: FLUSH, then resize again. -ENOENT: no such
+ * export; -EINVAL: a window (resize its export, or change size= in the
+ * config) or SIZE not a multiple of the block size. Control thread only.
+ */
+int export_resize(struct export_table *t, const char *name, bool has_size, uint64_t size,
+		  struct export_resize_result *out);
+/* Reload: every backing whose backend has a new size (probed) is resized
+ * as export_resize would, names appended to r->resized. Control thread. */
+int export_table_refresh(struct export_table *t, struct export_reload *r);
+
+/* NBD_CMD_RESIZE from a connection's worker, run on the control thread:
+ * fill the first fields, then export_resize_post(); done(job) runs on
+ * reply_to with result and res set. */
+struct export_resize_job {
+	struct export_table *table;
+	struct export *export; /* the connection's version (referenced by it) */
+	uint64_t size;	       /* the new size */
+	struct worker *reply_to;
+	void (*done)(struct export_resize_job *job);
+	int result;
+	struct export_resize_result res;
+	struct worker_task task; /* private */
+};
+/* ESHUTDOWN at once (done runs before it returns) when the control thread
+ * is not running. */
+void export_resize_post(struct export_resize_job *job);
+
+/* Is a request on connection version e for bytes [offset, offset+length)
+ * of e past the end of its backend now (a shrink since it negotiated)? */
+static inline bool export_past_end(const struct export *e, uint64_t offset, uint64_t length)
+{
+	uint64_t end = atomic_load(&e->backend->size);
+	uint64_t at = e->offset + offset;
+	return at > end || length > end - at;
+}
+
+/* May clients send NBD_CMD_RESIZE (NBD_FLAG_SEND_RESIZE)? allow-resize, a
+ * whole export (not a window), writable, on a backend that can be resized. */
+static inline bool export_client_may_resize(const struct export *e)
+{
+	return e->allow_resize && e->to_end && !e->window_of && !e->readonly &&
+	       e->backend->ops->set_size;
+}
 
 /* Transmission flags for an export, given what the client negotiated. */
 uint16_t export_eflags(const struct export *e, bool structured);

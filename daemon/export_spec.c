@@ -56,12 +56,14 @@ static bool is_known_key(const char *s, size_t n)
 {
 	if (access_list_key(s, n))
 		return true;
-	return (n == 8 && memcmp(s, "readonly", 8) == 0) || starts_with(s, n, "description=") ||
-	       starts_with(s, n, "block-size=") || starts_with(s, n, "cache-mode=") ||
-	       starts_with(s, n, "seq-cutoff=") || starts_with(s, n, "max-connections=") ||
-	       starts_with(s, n, "dirty-high=") || starts_with(s, n, "dirty-low=") ||
-	       starts_with(s, n, "offset=") || starts_with(s, n, "size=") ||
-	       starts_with(s, n, "split=") || starts_with(s, n, "tls=");
+	return (n == 8 && memcmp(s, "readonly", 8) == 0) ||
+	       (n == 12 && memcmp(s, "allow-resize", 12) == 0) ||
+	       starts_with(s, n, "description=") || starts_with(s, n, "block-size=") ||
+	       starts_with(s, n, "cache-mode=") || starts_with(s, n, "seq-cutoff=") ||
+	       starts_with(s, n, "max-connections=") || starts_with(s, n, "dirty-high=") ||
+	       starts_with(s, n, "dirty-low=") || starts_with(s, n, "offset=") ||
+	       starts_with(s, n, "size=") || starts_with(s, n, "split=") ||
+	       starts_with(s, n, "tls=");
 }
 
 /* Copy the value of "key=value" (n bytes at p) into buf; -EINVAL if too long. */
@@ -173,6 +175,8 @@ int options_parse_export(const char *text, struct export_spec *out, char *err, s
 		}
 		if (n == 8 && memcmp(p, "readonly", 8) == 0) {
 			out->readonly = true;
+		} else if (n == 12 && memcmp(p, "allow-resize", 12) == 0) {
+			out->allow_resize = true;
 		} else if (starts_with(p, n, "block-size=")) {
 			char buf[32];
 			if (key_value(p, n, "block-size=", buf, sizeof(buf)) < 0 ||

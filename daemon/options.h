@@ -12,7 +12,7 @@
  *             [--export NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]
  *                       [,cache-mode=MODE][,seq-cutoff=SIZE][,max-connections=N]
  *                       [,dirty-high=PCT][,dirty-low=PCT]
- *                       [,offset=SIZE][,size=SIZE][,split=SIZE|32bit]]...
+ *                       [,offset=SIZE][,size=SIZE][,split=SIZE|32bit][,allow-resize]]...
  *             [--threads N] [--pidfile FILE] [--log-level LEVEL]
  *             [--cache-size SIZE] [--hugepages auto|require|off]
  *             [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]
@@ -106,6 +106,9 @@ struct export_spec {
 	/* tls = require: only clients that did STARTTLS may use it (needs the
 	 * global tls on or require). */
 	bool tls_require;
+	/* allow-resize: clients may send NBD_CMD_RESIZE (advertised with
+	 * NBD_FLAG_SEND_RESIZE on a writable export; export_resize.c). */
+	bool allow_resize;
 	/* Which of the above were given (the rest come from struct options). */
 	bool has_block_size, has_seq_cutoff, has_max_connections, has_dirty_high, has_dirty_low;
 	/* Where it was defined: "FILE:LINE" or NULL (command line). */

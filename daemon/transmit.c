@@ -453,7 +453,8 @@ static void reply_block_status(struct request *r)
 	size_t n = 0;
 	uint64_t covered = 0;
 	bool req_one = r->hdr.flags & NBD_CMD_FLAG_REQ_ONE;
-	uint64_t room = export_size(c->export) - r->hdr.offset; /* checked: above 0 */
+	uint64_t room = c->session.size - r->hdr.offset; /* checked: above 0 (an
+							  * NBD_CMD_RESIZE may grow it) */
 	for (size_t i = 0; i < r->n_extents; i++) {
 		struct nbd_extent *e = &r->extents[n];
 		*e = r->extents[i];
@@ -492,7 +493,10 @@ static void reply_refused(struct conn *c, const struct nbd_request *req, uint32_
 		why = "the export is read-only";
 		break;
 	case NBD_ENOSPC:
-		why = "the request goes past the end of the export";
+		why = req->type == NBD_CMD_WRITE || req->type == NBD_CMD_WRITE_ZEROES
+			  ? "the request goes past the end of the export"
+			  : "the request goes past the end of the export (resized smaller since "
+			    "this connection began)";
 		break;
 	case NBD_EOVERFLOW:
 		why = "the request is longer than the maximum payload";
@@ -615,6 +619,72 @@ void request_start(struct request *r)
 	cache_submit(&r->op);
 }
 
+/* Does the command address bytes of the export (offset, length)? */
+static bool has_range(uint16_t type)
+{
+	return type == NBD_CMD_READ || type == NBD_CMD_WRITE || type == NBD_CMD_TRIM ||
+	       type == NBD_CMD_WRITE_ZEROES || type == NBD_CMD_CACHE ||
+	       type == NBD_CMD_BLOCK_STATUS;
+}
+
+/*
+ * NBD_CMD_RESIZE: rare, and it may cut or extend a file and walk the
+ * cache, so it runs on the control thread (export_resize_post, serial
+ * with every other resize and reload) and is answered here when done.
+ * The request holds its connection meanwhile.
+ */
+struct resize_request {
+	struct export_resize_job job;
+	struct request *r;
+};
+
+static void resize_done(struct export_resize_job *job)
+{
+	struct resize_request *rr = (struct resize_request *)job;
+	struct request *r = rr->r;
+	int result = job->result;
+	/* The extension's errors: a refusal is EPERM (a shrink over dirty
+	 * data, another connection, a window), ENOSPC and ESHUTDOWN as they
+	 * are, EINVAL for a size the export cannot have; the rest EIO. */
+	if (result == -EBUSY || result == -ENOTSUP)
+		result = -EPERM;
+	else if (result == -EFBIG)
+		result = -ENOSPC;
+	else if (result == -ENOENT)
+		result = -ESHUTDOWN; /* removed by a reload meanwhile */
+	/* The client that grew the export may use the new size at once (the
+	 * extension's words); after a shrink it keeps its old size, so that
+	 * its requests between the two ends get ENOSPC, not EINVAL. */
+	if (result == 0 && r->hdr.offset > r->conn->session.size)
+		r->conn->session.size = r->hdr.offset;
+	if (result == 0)
+		log_info("conn %llu: NBD_CMD_RESIZE: export '%s' %llu -> %llu bytes",
+			 (unsigned long long)r->conn->id, job->export->name,
+			 (unsigned long long)job->res.old_size,
+			 (unsigned long long)job->res.new_size);
+	free(rr);
+	request_finish(r, result);
+}
+
+static void resize_start(struct request *r)
+{
+	struct conn *c = r->conn;
+	struct resize_request *rr = calloc(1, sizeof(*rr));
+	if (!rr) {
+		request_finish(r, -ENOMEM);
+		return;
+	}
+	rr->r = r;
+	rr->job.table = c->worker->exports;
+	rr->job.export = c->export;
+	rr->job.size = r->hdr.offset;
+	rr->job.reply_to = c->worker;
+	rr->job.done = resize_done;
+	log_debug("conn %llu: NBD_CMD_RESIZE to %llu bytes", (unsigned long long)c->id,
+		  (unsigned long long)r->hdr.offset);
+	export_resize_post(&rr->job);
+}
+
 /* Drop payload bytes of a refused request as they arrive; then answer it. */
 static int discard_step(struct conn *c, struct evbuffer *in)
 {
@@ -647,6 +717,12 @@ int transmit_step(struct conn *c)
 		return -1;
 	}
 	int verdict = nbd_check_request(&req, &c->session);
+	/* Within the size this connection negotiated, but past the end of a
+	 * backend resized smaller since: ENOSPC, as the resize extension asks
+	 * for requests between a new end and the old one. */
+	if (verdict == NBD_SUCCESS && has_range(req.type) &&
+	    export_past_end(c->export, req.offset, req.length))
+		verdict = NBD_ENOSPC;
 	if (verdict == NBD_CHECK_DISCONNECT) {
 		conn_kill(c, "request payload above the maximum");
 		return -1;
@@ -712,6 +788,10 @@ int transmit_step(struct conn *c)
 	}
 	if (req.payload_length)
 		evbuffer_remove(in, r->buf, buf_len);
+	if (req.type == NBD_CMD_RESIZE) {
+		resize_start(r);
+		return 1;
+	}
 	log_debug("conn %llu: %s flags 0x%x offset %llu length %llu", (unsigned long long)c->id,
 		  nbd_cmd_name(req.type), req.flags, (unsigned long long)req.offset,
 		  (unsigned long long)req.length);

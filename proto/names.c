@@ -57,6 +57,7 @@ const char *nbd_cmd_name(uint16_t type)
 		NAME(NBD_CMD_CACHE);
 		NAME(NBD_CMD_WRITE_ZEROES);
 		NAME(NBD_CMD_BLOCK_STATUS);
+		NAME(NBD_CMD_RESIZE);
 	default:
 		return "unknown";
 	}

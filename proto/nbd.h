@@ -102,6 +102,17 @@
 #define NBD_CMD_CACHE 5
 #define NBD_CMD_WRITE_ZEROES 6
 #define NBD_CMD_BLOCK_STATUS 7
+/*
+ * The experimental RESIZE extension (NetworkBlockDevice/nbd, branch
+ * extension-resize, doc/proto.md; master lists the bit and the number as
+ * reserved for it): a client may send it only when the server set
+ * NBD_FLAG_SEND_RESIZE (bit 9 of the transmission flags, above). The new
+ * size is the request's offset field (64 bits under both header forms);
+ * no payload, and the length is not used (we take 0 only, as for FLUSH).
+ * Errors it names: EPERM (not allowed; optionally a shrink while others
+ * use the export), EIO, ENOSPC (a grow without room), ESHUTDOWN.
+ */
+#define NBD_CMD_RESIZE 8
 
 /* Command flags. */
 #define NBD_CMD_FLAG_FUA (1u << 0)

@@ -144,6 +144,8 @@ static bool command_available(uint16_t type, const struct nbd_session *s)
 		return s->eflags & NBD_FLAG_SEND_FLUSH;
 	case NBD_CMD_BLOCK_STATUS:
 		return s->structured && s->block_status;
+	case NBD_CMD_RESIZE:
+		return s->eflags & NBD_FLAG_SEND_RESIZE;
 	default:
 		return true;
 	}
@@ -169,7 +171,7 @@ int nbd_check_request(const struct nbd_request *req, const struct nbd_session *s
 
 	if (req->type == NBD_CMD_DISC)
 		return NBD_SUCCESS;
-	if (req->type > NBD_CMD_BLOCK_STATUS)
+	if (req->type > NBD_CMD_RESIZE)
 		return NBD_EINVAL;
 
 	err = check_flags(req, s);
@@ -190,6 +192,9 @@ int nbd_check_request(const struct nbd_request *req, const struct nbd_session *s
 
 	if (req->type == NBD_CMD_FLUSH)
 		return (req->offset != 0 || req->length != 0) ? NBD_EINVAL : NBD_SUCCESS;
+	/* RESIZE: offset is the new size, which the server judges (not a range). */
+	if (req->type == NBD_CMD_RESIZE)
+		return req->length != 0 ? NBD_EINVAL : NBD_SUCCESS;
 
 	if (req->type == NBD_CMD_READ && req->length > s->max_payload)
 		return s->structured ? NBD_EOVERFLOW : NBD_EINVAL;

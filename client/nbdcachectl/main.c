@@ -75,6 +75,7 @@ static const struct command commands[] = {
     {"windows", {NULL}, 1, 1, NULL, run_windows},
     {"connections", {NULL}, 0, 0, print_connections, run_simple},
     {"disconnect", {NULL}, 1, 1, NULL, run_disconnect},
+    {"resize", {"export", "size"}, 1, 2, print_resize, run_simple},
 };
 
 static void usage(FILE *f)
@@ -84,7 +85,7 @@ static void usage(FILE *f)
 	      "          | drop-clean EXPORT | compact | set-mode EXPORT MODE | reload\n"
 	      "          | top [--count N] [--interval SECONDS]\n"
 	      "          | attach EXPORT [DEVICE] [--run] | windows EXPORT\n"
-	      "          | connections | disconnect ID\n"
+	      "          | connections | disconnect ID | resize EXPORT [SIZE]\n"
 	      "default control socket: " NBDCACHED_CONTROL_DEFAULT "\n"
 	      "exit status: 0 success, 1 the daemon refused or could not be reached, 2 usage\n",
 	      f);

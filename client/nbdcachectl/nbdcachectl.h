@@ -40,6 +40,7 @@ void print_status(json_object *r);
 void print_exports(json_object *r);
 void print_stats(json_object *r);
 void print_drop_clean(json_object *r);
+void print_resize(json_object *r);
 void print_compact(json_object *r);
 void print_set_mode(json_object *r);
 void print_reload(json_object *r);

@@ -1,6 +1,6 @@
 /*
  * client/nbdcachectl/show.c: the one-request commands' replies for people
- * (status, exports, stats, drop-clean, compact, set-mode, reload).
+ * (status, exports, stats, drop-clean, compact, set-mode, reload, resize).
  */
 #include <inttypes.h>
 #include <stdint.h>
@@ -192,6 +192,14 @@ void print_drop_clean(json_object *r)
 	       SIZE(ctl_get_int(r, "dropped_bytes")), SIZE(ctl_get_int(r, "kept_bytes")));
 }
 
+void print_resize(json_object *r)
+{
+	int64_t was = ctl_get_int(r, "old_size"), now = ctl_get_int(r, "new_size");
+	printf("%s: %s -> %s (%" PRId64 " -> %" PRId64 " bytes)\n",
+	       ctl_get_string(r, "export") ? ctl_get_string(r, "export") : "?", SIZE(was),
+	       SIZE(now), was, now);
+}
+
 void print_compact(json_object *r)
 {
 	printf("moved %" PRId64 " entries, skipped %" PRId64 " pinned, collapsed %" PRId64
@@ -227,5 +235,7 @@ void print_reload(json_object *r)
 	print_names("changed", r, "changed");
 	print_names("removed", r, "removed");
 	print_names("refused", r, "refused");
+	if (ctl_array_length(r, "resized")) /* a backend's new size: rare */
+		print_names("resized", r, "resized");
 	print_names("needs a restart", r, "refused_settings");
 }

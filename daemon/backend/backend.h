@@ -30,6 +30,7 @@
 #ifndef NBDCACHED_DAEMON_BACKEND_H
 #define NBDCACHED_DAEMON_BACKEND_H
 
+#include <errno.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -99,11 +100,20 @@ struct backend_ops {
 	/* Optional: start threads (after the daemon has detached). */
 	int (*start)(struct backend *be);
 	void (*close)(struct backend *be);
+	/* Optional (online resize, control thread): the size the backend has
+	 * now (a file grown or cut by someone else, a block device resized). */
+	int (*probe_size)(struct backend *be, uint64_t *size);
+	/* Optional: make the backend size bytes long (a file: ftruncate; a
+	 * block device: only up to what it has). Does not change be->size:
+	 * the export table publishes the new size when the cache follows. */
+	int (*set_size)(struct backend *be, uint64_t size);
 };
 
 struct backend {
 	const struct backend_ops *ops;
-	uint64_t size;
+	/* Bytes; an online resize (export_resize.c) moves it, so any thread
+	 * reads it atomically. */
+	atomic_uint_fast64_t size;
 	bool readonly;	   /* the backend itself cannot be written */
 	bool can_trim;	   /* TRIM does something */
 	bool can_zero;	   /* WRITE_ZEROES is native (fast) */
@@ -147,6 +157,18 @@ static inline void backend_submit(struct backend *be, struct worker *w, struct b
 	io->progress = 0;
 	io->stage = 0;
 	be->ops->submit(be, io);
+}
+
+/* -ENOTSUP when the backend cannot (an NBD server: libnbd learns the size
+ * once per connection). */
+static inline int backend_probe_size(struct backend *be, uint64_t *size)
+{
+	return be->ops->probe_size ? be->ops->probe_size(be, size) : -ENOTSUP;
+}
+
+static inline int backend_set_size(struct backend *be, uint64_t size)
+{
+	return be->ops->set_size ? be->ops->set_size(be, size) : -ENOTSUP;
 }
 
 static inline void backend_close(struct backend *be)

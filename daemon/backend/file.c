@@ -555,10 +555,45 @@ static void file_close(struct backend *be)
 	free(fb);
 }
 
+/* The file's or device's size now: st_size, or BLKGETSIZE64. */
+static int file_probe_size(struct backend *be, uint64_t *size)
+{
+	struct file_backend *fb = to_file(be);
+	if (fb->is_block_device)
+		return ioctl(fb->fd, BLKGETSIZE64, size) < 0 ? -errno : 0;
+	struct stat st;
+	if (fstat(fb->fd, &st) < 0)
+		return -errno;
+	*size = (uint64_t)st.st_size;
+	return 0;
+}
+
+/*
+ * A regular file is cut or extended (the new bytes read as zeros); a block
+ * device cannot be: it takes any size up to what it has (the export ends
+ * earlier), and -ENOSPC past that.
+ */
+static int file_set_size(struct backend *be, uint64_t size)
+{
+	struct file_backend *fb = to_file(be);
+	if (size > NBD_MAX_OFFSET)
+		return -EFBIG;
+	if (fb->is_block_device) {
+		uint64_t have;
+		int rc = file_probe_size(be, &have);
+		return rc < 0 ? rc : size > have ? -ENOSPC : 0;
+	}
+	if (be->readonly)
+		return -EROFS;
+	return ftruncate(fb->fd, (off_t)size) < 0 ? -errno : 0;
+}
+
 static const struct backend_ops file_ops = {
 	.kind = "file",
 	.submit = file_submit,
 	.close = file_close,
+	.probe_size = file_probe_size,
+	.set_size = file_set_size,
 };
 
 /*

@@ -685,15 +685,33 @@ void cache_index_destroy(struct cache *c)
 
 /* ---- dropping an export's clean entries ---- */
 
+/* The bytes of e's dirty blocks at or past device offset from. */
+static uint64_t dirty_bytes_from(struct cache_entry *e, uint64_t from)
+{
+	if (!cache_entry_ndirty(e))
+		return 0;
+	const struct cache_export *ce = cache_entry_export(e);
+	struct cache_map dirty = cache_dirty_map(e);
+	uint64_t base = cache_entry_offset(e), n = 0;
+	for (uint32_t b = 0; b < cache_entry_nblocks(e); b++)
+		if (base + ((uint64_t)(b + 1) << ce->block_shift) > from && map_test(dirty, b))
+			n += ce->block_size;
+	return n;
+}
+
 /*
- * Evict every clean, idle entry of the export. The export's range list is
- * copied under its lock first (the lock order puts shard locks before the
- * export lock), then each range is looked up again under its shard lock.
+ * Evict every clean, idle entry of the export that ends past device offset
+ * from (0: all of them); *busy counts those that cannot go (dirty, unstable,
+ * under writeback or pinned), *dirty_past their dirty bytes past from. The
+ * export's range list is copied under its lock first (the lock order puts
+ * shard locks before the export lock), then each range is looked up again
+ * under its shard lock.
  */
-int cache_export_drop_clean(struct cache_export *ce, uint64_t *dropped, uint64_t *kept)
+int cache_export_drop_from(struct cache_export *ce, uint64_t from, uint64_t *dropped,
+			   uint64_t *busy, uint64_t *dirty_past)
 {
 	struct cache *c = ce->cache;
-	*dropped = 0;
+	*dropped = *busy = *dirty_past = 0;
 	pthread_mutex_lock(&ce->lock);
 	size_t n = ce->range_count, i = 0;
 	uint64_t *indexes = malloc((n ? n : 1) * sizeof(*indexes));
@@ -703,7 +721,8 @@ int cache_export_drop_clean(struct cache_export *ce, uint64_t *dropped, uint64_t
 	}
 	for (struct cache_range *r = cache_range_at(c, ce->ranges); r && i < n;
 	     r = cache_range_at(c, r->export_next))
-		indexes[i++] = r->index;
+		if (((r->index + 1) << CACHE_RANGE_SHIFT) > from)
+			indexes[i++] = r->index;
 	pthread_mutex_unlock(&ce->lock);
 	for (size_t k = 0; k < i; k++) {
 		struct cache_shard *sh = cache_shard_for(c, ce, indexes[k]);
@@ -712,8 +731,13 @@ int cache_export_drop_clean(struct cache_export *ce, uint64_t *dropped, uint64_t
 		struct cache_range *r = range_find(c, sh, ce, indexes[k]);
 		for (uint32_t j = r ? r->count : 0; r && j-- > 0;) {
 			struct cache_entry *e = cache_range_entry(r, j);
-			if (!cache_entry_evictable(e))
+			if (cache_entry_offset(e) + cache_entry_bytes(e) <= from)
 				continue;
+			if (!cache_entry_evictable(e)) {
+				*busy += 1;
+				*dirty_past += dirty_bytes_from(e, from);
+				continue;
+			}
 			*dropped += cache_entry_bytes(e);
 			bool last = r->count == 1;
 			cache_entry_destroy(c, sh, e);
@@ -724,7 +748,14 @@ int cache_export_drop_clean(struct cache_export *ce, uint64_t *dropped, uint64_t
 		pthread_mutex_unlock(&sh->lock);
 	}
 	free(indexes);
-	*kept = atomic_load(&ce->counters.cached_bytes);
 	cache_waitq_wake(c); /* room for waiting allocations */
 	return 0;
+}
+
+int cache_export_drop_clean(struct cache_export *ce, uint64_t *dropped, uint64_t *kept)
+{
+	uint64_t busy, dirty;
+	int rc = cache_export_drop_from(ce, 0, dropped, &busy, &dirty);
+	*kept = atomic_load(&ce->counters.cached_bytes);
+	return rc;
 }

@@ -276,6 +276,20 @@ void cache_set_writeback_policy(struct cache *c, unsigned high_pct, unsigned low
 /* Evict the export's clean entries that nothing uses; *kept: the bytes its
  * entries still hold (dirty, being written back, or pinned). Any thread. */
 int cache_export_drop_clean(struct cache_export *ce, uint64_t *dropped, uint64_t *kept);
+/* Evict the export's clean, unused entries that end past device offset
+ * from; *busy: how many past it cannot go (dirty, unstable, under
+ * writeback, pinned), *dirty_past: their dirty bytes past from. */
+int cache_export_drop_from(struct cache_export *ce, uint64_t from, uint64_t *dropped,
+			   uint64_t *busy, uint64_t *dirty_past);
+/*
+ * The export's backend is size bytes now (online resize): fills, readahead
+ * and writeback stop at the new end, and what the cache holds past it (or
+ * in a partial block at the old end) is dropped. -EBUSY when some of that
+ * is dirty, unstable or in use (*dirty_past: its dirty bytes); the size is
+ * then unchanged: flush and try again. The caller refuses requests past
+ * a smaller end first, and serialises resizes. Any thread.
+ */
+int cache_export_resize(struct cache_export *ce, uint64_t size, uint64_t *dirty_past);
 /* The export is gone and has no connection left: drop what it caches. Once
  * it holds nothing (0) its backend may be closed; -EBUSY while dirty or
  * pinned data remains (write it back first, then call again). */

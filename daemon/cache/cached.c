@@ -305,8 +305,11 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
 	if (!f)
 		return -ENOMEM;
 	struct cache_export *ce = op->ce;
-	if (offset + length > ce->size)
-		length = ce->size - offset;
+	uint64_t size = ce->size; /* once: a resize may move it */
+	if (offset >= size)
+		length = 0;
+	else if (offset + length > size)
+		length = size - offset;
 	f->op = op;
 	f->piece = p;
 	f->first = first;
@@ -321,6 +324,12 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
 	op->pending++;
 	atomic_fetch_add(&ce->counters.backend_reads, 1);
 	atomic_fetch_add(&ce->counters.backend_read_bytes, length);
+	if (!length) {
+		/* Wholly past an end a resize moved meanwhile: zeros, no I/O
+		 * (a backend read of nothing is an error). */
+		done(&f->io, 0);
+		return 0;
+	}
 	backend_submit(ce->backend, op->worker, &f->io);
 	return 0;
 }
@@ -358,10 +367,11 @@ static bool piece_examine(struct cache_op *op, struct cache_piece *p, struct run
 	uint32_t fill_last =
 		op->readahead && op->cmd == BACKEND_READ ? cache_entry_nblocks(e) - 1 : last;
 	const struct cache_export *ece = cache_entry_export(e);
-	uint64_t end_block = (ece->size - cache_entry_offset(e) + ece->block_size - 1) >>
-			     ece->block_shift;
+	uint64_t size = ece->size, at = cache_entry_offset(e); /* once: a resize moves it */
+	uint64_t end_block = size > at ? (size - at + ece->block_size - 1) >> ece->block_shift : 0;
 	if (fill_last >= end_block)
-		fill_last = last > end_block - 1 ? last : (uint32_t)(end_block - 1);
+		fill_last =
+		    end_block == 0 || last > end_block - 1 ? last : (uint32_t)(end_block - 1);
 	*nruns = 0;
 	for (uint32_t b = first; b <= fill_last; b++) {
 		if (b > last) { /* readahead: never waits, never counts as missing */
@@ -777,6 +787,8 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 	struct cache_export *ce = op->ce;
 	op_reset(op);
 	uint64_t end = op->offset + op->length;
+	if (end > ce->size) /* a resize cut the export since: cache_submit() refuses it */
+		return -EAGAIN;
 	if (cache_export_mode(ce) != CACHE_MODE_WRITEBACK || (op->flags & BACKEND_FUA) ||
 	    op->cmd != BACKEND_WRITE || !op->length || (op->offset & (ce->block_size - 1)) ||
 	    ((end & (ce->block_size - 1)) && end != ce->size))

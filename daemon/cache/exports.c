@@ -62,6 +62,26 @@ void cache_set_writeback_policy(struct cache *c, unsigned high_pct, unsigned low
 	cache_kick_writeback(c);
 }
 
+/*
+ * Blocks whose bytes move across the change: from the old or new end,
+ * whichever comes first, rounded down to a block (a partial last block
+ * cached at the old end holds fewer bytes than the block). The size moves
+ * first so fills started meanwhile stop at the new end; what is cached
+ * past it is dropped; if any of it cannot go, the size moves back.
+ */
+int cache_export_resize(struct cache_export *ce, uint64_t size, uint64_t *dirty_past)
+{
+	uint64_t old = atomic_exchange(&ce->size, size);
+	uint64_t from = (old < size ? old : size) & ~(uint64_t)(ce->block_size - 1);
+	uint64_t dropped, busy;
+	int rc = cache_export_drop_from(ce, from, &dropped, &busy, dirty_past);
+	if (rc == 0 && busy)
+		rc = -EBUSY;
+	if (rc < 0)
+		atomic_store(&ce->size, old);
+	return rc;
+}
+
 int cache_export_retire(struct cache_export *ce)
 {
 	uint64_t dropped, kept;

@@ -273,7 +273,8 @@ struct cache_export {
 	struct cache *cache;
 	unsigned id;
 	struct backend *backend;
-	uint64_t size;
+	/* Bytes; cache_export_resize() moves it, any thread reads it. */
+	atomic_uint_fast64_t size;
 	uint32_t block_size;
 	unsigned block_shift;
 	unsigned min_order;   /* an entry holds at least one block */

@@ -90,6 +90,14 @@ void op_reset(struct cache_op *op)
 void op_submit(struct cache_op *op)
 {
 	int rc = 0;
+	/* Past an end a resize moved since the connection checked the request
+	 * (export_resize.c moves the size before it drops what is cached past
+	 * it): the resize extension's ENOSPC, and nothing cached out there. */
+	uint64_t size = op->ce->size;
+	if (op->offset > size || op->length > size - op->offset) {
+		op_finish(op, -ENOSPC);
+		return;
+	}
 	/* TRIM and WRITE_ZEROES go in steps in every mode (direct.c): one of
 	 * 2^63 bytes must be stoppable in mode none too. */
 	if (cache_export_mode(op->ce) == CACHE_MODE_NONE && op->cmd != BACKEND_TRIM &&

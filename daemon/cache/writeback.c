@@ -320,8 +320,9 @@ static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, u
 	}
 	uint64_t off = cache_entry_offset(op->m[i0].e) + ((uint64_t)b0 << shift);
 	uint64_t end = cache_entry_offset(op->m[i1].e) + ((uint64_t)b1 << shift);
-	if (end > ce->size)
-		end = ce->size;
+	uint64_t size = ce->size; /* once: a resize may move it */
+	if (end > size)
+		end = size > off ? size : off; /* past a new end: nothing to write */
 	struct wb_io *w = calloc(1, sizeof(*w));
 	if (!w)
 		return -ENOMEM;
@@ -379,6 +380,12 @@ static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, u
 	op->pending++;
 	atomic_fetch_add(&ce->counters.backend_writes, 1);
 	atomic_fetch_add(&ce->counters.backend_write_bytes, end - off);
+	if (end == off) {
+		/* Wholly past an end a resize moved meanwhile (a write admitted
+		 * just before): nothing is left to write. */
+		wb_io_done(&w->io, 0);
+		return 0;
+	}
 	backend_submit(ce->backend, &op->wb->thread, &w->io);
 	return 0;
 }

@@ -153,9 +153,21 @@
  *     in the config and restart. export, mode, previous
  *
  *   reload
- *     Re-reads the config file, as SIGHUP does: added, changed, removed and
- *     refused (arrays of export names), refused_settings (array of strings,
- *     one per global setting that needs a restart to change)
+ *     Re-reads the config file, as SIGHUP does: added, changed, removed,
+ *     refused and resized (arrays of export names; resized: their backend
+ *     had a new size), refused_settings (array of strings, one per global
+ *     setting that needs a restart to change)
+ *
+ *   resize export: NAME [, size: SIZE]
+ *     Gives the export the size its backend has now, or SIZE bytes (a
+ *     number, or a string with a suffix K, M, G or T; a multiple of the
+ *     export's block size): export, old_size, new_size. New connections
+ *     see the new size, a split export's windows follow; open connections
+ *     keep theirs. "EBUSY": a shrink over dirty, unstable or in-use data
+ *     (the message says how many dirty bytes are past the new end; flush,
+ *     then resize again), or a window made by hand it would cut; "EINVAL":
+ *     a window, or a size that is not a multiple of the block size;
+ *     "ENOENT": no such export; "ENOTSUP": an NBD backend.
  *
  *   connections
  *     connections: array of CONNECTION objects, one per NBD connection

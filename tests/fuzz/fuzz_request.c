@@ -88,10 +88,16 @@ static void fuzz_one_request(const uint8_t *buf, size_t len, bool extended, stru
 		CHECK(extended && req.payload_length > s.max_payload);
 	if (r != NBD_SUCCESS || req.type == NBD_CMD_DISC)
 		return;
-	CHECK(req.type <= NBD_CMD_BLOCK_STATUS);
+	CHECK(req.type <= NBD_CMD_RESIZE);
 	CHECK(req.payload_length <= s.max_payload);
 	if (req.type == NBD_CMD_FLUSH) {
 		CHECK(req.offset == 0 && req.length == 0);
+		return;
+	}
+	if (req.type == NBD_CMD_RESIZE) {
+		/* The resize extension: only when advertised; offset is the new
+		 * size, not a range. */
+		CHECK((s.eflags & NBD_FLAG_SEND_RESIZE) && req.length == 0);
 		return;
 	}
 	CHECK(req.offset <= s.size && req.length <= s.size - req.offset);

@@ -491,6 +491,24 @@ static void test_windows(void **state)
 	}
 }
 
+/* allow-resize: off by default, a bare key after a comma, and not a
+ * prefix of anything else. */
+static void test_allow_resize(void **state)
+{
+	(void)state;
+	struct options o;
+	char err[256] = "";
+	char *argv[] = {"nbdcached", "--export", "a=/x,allow-resize,description=grows", "--export",
+			"b=/y", NULL};
+	assert_int_equal(parse(argv, 5, &o, err, sizeof(err)), 0);
+	assert_true(o.exports[0].allow_resize);
+	assert_string_equal(o.exports[0].description, "grows");
+	assert_false(o.exports[1].allow_resize);
+	options_free(&o);
+	char *bad[] = {"nbdcached", "--export", "a=/x,allow-resizes", NULL};
+	assert_int_equal(parse(bad, 3, &o, err, sizeof(err)), -EINVAL);
+}
+
 static void test_unix_listen(void **state)
 {
 	(void)state;
@@ -597,6 +615,7 @@ int main(void)
 		cmocka_unit_test(test_tls),
 		cmocka_unit_test(test_no_export_and_duplicates),
 		cmocka_unit_test(test_windows),
+		cmocka_unit_test(test_allow_resize),
 		cmocka_unit_test(test_unix_listen),
 		cmocka_unit_test(test_split_host_port),
 		cmocka_unit_test(test_help_and_version),

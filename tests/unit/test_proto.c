@@ -654,7 +654,7 @@ static void test_request_short_and_bad_magic(void **state)
 #define ALL_EFLAGS                                                                                 \
 	(NBD_FLAG_HAS_FLAGS | NBD_FLAG_SEND_FLUSH | NBD_FLAG_SEND_FUA | NBD_FLAG_SEND_TRIM |       \
 	 NBD_FLAG_SEND_WRITE_ZEROES | NBD_FLAG_SEND_DF | NBD_FLAG_SEND_CACHE |                     \
-	 NBD_FLAG_SEND_FAST_ZERO)
+	 NBD_FLAG_SEND_FAST_ZERO | NBD_FLAG_SEND_RESIZE)
 
 /*
  * The base session offers everything: structured replies with a meta
@@ -686,6 +686,7 @@ struct check_row {
 #define CA NBD_CMD_CACHE
 #define WZ NBD_CMD_WRITE_ZEROES
 #define BS NBD_CMD_BLOCK_STATUS
+#define RS NBD_CMD_RESIZE
 #define FUA NBD_CMD_FLAG_FUA
 #define NOHOLE NBD_CMD_FLAG_NO_HOLE
 #define DF NBD_CMD_FLAG_DF
@@ -729,9 +730,21 @@ static const struct check_row check_rows[] = {
     {"ext DISC with junk", .ext = true, .flags = 0xffdf, .type = DISC, .offset = UINT64_MAX,
      .length = UINT64_MAX, .want = OK},
     {"read-only DISC", .read_only = true, .type = DISC, .want = OK},
-    {"type 8", .type = 8, .want = NBD_EINVAL},
+    {"type 9", .type = 9, .want = NBD_EINVAL},
     {"type 0xffff", .type = 0xffff, .want = NBD_EINVAL},
-    {"ext type 8", .ext = true, .type = 8, .want = NBD_EINVAL},
+    {"ext type 9", .ext = true, .type = 9, .want = NBD_EINVAL},
+
+    /* RESIZE (8, the resize extension): only when SEND_RESIZE was sent; the
+     * offset is the new size, not a range; length 0 only. */
+    {"RESIZE without SEND_RESIZE", .eflags_clear = NBD_FLAG_SEND_RESIZE, .type = RS,
+     .offset = 2 * SZ, .want = NBD_EINVAL},
+    {"RESIZE to a larger size", .type = RS, .offset = 2 * SZ, .want = OK},
+    {"RESIZE to a smaller size", .type = RS, .offset = SZ / 2, .want = OK},
+    {"ext RESIZE past 2^32", .ext = true, .type = RS, .offset = 1ULL << 40, .want = OK},
+    {"RESIZE with a length", .type = RS, .offset = 2 * SZ, .length = 512, .want = NBD_EINVAL},
+    {"read-only RESIZE (never advertised)", .read_only = true, .eflags_clear = NBD_FLAG_SEND_RESIZE,
+     .type = RS, .offset = 2 * SZ, .want = NBD_EINVAL},
+    {"RESIZE with DF", .flags = DF, .type = RS, .offset = 2 * SZ, .want = NBD_EINVAL},
 
     /* 4. flags. */
     {"unknown flag 1<<6", .flags = 1u << 6, .type = R, .length = 1, .want = NBD_EINVAL},
@@ -1216,7 +1229,8 @@ static void test_names(void **state)
 	assert_string_equal(nbd_cmd_name(NBD_CMD_CACHE), "NBD_CMD_CACHE");
 	assert_string_equal(nbd_cmd_name(NBD_CMD_WRITE_ZEROES), "NBD_CMD_WRITE_ZEROES");
 	assert_string_equal(nbd_cmd_name(NBD_CMD_BLOCK_STATUS), "NBD_CMD_BLOCK_STATUS");
-	assert_string_equal(nbd_cmd_name(8), "unknown");
+	assert_string_equal(nbd_cmd_name(NBD_CMD_RESIZE), "NBD_CMD_RESIZE");
+	assert_string_equal(nbd_cmd_name(9), "unknown");
 	assert_string_equal(nbd_cmd_name(0xffff), "unknown");
 
 	assert_string_equal(nbd_opt_name(NBD_OPT_EXPORT_NAME), "NBD_OPT_EXPORT_NAME");
