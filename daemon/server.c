@@ -433,7 +433,7 @@ int server_run(const struct options *opts, int argc, char **argv)
 		log_info("%s", tls_err);
 	}
 	tls_creds_install(creds);
-	int rc = cache_create(opts, &s.cache);
+	int rc = cache_create(opts, threads, &s.cache);
 	if (rc < 0) {
 		log_error("cache: cannot set up %llu bytes: %s", (unsigned long long)opts->cache_size,
 			  strerror(-rc));

@@ -160,3 +160,45 @@ void cache_log_stats(struct cache *c)
 		 (unsigned long long)s.traffic.backend_flush_errors,
 		 (unsigned long long)s.traffic.losses);
 }
+
+/* ---- latency histograms ---- */
+
+/* Thread w's slot: a worker's index, the control thread's (workers),
+ * and any other thread, which is the writeback thread, the last. */
+static struct histogram_recorder *latency_of(struct cache_export *ce, const struct worker *w,
+					     enum cache_latency kind)
+{
+	unsigned last = ce->cache->latency_slots - 1;
+	unsigned slot = w->index < last ? w->index : last;
+	return &ce->latency[slot].kinds[kind];
+}
+
+void cache_export_record_latency(struct cache_export *ce, const struct worker *w,
+				 enum cache_latency kind, uint64_t ns)
+{
+	histogram_record(latency_of(ce, w, kind), ns);
+}
+
+void cache_backend_timed(struct cache_export *ce, const struct backend_io *io)
+{
+	histogram_record(latency_of(ce, io->worker, CACHE_LATENCY_BACKEND),
+			 clock_now_ns() - io->submit_ns);
+}
+
+const char *cache_latency_name(enum cache_latency kind)
+{
+	static const char *const names[CACHE_LATENCIES] = {
+	    [CACHE_LATENCY_READ_HIT] = "read_hit", [CACHE_LATENCY_READ_MISS] = "read_miss",
+	    [CACHE_LATENCY_WRITE] = "write",	   [CACHE_LATENCY_FLUSH] = "flush",
+	    [CACHE_LATENCY_BACKEND] = "backend",
+	};
+	return names[kind];
+}
+
+void cache_export_get_latency(struct cache_export *ce, enum cache_latency kind,
+			      struct histogram *out)
+{
+	memset(out, 0, sizeof(*out));
+	for (unsigned i = 0; i < ce->cache->latency_slots; i++)
+		histogram_add_recorder(out, &ce->latency[i].kinds[kind]);
+}
