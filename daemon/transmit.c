@@ -512,31 +512,34 @@ static void reply_refused(struct conn *c, const struct nbd_request *req, uint32_
 }
 
 /*
- * The request's latency, from its arrival to its reply queued, in its
- * export's histogram of its kind: READ (a hit or not), WRITE and FLUSH
- * only. The second of two clock reads per request; nothing else on the
- * hot path (cache.h, enum cache_latency).
+ * The reply in the export's statistics, on this worker's own slot: the
+ * latency from the request's arrival to its reply queued (READ, a hit or
+ * not, WRITE and FLUSH: the second of two clock reads per request), the
+ * bytes moved, an error (cache.h, cache_export_record_reply).
  */
-static void record_latency(const struct request *r)
+static void record_reply(const struct request *r, int result)
 {
-	enum cache_latency kind;
+	struct cache_reply s = {.kind = CACHE_LATENCIES, .failed = result < 0};
 	switch (r->hdr.type) {
 	case NBD_CMD_READ:
-		kind =
+		s.kind =
 		    cache_op_read_missed(&r->op) ? CACHE_LATENCY_READ_MISS : CACHE_LATENCY_READ_HIT;
+		s.read_bytes = result < 0 ? 0 : r->hdr.length;
 		break;
 	case NBD_CMD_WRITE:
-		kind = CACHE_LATENCY_WRITE;
+		s.kind = CACHE_LATENCY_WRITE;
+		s.written_bytes = result < 0 ? 0 : r->hdr.length;
 		break;
 	case NBD_CMD_FLUSH:
-		kind = CACHE_LATENCY_FLUSH;
+		s.kind = CACHE_LATENCY_FLUSH;
 		break;
 	default:
-		return;
+		break;
 	}
+	if (s.kind < CACHE_LATENCIES)
+		s.ns = clock_now_ns() - r->arrived_ns;
 	struct conn *c = r->conn;
-	cache_export_record_latency(c->export->cache, c->worker, kind,
-				    clock_now_ns() - r->arrived_ns);
+	cache_export_record_reply(c->export->cache, c->worker, &s);
 }
 
 /* The request's work is done (result 0 or -errno): reply, let it go. */
@@ -557,7 +560,7 @@ void request_finish(struct request *r, int result)
 			reply_ok(c, &r->hdr);
 		}
 	}
-	record_latency(r);
+	record_reply(r, result);
 	conn_counter_add(&c->requests, 1);
 	if (result >= 0 && r->hdr.type == NBD_CMD_READ)
 		conn_counter_add(&c->bytes_read, r->hdr.length);

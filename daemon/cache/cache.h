@@ -352,10 +352,25 @@ bool cache_all_zero(const uint8_t *p, size_t n);
 
 void cache_get_stats(struct cache *c, struct cache_stats *out);
 void cache_export_get_stats(struct cache_export *ce, struct cache_export_stats *out);
-/* Count one latency of ce, on thread w (its own slot; see enum
- * cache_latency). No lock, no read-modify-write. */
-void cache_export_record_latency(struct cache_export *ce, const struct worker *w,
-				 enum cache_latency kind, uint64_t ns);
+/*
+ * One client request answered, on worker w (its own slot: no lock, no
+ * read-modify-write): its latency in the histogram of kind (none when
+ * CACHE_LATENCIES), the bytes a successful READ or WRITE moved, whether
+ * it failed (an error reply).
+ */
+struct cache_reply {
+	enum cache_latency kind;
+	uint64_t ns;
+	uint64_t read_bytes, written_bytes;
+	bool failed;
+};
+void cache_export_record_reply(struct cache_export *ce, const struct worker *w,
+			       const struct cache_reply *r);
+/* What the workers counted of ce's replies (cache_export_record_reply). */
+struct cache_reply_stats {
+	uint64_t read_bytes, written_bytes, errors;
+};
+void cache_export_get_reply_stats(struct cache_export *ce, struct cache_reply_stats *out);
 /* The histogram of one kind, summed over the threads (any thread). */
 void cache_export_get_latency(struct cache_export *ce, enum cache_latency kind,
 			      struct histogram *out);

@@ -395,9 +395,11 @@ struct cache {
 	unsigned latency_slots;
 };
 
-/* One thread's latency histograms of an export, written by it alone. */
+/* One thread's latency histograms of an export and its counts of client
+ * replies (cache_export_record_reply), written by that thread alone. */
 struct cache_latency_slot {
 	struct histogram_recorder kinds[CACHE_LATENCIES];
+	atomic_uint_fast64_t read_bytes, written_bytes, errors;
 };
 
 /*

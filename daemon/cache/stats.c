@@ -173,10 +173,37 @@ static struct histogram_recorder *latency_of(struct cache_export *ce, const stru
 	return &ce->latency[slot].kinds[kind];
 }
 
-void cache_export_record_latency(struct cache_export *ce, const struct worker *w,
-				 enum cache_latency kind, uint64_t ns)
+/* A counter only its thread writes: a relaxed load and store. */
+static void slot_add(atomic_uint_fast64_t *k, uint64_t n)
 {
-	histogram_record(latency_of(ce, w, kind), ns);
+	atomic_store_explicit(k, atomic_load_explicit(k, memory_order_relaxed) + n,
+			      memory_order_relaxed);
+}
+
+void cache_export_record_reply(struct cache_export *ce, const struct worker *w,
+			       const struct cache_reply *r)
+{
+	unsigned last = ce->cache->latency_slots - 1;
+	struct cache_latency_slot *s = &ce->latency[w->index < last ? w->index : last];
+	if (r->kind < CACHE_LATENCIES)
+		histogram_record(&s->kinds[r->kind], r->ns);
+	if (r->read_bytes)
+		slot_add(&s->read_bytes, r->read_bytes);
+	if (r->written_bytes)
+		slot_add(&s->written_bytes, r->written_bytes);
+	if (r->failed)
+		slot_add(&s->errors, 1);
+}
+
+void cache_export_get_reply_stats(struct cache_export *ce, struct cache_reply_stats *out)
+{
+	memset(out, 0, sizeof(*out));
+	for (unsigned i = 0; i < ce->cache->latency_slots; i++) {
+		const struct cache_latency_slot *s = &ce->latency[i];
+		out->read_bytes += atomic_load_explicit(&s->read_bytes, memory_order_relaxed);
+		out->written_bytes += atomic_load_explicit(&s->written_bytes, memory_order_relaxed);
+		out->errors += atomic_load_explicit(&s->errors, memory_order_relaxed);
+	}
 }
 
 void cache_backend_timed(struct cache_export *ce, const struct backend_io *io)
