@@ -411,12 +411,13 @@ int metrics_start(int fd, struct cache *cache, struct export_table *exports, str
 	m->cache = cache;
 	m->exports = exports;
 	m->daemon =
+	    /* The logger first: options before it would log to stderr. */
 	    MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG, 0, on_accept,
-			     NULL, on_request, m, MHD_OPTION_LISTEN_SOCKET, (MHD_socket)fd,
-			     MHD_OPTION_CONNECTION_LIMIT, (unsigned)METRICS_CONNECTION_LIMIT,
-			     MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)METRICS_PER_IP_LIMIT,
-			     MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)METRICS_TIMEOUT_SECONDS,
-			     MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, NULL, MHD_OPTION_END);
+			     NULL, on_request, m, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, NULL,
+			     MHD_OPTION_LISTEN_SOCKET, (MHD_socket)fd, MHD_OPTION_CONNECTION_LIMIT,
+			     (unsigned)METRICS_CONNECTION_LIMIT, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+			     (unsigned)METRICS_PER_IP_LIMIT, MHD_OPTION_CONNECTION_TIMEOUT,
+			     (unsigned)METRICS_TIMEOUT_SECONDS, MHD_OPTION_END);
 	if (!m->daemon) {
 		free(m);
 		close(fd);
