@@ -18,6 +18,11 @@
              are), while 127.0.0.1 (Prometheus) is served
   allow      a second daemon with metrics-allow 127.0.0.2 only: 127.0.0.1 is
              refused, 127.0.0.2 served
+  reload     a third daemon with metrics, metrics-allow and metrics-deny in
+             its config file's [generic]: a reload that changes the rules
+             applies them to the next connection; one that changes the
+             address is refused (refused_settings: metrics) and the old
+             address keeps serving
 
 Prometheus is started and stopped by its PID; every wait is bounded.
 """
@@ -212,6 +217,31 @@ def allow(backend):
         expect(not refused(port, "127.0.0.2"), "metrics-allow 127.0.0.2: 127.0.0.2 refused")
 
 
+def reload(tmp, backend):
+    port, other = nbdtest.free_port(), nbdtest.free_port()
+    conf = os.path.join(tmp, "reload.conf")
+    generic = "[generic]\nmetrics = 127.0.0.1:%d\nmetrics-allow = 127.0.0.0/8\n" % port
+
+    def write(text):
+        with open(conf, "w") as f:
+            f.write(text)
+
+    write(generic + "metrics-deny = 127.0.0.2\n")
+    with nbdtest.running_daemon([("m", backend, "")], extra=["--config", conf]) as d:
+        expect(refused(port, "127.0.0.2"), "config metrics-deny 127.0.0.2: 127.0.0.2 served")
+        expect(not refused(port, "127.0.0.3"), "127.0.0.3 refused before the reload")
+        write(generic + "metrics-deny = 127.0.0.3\n")
+        r = nbdtest.control_request(d.control, {"command": "reload"})
+        expect(r.get("ok") and r.get("refused_settings") == [], "rules reload: %r" % r)
+        expect(not refused(port, "127.0.0.2"), "after the reload 127.0.0.2 is still refused")
+        expect(refused(port, "127.0.0.3"), "after the reload 127.0.0.3 is still served")
+        write(generic.replace(str(port), str(other)))
+        r = nbdtest.control_request(d.control, {"command": "reload"})
+        expect(r.get("ok") and r.get("refused_settings") == ["metrics"],
+               "a new metrics address must be refused at reload: %r" % r)
+        expect(not refused(port, "127.0.0.1"), "the old address stopped serving")
+
+
 def main():
     for tool in (PROMETHEUS, PROMTOOL):
         if not os.access(tool, os.X_OK):
@@ -243,6 +273,7 @@ def main():
                             log("---- prometheus log ----\n" + f.read()[-3000:])
             checks.dump_log(d)
         checks.run("allow", allow, backend)
+        checks.run("reload", reload, tmp, backend)
     checks.finish("metrics_prometheus")
 
 
