@@ -43,14 +43,15 @@ ALL_CFLAGS = $(OPT) -std=c11 $(WARN) -D_FORTIFY_SOURCE=2 -fstack-protector-stron
 	  $(if $(VERSION),-DNBDCACHED_VERSION='"$(VERSION)"') $(CFLAGS)
 ALL_LDFLAGS = -pthread $(SANITIZE) $(M32) $(LDFLAGS)
 
-DAEMON_LIBS := $(shell pkg-config --libs libevent_pthreads liburing libnbd libsystemd inih json-c gnutls 2>/dev/null || echo -levent -levent_pthreads -luring -lnbd -lsystemd -linih -ljson-c -lgnutls)
-DAEMON_CFLAGS := $(shell pkg-config --cflags libevent liburing libnbd libsystemd inih json-c gnutls 2>/dev/null)
+DAEMON_LIBS := $(shell pkg-config --libs libevent_pthreads liburing libnbd libsystemd inih json-c gnutls libmicrohttpd 2>/dev/null || echo -levent -levent_pthreads -luring -lnbd -lsystemd -linih -ljson-c -lgnutls -lmicrohttpd)
+DAEMON_CFLAGS := $(shell pkg-config --cflags libevent liburing libnbd libsystemd inih json-c gnutls libmicrohttpd 2>/dev/null)
 CTL_LIBS := $(shell pkg-config --libs json-c 2>/dev/null || echo -ljson-c)
 
 # The codec: pure, no dependency.
 PROTO_SRC := $(wildcard proto/*.c)
 # The daemon's dependency-free core: builds on i386 and is unit tested there.
-CORE_SRC := daemon/options.c daemon/export_spec.c daemon/option_values.c daemon/access.c daemon/log.c daemon/cache/arena.c
+CORE_SRC := daemon/options.c daemon/export_spec.c daemon/option_values.c daemon/access.c daemon/log.c daemon/cache/arena.c \
+	daemon/histogram.c
 # Everything else in the daemon needs libevent / liburing.
 DAEMON_SRC := $(filter-out $(CORE_SRC),$(wildcard daemon/*.c daemon/backend/*.c daemon/cache/*.c))
 # test_uring needs liburing and libevent: not in the -m32 build of the core.

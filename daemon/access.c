@@ -549,6 +549,7 @@ static struct {
 static void policy_free(struct access_policy *p)
 {
 	access_rules_free(&p->global);
+	access_rules_free(&p->metrics);
 	for (size_t i = 0; i < p->export_count; i++) {
 		free(p->exports[i].name);
 		access_rules_free(&p->exports[i].rules);
@@ -568,6 +569,13 @@ int access_policy_build(const struct options *opts, struct access_policy **out, 
 	int rc = access_rules_parse(&opts->access, &p->global, err, errlen);
 	if (rc < 0)
 		goto error;
+	char metrics_why[256];
+	rc = access_rules_parse(&opts->metrics_access, &p->metrics, metrics_why,
+				sizeof(metrics_why));
+	if (rc < 0) {
+		fail(err, errlen, rc, "metrics: %s", metrics_why);
+		goto error;
+	}
 	p->exports = calloc(opts->export_count ? opts->export_count : 1, sizeof(*p->exports));
 	if (!p->exports) {
 		rc = fail(err, errlen, -ENOMEM, "out of memory");

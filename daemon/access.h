@@ -163,6 +163,8 @@ struct access_policy {
 	struct access_export_rules *exports; /* only exports that have rules */
 	size_t export_count;
 	unsigned max_per_client; /* 0: unlimited */
+	/* Who may fetch /metrics (metrics-allow, metrics-deny; daemon/metrics.h). */
+	struct access_rules metrics;
 };
 
 struct options;

@@ -172,6 +172,9 @@ static int merge(struct config_ctx *x)
 	TAKE_STRING(OPT_GIVEN_ALLOW_USERS, access.allow_users);
 	TAKE_STRING(OPT_GIVEN_ALLOW_GROUPS, access.allow_groups);
 	TAKE_STRING(OPT_GIVEN_ALLOW_IDENTITIES, access.allow_identities);
+	TAKE_STRING(OPT_GIVEN_METRICS, metrics);
+	TAKE_STRING(OPT_GIVEN_METRICS_ALLOW, metrics_access.allow);
+	TAKE_STRING(OPT_GIVEN_METRICS_DENY, metrics_access.deny);
 	TAKE(OPT_GIVEN_TLS, tls);
 	TAKE(OPT_GIVEN_TLS_VERIFY_PEER, tls_verify_peer);
 	TAKE_STRING(OPT_GIVEN_TLS_CERTIFICATES, tls_certificates);

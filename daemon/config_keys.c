@@ -155,6 +155,28 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		x->set |= OPT_GIVEN_LISTEN;
 		return 1;
 	}
+	if (key_is(name, "metrics") || key_is(name, "metrics-allow") ||
+	    key_is(name, "metrics-deny")) {
+		/* metrics once; the rule lists add up, as allow and deny do. */
+		bool address = key_is(name, "metrics");
+		uint64_t bit = address			       ? OPT_GIVEN_METRICS
+			       : key_is(name, "metrics-allow") ? OPT_GIVEN_METRICS_ALLOW
+							       : OPT_GIVEN_METRICS_DENY;
+		if (address && (x->set & bit))
+			return config_fail(x, "'%s' given twice", name);
+		char why[300];
+		int rc = options_metrics_value(f,
+					       address				? "metrics"
+					       : bit == OPT_GIVEN_METRICS_ALLOW ? "metrics-allow"
+										: "metrics-deny",
+					       v, why, sizeof(why));
+		if (rc == -ENOMEM)
+			return out_of_memory(x);
+		if (rc < 0)
+			return config_fail(x, "%s", why);
+		x->set |= bit;
+		return 1;
+	}
 	if (key_is(name, "listenaddr")) {
 		if (x->listenaddr)
 			return config_fail(x, "'%s' given twice", name);

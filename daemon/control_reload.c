@@ -53,6 +53,7 @@ static void refused_globals(const struct options *was, const struct options *now
 		 !same_strings(was->unix_paths, was->unix_count, now->unix_paths, now->unix_count),
 	     "listen"},
 	    {!same_opt_string(was->control_path, now->control_path), "control"},
+	    {!same_opt_string(was->metrics, now->metrics), "metrics"},
 	    {!same_opt_string(was->user, now->user), "user"},
 	    {!same_opt_string(was->group, now->group), "group"},
 	    {!same_opt_string(was->pidfile, now->pidfile), "pidfile"},

@@ -240,6 +240,26 @@ static void traffic_fields(json_object *x, const struct cache_export_stats *s)
 	json_object_object_add(x, "commands", cmds);
 }
 
+static json_object *latency_fields(struct cache_export *ce)
+{
+	json_object *o = json_object_new_object();
+	struct histogram *h = malloc(sizeof(*h));
+	if (!h)
+		return o;
+	for (unsigned k = 0; k < CACHE_LATENCIES; k++) {
+		cache_export_get_latency(ce, k, h);
+		json_object *x = json_object_new_object();
+		control_add_u64(x, "count", histogram_count(h));
+		control_add_u64(x, "sum_ns", h->sum_ns);
+		control_add_u64(x, "p50_ns", histogram_quantile(h, 0.5));
+		control_add_u64(x, "p99_ns", histogram_quantile(h, 0.99));
+		control_add_u64(x, "p999_ns", histogram_quantile(h, 0.999));
+		json_object_object_add(o, cache_latency_name(k), x);
+	}
+	free(h);
+	return o;
+}
+
 void control_cmd_stats(struct control_client *cl, const char *only)
 {
 	struct control *ctl = cl->ctl;
@@ -331,6 +351,7 @@ void control_cmd_stats(struct control_client *cl, const char *only)
 		struct control_rate *r = rate_for(ctl, e->cache);
 		control_add_u64(x, "writeback_rate", r ? r->rate : 0);
 		control_add_u64(x, "cached_bytes", es.cached_bytes);
+		json_object_object_add(x, "latency", latency_fields(e->cache));
 		json_object_array_add(a, x);
 	}
 	json_object_object_add(o, "exports", a);

@@ -82,6 +82,10 @@ static int check_config(const struct options *opts)
 		printf("at most %u connection(s) per client\n", opts->max_connections_per_client);
 	if (strcmp(tls, "tls off") != 0)
 		printf("%s\n", tls);
+	if (opts->metrics) {
+		printf("metrics on http://%s/metrics\n", opts->metrics);
+		print_access("metrics ", &opts->metrics_access);
+	}
 	printf("config OK%s%s: %zu export(s)\n", opts->config_path ? ": " : "",
 	       opts->config_path ? opts->config_path : "", opts->export_count);
 	return 0;

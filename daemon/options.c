@@ -21,10 +21,13 @@
 const char *options_usage(void)
 {
 	return "usage: nbdcached [--config FILE] [--check-config] [--foreground]\n"
-	       "                 [--listen HOST:PORT]... [--unix PATH[,mode=OCTAL][,group=GROUP]]...\n"
+	       "                 [--listen HOST:PORT]... [--unix "
+	       "PATH[,mode=OCTAL][,group=GROUP]]...\n"
 	       "                 [--control PATH|none]\n"
-	       "                 [--export NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]\n"
-	       "                           [,cache-mode=MODE][,seq-cutoff=SIZE][,max-connections=N]\n"
+	       "                 [--export "
+	       "NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]\n"
+	       "                           "
+	       "[,cache-mode=MODE][,seq-cutoff=SIZE][,max-connections=N]\n"
 	       "                           [,dirty-high=PCT][,dirty-low=PCT]\n"
 	       "                           [,offset=SIZE][,size=SIZE][,split=SIZE|32bit]\n"
 	       "                           [,allow-resize]]...\n"
@@ -41,6 +44,8 @@ const char *options_usage(void)
 	       "                 [--allow LIST] [--deny LIST] [--allow-users LIST]\n"
 	       "                 [--allow-groups LIST] [--allow-identities IDENTITY]...\n"
 	       "                 [--max-connections-per-client N]\n"
+	       "                 [--metrics HOST:PORT] [--metrics-allow LIST] [--metrics-deny "
+	       "LIST]\n"
 	       "                 [--tls off|on|require] [--tls-certificates DIR] [--tls-psk FILE]\n"
 	       "                 [--tls-verify-peer[=true|false]] [--tls-priority STRING]\n"
 	       "An --export also takes allow=LIST, deny=LIST, allow-users=LIST,\n"
@@ -49,10 +54,10 @@ const char *options_usage(void)
 	       "BACKEND is a file or block device, an NBD URI (nbd://HOST[:PORT]/NAME,\n"
 	       "nbd+unix:///NAME?socket=PATH, nbds://...) or nbdkit:PLUGIN [ARG...].\n"
 	       "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
-	       "writearound or none. SIZE takes a K, M, G or T suffix. Default listen: "
-	       OPTIONS_DEFAULT_LISTEN " (when neither --listen nor --unix is given).\n"
-	       "The empty export name selects the first export. FILE (nbdcached.conf(5)) is\n"
-	       OPTIONS_DEFAULT_CONFIG " when it exists and no --export is given;\n"
+	       "writearound or none. SIZE takes a K, M, G or T suffix. Default "
+	       "listen: " OPTIONS_DEFAULT_LISTEN " (when neither --listen nor --unix is given).\n"
+	       "The empty export name selects the first export. FILE (nbdcached.conf(5)) "
+	       "is\n" OPTIONS_DEFAULT_CONFIG " when it exists and no --export is given;\n"
 	       "the command line wins over it. SIGHUP re-reads it.\n";
 }
 
@@ -86,6 +91,8 @@ void options_free(struct options *opts)
 	free(opts->user);
 	free(opts->group);
 	access_spec_free(&opts->access);
+	free(opts->metrics);
+	access_spec_free(&opts->metrics_access);
 	free(opts->tls_certificates);
 	free(opts->tls_psk);
 	free(opts->tls_priority);
@@ -155,7 +162,51 @@ enum {
 	OPT_ACCESS_GROUPS,
 	OPT_ACCESS_IDENTITIES, /* ... in access_lists' order */
 	OPT_ACCESS_PER_CLIENT,
+	OPT_METRICS,
+	OPT_METRICS_ALLOW,
+	OPT_METRICS_DENY,
 };
+
+/*
+ * --metrics HOST:PORT, --metrics-allow LIST and --metrics-deny LIST (the
+ * last two add to their lists, as --allow and --deny do). Shared with the
+ * config file's keys (options_metrics_value).
+ */
+static int options_metrics_arg(int c, const char *arg, struct options *out, char *err,
+			       size_t errlen)
+{
+	char why[300];
+	int rc = options_metrics_value(out,
+				       c == OPT_METRICS		? "metrics"
+				       : c == OPT_METRICS_ALLOW ? "metrics-allow"
+								: "metrics-deny",
+				       arg, why, sizeof(why));
+	if (rc < 0)
+		return fail(err, errlen, rc, "--%s", why);
+	out->given |= c == OPT_METRICS	       ? OPT_GIVEN_METRICS
+		      : c == OPT_METRICS_ALLOW ? OPT_GIVEN_METRICS_ALLOW
+					       : OPT_GIVEN_METRICS_DENY;
+	return 0;
+}
+
+int options_metrics_value(struct options *out, const char *key, const char *value, char *err,
+			  size_t errlen)
+{
+	if (strcmp(key, "metrics") == 0) {
+		char host[256], port[16];
+		if (options_split_host_port(value, host, sizeof(host), port, sizeof(port)) < 0)
+			return fail(err, errlen, -EINVAL,
+				    "metrics %s: expected HOST:PORT or [IPV6]:PORT", value);
+		return set_string(&out->metrics, value);
+	}
+	/* access_lists[0] is allow, [1] deny: the same syntax, other lists. */
+	const struct access_list *l = &access_lists[strcmp(key, "metrics-allow") == 0 ? 0 : 1];
+	char why[250];
+	int rc = access_spec_add(&out->metrics_access, l, value, why, sizeof(why));
+	if (rc == -EINVAL)
+		return fail(err, errlen, rc, "metrics-%s", why);
+	return rc;
+}
 
 /* --allow, --deny, --allow-users, --allow-groups, --allow-identities (each
  * adds to its list) and --max-connections-per-client. */
@@ -183,50 +234,53 @@ static int options_access_arg(int c, const char *arg, struct options *out, char 
 int options_parse_args(int argc, char **argv, struct options *out, char *err, size_t errlen)
 {
 	static const struct option longopts[] = {
-		{"foreground", no_argument, NULL, 'f'},
-		{"listen", required_argument, NULL, 'l'},
-		{"unix", required_argument, NULL, 'u'},
-		{"export", required_argument, NULL, 'e'},
-		{"threads", required_argument, NULL, 't'},
-		{"pidfile", required_argument, NULL, 'p'},
-		{"log-level", required_argument, NULL, 'L'},
-		{"cache-size", required_argument, NULL, 'C'},
-		{"hugepages", required_argument, NULL, 'H'},
-		{"block-size", required_argument, NULL, 'B'},
-		{"cache-mode", required_argument, NULL, 'M'},
-		{"seq-cutoff", required_argument, NULL, 'S'},
-		{"dirty-high", required_argument, NULL, 'D'},
-		{"dirty-low", required_argument, NULL, 'd'},
-		{"dirty-expire", required_argument, NULL, 'E'},
-		{"backend-timeout", required_argument, NULL, 'T'},
-		{"max-connections", required_argument, NULL, 'm'},
-		{"config", required_argument, NULL, 'c'},
-		{"check-config", no_argument, NULL, 'K'},
-		{"control", required_argument, NULL, 'x'},
-		{"user", required_argument, NULL, 'U'},
-		{"group", required_argument, NULL, 'G'},
-		{"compact", required_argument, NULL, 'P'},
-		{"compact-interval-ms", required_argument, NULL, 'I'},
-		{"compact-threshold", required_argument, NULL, 'F'},
-		{"max-clients", required_argument, NULL, 'N'},
-		{"max-reply-memory", required_argument, NULL, 'R'},
-		{"max-pinned-replies", required_argument, NULL, 'Q'},
-		{"stall-timeout", required_argument, NULL, 'W'},
-		{"negotiation-timeout", required_argument, NULL, 'O'},
-		{"allow", required_argument, NULL, OPT_ACCESS_ALLOW},
-		{"deny", required_argument, NULL, OPT_ACCESS_DENY},
-		{"allow-users", required_argument, NULL, OPT_ACCESS_USERS},
-		{"allow-groups", required_argument, NULL, OPT_ACCESS_GROUPS},
-		{"allow-identities", required_argument, NULL, OPT_ACCESS_IDENTITIES},
-		{"max-connections-per-client", required_argument, NULL, OPT_ACCESS_PER_CLIENT},
-		{"tls", required_argument, NULL, 1000},
-		{"tls-certificates", required_argument, NULL, 1001},
-		{"tls-psk", required_argument, NULL, 1002},
-		{"tls-verify-peer", optional_argument, NULL, 1003},
-		{"tls-priority", required_argument, NULL, 1004},
-		{"help", no_argument, NULL, 'h'},
-		{"version", no_argument, NULL, 'V'},
-		{NULL, 0, NULL, 0},
+	    {"foreground", no_argument, NULL, 'f'},
+	    {"listen", required_argument, NULL, 'l'},
+	    {"unix", required_argument, NULL, 'u'},
+	    {"export", required_argument, NULL, 'e'},
+	    {"threads", required_argument, NULL, 't'},
+	    {"pidfile", required_argument, NULL, 'p'},
+	    {"log-level", required_argument, NULL, 'L'},
+	    {"cache-size", required_argument, NULL, 'C'},
+	    {"hugepages", required_argument, NULL, 'H'},
+	    {"block-size", required_argument, NULL, 'B'},
+	    {"cache-mode", required_argument, NULL, 'M'},
+	    {"seq-cutoff", required_argument, NULL, 'S'},
+	    {"dirty-high", required_argument, NULL, 'D'},
+	    {"dirty-low", required_argument, NULL, 'd'},
+	    {"dirty-expire", required_argument, NULL, 'E'},
+	    {"backend-timeout", required_argument, NULL, 'T'},
+	    {"max-connections", required_argument, NULL, 'm'},
+	    {"config", required_argument, NULL, 'c'},
+	    {"check-config", no_argument, NULL, 'K'},
+	    {"control", required_argument, NULL, 'x'},
+	    {"user", required_argument, NULL, 'U'},
+	    {"group", required_argument, NULL, 'G'},
+	    {"compact", required_argument, NULL, 'P'},
+	    {"compact-interval-ms", required_argument, NULL, 'I'},
+	    {"compact-threshold", required_argument, NULL, 'F'},
+	    {"max-clients", required_argument, NULL, 'N'},
+	    {"max-reply-memory", required_argument, NULL, 'R'},
+	    {"max-pinned-replies", required_argument, NULL, 'Q'},
+	    {"stall-timeout", required_argument, NULL, 'W'},
+	    {"negotiation-timeout", required_argument, NULL, 'O'},
+	    {"allow", required_argument, NULL, OPT_ACCESS_ALLOW},
+	    {"deny", required_argument, NULL, OPT_ACCESS_DENY},
+	    {"allow-users", required_argument, NULL, OPT_ACCESS_USERS},
+	    {"allow-groups", required_argument, NULL, OPT_ACCESS_GROUPS},
+	    {"allow-identities", required_argument, NULL, OPT_ACCESS_IDENTITIES},
+	    {"max-connections-per-client", required_argument, NULL, OPT_ACCESS_PER_CLIENT},
+	    {"metrics", required_argument, NULL, OPT_METRICS},
+	    {"metrics-allow", required_argument, NULL, OPT_METRICS_ALLOW},
+	    {"metrics-deny", required_argument, NULL, OPT_METRICS_DENY},
+	    {"tls", required_argument, NULL, 1000},
+	    {"tls-certificates", required_argument, NULL, 1001},
+	    {"tls-psk", required_argument, NULL, 1002},
+	    {"tls-verify-peer", optional_argument, NULL, 1003},
+	    {"tls-priority", required_argument, NULL, 1004},
+	    {"help", no_argument, NULL, 'h'},
+	    {"version", no_argument, NULL, 'V'},
+	    {NULL, 0, NULL, 0},
 	};
 	int rc = 0;
 	options_defaults(out);
@@ -487,6 +541,12 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 		case OPT_ACCESS_IDENTITIES:
 		case OPT_ACCESS_PER_CLIENT:
 			if ((rc = options_access_arg(c, optarg, out, err, errlen)) < 0)
+				goto error;
+			break;
+		case OPT_METRICS:
+		case OPT_METRICS_ALLOW:
+		case OPT_METRICS_DENY:
+			if ((rc = options_metrics_arg(c, optarg, out, err, errlen)) < 0)
 				goto error;
 			break;
 		case 1000:

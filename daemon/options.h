@@ -14,6 +14,7 @@
  *                       [,dirty-high=PCT][,dirty-low=PCT]
  *                       [,offset=SIZE][,size=SIZE][,split=SIZE|32bit][,allow-resize]]...
  *             [--threads N] [--pidfile FILE] [--log-level LEVEL]
+ *             [--metrics HOST:PORT] [--metrics-allow LIST] [--metrics-deny LIST]
  *             [--cache-size SIZE] [--hugepages auto|require|off]
  *             [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]
  *             [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]
@@ -154,7 +155,9 @@ struct export_spec {
 #define OPT_GIVEN_TLS_VERIFY_PEER (UINT64_C(1) << 33)
 #define OPT_GIVEN_TLS_PRIORITY (UINT64_C(1) << 34)
 #define OPT_GIVEN_ALLOW_IDENTITIES (UINT64_C(1) << 35)
-
+#define OPT_GIVEN_METRICS (UINT64_C(1) << 36)
+#define OPT_GIVEN_METRICS_ALLOW (UINT64_C(1) << 37)
+#define OPT_GIVEN_METRICS_DENY (UINT64_C(1) << 38)
 
 struct options {
 	bool foreground;
@@ -207,6 +210,11 @@ struct options {
 	 * client address (Unix: per uid), negotiating ones too (0: unlimited). */
 	struct access_spec access;
 	unsigned max_connections_per_client;
+	/* Prometheus /metrics over HTTP (daemon/metrics.h): HOST:PORT, NULL
+	 * (the default): off; who may fetch it (allow and deny only, as the
+	 * global rules' syntax and meaning). */
+	char *metrics;
+	struct access_spec metrics_access;
 	/* TLS (daemon/tls.h): off (STARTTLS refused), on (SELECTIVETLS: at the
 	 * client's choice, required by exports with tls = require) or require
 	 * (FORCEDTLS); the credentials (certificate directory with
@@ -256,6 +264,10 @@ void options_export_spec_free(struct export_spec *e);
 /* Parse one --export value (exposed for tests). */
 int options_parse_export(const char *text, struct export_spec *out, char *err, size_t errlen);
 void options_free(struct options *opts);
+/* key "metrics" (HOST:PORT), "metrics-allow" or "metrics-deny" (added to
+ * the list) set in opts: 0, -EINVAL (why in err) or -ENOMEM. */
+int options_metrics_value(struct options *opts, const char *key, const char *value, char *err,
+			  size_t errlen);
 const char *options_usage(void);
 
 #endif

@@ -35,6 +35,7 @@
 #include "daemon/control.h"
 #include "daemon/export.h"
 #include "daemon/log.h"
+#include "daemon/metrics.h"
 #include "daemon/tls.h"
 #include "daemon/worker.h"
 #include "include/nbdcached/control.h"
@@ -57,6 +58,7 @@ struct server {
 	struct listener *listeners;
 	size_t listener_count;
 	struct control *control;
+	struct metrics *metrics; /* NULL: no --metrics */
 	unsigned max_clients;
 	bool refusing; /* at --max-clients: said so once for this spell */
 };
@@ -99,7 +101,9 @@ static bool accept_allowed(int fd, struct access_peer *peer)
 	return false;
 }
 
-static int listen_tcp(struct server *s, const char *spec)
+/* A listening TCP socket on spec (HOST:PORT, the first address it names
+ * that binds), in *out; what: the option, for the log. 0 or -errno. */
+static int tcp_socket(const char *what, const char *spec, int *out)
 {
 	char host[256], port[16];
 	if (options_split_host_port(spec, host, sizeof(host), port, sizeof(port)) < 0)
@@ -110,7 +114,7 @@ static int listen_tcp(struct server *s, const char *spec)
 	struct addrinfo *res, *ai;
 	int gai = getaddrinfo(host[0] ? host : NULL, port, &hints, &res);
 	if (gai != 0) {
-		log_error("--listen %s: %s", spec, gai_strerror(gai));
+		log_error("%s %s: %s", what, spec, gai_strerror(gai));
 		return -EINVAL;
 	}
 	int rc = -EADDRNOTAVAIL;
@@ -127,16 +131,25 @@ static int listen_tcp(struct server *s, const char *spec)
 			close(fd);
 			continue;
 		}
-		s->listeners[s->listener_count++] = (struct listener){.fd = fd};
+		*out = fd;
 		rc = 0;
 		break; /* one address per --listen */
 	}
 	freeaddrinfo(res);
 	if (rc < 0)
-		log_error("--listen %s: %s", spec, strerror(-rc));
-	else
-		log_info("listening on %s", spec);
+		log_error("%s %s: %s", what, spec, strerror(-rc));
 	return rc;
+}
+
+static int listen_tcp(struct server *s, const char *spec)
+{
+	int fd;
+	int rc = tcp_socket("--listen", spec, &fd);
+	if (rc < 0)
+		return rc;
+	s->listeners[s->listener_count++] = (struct listener){.fd = fd};
+	log_info("listening on %s", spec);
+	return 0;
 }
 
 /*
@@ -411,7 +424,7 @@ int server_run(const struct options *opts, int argc, char **argv)
 	struct server s = {0};
 	struct event *sigterm = NULL, *sigint = NULL, *sigusr1 = NULL, *sighup = NULL,
 		     *watchdog = NULL;
-	int control_fd = -1, pidfile_fd = -1;
+	int control_fd = -1, pidfile_fd = -1, metrics_fd = -1;
 	int *listen_fds = NULL;
 	int status = 1;
 	unsigned threads = opts->threads;
@@ -433,7 +446,7 @@ int server_run(const struct options *opts, int argc, char **argv)
 		log_info("%s", tls_err);
 	}
 	tls_creds_install(creds);
-	int rc = cache_create(opts, &s.cache);
+	int rc = cache_create(opts, threads, &s.cache);
 	if (rc < 0) {
 		log_error("cache: cannot set up %llu bytes: %s", (unsigned long long)opts->cache_size,
 			  strerror(-rc));
@@ -460,6 +473,9 @@ int server_run(const struct options *opts, int argc, char **argv)
 	for (size_t i = 0; i < opts->unix_count && !replaced; i++)
 		if (listen_unix(&s, opts->unix_paths[i]) < 0)
 			goto out_listeners;
+	/* Bound before privileges are dropped, served once the workers run. */
+	if (opts->metrics && tcp_socket("--metrics", opts->metrics, &metrics_fd) < 0)
+		goto out_listeners;
 	bool no_control = opts->control_path && strcmp(opts->control_path, "none") == 0;
 	if (!no_control && control_listen(opts->control_path, &control_fd) < 0)
 		goto out_listeners;
@@ -545,6 +561,15 @@ int server_run(const struct options *opts, int argc, char **argv)
 		goto out_workers;
 	}
 	control_fd = -1; /* the control thread's now */
+	if (metrics_fd >= 0) {
+		rc = metrics_start(metrics_fd, s.cache, &s.exports, &s.metrics);
+		metrics_fd = -1; /* metrics_start() took it */
+		if (rc < 0) {
+			log_error("--metrics %s: cannot serve: %s", opts->metrics, strerror(-rc));
+			goto out_workers;
+		}
+		log_info("metrics on http://%s/metrics", opts->metrics);
+	}
 	for (size_t i = 0; i < s.listener_count; i++) {
 		struct listener *l = &s.listeners[i];
 		evutil_make_socket_nonblocking(l->fd);
@@ -585,6 +610,8 @@ int server_run(const struct options *opts, int argc, char **argv)
 	status = 0;
 out_signals:
 out_workers:
+	metrics_stop(s.metrics); /* first: it reads what the rest stops */
+	s.metrics = NULL;
 	close_listeners(&s);
 	for (unsigned i = 0; i < s.worker_count; i++)
 		worker_request_stop(&s.workers[i]);
@@ -629,6 +656,8 @@ out_listeners:
 	free(listen_fds);
 	if (control_fd >= 0)
 		close(control_fd);
+	if (metrics_fd >= 0)
+		close(metrics_fd);
 out_exports:
 	cache_stop(s.cache, NULL, NULL); /* no-op unless started */
 	export_table_close(&s.exports);

@@ -44,6 +44,7 @@
 #include <sys/mman.h>
 
 #include "daemon/budget.h"
+#include "daemon/clock.h"
 #include "daemon/conn.h"
 #include "daemon/export.h"
 #include "daemon/log.h"
@@ -99,6 +100,7 @@ void request_attach(struct conn *c, struct request *r, const struct nbd_request 
 	r->reserved = c->admitted; /* the reservation made for its header */
 	c->admitted = 0;
 	r->refs = 1;
+	r->arrived_ns = clock_now_ns();
 	conn_ref(c);
 	conn_inflight_add(c, 1);
 	c->inflight_bytes += accounted;
@@ -513,6 +515,37 @@ static void reply_refused(struct conn *c, const struct nbd_request *req, uint32_
 	reply_error(c, req, error, msg);
 }
 
+/*
+ * The reply in the export's statistics, on this worker's own slot: the
+ * latency from the request's arrival to its reply queued (READ, a hit or
+ * not, WRITE and FLUSH: the second of two clock reads per request), the
+ * bytes moved, an error (cache.h, cache_export_record_reply).
+ */
+static void record_reply(const struct request *r, int result)
+{
+	struct cache_reply s = {.kind = CACHE_LATENCIES, .failed = result < 0};
+	switch (r->hdr.type) {
+	case NBD_CMD_READ:
+		s.kind =
+		    cache_op_read_missed(&r->op) ? CACHE_LATENCY_READ_MISS : CACHE_LATENCY_READ_HIT;
+		s.read_bytes = result < 0 ? 0 : r->hdr.length;
+		break;
+	case NBD_CMD_WRITE:
+		s.kind = CACHE_LATENCY_WRITE;
+		s.written_bytes = result < 0 ? 0 : r->hdr.length;
+		break;
+	case NBD_CMD_FLUSH:
+		s.kind = CACHE_LATENCY_FLUSH;
+		break;
+	default:
+		break;
+	}
+	if (s.kind < CACHE_LATENCIES)
+		s.ns = clock_now_ns() - r->arrived_ns;
+	struct conn *c = r->conn;
+	cache_export_record_reply(c->export->cache, c->worker, &s);
+}
+
 /* The request's work is done (result 0 or -errno): reply, let it go. */
 void request_finish(struct request *r, int result)
 {
@@ -531,6 +564,7 @@ void request_finish(struct request *r, int result)
 			reply_ok(c, &r->hdr);
 		}
 	}
+	record_reply(r, result);
 	conn_counter_add(&c->requests, 1);
 	if (result >= 0 && r->hdr.type == NBD_CMD_READ)
 		conn_counter_add(&c->bytes_read, r->hdr.length);

@@ -49,6 +49,7 @@ struct request {
 	struct iovec *iov; /* WRITE: where its payload is received (conn_sink_start) */
 	struct iovec buf_iov; /* ... when that is buf, or one arena segment */
 	bool in_arena;	      /* ... when that is the arena (cache_write_begin) */
+	uint64_t arrived_ns;  /* its header was read (latency: until replied) */
 };
 
 /* ---- transmit.c ---- */

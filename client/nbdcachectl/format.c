@@ -60,6 +60,19 @@ const char *format_duration(char *buf, size_t size, int64_t ms)
 	return buf;
 }
 
+const char *format_latency(char *buf, size_t size, int64_t ns)
+{
+	if (ns <= 0)
+		snprintf(buf, size, "-");
+	else if (ns < 1000000)
+		snprintf(buf, size, "%.1f us", (double)ns / 1e3);
+	else if (ns < 1000000000)
+		snprintf(buf, size, "%.2f ms", (double)ns / 1e6);
+	else
+		snprintf(buf, size, "%.2f s", (double)ns / 1e9);
+	return buf;
+}
+
 void table_cell(struct table *t, const char *fmt, ...)
 {
 	va_list ap;

@@ -22,6 +22,10 @@ const char *format_share(char *buf, size_t size, double part, double whole);
 /* "3d 04:05:06" or "04:05:06". */
 const char *format_duration(char *buf, size_t size, int64_t ms);
 
+/* "850.0 us", "5.24 ms", "1.50 s"; "-" for 0 (no value). */
+const char *format_latency(char *buf, size_t size, int64_t ns);
+
+#define LATENCY(ns) format_latency((char[24]){0}, 24, (ns))
 #define SIZE(x) format_size((char[24]){0}, 24, (double)(x))
 #define PERCENT(x) format_percent((char[16]){0}, 16, (x))
 #define SHARE(part, whole) format_share((char[16]){0}, 16, (double)(part), (double)(whole))

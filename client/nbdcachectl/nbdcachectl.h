@@ -45,6 +45,9 @@ void print_compact(json_object *r);
 void print_set_mode(json_object *r);
 void print_reload(json_object *r);
 void print_connections(json_object *r); /* conns.c */
+/* The latency table of a stats reply: per export and kind, the count and
+ * p50 / p99 / p999 (show.c; stats and top). */
+void print_latency(json_object *stats);
 
 /* The commands that do more than one request and one reply: 0 or -errno. */
 int run_flush(const struct options *o);

@@ -109,6 +109,31 @@ void print_exports(json_object *r)
 	table_free(&t);
 }
 
+void print_latency(json_object *r)
+{
+	static const char *const headers[] = {"EXPORT", "LATENCY", "COUNT", "P50", "P99", "P999"};
+	static const char *const kinds[] = {"read_hit", "read_miss", "write", "flush", "backend"};
+	struct table t = {.columns = ARRAY_SIZE(headers), .headers = headers, .align = "llrrrr"};
+
+	for (size_t i = 0; i < ctl_array_length(r, "exports"); i++) {
+		json_object *e = ctl_array_item(r, "exports", i), *lat = ctl_field(e, "latency");
+		const char *name = ctl_get_string(e, "name");
+
+		for (size_t k = 0; lat && k < ARRAY_SIZE(kinds); k++) {
+			json_object *x = ctl_field(lat, kinds[k]);
+
+			table_cell(&t, "%s", k == 0 ? (name ? name : "?") : "");
+			table_cell(&t, "%s", kinds[k]);
+			table_cell(&t, "%" PRId64, ctl_get_int(x, "count"));
+			table_cell(&t, "%s", LATENCY(ctl_get_int(x, "p50_ns")));
+			table_cell(&t, "%s", LATENCY(ctl_get_int(x, "p99_ns")));
+			table_cell(&t, "%s", LATENCY(ctl_get_int(x, "p999_ns")));
+		}
+	}
+	table_print(&t);
+	table_free(&t);
+}
+
 void print_stats(json_object *r)
 {
 	static const char *const headers[] = {"EXPORT",	 "CONNS",     "HITS",	    "MISSES",
@@ -183,6 +208,8 @@ void print_stats(json_object *r)
 	}
 	table_print(&t);
 	table_free(&t);
+	printf("\n");
+	print_latency(r);
 }
 
 void print_drop_clean(json_object *r)

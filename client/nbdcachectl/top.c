@@ -79,6 +79,9 @@ static void print_top_json(json_object *before, json_object *after, double secon
 				       json_object_new_int64(ctl_get_int(e, "dirty_bytes")));
 		json_object_object_add(x, "connections",
 				       json_object_new_int64(ctl_get_int(e, "connections")));
+		/* Percentiles since start, as stats gives them. */
+		json_object *lat = ctl_field(e, "latency");
+		json_object_object_add(x, "latency", lat ? json_object_get(lat) : NULL);
 		json_object_array_add(exports, x);
 	}
 	puts(json_object_to_json_string_ext(out, JSON_C_TO_STRING_PLAIN |
@@ -122,6 +125,8 @@ static void print_top(json_object *before, json_object *after, double seconds, b
 	}
 	table_print(&t);
 	table_free(&t);
+	printf("\nlatency since start\n");
+	print_latency(after);
 	if (!tty)
 		putchar('\n');
 }

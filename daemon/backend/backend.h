@@ -78,6 +78,7 @@ struct backend_io {
 	size_t max_extents;
 	size_t n_extents;
 	void (*done)(struct backend_io *io, int result);
+	uint64_t submit_ns; /* the caller's: when it was sent (latency) */
 
 	/* Private to the backend. */
 	struct backend *backend;

@@ -154,6 +154,7 @@ static int block_status_overlay(struct cache_op *op)
 static void passthrough_done(struct backend_io *io, int result)
 {
 	struct cache_op *op = (struct cache_op *)((char *)io - offsetof(struct cache_op, io));
+	cache_backend_timed(op->ce, io);
 	if (result >= 0 && op->cmd == BACKEND_BLOCK_STATUS) {
 		op->n_extents = io->n_extents;
 		result = block_status_overlay(op);
@@ -172,7 +173,7 @@ static void passthrough(struct cache_op *op)
 	op->io.extents = op->extents;
 	op->io.max_extents = op->max_extents;
 	op->io.done = passthrough_done;
-	backend_submit(op->ce->backend, op->worker, &op->io);
+	cache_backend_submit(op->ce, op->worker, &op->io);
 }
 
 void block_status_start(struct cache_op *op)

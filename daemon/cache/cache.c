@@ -671,6 +671,7 @@ void cache_index_destroy(struct cache *c)
 	while (ce) {
 		struct cache_export *next = ce->next;
 		pthread_mutex_destroy(&ce->lock);
+		free(ce->latency);
 		free(ce);
 		ce = next;
 	}

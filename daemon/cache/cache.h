@@ -98,6 +98,7 @@
 #include <stdint.h>
 
 #include "daemon/backend/backend.h"
+#include "daemon/histogram.h"
 #include "daemon/options.h"
 #include "daemon/worker.h"
 
@@ -158,6 +159,7 @@ struct cache_op {
 	bool some_cached; /* a piece was all uptodate when it was pinned */
 	bool swapped;	  /* cache_write_end: fresh frames became an entry's */
 	bool readahead;	  /* sequential READ: 2 MiB entries, filled whole */
+	bool read_missed; /* READ: needed a backend read (cache_op_read_missed) */
 	bool running, rerun, finished;
 	struct cache_waiter waiter;
 	struct cache_span *spans; /* BLOCK_STATUS: dirty ranges, sorted */
@@ -247,8 +249,28 @@ struct cache_compact_result {
 	unsigned fragmentation_before, fragmentation_after; /* per mille, see cache_stats */
 };
 
-/* Map the arena (before the daemon detaches: a shortage fails at start). */
-int cache_create(const struct options *opts, struct cache **out);
+/*
+ * Latency histograms, per export (its cache export: exports over one
+ * backing share them, as they share the counters above). A slot of them
+ * per thread that records: the NBD workers (struct worker index 0 to
+ * workers - 1), the control thread (index workers) and the writeback
+ * thread, each written by its own thread only (histogram.h), summed when
+ * read. The client requests' kinds are recorded by the transmission phase,
+ * from a request's arrival to its reply queued; CACHE_LATENCY_BACKEND by
+ * the cache, each backend request from its submission to its completion.
+ */
+enum cache_latency {
+	CACHE_LATENCY_READ_HIT,	 /* READ that needed no backend read */
+	CACHE_LATENCY_READ_MISS, /* READ that did (a partial hit too) */
+	CACHE_LATENCY_WRITE,
+	CACHE_LATENCY_FLUSH,
+	CACHE_LATENCY_BACKEND,
+	CACHE_LATENCIES
+};
+
+/* Map the arena (before the daemon detaches: a shortage fails at start);
+ * workers: the NBD worker threads that will record latencies. */
+int cache_create(const struct options *opts, unsigned workers, struct cache **out);
 /* Start the writeback thread (after fork). */
 int cache_start(struct cache *c);
 /*
@@ -344,6 +366,35 @@ bool cache_all_zero(const uint8_t *p, size_t n);
 
 void cache_get_stats(struct cache *c, struct cache_stats *out);
 void cache_export_get_stats(struct cache_export *ce, struct cache_export_stats *out);
+/*
+ * One client request answered, on worker w (its own slot: no lock, no
+ * read-modify-write): its latency in the histogram of kind (none when
+ * CACHE_LATENCIES), the bytes a successful READ or WRITE moved, whether
+ * it failed (an error reply).
+ */
+struct cache_reply {
+	enum cache_latency kind;
+	uint64_t ns;
+	uint64_t read_bytes, written_bytes;
+	bool failed;
+};
+void cache_export_record_reply(struct cache_export *ce, const struct worker *w,
+			       const struct cache_reply *r);
+/* What the workers counted of ce's replies (cache_export_record_reply). */
+struct cache_reply_stats {
+	uint64_t read_bytes, written_bytes, errors;
+};
+void cache_export_get_reply_stats(struct cache_export *ce, struct cache_reply_stats *out);
+/* The histogram of one kind, summed over the threads (any thread). */
+void cache_export_get_latency(struct cache_export *ce, enum cache_latency kind,
+			      struct histogram *out);
+/* "read_hit", "read_miss", "write", "flush", "backend" (stats, /metrics). */
+const char *cache_latency_name(enum cache_latency kind);
+/* A finished READ: did it need a backend read (else it was a hit)? */
+static inline bool cache_op_read_missed(const struct cache_op *op)
+{
+	return op->read_missed;
+}
 /* Count one client request (statistics only: what clients asked for, not
  * what reached the backend). Any thread. */
 void cache_export_count_command(struct cache_export *ce, enum backend_cmd cmd, uint32_t flags);

@@ -240,6 +240,7 @@ static void fill_done(struct backend_io *io, int result)
 	struct cache_entry *e = f->piece->entry;
 	struct cache_export *ce = op->ce;
 	struct cache_shard *sh = shard_of(ce, cache_entry_offset(e));
+	cache_backend_timed(ce, io);
 	if (result >= 0) {
 		/* Bytes past the end of the export read as zeros. */
 		uint64_t start, end;
@@ -286,6 +287,7 @@ static void bypass_done(struct backend_io *io, int result)
 {
 	struct cache_fill *f = (struct cache_fill *)io;
 	struct cache_op *op = f->op;
+	cache_backend_timed(op->ce, io);
 	if (result < 0) {
 		if (!op->error)
 			op->error = result;
@@ -324,13 +326,14 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
 	op->pending++;
 	atomic_fetch_add(&ce->counters.backend_reads, 1);
 	atomic_fetch_add(&ce->counters.backend_read_bytes, length);
+	op->read_missed = true;
 	if (!length) {
 		/* Wholly past an end a resize moved meanwhile: zeros, no I/O
 		 * (a backend read of nothing is an error). */
 		done(&f->io, 0);
 		return 0;
 	}
-	backend_submit(ce->backend, op->worker, &f->io);
+	cache_backend_submit(ce, op->worker, &f->io);
 	return 0;
 }
 
@@ -476,12 +479,15 @@ static int op_examine(struct cache_op *op, bool *blocked)
 	if (!op->counted && op->cmd == BACKEND_READ) {
 		op->counted = true;
 		struct cache_counters *k = &ce->counters;
-		if (all_ready && op->npieces)
+		if (all_ready && op->npieces) {
 			atomic_fetch_add(&k->hits, 1);
-		else if (any_cached)
-			atomic_fetch_add(&k->partial_hits, 1);
-		else
-			atomic_fetch_add(&k->misses, 1);
+		} else {
+			op->read_missed = true; /* waited for a fill, maybe another op's */
+			if (any_cached)
+				atomic_fetch_add(&k->partial_hits, 1);
+			else
+				atomic_fetch_add(&k->misses, 1);
+		}
 	}
 	return 0;
 }

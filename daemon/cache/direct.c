@@ -246,6 +246,7 @@ static void direct_done(struct backend_io *io, int result)
 {
 	struct cache_op *op = (struct cache_op *)((char *)io - offsetof(struct cache_op, io));
 	struct cache_export *ce = op->ce;
+	cache_backend_timed(ce, io);
 	op->write_seq = 0;
 	op->maybe_lost = false;
 	if (result < 0) {
@@ -396,7 +397,7 @@ void direct_step(struct cache_op *op)
 			atomic_fetch_add(&ce->counters.backend_write_bytes, op->length);
 			atomic_fetch_add(&ce->counters.direct_writes, 1);
 		}
-		backend_submit(ce->backend, op->worker, &op->io);
+		cache_backend_submit(ce, op->worker, &op->io);
 		return;
 	}
 	case 3: /* apply the step to the cache */
@@ -426,6 +427,7 @@ void direct_step(struct cache_op *op)
 static void passthrough_done(struct backend_io *io, int result)
 {
 	struct cache_op *op = (struct cache_op *)((char *)io - offsetof(struct cache_op, io));
+	cache_backend_timed(op->ce, io);
 	op->n_extents = io->n_extents;
 	if (result >= 0 && !(io->flags & BACKEND_FUA) && io->cmd == BACKEND_WRITE)
 		cache_export_note_direct_write(op->ce);
@@ -451,5 +453,7 @@ void passthrough_start(struct cache_op *op)
 	io->max_extents = op->max_extents;
 	io->n_extents = 0;
 	io->done = passthrough_done;
-	backend_submit(op->ce->backend, op->worker, io);
+	if (op->cmd == BACKEND_READ)
+		op->read_missed = true;
+	cache_backend_submit(op->ce, op->worker, io);
 }

@@ -16,6 +16,11 @@ int cache_export_add(struct cache *c, struct backend *be, const struct export_sp
 	struct cache_export *ce = calloc(1, sizeof(*ce));
 	if (!ce)
 		return -ENOMEM;
+	ce->latency = calloc(c->latency_slots, sizeof(*ce->latency));
+	if (!ce->latency) {
+		free(ce);
+		return -ENOMEM;
+	}
 	ce->cache = c;
 	ce->backend = be;
 	ce->size = be->size;

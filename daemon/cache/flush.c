@@ -260,6 +260,7 @@ static void flush_backend_done(struct backend_io *io, int result)
 {
 	struct flush_job *job = (struct flush_job *)((char *)io - offsetof(struct flush_job, flush_io));
 	struct cache_export *ce = job->ce;
+	cache_backend_timed(ce, io);
 	uint64_t loss = atomic_load(&ce->backend->loss_seq);
 	job->stage = 2;
 	if (result >= 0 && loss == job->loss_at_send) {
@@ -321,7 +322,7 @@ static void round_flush(struct flush_job *job)
 	memset(&job->flush_io, 0, sizeof(job->flush_io));
 	job->flush_io.cmd = BACKEND_FLUSH;
 	job->flush_io.done = flush_backend_done;
-	backend_submit(ce->backend, &job->wb->thread, &job->flush_io);
+	cache_backend_submit(ce, &job->wb->thread, &job->flush_io);
 	uring_submit(&job->wb->thread.ring);
 }
 

@@ -74,6 +74,7 @@
 #include <stdatomic.h>
 
 #include "daemon/cache/arena.h"
+#include "daemon/clock.h"
 #include "daemon/cache/cache.h"
 
 struct flush_job;
@@ -320,6 +321,8 @@ struct cache_export {
 	bool shutdown_waiting; /* the next round is the shutdown's */
 	uint64_t unstable_since; /* monotonic ns: the unstable list became non-empty */
 	struct cache_counters counters;
+	/* Latency histograms, cache->latency_slots of them (stats.c). */
+	struct cache_latency_slot *latency;
 	/* Set once its export is gone and it holds nothing (cache_export_retire):
 	 * it stays on the list, skipped, so no thread walking it is surprised,
 	 * and is freed by cache_destroy. Not sooner: the writeback thread, the
@@ -388,7 +391,30 @@ struct cache {
 	atomic_uint throttled;
 	struct writeback *writeback;
 	struct compactor *compactor;
+	/* Threads that record latencies (enum cache_latency): the workers,
+	 * the control thread, the writeback thread last. */
+	unsigned latency_slots;
 };
+
+/* One thread's latency histograms of an export and its counts of client
+ * replies (cache_export_record_reply), written by that thread alone. */
+struct cache_latency_slot {
+	struct histogram_recorder kinds[CACHE_LATENCIES];
+	atomic_uint_fast64_t read_bytes, written_bytes, errors;
+};
+
+/*
+ * Send io to the export's backend from thread w, timed: its done callback
+ * calls cache_backend_timed() (the latency of CACHE_LATENCY_BACKEND, on
+ * the thread the callback runs on, w).
+ */
+static inline void cache_backend_submit(struct cache_export *ce, struct worker *w,
+					struct backend_io *io)
+{
+	io->submit_ns = clock_now_ns();
+	backend_submit(ce->backend, w, io);
+}
+void cache_backend_timed(struct cache_export *ce, const struct backend_io *io);
 
 /* slots.c: the pools, the maps, the side records */
 /* A pool of slot_size slots (and tail_size bytes each in the chunk's

@@ -15,11 +15,12 @@
 #include "daemon/cache/writeback.h"
 #include "daemon/log.h"
 
-int cache_create(const struct options *opts, struct cache **out)
+int cache_create(const struct options *opts, unsigned workers, struct cache **out)
 {
 	struct cache *c = calloc(1, sizeof(*c));
 	if (!c)
 		return -ENOMEM;
+	c->latency_slots = workers + 2; /* and the control and writeback threads */
 	int rc = cache_index_init(c, opts);
 	if (rc < 0) {
 		free(c);

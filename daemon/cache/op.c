@@ -84,6 +84,7 @@ void op_reset(struct cache_op *op)
 	op->waiter.worker = op->worker;
 	op->waiter.task.run = op_task;
 	op->readahead = false;
+	op->read_missed = false;
 	op->own_data = NULL;
 }
 

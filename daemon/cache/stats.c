@@ -160,3 +160,72 @@ void cache_log_stats(struct cache *c)
 		 (unsigned long long)s.traffic.backend_flush_errors,
 		 (unsigned long long)s.traffic.losses);
 }
+
+/* ---- latency histograms ---- */
+
+/* Thread w's slot: a worker's index, the control thread's (workers),
+ * and any other thread, which is the writeback thread, the last. */
+static struct histogram_recorder *latency_of(struct cache_export *ce, const struct worker *w,
+					     enum cache_latency kind)
+{
+	unsigned last = ce->cache->latency_slots - 1;
+	unsigned slot = w->index < last ? w->index : last;
+	return &ce->latency[slot].kinds[kind];
+}
+
+/* A counter only its thread writes: a relaxed load and store. */
+static void slot_add(atomic_uint_fast64_t *k, uint64_t n)
+{
+	atomic_store_explicit(k, atomic_load_explicit(k, memory_order_relaxed) + n,
+			      memory_order_relaxed);
+}
+
+void cache_export_record_reply(struct cache_export *ce, const struct worker *w,
+			       const struct cache_reply *r)
+{
+	unsigned last = ce->cache->latency_slots - 1;
+	struct cache_latency_slot *s = &ce->latency[w->index < last ? w->index : last];
+	if (r->kind < CACHE_LATENCIES)
+		histogram_record(&s->kinds[r->kind], r->ns);
+	if (r->read_bytes)
+		slot_add(&s->read_bytes, r->read_bytes);
+	if (r->written_bytes)
+		slot_add(&s->written_bytes, r->written_bytes);
+	if (r->failed)
+		slot_add(&s->errors, 1);
+}
+
+void cache_export_get_reply_stats(struct cache_export *ce, struct cache_reply_stats *out)
+{
+	memset(out, 0, sizeof(*out));
+	for (unsigned i = 0; i < ce->cache->latency_slots; i++) {
+		const struct cache_latency_slot *s = &ce->latency[i];
+		out->read_bytes += atomic_load_explicit(&s->read_bytes, memory_order_relaxed);
+		out->written_bytes += atomic_load_explicit(&s->written_bytes, memory_order_relaxed);
+		out->errors += atomic_load_explicit(&s->errors, memory_order_relaxed);
+	}
+}
+
+void cache_backend_timed(struct cache_export *ce, const struct backend_io *io)
+{
+	histogram_record(latency_of(ce, io->worker, CACHE_LATENCY_BACKEND),
+			 clock_now_ns() - io->submit_ns);
+}
+
+const char *cache_latency_name(enum cache_latency kind)
+{
+	static const char *const names[CACHE_LATENCIES] = {
+	    [CACHE_LATENCY_READ_HIT] = "read_hit", [CACHE_LATENCY_READ_MISS] = "read_miss",
+	    [CACHE_LATENCY_WRITE] = "write",	   [CACHE_LATENCY_FLUSH] = "flush",
+	    [CACHE_LATENCY_BACKEND] = "backend",
+	};
+	return names[kind];
+}
+
+void cache_export_get_latency(struct cache_export *ce, enum cache_latency kind,
+			      struct histogram *out)
+{
+	memset(out, 0, sizeof(*out));
+	for (unsigned i = 0; i < ce->cache->latency_slots; i++)
+		histogram_add_recorder(out, &ce->latency[i].kinds[kind]);
+}

@@ -206,6 +206,7 @@ static void wb_io_done(struct backend_io *io, int result)
 	struct wb_io *w = (struct wb_io *)io;
 	struct wb_op *op = w->op;
 	uint64_t length = io->length;
+	cache_backend_timed(cache_entry_export(op->m[0].e), io);
 	free(w->bounce);
 	free(w->iov);
 	free(w);
@@ -386,7 +387,7 @@ static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, u
 		wb_io_done(&w->io, 0);
 		return 0;
 	}
-	backend_submit(ce->backend, &op->wb->thread, &w->io);
+	cache_backend_submit(ce, &op->wb->thread, &w->io);
 	return 0;
 }
 

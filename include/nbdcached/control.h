@@ -124,6 +124,15 @@
  *     writeback_bytes counts what the writeback thread wrote successfully.
  *     A READ counts once: a hit when every block came from the cache, a
  *     miss when none did, a partial hit otherwise.
+ *     Latency (each export): latency: {read_hit, read_miss, write, flush,
+ *     backend}, each {count, sum_ns, p50_ns, p99_ns, p999_ns}: client
+ *     READs that needed no backend read, READs that did (partial hits
+ *     too), WRITEs and FLUSHes, from the request's header read to its
+ *     reply queued; backend: the cache's requests to the backend (fills,
+ *     writeback, flushes, direct operations), sent to completed. The
+ *     quantiles are the upper bound of a histogram bucket (8 per power of
+ *     two): never below the true value, at most 12.5% above; 0 when count
+ *     is 0. The same histograms as nbdcached(8)'s /metrics.
  *
  *   flush export: NAME
  *     Writes back every block of the export that is dirty when the request

@@ -583,10 +583,17 @@ def check_top(t):
     out = p2.stdout
     expect(out.count("READS/S") == 2, "top --count 2: %d blocks" % out.count("READS/S"))
     expect("\033" not in out, "top: ANSI escapes on a pipe")
-    disk_lines = [ln.split() for ln in out.splitlines() if ln.startswith("disk ")]
+    kinds = ("read_hit", "read_miss", "write", "flush", "backend")
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith("disk ")]
+    disk_lines = [w for w in rows if w[1] not in kinds]  # the rates table
     expect(len(disk_lines) == 2 and all(float(w[1]) > 0 and w[2] == "100.0%"
                                          for w in disk_lines),
            "top: disk lines %r, expected reads/s > 0 and 100.0%%" % disk_lines)
+    # The latency table since start: the warm reads' count and percentiles.
+    hit_rows = [w for w in rows if w[1] == "read_hit"]
+    expect(out.count("latency since start") == 2 and len(hit_rows) == 2 and
+           all(int(w[2]) > 0 and w[4] in ("us", "ms") for w in hit_rows),
+           "top: read_hit latency rows %r, expected a count and P50 / P99 / P999" % hit_rows)
 
 
 def check_attach(t):
