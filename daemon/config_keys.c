@@ -483,6 +483,16 @@ static int export_key(struct config_ctx *x, const char *name, const char *v)
 	int access_rc = access_key(x, name, v, &e->access);
 	if (access_rc >= 0)
 		return access_rc;
+	char qos_key[32];
+	snprintf(qos_key, sizeof(qos_key), "%s", name);
+	for (char *u = qos_key; (u = strchr(u, '_'));)
+		*u = '-';
+	if (qos_is_key(qos_key)) {
+		char why[200];
+		if (qos_limits_set(&e->qos, qos_key, v, why, sizeof(why)) < 0)
+			return config_fail(x, "%s", why);
+		return 1;
+	}
 	if (key_is(name, "tls")) {
 		if (!once(x, &x->spec_keys, K_TLS, name))
 			return 0;

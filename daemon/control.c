@@ -224,11 +224,13 @@ static void dispatch(struct control_client *cl, const char *line, size_t len)
 		control_cmd_connections(cl);
 	else if (strcmp(cmd, "disconnect") == 0)
 		control_cmd_disconnect(cl, req);
+	else if (strcmp(cmd, "limit") == 0)
+		control_cmd_limit(cl, req);
 	else
 		control_send_error(
 		    cl, EINVAL,
 		    "unknown command '%s' (status, exports, stats, flush, drop-clean, "
-		    "compact, set-mode, reload, connections, disconnect)",
+		    "compact, set-mode, reload, connections, disconnect, limit)",
 		    cmd);
 	json_object_put(req);
 }

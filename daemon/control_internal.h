@@ -10,6 +10,7 @@
  *                      drop-clean, compact; the flush a reap needs
  *   control_reload.c   reload (from SIGHUP or a client) and the reaper
  *   control_conns.c    connections, disconnect: the NBD connections
+ *   control_limit.c    limit: an export's QoS limits set live
  *
  * Calls run one way: control.c calls into the other three; they answer
  * only through the reply functions (control_send and its helpers) and
@@ -137,6 +138,14 @@ void control_stop_when_idle(struct control *ctl);
 
 void control_cmd_connections(struct control_client *cl);
 void control_cmd_disconnect(struct control_client *cl, json_object *req);
+
+/* ---- control_limit.c ---- */
+
+/* limit export: NAME, limits: {KEY: VALUE...}: QoS limits set live. */
+void control_cmd_limit(struct control_client *cl, json_object *req);
+/* An export's limits as JSON (exports, stats, limit); 0: none. */
+struct qos_limits;
+json_object *control_limits_object(const struct qos_limits *l);
 
 /* ---- control_reload.c ---- */
 

@@ -715,6 +715,6 @@ int transmit_step(struct conn *c)
 	log_debug("conn %llu: %s flags 0x%x offset %llu length %llu", (unsigned long long)c->id,
 		  nbd_cmd_name(req.type), req.flags, (unsigned long long)req.offset,
 		  (unsigned long long)req.length);
-	request_start(r);
+	throttle_submit(r); /* the export's QoS limits may hold it back */
 	return 1;
 }
