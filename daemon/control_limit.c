@@ -84,11 +84,10 @@ void control_cmd_limit(struct control_client *cl, json_object *req)
 		}
 	}
 	qos_limiter_set(e->counter->qos, &l, clock_now_ns());
-	log_info("export '%s': limits set by the control socket: iops %llu, bytes %llu/s, per "
-		 "client iops %llu, bytes %llu/s (0: none; until the next reload)",
-		 export_rules_name(e), (unsigned long long)l.iops.rate,
-		 (unsigned long long)l.bytes.rate, (unsigned long long)l.client_iops.rate,
-		 (unsigned long long)l.client_bytes.rate);
+	char text[512];
+	qos_limits_describe(&l, text, sizeof(text));
+	log_info("export '%s': limits %s, set by the control socket until the next reload",
+		 export_rules_name(e), text);
 	json_object *o = control_reply_ok();
 	control_add_string(o, "export", e->name);
 	json_object_object_add(o, "limits", control_limits_object(&l));

@@ -106,8 +106,12 @@ static void limits_apply(struct export *e, const struct export_spec *spec)
 {
 	struct qos_stats now;
 	qos_limiter_get(e->counter->qos, &now);
-	if (memcmp(&now.limits, &spec->qos, sizeof(spec->qos)) != 0)
-		qos_limiter_set(e->counter->qos, &spec->qos, clock_now_ns());
+	if (memcmp(&now.limits, &spec->qos, sizeof(spec->qos)) == 0)
+		return;
+	qos_limiter_set(e->counter->qos, &spec->qos, clock_now_ns());
+	char limits[512];
+	qos_limits_describe(&spec->qos, limits, sizeof(limits));
+	log_info("export '%s': limits %s", e->name, limits);
 }
 
 /* The versions being put together for the table, in order. */

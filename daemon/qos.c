@@ -86,6 +86,30 @@ bool qos_limits_any(const struct qos_limits *l)
 	return l->iops.rate || l->bytes.rate || l->client_iops.rate || l->client_bytes.rate;
 }
 
+void qos_limits_describe(const struct qos_limits *l, char *buf, size_t len)
+{
+	const struct {
+		const char *name, *unit;
+		const struct qos_rate *r;
+	} rates[] = {{"iops", "", &l->iops},
+		     {"bytes", "/s", &l->bytes},
+		     {"client iops", "", &l->client_iops},
+		     {"client bytes", "/s", &l->client_bytes}};
+	size_t at = 0;
+	buf[0] = '\0';
+	for (size_t i = 0; i < sizeof(rates) / sizeof(rates[0]); i++) {
+		const struct qos_rate *r = rates[i].r;
+		if (!r->rate || at >= len)
+			continue;
+		int n = snprintf(buf + at, len - at, "%s%s %llu%s (burst %llu)", at ? ", " : "",
+				 rates[i].name, (unsigned long long)r->rate, rates[i].unit,
+				 (unsigned long long)(r->burst ? r->burst : r->rate));
+		at += n > 0 ? (size_t)n : 0;
+	}
+	if (!buf[0])
+		snprintf(buf, len, "none");
+}
+
 /* ---- the bucket ---- */
 
 static void bucket_refill(struct qos_bucket *b, uint64_t now)

@@ -65,6 +65,9 @@ int qos_limits_set(struct qos_limits *l, const char *key, const char *value, cha
 bool qos_is_key(const char *key);
 /* Is any limit set? */
 bool qos_limits_any(const struct qos_limits *l);
+/* The limits set, in words for the log and --check-config ("iops 500
+ * (burst 500), client bytes 4194304/s (burst 4194304)"; "none"). */
+void qos_limits_describe(const struct qos_limits *l, char *buf, size_t len);
 
 /* ---- the token bucket (pure: the caller passes the clock) ---- */
 
