@@ -111,11 +111,10 @@ void print_exports(json_object *r)
 
 void print_stats(json_object *r)
 {
-	static const char *const headers[] = {"EXPORT",	 "CONNS",     "HITS",	    "MISSES",
-					      "PARTIAL", "HIT%",      "DIRTY",	    "BE-READS",
-					      "BE-READ", "BE-WRITES", "BE-WRITTEN", "WRITTEN-BACK",
-					      "WB-RATE", "EVICTIONS", "WB-ERRORS", "THROTTLED",
-					      "THROTTLED-S"};
+	static const char *const headers[] = {
+	    "EXPORT",  "CONNS",	    "HITS",	 "MISSES",    "PARTIAL",    "HIT%",
+	    "DIRTY",   "BE-READS",  "BE-READ",	 "BE-WRITES", "BE-WRITTEN", "WRITTEN-BACK",
+	    "WB-RATE", "EVICTIONS", "WB-ERRORS", "THROTTLED", "THROTTLED-S"};
 	struct table t = {
 	    .columns = ARRAY_SIZE(headers), .headers = headers, .align = "lrrrrrrrrrrrrrrrr"};
 	json_object *c = ctl_field(r, "cache"), *arena = ctl_field(c, "arena");

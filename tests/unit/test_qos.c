@@ -177,8 +177,7 @@ static void test_keys(void **state)
 	assert_int_equal(qos_limits_set(&l, "readonly", "1", err, sizeof(err)), 0);
 	assert_int_equal(qos_limits_set(&l, "iops-limit", "-1", err, sizeof(err)), -EINVAL);
 	assert_non_null(strstr(err, "iops-limit -1"));
-	assert_int_equal(qos_limits_set(&l, "client-bytes-limit", "2P", err, sizeof(err)),
-			 -EINVAL);
+	assert_int_equal(qos_limits_set(&l, "client-bytes-limit", "2P", err, sizeof(err)), -EINVAL);
 	assert_non_null(strstr(err, "client-bytes-limit 2P: expected bytes a second"));
 	assert_int_equal(qos_limits_set(&l, "iops-limit", "2048T", err, sizeof(err)), -EINVAL);
 	assert_false(qos_limits_any(&l));
