@@ -115,6 +115,7 @@ void print_stats(json_object *r)
 	    "EXPORT",  "CONNS",	    "HITS",	 "MISSES",    "PARTIAL",    "HIT%",
 	    "DIRTY",   "BE-READS",  "BE-READ",	 "BE-WRITES", "BE-WRITTEN", "WRITTEN-BACK",
 	    "WB-RATE", "EVICTIONS", "WB-ERRORS", "THROTTLED", "THROTTLED-S"};
+	_Static_assert(ARRAY_SIZE(headers) <= TABLE_MAX_COLUMNS, "table_print's widths");
 	struct table t = {
 	    .columns = ARRAY_SIZE(headers), .headers = headers, .align = "lrrrrrrrrrrrrrrrr"};
 	json_object *c = ctl_field(r, "cache"), *arena = ctl_field(c, "arena");
