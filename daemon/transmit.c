@@ -29,6 +29,11 @@
  * straight into the cache's arena where it can be, else into a buffer of
  * the request's.
  *
+ * Between admission and the cache stand the export's QoS limits
+ * (transmit_throttle.c, throttle_submit): a request over them waits there,
+ * in order, holding nothing of the cache; with no limit set it goes
+ * straight on.
+ *
  * A payload that must not be acted on (a request that fails its checks) is
  * still consumed, by draining it as it arrives (conn->discard) without ever
  * allocating it, and then answered with the error.
