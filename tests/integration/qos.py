@@ -7,7 +7,7 @@ over one 16 MiB backend (they share its cache; reads are cache hits):
   c   client-iops-limit = 500       u   no limit
   e   iops-limit = 400 (the export, all clients)
   b   client-bytes-limit = 4M       t   client-iops-limit = 300
-  f   client-iops-limit = 1
+  f   client-iops-limit = 1         o   50 a second, burst 1
 
 Checks (rates are measured from 1 s after the start, once the first
 second's burst is spent; clients are forked processes, aio at QD 8):
@@ -27,6 +27,8 @@ second's burst is spent; clients are forked processes, aio at QD 8):
              once; the reads complete after it, in time
   stats      throttled_requests and throttled_ns moved for f; exports
              shows the limits
+  order      WRITEs to one place on o (50 a second, burst 1) land in the
+             order they were sent
   dropped    a client closing with requests held: they are dropped, its
              connection goes at once; at SIGTERM held requests end
              (ESHUTDOWN) and the daemon exits 0 in time
@@ -67,7 +69,8 @@ def export_section(name, backend, limits):
 def write_config(path, img, psk, c_limit=500):
     exports = [("c", {"client-iops-limit": c_limit}), ("u", {}),
                ("e", {"iops-limit": 400}), ("b", {"client-bytes-limit": "4M"}),
-               ("t", {"client-iops-limit": 300}), ("f", {"client-iops-limit": 1})]
+               ("t", {"client-iops-limit": 300}), ("f", {"client-iops-limit": 1}),
+               ("o", {"client-iops-limit": 50, "client-iops-burst": 1})]
     text = "[generic]\ntls = on\ntls-psk = %s\n" % psk
     for name, limits in exports:
         text += export_section(name, img, limits)
@@ -352,6 +355,20 @@ def main():
                 p = ctl(d, "limit", "nosuch", "iops-limit=5", check_rc=False)
                 expect(p.returncode == 1, "nbdcachectl limit of no export")
 
+            def order():
+                # WRITEs to one place, held back but the first: they land in
+                # the order they were sent (the last one's data is read).
+                h = connect(d, "o")
+                datas = [bytes([k + 1]) * 65536 for k in range(10)]
+                t0 = time.monotonic()
+                nbdtest.aio_wait([(h, h.aio_pwrite(x, SIZE - 65536)) for x in datas])
+                took = time.monotonic() - t0
+                expect(0.12 < took < 1.0, "10 WRITEs at 50 a second, burst 1, took %.2f s"
+                       % took)
+                got = h.pread(65536, SIZE - 65536)
+                expect(got == datas[-1], "held WRITEs landed out of order: %d" % got[0])
+                h.shutdown()
+
             def dropped():
                 # A client that goes with requests held: they are dropped at
                 # once (no leak: LeakSanitizer under make asan), the daemon
@@ -377,7 +394,7 @@ def main():
             for name, fn in (("isolation", isolation), ("live", live),
                              ("bytes", bytes_limit), ("export", export_limit),
                              ("tls", tls_identity), ("uid", unix_uid), ("flush", flush),
-                             ("dropped", dropped), ("bad_ctl", bad_ctl)):
+                             ("order", order), ("dropped", dropped), ("bad_ctl", bad_ctl)):
                 if os.environ.get("QOS_ONLY", name) != name:
                     continue  # QOS_ONLY=NAME: one check, while working on it
                 CHECKS.run(name, fn)
