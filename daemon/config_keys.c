@@ -78,7 +78,9 @@ enum {
 	K_SIZE = 1u << 13,
 	K_SPLIT = 1u << 14,
 	K_TLS = 1u << 15,
+	K_QOS = 1u << 16, /* ... QOS_KEYS bits from here, by qos_key_index() */
 };
+_Static_assert(QOS_KEYS <= 16, "the QoS keys' bits fit spec_keys");
 
 static int once(struct config_ctx *x, unsigned *mask, unsigned bit, const char *name)
 {
@@ -489,6 +491,8 @@ static int export_key(struct config_ctx *x, const char *name, const char *v)
 		*u = '-';
 	if (qos_is_key(qos_key)) {
 		char why[200];
+		if (!once(x, &x->spec_keys, K_QOS << qos_key_index(qos_key), name))
+			return 0;
 		if (qos_limits_set(&e->qos, qos_key, v, why, sizeof(why)) < 0)
 			return config_fail(x, "%s", why);
 		return 1;

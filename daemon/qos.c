@@ -28,7 +28,8 @@
 
 /* ---- keys and values ---- */
 
-static struct qos_rate *rate_of(struct qos_limits *l, const char *key, bool *burst, bool *bytes)
+static struct qos_rate *rate_of(struct qos_limits *l, const char *key, bool *burst, bool *bytes,
+			       int *index)
 {
 	static const struct {
 		const char *name;
@@ -46,6 +47,7 @@ static struct qos_rate *rate_of(struct qos_limits *l, const char *key, bool *bur
 	};
 	for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
 		if (strcmp(key, keys[i].name) == 0) {
+			*index = (int)i;
 			*burst = keys[i].burst;
 			*bytes = keys[i].bytes;
 			return (struct qos_rate *)((char *)l + keys[i].offset);
@@ -54,18 +56,26 @@ static struct qos_rate *rate_of(struct qos_limits *l, const char *key, bool *bur
 	return NULL;
 }
 
-bool qos_is_key(const char *key)
+int qos_key_index(const char *key)
 {
 	struct qos_limits l;
 	bool burst, bytes;
-	return rate_of(&l, key, &burst, &bytes) != NULL;
+	int index = -1;
+	rate_of(&l, key, &burst, &bytes, &index);
+	return index;
+}
+
+bool qos_is_key(const char *key)
+{
+	return qos_key_index(key) >= 0;
 }
 
 int qos_limits_set(struct qos_limits *l, const char *key, const char *value, char *err,
 		   size_t errlen)
 {
 	bool burst, bytes;
-	struct qos_rate *r = rate_of(l, key, &burst, &bytes);
+	int index;
+	struct qos_rate *r = rate_of(l, key, &burst, &bytes, &index);
 	if (!r)
 		return 0;
 	uint64_t v = 0;

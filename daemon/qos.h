@@ -63,6 +63,10 @@ int qos_limits_set(struct qos_limits *l, const char *key, const char *value, cha
 		   size_t errlen);
 /* Is key one of the limits' keys? */
 bool qos_is_key(const char *key);
+/* Its index among them (0..QOS_KEYS-1), or -1: a key given twice is
+ * found so. */
+#define QOS_KEYS 8
+int qos_key_index(const char *key);
 /* Is any limit set? */
 bool qos_limits_any(const struct qos_limits *l);
 /* The limits set, in words for the log and --check-config ("iops 500

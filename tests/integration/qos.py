@@ -440,6 +440,13 @@ def main():
             log(p.stderr.strip())
             expect(p.returncode != 0 and "iops-limit -3" in p.stderr and "bad.conf:3" in
                    p.stderr, "config iops-limit = -3: exit %d, %r" % (p.returncode, p.stderr))
+            with open(bad_conf, "w") as f:
+                f.write("[x]\nbackend = %s\nbytes-limit = 5M\nbytes_limit = 6M\n" % img)
+            p = subprocess.run([nbdtest.NBDCACHED, "--check-config", "--config", bad_conf],
+                               capture_output=True, text=True, timeout=30)
+            log(p.stderr.strip())
+            expect(p.returncode != 0 and "bad.conf:4: 'bytes_limit' given twice" in p.stderr,
+                   "a limit given twice: exit %d, %r" % (p.returncode, p.stderr))
             p = subprocess.run([nbdtest.NBDCACHED, "--foreground", "--unix",
                                 os.path.join(tmp, "x.sock"), "--export",
                                 "x=%s,iops-limit=1.5" % img],
