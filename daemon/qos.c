@@ -29,7 +29,7 @@
 /* ---- keys and values ---- */
 
 static struct qos_rate *rate_of(struct qos_limits *l, const char *key, bool *burst, bool *bytes,
-			       int *index)
+				int *index)
 {
 	static const struct {
 		const char *name;
