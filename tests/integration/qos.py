@@ -17,12 +17,15 @@ second's burst is spent; clients are forked processes, aio at QD 8):
   live       on c: 500, then `nbdcachectl limit c client-iops-limit=200`
              -> 200, then SIGHUP with c's limit edited to 800 -> 800, each
              within 1 s
-  bytes      64 KiB reads on b: 4 MiB/s +-10%
+  bytes      64 KiB reads on b: 4 MiB/s +-10%; an 8 MiB READ (above the
+             burst) goes once the bucket is full, the next READ pays for it
   export     two clients on e share 400 IOPS +-10%
   tls        on t: two connections as alice share 300; alice and bob get
              300 each
   uid        on t over the Unix socket: two root connections share 300;
              root and nobody get 300 each
+  ip         on t over TCP: two connections from 127.0.0.1 share 300;
+             127.0.0.1 and 127.0.0.2 (source addresses) get 300 each
   flush      on f, reads held back (1 a second), a FLUSH is answered at
              once; the reads complete after it, in time
   stats      throttled_requests and throttled_ns moved for f; exports
@@ -40,6 +43,7 @@ import os
 import random
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -82,14 +86,23 @@ def write_config(path, img, psk, c_limit=500):
 # ---- clients: forked processes, so that the GIL is nobody's bottleneck ----
 
 def connect(d, export, tls_user=None, psk=None):
+    """tls_user: a PSK user name, or "tcp:SOURCE:PORT" for plain TCP to
+    127.0.0.1:PORT from the address SOURCE."""
     import nbd
     h = nbd.NBD()
-    if tls_user:
+    if tls_user and not tls_user.startswith("tcp:"):
         h.set_tls(nbd.TLS_REQUIRE)
         h.set_tls_psk_file(psk)
         h.set_tls_username(tls_user)
     h.set_export_name(export)
-    h.connect_unix(d.sock)
+    if tls_user and tls_user.startswith("tcp:"):
+        _, source, port = tls_user.split(":")
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind((source, 0))
+        s.connect(("127.0.0.1", int(port)))
+        h.connect_socket(s.detach())
+    else:
+        h.connect_unix(d.sock)
     return h
 
 
@@ -280,6 +293,19 @@ def main():
                 counts = flood_child(d, "b", 3, size=65536, seed=7).result()[0]
                 within(rate(counts) * 65536 / MIB, 4, 0.10,
                        "client-bytes-limit=4M, MiB/s of 64 KiB reads")
+                # A READ above the burst goes once the bucket is full (it
+                # never starves); the next one pays its debt first.
+                h = connect(d, "b")
+                t0 = time.monotonic()
+                h.pread(8 * MIB, 0)
+                first = time.monotonic() - t0
+                h.pread(65536, 0)
+                second = time.monotonic() - t0 - first
+                h.shutdown()
+                log("8 MiB READ at 4 MiB/s: %.2f s, then 64 KiB: %.2f s" % (first, second))
+                expect(first < 1.5 and 0.8 < second < 1.6,
+                       "8 MiB READ at 4 MiB/s, burst 4 MiB: %.2f s, the next %.2f s"
+                       % (first, second))
 
             def export_limit():
                 counts = flood_child(d, "e", 3, n=2, seed=8).result()
@@ -308,6 +334,16 @@ def main():
                 nobody = flood_child(d, "t", 3, start=start, uid=NOBODY, seed=13)
                 within(rate(root.result()[0]), 300, 0.10, "root beside nobody")
                 within(rate(nobody.result()[0]), 300, 0.10, "nobody beside root")
+
+            def ip_address():
+                # TCP: the client is its address, whatever its port.
+                one, two = "tcp:127.0.0.1:%d" % d.port, "tcp:127.0.0.2:%d" % d.port
+                counts = flood_child(d, "t", 3, users=[one, one], seed=14).result()
+                within(rate(counts[0]) + rate(counts[1]), 300, 0.10,
+                       "two TCP connections from 127.0.0.1 together")
+                counts = flood_child(d, "t", 3, users=[one, two], seed=15).result()
+                within(rate(counts[0]), 300, 0.10, "127.0.0.1 beside 127.0.0.2")
+                within(rate(counts[1]), 300, 0.10, "127.0.0.2 beside 127.0.0.1")
 
             def flush():
                 import nbd
@@ -404,7 +440,8 @@ def main():
 
             for name, fn in (("isolation", isolation), ("live", live),
                              ("bytes", bytes_limit), ("export", export_limit),
-                             ("tls", tls_identity), ("uid", unix_uid), ("flush", flush),
+                             ("tls", tls_identity), ("uid", unix_uid), ("ip", ip_address),
+                             ("flush", flush),
                              ("order", order), ("dropped", dropped), ("bad_ctl", bad_ctl)):
                 if os.environ.get("QOS_ONLY", name) != name:
                     continue  # QOS_ONLY=NAME: one check, while working on it
