@@ -151,7 +151,9 @@ static void throttle_cancel(struct conn *c)
 void throttle_submit(struct request *r)
 {
 	struct conn *c = r->conn;
-	if (r->qos_passed || r->hdr.type == NBD_CMD_FLUSH ||
+	/* Nobody waits for its reply any more (cancel_requests): not held, it
+	 * goes its way as those in flight do. */
+	if (r->qos_passed || r->hdr.type == NBD_CMD_FLUSH || c->cancel_requests ||
 	    (!c->throttle_head && !qos_limiter_active(limiter_of(c)))) {
 		request_start(r);
 		return;
