@@ -50,7 +50,7 @@ CTL_LIBS := $(shell pkg-config --libs json-c 2>/dev/null || echo -ljson-c)
 # The codec: pure, no dependency.
 PROTO_SRC := $(wildcard proto/*.c)
 # The daemon's dependency-free core: builds on i386 and is unit tested there.
-CORE_SRC := daemon/options.c daemon/export_spec.c daemon/option_values.c daemon/access.c daemon/log.c daemon/cache/arena.c \
+CORE_SRC := daemon/options.c daemon/export_spec.c daemon/option_values.c daemon/access.c daemon/qos.c daemon/log.c daemon/cache/arena.c \
 	daemon/histogram.c
 # Everything else in the daemon needs libevent / liburing.
 DAEMON_SRC := $(filter-out $(CORE_SRC),$(wildcard daemon/*.c daemon/backend/*.c daemon/cache/*.c))

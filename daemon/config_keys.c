@@ -79,7 +79,9 @@ enum {
 	K_SPLIT = 1u << 14,
 	K_TLS = 1u << 15,
 	K_ALLOW_RESIZE = 1u << 16,
+	K_QOS = 1u << 17, /* ... QOS_KEYS bits from here, by qos_key_index() */
 };
+_Static_assert(QOS_KEYS <= 15, "the QoS keys' bits fit spec_keys");
 
 static int once(struct config_ctx *x, unsigned *mask, unsigned bit, const char *name)
 {
@@ -513,6 +515,18 @@ static int export_key(struct config_ctx *x, const char *name, const char *v)
 	int access_rc = access_key(x, name, v, &e->access);
 	if (access_rc >= 0)
 		return access_rc;
+	char qos_key[32];
+	snprintf(qos_key, sizeof(qos_key), "%s", name);
+	for (char *u = qos_key; (u = strchr(u, '_'));)
+		*u = '-';
+	if (qos_is_key(qos_key)) {
+		char why[200];
+		if (!once(x, &x->spec_keys, K_QOS << qos_key_index(qos_key), name))
+			return 0;
+		if (qos_limits_set(&e->qos, qos_key, v, why, sizeof(why)) < 0)
+			return config_fail(x, "%s", why);
+		return 1;
+	}
 	if (key_is(name, "tls")) {
 		if (!once(x, &x->spec_keys, K_TLS, name))
 			return 0;

@@ -156,7 +156,10 @@ void conn_unref(struct conn *c)
 	budget_peer_remove(&c->peer);
 	access_peer_release(&c->peer);
 	worker_conn_removed(c->worker, c);
+	if (c->throttle_timer)
+		event_free(c->throttle_timer);
 	if (c->export) {
+		qos_client_put(c->export->counter->qos, c->qos_client);
 		export_detach(c->export);
 		export_put(c->export);
 	}
@@ -184,6 +187,8 @@ void conn_kill(struct conn *c, const char *why)
 	c->bev = NULL;
 	c->reading = false;
 	c->cancel_requests = true; /* no reply can reach the client now */
+	if (c->on_cancel)
+		c->on_cancel(c); /* requests held back end unanswered */
 	if (c->timer)
 		evtimer_del(c->timer);
 	if (c->budget_waiting) {
@@ -801,5 +806,7 @@ void conn_shutdown(struct conn *c)
 	/* The replies of short requests go out; a long one stops at its next
 	 * step and says ESHUTDOWN. */
 	c->cancel_requests = true;
+	if (c->on_cancel)
+		c->on_cancel(c); /* requests held back: ESHUTDOWN */
 	conn_begin_close(c, "server shutting down");
 }

@@ -78,6 +78,8 @@ struct tls_conn;
 struct tls_creds;
 struct iovec;
 struct conn;
+struct request;
+struct qos_client;
 
 #define CONN_MAX_INFLIGHT 128
 #define CONN_MAX_INFLIGHT_BYTES (96u << 20)
@@ -198,6 +200,17 @@ struct conn {
 	uint64_t seen_error; /* the export's writeback error sequence last reported */
 	uint64_t seq_next, seq_run; /* sequential read detection (readahead, --seq-cutoff) */
 	bool closing; /* no more reading; close once drained */
+	/* QoS (transmit_throttle.c): requests the export's limits hold back,
+	 * in arrival order, not started (no cache op, nothing pinned); they
+	 * count in inflight and inflight_bytes. The timer is due when the
+	 * first may go. The client's buckets: qos_client_get(), once a limit
+	 * was first set (NULL before, or out of memory). */
+	struct request *throttle_head, *throttle_tail;
+	struct event *throttle_timer;
+	struct qos_client *qos_client;
+	/* Set by the phase: requests it holds that have not started must end
+	 * now (conn_kill: no reply; conn_shutdown: ESHUTDOWN). */
+	void (*on_cancel)(struct conn *c);
 	/* Nobody waits for the replies of the requests in flight any more
 	 * (killed, or the server stops): a long one (a TRIM or WRITE_ZEROES
 	 * going in steps) ends before its next step (cache_op.cancel). */

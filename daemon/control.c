@@ -227,11 +227,13 @@ static void dispatch(struct control_client *cl, const char *line, size_t len)
 		control_cmd_disconnect(cl, req);
 	else if (strcmp(cmd, "resize") == 0)
 		control_cmd_resize(cl, req);
+	else if (strcmp(cmd, "limit") == 0)
+		control_cmd_limit(cl, req);
 	else
 		control_send_error(
 		    cl, EINVAL,
 		    "unknown command '%s' (status, exports, stats, flush, drop-clean, "
-		    "compact, set-mode, reload, connections, disconnect, resize)",
+		    "compact, set-mode, reload, connections, disconnect, resize, limit)",
 		    cmd);
 	json_object_put(req);
 }

@@ -11,6 +11,7 @@
  *   control_reload.c   reload (from SIGHUP or a client) and the reaper
  *   control_conns.c    connections, disconnect: the NBD connections
  *   control_resize.c   resize: an export's new size (export_resize)
+ *   control_limit.c    limit: an export's QoS limits set live
  *
  * Calls run one way: control.c calls into the other three; they answer
  * only through the reply functions (control_send and its helpers) and
@@ -142,6 +143,14 @@ void control_cmd_disconnect(struct control_client *cl, json_object *req);
 /* ---- control_resize.c ---- */
 
 void control_cmd_resize(struct control_client *cl, json_object *req);
+
+/* ---- control_limit.c ---- */
+
+/* limit export: NAME, limits: {KEY: VALUE...}: QoS limits set live. */
+void control_cmd_limit(struct control_client *cl, json_object *req);
+/* An export's limits as JSON (exports, stats, limit); 0: none. */
+struct qos_limits;
+json_object *control_limits_object(const struct qos_limits *l);
 
 /* ---- control_reload.c ---- */
 

@@ -199,6 +199,9 @@ void control_cmd_exports(struct control_client *cl)
 		control_add_u64(x, "connections", atomic_load(&e->counter->connections));
 		control_add_u64(x, "dirty_high", e->dirty_high);
 		control_add_u64(x, "dirty_low", e->dirty_low);
+		struct qos_stats q;
+		qos_limiter_get(e->counter->qos, &q);
+		json_object_object_add(x, "limits", control_limits_object(&q.limits));
 		json_object_array_add(a, x);
 		export_put(e);
 	}
@@ -352,6 +355,11 @@ void control_cmd_stats(struct control_client *cl, const char *only)
 		control_add_u64(x, "writeback_rate", r ? r->rate : 0);
 		control_add_u64(x, "cached_bytes", es.cached_bytes);
 		json_object_object_add(x, "latency", latency_fields(e->cache));
+		struct qos_stats q;
+		qos_limiter_get(e->counter->qos, &q);
+		control_add_u64(x, "throttled_requests", q.throttled_requests);
+		control_add_u64(x, "throttled_ns", q.throttled_ns);
+		control_add_u64(x, "qos_clients", q.clients);
 		json_object_array_add(a, x);
 	}
 	json_object_object_add(o, "exports", a);

@@ -84,8 +84,35 @@ fail:
 
 static void counter_put(struct export_counter *k)
 {
-	if (k && atomic_fetch_sub(&k->refs, 1) == 1)
+	if (k && atomic_fetch_sub(&k->refs, 1) == 1) {
+		qos_limiter_free(k->qos);
 		free(k);
+	}
+}
+
+/* A new counter, with its limiter (no limits yet). NULL: out of memory. */
+static struct export_counter *counter_new(void)
+{
+	struct export_counter *k = calloc(1, sizeof(*k));
+	if (k && !(k->qos = qos_limiter_new())) {
+		free(k);
+		k = NULL;
+	}
+	return k;
+}
+
+/* The limits of spec, in place on e's limiter (shared with its windows
+ * and its other versions): they change live, never refused. */
+static void limits_apply(struct export *e, const struct export_spec *spec)
+{
+	struct qos_stats now;
+	qos_limiter_get(e->counter->qos, &now);
+	if (memcmp(&now.limits, &spec->qos, sizeof(spec->qos)) == 0)
+		return;
+	qos_limiter_set(e->counter->qos, &spec->qos, clock_now_ns());
+	char limits[512];
+	qos_limits_describe(&spec->qos, limits, sizeof(limits));
+	log_info("export '%s': limits %s", e->name, limits);
 }
 
 int vec_push(struct version_vec *x, struct export *e)
@@ -179,11 +206,13 @@ int version_make(const struct export *policy, struct export_backing *b,
 	e->name = strdup(at->name);
 	e->description = at->description ? strdup(at->description) : NULL;
 	e->window_of = at->window_of ? strdup(at->window_of) : NULL;
-	e->counter = counter ? counter : calloc(1, sizeof(*e->counter));
+	e->counter = counter ? counter : counter_new();
 	if (!e->name || (at->description && !e->description) ||
 	    (at->window_of && !e->window_of) || !e->counter) {
-		if (!counter)
+		if (!counter && e->counter) {
+			qos_limiter_free(e->counter->qos);
 			free(e->counter);
+		}
 		free(e->name);
 		free(e->description);
 		free(e->window_of);
@@ -344,6 +373,7 @@ int export_table_open(struct export_table *t, const struct options *opts, struct
 			export_put(e);
 			break;
 		}
+		limits_apply(e, spec);
 		log_export(e, "");
 		rc = windows_push(t, e, &x, NULL);
 	}
@@ -587,6 +617,7 @@ int export_table_reload(struct export_table *t, const struct options *opts, stru
 		struct export *old = export_get(t, spec->name, strlen(spec->name));
 		struct export *e = NULL;
 		const char *why = old ? refusal(old, spec) : NULL;
+		bool kept_old = false; /* refused: its old settings, limits too */
 		if (!old) {
 			e = reload_add(t, opts, i, &rc);
 			if (!e) {
@@ -599,6 +630,7 @@ int export_table_reload(struct export_table *t, const struct options *opts, stru
 		} else if (why) {
 			log_warn("reload: export '%s' keeps its old settings: %s", spec->name, why);
 			e = old; /* the reference export_get took is the table's now */
+			kept_old = true;
 			rc = push_name(&r->refused, &r->refused_count, spec->name);
 		} else if (!version_differs(old, spec)) {
 			e = old;
@@ -611,6 +643,7 @@ int export_table_reload(struct export_table *t, const struct options *opts, stru
 			if (rc == -EINVAL) {
 				log_warn("reload: export '%s' keeps its old settings", spec->name);
 				e = old;
+				kept_old = true;
 				rc = push_name(&r->refused, &r->refused_count, spec->name);
 			} else if (rc == 0) {
 				export_put(old);
@@ -629,6 +662,8 @@ int export_table_reload(struct export_table *t, const struct options *opts, stru
 			rc = -ENOMEM;
 			break;
 		}
+		if (rc == 0 && !kept_old)
+			limits_apply(e, spec);
 		if (rc == 0)
 			rc = windows_push(t, e, &x, r);
 	}

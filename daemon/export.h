@@ -65,6 +65,7 @@
 #include "daemon/backend/backend.h"
 #include "daemon/cache/cache.h"
 #include "daemon/options.h"
+#include "daemon/qos.h"
 
 struct export_backing {
 	char *spec; /* the backend as configured: path, URI, nbdkit:... */
@@ -82,10 +83,13 @@ struct export_backing {
 };
 
 /* Connections of one export name and its split windows, carried across
- * their versions (for max_connections). */
+ * their versions (for max_connections), and their QoS limiter (qos.h:
+ * its buckets survive reloads; export_table_reload sets its limits in
+ * place). */
 struct export_counter {
 	atomic_uint refs;
 	atomic_uint connections;
+	struct qos_limiter *qos;
 };
 
 struct export

@@ -17,6 +17,7 @@
 
 #include "daemon/access.h"
 #include "daemon/option_values.h"
+#include "daemon/qos.h"
 
 #define fail options_fail
 static char *dup_range(const char *p, size_t n)
@@ -52,6 +53,18 @@ static const struct access_list *access_list_key(const char *s, size_t n)
 	return eq ? access_list_named(s, (size_t)(eq - s)) : NULL;
 }
 
+/* Is "KEY=..." (n bytes at s) a QoS limit (qos.h)? */
+static bool is_qos_key(const char *s, size_t n)
+{
+	const char *eq = memchr(s, '=', n);
+	char key[32];
+	if (!eq || (size_t)(eq - s) >= sizeof(key))
+		return false;
+	memcpy(key, s, (size_t)(eq - s));
+	key[eq - s] = '\0';
+	return qos_is_key(key);
+}
+
 static bool is_known_key(const char *s, size_t n)
 {
 	if (access_list_key(s, n))
@@ -63,7 +76,7 @@ static bool is_known_key(const char *s, size_t n)
 	       starts_with(s, n, "max-connections=") || starts_with(s, n, "dirty-high=") ||
 	       starts_with(s, n, "dirty-low=") || starts_with(s, n, "offset=") ||
 	       starts_with(s, n, "size=") || starts_with(s, n, "split=") ||
-	       starts_with(s, n, "tls=");
+	       starts_with(s, n, "tls=") || is_qos_key(s, n);
 }
 
 /* Copy the value of "key=value" (n bytes at p) into buf; -EINVAL if too long. */
@@ -251,6 +264,20 @@ int options_parse_export(const char *text, struct export_spec *out, char *err, s
 			} else if (!(n == 6 && memcmp(p, "tls=on", 6) == 0)) {
 				rc = fail(err, errlen, -EINVAL,
 					  "--export: %.*s: expected tls=require (or tls=on)", (int)n, p);
+				goto error;
+			}
+		} else if (is_qos_key(p, n)) {
+			const char *eqs = memchr(p, '=', n);
+			char key[32], buf[64], why[200];
+			memcpy(key, p, (size_t)(eqs - p));
+			key[eqs - p] = '\0';
+			size_t vn = n - (size_t)(eqs - p) - 1;
+			if (vn >= sizeof(buf))
+				vn = sizeof(buf) - 1;
+			memcpy(buf, eqs + 1, vn);
+			buf[vn] = '\0';
+			if (qos_limits_set(&out->qos, key, buf, why, sizeof(why)) < 0) {
+				rc = fail(err, errlen, -EINVAL, "--export %s: %s", out->name, why);
 				goto error;
 			}
 		} else {

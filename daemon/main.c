@@ -75,6 +75,11 @@ static int check_config(const struct options *opts)
 		if (first != i)
 			printf(", one cache with export '%s'", opts->exports[first].name);
 		putchar('\n');
+		if (qos_limits_any(&e->qos)) {
+			char limits[512];
+			qos_limits_describe(&e->qos, limits, sizeof(limits));
+			printf("  limits: %s\n", limits);
+		}
 		print_access("  ", &e->access);
 	}
 	print_access("global ", &opts->access);

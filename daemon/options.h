@@ -51,6 +51,7 @@
 #include <stdint.h>
 
 #include "daemon/access.h"
+#include "daemon/qos.h"
 #include "daemon/log.h"
 #include "daemon/option_values.h"
 
@@ -116,6 +117,8 @@ struct export_spec {
 	char *origin;
 	/* Access rules of this export, on top of the global ones (access.h). */
 	struct access_spec access;
+	/* QoS limits (qos.h): iops-limit, bytes-limit, client-... ; all 0: none. */
+	struct qos_limits qos;
 };
 
 /* Bits of options.given: global settings the command line gave. */

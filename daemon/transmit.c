@@ -29,6 +29,11 @@
  * straight into the cache's arena where it can be, else into a buffer of
  * the request's.
  *
+ * Between admission and the cache stand the export's QoS limits
+ * (transmit_throttle.c, throttle_submit): a request over them waits there,
+ * in order, holding nothing of the cache; with no limit set it goes
+ * straight on.
+ *
  * A payload that must not be acted on (a request that fails its checks) is
  * still consumed, by draining it as it arrives (conn->discard) without ever
  * allocating it, and then answered with the error.
@@ -829,6 +834,6 @@ int transmit_step(struct conn *c)
 	log_debug("conn %llu: %s flags 0x%x offset %llu length %llu", (unsigned long long)c->id,
 		  nbd_cmd_name(req.type), req.flags, (unsigned long long)req.offset,
 		  (unsigned long long)req.length);
-	request_start(r);
+	throttle_submit(r); /* the export's QoS limits may hold it back */
 	return 1;
 }

@@ -3,7 +3,8 @@
  * WRITE's payload: transmit_receive.c).
  *
  * Owns: the connection's requests and their replies (struct conn,
- * "Transmission"). Called by session.c once the handshake set
+ * "Transmission"), and those the export's QoS limits hold back
+ * (transmit_throttle.c). Called by session.c once the handshake set
  * CONN_TRANSMISSION; uses the connection's primitives (conn.h), the cache
  * and the backend, never the handshake. Worker thread only.
  */

@@ -6,6 +6,8 @@
  *                       request's life, its cache op, the replies
  *   transmit_receive.c  a WRITE's payload: from the socket into the arena
  *                       or a buffer of the request's, then to the cache
+ *   transmit_throttle.c the export's QoS limits: requests over them held
+ *                       back, in order, before they reach the cache
  *
  * Calls: transmit.c hands a checked, admitted WRITE to receive_write(); the
  * receive path attaches, starts and finishes it through the request
@@ -50,6 +52,9 @@ struct request {
 	struct iovec buf_iov; /* ... when that is buf, or one arena segment */
 	bool in_arena;	      /* ... when that is the arena (cache_write_begin) */
 	uint64_t arrived_ns;  /* its header was read (latency: until replied) */
+	bool qos_passed;      /* the QoS limits admitted it already (a WRITE at its header) */
+	struct request *throttle_next; /* c->throttle_head's list */
+	uint64_t throttled_at_ns;      /* when it was held back */
 };
 
 /* ---- transmit.c ---- */
@@ -65,6 +70,22 @@ void request_start(struct request *r);
 void request_finish(struct request *r, int result);
 /* The cache op's done callback: the request finishes with its result. */
 void request_cache_done(struct cache_op *op, int result);
+
+/* ---- transmit_throttle.c ---- */
+
+/*
+ * May a request with header h start now as far as the export's QoS limits
+ * go? true: no limit is set, or nothing of c's is held back and its
+ * tokens were taken. false: it must wait (throttle_submit will hold it).
+ */
+bool throttle_pass(struct conn *c, const struct nbd_request *h);
+/*
+ * Start a checked request r (its payload in), or hold it back behind c's
+ * requests already held, until the export's limits let it go (a timer on
+ * c's worker; the worker serves others meanwhile). FLUSH and requests
+ * already admitted (qos_passed) start at once.
+ */
+void throttle_submit(struct request *r);
 
 /* ---- transmit_receive.c ---- */
 

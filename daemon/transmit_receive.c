@@ -40,7 +40,7 @@ static void request_received(struct conn *c, void *arg, uint64_t received)
 	if (r->in_arena)
 		cache_write_end(&r->op, received);
 	else if (received == r->buf_len)
-		request_start(r);
+		throttle_submit(r);
 	else
 		request_finish(r, -ECONNRESET);
 }
@@ -100,7 +100,11 @@ int receive_write(struct conn *c, const struct nbd_request *req, uint64_t cost, 
 		request_op_init(r, c, req);
 	/* Already in the input buffer: it cannot be cut short any more. */
 	bool here = evbuffer_get_length(conn_input(c)) >= hsize + req->payload_length;
-	if (r && !receive_into_arena(r, &niov, here)) {
+	/* Into the arena only when the QoS limits let it start now: a write
+	 * held back must not hold the cache's blocks while it waits. */
+	if (r)
+		r->qos_passed = throttle_pass(c, req);
+	if (r && (!r->qos_passed || !receive_into_arena(r, &niov, here))) {
 		r->buf_len = (size_t)req->payload_length;
 		r->buf = malloc(r->buf_len);
 		r->buf_iov.iov_base = r->buf;

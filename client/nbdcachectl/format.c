@@ -102,7 +102,7 @@ void table_cell(struct table *t, const char *fmt, ...)
 
 int table_print(const struct table *t)
 {
-	size_t width[16] = {0};
+	size_t width[TABLE_MAX_COLUMNS] = {0};
 
 	if (t->err) {
 		report("%s", strerror(-t->err));

@@ -36,6 +36,9 @@ const char *format_latency(char *buf, size_t size, int64_t ns);
  * that cannot be allocated is remembered and reported by table_print.
  * Trailing empty cells of a row are not padded.
  */
+/* The most columns a table has (table_print's widths). */
+#define TABLE_MAX_COLUMNS 32
+
 struct table {
 	size_t columns;
 	const char *const *headers;

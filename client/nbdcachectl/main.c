@@ -8,13 +8,14 @@
  * or, with --json, as the daemon's reply line exactly as it arrived, so
  * that scripts see every field the daemon sends.
  *
- * Four commands do more, each in its own file:
+ * Some commands do more, each in its own file:
  *   flush   (flush.c) the request on one connection, "stats" polled every
  *           100 ms on a second one to draw the dirty bytes draining;
  *   top     (top.c) "stats" every --interval, rates from two samples;
  *   attach  (attach.c) "status" and "exports" turned into an nbd-client
  *           command line, printed (shell-quoted) or executed;
- *   windows (attach.c) a split export's windows, from "exports".
+ *   windows (attach.c) a split export's windows, from "exports";
+ *   limit   (limit.c) KEY=VALUE arguments into one "limit" request.
  *
  *   main -> parse_args -> command->run (run_simple, run_flush, run_top,
  *           run_attach) -> ctl_call -> ctl_send / ctl_receive
@@ -76,6 +77,7 @@ static const struct command commands[] = {
     {"connections", {NULL}, 0, 0, print_connections, run_simple},
     {"disconnect", {NULL}, 1, 1, NULL, run_disconnect},
     {"resize", {"export", "size"}, 1, 2, print_resize, run_simple},
+    {"limit", {NULL}, 1, 64, NULL, run_limit},
 };
 
 static void usage(FILE *f)
@@ -86,6 +88,8 @@ static void usage(FILE *f)
 	      "          | top [--count N] [--interval SECONDS]\n"
 	      "          | attach EXPORT [DEVICE] [--run] | windows EXPORT\n"
 	      "          | connections | disconnect ID | resize EXPORT [SIZE]\n"
+	      "          | limit EXPORT [KEY=VALUE...]  (iops-limit, bytes-limit,\n"
+	      "            client-iops-limit, client-bytes-limit and their -burst)\n"
 	      "default control socket: " NBDCACHED_CONTROL_DEFAULT "\n"
 	      "exit status: 0 success, 1 the daemon refused or could not be reached, 2 usage\n",
 	      f);

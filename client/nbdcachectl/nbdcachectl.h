@@ -55,6 +55,7 @@ int run_top(const struct options *o);
 int run_attach(const struct options *o);
 int run_windows(const struct options *o);
 int run_disconnect(const struct options *o); /* conns.c */
+int run_limit(const struct options *o);	     /* limit.c */
 
 /* Seconds on the monotonic clock. */
 static inline double now_s(void)

@@ -136,12 +136,13 @@ void print_latency(json_object *r)
 
 void print_stats(json_object *r)
 {
-	static const char *const headers[] = {"EXPORT",	 "CONNS",     "HITS",	    "MISSES",
-					      "PARTIAL", "HIT%",      "DIRTY",	    "BE-READS",
-					      "BE-READ", "BE-WRITES", "BE-WRITTEN", "WRITTEN-BACK",
-					      "WB-RATE", "EVICTIONS", "WB-ERRORS"};
+	static const char *const headers[] = {
+	    "EXPORT",  "CONNS",	    "HITS",	 "MISSES",    "PARTIAL",    "HIT%",
+	    "DIRTY",   "BE-READS",  "BE-READ",	 "BE-WRITES", "BE-WRITTEN", "WRITTEN-BACK",
+	    "WB-RATE", "EVICTIONS", "WB-ERRORS", "THROTTLED", "THROTTLED-S"};
+	_Static_assert(ARRAY_SIZE(headers) <= TABLE_MAX_COLUMNS, "table_print's widths");
 	struct table t = {
-	    .columns = ARRAY_SIZE(headers), .headers = headers, .align = "lrrrrrrrrrrrrrr"};
+	    .columns = ARRAY_SIZE(headers), .headers = headers, .align = "lrrrrrrrrrrrrrrrr"};
 	json_object *c = ctl_field(r, "cache"), *arena = ctl_field(c, "arena");
 	int64_t cache = ctl_get_int(c, "cache_bytes"),
 		free_bytes = ctl_get_int(arena, "free_bytes");
@@ -205,6 +206,9 @@ void print_stats(json_object *r)
 		table_cell(&t, "%s/s", SIZE(ctl_get_int(e, "writeback_rate")));
 		table_cell(&t, "%" PRId64, ctl_get_int(e, "evictions"));
 		table_cell(&t, "%" PRId64, ctl_get_int(e, "writeback_errors"));
+		/* QoS: requests held back by the export's limits, and for how long. */
+		table_cell(&t, "%" PRId64, ctl_get_int(e, "throttled_requests"));
+		table_cell(&t, "%.1f", (double)ctl_get_int(e, "throttled_ns") / 1e9);
 	}
 	table_print(&t);
 	table_free(&t);

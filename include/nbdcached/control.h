@@ -52,7 +52,13 @@
  *       cache_mode (string: "writeback", "writethrough", "writearound" or
  *       "none"), seq_cutoff, max_connections (0: unlimited), connections,
  *       dirty_high, dirty_low (percent of the cache; the global values
- *       unless set per export)
+ *       unless set per export), limits (LIMITS, below)
+ *     LIMITS: the export's QoS limits in force (a split export's windows
+ *       show their export's): {iops_limit, bytes_limit (bytes/s),
+ *       client_iops_limit, client_bytes_limit (bytes/s), iops_burst,
+ *       bytes_burst, client_iops_burst, client_bytes_burst}; a limit of 0
+ *       is none, a burst is the most a bucket holds (the limit when not
+ *       set: one second's worth)
  *     Exports over one backend share its cache export: their "stats" are
  *     the backend's, the same for each.
  *     Only exports a client can connect to are listed; status counts the
@@ -108,7 +114,13 @@
  *             hit_ratio (double), dirty_bytes, backend_reads,
  *             backend_read_bytes, backend_writes, backend_write_bytes,
  *             writeback_bytes, writeback_rate, evictions, writeback_errors,
- *             cached_bytes (arena bytes its cache entries hold)}
+ *             cached_bytes (arena bytes its cache entries hold),
+ *             throttled_requests (requests its QoS limits held back),
+ *             throttled_ns (the time they waited, summed: a request
+ *             counts when it starts waiting, its time when it stops),
+ *             qos_clients (client buckets in use: clients connected since
+ *             a limit was set); an export and its split windows count
+ *             together}
  *             (only the named export when "export" is given)
  *     Durability (cache and each export): unstable_bytes (written back,
  *     no backend flush since: not evictable yet; an upper bound, counted
@@ -209,6 +221,18 @@
  *     reply (id) comes once the close is asked for, not when it is done.
  *     "ENOENT": no connection has that id; "EINVAL": id missing or not a
  *     positive integer.
+ *
+ *   limit export: NAME, limits: {KEY: VALUE, ...}
+ *     Sets the export's QoS limits live (a split window's name sets its
+ *     export's). KEY: "iops-limit", "bytes-limit", "client-iops-limit",
+ *     "client-bytes-limit" or one of them with "-burst" for "-limit";
+ *     VALUE: a string (a number with an optional K, M, G or T suffix,
+ *     binary; "0" or "off": none) or a non-negative integer. Keys not
+ *     given keep their value; {} changes nothing. Every pair is checked
+ *     before any applies. The limits last until the next reload, which
+ *     sets the configuration's. export, limits (LIMITS, as in exports).
+ *     "ENOENT": no such export; "EINVAL": a key unknown or a value bad
+ *     (the error names them).
  */
 #ifndef NBDCACHED_CONTROL_H
 #define NBDCACHED_CONTROL_H

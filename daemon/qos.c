@@ -1,0 +1,315 @@
+/*
+ * daemon/qos.c: token buckets and an export's limiter (see qos.h).
+ *
+ * A bucket earns rate tokens a second up to its burst; a request takes its
+ * cost. A cost above the burst could never be had whole, so a full bucket
+ * gives it anyway and goes into debt: the next requests wait until the
+ * debt is paid, and the rate holds on average. Tokens are a double: exact
+ * for whole tokens up to 2^53, far above QOS_MAX_RATE a second, and on
+ * every ABI the same arithmetic (no 128-bit products).
+ *
+ * A request is admitted when all four of its buckets allow it (the
+ * export's requests and bytes, its client's requests and bytes): either it
+ * takes from all of them, or from none and is told how long the slowest
+ * needs.
+ */
+#include "daemon/qos.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon/access.h"
+#include "daemon/option_values.h"
+
+#define NS_PER_S 1000000000.0
+
+/* ---- keys and values ---- */
+
+static struct qos_rate *rate_of(struct qos_limits *l, const char *key, bool *burst, bool *bytes,
+				int *index)
+{
+	static const struct {
+		const char *name;
+		size_t offset;
+		bool burst, bytes;
+	} keys[] = {
+	    {"iops-limit", offsetof(struct qos_limits, iops), false, false},
+	    {"iops-burst", offsetof(struct qos_limits, iops), true, false},
+	    {"bytes-limit", offsetof(struct qos_limits, bytes), false, true},
+	    {"bytes-burst", offsetof(struct qos_limits, bytes), true, true},
+	    {"client-iops-limit", offsetof(struct qos_limits, client_iops), false, false},
+	    {"client-iops-burst", offsetof(struct qos_limits, client_iops), true, false},
+	    {"client-bytes-limit", offsetof(struct qos_limits, client_bytes), false, true},
+	    {"client-bytes-burst", offsetof(struct qos_limits, client_bytes), true, true},
+	};
+	for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
+		if (strcmp(key, keys[i].name) == 0) {
+			*index = (int)i;
+			*burst = keys[i].burst;
+			*bytes = keys[i].bytes;
+			return (struct qos_rate *)((char *)l + keys[i].offset);
+		}
+	}
+	return NULL;
+}
+
+int qos_key_index(const char *key)
+{
+	struct qos_limits l;
+	bool burst, bytes;
+	int index = -1;
+	rate_of(&l, key, &burst, &bytes, &index);
+	return index;
+}
+
+bool qos_is_key(const char *key)
+{
+	return qos_key_index(key) >= 0;
+}
+
+int qos_limits_set(struct qos_limits *l, const char *key, const char *value, char *err,
+		   size_t errlen)
+{
+	bool burst, bytes;
+	int index;
+	struct qos_rate *r = rate_of(l, key, &burst, &bytes, &index);
+	if (!r)
+		return 0;
+	uint64_t v = 0;
+	if (strcmp(value, "off") != 0 && (options_parse_size(value, &v) < 0 || v > QOS_MAX_RATE))
+		return options_fail(err, errlen, -EINVAL,
+				    "%s %s: expected %s (K, M, G, T: binary multiples), or 0 or "
+				    "off for %s",
+				    key, value,
+				    bytes ? (burst ? "a number of bytes" : "bytes a second")
+					  : (burst ? "a number of requests" : "requests a second"),
+				    burst ? "one second's worth" : "no limit");
+	*(burst ? &r->burst : &r->rate) = v;
+	return 1;
+}
+
+bool qos_limits_any(const struct qos_limits *l)
+{
+	return l->iops.rate || l->bytes.rate || l->client_iops.rate || l->client_bytes.rate;
+}
+
+void qos_limits_describe(const struct qos_limits *l, char *buf, size_t len)
+{
+	const struct {
+		const char *name, *unit;
+		const struct qos_rate *r;
+	} rates[] = {{"iops", "", &l->iops},
+		     {"bytes", "/s", &l->bytes},
+		     {"client iops", "", &l->client_iops},
+		     {"client bytes", "/s", &l->client_bytes}};
+	size_t at = 0;
+	buf[0] = '\0';
+	for (size_t i = 0; i < sizeof(rates) / sizeof(rates[0]); i++) {
+		const struct qos_rate *r = rates[i].r;
+		if (!r->rate || at >= len)
+			continue;
+		int n = snprintf(buf + at, len - at, "%s%s %llu%s (burst %llu)", at ? ", " : "",
+				 rates[i].name, (unsigned long long)r->rate, rates[i].unit,
+				 (unsigned long long)(r->burst ? r->burst : r->rate));
+		at += n > 0 ? (size_t)n : 0;
+	}
+	if (!buf[0])
+		snprintf(buf, len, "none");
+}
+
+/* ---- the bucket ---- */
+
+static void bucket_refill(struct qos_bucket *b, uint64_t now)
+{
+	if (now > b->last_ns) {
+		b->tokens += (double)(now - b->last_ns) * (double)b->rate / NS_PER_S;
+		if (b->tokens > (double)b->burst)
+			b->tokens = (double)b->burst;
+	}
+	b->last_ns = now > b->last_ns ? now : b->last_ns;
+}
+
+void qos_bucket_set(struct qos_bucket *b, uint64_t rate, uint64_t burst, uint64_t now)
+{
+	if (!burst)
+		burst = rate;
+	if (rate && b->rate)
+		bucket_refill(b, now);
+	else
+		b->tokens = (double)burst; /* from unlimited: full */
+	b->rate = rate;
+	b->burst = burst;
+	b->last_ns = now;
+	if (b->tokens > (double)burst)
+		b->tokens = (double)burst;
+}
+
+uint64_t qos_bucket_wait(struct qos_bucket *b, uint64_t cost, uint64_t now)
+{
+	if (!b->rate || !cost)
+		return 0;
+	bucket_refill(b, now);
+	double need = (double)(cost < b->burst ? cost : b->burst);
+	if (b->tokens >= need)
+		return 0;
+	double ns = (need - b->tokens) * NS_PER_S / (double)b->rate;
+	return ns < 1.0 ? 1 : (uint64_t)ns + 1;
+}
+
+void qos_bucket_take(struct qos_bucket *b, uint64_t cost)
+{
+	if (b->rate)
+		b->tokens -= (double)cost;
+}
+
+/* ---- the limiter ---- */
+
+struct qos_limiter *qos_limiter_new(void)
+{
+	struct qos_limiter *q = calloc(1, sizeof(*q));
+	if (!q)
+		return NULL;
+	if (pthread_mutex_init(&q->lock, NULL) != 0) {
+		free(q);
+		return NULL;
+	}
+	atomic_init(&q->active, false);
+	atomic_init(&q->throttled_requests, 0);
+	atomic_init(&q->throttled_ns, 0);
+	return q;
+}
+
+void qos_limiter_free(struct qos_limiter *q)
+{
+	if (!q)
+		return;
+	/* Connections hold the limiter's export counter, so no client is left:
+	 * any still listed is a leak of a reference. */
+	while (q->clients) {
+		struct qos_client *cl = q->clients;
+		q->clients = cl->next;
+		free(cl);
+	}
+	pthread_mutex_destroy(&q->lock);
+	free(q);
+}
+
+static void client_set(struct qos_client *cl, const struct qos_limits *l, uint64_t now)
+{
+	qos_bucket_set(&cl->iops, l->client_iops.rate, l->client_iops.burst, now);
+	qos_bucket_set(&cl->bytes, l->client_bytes.rate, l->client_bytes.burst, now);
+}
+
+void qos_limiter_set(struct qos_limiter *q, const struct qos_limits *l, uint64_t now)
+{
+	pthread_mutex_lock(&q->lock);
+	q->limits = *l;
+	qos_bucket_set(&q->iops, l->iops.rate, l->iops.burst, now);
+	qos_bucket_set(&q->bytes, l->bytes.rate, l->bytes.burst, now);
+	for (struct qos_client *cl = q->clients; cl; cl = cl->next)
+		client_set(cl, l, now);
+	atomic_store(&q->active, qos_limits_any(l));
+	pthread_mutex_unlock(&q->lock);
+}
+
+void qos_limiter_get(struct qos_limiter *q, struct qos_stats *out)
+{
+	memset(out, 0, sizeof(*out));
+	pthread_mutex_lock(&q->lock);
+	out->limits = q->limits;
+	for (struct qos_client *cl = q->clients; cl; cl = cl->next)
+		out->clients++;
+	pthread_mutex_unlock(&q->lock);
+	out->throttled_requests = atomic_load(&q->throttled_requests);
+	out->throttled_ns = atomic_load(&q->throttled_ns);
+}
+
+void qos_client_key(const struct access_peer *p, char *buf, size_t len)
+{
+	if (p->has_identity) {
+		snprintf(buf, len, "tls:%s", p->identity);
+	} else if (p->is_unix) {
+		if (p->has_cred)
+			snprintf(buf, len, "uid:%u", (unsigned)p->uid);
+		else
+			snprintf(buf, len, "unix"); /* no credentials: one client */
+	} else {
+		char host[64] = "";
+		static const uint8_t mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+		if (memcmp(p->addr, mapped, sizeof(mapped)) == 0)
+			inet_ntop(AF_INET, p->addr + 12, host, sizeof(host));
+		else
+			inet_ntop(AF_INET6, p->addr, host, sizeof(host));
+		snprintf(buf, len, "ip:%s", host);
+	}
+}
+
+struct qos_client *qos_client_get(struct qos_limiter *q, const char *key, uint64_t now)
+{
+	pthread_mutex_lock(&q->lock);
+	struct qos_client *cl = q->clients;
+	while (cl && strcmp(cl->key, key) != 0)
+		cl = cl->next;
+	if (!cl && (cl = calloc(1, sizeof(*cl)))) {
+		snprintf(cl->key, sizeof(cl->key), "%s", key);
+		client_set(cl, &q->limits, now);
+		cl->next = q->clients;
+		q->clients = cl;
+	}
+	if (cl)
+		cl->refs++;
+	pthread_mutex_unlock(&q->lock);
+	return cl;
+}
+
+void qos_client_put(struct qos_limiter *q, struct qos_client *cl)
+{
+	if (!cl)
+		return;
+	pthread_mutex_lock(&q->lock);
+	if (--cl->refs == 0) {
+		struct qos_client **p = &q->clients;
+		while (*p != cl)
+			p = &(*p)->next;
+		*p = cl->next;
+		free(cl);
+	}
+	pthread_mutex_unlock(&q->lock);
+}
+
+static uint64_t max_u64(uint64_t a, uint64_t b)
+{
+	return a > b ? a : b;
+}
+
+uint64_t qos_admit(struct qos_limiter *q, struct qos_client *cl, uint64_t ios, uint64_t bytes,
+		   uint64_t now)
+{
+	pthread_mutex_lock(&q->lock);
+	uint64_t wait =
+	    max_u64(qos_bucket_wait(&q->iops, ios, now), qos_bucket_wait(&q->bytes, bytes, now));
+	if (cl)
+		wait = max_u64(wait, max_u64(qos_bucket_wait(&cl->iops, ios, now),
+					     qos_bucket_wait(&cl->bytes, bytes, now)));
+	if (wait == 0) {
+		qos_bucket_take(&q->iops, ios);
+		qos_bucket_take(&q->bytes, bytes);
+		if (cl) {
+			qos_bucket_take(&cl->iops, ios);
+			qos_bucket_take(&cl->bytes, bytes);
+		}
+	}
+	pthread_mutex_unlock(&q->lock);
+	return wait;
+}
+
+void qos_count_throttled(struct qos_limiter *q, bool new_request, uint64_t ns)
+{
+	if (new_request)
+		atomic_fetch_add_explicit(&q->throttled_requests, 1, memory_order_relaxed);
+	if (ns)
+		atomic_fetch_add_explicit(&q->throttled_ns, ns, memory_order_relaxed);
+}
