@@ -38,6 +38,7 @@
 #include "daemon/cache/cache.h"
 #include "daemon/export.h"
 #include "daemon/log.h"
+#include "daemon/qos.h"
 
 #define METRICS_CONTENT_TYPE "text/plain; version=0.0.4; charset=utf-8"
 #define METRICS_CONNECTION_LIMIT 8
@@ -56,6 +57,7 @@ struct export_sample {
 	struct cache_export *ce;
 	struct cache_export_stats s;
 	struct cache_reply_stats r;
+	struct qos_stats q;
 	uint64_t connections;
 };
 
@@ -86,23 +88,22 @@ static void gauge(FILE *f, const char *name, const char *help, uint64_t v)
 
 /* ---- per export counters and gauges ---- */
 
-#define SAMPLE(field) offsetof(struct export_sample, field)
+#define SAMPLE(field) offsetof(struct export_sample, field), false
+/* A uint64_t of nanoseconds, shown as seconds. */
+#define SAMPLE_NS(field) offsetof(struct export_sample, field), true
 
 struct export_series {
 	const char *name, *type, *help;
 	const char *label, *label_value; /* a second label, or NULL */
 	size_t offset;			 /* of a uint64_t in struct export_sample */
+	bool ns;			 /* nanoseconds, shown as seconds */
 };
 
 /*
  * Every per-export counter and gauge on the page, one row per series, the
  * rows of one family together. The one place to add per-export numbers.
- *
- * QoS (merge point): the QoS branch's per-export throttled_requests and
- * throttled_ns go here once they exist, as
- * nbdcached_throttled_requests_total and nbdcached_throttled_seconds_total
- * (a seconds counter needs the ns scaled: see export_counters()). Nothing
- * is emitted for them until then: a zero would claim no throttling.
+ * The QoS counters belong to an export with its split windows (the
+ * limiter hangs off their shared counter), like every other series here.
  */
 static const struct export_series export_series[] = {
     {"nbdcached_requests_total", "counter", "Client requests started, by command.", "command",
@@ -156,6 +157,11 @@ static const struct export_series export_series[] = {
      NULL, NULL, SAMPLE(s.direct_writes)},
     {"nbdcached_writeback_throttled_writes_total", "counter",
      "Cached WRITEs that waited for writeback.", NULL, NULL, SAMPLE(s.throttled_writes)},
+    {"nbdcached_qos_throttled_requests_total", "counter",
+     "Requests the export's QoS limits held back.", NULL, NULL, SAMPLE(q.throttled_requests)},
+    {"nbdcached_qos_throttled_seconds_total", "counter",
+     "Time requests spent held back by the export's QoS limits.", NULL, NULL,
+     SAMPLE_NS(q.throttled_ns)},
     {"nbdcached_connections", "gauge", "Client connections in transmission on the export.", NULL,
      NULL, SAMPLE(connections)},
     {"nbdcached_export_dirty_bytes", "gauge", "Dirty bytes of the export in the cache.", NULL, NULL,
@@ -180,7 +186,10 @@ static void export_counters(FILE *f, const struct export_sample *x, size_t n)
 			put_label_value(f, x[k].name);
 			if (e->label)
 				fprintf(f, "\",%s=\"%s", e->label, e->label_value);
-			fprintf(f, "\"} %" PRIu64 "\n", v);
+			if (e->ns)
+				fprintf(f, "\"} %.9f\n", (double)v / 1e9);
+			else
+				fprintf(f, "\"} %" PRIu64 "\n", v);
 		}
 	}
 }
@@ -306,6 +315,7 @@ static int metrics_page(struct metrics *m, char **text, size_t *len)
 		s->ce = e->cache;
 		cache_export_get_stats(e->cache, &s->s);
 		cache_export_get_reply_stats(e->cache, &s->r);
+		qos_limiter_get(e->counter->qos, &s->q);
 		s->connections = atomic_load(&e->counter->connections);
 	}
 	cache_gauges(f, m->cache);

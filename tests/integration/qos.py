@@ -28,7 +28,8 @@ second's burst is spent; clients are forked processes, aio at QD 8):
              127.0.0.1 and 127.0.0.2 (source addresses) get 300 each
   flush      on f, reads held back (1 a second), a FLUSH is answered at
              once; the reads complete after it, in time
-  stats      throttled_requests and throttled_ns moved for f; exports
+  stats      throttled_requests and throttled_ns moved for f, the same on
+             /metrics (nbdcached_qos_throttled_*); exports
              shows the limits
   order      WRITEs to one place on o (50 a second, burst 1) land in the
              order they were sent
@@ -234,7 +235,9 @@ def main():
             nbdtest.run(["psktool", "-u", user, "-p", psk], timeout=60)
         conf = os.path.join(tmp, "nbdcached.conf")
         write_config(conf, img, psk)
-        with nbdtest.running_daemon([], extra=["--config", conf]) as d:
+        mport = nbdtest.free_port()
+        with nbdtest.running_daemon([], extra=["--config", conf,
+                                               "--metrics", "127.0.0.1:%d" % mport]) as d:
             # Every block in the cache: the reads below are hits.
             h = connect(d, "u")
             for off in range(0, SIZE, MIB):
@@ -378,6 +381,22 @@ def main():
                 expect(a["throttled_ns"] - b["throttled_ns"] > 2 * 10 ** 9,
                        "throttled_ns moved by %d ns only"
                        % (a["throttled_ns"] - b["throttled_ns"]))
+                # The same counters on /metrics (idle now: they stay put).
+                import urllib.request
+                with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % mport,
+                                            timeout=10) as r:
+                    page = r.read().decode()
+                series = {}
+                for line in page.splitlines():
+                    if line.startswith("nbdcached_qos_throttled_") and 'export="f"' in line:
+                        series[line.split("{")[0]] = float(line.split()[-1])
+                log("/metrics: %s" % series)
+                expect(series.get("nbdcached_qos_throttled_requests_total")
+                       == a["throttled_requests"]
+                       and abs(series.get("nbdcached_qos_throttled_seconds_total", -1)
+                               - a["throttled_ns"] / 1e9) < 1e-6,
+                       "/metrics' throttled series %s, stats %d requests %d ns"
+                       % (series, a["throttled_requests"], a["throttled_ns"]))
                 ex = {e["name"]: e for e in
                       nbdtest.control_request(d.control, {"command": "exports"})["exports"]}
                 expect(ex["f"]["limits"]["client_iops_limit"] == 1
@@ -385,11 +404,14 @@ def main():
                        and ex["u"]["limits"]["iops_limit"] == 0,
                        "exports' limits: %s" % {k: v["limits"] for k, v in ex.items()})
                 out = ctl(d, "stats", "f").stdout.splitlines()
-                # (sizes hold a space: the last two columns are the QoS ones)
-                expect(out[-2].split()[-2:] == ["THROTTLED", "THROTTLED-S"]
-                       and out[-1].split()[-2] == str(a["throttled_requests"])
-                       and float(out[-1].split()[-1]) > 2,
-                       "nbdcachectl stats f: %r" % out[-2:])
+                # The exports table (a latency table follows it): sizes hold
+                # a space, the last two columns are the QoS ones.
+                head = next((i for i, line in enumerate(out)
+                             if line.split()[-2:] == ["THROTTLED", "THROTTLED-S"]), None)
+                row = out[head + 1].split() if head is not None and head + 1 < len(out) else []
+                expect(len(row) >= 2 and row[-2] == str(a["throttled_requests"])
+                       and float(row[-1]) > 2,
+                       "nbdcachectl stats f: %r" % out)
 
             def bad_ctl():
                 p = ctl(d, "limit", "c", "iops-limit=fast", check_rc=False)
