@@ -30,7 +30,7 @@ import urllib.request
 MiB = 1 << 20
 GiB = 1 << 30
 
-PAIRS = 3
+PAIRS = 5
 WORKLOAD = ["--rw=randread", "--bs=4k", "--iodepth=32"]
 FAR_IOPS = "10000000"
 FAR_BYTES = "1T"

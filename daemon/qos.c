@@ -4,14 +4,17 @@
  * A bucket earns rate tokens a second up to its burst; a request takes its
  * cost. A cost above the burst could never be had whole, so a full bucket
  * gives it anyway and goes into debt: the next requests wait until the
- * debt is paid, and the rate holds on average. Tokens are a double: exact
- * for whole tokens up to 2^53, far above QOS_MAX_RATE a second, and on
- * every ABI the same arithmetic (no 128-bit products).
+ * debt is paid, and the rate holds on average. A bucket is its
+ * theoretical arrival time (qos.h), a double of nanoseconds: exact to the
+ * nanosecond for 2^53 ns (104 days) of the monotonic clock, to a few ns
+ * after, far finer than one token's time at any rate worth limiting to;
+ * on every ABI the same arithmetic (no 128-bit products).
  *
  * A request is admitted when all four of its buckets allow it (the
  * export's requests and bytes, its client's requests and bytes): either it
  * takes from all of them, or from none and is told how long the slowest
- * needs.
+ * needs. Without a lock: two workers that find the last tokens at once
+ * both take them, and the buckets carry the difference as a debt.
  */
 #include "daemon/qos.h"
 
@@ -122,47 +125,78 @@ void qos_limits_describe(const struct qos_limits *l, char *buf, size_t len)
 
 /* ---- the bucket ---- */
 
-static void bucket_refill(struct qos_bucket *b, uint64_t now)
+static double tat_of(struct qos_bucket *b)
 {
-	if (now > b->last_ns) {
-		b->tokens += (double)(now - b->last_ns) * (double)b->rate / NS_PER_S;
-		if (b->tokens > (double)b->burst)
-			b->tokens = (double)b->burst;
-	}
-	b->last_ns = now > b->last_ns ? now : b->last_ns;
+	uint64_t bits = atomic_load_explicit(&b->tat, memory_order_relaxed);
+	double d;
+	memcpy(&d, &bits, sizeof(d));
+	return d;
+}
+
+static uint64_t bits_of(double d)
+{
+	uint64_t bits;
+	memcpy(&bits, &d, sizeof(bits));
+	return bits;
+}
+
+double qos_bucket_tokens(struct qos_bucket *b, uint64_t now)
+{
+	uint64_t rate = atomic_load_explicit(&b->rate, memory_order_relaxed);
+	uint64_t burst = atomic_load_explicit(&b->burst, memory_order_relaxed);
+	if (!rate)
+		return (double)burst;
+	double ahead = tat_of(b) - (double)now;
+	return (double)burst - (ahead > 0 ? ahead * (double)rate / NS_PER_S : 0);
 }
 
 void qos_bucket_set(struct qos_bucket *b, uint64_t rate, uint64_t burst, uint64_t now)
 {
 	if (!burst)
 		burst = rate;
-	if (rate && b->rate)
-		bucket_refill(b, now);
-	else
-		b->tokens = (double)burst; /* from unlimited: full */
-	b->rate = rate;
-	b->burst = burst;
-	b->last_ns = now;
-	if (b->tokens > (double)burst)
-		b->tokens = (double)burst;
+	/* From unlimited: full; else what it holds now, at most the new burst. */
+	double tokens = atomic_load(&b->rate) ? qos_bucket_tokens(b, now) : (double)burst;
+	if (tokens > (double)burst)
+		tokens = (double)burst;
+	double tat = (double)now;
+	if (rate)
+		tat += ((double)burst - tokens) * NS_PER_S / (double)rate;
+	atomic_store(&b->tat, bits_of(tat));
+	atomic_store(&b->burst, burst);
+	atomic_store(&b->rate, rate);
 }
 
 uint64_t qos_bucket_wait(struct qos_bucket *b, uint64_t cost, uint64_t now)
 {
-	if (!b->rate || !cost)
+	uint64_t rate = atomic_load_explicit(&b->rate, memory_order_relaxed);
+	if (!rate || !cost)
 		return 0;
-	bucket_refill(b, now);
-	double need = (double)(cost < b->burst ? cost : b->burst);
-	if (b->tokens >= need)
+	uint64_t burst = atomic_load_explicit(&b->burst, memory_order_relaxed);
+	uint64_t need = cost < burst ? cost : burst;
+	/* It holds need once tat - now <= (burst - need) / rate s. */
+	double ns = tat_of(b) - (double)now - (double)(burst - need) * NS_PER_S / (double)rate;
+	if (ns <= 0)
 		return 0;
-	double ns = (need - b->tokens) * NS_PER_S / (double)b->rate;
 	return ns < 1.0 ? 1 : (uint64_t)ns + 1;
 }
 
-void qos_bucket_take(struct qos_bucket *b, uint64_t cost)
+void qos_bucket_take(struct qos_bucket *b, uint64_t cost, uint64_t now)
 {
-	if (b->rate)
-		b->tokens -= (double)cost;
+	uint64_t rate = atomic_load_explicit(&b->rate, memory_order_relaxed);
+	if (!rate || !cost)
+		return;
+	double step = (double)cost * NS_PER_S / (double)rate;
+	uint64_t old = atomic_load_explicit(&b->tat, memory_order_relaxed);
+	for (;;) {
+		double tat;
+		memcpy(&tat, &old, sizeof(tat));
+		if (tat < (double)now)
+			tat = (double)now;
+		if (atomic_compare_exchange_weak_explicit(&b->tat, &old, bits_of(tat + step),
+							  memory_order_relaxed,
+							  memory_order_relaxed))
+			return;
+	}
 }
 
 /* ---- the limiter ---- */
@@ -288,22 +322,22 @@ static uint64_t max_u64(uint64_t a, uint64_t b)
 uint64_t qos_admit(struct qos_limiter *q, struct qos_client *cl, uint64_t ios, uint64_t bytes,
 		   uint64_t now)
 {
-	pthread_mutex_lock(&q->lock);
+	/* No lock: cl is referenced by the caller's connection, the buckets
+	 * are atomics (a race for the last tokens is a small debt). */
 	uint64_t wait =
 	    max_u64(qos_bucket_wait(&q->iops, ios, now), qos_bucket_wait(&q->bytes, bytes, now));
 	if (cl)
 		wait = max_u64(wait, max_u64(qos_bucket_wait(&cl->iops, ios, now),
 					     qos_bucket_wait(&cl->bytes, bytes, now)));
-	if (wait == 0) {
-		qos_bucket_take(&q->iops, ios);
-		qos_bucket_take(&q->bytes, bytes);
-		if (cl) {
-			qos_bucket_take(&cl->iops, ios);
-			qos_bucket_take(&cl->bytes, bytes);
-		}
+	if (wait)
+		return wait;
+	qos_bucket_take(&q->iops, ios, now);
+	qos_bucket_take(&q->bytes, bytes, now);
+	if (cl) {
+		qos_bucket_take(&cl->iops, ios, now);
+		qos_bucket_take(&cl->bytes, bytes, now);
 	}
-	pthread_mutex_unlock(&q->lock);
-	return wait;
+	return 0;
 }
 
 void qos_count_throttled(struct qos_limiter *q, bool new_request, uint64_t ns)

@@ -17,9 +17,11 @@
  *                        clients: [key "tls:NAME" | "uid:N" | "ip:ADDR"]
  *                                  refs, iops + bytes buckets  -> ...
  *
- * Locking: the limiter's mutex guards its limits and every bucket of it;
- * it is taken only when a limit is set (qos_limiter_active) or changed,
- * and nothing is called under it. The counters are atomics. Any thread:
+ * Locking: the limiter's mutex guards its limits, its list of clients and
+ * the setting of buckets; admitting a request takes no lock (the buckets
+ * are atomics, see struct qos_bucket), and costs nothing but one relaxed
+ * load when no limit is set (qos_limiter_active). Nothing is called under
+ * the mutex. The counters are atomics. Any thread:
  * the connections' workers admit, the control thread sets limits (reload,
  * the limit command) and reads the counters.
  *
@@ -75,17 +77,25 @@ void qos_limits_describe(const struct qos_limits *l, char *buf, size_t len);
 
 /* ---- the token bucket (pure: the caller passes the clock) ---- */
 
+/*
+ * A bucket is kept as its theoretical arrival time (GCRA): tat, the time
+ * at which it would be full again, each token taken pushing it 1/rate s
+ * further. It holds burst - (tat - now) x rate tokens (burst when tat is
+ * past). Three atomics, so that admitting is lock-free: two threads taking
+ * its last token at once can both have it (the bucket goes one request
+ * into debt, paid back by the next ones: the rate holds on average).
+ */
 struct qos_bucket {
-	uint64_t rate;	/* tokens a second; 0: unlimited (takes nothing, never waits) */
-	uint64_t burst; /* the most it holds */
-	double tokens;	/* below 0: the debt of a request above the burst */
-	uint64_t last_ns;
+	_Atomic uint64_t rate;	/* tokens a second; 0: unlimited (takes nothing, never waits) */
+	_Atomic uint64_t burst; /* the most it holds */
+	_Atomic uint64_t tat;	/* a double's bits: ns (the clock's) when it is full */
 };
 
 /*
  * Set the rate and burst (0: one second's worth) at now. A bucket that was
  * unlimited starts full; otherwise it keeps what it earned at the old rate,
- * down to the new burst.
+ * down to the new burst (and a debt stays a debt). Under the limiter's
+ * lock: one setter at a time.
  */
 void qos_bucket_set(struct qos_bucket *b, uint64_t rate, uint64_t burst, uint64_t now_ns);
 /*
@@ -94,8 +104,10 @@ void qos_bucket_set(struct qos_bucket *b, uint64_t rate, uint64_t burst, uint64_
  * request waits for ever; a cost of 0 never waits.
  */
 uint64_t qos_bucket_wait(struct qos_bucket *b, uint64_t cost, uint64_t now_ns);
-/* Take cost tokens (after qos_bucket_wait said 0). */
-void qos_bucket_take(struct qos_bucket *b, uint64_t cost);
+/* Take cost tokens at now (after qos_bucket_wait said 0). */
+void qos_bucket_take(struct qos_bucket *b, uint64_t cost, uint64_t now_ns);
+/* The tokens it holds at now (negative: a debt); its burst when unlimited. */
+double qos_bucket_tokens(struct qos_bucket *b, uint64_t now_ns);
 
 /* ---- one export's limiter ---- */
 

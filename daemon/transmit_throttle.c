@@ -158,12 +158,16 @@ void throttle_submit(struct request *r)
 		request_start(r);
 		return;
 	}
-	uint64_t now = clock_now_ns();
-	uint64_t wait = c->throttle_head ? 0 : try_admit(c, &r->hdr, now);
+	/* Admitted at its arrival (no clock read on the way through; a
+	 * WRITE's came at its header, throttle_pass, unless that held it). */
+	uint64_t wait = c->throttle_head ? 0 : try_admit(c, &r->hdr, r->arrived_ns);
 	if (!c->throttle_head && wait == 0) {
 		request_start(r);
 		return;
 	}
+	uint64_t now = clock_now_ns();
+	if (wait) /* the wait from now on */
+		wait = wait > now - r->arrived_ns ? wait - (now - r->arrived_ns) : 1;
 	if (!c->throttle_timer) {
 		c->throttle_timer = evtimer_new(c->worker->base, throttle_on_timer, c);
 		if (!c->throttle_timer) {
