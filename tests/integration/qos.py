@@ -39,7 +39,6 @@ second's burst is spent; clients are forked processes, aio at QD 8):
   bad        bad values refused at start, by --check-config (the message
              names key and value) and by nbdcachectl limit
 """
-import json
 import os
 import random
 import select
@@ -155,42 +154,6 @@ def flood(handles, start, duration, qd=8, size=4096, seed=1):
     return counts
 
 
-class Child:
-    """fn() in a forked process (as uid if given): result() is what it
-    returned (JSON), or Failed with its exception."""
-
-    def __init__(self, fn, uid=None):
-        self.rd, wr = os.pipe()
-        self.pid = os.fork()
-        if self.pid == 0:
-            os.close(self.rd)
-            try:
-                if uid is not None:
-                    os.setgroups([])
-                    os.setgid(uid)
-                    os.setuid(uid)
-                answer = {"result": fn()}
-            except BaseException as e:  # noqa: BLE001 - reported to the parent
-                answer = {"error": "%s: %s" % (type(e).__name__, e)}
-            os.write(wr, json.dumps(answer).encode())
-            os._exit(0)
-        os.close(wr)
-
-    def result(self):
-        data = b""
-        while True:
-            chunk = os.read(self.rd, 1 << 20)
-            if not chunk:
-                break
-            data += chunk
-        os.close(self.rd)
-        os.waitpid(self.pid, 0)
-        answer = json.loads(data.decode() or '{"error": "no answer"}')
-        if "error" in answer:
-            raise nbdtest.Failed("client: " + answer["error"])
-        return answer["result"]
-
-
 def rate(counts, first=1.0, last=None):
     """Completions a second in [first, last) seconds of a flood."""
     a = int(first / WINDOW)
@@ -218,7 +181,7 @@ def flood_child(d, export, duration, start=None, uid=None, n=1, users=None, psk=
     def run():
         return flood([connect(d, export, u, psk) for u in users], start, duration,
                      size=size, seed=seed)
-    return Child(run, uid=uid)
+    return nbdtest.Child(run, uid=uid)
 
 
 def ctl(d, *args, check_rc=True):

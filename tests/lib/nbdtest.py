@@ -867,33 +867,51 @@ def shutdown_all(handles):
             pass
 
 
+class Child:
+    """fn() in a forked process, started at once (as uid:gid with these
+    supplementary groups when uid is given; root only): answer() waits for
+    it and is {"result": what fn returned, JSON} or {"error": the
+    exception's text}; result() is the result, or raises Failed."""
+
+    def __init__(self, fn, uid=None, gid=None, groups=()):
+        self.rd, wr = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self.rd)
+            try:
+                if uid is not None:
+                    os.setgroups(list(groups))
+                    os.setgid(uid if gid is None else gid)
+                    os.setuid(uid)
+                answer = {"result": fn()}
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                answer = {"error": "%s: %s" % (type(e).__name__, e)}
+            os.write(wr, json.dumps(answer).encode())
+            os._exit(0)
+        os.close(wr)
+
+    def answer(self):
+        data = b""
+        while True:
+            chunk = os.read(self.rd, 1 << 20)
+            if not chunk:
+                break
+            data += chunk
+        os.close(self.rd)
+        os.waitpid(self.pid, 0)
+        return json.loads(data.decode() or '{"error": "no answer"}')
+
+    def result(self):
+        answer = self.answer()
+        if "error" in answer:
+            raise Failed("client: " + answer["error"])
+        return answer["result"]
+
+
 def in_child_as(uid, gid, groups, fn):
     """fn() in a forked child running as uid:gid with these supplementary
-    groups (root only): {"result": what it returned, JSON} or {"error":
-    the exception's text}."""
-    rd, wr = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(rd)
-        try:
-            os.setgroups(groups)
-            os.setgid(gid)
-            os.setuid(uid)
-            answer = {"result": fn()}
-        except Exception as e:  # noqa: BLE001 - reported to the parent
-            answer = {"error": "%s: %s" % (type(e).__name__, e)}
-        os.write(wr, json.dumps(answer).encode())
-        os._exit(0)
-    os.close(wr)
-    data = b""
-    while True:
-        chunk = os.read(rd, 65536)
-        if not chunk:
-            break
-        data += chunk
-    os.close(rd)
-    os.waitpid(pid, 0)
-    return json.loads(data.decode())
+    groups (root only), waited for: Child.answer()."""
+    return Child(fn, uid, gid, groups).answer()
 
 
 # ---- A client that must stay served while a hostile one misbehaves. ----
