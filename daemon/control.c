@@ -470,7 +470,8 @@ static void start_task(struct worker_task *task)
 	if (ctl->cfg.control_fd >= 0) {
 		evutil_make_socket_nonblocking(ctl->cfg.control_fd);
 		ctl->listener = evconnlistener_new(ctl->worker.base, on_accept, ctl,
-						   LEV_OPT_CLOSE_ON_FREE, -1, ctl->cfg.control_fd);
+						   LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC,
+						   -1, ctl->cfg.control_fd);
 		if (!ctl->listener) {
 			log_error("control socket: cannot listen");
 			close(ctl->cfg.control_fd);

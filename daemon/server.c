@@ -573,7 +573,11 @@ int server_run(const struct options *opts, int argc, char **argv)
 	for (size_t i = 0; i < s.listener_count; i++) {
 		struct listener *l = &s.listeners[i];
 		evutil_make_socket_nonblocking(l->fd);
-		l->ev = evconnlistener_new(s.base, on_accept, &s, LEV_OPT_CLOSE_ON_FREE, -1, l->fd);
+		/* Accepted sockets close on exec: an nbdkit a backend starts
+		 * (again, while clients are connected) must not hold one. */
+		l->ev =
+		    evconnlistener_new(s.base, on_accept, &s,
+				       LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC, -1, l->fd);
 		if (!l->ev)
 			goto out_workers;
 		evconnlistener_set_error_cb(l->ev, on_accept_error);
