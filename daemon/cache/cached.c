@@ -324,15 +324,16 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
 	f->io.buf = buf;
 	f->io.done = done;
 	op->pending++;
-	atomic_fetch_add(&ce->counters.backend_reads, 1);
-	atomic_fetch_add(&ce->counters.backend_read_bytes, length);
 	op->read_missed = true;
 	if (!length) {
 		/* Wholly past an end a resize moved meanwhile: zeros, no I/O
-		 * (a backend read of nothing is an error). */
+		 * (a backend read of nothing is an error), nothing timed. */
+		f->io.worker = NULL;
 		done(&f->io, 0);
 		return 0;
 	}
+	atomic_fetch_add(&ce->counters.backend_reads, 1);
+	atomic_fetch_add(&ce->counters.backend_read_bytes, length);
 	cache_backend_submit(ce, op->worker, &f->io);
 	return 0;
 }
@@ -493,6 +494,23 @@ static int op_examine(struct cache_op *op, bool *blocked)
 }
 
 /*
+ * A resize cut the export below this WRITE's end after it was admitted
+ * (op_submit, cache_write_begin checked the old size). Asked once its
+ * pieces hold their entries, and before the first byte lands: the resize
+ * moves the size before it drops what is cached past the new end, under
+ * the shard locks, so either it met these entries pinned (and was refused,
+ * the size moved back) or they were made after it passed, and the size
+ * read here, after making them, is the new one. So no dirty byte lands
+ * past an end. The WRITE gets the resize extension's ENOSPC (also when
+ * the cut was refused meanwhile: it raced one).
+ */
+static bool write_past_end(const struct cache_op *op)
+{
+	uint64_t size = atomic_load(&op->ce->size);
+	return op->offset > size || op->length > size - op->offset;
+}
+
+/*
  * WRITE: copy the payload into every piece and mark it dirty. The blocks
  * are marked busy while the copy runs without the lock, so no fill can
  * start under it. Returns false if some piece must wait or be examined
@@ -591,6 +609,12 @@ void cached_step(struct cache_op *op)
 	}
 	if (op->cmd == BACKEND_WRITE) {
 		bool nomem;
+		if (write_past_end(op)) {
+			pieces_unreserve(op, op->npieces);
+			pieces_release(op);
+			op_finish(op, -ENOSPC);
+			return;
+		}
 		if (!write_commit(op, &blocked, &nomem)) {
 			if (nomem) {
 				pieces_release(op);
@@ -904,6 +928,17 @@ void cached_received_step(struct cache_op *op)
 {
 	struct cache_export *ce = op->ce;
 	uint64_t seq = cache_waitq_seq(ce->cache);
+	/* Before the first piece is committed (later ones are covered: a
+	 * committed piece is dirty, the others pinned, a cut is refused). */
+	bool untouched = true;
+	for (size_t i = 0; i < op->npieces && untouched; i++)
+		untouched = op->pieces[i].entry != NULL;
+	if (untouched && write_past_end(op)) {
+		pieces_unmark(op, op->npieces);
+		pieces_release(op);
+		op_finish(op, -ENOSPC);
+		return;
+	}
 	for (size_t i = 0; i < op->npieces; i++) {
 		struct cache_piece *p = &op->pieces[i];
 		struct cache_entry *e = p->entry;

@@ -414,6 +414,7 @@ static inline void cache_backend_submit(struct cache_export *ce, struct worker *
 	io->submit_ns = clock_now_ns();
 	backend_submit(ce->backend, w, io);
 }
+/* (An io never sent, worker NULL, is not timed.) */
 void cache_backend_timed(struct cache_export *ce, const struct backend_io *io);
 
 /* slots.c: the pools, the maps, the side records */

@@ -208,6 +208,8 @@ void cache_export_get_reply_stats(struct cache_export *ce, struct cache_reply_st
 
 void cache_backend_timed(struct cache_export *ce, const struct backend_io *io)
 {
+	if (!io->worker)
+		return; /* never sent (a resize left it nothing to do) */
 	histogram_record(latency_of(ce, io->worker, CACHE_LATENCY_BACKEND),
 			 clock_now_ns() - io->submit_ns);
 }

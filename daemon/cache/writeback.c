@@ -379,14 +379,15 @@ static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, u
 	w->io.length = end - off;
 	w->io.done = wb_io_done;
 	op->pending++;
-	atomic_fetch_add(&ce->counters.backend_writes, 1);
-	atomic_fetch_add(&ce->counters.backend_write_bytes, end - off);
 	if (end == off) {
 		/* Wholly past an end a resize moved meanwhile (a write admitted
-		 * just before): nothing is left to write. */
+		 * just before): nothing is left to write, nothing timed. */
+		w->io.worker = NULL;
 		wb_io_done(&w->io, 0);
 		return 0;
 	}
+	atomic_fetch_add(&ce->counters.backend_writes, 1);
+	atomic_fetch_add(&ce->counters.backend_write_bytes, end - off);
 	cache_backend_submit(ce, &op->wb->thread, &w->io);
 	return 0;
 }

@@ -47,6 +47,10 @@ One daemon in writeback mode with --dirty-expire 3600 and --dirty-high 90
             connection while z (32 MiB) is flushed, cut to 16 MiB (or
             refused EBUSY) and grown back, 60 times: every answer is success
             or ENOSPC, the bytes below the cut stay, the daemon lives
+  race_writes  four connections write 4 KiB blocks sparsely just above
+            16 MiB while z is flushed, cut to 16 MiB (or refused) and grown
+            back, 150 times: every answer is success or ENOSPC, every grow
+            back succeeds (no dirty byte was left past a cut end)
   bad       resize nosuch 1M, resize a 1000 (not a multiple of the block
             size), resize a xyz, resize s/1, a fixed window w (offset=,
             size=), a shrink of wf that would cut the window w, and k (an
@@ -63,6 +67,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -397,6 +402,57 @@ def race(d, img):
     h.shutdown()
 
 
+def race_writes(d, img):
+    """Writes from four connections just above the cut while z is flushed,
+    cut and grown back: a WRITE admitted before a cut that lands after it
+    gets ENOSPC; none leaves dirty data past the end (which would refuse
+    the grow back: EBUSY)."""
+    handles = [nbdtest.libnbd_handle(d.unix_uri("z")) for _ in range(4)]
+    stop = threading.Event()
+    answers = {}
+    lock = threading.Lock()
+
+    def io(h, seed):
+        rng = random.Random(seed)
+        for _ in range(100000):
+            if stop.is_set():
+                break
+            off = 16 * MIB + rng.randrange(256) * 4096
+            time.sleep(rng.random() * 0.002)  # sparse: cuts find nothing dirty
+            try:
+                h.pwrite(rng.randbytes(4096), off)
+                err = 0
+            except nbd.Error as e:
+                err = e.errnum
+            with lock:
+                answers[err] = answers.get(err, 0) + 1
+
+    threads = [threading.Thread(target=io, args=(h, 40 + i)) for i, h in enumerate(handles)]
+    for t in threads:
+        t.start()
+    done = {"cut": 0, "refused": 0}
+    try:
+        for _ in range(150):
+            nbdtest.control_request(d.control, {"command": "flush", "export": "z"})
+            rep = nbdtest.control_request(d.control, {"command": "resize", "export": "z",
+                                                      "size": "16M"})
+            done["cut" if rep["ok"] else "refused"] += 1
+            rep = nbdtest.control_request(d.control, {"command": "resize", "export": "z",
+                                                      "size": "32M"})
+            if not rep["ok"]:
+                expect(False, "resize z 32M: %r" % rep)
+                break
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    log("  %r resizes; answers %r" % (done, answers))
+    expect(set(answers) <= {0, raw.ENOSPC}, "answers other than success and ENOSPC: %r"
+           % answers)
+    for h in handles:
+        h.shutdown()
+
+
 def bad(d, imgs):
     cases = [
         (("resize", "nosuch", "1M"), "no such export 'nosuch'"),
@@ -465,6 +521,7 @@ def main():
             CHECKS.run("raw", raw_resize, d, imgs)
             CHECKS.run("reload", reload, d, imgs["g"])
             CHECKS.run("race", race, d, imgs["z"])
+            CHECKS.run("race_writes", race_writes, d, imgs["z"])
             CHECKS.run("bad", bad, d, imgs)
             CHECKS.dump_log(d)
         CHECKS.run("config_key", config_key, tmp)
