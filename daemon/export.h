@@ -79,6 +79,11 @@ struct export_backing {
 	bool flushing;		 /* control thread: a reap flush is in flight */
 	bool reap_failing;	 /* control thread: its last reap flush failed */
 	uint64_t reap_retry_ns;	 /* control thread: no new reap flush before */
+	/* Control thread: the end an explicit resize set below what the
+	 * backend has (a block device or an NBD server is not cut); a reload
+	 * keeps it until the backend has less, a resize without a size drops
+	 * it. 0: the exports follow the backend's size. */
+	uint64_t pinned_end;
 	struct export_backing *next;
 };
 

@@ -178,9 +178,15 @@ static int backing_resize(struct export_table *t, struct export_backing *b, uint
 		if (rc < 0)
 			atomic_store(&be->size, old_end);
 	} else {
-		if (set && (rc = backend_set_size(be, end)) < 0)
+		if (set && (rc = backend_set_size(be, end)) < 0) {
+			uint64_t have;
+			if (rc == -ENOSPC && backend_probe_size(be, &have) == 0)
+				return fail(
+				    out, rc, "backend %s: cannot grow to %llu bytes: it has %llu",
+				    b->spec, (unsigned long long)end, (unsigned long long)have);
 			return fail(out, rc, "backend %s: cannot grow to %llu bytes: %s", b->spec,
 				    (unsigned long long)end, strerror(-rc));
+		}
 		rc = cache_export_resize(b->cache, end, &dirty);
 		if (rc < 0 && set)
 			backend_size_back(b, old_end);
@@ -260,6 +266,11 @@ int export_resize(struct export_table *t, const char *name, bool has_size, uint6
 	}
 	rc = backing_resize(t, b, end, has_size, NULL, out);
 	if (rc == 0) {
+		/* A backend that kept more than the size set (not cut) would
+		 * bring it back at the next reload: the size stays as set. */
+		uint64_t have;
+		b->pinned_end =
+		    has_size && backend_probe_size(b->backend, &have) == 0 && have > end ? end : 0;
 		struct export *now = export_get(t, e->name, strlen(e->name));
 		out->new_size = now ? now->size : end - e->offset;
 		export_put(now);
@@ -277,6 +288,14 @@ int export_table_refresh(struct export_table *t, struct export_reload *r)
 		if (b->removed || b->closed || backend_probe_size(b->backend, &end) < 0 ||
 		    end == atomic_load(&b->backend->size))
 			continue;
+		if (b->pinned_end && end >= b->pinned_end) {
+			log_info("reload: backend %s has %llu bytes; its exports keep the %llu "
+				 "set by resize (resize without a size follows the backend)",
+				 b->spec, (unsigned long long)end,
+				 (unsigned long long)b->pinned_end);
+			continue;
+		}
+		b->pinned_end = 0;
 		struct export_resize_result res;
 		memset(&res, 0, sizeof(res));
 		int rc = backing_resize(t, b, end, false, r, &res);

@@ -22,7 +22,9 @@
  *     |                 |  NBD_CONNECT_TIMEOUT_MS        |  pending longer than
  *     +---- backoff ----+-------------------------------+  --backend-timeout
  *
- * (OFF: a slot not wanted, or given up.)
+ * (OFF: a slot not wanted, or given up. RETIRING: an online resize found
+ * the server grown; a ready connection takes no new command and connects
+ * again once its commands are answered: see "Online resize" below.)
  *
  * Connecting is asynchronous (only the first connection, in
  * backend_nbd_open, is waited for), so a server that accepts but never
@@ -102,16 +104,17 @@
 #include "daemon/log.h"
 
 /*
- * The first connection, waited for (at most NBD_CONNECT_TIMEOUT_MS): the
- * export's size and capabilities come from it. Later ones are driven by
- * the backend thread's loop.
+ * A connection waited for (at most timeout_ms): the first one, whose
+ * handshake gives the export's size and capabilities, and a resize's
+ * probe. The backend thread's loop drives the others.
  */
-static struct nbd_handle *connect_first(struct nbd_backend *nb, char *err, size_t errlen)
+static struct nbd_handle *connect_wait(struct nbd_backend *nb, unsigned timeout_ms, char *err,
+				       size_t errlen)
 {
 	struct nbd_handle *h = nbd_pool_handle_begin(nb, err, errlen);
 	if (!h)
 		return NULL;
-	uint64_t deadline = clock_now_ns() + (uint64_t)NBD_CONNECT_TIMEOUT_MS * 1000000u;
+	uint64_t deadline = clock_now_ns() + (uint64_t)timeout_ms * 1000000u;
 	int rc = 0;
 	while (rc == 0 && !nbd_aio_is_ready(h)) {
 		if (nbd_aio_is_dead(h) || nbd_aio_is_closed(h)) {
@@ -120,7 +123,7 @@ static struct nbd_handle *connect_first(struct nbd_backend *nb, char *err, size_
 		}
 		uint64_t now = clock_now_ns();
 		if (now >= deadline) {
-			snprintf(err, errlen, "no answer within %u ms", NBD_CONNECT_TIMEOUT_MS);
+			snprintf(err, errlen, "no answer within %u ms", timeout_ms);
 			nbd_close(h);
 			return NULL;
 		}
@@ -146,6 +149,52 @@ static struct nbd_handle *connect_first(struct nbd_backend *nb, char *err, size_
 		return NULL;
 	}
 	return h;
+}
+
+/*
+ * Online resize. The size comes with the handshake, once per connection
+ * (and libnbd refuses requests past it), so a server that grew is asked on
+ * a connection of our own, closed at once; then the backend's connections
+ * are renewed: each takes no new command, is closed once its commands are
+ * answered, and connects again, seeing the new size. Requests meanwhile
+ * wait for a connection as after a loss (--backend-timeout). A server
+ * that shrank needs no renewal: the export's end moves first (export.h).
+ * Closing a connection that wrote moves loss_seq (nbd_pool.c), so the
+ * cache writes its unstable data again rather than trust a flush for it.
+ */
+static int server_size(struct nbd_backend *nb, uint64_t *size)
+{
+	char err[256];
+	struct nbd_handle *h = connect_wait(nb, NBD_PROBE_TIMEOUT_MS, err, sizeof(err));
+	if (!h) {
+		log_warn("backend %s: cannot ask the server its size: %s", nb->name, err);
+		return -EIO;
+	}
+	int64_t have = nbd_get_size(h);
+	nbd_aio_disconnect(h, 0);
+	nbd_close(h);
+	if (have < 0)
+		return -EIO;
+	*size = (uint64_t)have;
+	if (*size > nb->renewed_size && nb->started) {
+		nb->renewed_size = *size;
+		log_info("backend %s: the server has %llu bytes now; renewing its connections",
+			 nb->name, (unsigned long long)*size);
+		nbd_renew(nb, *size);
+	}
+	return 0;
+}
+
+int nbd_probe_size(struct backend *be, uint64_t *size)
+{
+	return server_size(to_nbd(be), size);
+}
+
+int nbd_set_size(struct backend *be, uint64_t size)
+{
+	uint64_t have;
+	int rc = server_size(to_nbd(be), &have);
+	return rc < 0 ? rc : size > have ? -ENOSPC : 0;
 }
 
 bool backend_nbd_handles(const char *spec)
@@ -231,7 +280,7 @@ int backend_nbd_open(const char *spec, bool readonly, unsigned timeout_seconds,
 			goto err;
 	}
 	char err[256];
-	struct nbd_handle *h = connect_first(nb, err, sizeof(err));
+	struct nbd_handle *h = connect_wait(nb, NBD_CONNECT_TIMEOUT_MS, err, sizeof(err));
 	if (!h) {
 		log_error("backend %s: %s", spec, err);
 		rc = -EIO;
@@ -239,6 +288,7 @@ int backend_nbd_open(const char *spec, bool readonly, unsigned timeout_seconds,
 	}
 	int64_t size = nbd_get_size(h);
 	nb->base.size = size > 0 ? (uint64_t)size : 0;
+	nb->expect_size = nb->renewed_size = nb->base.size;
 	nb->base.readonly = readonly || nbd_is_read_only(h) == 1;
 	nb->base.can_trim = nbd_can_trim(h) == 1;
 	nb->base.can_zero = nbd_can_zero(h) == 1;

@@ -47,6 +47,7 @@
 #define NBD_BACKOFF_MIN_MS 100
 #define NBD_BACKOFF_MAX_MS 5000
 #define NBD_CONNECT_TIMEOUT_MS 10000
+#define NBD_PROBE_TIMEOUT_MS 5000 /* a resize asking the server its size (control thread) */
 #define NBD_EXTRA_ATTEMPTS 3 /* an extra slot that never worked is given up after these */
 #define NBD_TICK_MS 100	     /* how often deadlines are looked at, while any is set */
 #define NBD_ADVANCE_PASSES 8
@@ -65,6 +66,8 @@ enum conn_state {
 	CONN_IDLE,	 /* the timer starts the next attempt */
 	CONN_CONNECTING, /* the timer is the handshake's deadline */
 	CONN_READY,
+	CONN_RETIRING, /* a resize: no new command; closed and connected again once
+			* its commands are answered (a new handshake, the new size) */
 };
 
 struct nbd_backend;
@@ -117,14 +120,19 @@ struct nbd_backend {
 	struct event *wake, *tick;
 	event_callback_fn on_conn_event; /* a connection's socket (nbd_thread.c) */
 
-	pthread_mutex_t lock; /* guards the submit queue and stop */
+	pthread_mutex_t lock; /* guards the submit queue, stop and renew_size */
 	struct backend_io *queue_head, *queue_tail;
 	bool stop;
+	uint64_t renew_size; /* the server grew to this: renew the connections (0: no) */
+	/* Control thread (and the open): the size the connections were last
+	 * opened or renewed for; a probe renews them only past it. */
+	uint64_t renewed_size;
 
 	/* Backend thread only. */
 	struct nbd_conn conns[NBD_MAX_CONNS];
 	unsigned want_conns; /* max_conns, or 1 while slot 0's server lacks multi-conn */
 	unsigned nready, next_conn;
+	uint64_t expect_size; /* the size a handshake should report (the last one probed) */
 	bool down;   /* the loss of the last ready connection was logged */
 	bool silent; /* no reply on any connection for --backend-timeout, no handshake since */
 	uint64_t last_reply_ns;
@@ -156,7 +164,19 @@ static inline void last_error(char *buf, size_t len, const char *fallback)
 	snprintf(buf, len, "%s", e && *e ? e : fallback);
 }
 
+/* ---- nbd.c ---- */
+
+/* Online resize (control thread): the server's size now, from a handshake
+ * of its own; when it grew, the connections are renewed (nbd_renew). */
+int nbd_probe_size(struct backend *be, uint64_t *size);
+/* Like a block device: any size up to the server's (-ENOSPC past it). */
+int nbd_set_size(struct backend *be, uint64_t size);
+
 /* ---- nbd_thread.c ---- */
+
+/* Any thread: the backend thread renews every connection, since the
+ * server now has size bytes (nbd_pool_renew). */
+void nbd_renew(struct nbd_backend *nb, uint64_t size);
 
 extern const struct backend_ops nbd_backend_ops;
 /* Free nb and the strings it owns (after close, or a failed open). */
@@ -188,7 +208,12 @@ void nbd_pool_set_want(struct nbd_backend *nb, unsigned want);
 bool nbd_pool_on_timer(struct nbd_conn *c);
 /* c's socket (CONNECTING or READY): drive libnbd. True if c became ready. */
 bool nbd_pool_on_event(struct nbd_conn *c, short what);
-/* Close the connections whose oldest command is older than --backend-timeout. */
+/* The server grew to size: every ready connection retires (no new
+ * command; reconnected once its commands are answered), a handshake under
+ * way starts again, so requests past the old end find the new size. */
+void nbd_pool_renew(struct nbd_backend *nb, uint64_t size);
+/* Close the connections whose oldest command is older than
+ * --backend-timeout; reconnect the retired ones that hold no command. */
 void nbd_pool_expire(struct nbd_backend *nb, uint64_t now);
 /* Is there a deadline to look at (a request waiting, a command in flight)? */
 bool nbd_pool_tick_needed(struct nbd_backend *nb);

@@ -8,7 +8,10 @@
  *     |                 |  NBD_CONNECT_TIMEOUT_MS        |  pending longer than
  *     +---- backoff ----+-------------------------------+  --backend-timeout
  *
- * (OFF: a slot not wanted, or given up.)
+ * (OFF: a slot not wanted, or given up. RETIRING: the server grew, an
+ * online resize: a ready connection takes no new command and, once its
+ * commands are answered, says goodbye and connects again at once, its
+ * handshake giving the new size.)
  *
  * Connecting is asynchronous (only the first connection, in
  * backend_nbd_open, is waited for), so a server that accepts but never
@@ -90,9 +93,10 @@ static bool conn_watch(struct nbd_conn *c)
  * Close c's handle. libnbd retires every command it still holds inside
  * nbd_close(): their chunk_free() marks the requests to be sent again.
  * An nbdkit we started is killed first when it stopped answering, so that
- * nbd_close() does not wait for it.
+ * nbd_close() does not wait for it. goodbye: c holds no command, the
+ * server is told (NBD_CMD_DISC) and nothing is left to read.
  */
-static void conn_close(struct nbd_conn *c, bool kill)
+static void conn_close(struct nbd_conn *c, bool kill, bool goodbye)
 {
 	if (c->ev) {
 		event_free(c->ev);
@@ -105,8 +109,10 @@ static void conn_close(struct nbd_conn *c, bool kill)
 	if (h) {
 		if (kill && c->nb->argv)
 			nbd_kill_subprocess(h, SIGKILL);
-		if (!c->nb->argv && !nbd_aio_is_dead(h) && !nbd_aio_is_closed(h) &&
-		    (c->oldest || nbd_aio_in_flight(h) > 0) && nbd_drain_start(c->nb, h))
+		if (goodbye && !nbd_aio_is_dead(h) && !nbd_aio_is_closed(h))
+			nbd_aio_disconnect(h, 0);
+		else if (!c->nb->argv && !nbd_aio_is_dead(h) && !nbd_aio_is_closed(h) &&
+			 (c->oldest || nbd_aio_in_flight(h) > 0) && nbd_drain_start(c->nb, h))
 			log_debug("backend %s: connection %u: its socket is read until the server "
 				  "is done with it",
 				  c->nb->name, c->index + 1);
@@ -143,7 +149,12 @@ static void conn_schedule(struct nbd_conn *c, unsigned delay_ms)
 void nbd_pool_fail(struct nbd_conn *c, const char *why, bool kill)
 {
 	struct nbd_backend *nb = c->nb;
-	if (c->state == CONN_READY) {
+	if (c->state == CONN_RETIRING) {
+		if (c->wrote)
+			atomic_fetch_add(&nb->base.loss_seq, 1);
+		log_debug("backend %s: connection %u lost while retiring (%s)", nb->name,
+			  c->index + 1, why);
+	} else if (c->state == CONN_READY) {
 		nb->nready--;
 		if (c->wrote)
 			atomic_fetch_add(&nb->base.loss_seq, 1);
@@ -162,7 +173,7 @@ void nbd_pool_fail(struct nbd_conn *c, const char *why, bool kill)
 				 c->index + 1, why);
 		}
 	}
-	conn_close(c, kill);
+	conn_close(c, kill, false);
 	unsigned delay = c->backoff_ms;
 	c->backoff_ms = delay * 2 > NBD_BACKOFF_MAX_MS ? NBD_BACKOFF_MAX_MS : delay * 2;
 	conn_schedule(c, delay);
@@ -200,14 +211,14 @@ static bool conn_ready(struct nbd_conn *c)
 	evtimer_del(c->timer);
 	c->multi_conn = nb->uri && nbd_can_multi_conn(c->h) == 1;
 	int64_t size = nbd_get_size(c->h);
-	if (size < 0 || (uint64_t)size != nb->base.size)
+	if (size < 0 || (uint64_t)size != nb->expect_size)
 		log_warn("backend %s: size changed to %lld after reconnecting", nb->name,
 			 (long long)size);
 	if (c->index > 0 && !c->multi_conn) {
 		/* Without multi-conn the NBD standard asks for one connection. */
 		log_debug("backend %s: connection %u: no multi-conn; closed", nb->name,
 			  c->index + 1);
-		conn_close(c, false);
+		conn_close(c, false, false);
 		return false;
 	}
 	c->state = CONN_READY;
@@ -225,6 +236,8 @@ static bool conn_ready(struct nbd_conn *c)
 		nbd_pool_set_want(nb, c->multi_conn ? nb->max_conns : 1);
 	return true;
 }
+
+static void conn_renew(struct nbd_conn *c, bool waited);
 
 /* Start an attempt on an idle slot. True if c is ready already. */
 static bool conn_connect(struct nbd_conn *c)
@@ -277,9 +290,49 @@ bool nbd_pool_on_event(struct nbd_conn *c, short what)
 		nbd_aio_notify_read(c->h);
 	if ((what & EV_WRITE) && !nbd_aio_is_dead(c->h) && !nbd_aio_is_closed(c->h))
 		nbd_aio_notify_write(c->h);
-	if (nbd_pool_settle(c) && c->state == CONN_CONNECTING && nbd_aio_is_ready(c->h))
+	if (!nbd_pool_settle(c))
+		return false;
+	if (c->state == CONN_CONNECTING && nbd_aio_is_ready(c->h))
 		return conn_ready(c);
+	if (c->state == CONN_RETIRING && !c->oldest)
+		conn_renew(c, true);
 	return false;
+}
+
+/* ---- renewal (online resize, nbd.c) ---- */
+
+/* A retired connection that holds no command: goodbye, and connect again at once. */
+static void conn_renew(struct nbd_conn *c, bool waited)
+{
+	struct nbd_backend *nb = c->nb;
+	/* What it wrote counts only once a flush on a live connection covers it. */
+	if (c->wrote)
+		atomic_fetch_add(&nb->base.loss_seq, 1);
+	conn_close(c, false, true);
+	log_debug("backend %s: connection %u renewed%s", nb->name, c->index + 1,
+		  waited ? ", its commands answered" : "");
+	c->backoff_ms = NBD_BACKOFF_MIN_MS;
+	conn_schedule(c, 0);
+}
+
+void nbd_pool_renew(struct nbd_backend *nb, uint64_t size)
+{
+	nb->expect_size = size;
+	for (unsigned i = 0; i < NBD_MAX_CONNS; i++) {
+		struct nbd_conn *c = &nb->conns[i];
+		if (c->state == CONN_READY) {
+			nb->nready--;
+			c->state = CONN_RETIRING;
+			if (!c->oldest)
+				conn_renew(c, false);
+		} else if (c->state == CONN_CONNECTING) {
+			/* Its handshake may have carried the old size. */
+			conn_close(c, false, false);
+			c->backoff_ms = NBD_BACKOFF_MIN_MS;
+			conn_schedule(c, 0);
+		}
+	}
+	nbd_pool_tick_arm(nb);
 }
 
 /* ---- deadlines ---- */
@@ -289,7 +342,7 @@ bool nbd_pool_tick_needed(struct nbd_backend *nb)
 	if (nb->waiting)
 		return true;
 	for (unsigned i = 0; i < NBD_MAX_CONNS; i++)
-		if (nb->conns[i].oldest)
+		if (nb->conns[i].oldest || nb->conns[i].state == CONN_RETIRING)
 			return true;
 	return false;
 }
@@ -316,14 +369,19 @@ void nbd_pool_expire(struct nbd_backend *nb, uint64_t now)
 	snprintf(why, sizeof(why), "no reply within %u s", nb->timeout_s);
 	for (unsigned i = 0; i < NBD_MAX_CONNS; i++) {
 		struct nbd_conn *c = &nb->conns[i];
-		if (c->state != CONN_READY || !c->oldest ||
+		if (c->state == CONN_RETIRING && !c->oldest) {
+			conn_renew(c, true);
+			continue;
+		}
+		if ((c->state != CONN_READY && c->state != CONN_RETIRING) || !c->oldest ||
 		    now - c->oldest->sent_ns < nb->timeout_ns)
 			continue;
 		if (nb->last_reply_ns < c->oldest->sent_ns) {
 			log_warn("backend %s: %s on any connection; closing them", nb->name, why);
 			nb->silent = true;
 			for (unsigned k = 0; k < NBD_MAX_CONNS; k++)
-				if (nb->conns[k].state == CONN_READY)
+				if (nb->conns[k].state == CONN_READY ||
+				    nb->conns[k].state == CONN_RETIRING)
 					nbd_pool_fail(&nb->conns[k], why, true);
 			break;
 		}

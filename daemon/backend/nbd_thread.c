@@ -41,7 +41,7 @@ static void on_conn_event(evutil_socket_t fd, short what, void *arg)
 {
 	(void)fd;
 	struct nbd_conn *c = arg;
-	if (c->state != CONN_CONNECTING && c->state != CONN_READY)
+	if (c->state != CONN_CONNECTING && c->state != CONN_READY && c->state != CONN_RETIRING)
 		return;
 	if (nbd_pool_on_event(c, what))
 		nbd_io_issue_waiting(c->nb);
@@ -78,7 +78,12 @@ static void on_wake(evutil_socket_t fd, short what, void *arg)
 	struct backend_io *io = nb->queue_head;
 	nb->queue_head = nb->queue_tail = NULL;
 	bool stop = nb->stop;
+	uint64_t renew = nb->renew_size;
+	nb->renew_size = 0;
 	pthread_mutex_unlock(&nb->lock);
+	/* Before the requests queued with it: one past the old end may be among them. */
+	if (renew)
+		nbd_pool_renew(nb, renew);
 	while (io) {
 		struct backend_io *next = io->queue_next;
 		nbd_io_start(nb, io);
@@ -99,6 +104,14 @@ static void nbd_submit(struct backend *be, struct backend_io *io)
 	else
 		nb->queue_head = io;
 	nb->queue_tail = io;
+	pthread_mutex_unlock(&nb->lock);
+	event_active(nb->wake, EV_READ, 0);
+}
+
+void nbd_renew(struct nbd_backend *nb, uint64_t size)
+{
+	pthread_mutex_lock(&nb->lock);
+	nb->renew_size = size;
 	pthread_mutex_unlock(&nb->lock);
 	event_active(nb->wake, EV_READ, 0);
 }
@@ -183,4 +196,6 @@ const struct backend_ops nbd_backend_ops = {
     .submit = nbd_submit,
     .start = nbd_start,
     .close = nbd_backend_close,
+    .probe_size = nbd_probe_size,
+    .set_size = nbd_set_size,
 };
