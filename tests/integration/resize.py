@@ -64,7 +64,6 @@ One daemon in writeback mode with --dirty-expire 3600 and --dirty-high 90
 import os
 import random
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -82,15 +81,8 @@ CMD_RESIZE = 8                  # the resize extension's command
 FLAG_SEND_RESIZE = 1 << 9       # ... and its transmission flag
 CHECKS = nbdtest.Checks(catch=(nbdtest.Failed, raw.Mismatch, raw.Closed, nbd.Error))
 expect = CHECKS.expect
-NBDCACHECTL = nbdtest.NBDCACHECTL
 
 
-def ctl(d, *args):
-    p = subprocess.run([NBDCACHECTL, "--control", d.control] + [str(a) for a in args],
-                       capture_output=True, text=True, timeout=60)
-    log("+ nbdcachectl %s -> %d: %s%s" % (" ".join(map(str, args)), p.returncode,
-                                          p.stdout.strip(), p.stderr.strip()))
-    return p
 
 
 def raw_list(d):
@@ -106,20 +98,8 @@ def raw_list(d):
     return names
 
 
-def size_of(d, name):
-    h = nbdtest.libnbd_handle(d.unix_uri(name))
-    try:
-        return h.get_size()
-    finally:
-        h.shutdown()
 
 
-def read_error(h, length, offset):
-    try:
-        h.pread(length, offset)
-    except nbd.Error as e:
-        return e.errnum
-    return 0
 
 
 def grow(d, img):
@@ -153,7 +133,7 @@ def grow(d, img):
     t.start()
     started.wait(60)
     os.truncate(img, 96 * MIB)
-    p = ctl(d, "resize", "a")
+    p = nbdtest.nbdcachectl(d, "resize", "a")
     expect(p.returncode == 0 and "67108864 -> 100663296" in p.stdout,
            "nbdcachectl resize a: %r %r" % (p.stdout, p.stderr))
     h2 = nbdtest.libnbd_handle(d.unix_uri("a"))
@@ -205,7 +185,7 @@ def old_connection_bound(d, img):
     r.open("a")
     before = r.size
     os.truncate(img, before + 16 * MIB)
-    p = ctl(d, "resize", "a")
+    p = nbdtest.nbdcachectl(d, "resize", "a")
     expect(p.returncode == 0, "resize a again: %r" % p.stderr)
     c = r.request(raw.CMD_READ, before, 4096)
     rep = r.read_reply(c)
@@ -214,7 +194,7 @@ def old_connection_bound(d, img):
     c = r.request(raw.CMD_READ, before - 4096, 4096)
     expect(r.read_reply(c).error == 0, "old connection READ of its last block")
     r.close()
-    expect(size_of(d, "a") == before + 16 * MIB, "new connection after the second grow")
+    expect(nbdtest.export_size(d, "a") == before + 16 * MIB, "new connection after the second grow")
 
 
 def split(d, img):
@@ -224,15 +204,15 @@ def split(d, img):
     held = raw.RawClient(d.sock)
     held.open("s/1")
     os.truncate(img, 64 * MIB)
-    p = ctl(d, "resize", "s")
+    p = nbdtest.nbdcachectl(d, "resize", "s")
     expect(p.returncode == 0, "resize s: %r" % p.stderr)
     names = raw_list(d)
     expect(sorted(n for n in names if n.startswith("s")) == ["s", "s/0", "s/1", "s/2", "s/3"],
            "after the grow: %r" % sorted(names))
     expect(names.get("s/3") == "bytes 50331648 to 67108863 of export 's'",
            "s/3's description: %r" % names.get("s/3"))
-    expect(size_of(d, "s/3") == 16 * MIB and size_of(d, "s") == 64 * MIB, "sizes after the grow")
-    p = ctl(d, "resize", "s", "16M")
+    expect(nbdtest.export_size(d, "s/3") == 16 * MIB and nbdtest.export_size(d, "s") == 64 * MIB, "sizes after the grow")
+    p = nbdtest.nbdcachectl(d, "resize", "s", "16M")
     expect(p.returncode == 0, "resize s 16M: %r" % p.stderr)
     names = raw_list(d)
     expect(sorted(n for n in names if n.startswith("s")) == ["s", "s/0"],
@@ -256,23 +236,23 @@ def shrink(d, img):
         model[off:off + MIB] = data
     st = nbdtest.control_request(d.control, {"command": "stats", "export": "d"})
     log("  d's stats: dirty %r" % [e.get("dirty_bytes") for e in st.get("exports", [st])])
-    p = ctl(d, "resize", "d", "32M")
+    p = nbdtest.nbdcachectl(d, "resize", "d", "32M")
     expect(p.returncode == 1 and "1048576 dirty bytes past the new end" in p.stderr,
            "shrink over dirty data: %d %r" % (p.returncode, p.stderr))
     expect(os.path.getsize(img) == 64 * MIB, "d.img changed by a refused shrink")
-    expect(size_of(d, "d") == 64 * MIB, "a refused shrink changed the size")
+    expect(nbdtest.export_size(d, "d") == 64 * MIB, "a refused shrink changed the size")
     rep = nbdtest.control_request(d.control, {"command": "resize", "export": "d", "size": "32M"})
     expect(not rep["ok"] and rep.get("errno") == "EBUSY", "control reply: %r" % rep)
     h.flush()
-    p = ctl(d, "resize", "d", "32M")
+    p = nbdtest.nbdcachectl(d, "resize", "d", "32M")
     expect(p.returncode == 0 and "67108864 -> 33554432" in p.stdout,
            "shrink after FLUSH: %r %r" % (p.stdout, p.stderr))
     expect(os.path.getsize(img) == 32 * MIB, "d.img is %d bytes" % os.path.getsize(img))
-    expect(size_of(d, "d") == 32 * MIB, "new connection after the shrink")
+    expect(nbdtest.export_size(d, "d") == 32 * MIB, "new connection after the shrink")
     # The old connection: libnbd still believes 64 MiB; the server refuses.
     expect(h.get_size() == 64 * MIB, "old connection's size %d" % h.get_size())
-    expect(read_error(h, 4096, 48 * MIB) == raw.ENOSPC,
-           "old connection READ past the new end: %d" % read_error(h, 4096, 48 * MIB))
+    expect(nbdtest.read_errno(h, 4096, 48 * MIB) == raw.ENOSPC,
+           "old connection READ past the new end: %d" % nbdtest.read_errno(h, 4096, 48 * MIB))
     try:
         h.pwrite(bytes(4096), 40 * MIB)
         expect(False, "old connection WRITE past the new end succeeded")
@@ -291,7 +271,7 @@ def raw_resize(d, imgs):
     c = r.request(CMD_RESIZE, 96 * MIB, 0)
     rep = r.read_reply(c)
     expect(rep.error == 0, "NBD_CMD_RESIZE to 96 MiB: error %d" % rep.error)
-    expect(size_of(d, "r") == 96 * MIB, "new connection after NBD_CMD_RESIZE")
+    expect(nbdtest.export_size(d, "r") == 96 * MIB, "new connection after NBD_CMD_RESIZE")
     expect(os.path.getsize(imgs["r"]) == 96 * MIB, "r.img after NBD_CMD_RESIZE")
     # The client that grew it uses the new size at once.
     c = r.request(raw.CMD_WRITE, 80 * MIB, 4096, payload=b"\x5a" * 4096)
@@ -309,11 +289,11 @@ def raw_resize(d, imgs):
     expect(x.eflags & FLAG_SEND_RESIZE, "r (extended) lacks NBD_FLAG_SEND_RESIZE")
     c = x.request(CMD_RESIZE, 128 * MIB, 0)
     expect(x.read_reply(c).error == 0, "extended NBD_CMD_RESIZE to 128 MiB")
-    expect(size_of(d, "r") == 128 * MIB, "new connection after the extended resize")
+    expect(nbdtest.export_size(d, "r") == 128 * MIB, "new connection after the extended resize")
     # A smaller size while another connection (x) uses the export: EPERM.
     c = r.request(CMD_RESIZE, 32 * MIB, 0)
     expect(r.read_reply(c).error == raw.EPERM, "shrink with another connection on r")
-    expect(size_of(d, "r") == 128 * MIB, "a refused shrink changed r")
+    expect(nbdtest.export_size(d, "r") == 128 * MIB, "a refused shrink changed r")
     x.close()
     r.close()
     alone = raw.RawClient(d.sock)
@@ -338,7 +318,7 @@ def raw_resize(d, imgs):
     c = n.request(CMD_RESIZE, 96 * MIB, 0)
     expect(n.read_reply(c).error == raw.EINVAL, "NBD_CMD_RESIZE on n")
     n.close()
-    expect(size_of(d, "n") == 64 * MIB and os.path.getsize(imgs["n"]) == 64 * MIB,
+    expect(nbdtest.export_size(d, "n") == 64 * MIB and os.path.getsize(imgs["n"]) == 64 * MIB,
            "n was resized")
     ro = raw.RawClient(d.sock)
     ro.open("ro")
@@ -350,7 +330,7 @@ def reload(d, img):
     os.truncate(img, 48 * MIB)
     rep = nbdtest.control_request(d.control, {"command": "reload"})
     expect(rep["ok"] and rep.get("resized") == ["g"], "reload reply: %r" % rep)
-    expect(size_of(d, "g") == 48 * MIB, "g after the reload: %d" % size_of(d, "g"))
+    expect(nbdtest.export_size(d, "g") == 48 * MIB, "g after the reload: %d" % nbdtest.export_size(d, "g"))
 
 
 def race(d, img):
@@ -464,14 +444,14 @@ def bad(d, imgs):
         (("resize", "k", "32M"), "cannot grow to 33554432 bytes: it has 16777216"),
     ]
     for args, words in cases:
-        p = ctl(d, *args)
+        p = nbdtest.nbdcachectl(d, *args)
         expect(p.returncode == 1 and words in p.stderr,
                "%s: exit %d, %r (wanted %r)" % (" ".join(args), p.returncode, p.stderr, words))
     expect(os.path.getsize(imgs["wf"]) == 32 * MIB, "wf.img changed by a refused shrink")
-    expect(size_of(d, "wf") == 32 * MIB and size_of(d, "w") == 16 * MIB, "wf or w changed")
-    p = ctl(d, "resize", "wf", "24M")  # the window still fits: fine
+    expect(nbdtest.export_size(d, "wf") == 32 * MIB and nbdtest.export_size(d, "w") == 16 * MIB, "wf or w changed")
+    p = nbdtest.nbdcachectl(d, "resize", "wf", "24M")  # the window still fits: fine
     expect(p.returncode == 0, "resize wf 24M: %r" % p.stderr)
-    expect(size_of(d, "w") == 16 * MIB, "w changed with its backend")
+    expect(nbdtest.export_size(d, "w") == 16 * MIB, "w changed with its backend")
     k = raw.RawClient(d.sock)
     k.open("k")
     expect(k.eflags & FLAG_SEND_RESIZE and k.size == 16 * MIB,

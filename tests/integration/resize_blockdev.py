@@ -111,12 +111,6 @@ def grow_device(img, dev, size):
             % (dev, device_size(dev), size))
 
 
-def ctl(d, *args):
-    p = subprocess.run([nbdtest.NBDCACHECTL, "--control", d.control] + [str(a) for a in args],
-                       capture_output=True, text=True, timeout=60)
-    log("+ nbdcachectl %s -> %d: %s%s" % (" ".join(map(str, args)), p.returncode,
-                                          p.stdout.strip(), p.stderr.strip()))
-    return p
 
 
 def connect(d):
@@ -124,26 +118,11 @@ def connect(d):
 
 
 def size_of(d):
-    h = connect(d)
-    try:
-        return h.get_size()
-    finally:
-        h.shutdown()
+    return nbdtest.export_size(d, NAME)
 
 
-def read_all(h, length):
-    got = bytearray()
-    for off in range(0, length, 16 * MIB):
-        got += h.pread(min(16 * MIB, length - off), off)
-    return bytes(got)
 
 
-def read_error(h, length, offset):
-    try:
-        h.pread(length, offset)
-    except nbd.Error as e:
-        return e.errnum
-    return 0
 
 
 def write_random(h, model, rng, lo, hi, count):
@@ -186,7 +165,7 @@ def grow(s):
     s.device_holds_model("after the first FLUSH")
     grow_device(s.img, s.dev, 64 * MIB)
     s.model.extend(bytes(32 * MIB))
-    p = ctl(d, "resize", NAME)
+    p = nbdtest.nbdcachectl(d, "resize", NAME)
     require(p.returncode == 0 and "33554432 -> 67108864" in p.stdout,
             "nbdcachectl resize b: %d %r %r" % (p.returncode, p.stdout, p.stderr))
     s.c2 = connect(d)
@@ -198,8 +177,8 @@ def grow(s):
     write_random(s.c2, s.model, s.rng, 32 * MIB, 64 * MIB, 200)
     # The old connection writes on, below its own end.
     write_random(s.c1, s.model, s.rng, 0, 32 * MIB, 100)
-    nbdtest.require_same(read_all(s.c2, 64 * MIB), bytes(s.model), "b through c2")
-    nbdtest.require_same(read_all(s.c1, 32 * MIB), bytes(s.model[:32 * MIB]), "b through c1")
+    nbdtest.require_same(nbdtest.read_whole(s.c2, 64 * MIB), bytes(s.model), "b through c2")
+    nbdtest.require_same(nbdtest.read_whole(s.c1, 32 * MIB), bytes(s.model[:32 * MIB]), "b through c1")
     s.c1.flush()
     s.c2.flush()
     expect(os.path.getsize(s.img) == 64 * MIB, "the image is %d bytes" % os.path.getsize(s.img))
@@ -208,7 +187,7 @@ def grow(s):
 
 def too_big(s):
     d = s.d
-    p = ctl(d, "resize", NAME, "128M")
+    p = nbdtest.nbdcachectl(d, "resize", NAME, "128M")
     expect(p.returncode == 1 and "cannot grow to 134217728 bytes: it has 67108864"
            in p.stderr,
            "resize b 128M on a 64 MiB device: %d %r %r" % (p.returncode, p.stdout, p.stderr))
@@ -218,12 +197,12 @@ def too_big(s):
     expect(size_of(d) == 64 * MIB, "a refused grow changed the size: %d" % size_of(d))
     expect(device_size(s.dev) == 64 * MIB, "the device changed: %d" % device_size(s.dev))
     expect(os.path.getsize(s.img) == 64 * MIB, "the image changed")
-    nbdtest.require_same(read_all(s.c2, 64 * MIB), bytes(s.model), "b after the refused grow")
+    nbdtest.require_same(nbdtest.read_whole(s.c2, 64 * MIB), bytes(s.model), "b after the refused grow")
 
 
 def shrink(s):
     d = s.d
-    p = ctl(d, "resize", NAME, "48M")
+    p = nbdtest.nbdcachectl(d, "resize", NAME, "48M")
     require(p.returncode == 0 and "67108864 -> 50331648" in p.stdout,
             "resize b 48M: %d %r %r" % (p.returncode, p.stdout, p.stderr))
     expect(size_of(d) == 48 * MIB, "new connection after resize 48M: %d" % size_of(d))
@@ -232,15 +211,15 @@ def shrink(s):
            % os.path.getsize(s.img))
     s.device_holds_model("after resize 48M (its bytes past 48 MiB stay)")
     # c2 negotiated 64 MiB: past the new end the server refuses.
-    err = read_error(s.c2, 4096, 56 * MIB)
+    err = nbdtest.read_errno(s.c2, 4096, 56 * MIB)
     expect(err == errno.ENOSPC, "c2's READ past the new end: errno %d" % err)
     h = connect(d)
-    nbdtest.require_same(read_all(h, 48 * MIB), bytes(s.model[:48 * MIB]), "b after 48M")
+    nbdtest.require_same(nbdtest.read_whole(h, 48 * MIB), bytes(s.model[:48 * MIB]), "b after 48M")
     # Dirty data past a new, smaller end.
     data = s.rng.randbytes(MIB)
     h.pwrite(data, 44 * MIB)
     s.model[44 * MIB:45 * MIB] = data
-    p = ctl(d, "resize", NAME, "40M")
+    p = nbdtest.nbdcachectl(d, "resize", NAME, "40M")
     expect(p.returncode == 1 and "1048576 dirty bytes past the new end" in p.stderr,
            "resize b 40M over dirty data: %d %r" % (p.returncode, p.stderr))
     rep = nbdtest.control_request(d.control, {"command": "resize", "export": NAME,
@@ -250,14 +229,14 @@ def shrink(s):
     expect(h.pread(MIB, 44 * MIB) == data, "the dirty megabyte after the refused shrink")
     h.flush()
     s.device_holds_model("after FLUSH of the dirty megabyte")
-    p = ctl(d, "resize", NAME, "40M")
+    p = nbdtest.nbdcachectl(d, "resize", NAME, "40M")
     require(p.returncode == 0 and "50331648 -> 41943040" in p.stdout,
             "resize b 40M after FLUSH: %d %r %r" % (p.returncode, p.stdout, p.stderr))
     expect(size_of(d) == 40 * MIB, "new connection after resize 40M: %d" % size_of(d))
     expect(device_size(s.dev) == 64 * MIB, "the device was cut: %d" % device_size(s.dev))
-    err = read_error(h, 4096, 44 * MIB)
+    err = nbdtest.read_errno(h, 4096, 44 * MIB)
     expect(err == errno.ENOSPC, "READ past 40 MiB on a 48 MiB connection: errno %d" % err)
-    nbdtest.require_same(read_all(h, 40 * MIB), bytes(s.model[:40 * MIB]), "b after 40M")
+    nbdtest.require_same(nbdtest.read_whole(h, 40 * MIB), bytes(s.model[:40 * MIB]), "b after 40M")
     s.device_holds_model("after resize 40M")
     h.shutdown()
 
@@ -276,14 +255,14 @@ def reload(s):
     expect(rep["ok"] and not rep.get("resized"), "reload, device grown: %r" % rep)
     expect(size_of(d) == 40 * MIB, "the explicit 40M after the device grew: %d" % size_of(d))
     # A resize without a size follows the device again.
-    p = ctl(d, "resize", NAME)
+    p = nbdtest.nbdcachectl(d, "resize", NAME)
     require(p.returncode == 0 and "41943040 -> 83886080" in p.stdout,
             "resize b: %d %r %r" % (p.returncode, p.stdout, p.stderr))
     h = connect(d)
     require(h.get_size() == 80 * MIB, "new connection after resize: %d" % h.get_size())
     # Past 40 MiB: what the device holds (the cache dropped its blocks
     # there at the shrinks), zeros past 64 MiB.
-    nbdtest.require_same(read_all(h, 80 * MIB), bytes(s.model), "b after resize")
+    nbdtest.require_same(nbdtest.read_whole(h, 80 * MIB), bytes(s.model), "b after resize")
     write_random(h, s.model, s.rng, 64 * MIB, 80 * MIB, 100)
     nbdtest.require_same(h.pread(16 * MIB, 64 * MIB), bytes(s.model[64 * MIB:]),
                          "b past 64 MiB", base=64 * MIB)

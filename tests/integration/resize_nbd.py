@@ -42,7 +42,6 @@ One daemon in writeback mode (written data stays dirty until a FLUSH):
 
 import os
 import random
-import subprocess
 import sys
 import threading
 
@@ -62,27 +61,10 @@ CHECKS = nbdtest.Checks(catch=(nbdtest.Failed, raw.Mismatch, raw.Closed, nbd.Err
 expect = CHECKS.expect
 
 
-def ctl(d, *args):
-    p = subprocess.run([nbdtest.NBDCACHECTL, "--control", d.control] + [str(a) for a in args],
-                       capture_output=True, text=True, timeout=60)
-    log("+ nbdcachectl %s -> %d: %s%s" % (" ".join(map(str, args)), p.returncode,
-                                          p.stdout.strip(), p.stderr.strip()))
-    return p
 
 
-def size_of(d, name):
-    h = nbdtest.libnbd_handle(d.unix_uri(name))
-    try:
-        return h.get_size()
-    finally:
-        h.shutdown()
 
 
-def read_all(h, size):
-    got = bytearray()
-    for off in range(0, size, 8 * MIB):
-        got += h.pread(min(8 * MIB, size - off), off)
-    return bytes(got)
 
 
 def grow_under_load(d, img):
@@ -141,7 +123,7 @@ def grow_under_load(d, img):
         rt.start()
     started.wait(60)
     os.truncate(img, 64 * MIB)
-    p = ctl(d, "resize", "u")
+    p = nbdtest.nbdcachectl(d, "resize", "u")
     expect(p.returncode == 0 and "33554432 -> 67108864" in p.stdout,
            "nbdcachectl resize u: %r %r" % (p.stdout, p.stderr))
     # At once: the new part, through a new connection.
@@ -166,8 +148,8 @@ def grow_under_load(d, img):
            "no backend connection was renewed with commands in flight (the daemon's log)")
     expect(not errors, "the writer's I/O failed across the resize: %r" % errors)
     log("  %d writes on the old connection across the resize" % count[0])
-    nbdtest.require_same(read_all(h2, 64 * MIB), bytes(model), "u through the new connection")
-    nbdtest.require_same(read_all(h1, 32 * MIB), bytes(model[:32 * MIB]),
+    nbdtest.require_same(nbdtest.read_whole(h2, 64 * MIB), bytes(model), "u through the new connection")
+    nbdtest.require_same(nbdtest.read_whole(h1, 32 * MIB), bytes(model[:32 * MIB]),
                          "u through the old connection")
     h1.flush()
     h2.flush()
@@ -215,18 +197,18 @@ def explicit(d):
     h.pwrite(low, 7 * MIB)
     h.flush()
     h.shutdown()
-    p = ctl(d, "resize", "m", "32M")
+    p = nbdtest.nbdcachectl(d, "resize", "m", "32M")
     expect(p.returncode == 1 and "cannot grow to 33554432 bytes: it has 16777216" in p.stderr,
            "resize m 32M: %r" % p.stderr)
-    expect(size_of(d, "m") == 16 * MIB, "m changed by a refused grow")
-    p = ctl(d, "resize", "m", "8M")
+    expect(nbdtest.export_size(d, "m") == 16 * MIB, "m changed by a refused grow")
+    p = nbdtest.nbdcachectl(d, "resize", "m", "8M")
     expect(p.returncode == 0, "resize m 8M: %r" % p.stderr)
-    expect(size_of(d, "m") == 8 * MIB, "m after resize 8M: %d" % size_of(d, "m"))
+    expect(nbdtest.export_size(d, "m") == 8 * MIB, "m after resize 8M: %d" % nbdtest.export_size(d, "m"))
     rep = nbdtest.control_request(d.control, {"command": "reload"})
     expect(rep["ok"] and not rep.get("resized"), "reload: %r" % rep)
-    expect(size_of(d, "m") == 8 * MIB, "m after a reload: %d (the explicit 8M is kept)"
-           % size_of(d, "m"))
-    p = ctl(d, "resize", "m")
+    expect(nbdtest.export_size(d, "m") == 8 * MIB, "m after a reload: %d (the explicit 8M is kept)"
+           % nbdtest.export_size(d, "m"))
+    p = nbdtest.nbdcachectl(d, "resize", "m")
     expect(p.returncode == 0 and "8388608 -> 16777216" in p.stdout,
            "resize m (the server's size): %r %r" % (p.stdout, p.stderr))
     h = nbdtest.libnbd_handle(d.unix_uri("m"))
@@ -236,12 +218,12 @@ def explicit(d):
 
 
 def server_gone(d, server):
-    before = size_of(d, "u")
+    before = nbdtest.export_size(d, "u")
     server.kill()                   # SIGKILL, by PID
-    p = ctl(d, "resize", "u")
+    p = nbdtest.nbdcachectl(d, "resize", "u")
     expect(p.returncode == 1 and "cannot read its size" in p.stderr,
            "resize u without its server: %r" % p.stderr)
-    expect(size_of(d, "u") == before, "u changed while its server was gone")
+    expect(nbdtest.export_size(d, "u") == before, "u changed while its server was gone")
     server.start()
     h = nbdtest.libnbd_handle(d.unix_uri("u"))
     data = random.Random(10).randbytes(4096)

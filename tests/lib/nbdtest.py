@@ -295,6 +295,43 @@ def libnbd_handle(uri, meta=False):
 
 # ---- Checks that all run, failures reported at the end. ----
 
+def nbdcachectl(d, *args):
+    """Run nbdcachectl against daemon d's control socket; the completed
+    process (text stdout, stderr), its command and outcome logged."""
+    p = subprocess.run([NBDCACHECTL, "--control", d.control] + [str(a) for a in args],
+                       capture_output=True, text=True, timeout=60)
+    log("+ nbdcachectl %s -> %d: %s%s" % (" ".join(map(str, args)), p.returncode,
+                                          p.stdout.strip(), p.stderr.strip()))
+    return p
+
+
+def export_size(d, name):
+    """The size a new connection to export name of daemon d negotiates."""
+    h = libnbd_handle(d.unix_uri(name))
+    try:
+        return h.get_size()
+    finally:
+        h.shutdown()
+
+
+def read_whole(h, length, chunk=16 << 20):
+    """Bytes [0, length) through libnbd handle h, chunk bytes a READ."""
+    got = bytearray()
+    for off in range(0, length, chunk):
+        got += h.pread(min(chunk, length - off), off)
+    return bytes(got)
+
+
+def read_errno(h, length, offset):
+    """The errno a READ through h gets (0: it succeeded)."""
+    import nbd
+    try:
+        h.pread(length, offset)
+    except nbd.Error as e:
+        return e.errnum
+    return 0
+
+
 class Failed(Exception):
     """An expectation was not met: ends the check that raised it (Checks.run)."""
 
