@@ -135,7 +135,8 @@ static int republish(struct export_table *t, struct export_backing *b, struct ex
 /* Undo a backend's new size after a later step failed (best effort). */
 static void backend_size_back(struct export_backing *b, uint64_t old_end)
 {
-	int rc = backend_set_size(b->backend, old_end);
+	uint64_t have;
+	int rc = backend_set_size(b->backend, old_end, &have);
 	if (rc < 0)
 		log_error("backend %s: cannot set its size back to %llu bytes: %s", b->spec,
 			  (unsigned long long)old_end, strerror(-rc));
@@ -144,15 +145,20 @@ static void backend_size_back(struct export_backing *b, uint64_t old_end)
 /*
  * Give backing b a backend of end bytes (set: make the backend so; else it
  * is so already) and publish its exports' new versions. On failure nothing
- * changed but, when !set, the backend itself.
+ * changed but, when !set, the backend itself. *have: what the backend has
+ * after set (backend_set_size(); also when the size was already end), else 0.
  */
 static int backing_resize(struct export_table *t, struct export_backing *b, uint64_t end, bool set,
-			  struct export_reload *r, struct export_resize_result *out)
+			  uint64_t *have, struct export_reload *r, struct export_resize_result *out)
 {
 	struct backend *be = b->backend;
 	uint64_t old_end = atomic_load(&be->size);
-	if (end == old_end)
+	*have = 0;
+	if (end == old_end) {
+		if (set) /* nothing to do; what the backend has, for the caller */
+			backend_set_size(be, end, have);
 		return 0;
+	}
 	if (end > NBD_MAX_OFFSET)
 		return fail(out, -EFBIG, "%llu bytes is more than NBD can address",
 			    (unsigned long long)end);
@@ -171,19 +177,18 @@ static int backing_resize(struct export_table *t, struct export_backing *b, uint
 	if (end < old_end) {
 		atomic_store(&be->size, end); /* requests past the new end are refused */
 		rc = cache_export_resize(b->cache, end, &dirty);
-		if (rc == 0 && set && (rc = backend_set_size(be, end)) < 0) {
+		if (rc == 0 && set && (rc = backend_set_size(be, end, have)) < 0) {
 			uint64_t ignored;
 			cache_export_resize(b->cache, old_end, &ignored);
 		}
 		if (rc < 0)
 			atomic_store(&be->size, old_end);
 	} else {
-		if (set && (rc = backend_set_size(be, end)) < 0) {
-			uint64_t have;
-			if (rc == -ENOSPC && backend_probe_size(be, &have) == 0)
+		if (set && (rc = backend_set_size(be, end, have)) < 0) {
+			if (rc == -ENOSPC)
 				return fail(
 				    out, rc, "backend %s: cannot grow to %llu bytes: it has %llu",
-				    b->spec, (unsigned long long)end, (unsigned long long)have);
+				    b->spec, (unsigned long long)end, (unsigned long long)*have);
 			return fail(out, rc, "backend %s: cannot grow to %llu bytes: %s", b->spec,
 				    (unsigned long long)end, strerror(-rc));
 		}
@@ -264,13 +269,12 @@ int export_resize(struct export_table *t, const char *name, bool has_size, uint6
 			     strerror(-rc));
 		goto out;
 	}
-	rc = backing_resize(t, b, end, has_size, NULL, out);
+	uint64_t have;
+	rc = backing_resize(t, b, end, has_size, &have, NULL, out);
 	if (rc == 0) {
 		/* A backend that kept more than the size set (not cut) would
 		 * bring it back at the next reload: the size stays as set. */
-		uint64_t have;
-		b->pinned_end =
-		    has_size && backend_probe_size(b->backend, &have) == 0 && have > end ? end : 0;
+		b->pinned_end = has_size && have > end ? end : 0;
 		struct export *now = export_get(t, e->name, strlen(e->name));
 		out->new_size = now ? now->size : end - e->offset;
 		export_put(now);
@@ -298,7 +302,8 @@ int export_table_refresh(struct export_table *t, struct export_reload *r)
 		b->pinned_end = 0;
 		struct export_resize_result res;
 		memset(&res, 0, sizeof(res));
-		int rc = backing_resize(t, b, end, false, r, &res);
+		uint64_t have;
+		int rc = backing_resize(t, b, end, false, &have, r, &res);
 		if (rc == -ENOMEM)
 			return rc;
 		if (rc < 0)

@@ -105,9 +105,12 @@ struct backend_ops {
 	 * now (a file grown or cut by someone else, a block device resized). */
 	int (*probe_size)(struct backend *be, uint64_t *size);
 	/* Optional: make the backend size bytes long (a file: ftruncate; a
-	 * block device: only up to what it has). Does not change be->size:
-	 * the export table publishes the new size when the cache follows. */
-	int (*set_size)(struct backend *be, uint64_t size);
+	 * block device or NBD server: only up to what it has, -ENOSPC past
+	 * it). *have: the size the backend has afterwards (on -ENOSPC, what it
+	 * has), so the caller need not ask again; 0 when unknown. Does not
+	 * change be->size: the export table publishes the new size when the
+	 * cache follows. */
+	int (*set_size)(struct backend *be, uint64_t size, uint64_t *have);
 };
 
 struct backend {
@@ -167,9 +170,10 @@ static inline int backend_probe_size(struct backend *be, uint64_t *size)
 	return be->ops->probe_size ? be->ops->probe_size(be, size) : -ENOTSUP;
 }
 
-static inline int backend_set_size(struct backend *be, uint64_t size)
+static inline int backend_set_size(struct backend *be, uint64_t size, uint64_t *have)
 {
-	return be->ops->set_size ? be->ops->set_size(be, size) : -ENOTSUP;
+	*have = 0;
+	return be->ops->set_size ? be->ops->set_size(be, size, have) : -ENOTSUP;
 }
 
 static inline void backend_close(struct backend *be)

@@ -573,19 +573,21 @@ static int file_probe_size(struct backend *be, uint64_t *size)
  * device cannot be: it takes any size up to what it has (the export ends
  * earlier), and -ENOSPC past that.
  */
-static int file_set_size(struct backend *be, uint64_t size)
+static int file_set_size(struct backend *be, uint64_t size, uint64_t *have)
 {
 	struct file_backend *fb = to_file(be);
 	if (size > NBD_MAX_OFFSET)
 		return -EFBIG;
 	if (fb->is_block_device) {
-		uint64_t have;
-		int rc = file_probe_size(be, &have);
-		return rc < 0 ? rc : size > have ? -ENOSPC : 0;
+		int rc = file_probe_size(be, have);
+		return rc < 0 ? rc : size > *have ? -ENOSPC : 0;
 	}
 	if (be->readonly)
 		return -EROFS;
-	return ftruncate(fb->fd, (off_t)size) < 0 ? -errno : 0;
+	if (ftruncate(fb->fd, (off_t)size) < 0)
+		return -errno;
+	*have = size;
+	return 0;
 }
 
 static const struct backend_ops file_ops = {

@@ -190,11 +190,10 @@ int nbd_probe_size(struct backend *be, uint64_t *size)
 	return server_size(to_nbd(be), size);
 }
 
-int nbd_set_size(struct backend *be, uint64_t size)
+int nbd_set_size(struct backend *be, uint64_t size, uint64_t *have)
 {
-	uint64_t have;
-	int rc = server_size(to_nbd(be), &have);
-	return rc < 0 ? rc : size > have ? -ENOSPC : 0;
+	int rc = server_size(to_nbd(be), have);
+	return rc < 0 ? rc : size > *have ? -ENOSPC : 0;
 }
 
 bool backend_nbd_handles(const char *spec)

@@ -170,7 +170,7 @@ static inline void last_error(char *buf, size_t len, const char *fallback)
  * of its own; when it grew, the connections are renewed (nbd_renew). */
 int nbd_probe_size(struct backend *be, uint64_t *size);
 /* Like a block device: any size up to the server's (-ENOSPC past it). */
-int nbd_set_size(struct backend *be, uint64_t size);
+int nbd_set_size(struct backend *be, uint64_t size, uint64_t *have);
 
 /* ---- nbd_thread.c ---- */
 
