@@ -8,6 +8,8 @@
  *                       or a buffer of the request's, then to the cache
  *   transmit_throttle.c the export's QoS limits: requests over them held
  *                       back, in order, before they reach the cache
+ *   transmit_resize.c   NBD_CMD_RESIZE, run on the control thread and
+ *                       answered through request_finish()
  *
  * Calls: transmit.c hands a checked, admitted WRITE to receive_write(); the
  * receive path attaches, starts and finishes it through the request
@@ -96,5 +98,11 @@ void throttle_submit(struct request *r);
  * request consumed; out of memory, its payload is drained and refused).
  */
 int receive_write(struct conn *c, const struct nbd_request *req, uint64_t cost, size_t hsize);
+
+/* ---- transmit_resize.c ---- */
+
+/* NBD_CMD_RESIZE: run on the control thread, answered (request_finish) when
+ * done. */
+void resize_start(struct request *r);
 
 #endif
