@@ -302,17 +302,23 @@ bool nbd_pool_on_event(struct nbd_conn *c, short what)
 /* ---- renewal (online resize, nbd.c) ---- */
 
 /* A retired connection that holds no command: goodbye, and connect again at once. */
+/* Close c (goodbye: it holds no command) and connect again at once. */
+static void conn_restart(struct nbd_conn *c, bool goodbye)
+{
+	conn_close(c, false, goodbye);
+	c->backoff_ms = NBD_BACKOFF_MIN_MS;
+	conn_schedule(c, 0);
+}
+
 static void conn_renew(struct nbd_conn *c, bool waited)
 {
 	struct nbd_backend *nb = c->nb;
 	/* What it wrote counts only once a flush on a live connection covers it. */
 	if (c->wrote)
 		atomic_fetch_add(&nb->base.loss_seq, 1);
-	conn_close(c, false, true);
 	log_debug("backend %s: connection %u renewed%s", nb->name, c->index + 1,
 		  waited ? ", its commands answered" : "");
-	c->backoff_ms = NBD_BACKOFF_MIN_MS;
-	conn_schedule(c, 0);
+	conn_restart(c, true);
 }
 
 void nbd_pool_renew(struct nbd_backend *nb, uint64_t size)
@@ -327,9 +333,7 @@ void nbd_pool_renew(struct nbd_backend *nb, uint64_t size)
 				conn_renew(c, false);
 		} else if (c->state == CONN_CONNECTING) {
 			/* Its handshake may have carried the old size. */
-			conn_close(c, false, false);
-			c->backoff_ms = NBD_BACKOFF_MIN_MS;
-			conn_schedule(c, 0);
+			conn_restart(c, false);
 		}
 	}
 	nbd_pool_tick_arm(nb);
