@@ -6,6 +6,7 @@
  *   op.c            the state machine driver: op_run() steps an op until
  *                   it finishes, on its worker; waiting and finishing
  *   cached.c        READ, CACHE and cached WRITE: pieces, fills, commit
+ *   cached_receive.c  a cached WRITE received straight into the arena
  *   direct.c        direct operations (TRIM, WRITE_ZEROES, FUA writes,
  *                   writes that go around the cache) and their ordering
  *                   against each other and against writeback; mode
@@ -49,6 +50,37 @@ void op_wait(struct cache_op *op, uint64_t seq);
 
 /* ---- cached.c ---- */
 
+/* One entry's part of a READ or cached WRITE (cached.c and cached_receive.c). */
+struct cache_piece {
+	uint64_t offset;
+	uint32_t length;
+	struct cache_entry *entry; /* pinned; NULL for a bypass piece */
+	uint8_t *buf;		   /* bypass data */
+	bool ready;
+	bool issued; /* bypass read submitted */
+	/* cache_write_begin over dirty blocks: the payload goes into these
+	 * frames (allocated, no owner yet), which replace the entry's at the
+	 * end (cache_write_end) */
+	bool swap;
+	uint32_t fresh;
+};
+
+/* Shared by cached.c and cached_receive.c: */
+/* Split op into pieces, one per entry it touches, pinned (allocate: make
+ * entries where none are; need_all: -ENOSPC unless every piece has one). */
+int pieces_build(struct cache_op *op, bool allocate, bool need_all);
+/* Give back the side records of pieces [0, n) not needed after all. */
+void pieces_unreserve(struct cache_op *op, size_t n);
+/* The blocks of piece p's entry it covers, and its shard, locked. */
+struct cache_shard *piece_lock(struct cache_export *ce, const struct cache_piece *p,
+			       uint32_t *first, uint32_t *last);
+/* Dirty data above a high watermark: get writeback going. */
+void kick_if_above_high(struct cache_export *ce);
+/* A resize cut the export below this WRITE's end since it was admitted
+ * (asked once its pieces hold their entries, before a byte lands). */
+bool write_past_end(const struct cache_op *op);
+
+
 /* READ, CACHE, WRITE: pin the pieces (a WRITE with no room, or not in
  * writeback mode, stays a direct operation). 0 or -errno. */
 int cached_prepare(struct cache_op *op);
@@ -60,6 +92,8 @@ void cached_step(struct cache_op *op);
 int cached_write_room(struct cache_op *op);
 /* Unpin and free op's pieces. */
 void pieces_release(struct cache_op *op);
+
+/* ---- cached_receive.c ---- */
 
 /* op->stage of a WRITE whose payload came whole (cache_write_end): its
  * pieces are committed, fresh frames swapped in, by cached_received_step. */
