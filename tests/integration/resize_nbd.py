@@ -15,8 +15,9 @@ One daemon in writeback mode (written data stays dirty until a FLUSH):
 
   grow_under_load  u: a writer keeps random writes and reads checked
             against a byte model going on an old connection, and four
-            readers beside it more reads (misses through the delay, so backend
-            commands are in flight; bounded counts), while the file is
+            readers beside it, each on an old connection of its own, more
+            reads (misses through the delay, so backend commands are in
+            flight; bounded counts), while the file is
             extended to 64 MiB and `nbdcachectl resize u` runs: a new
             connection sees 64 MiB at once and writes and reads the new
             part at once (its requests wait for a renewed backend
@@ -102,9 +103,10 @@ def grow_under_load(d, img):
             errors.append(e)
             started.set()
 
-    def reader(seed):
-        # Misses through the delay filter on the same (old) connection
-        # beside the writer: backend commands in flight at the renewal.
+    def reader(seed, h):
+        # Misses through the delay filter beside the writer, each reader on
+        # an old connection of its own (libnbd runs one handle's synchronous
+        # calls one at a time): backend commands in flight at the renewal.
         # (Racing the writer: not compared; the writer's own reads are.)
         rrng = random.Random(seed)
         try:
@@ -112,13 +114,15 @@ def grow_under_load(d, img):
                 if stop.is_set():
                     break
                 off = rrng.randrange(32 * MIB // 4096) * 4096
-                h1.pread(4096, off)
+                h.pread(4096, off)
         except Exception as e:  # noqa: BLE001 (reported below)
             errors.append(e)
 
     t = threading.Thread(target=writer)
     t.start()
-    readers = [threading.Thread(target=reader, args=(12 + i,)) for i in range(4)]
+    rhandles = [nbdtest.libnbd_handle(d.unix_uri("u")) for _ in range(4)]
+    readers = [threading.Thread(target=reader, args=(12 + i, rh))
+               for i, rh in enumerate(rhandles)]
     for rt in readers:
         rt.start()
     started.wait(60)
@@ -159,6 +163,8 @@ def grow_under_load(d, img):
     nbdtest.require_same(disk, bytes(model), "u.img after FLUSH")
     h1.shutdown()
     h2.shutdown()
+    for rh in rhandles:
+        rh.shutdown()
 
 
 def reload(d, img):
