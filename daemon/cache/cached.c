@@ -461,6 +461,23 @@ static int op_examine(struct cache_op *op, bool *blocked)
 	return 0;
 }
 
+void piece_commit(struct cache_export *ce, struct cache_shard *sh, struct cache_piece *p,
+		  uint32_t first, uint32_t last)
+{
+	struct cache_entry *e = p->entry;
+	struct cache_map uptodate = cache_uptodate_map(e), busy = cache_busy_map(e);
+	for (uint32_t b = first; b <= last; b++) {
+		map_clear(busy, b);
+		map_set(uptodate, b);
+	}
+	cache_mark_dirty(e, first, last - first + 1);
+	cache_entry_set_may_hold_zeros(e); /* not worth scanning the payload */
+	pthread_mutex_unlock(&sh->lock);
+	cache_waitq_wake(ce->cache);
+	cache_entry_unpin(e);
+	p->entry = NULL;
+}
+
 /*
  * A resize cut the export below this WRITE's end after it was admitted
  * (op_submit, cache_write_begin checked the old size). Asked once its
@@ -530,16 +547,7 @@ static bool write_commit(struct cache_op *op, bool *blocked, bool *nomem)
 		pthread_mutex_unlock(&sh->lock);
 		memcpy(dst, op->payload + (p->offset - op->offset), p->length);
 		pthread_mutex_lock(&sh->lock);
-		for (uint32_t b = first; b <= last; b++) {
-			map_clear(busy, b);
-			map_set(uptodate, b);
-		}
-		cache_mark_dirty(e, first, last - first + 1);
-		cache_entry_set_may_hold_zeros(e); /* not worth scanning the payload */
-		pthread_mutex_unlock(&sh->lock);
-		cache_waitq_wake(ce->cache);
-		cache_entry_unpin(e);
-		p->entry = NULL;
+		piece_commit(ce, sh, p, first, last);
 		p->ready = false;
 		p->issued = true; /* done: a NULL entry that is issued is committed */
 	}

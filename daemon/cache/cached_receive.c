@@ -253,7 +253,7 @@ void cached_received_step(struct cache_op *op)
 			continue; /* committed already */
 		uint32_t first, last;
 		struct cache_shard *sh = piece_lock(ce, p, &first, &last);
-		struct cache_map uptodate = cache_uptodate_map(e), busy = cache_busy_map(e);
+		struct cache_map busy = cache_busy_map(e);
 		if (p->swap) {
 			/* A fill or writeback on the old frames ends first. */
 			if (map_any(busy, cache_entry_nblocks(e))) {
@@ -265,16 +265,7 @@ void cached_received_step(struct cache_op *op)
 				map_set(busy, b);
 			op->swapped |= piece_swap(ce, sh, p);
 		}
-		for (uint32_t b = first; b <= last; b++) {
-			map_clear(busy, b);
-			map_set(uptodate, b);
-		}
-		cache_mark_dirty(e, first, last - first + 1);
-		cache_entry_set_may_hold_zeros(e); /* not worth scanning the payload */
-		pthread_mutex_unlock(&sh->lock);
-		cache_waitq_wake(ce->cache);
-		cache_entry_unpin(e);
-		p->entry = NULL;
+		piece_commit(ce, sh, p, first, last);
 	}
 	pieces_release(op);
 	kick_if_above_high(ce);

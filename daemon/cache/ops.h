@@ -74,6 +74,11 @@ void pieces_unreserve(struct cache_op *op, size_t n);
 /* The blocks of piece p's entry it covers, and its shard, locked. */
 struct cache_shard *piece_lock(struct cache_export *ce, const struct cache_piece *p,
 			       uint32_t *first, uint32_t *last);
+/* A WRITE's piece whose payload is in its entry's frames (its blocks
+ * [first, last] busy, shard sh locked): uptodate and dirty, the lock
+ * dropped, waiters woken, the entry unpinned. */
+void piece_commit(struct cache_export *ce, struct cache_shard *sh, struct cache_piece *p,
+		  uint32_t first, uint32_t last);
 /* Dirty data above a high watermark: get writeback going. */
 void kick_if_above_high(struct cache_export *ce);
 /* A resize cut the export below this WRITE's end since it was admitted
