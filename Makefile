@@ -44,6 +44,8 @@ ALL_CFLAGS = $(OPT) -std=c11 $(WARN) -D_FORTIFY_SOURCE=2 -fstack-protector-stron
 ALL_LDFLAGS = -pthread $(SANITIZE) $(M32) $(LDFLAGS)
 
 DAEMON_LIBS := $(shell pkg-config --libs libevent_pthreads liburing libnbd libsystemd inih json-c gnutls libmicrohttpd 2>/dev/null || echo -levent -levent_pthreads -luring -lnbd -lsystemd -linih -ljson-c -lgnutls -lmicrohttpd)
+# librbd and librados (Debian's librbd-dev) ship no pkg-config file.
+DAEMON_LIBS += -lrbd -lrados
 DAEMON_CFLAGS := $(shell pkg-config --cflags libevent liburing libnbd libsystemd inih json-c gnutls libmicrohttpd 2>/dev/null)
 CTL_LIBS := $(shell pkg-config --libs json-c 2>/dev/null || echo -ljson-c)
 
@@ -51,7 +53,7 @@ CTL_LIBS := $(shell pkg-config --libs json-c 2>/dev/null || echo -ljson-c)
 PROTO_SRC := $(wildcard proto/*.c)
 # The daemon's dependency-free core: builds on i386 and is unit tested there.
 CORE_SRC := daemon/options.c daemon/export_spec.c daemon/option_values.c daemon/access.c daemon/qos.c daemon/log.c daemon/cache/arena.c \
-	daemon/histogram.c
+	daemon/histogram.c daemon/rbd_spec.c
 # Everything else in the daemon needs libevent / liburing.
 DAEMON_SRC := $(filter-out $(CORE_SRC),$(wildcard daemon/*.c daemon/backend/*.c daemon/cache/*.c))
 # test_uring needs liburing and libevent: not in the -m32 build of the core.
@@ -184,6 +186,12 @@ FUZZ_BIN := $(patsubst tests/fuzz/%.c,build-fuzz/%,$(FUZZ_SRC))
 build-fuzz/%: tests/fuzz/%.c $(PROTO_SRC) proto/nbd.h
 	@mkdir -p build-fuzz
 	clang -std=c11 -g -O1 -D_GNU_SOURCE -I. -fsanitize=fuzzer,address,undefined -o $@ $< $(PROTO_SRC)
+
+# The rbd: backend string's parser (no Ceph library).
+build-fuzz/fuzz_rbd_spec: tests/fuzz/fuzz_rbd_spec.c daemon/rbd_spec.c daemon/rbd_spec.h
+	@mkdir -p build-fuzz
+	clang -std=c11 -g -O1 -D_GNU_SOURCE -I. -fsanitize=fuzzer,address,undefined -o $@ \
+		tests/fuzz/fuzz_rbd_spec.c daemon/rbd_spec.c
 
 # The negotiation fuzzer runs daemon/handshake.c itself, over stubs of the
 # layers below it (its own file), with libevent's evbuffers.

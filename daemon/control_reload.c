@@ -58,6 +58,7 @@ static void refused_globals(const struct options *was, const struct options *now
 	    {!same_opt_string(was->group, now->group), "group"},
 	    {!same_opt_string(was->pidfile, now->pidfile), "pidfile"},
 	    {was->backend_timeout != now->backend_timeout, "backend-timeout"},
+	    {was->rbd_takeover_wait != now->rbd_takeover_wait, "rbd-takeover"},
 	    {was->compact != now->compact, "compact"},
 	    {was->compact_interval_ms != now->compact_interval_ms, "compact-interval-ms"},
 	    {was->compact_threshold != now->compact_threshold, "compact-threshold"},

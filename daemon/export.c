@@ -51,10 +51,15 @@ static int backing_open(struct export_table *t, const struct export_spec *spec,
 		free(b);
 		return -ENOMEM;
 	}
-	int rc =
-	    backend_nbd_handles(spec->backend)
-		? backend_nbd_open(spec->backend, spec->readonly, t->backend_timeout, &b->backend)
-		: backend_file_open(spec->backend, spec->readonly, &b->backend);
+	int rc;
+	if (backend_nbd_handles(spec->backend))
+		rc = backend_nbd_open(spec->backend, spec->readonly, t->backend_timeout,
+				      &b->backend);
+	else if (backend_rbd_handles(spec->backend))
+		rc = backend_rbd_open(spec->backend, spec->readonly, t->backend_timeout,
+				      t->rbd_takeover_wait, &b->backend);
+	else
+		rc = backend_file_open(spec->backend, spec->readonly, &b->backend);
 	if (rc < 0) {
 		log_error("export '%s': cannot open %s: %s", spec->name, spec->backend,
 			  strerror(-rc));
@@ -343,6 +348,7 @@ int export_table_open(struct export_table *t, const struct options *opts, struct
 	pthread_mutex_init(&t->lock, NULL);
 	t->cache = cache;
 	t->backend_timeout = opts->backend_timeout;
+	t->rbd_takeover_wait = opts->rbd_takeover_wait;
 	struct export_backing **by_spec =
 	    calloc(opts->export_count ? opts->export_count : 1, sizeof(*by_spec));
 	if (!by_spec)

@@ -132,6 +132,7 @@ struct export_table {
 	struct export_backing *backings; /* every backing not yet closed */
 	struct cache *cache;
 	unsigned backend_timeout;
+	bool rbd_takeover_wait;
 	bool started; /* backends' threads run (after the daemon detached) */
 	/* The control thread, where resizes run (export_resize_post); set
 	 * when it starts, NULL before and after. */

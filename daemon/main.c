@@ -55,8 +55,9 @@ static int check_config(const struct options *opts)
 	for (size_t i = 0; i < opts->export_count; i++) {
 		const struct export_spec *e = &opts->exports[i];
 		struct stat st;
-		bool file =
-		    strstr(e->backend, "://") == NULL && strncmp(e->backend, "nbdkit:", 7) != 0;
+		bool file = strstr(e->backend, "://") == NULL &&
+			    strncmp(e->backend, "nbdkit:", 7) != 0 &&
+			    strncmp(e->backend, "rbd:", 4) != 0;
 		if (file && stat(e->backend, &st) < 0)
 			fprintf(stderr, "nbdcached: warning: export '%s': %s: %m\n", e->name,
 				e->backend);

@@ -167,6 +167,17 @@ int options_parse_compact(const char *text, bool *out)
 	return 0;
 }
 
+int options_parse_rbd_takeover(const char *text, bool *wait)
+{
+	if (strcmp(text, "refuse") == 0)
+		*wait = false;
+	else if (strcmp(text, "wait") == 0)
+		*wait = true;
+	else
+		return -EINVAL;
+	return 0;
+}
+
 int options_parse_tls(const char *text, enum tls_mode *out)
 {
 	static const char *const names[] = {"off", "on", "require"};

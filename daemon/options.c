@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "daemon/rbd_spec.h"
+
 #define fail options_fail
 
 const char *options_usage(void)
@@ -36,7 +38,7 @@ const char *options_usage(void)
 	       "                 [--cache-size SIZE] [--hugepages auto|require|off]\n"
 	       "                 [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]\n"
 	       "                 [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]\n"
-	       "                 [--backend-timeout SECONDS]\n"
+	       "                 [--backend-timeout SECONDS] [--rbd-takeover refuse|wait]\n"
 	       "                 [--compact on|off] [--compact-interval-ms MS]\n"
 	       "                 [--compact-threshold PERMILLE] [--max-clients N]\n"
 	       "                 [--max-reply-memory SIZE] [--max-pinned-replies SIZE]\n"
@@ -52,7 +54,8 @@ const char *options_usage(void)
 	       "allow-groups=LIST (its access rules; a LIST runs on over commas),\n"
 	       "allow-identities=IDENTITY (one, commas and all) and tls=require.\n"
 	       "BACKEND is a file or block device, an NBD URI (nbd://HOST[:PORT]/NAME,\n"
-	       "nbd+unix:///NAME?socket=PATH, nbds://...) or nbdkit:PLUGIN [ARG...].\n"
+	       "nbd+unix:///NAME?socket=PATH, nbds://...), nbdkit:PLUGIN [ARG...] or a Ceph\n"
+	       "RBD image rbd:POOL[/NAMESPACE]/IMAGE[@SNAP][?conf=FILE&id=USER&keyring=FILE].\n"
 	       "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
 	       "writearound or none. SIZE takes a K, M, G or T suffix. Default "
 	       "listen: " OPTIONS_DEFAULT_LISTEN " (when neither --listen nor --unix is given).\n"
@@ -165,6 +168,7 @@ enum {
 	OPT_METRICS,
 	OPT_METRICS_ALLOW,
 	OPT_METRICS_DENY,
+	OPT_RBD_TAKEOVER,
 };
 
 /*
@@ -273,6 +277,7 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 	    {"metrics", required_argument, NULL, OPT_METRICS},
 	    {"metrics-allow", required_argument, NULL, OPT_METRICS_ALLOW},
 	    {"metrics-deny", required_argument, NULL, OPT_METRICS_DENY},
+	    {"rbd-takeover", required_argument, NULL, OPT_RBD_TAKEOVER},
 	    {"tls", required_argument, NULL, 1000},
 	    {"tls-certificates", required_argument, NULL, 1001},
 	    {"tls-psk", required_argument, NULL, 1002},
@@ -549,6 +554,14 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 			if ((rc = options_metrics_arg(c, optarg, out, err, errlen)) < 0)
 				goto error;
 			break;
+		case OPT_RBD_TAKEOVER:
+			if (options_parse_rbd_takeover(optarg, &out->rbd_takeover_wait) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--rbd-takeover %s: expected refuse or wait", optarg);
+				goto error;
+			}
+			out->given |= OPT_GIVEN_RBD_TAKEOVER;
+			break;
 		case 1000:
 			if (options_parse_tls(optarg, &out->tls) < 0) {
 				rc = fail(err, errlen, -EINVAL,
@@ -747,6 +760,14 @@ int options_finish(struct options *out, char *err, size_t errlen)
 		int rc = check_window(out, e, err, errlen);
 		if (rc < 0)
 			return rc;
+		if (rbd_spec_handles(e->backend)) {
+			struct rbd_spec rbd;
+			char why[512];
+			if (rbd_spec_parse(e->backend, &rbd, why, sizeof(why)) < 0)
+				return fail(err, errlen, -EINVAL, "export '%s'%s%s: %s", e->name,
+					    e->origin ? " at " : "", e->origin ? e->origin : "",
+					    why);
+		}
 		size_t first = options_backend_first(out, i);
 		const char *what = backend_disagreement(&out->exports[first], e);
 		if (what)

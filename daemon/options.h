@@ -18,7 +18,7 @@
  *             [--cache-size SIZE] [--hugepages auto|require|off]
  *             [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]
  *             [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]
- *             [--backend-timeout SECONDS]
+ *             [--backend-timeout SECONDS] [--rbd-takeover refuse|wait]
  *             [--compact on|off] [--compact-interval-ms MS] [--compact-threshold PERMILLE]
  *             [--max-clients N] [--max-reply-memory SIZE] [--max-pinned-replies SIZE]
  *             [--stall-timeout SECONDS] [--negotiation-timeout SECONDS]
@@ -161,6 +161,7 @@ struct export_spec {
 #define OPT_GIVEN_METRICS (UINT64_C(1) << 36)
 #define OPT_GIVEN_METRICS_ALLOW (UINT64_C(1) << 37)
 #define OPT_GIVEN_METRICS_DENY (UINT64_C(1) << 38)
+#define OPT_GIVEN_RBD_TAKEOVER (UINT64_C(1) << 39)
 
 struct options {
 	bool foreground;
@@ -184,6 +185,9 @@ struct options {
 	unsigned dirty_high, dirty_low; /* percent of cache_size */
 	unsigned dirty_expire;		/* seconds */
 	unsigned backend_timeout;	/* seconds a request waits for a lost backend */
+	/* rbd: exports whose image another client owns: refused at start
+	 * (false), or the daemon waits until the lock is theirs (true). */
+	bool rbd_takeover_wait;
 	unsigned max_connections;	/* per export; 0: unlimited */
 	char *config_path;		/* NULL: none */
 	bool check_config;		/* validate, print a summary, exit */

@@ -20,11 +20,13 @@
  * Implementations: file.c (regular file or block device, io_uring on the
  * worker's ring), nbd.c (another NBD server through libnbd, on the
  * backend's own thread; completions are posted back to the worker; its
- * other files are nbd_*.c, sharing nbd_internal.h).
+ * other files are nbd_*.c, sharing nbd_internal.h), rbd.c (a Ceph RBD
+ * image through librbd; completions through librbd's eventfd to the
+ * backend's thread, posted back to the worker).
  *
  * Files in daemon/backend/ include only the headers of daemon/backend/,
  * daemon/log.h, daemon/clock.h, daemon/uring.h, daemon/worker.h,
- * daemon/options.h and proto/: a backend knows nothing of the cache or the
+ * daemon/options.h, daemon/rbd_spec.h and proto/: a backend knows nothing of the cache or the
  * connections.
  */
 #ifndef NBDCACHED_DAEMON_BACKEND_H
@@ -137,6 +139,13 @@ struct backend {
 	 * never moves it: its failures come back as the FLUSH's own error.
 	 */
 	atomic_uint_fast64_t loss_seq;
+	/*
+	 * Set for good when the backend may no longer be written: an rbd
+	 * image whose exclusive lock this daemon lost (another node owns it
+	 * now). Every request fails with EIO, and the cache answers nothing
+	 * from RAM either, since what it holds may be stale (cache.h).
+	 */
+	atomic_bool fenced;
 };
 
 /* Open a regular file or block device. readonly opens it O_RDONLY. */
@@ -146,6 +155,14 @@ bool backend_nbd_handles(const char *spec);
 /* Connect to an NBD server (or start nbdkit) now; requests wait up to
  * timeout_seconds for a lost connection to come back. */
 int backend_nbd_open(const char *spec, bool readonly, unsigned timeout_seconds,
+		     struct backend **out);
+
+/* Is spec "rbd:..." (rbd.c, daemon/rbd_spec.h)? */
+bool backend_rbd_handles(const char *spec);
+/* Check that the image can be served (cluster, pool, image, features; the
+ * exclusive lock free, unless takeover_wait); backend_start() connects
+ * for good and takes the lock, waiting for it with takeover_wait. */
+int backend_rbd_open(const char *spec, bool readonly, unsigned timeout_seconds, bool takeover_wait,
 		     struct backend **out);
 
 static inline int backend_start(struct backend *be)

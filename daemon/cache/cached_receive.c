@@ -126,6 +126,8 @@ int cache_write_begin(struct cache_op *op, bool payload_here)
 	uint64_t end = op->offset + op->length;
 	if (end > ce->size) /* a resize cut the export since: cache_submit() refuses it */
 		return -EAGAIN;
+	if (atomic_load(&ce->backend->fenced)) /* cache_submit() fails it */
+		return -EAGAIN;
 	if (cache_export_mode(ce) != CACHE_MODE_WRITEBACK || (op->flags & BACKEND_FUA) ||
 	    op->cmd != BACKEND_WRITE || !op->length || (op->offset & (ce->block_size - 1)) ||
 	    ((end & (ce->block_size - 1)) && end != ce->size))

@@ -521,6 +521,17 @@ void flush_shutdown_start(struct writeback *wb)
 		/* A retired export's backend is closed: it holds nothing. */
 		if (atomic_load(&ce->retired))
 			continue;
+		/* A fenced one (another node owns its backend) takes nothing:
+		 * what it held is given up, said once here. */
+		if (atomic_load(&ce->backend->fenced)) {
+			if (cache_export_unflushed(ce))
+				log_error(
+				    "cache: %llu dirty bytes are lost at exit: their "
+				    "backend is fenced (another node owns it; its error "
+				    "above names it)",
+				    (unsigned long long)atomic_load(&ce->counters.dirty_bytes));
+			continue;
+		}
 		wb->shutdown_jobs++;
 		ce->shutdown_waiting = true;
 		if (!ce->round)
@@ -533,7 +544,8 @@ void flush_shutdown_start(struct writeback *wb)
 static bool anything_unflushed(struct cache *c)
 {
 	for (struct cache_export *ce = writeback_exports(c); ce; ce = ce->next)
-		if (!atomic_load(&ce->retired) && cache_export_unflushed(ce))
+		if (!atomic_load(&ce->retired) && !atomic_load(&ce->backend->fenced) &&
+		    cache_export_unflushed(ce))
 			return true;
 	return false;
 }

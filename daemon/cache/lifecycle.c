@@ -67,11 +67,15 @@ void cache_destroy(struct cache *c)
 
 /* The one entry point that needs both the operations and a thread: a FLUSH
  * is answered by the writeback thread's rounds (flush.c), every other
- * command by the operations (ops.h). */
+ * command by the operations (ops.h). A fenced backend (backend.h: another
+ * node owns it now) gets nothing and gives nothing: every command fails
+ * with EIO, not even a read is answered from what the cache holds. */
 void cache_submit(struct cache_op *op)
 {
 	op_reset(op);
-	if (op->cmd == BACKEND_FLUSH)
+	if (atomic_load(&op->ce->backend->fenced))
+		op_finish(op, -EIO);
+	else if (op->cmd == BACKEND_FLUSH)
 		writeback_flush(op);
 	else
 		op_submit(op);
