@@ -20,6 +20,8 @@
 #   make run        the daemon on the embedded default (see README.md), after
 #                   building it and the client programs beside it
 #   make bench      bench/ against nbdkit and qemu-nbd, ratios printed
+#   make ceph-check the Ceph RBD tests (tests/ceph/) on a throwaway
+#                   single-node cluster, its packages installed first
 #   make deb        the Debian package, built from a copy of the tree in
 #                   build/deb/ (scripts/deb; installs missing build
 #                   dependencies): build/deb/nbdcached_VERSION_ARCH.deb
@@ -248,6 +250,14 @@ kernel-check: deps
 	@if [ -z "$(KERNEL_TESTS)" ]; then BUILD=$(BUILD) tests/run --kernel; \
 	else rc=0; for t in $(KERNEL_TESTS); do BUILD=$(BUILD) tests/run --kernel $$t || rc=1; done; \
 	exit $$rc; fi
+
+# The Ceph tests (tests/ceph/): rbd: exports against a throwaway
+# single-node cluster each test starts itself (about 15 s) and stops by PID.
+.PHONY: ceph-check
+ceph-check: deps
+	tests/ceph/deps
+	$(MAKE) programs
+	BUILD=$(BUILD) tests/run --ceph
 
 deb:
 	scripts/deb

@@ -12,8 +12,12 @@
  *
  * Requests. Every command is one rbd_aio_* call from the submitting worker
  * (librbd's image handle is thread-safe): READ, WRITE (gathered from the
- * caller's iovec), FLUSH, TRIM (discard), WRITE_ZEROES (write_zeroes; thick
- * with NO_HOLE). FUA is a write then a flush. CACHE does nothing. librbd's
+ * caller's iovec), FLUSH, TRIM and WRITE_ZEROES (both write_zeroes, thick
+ * with NO_HOLE: it frees whole objects and zeroes parts of others, where
+ * rbd_aio_discard skips whatever is not aligned to the image's discard
+ * granularity, so a trimmed range would read back as zeros from the cache
+ * and as the old bytes once evicted). FUA is a write then a flush. CACHE
+ * does nothing. librbd's
  * own cache is off: we are the cache, and a write librbd acknowledged is
  * on the OSDs. BLOCK_STATUS is rbd_diff_iterate2() over whole objects (the
  * object map answers it without I/O), run on the backend thread since it
@@ -323,8 +327,6 @@ static int start_aio(struct rbd_backend *rb, struct backend_io *io)
 		rc = rbd_aio_flush(rb->image, c);
 		break;
 	case BACKEND_TRIM:
-		rc = rbd_aio_discard(rb->image, io->offset, io->length, c);
-		break;
 	case BACKEND_ZERO:
 		rc = rbd_aio_write_zeroes(
 		    rb->image, io->offset, (size_t)io->length, c,
