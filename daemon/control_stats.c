@@ -191,6 +191,8 @@ void control_cmd_exports(struct control_client *cl)
 		control_add_u64(x, "split", e->split);
 		control_add_string(x, "window_of", e->window_of);
 		json_object_object_add(x, "readonly", json_object_new_boolean(e->readonly));
+		json_object_object_add(x, "fenced",
+				       json_object_new_boolean(atomic_load(&e->backend->fenced)));
 		control_add_u64(x, "block_size", e->block_size);
 		control_add_string(x, "cache_mode",
 				   options_cache_mode_name(cache_export_mode(e->cache)));

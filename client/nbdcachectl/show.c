@@ -91,7 +91,10 @@ void print_exports(json_object *r)
 		table_cell(&t, "%s", SIZE(ctl_get_int(e, "size")));
 		table_cell(&t, "%" PRId64, ctl_get_int(e, "block_size"));
 		table_cell(&t, "%s", (s = ctl_get_string(e, "cache_mode")) ? s : "?");
-		table_cell(&t, "%s", ctl_get_bool(e, "readonly") ? "ro" : "rw");
+		table_cell(&t, "%s",
+			   ctl_get_bool(e, "fenced")     ? "FENCED"
+			   : ctl_get_bool(e, "readonly") ? "ro"
+							 : "rw");
 		if (ctl_get_int(e, "max_connections"))
 			table_cell(&t, "%" PRId64 "/%" PRId64, ctl_get_int(e, "connections"),
 				   ctl_get_int(e, "max_connections"));

@@ -37,11 +37,18 @@
  * lock of an owner whose watch has expired and has Ceph blocklist it
  * first, so an owner that was only paused can never write again.
  *
- * Fencing. A daemon whose lock is gone (blocklisted: a request answered
- * ESHUTDOWN, or the once-a-second check finds it no longer the owner)
- * sets base.fenced: from then on every request fails with EIO at once, the
- * cache answers nothing from RAM either (what it holds may be stale), and
- * the log and `nbdcachectl exports` say so. It never writes again.
+ * Fencing. A daemon whose lock is gone sets base.fenced: from then on
+ * every request fails with EIO at once, the cache answers nothing from RAM
+ * either (what it holds may be stale), and the log and `nbdcachectl
+ * exports` say so. It never writes again. It learns it from a request
+ * answered ESHUTDOWN (blocklisted), or from its guard thread, which asks
+ * the cluster once a second who owns the lock (librbd's own idea lags: a
+ * process paused past its watch's expiry and resumed still believes it
+ * owns the image until a request fails). Between a resume and that
+ * answer (one OSD round trip) a WRITE may still be taken into the cache:
+ * it is never written to the image (the OSDs refuse a blocklisted
+ * client), and no FLUSH succeeds for it, so what is lost is only what no
+ * FLUSH ever acknowledged.
  *
  * Durability: a completed write is on the OSDs (no client cache), a flush
  * orders nothing more. A request that fails (an OSD silent for
@@ -59,6 +66,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
@@ -88,11 +96,13 @@ struct rbd_backend {
 	rados_ioctx_t ioctx;
 	rbd_image_t image;
 	bool connected, opened, owner;
-	int efd;  /* librbd's completion eventfd */
-	int wake; /* eventfd: block status queued, or stop */
-	pthread_t thread;
-	bool started;
+	int efd;     /* librbd's completion eventfd */
+	int wake;    /* eventfd: block status queued, or stop */
+	char *addrs; /* this client's address (rados_getaddrs), as lock owner */
+	pthread_t thread, guard;
+	bool started, guarded;
 	pthread_mutex_t lock; /* guards slow_head/tail and stop */
+	pthread_cond_t cond;  /* the guard's sleep; signalled on stop */
 	struct backend_io *slow_head, *slow_tail;
 	bool stop;
 	atomic_bool fence_logged;
@@ -123,6 +133,8 @@ static void disconnect(struct rbd_backend *rb)
 		rados_shutdown(rb->cluster);
 	}
 	rb->opened = rb->connected = rb->owner = false;
+	free(rb->addrs);
+	rb->addrs = NULL;
 }
 
 /* Connect to the cluster and open the image (read-only when ro). */
@@ -273,10 +285,10 @@ static void fence(struct rbd_backend *rb, const char *why)
 {
 	atomic_store(&rb->base.fenced, true);
 	if (!atomic_exchange(&rb->fence_logged, true))
-		log_error("backend %s: %s: this daemon no longer owns the image (another node took "
-			  "it over, or the cluster blocklisted it); every request to it fails "
-			  "with EIO from now on, dirty data it held is not written, and it never "
-			  "writes to the image again: restart it to serve the image once more",
+		log_error("backend %s: fenced: %s, so this daemon no longer owns the image; every "
+			  "request to it fails with EIO from now on, dirty data it held is not "
+			  "written, and it never writes to the image again (restart it to serve "
+			  "the image once more, once it may)",
 			  rb->name, why);
 }
 
@@ -503,19 +515,63 @@ static void run_slow(struct rbd_backend *rb)
 	}
 }
 
-static void check_lock(struct rbd_backend *rb)
+/*
+ * Are we still the owner? Asked of the cluster (the lock's record on the
+ * image header), not of librbd's own idea, which a paused process keeps
+ * until some request fails: blocklisted, another owner, or no owner at all
+ * fences; other errors (an OSD down: a timeout) prove nothing.
+ */
+static void check_owner(struct rbd_backend *rb)
 {
-	int owner = 0;
-	if (!rb->owner || atomic_load(&rb->base.fenced))
-		return;
-	if (rbd_is_exclusive_lock_owner(rb->image, &owner) == 0 && !owner)
+	char *owners[8];
+	size_t n = 8;
+	rbd_lock_mode_t mode;
+	int rc = rbd_lock_get_owners(rb->image, &mode, owners, &n);
+	if (rc == -RBD_ERRNO_BLOCKLISTED) {
+		fence(rb, "the cluster has blocklisted this daemon");
+	} else if (rc == 0 && n > 0) {
+		if (!rb->addrs || !strstr(rb->addrs, owners[0])) {
+			char why[300];
+			snprintf(why, sizeof(why), "the image's exclusive lock is held by %s now",
+				 owners[0]);
+			fence(rb, why);
+		}
+		rbd_lock_get_owners_cleanup(owners, n);
+	} else if (rc == -ENOENT || (rc == 0 && n == 0)) {
 		fence(rb, "the image's exclusive lock is no longer held");
+	}
+	int owner = 1;
+	if (rbd_is_exclusive_lock_owner(rb->image, &owner) == 0 && !owner)
+		fence(rb, "librbd no longer holds the image's exclusive lock");
+}
+
+/* The guard thread of an owner: check_owner() every RBD_LOCK_CHECK_MS, on
+ * a thread of its own, since the question waits for an OSD (up to
+ * --backend-timeout while one is down) and completions must not. */
+static void *guard_thread(void *arg)
+{
+	struct rbd_backend *rb = arg;
+	pthread_mutex_lock(&rb->lock);
+	while (!rb->stop && !atomic_load(&rb->base.fenced)) {
+		struct timespec until;
+		clock_gettime(CLOCK_REALTIME, &until);
+		until.tv_nsec += (long)RBD_LOCK_CHECK_MS * 1000000L;
+		until.tv_sec += until.tv_nsec / 1000000000L;
+		until.tv_nsec %= 1000000000L;
+		pthread_cond_timedwait(&rb->cond, &rb->lock, &until);
+		if (rb->stop)
+			break;
+		pthread_mutex_unlock(&rb->lock);
+		check_owner(rb);
+		pthread_mutex_lock(&rb->lock);
+	}
+	pthread_mutex_unlock(&rb->lock);
+	return NULL;
 }
 
 static void *rbd_thread(void *arg)
 {
 	struct rbd_backend *rb = arg;
-	uint64_t next_check = clock_now_ns() + RBD_LOCK_CHECK_MS * 1000000ull;
 	for (;;) {
 		pthread_mutex_lock(&rb->lock);
 		bool stop = rb->stop;
@@ -524,17 +580,12 @@ static void *rbd_thread(void *arg)
 			break;
 		struct pollfd p[2] = {{.fd = rb->efd, .events = POLLIN},
 				      {.fd = rb->wake, .events = POLLIN}};
-		if (poll(p, 2, RBD_LOCK_CHECK_MS) < 0 && errno != EINTR)
+		if (poll(p, 2, -1) < 0 && errno != EINTR)
 			break;
 		if (p[0].revents & POLLIN)
 			take_completions(rb);
 		if (p[1].revents & POLLIN)
 			run_slow(rb);
-		uint64_t now = clock_now_ns();
-		if (now >= next_check) {
-			check_lock(rb);
-			next_check = now + RBD_LOCK_CHECK_MS * 1000000ull;
-		}
 	}
 	return NULL;
 }
@@ -548,6 +599,7 @@ static void rbd_free(struct rbd_backend *rb)
 	if (rb->wake >= 0)
 		close(rb->wake);
 	pthread_mutex_destroy(&rb->lock);
+	pthread_cond_destroy(&rb->cond);
 	free(rb->name);
 	free(rb);
 }
@@ -558,9 +610,12 @@ static void rbd_close_backend(struct backend *be)
 	if (rb->started) {
 		pthread_mutex_lock(&rb->lock);
 		rb->stop = true;
+		pthread_cond_signal(&rb->cond);
 		pthread_mutex_unlock(&rb->lock);
 		wake_thread(rb);
 		pthread_join(rb->thread, NULL);
+		if (rb->guarded)
+			pthread_join(rb->guard, NULL);
 	}
 	/* rbd_close waits for requests in flight and releases the lock (a
 	 * clean hand-over: the next owner needs no blocklisting). */
@@ -594,6 +649,15 @@ static int rbd_start(struct backend *be)
 	if (rc < 0)
 		goto fail;
 	rb->started = true;
+	if (!ro) {
+		if (rados_getaddrs(rb->cluster, &rb->addrs) < 0)
+			rb->addrs = NULL;
+		rb->guarded = pthread_create(&rb->guard, NULL, guard_thread, rb) == 0;
+		if (!rb->guarded)
+			log_warn("backend %s: no thread to watch the image's lock: a lost lock is "
+				 "noticed only when a request fails",
+				 rb->name);
+	}
 	log_info("backend %s: serving the image%s", rb->name,
 		 ro ? " read-only" : ", its exclusive lock held");
 	return 0;
@@ -655,6 +719,7 @@ int backend_rbd_open(const char *spec, bool readonly, unsigned timeout_seconds, 
 		return -ENOMEM;
 	rb->efd = rb->wake = -1;
 	pthread_mutex_init(&rb->lock, NULL);
+	pthread_cond_init(&rb->cond, NULL);
 	rb->base.ops = &rbd_backend_ops;
 	atomic_init(&rb->base.loss_seq, 0);
 	atomic_init(&rb->base.fenced, false);

@@ -43,8 +43,11 @@
  *
  *   exports
  *     exports: array of EXPORT objects:
- *       name, description (string or null), backend (string: the path, URI
- *       or "nbdkit:..." as configured), kind (string: "file" or "nbd"),
+ *       name, description (string or null), backend (string: the path, URI,
+ *       "nbdkit:..." or "rbd:..." as configured), kind (string: "file",
+ *       "nbd" or "rbd"), fenced (bool: the backend may never be written
+ *       again, an rbd image whose exclusive lock another node took; every
+ *       request fails with EIO),
  *       size (what clients see: the window's size), offset (the window's
  *       first byte in the backend; 0 for a whole export), split (the window
  *       size of its NAME/K windows; 0: none), window_of (string: the split
