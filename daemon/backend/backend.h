@@ -22,7 +22,8 @@
  * backend's own thread; completions are posted back to the worker; its
  * other files are nbd_*.c, sharing nbd_internal.h), rbd.c (a Ceph RBD
  * image through librbd; completions through librbd's eventfd to the
- * backend's thread, posted back to the worker).
+ * backend's thread, posted back to the worker; rbd_io.c has the requests,
+ * rbd_internal.h what the two share).
  *
  * Files in daemon/backend/ include only the headers of daemon/backend/,
  * daemon/log.h, daemon/clock.h, daemon/uring.h, daemon/worker.h,

@@ -10,23 +10,23 @@
  * and disconnects again. rbd_start() (after the fork, or at once on a
  * reload) connects for good, opens the image and takes its lock.
  *
- * Requests. Every command is one rbd_aio_* call from the submitting worker
- * (librbd's image handle is thread-safe): READ, WRITE (gathered from the
- * caller's iovec), FLUSH, TRIM and WRITE_ZEROES (both write_zeroes, thick
- * with NO_HOLE: it frees whole objects and zeroes parts of others, where
- * rbd_aio_discard skips whatever is not aligned to the image's discard
- * granularity, so a trimmed range would read back as zeros from the cache
- * and as the old bytes once evicted). FUA is a write then a flush. CACHE
- * does nothing. librbd's
- * own cache is off: we are the cache, and a write librbd acknowledged is
- * on the OSDs. BLOCK_STATUS is rbd_diff_iterate2() over whole objects (the
- * object map answers it without I/O), run on the backend thread since it
- * blocks.
+ * Requests (rbd_io.c). Every command is one rbd_aio_* call from the
+ * submitting worker (librbd's image handle is thread-safe): READ, WRITE
+ * (gathered from the caller's iovec), FLUSH, TRIM and WRITE_ZEROES (both
+ * write_zeroes, thick with NO_HOLE: it frees whole objects and zeroes
+ * parts of others, where rbd_aio_discard skips whatever is not aligned to
+ * the image's discard granularity, so a trimmed range would read back as
+ * zeros from the cache and as the old bytes once evicted). FUA is a write
+ * then a flush. CACHE does nothing. librbd's own cache is off: we are the
+ * cache, and a write librbd acknowledged is on the OSDs. BLOCK_STATUS is
+ * rbd_diff_iterate2() over whole objects (the object map answers it
+ * without I/O), run on the completion thread since it blocks.
  *
  * Completions come back through librbd's eventfd notification
- * (rbd_set_image_notification): the backend's one thread polls that fd,
- * takes the finished completions with rbd_poll_io_events() and posts each
- * to the worker that submitted it. No thread per request.
+ * (rbd_set_image_notification): the backend's completion thread polls that
+ * fd, takes the finished completions with rbd_poll_io_events() and posts
+ * each to the worker that submitted it. No thread per request: two per
+ * image (completions; the guard, below).
  *
  * One owner per image. A writable export takes the image's exclusive lock
  * with rbd_lock_acquire() and keeps it: librbd then refuses to hand it to
@@ -50,10 +50,17 @@
  * client), and no FLUSH succeeds for it, so what is lost is only what no
  * FLUSH ever acknowledged.
  *
+ * Deadlines. A request to an OSD that does not answer fails within
+ * --backend-timeout: one that writes (librbd copied its data) is answered
+ * EIO at its deadline and its completion, when it comes, only frees its
+ * ticket (rbd_internal.h); a READ ends with librados's op timeout, set a
+ * second below --backend-timeout with its objecter ticking each second.
+ * The cache keeps what failed dirty and writes it again: RADOS applies one
+ * client's writes to an object in order, so a late one never lands after
+ * what replaced it.
+ *
  * Durability: a completed write is on the OSDs (no client cache), a flush
- * orders nothing more. A request that fails (an OSD silent for
- * --backend-timeout: librados's op timeout) fails with EIO, and the cache
- * keeps its data dirty; loss_seq never moves.
+ * orders nothing more, loss_seq never moves.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -65,53 +72,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/eventfd.h>
-#include <time.h>
-#include <systemd/sd-daemon.h>
 #include <unistd.h>
+#include <sys/eventfd.h>
+#include <systemd/sd-daemon.h>
+#include <time.h>
 
-#include "daemon/backend/backend.h"
+#include "daemon/backend/rbd_internal.h"
 #include "daemon/clock.h"
 #include "daemon/log.h"
-#include "daemon/rbd_spec.h"
-
-#define RBD_MAX_RANGE (1ull << 30) /* one TRIM / WRITE_ZEROES request */
-#define RBD_POLL_BATCH 64
-#define RBD_LOCK_CHECK_MS 1000
-#define RBD_TAKEOVER_RETRY_S 2
-#define RBD_TAKEOVER_LOG_S 30
-#define RBD_ERRNO_BLOCKLISTED ESHUTDOWN /* librados's EBLOCKLISTED */
-
-/* backend_io.stage */
-#define STAGE_MAIN 0
-#define STAGE_FUA_FLUSH 1
-
-struct rbd_backend {
-	struct backend base;
-	char *name; /* the backend string, for messages */
-	struct rbd_spec spec;
-	unsigned timeout_s;
-	bool takeover_wait;
-	rados_t cluster;
-	rados_ioctx_t ioctx;
-	rbd_image_t image;
-	bool connected, opened, owner;
-	int efd;     /* librbd's completion eventfd */
-	int wake;    /* eventfd: block status queued, or stop */
-	char *addrs; /* this client's address (rados_getaddrs), as lock owner */
-	pthread_t thread, guard;
-	bool started, guarded;
-	pthread_mutex_t lock; /* guards slow_head/tail and stop */
-	pthread_cond_t cond;  /* the guard's sleep; signalled on stop */
-	struct backend_io *slow_head, *slow_tail;
-	bool stop;
-	atomic_bool fence_logged;
-};
-
-static struct rbd_backend *to_rbd(struct backend *be)
-{
-	return (struct rbd_backend *)be;
-}
 
 /* ---- connecting ---- */
 
@@ -157,14 +125,19 @@ static int connect_open(struct rbd_backend *rb, bool ro)
 		rados_shutdown(rb->cluster);
 		return rc;
 	}
-	char t[16];
+	/* librados checks its op timeouts on each tick of its objecter (every
+	 * 5 s by default): ticking each second and timing out a second early
+	 * makes a request to a silent OSD fail within --backend-timeout. */
+	char t[16], op_t[16];
 	snprintf(t, sizeof(t), "%u", rb->timeout_s);
+	snprintf(op_t, sizeof(op_t), "%u", rb->timeout_s > 1 ? rb->timeout_s - 1 : 1);
 	if ((s->keyring[0] && (rc = conf_set(rb, "keyring", s->keyring)) < 0) ||
 	    (rc = conf_set(rb, "rbd_cache", "false")) < 0 ||
 	    (rc = conf_set(rb, "admin_socket", "")) < 0 ||
 	    (rc = conf_set(rb, "log_file", "")) < 0 ||
 	    (rc = conf_set(rb, "err_to_stderr", "false")) < 0 ||
-	    (rc = conf_set(rb, "rados_osd_op_timeout", t)) < 0 ||
+	    (rc = conf_set(rb, "objecter_tick_interval", "1")) < 0 ||
+	    (rc = conf_set(rb, "rados_osd_op_timeout", op_t)) < 0 ||
 	    (rc = conf_set(rb, "rados_mon_op_timeout", t)) < 0 ||
 	    (rc = conf_set(rb, "client_mount_timeout", t)) < 0) {
 		rados_shutdown(rb->cluster);
@@ -281,7 +254,7 @@ static int take_lock(struct rbd_backend *rb)
 
 /* ---- fencing ---- */
 
-static void fence(struct rbd_backend *rb, const char *why)
+void rbd_fence(struct rbd_backend *rb, const char *why)
 {
 	atomic_store(&rb->base.fenced, true);
 	if (!atomic_exchange(&rb->fence_logged, true))
@@ -290,229 +263,6 @@ static void fence(struct rbd_backend *rb, const char *why)
 			  "written, and it never writes to the image again (restart it to serve "
 			  "the image once more, once it may)",
 			  rb->name, why);
-}
-
-/* ---- requests ---- */
-
-static void done_task(struct worker_task *task)
-{
-	struct backend_io *io =
-	    (struct backend_io *)((char *)task - offsetof(struct backend_io, task));
-	io->done(io, io->result);
-}
-
-static void finish(struct backend_io *io, int result)
-{
-	io->result = result;
-	io->task.run = done_task;
-	worker_post(io->worker, &io->task);
-}
-
-/* What the caller sees of a librbd error. */
-static int map_error(struct rbd_backend *rb, enum backend_cmd cmd, int r)
-{
-	if (r == -RBD_ERRNO_BLOCKLISTED)
-		fence(rb, "the cluster answered a request with 'blocklisted'");
-	else if (r == -EROFS && cmd != BACKEND_READ && cmd != BACKEND_BLOCK_STATUS && rb->owner)
-		fence(rb, "a write was refused for want of the exclusive lock");
-	return r == -ENOSPC || r == -EDQUOT ? -ENOSPC : -EIO;
-}
-
-/* One rbd_aio_* call for io's current stage; < 0: not started. */
-static int start_aio(struct rbd_backend *rb, struct backend_io *io)
-{
-	rbd_completion_t c;
-	int rc = rbd_aio_create_completion(io, NULL, &c);
-	if (rc < 0)
-		return rc;
-	enum backend_cmd cmd = io->stage == STAGE_FUA_FLUSH ? BACKEND_FLUSH : io->cmd;
-	switch (cmd) {
-	case BACKEND_READ:
-		rc = rbd_aio_read(rb->image, io->offset, (size_t)io->length, io->buf, c);
-		break;
-	case BACKEND_WRITE:
-		rc = io->iovcnt
-			 ? rbd_aio_writev(rb->image, io->iov, (int)io->iovcnt, io->offset, c)
-			 : rbd_aio_write(rb->image, io->offset, (size_t)io->length, io->buf, c);
-		break;
-	case BACKEND_FLUSH:
-		rc = rbd_aio_flush(rb->image, c);
-		break;
-	case BACKEND_TRIM:
-	case BACKEND_ZERO:
-		rc = rbd_aio_write_zeroes(
-		    rb->image, io->offset, (size_t)io->length, c,
-		    (io->flags & BACKEND_NO_HOLE) ? RBD_WRITE_ZEROES_FLAG_THICK_PROVISION : 0, 0);
-		break;
-	default:
-		rc = -EINVAL;
-		break;
-	}
-	if (rc < 0)
-		rbd_aio_release(c);
-	return rc;
-}
-
-/* A completion the thread took from librbd: the next stage, or the end. */
-static void completed(struct rbd_backend *rb, struct backend_io *io, ssize_t r)
-{
-	if (r < 0) {
-		finish(io, map_error(rb, io->stage == STAGE_FUA_FLUSH ? BACKEND_FLUSH : io->cmd,
-				     (int)r));
-		return;
-	}
-	if (io->cmd == BACKEND_READ && (uint64_t)r != io->length) {
-		log_warn("backend %s: a read of %" PRIu64 " bytes at %" PRIu64 " returned %zd",
-			 rb->name, io->length, io->offset, r);
-		finish(io, -EIO);
-		return;
-	}
-	if (io->cmd == BACKEND_WRITE && (io->flags & BACKEND_FUA) && io->stage == STAGE_MAIN) {
-		io->stage = STAGE_FUA_FLUSH;
-		int rc = start_aio(rb, io);
-		if (rc < 0)
-			finish(io, map_error(rb, BACKEND_FLUSH, rc));
-		return;
-	}
-	finish(io, 0);
-}
-
-/* rbd_diff_iterate2's callback: [off, off + len) exists (or not). */
-struct extents_walk {
-	struct backend_io *io;
-	uint64_t pos, end;
-};
-
-static bool add_extent(struct backend_io *io, uint64_t length, uint32_t flags)
-{
-	if (!length)
-		return true;
-	if (io->n_extents && io->extents[io->n_extents - 1].flags == flags) {
-		io->extents[io->n_extents - 1].length += length;
-		return true;
-	}
-	if (io->n_extents == io->max_extents)
-		return false;
-	io->extents[io->n_extents].length = length;
-	io->extents[io->n_extents].flags = flags;
-	io->n_extents++;
-	return true;
-}
-
-#define WALK_FULL 1 /* returned by the callback: no room for more extents */
-
-static int walk_extent(uint64_t off, size_t len, int exists, void *arg)
-{
-	struct extents_walk *w = arg;
-	uint64_t start = off < w->pos ? w->pos : off;
-	uint64_t end = off + len > w->end ? w->end : off + len;
-	if (start >= end)
-		return 0;
-	if (start > w->pos && !add_extent(w->io, start - w->pos, NBD_STATE_HOLE | NBD_STATE_ZERO))
-		return -WALK_FULL;
-	w->pos = start;
-	if (!add_extent(w->io, end - start, exists ? 0 : NBD_STATE_HOLE | NBD_STATE_ZERO))
-		return -WALK_FULL;
-	w->pos = end;
-	return 0;
-}
-
-static int block_status(struct rbd_backend *rb, struct backend_io *io)
-{
-	uint64_t size = atomic_load(&rb->base.size);
-	uint64_t end = io->offset + io->length;
-	struct extents_walk w = {io, io->offset, end > size ? size : end};
-	io->n_extents = 0;
-	if (w.pos >= w.end)
-		return 0;
-	int rc = rbd_diff_iterate2(rb->image, NULL, w.pos, w.end - w.pos, 1, 1, walk_extent, &w);
-	if (rc == -WALK_FULL)
-		return io->n_extents ? 0 : -EIO;
-	if (rc < 0)
-		return map_error(rb, BACKEND_BLOCK_STATUS, rc);
-	if (w.pos < w.end && !add_extent(io, w.end - w.pos, NBD_STATE_HOLE | NBD_STATE_ZERO) &&
-	    !io->n_extents)
-		return -EIO;
-	return 0;
-}
-
-static void wake_thread(struct rbd_backend *rb)
-{
-	uint64_t one = 1;
-	ssize_t n = write(rb->wake, &one, sizeof(one));
-	(void)n; /* a full counter wakes it as well */
-}
-
-static void rbd_submit(struct backend *be, struct backend_io *io)
-{
-	struct rbd_backend *rb = to_rbd(be);
-	io->result = 0;
-	if (atomic_load(&be->fenced)) {
-		io->done(io, -EIO);
-		return;
-	}
-	switch (io->cmd) {
-	case BACKEND_CACHE:
-		io->done(io, 0);
-		return;
-	case BACKEND_BLOCK_STATUS:
-		io->queue_next = NULL;
-		pthread_mutex_lock(&rb->lock);
-		if (rb->slow_tail)
-			rb->slow_tail->queue_next = io;
-		else
-			rb->slow_head = io;
-		rb->slow_tail = io;
-		pthread_mutex_unlock(&rb->lock);
-		wake_thread(rb);
-		return;
-	case BACKEND_ZERO:
-		if (io->flags & BACKEND_FAST_ONLY) {
-			io->done(io, -ENOTSUP); /* write_zeroes may write zeros */
-			return;
-		}
-		break;
-	default:
-		break;
-	}
-	int rc = start_aio(rb, io);
-	if (rc < 0)
-		io->done(io, map_error(rb, io->cmd, rc));
-}
-
-/* ---- the thread ---- */
-
-static void take_completions(struct rbd_backend *rb)
-{
-	uint64_t v;
-	ssize_t n = read(rb->efd, &v, sizeof(v));
-	(void)n;
-	rbd_completion_t comps[RBD_POLL_BATCH];
-	int got;
-	while ((got = rbd_poll_io_events(rb->image, comps, RBD_POLL_BATCH)) > 0) {
-		for (int i = 0; i < got; i++) {
-			struct backend_io *io = rbd_aio_get_arg(comps[i]);
-			ssize_t r = rbd_aio_get_return_value(comps[i]);
-			rbd_aio_release(comps[i]);
-			completed(rb, io, r);
-		}
-	}
-}
-
-static void run_slow(struct rbd_backend *rb)
-{
-	uint64_t v;
-	ssize_t n = read(rb->wake, &v, sizeof(v));
-	(void)n;
-	pthread_mutex_lock(&rb->lock);
-	struct backend_io *io = rb->slow_head;
-	rb->slow_head = rb->slow_tail = NULL;
-	pthread_mutex_unlock(&rb->lock);
-	while (io) {
-		struct backend_io *next = io->queue_next;
-		finish(io, atomic_load(&rb->base.fenced) ? -EIO : block_status(rb, io));
-		io = next;
-	}
 }
 
 /*
@@ -528,21 +278,18 @@ static void check_owner(struct rbd_backend *rb)
 	rbd_lock_mode_t mode;
 	int rc = rbd_lock_get_owners(rb->image, &mode, owners, &n);
 	if (rc == -RBD_ERRNO_BLOCKLISTED) {
-		fence(rb, "the cluster has blocklisted this daemon");
+		rbd_fence(rb, "the cluster has blocklisted this daemon");
 	} else if (rc == 0 && n > 0) {
 		if (!rb->addrs || !strstr(rb->addrs, owners[0])) {
 			char why[300];
 			snprintf(why, sizeof(why), "the image's exclusive lock is held by %s now",
 				 owners[0]);
-			fence(rb, why);
+			rbd_fence(rb, why);
 		}
 		rbd_lock_get_owners_cleanup(owners, n);
 	} else if (rc == -ENOENT || (rc == 0 && n == 0)) {
-		fence(rb, "the image's exclusive lock is no longer held");
+		rbd_fence(rb, "the image's exclusive lock is no longer held");
 	}
-	int owner = 1;
-	if (rbd_is_exclusive_lock_owner(rb->image, &owner) == 0 && !owner)
-		fence(rb, "librbd no longer holds the image's exclusive lock");
 }
 
 /* The guard thread of an owner: check_owner() every RBD_LOCK_CHECK_MS, on
@@ -569,27 +316,6 @@ static void *guard_thread(void *arg)
 	return NULL;
 }
 
-static void *rbd_thread(void *arg)
-{
-	struct rbd_backend *rb = arg;
-	for (;;) {
-		pthread_mutex_lock(&rb->lock);
-		bool stop = rb->stop;
-		pthread_mutex_unlock(&rb->lock);
-		if (stop)
-			break;
-		struct pollfd p[2] = {{.fd = rb->efd, .events = POLLIN},
-				      {.fd = rb->wake, .events = POLLIN}};
-		if (poll(p, 2, -1) < 0 && errno != EINTR)
-			break;
-		if (p[0].revents & POLLIN)
-			take_completions(rb);
-		if (p[1].revents & POLLIN)
-			run_slow(rb);
-	}
-	return NULL;
-}
-
 /* ---- the backend's life ---- */
 
 static void rbd_free(struct rbd_backend *rb)
@@ -612,10 +338,19 @@ static void rbd_close_backend(struct backend *be)
 		rb->stop = true;
 		pthread_cond_signal(&rb->cond);
 		pthread_mutex_unlock(&rb->lock);
-		wake_thread(rb);
+		rbd_wake_thread(rb);
 		pthread_join(rb->thread, NULL);
 		if (rb->guarded)
 			pthread_join(rb->guard, NULL);
+		/* Nothing of the cache's is in flight now; abandoned requests
+		 * may be: their completions free their tickets (librados times
+		 * them out; not waited for past twice --backend-timeout). */
+		uint64_t until = clock_now_ns() + 2ull * rb->timeout_s * 1000000000u;
+		while (atomic_load(&rb->outstanding) && clock_now_ns() < until) {
+			struct pollfd p = {.fd = rb->efd, .events = POLLIN};
+			if (poll(&p, 1, RBD_SWEEP_MS) > 0)
+				rbd_take_completions(rb);
+		}
 	}
 	/* rbd_close waits for requests in flight and releases the lock (a
 	 * clean hand-over: the next owner needs no blocklisting). */
@@ -645,7 +380,7 @@ static int rbd_start(struct backend *be)
 			  strerror(-rc));
 		goto fail;
 	}
-	rc = -pthread_create(&rb->thread, NULL, rbd_thread, rb);
+	rc = -pthread_create(&rb->thread, NULL, rbd_io_thread, rb);
 	if (rc < 0)
 		goto fail;
 	rb->started = true;
@@ -689,7 +424,7 @@ static int rbd_set_size(struct backend *be, uint64_t size, uint64_t *have)
 	if (rc < 0) {
 		log_warn("backend %s: cannot resize the image to %" PRIu64 ": %s", rb->name, size,
 			 strerror(-rc));
-		rc = map_error(rb, BACKEND_WRITE, rc);
+		rc = rbd_map_error(rb, rc);
 	}
 	uint64_t now;
 	if (rbd_get_size(rb->image, &now) == 0)
@@ -724,6 +459,7 @@ int backend_rbd_open(const char *spec, bool readonly, unsigned timeout_seconds, 
 	atomic_init(&rb->base.loss_seq, 0);
 	atomic_init(&rb->base.fenced, false);
 	atomic_init(&rb->fence_logged, false);
+	atomic_init(&rb->outstanding, 0);
 	rb->timeout_s = timeout_seconds;
 	rb->takeover_wait = takeover_wait;
 	rb->name = strdup(spec);
