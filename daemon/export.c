@@ -56,8 +56,10 @@ static int backing_open(struct export_table *t, const struct export_spec *spec,
 		rc = backend_nbd_open(spec->backend, spec->readonly, t->backend_timeout,
 				      &b->backend);
 	else if (backend_rbd_handles(spec->backend))
+		/* A reload never waits for another node's lock: it would hold
+		 * the control thread (and every later reload) until then. */
 		rc = backend_rbd_open(spec->backend, spec->readonly, t->backend_timeout,
-				      t->rbd_takeover_wait, &b->backend);
+				      t->rbd_takeover_wait && !t->started, &b->backend);
 	else
 		rc = backend_file_open(spec->backend, spec->readonly, &b->backend);
 	if (rc < 0) {

@@ -509,6 +509,34 @@ static void test_allow_resize(void **state)
 	assert_int_equal(parse(bad, 3, &o, err, sizeof(err)), -EINVAL);
 }
 
+static void test_rbd(void **state)
+{
+	(void)state;
+	struct options o;
+	char err[256] = "";
+	char *argv[] = {"nbdcached", "--export", "a=rbd:pool/ns/img?conf=/c&id=nbd", NULL};
+	assert_int_equal(parse(argv, 3, &o, err, sizeof(err)), 0);
+	assert_false(o.rbd_takeover_wait);
+	assert_string_equal(o.exports[0].backend, "rbd:pool/ns/img?conf=/c&id=nbd");
+	options_free(&o);
+	char *wait[] = {"nbdcached", "--rbd-takeover", "wait", "--export", "a=rbd:p/i", NULL};
+	assert_int_equal(parse(wait, 5, &o, err, sizeof(err)), 0);
+	assert_true(o.rbd_takeover_wait);
+	assert_true(o.given & OPT_GIVEN_RBD_TAKEOVER);
+	options_free(&o);
+	char *bad[] = {"nbdcached", "--rbd-takeover", "maybe", "--export", "a=rbd:p/i", NULL};
+	assert_int_equal(parse(bad, 5, &o, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, "--rbd-takeover maybe: expected refuse or wait"));
+	char *spec[] = {"nbdcached", "--export", "a=rbd:pool", NULL};
+	assert_int_equal(parse(spec, 3, &o, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, "export 'a'"));
+	assert_non_null(strstr(err, "expected rbd:POOL/IMAGE"));
+	bool w = true;
+	assert_int_equal(options_parse_rbd_takeover("refuse", &w), 0);
+	assert_false(w);
+	assert_int_equal(options_parse_rbd_takeover("Wait", &w), -EINVAL);
+}
+
 static void test_unix_listen(void **state)
 {
 	(void)state;
@@ -616,6 +644,7 @@ int main(void)
 		cmocka_unit_test(test_no_export_and_duplicates),
 		cmocka_unit_test(test_windows),
 		cmocka_unit_test(test_allow_resize),
+		cmocka_unit_test(test_rbd),
 		cmocka_unit_test(test_unix_listen),
 		cmocka_unit_test(test_split_host_port),
 		cmocka_unit_test(test_help_and_version),
