@@ -15,7 +15,8 @@ Then the writeback image is served by qemu-nbd's own rbd driver (Debian's
 qemu-block-extra) and read whole: our bytes are Ceph's.
 
 Also: the export's kind is "rbd" in `nbdcachectl exports`, a snapshot
-(rbd:POOL/IMAGE@SNAP) is served read-only with the bytes it had, a bad
+(rbd:POOL/IMAGE@SNAP) is served read-only with the bytes it had, an image
+in a namespace (rbd:POOL/NAMESPACE/IMAGE) is that one, a bad
 spec is refused by --check-config with a message naming what is wrong, and
 an image without the exclusive-lock feature is refused unless readonly.
 """
@@ -118,6 +119,27 @@ def snapshot_readonly(c, checks):
         h.shutdown()
 
 
+def namespace_image(c, checks):
+    """rbd:POOL/NAMESPACE/IMAGE reaches the image in that namespace."""
+    c.rbd("namespace", "create", "rbd/tenant")
+    c.rbd("create", "--size", "8", "rbd/tenant/img")
+    c.rbd("create", "--size", "8", "rbd/img")  # same name, default namespace
+    data = os.urandom(65536)
+    with nbdtest.running_daemon([("t", "rbd:rbd/tenant/img?conf=%s" % c.conf, "")],
+                                ready_timeout=60) as d:
+        h = nbdtest.libnbd_handle(d.unix_uri("t"))
+        h.pwrite(data, 4096)
+        h.flush()
+        h.shutdown()
+    for image, want in (("rbd/tenant/img", data), ("rbd/img", bytes(65536))):
+        out = os.path.join(c.root, "ns.img")
+        c.rbd("export", "--no-progress", image, out)
+        with open(out, "rb") as f:
+            f.seek(4096)
+            checks.expect(f.read(65536) == want, "%s does not hold what it should" % image)
+        os.unlink(out)
+
+
 def refusals(c, checks):
     bad = [("rbd:rbd", "expected rbd:POOL/IMAGE"),
            ("rbd:rbd/x?user=y", "unknown key 'user'"),
@@ -157,7 +179,7 @@ def main():
                     qemu_nbd_reads(c, "m-writeback", models["writeback"])
                 except Exception as e:
                     checks.expect(False, "qemu-nbd: %s" % e)
-            for t in (snapshot_readonly, refusals):
+            for t in (snapshot_readonly, namespace_image, refusals):
                 try:
                     t(c, checks)
                 except Exception as e:

@@ -85,6 +85,9 @@ class Node:
                 self.proc.wait()
                 raise Failed("%s did not exit within %d s of SIGTERM:\n%s" %
                              (self.name, timeout, self.log_text()[-2000:]))
+        text = self.log_text()
+        if "Sanitizer" in text or "runtime error:" in text:
+            raise Failed("%s: sanitizer report in its log:\n%s" % (self.name, text[-6000:]))
         return self.proc.returncode
 
     def kill(self):
