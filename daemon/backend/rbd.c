@@ -410,6 +410,16 @@ static int rbd_probe_size(struct backend *be, uint64_t *size)
 	return rc < 0 ? -EIO : 0;
 }
 
+/* rbd_resize2 calls its progress callback while it removes objects: it
+ * must be a function (NULL crashed the daemon on the first shrink). */
+static int resize_progress(uint64_t done, uint64_t total, void *arg)
+{
+	(void)done;
+	(void)total;
+	(void)arg;
+	return 0;
+}
+
 /* The image is grown or cut (rbd_resize2): as a file is. */
 static int rbd_set_size(struct backend *be, uint64_t size, uint64_t *have)
 {
@@ -420,7 +430,7 @@ static int rbd_set_size(struct backend *be, uint64_t size, uint64_t *have)
 		return -EROFS;
 	if (atomic_load(&be->fenced))
 		return -EIO;
-	int rc = rbd_resize2(rb->image, size, true, NULL, NULL);
+	int rc = rbd_resize2(rb->image, size, true, resize_progress, NULL);
 	if (rc < 0) {
 		log_warn("backend %s: cannot resize the image to %" PRIu64 ": %s", rb->name, size,
 			 strerror(-rc));

@@ -16,10 +16,12 @@ qemu-block-extra) and read whole: our bytes are Ceph's.
 
 Also: the export's kind is "rbd" in `nbdcachectl exports`, a snapshot
 (rbd:POOL/IMAGE@SNAP) is served read-only with the bytes it had, an image
-in a namespace (rbd:POOL/NAMESPACE/IMAGE) is that one, a bad
+in a namespace (rbd:POOL/NAMESPACE/IMAGE) is that one, `nbdcachectl
+resize` grows and cuts the image and follows an admin's `rbd resize`, a bad
 spec is refused by --check-config with a message naming what is wrong, and
 an image without the exclusive-lock feature is refused unless readonly.
 """
+import json
 import os
 import subprocess
 import sys
@@ -140,6 +142,34 @@ def namespace_image(c, checks):
         os.unlink(out)
 
 
+def image_size(c, image):
+    return json.loads(c.rbd("info", "--format", "json", "rbd/" + image))["size"]
+
+
+def resize_image(c, checks):
+    """nbdcachectl resize grows and cuts the image itself (rbd_resize2), and
+    picks up an `rbd resize` an admin ran while the daemon owns the image
+    (librbd hands that to the owner)."""
+    c.rbd("create", "--size", "8", "rbd/rs")
+    with nbdtest.running_daemon([("r", "rbd:rbd/rs?conf=%s" % c.conf, "")],
+                                ready_timeout=60) as d:
+        steps = (("16M", None, 16 * MiB), (None, "32M", 32 * MiB), ("8M", None, 8 * MiB))
+        for ours, admins, want in steps:
+            if admins:
+                c.rbd("resize", "--size", admins, "rbd/rs", timeout=60)
+                time.sleep(1)  # the owner's header refresh
+            p = nbdtest.nbdcachectl(d, "resize", "r", *([ours] if ours else []))
+            if not checks.expect(p.returncode == 0 and d.alive(),
+                                 "resize %s: exit %d %s (daemon %s)" %
+                                 (ours or "(follow)", p.returncode, p.stderr.strip(),
+                                  "alive" if d.alive() else "dead")):
+                return
+            got = (image_size(c, "rs"), nbdtest.export_size(d, "r"))
+            checks.expect(got == (want, want), "after resize %s: image %d, export %d bytes, "
+                          "wanted %d" % (ours or admins, got[0], got[1], want))
+        log("resize: grown to 16 MiB, followed the admin's 32 MiB, cut to 8 MiB")
+
+
 def refusals(c, checks):
     bad = [("rbd:rbd", "expected rbd:POOL/IMAGE"),
            ("rbd:rbd/x?user=y", "unknown key 'user'"),
@@ -179,7 +209,7 @@ def main():
                     qemu_nbd_reads(c, "m-writeback", models["writeback"])
                 except Exception as e:
                     checks.expect(False, "qemu-nbd: %s" % e)
-            for t in (snapshot_readonly, namespace_image, refusals):
+            for t in (snapshot_readonly, namespace_image, resize_image, refusals):
                 try:
                     t(c, checks)
                 except Exception as e:
