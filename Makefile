@@ -185,19 +185,19 @@ i386: deps
 	$(SHORT_REPEATS) scripts/i386-chroot
 
 FUZZ_BIN := $(patsubst tests/fuzz/%.c,build-fuzz/%,$(FUZZ_SRC))
-build-fuzz/%: tests/fuzz/%.c $(PROTO_SRC) proto/nbd.h
+build-fuzz/%: tests/fuzz/%.c tests/fuzz/fuzz.h $(PROTO_SRC) proto/nbd.h
 	@mkdir -p build-fuzz
 	clang -std=c11 -g -O1 -D_GNU_SOURCE -I. -fsanitize=fuzzer,address,undefined -o $@ $< $(PROTO_SRC)
 
 # The rbd: backend string's parser (no Ceph library).
-build-fuzz/fuzz_rbd_spec: tests/fuzz/fuzz_rbd_spec.c daemon/rbd_spec.c daemon/rbd_spec.h
+build-fuzz/fuzz_rbd_spec: tests/fuzz/fuzz_rbd_spec.c tests/fuzz/fuzz.h daemon/rbd_spec.c daemon/rbd_spec.h
 	@mkdir -p build-fuzz
 	clang -std=c11 -g -O1 -D_GNU_SOURCE -I. -fsanitize=fuzzer,address,undefined -o $@ \
 		tests/fuzz/fuzz_rbd_spec.c daemon/rbd_spec.c
 
 # The negotiation fuzzer runs daemon/handshake.c itself, over stubs of the
 # layers below it (its own file), with libevent's evbuffers.
-build-fuzz/fuzz_negotiation: tests/fuzz/fuzz_negotiation.c daemon/handshake.c daemon/access.c daemon/option_values.c $(wildcard daemon/*.h) $(PROTO_SRC) proto/nbd.h
+build-fuzz/fuzz_negotiation: tests/fuzz/fuzz_negotiation.c tests/fuzz/fuzz.h daemon/handshake.c daemon/access.c daemon/option_values.c $(wildcard daemon/*.h) $(PROTO_SRC) proto/nbd.h
 	@mkdir -p build-fuzz
 	clang -std=c11 -g -O1 -D_GNU_SOURCE -I. $(DAEMON_CFLAGS) -fsanitize=fuzzer,address,undefined \
 		-o $@ tests/fuzz/fuzz_negotiation.c daemon/handshake.c daemon/access.c daemon/option_values.c $(PROTO_SRC) -levent

@@ -14,14 +14,7 @@
 #include <string.h>
 
 #include "proto/nbd.h"
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-#define CHECK(x)                                                                                   \
-	do {                                                                                       \
-		if (!(x))                                                                          \
-			abort();                                                                   \
-	} while (0)
+#include "tests/fuzz/fuzz.h"
 
 /* Fold bytes into a sink so that reads of them are not optimised away. */
 static volatile uint8_t sink;

@@ -44,14 +44,7 @@
 #include "daemon/tls.h"
 #include "daemon/worker.h"
 #include "proto/nbd.h"
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-#define CHECK(x)                                                                                   \
-	do {                                                                                       \
-		if (!(x))                                                                          \
-			abort();                                                                   \
-	} while (0)
+#include "tests/fuzz/fuzz.h"
 
 /* ---- the world below handshake.c ---- */
 

@@ -10,14 +10,7 @@
 #include <string.h>
 
 #include "daemon/rbd_spec.h"
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-#define CHECK(x)                                                                                   \
-	do {                                                                                       \
-		if (!(x))                                                                          \
-			abort();                                                                   \
-	} while (0)
+#include "tests/fuzz/fuzz.h"
 
 static void check_name(const char *s, size_t cap, int may_be_empty)
 {

@@ -16,14 +16,7 @@
 #include <string.h>
 
 #include "proto/nbd.h"
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-#define CHECK(x)                                                                                   \
-	do {                                                                                       \
-		if (!(x))                                                                          \
-			abort();                                                                   \
-	} while (0)
+#include "tests/fuzz/fuzz.h"
 
 #define SESSION_BYTES 16
 
