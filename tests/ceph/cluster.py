@@ -160,9 +160,21 @@ osd max object namespace len = 64
         self.ceph("osd", "pool", "create", self.pool, "16", "16")
         self.rbd("pool", "init", self.pool)
         self.wait_healthy()
-        self.log("ceph: cluster up in %.1f s (%d OSD(s), mon on 127.0.0.1:%d)" %
-                 (time.time() - t0, self.nosds, self.port))
+        self.log("ceph: cluster up in %.1f s (%d OSD(s), mon on 127.0.0.1:%d); %s" %
+                 (time.time() - t0, self.nosds, self.port, self.memory()))
         return self
+
+    def memory(self):
+        """'RSS mon.a N MiB, ...' of the running daemons (VmRSS)."""
+        parts = []
+        for name, p in sorted(self.procs.items()):
+            try:
+                with open("/proc/%d/status" % p.pid) as f:
+                    kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+                parts.append("%s %d MiB" % (name, kb // 1024))
+            except (OSError, StopIteration):
+                pass
+        return "RSS " + ", ".join(parts)
 
     def add_osd(self):
         u = str(uuid.uuid4())
@@ -216,6 +228,8 @@ osd max object namespace len = 64
 
     # ---- stop ----
     def stop(self):
+        if any(p.poll() is None for p in self.procs.values()):
+            self.log("ceph: stopping; %s" % self.memory())
         for name in sorted(self.procs, key=lambda n: (not n.startswith("osd"), n)):
             p = self.procs[name]
             if p.poll() is not None:
