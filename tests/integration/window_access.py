@@ -339,8 +339,20 @@ def main():
                         held.close()
                     if kind != "split":
                         return
-                    held = connect()
-                    held.go("s-maxconn")
+                    # The daemon counts s-maxconn/1's connection until it has
+                    # seen it close: GO s-maxconn until that has happened.
+                    taken = []
+
+                    def take():
+                        c = connect()
+                        if reply(c, raw.OPT_GO, "s-maxconn") == "ACK":
+                            taken.append(c)
+                            return True
+                        c.close()
+                        return False
+                    require(nbdtest.wait_until(take, 5, step=0.1),
+                            "s-maxconn not served once s-maxconn/1 closed")
+                    held = taken[0]
                     try:
                         other = connect()
                         got = reply(other, raw.OPT_GO, "s-maxconn/2")
