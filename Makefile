@@ -46,8 +46,18 @@ ALL_CFLAGS = $(OPT) -std=c11 $(WARN) -D_FORTIFY_SOURCE=2 -fstack-protector-stron
 ALL_LDFLAGS = -pthread $(SANITIZE) $(M32) $(LDFLAGS)
 
 DAEMON_LIBS := $(shell pkg-config --libs libevent_pthreads liburing libnbd libsystemd inih json-c gnutls libmicrohttpd 2>/dev/null || echo -levent -levent_pthreads -luring -lnbd -lsystemd -linih -ljson-c -lgnutls -lmicrohttpd)
-# librbd and librados (Debian's librbd-dev) ship no pkg-config file.
+# Ceph RBD backends (daemon/backend/rbd*.c): librbd and librados (Debian's
+# librbd-dev, which ships no pkg-config file). RBD=0 builds without them
+# (daemon/backend/rbd_none.c: an rbd: export is refused at start), as the
+# i386 chroot does.
+RBD ?= 1
+RBD_SRC := daemon/backend/rbd.c daemon/backend/rbd_io.c
+ifeq ($(RBD),1)
 DAEMON_LIBS += -lrbd -lrados
+RBD_OUT := daemon/backend/rbd_none.c
+else
+RBD_OUT := $(RBD_SRC)
+endif
 DAEMON_CFLAGS := $(shell pkg-config --cflags libevent liburing libnbd libsystemd inih json-c gnutls libmicrohttpd 2>/dev/null)
 CTL_LIBS := $(shell pkg-config --libs json-c 2>/dev/null || echo -ljson-c)
 
@@ -57,7 +67,7 @@ PROTO_SRC := $(wildcard proto/*.c)
 CORE_SRC := daemon/options.c daemon/export_spec.c daemon/option_values.c daemon/access.c daemon/qos.c daemon/log.c daemon/cache/arena.c \
 	daemon/histogram.c daemon/rbd_spec.c
 # Everything else in the daemon needs libevent / liburing.
-DAEMON_SRC := $(filter-out $(CORE_SRC),$(wildcard daemon/*.c daemon/backend/*.c daemon/cache/*.c))
+DAEMON_SRC := $(filter-out $(CORE_SRC) $(RBD_OUT),$(wildcard daemon/*.c daemon/backend/*.c daemon/cache/*.c))
 # test_uring needs liburing and libevent: not in the -m32 build of the core.
 UNIT_SRC := $(filter-out $(if $(M32),tests/unit/test_uring.c),$(wildcard tests/unit/test_*.c))
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
