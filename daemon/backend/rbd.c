@@ -100,7 +100,7 @@ static void disconnect(struct rbd_backend *rb)
 		rados_ioctx_destroy(rb->ioctx);
 		rados_shutdown(rb->cluster);
 	}
-	rb->opened = rb->connected = rb->owner = false;
+	rb->opened = rb->connected = false;
 	free(rb->addrs);
 	rb->addrs = NULL;
 }
@@ -170,25 +170,6 @@ static int connect_open(struct rbd_backend *rb, bool ro)
 	return 0;
 }
 
-/* "ADDR[, ADDR...]" of the lock's owners, or "an unknown client". */
-static void lock_owners(struct rbd_backend *rb, char *out, size_t outlen)
-{
-	char *owners[8];
-	size_t n = 8;
-	rbd_lock_mode_t mode;
-	snprintf(out, outlen, "an unknown client");
-	if (rbd_lock_get_owners(rb->image, &mode, owners, &n) < 0 || n == 0)
-		return;
-	size_t k = 0;
-	for (size_t i = 0; i < n && k < outlen; i++) {
-		int w = snprintf(out + k, outlen - k, "%s%s", i ? ", " : "", owners[i]);
-		if (w < 0)
-			break;
-		k += (size_t)w;
-	}
-	rbd_lock_get_owners_cleanup(owners, n);
-}
-
 /* Does the owner (its address) still watch the image? One that died
  * stops watching once its watch times out; librbd then breaks its lock
  * (and has it blocklisted) for the next rbd_lock_acquire. */
@@ -206,6 +187,38 @@ static bool owner_alive(struct rbd_backend *rb, const char *owner)
 	return alive;
 }
 
+/* "ADDR[, ADDR...]" of the lock's owners (only those still watching the
+ * image with live_only), or "an unknown client"; how many were listed. */
+static size_t lock_owners(struct rbd_backend *rb, bool live_only, char *out, size_t outlen)
+{
+	char *owners[8];
+	size_t n = 8, listed = 0, k = 0;
+	rbd_lock_mode_t mode;
+	snprintf(out, outlen, "an unknown client");
+	if (rbd_lock_get_owners(rb->image, &mode, owners, &n) < 0 || n == 0)
+		return 0;
+	for (size_t i = 0; i < n && k < outlen; i++) {
+		if (live_only && !owner_alive(rb, owners[i]))
+			continue;
+		int w = snprintf(out + k, outlen - k, "%s%s", listed ? ", " : "", owners[i]);
+		if (w < 0)
+			break;
+		k += (size_t)w;
+		listed++;
+	}
+	rbd_lock_get_owners_cleanup(owners, n);
+	return listed;
+}
+
+/* The refusal at start (rbd-takeover = refuse), naming the owners. */
+static void say_refused(struct rbd_backend *rb, const char *owners)
+{
+	log_error("backend %s: the image's exclusive lock is held by %s (another nbdcached node "
+		  "or client); refusing to serve it (rbd-takeover = refuse; with wait, this "
+		  "daemon waits until that owner stops or dies)",
+		  rb->name, owners);
+}
+
 /*
  * Take the image's exclusive lock: once (refuse) or until it is ours
  * (wait). librbd answers EROFS or EBUSY while a live owner keeps it.
@@ -216,22 +229,16 @@ static int take_lock(struct rbd_backend *rb)
 	for (;;) {
 		int rc = rbd_lock_acquire(rb->image, RBD_LOCK_MODE_EXCLUSIVE);
 		if (rc == 0) {
-			rb->owner = true;
 			if (logged)
 				log_info("backend %s: took the image's exclusive lock after %.1f s",
 					 rb->name, (double)(clock_now_ns() - t0) / 1e9);
 			return 0;
 		}
 		char owners[512];
-		lock_owners(rb, owners, sizeof(owners));
+		lock_owners(rb, false, owners, sizeof(owners));
 		if ((rc != -EROFS && rc != -EBUSY) || !rb->takeover_wait) {
 			if (rc == -EROFS || rc == -EBUSY)
-				log_error(
-				    "backend %s: the image's exclusive lock is held by %s "
-				    "(another nbdcached node or client); refusing to serve it "
-				    "(rbd-takeover = refuse; with wait, this daemon waits until "
-				    "that owner stops or dies)",
-				    rb->name, owners);
+				say_refused(rb, owners);
 			else
 				log_error("backend %s: cannot take the image's exclusive lock: %s",
 					  rb->name, strerror(-rc));
@@ -256,8 +263,7 @@ static int take_lock(struct rbd_backend *rb)
 
 void rbd_fence(struct rbd_backend *rb, const char *why)
 {
-	atomic_store(&rb->base.fenced, true);
-	if (!atomic_exchange(&rb->fence_logged, true))
+	if (!atomic_exchange(&rb->base.fenced, true))
 		log_error("backend %s: fenced: %s, so this daemon no longer owns the image; every "
 			  "request to it fails with EIO from now on, dirty data it held is not "
 			  "written, and it never writes to the image again (restart it to serve "
@@ -468,7 +474,6 @@ int backend_rbd_open(const char *spec, bool readonly, unsigned timeout_seconds, 
 	rb->base.ops = &rbd_backend_ops;
 	atomic_init(&rb->base.loss_seq, 0);
 	atomic_init(&rb->base.fenced, false);
-	atomic_init(&rb->fence_logged, false);
 	atomic_init(&rb->outstanding, 0);
 	rb->timeout_s = timeout_seconds;
 	rb->takeover_wait = takeover_wait;
@@ -508,26 +513,14 @@ int backend_rbd_open(const char *spec, bool readonly, unsigned timeout_seconds, 
 		goto fail_open;
 	}
 	if (!ro && !takeover_wait) {
-		/* Said now, before the daemon detaches; taken for good at start. */
-		char *owners[8];
-		size_t n = 8;
-		rbd_lock_mode_t mode;
-		if (rbd_lock_get_owners(rb->image, &mode, owners, &n) == 0 && n > 0) {
-			/* An owner no longer watching died: its lock is broken at
-			 * start (and it is blocklisted). */
-			bool alive = owner_alive(rb, owners[0]);
-			if (alive)
-				log_error(
-				    "backend %s: the image's exclusive lock is held by %s "
-				    "(another nbdcached node or client); refusing to serve it "
-				    "(rbd-takeover = refuse; with wait, this daemon waits "
-				    "until that owner stops or dies)",
-				    rb->name, owners[0]);
-			rbd_lock_get_owners_cleanup(owners, n);
-			if (alive) {
-				rc = -EBUSY;
-				goto fail_open;
-			}
+		/* Said now, before the daemon detaches; taken for good at start.
+		 * An owner no longer watching died: its lock is broken at start
+		 * (and it is blocklisted). */
+		char owners[512];
+		if (lock_owners(rb, true, owners, sizeof(owners)) > 0) {
+			say_refused(rb, owners);
+			rc = -EBUSY;
+			goto fail_open;
 		}
 	}
 	disconnect(rb);

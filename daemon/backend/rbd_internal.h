@@ -54,7 +54,7 @@ struct rbd_backend {
 	rados_t cluster;
 	rados_ioctx_t ioctx;
 	rbd_image_t image;
-	bool connected, opened, owner;
+	bool connected, opened;
 	int efd;     /* librbd's completion eventfd */
 	int wake;    /* eventfd: block status queued, or stop */
 	char *addrs; /* this client's address (rados_getaddrs), as lock owner */
@@ -68,7 +68,6 @@ struct rbd_backend {
 	bool late_logged;	 /* since the last request that was answered */
 	atomic_uint outstanding; /* tickets librbd holds, abandoned ones too */
 	bool stop;
-	atomic_bool fence_logged;
 };
 
 /*
