@@ -24,68 +24,6 @@
 #include "daemon/export_internal.h"
 #include "daemon/log.h"
 
-static void backing_free(struct export_backing *b)
-{
-	free(b->spec);
-	free(b);
-}
-
-/* The cache works in blocks the backend accepts: the configured size,
- * doubled up to the backend's minimum. */
-static uint32_t fitted_block_size(uint32_t block_size, const struct backend *be)
-{
-	while (block_size < be->min_block && block_size < 65536)
-		block_size *= 2;
-	return block_size;
-}
-
-/* Open a backend for spec and give it its place in the cache. */
-static int backing_open(struct export_table *t, const struct export_spec *spec,
-			struct export_backing **out)
-{
-	struct export_backing *b = calloc(1, sizeof(*b));
-	if (!b)
-		return -ENOMEM;
-	b->spec = strdup(spec->backend);
-	if (!b->spec) {
-		free(b);
-		return -ENOMEM;
-	}
-	int rc;
-	if (backend_nbd_handles(spec->backend))
-		rc = backend_nbd_open(spec->backend, spec->readonly, t->backend_timeout,
-				      &b->backend);
-	else if (backend_rbd_handles(spec->backend))
-		/* A reload never waits for another node's lock: it would hold
-		 * the control thread (and every later reload) until then. */
-		rc = backend_rbd_open(spec->backend, spec->readonly, t->backend_timeout,
-				      t->rbd_takeover_wait && !t->started, &b->backend);
-	else
-		rc = backend_file_open(spec->backend, spec->readonly, &b->backend);
-	if (rc < 0) {
-		log_error("export '%s': cannot open %s: %s", spec->name, spec->backend,
-			  strerror(-rc));
-		backing_free(b);
-		return rc;
-	}
-	struct export_spec fitted = *spec;
-	fitted.block_size = fitted_block_size(spec->block_size, b->backend);
-	b->block_size = fitted.block_size;
-	if (t->started && (rc = backend_start(b->backend)) < 0) {
-		log_error("export '%s': cannot start its backend: %s", spec->name, strerror(-rc));
-		goto fail;
-	}
-	rc = cache_export_add(t->cache, b->backend, &fitted, &b->cache);
-	if (rc < 0)
-		goto fail;
-	*out = b;
-	return 0;
-fail:
-	backend_close(b->backend);
-	backing_free(b);
-	return rc;
-}
-
 #define WINDOWS_TEXT_(n) #n
 #define WINDOWS_TEXT(n) WINDOWS_TEXT_(n)
 
@@ -214,8 +152,8 @@ int version_make(const struct export *policy, struct export_backing *b,
 	e->description = at->description ? strdup(at->description) : NULL;
 	e->window_of = at->window_of ? strdup(at->window_of) : NULL;
 	e->counter = counter ? counter : counter_new();
-	if (!e->name || (at->description && !e->description) ||
-	    (at->window_of && !e->window_of) || !e->counter) {
+	if (!e->name || (at->description && !e->description) || (at->window_of && !e->window_of) ||
+	    !e->counter) {
 		if (!counter && e->counter) {
 			qos_limiter_free(e->counter->qos);
 			free(e->counter);
@@ -261,9 +199,9 @@ void log_export(const struct export *e, const char *what)
 		snprintf(split, sizeof(split), ", split into %llu windows of %llu bytes",
 			 (unsigned long long)window_count(e->size, e->split),
 			 (unsigned long long)e->split);
-	log_info("export '%s'%s: %s backend %s%s, %llu bytes%s, cache %s, block size %u%s",
-		 e->name, what, e->backend->ops->kind, e->backing->spec, window,
-		 (unsigned long long)e->size, e->readonly ? ", read-only" : "",
+	log_info("export '%s'%s: %s backend %s%s, %llu bytes%s, cache %s, block size %u%s", e->name,
+		 what, e->backend->ops->kind, e->backing->spec, window, (unsigned long long)e->size,
+		 e->readonly ? ", read-only" : "",
 		 options_cache_mode_name(cache_export_mode(e->cache)), e->block_size, split);
 }
 
@@ -518,20 +456,6 @@ static bool same_string(const char *a, const char *b)
 	return (!a && !b) || (a && b && strcmp(a, b) == 0);
 }
 
-/* Why spec cannot be served on the live backing b, or NULL when it can. */
-static const char *backing_refusal(const struct export_backing *b, const struct export_spec *spec)
-{
-	if (fitted_block_size(spec->block_size, b->backend) != b->block_size)
-		return "its block size changed (the cache holds blocks of the old size)";
-	if (!spec->readonly && b->backend->readonly)
-		return "it was opened read-only (restart to make it writable)";
-	enum cache_mode mode = cache_export_mode(b->cache);
-	if ((mode == CACHE_MODE_NONE) != (spec->cache_mode == CACHE_MODE_NONE))
-		return "cache mode none bypasses the cache: switching to or from it needs a "
-		       "restart";
-	return NULL;
-}
-
 /* Why spec cannot replace the live version old, or NULL when it can. */
 static const char *refusal(const struct export *old, const struct export_spec *spec)
 {
@@ -552,20 +476,6 @@ static bool version_differs(const struct export *old, const struct export_spec *
 	       old->allow_resize != spec->allow_resize ||
 	       cache_export_mode(old->cache) != spec->cache_mode || old->offset != spec->offset ||
 	       old->size != size || old->split != spec->split;
-}
-
-/* The backing open for a backend string, or NULL. Exports over one backend
- * share it (and its cache). */
-static struct export_backing *backing_find(struct export_table *t, const char *spec)
-{
-	if (!options_backend_shared(spec))
-		return NULL;
-	pthread_mutex_lock(&t->lock);
-	struct export_backing *b = t->backings;
-	while (b && strcmp(b->spec, spec) != 0)
-		b = b->next;
-	pthread_mutex_unlock(&t->lock);
-	return b;
 }
 
 /* A new export on reload: on the live backing of its backend, or a new one.

@@ -2,8 +2,10 @@
  * daemon/export_internal.h: what the export table's files share. Not for
  * anything outside daemon/export*.c.
  *
- *   export.c         the table: opening, versions, windows, reload, reap
- *   export_resize.c  online resize: a backing's new size, new versions
+ *   export.c          the table: opening, versions, windows, reload, reap
+ *   export_backing.c  backings: a backend opened and placed in the cache,
+ *                     shared by exports over one backend string
+ *   export_resize.c   online resize: a backing's new size, new versions
  *
  * export_resize.c builds versions with export.c's functions below; the
  * table's array is changed only on the control thread (reload, resize),
@@ -45,5 +47,15 @@ int windows_push(struct export_table *t, const struct export *p, struct version_
 		 struct export_reload *r);
 /* The export's log line ("export 'NAME'WHAT: ..."). */
 void log_export(const struct export *e, const char *what);
+
+/* export_backing.c */
+/* Open a backend for spec and give it its place in the cache. */
+int backing_open(struct export_table *t, const struct export_spec *spec,
+		 struct export_backing **out);
+void backing_free(struct export_backing *b);
+/* Why spec cannot be served on the live backing b, or NULL when it can. */
+const char *backing_refusal(const struct export_backing *b, const struct export_spec *spec);
+/* The backing open for a backend string, or NULL (table lock taken). */
+struct export_backing *backing_find(struct export_table *t, const char *spec);
 
 #endif
