@@ -60,7 +60,7 @@ static void wake_task(struct worker_task *task)
 	budget.wake(s->worker);
 }
 
-int budget_start(const struct options *opts, struct worker *workers, unsigned count,
+int budget_start(const struct options *opts, struct worker *const *workers, unsigned count,
 		 void (*wake)(struct worker *w))
 {
 	budget.slots = calloc(count ? count : 1, sizeof(*budget.slots));
@@ -72,7 +72,7 @@ int budget_start(const struct options *opts, struct worker *workers, unsigned co
 	budget.max_pinned_bytes = options_pinned_replies(opts);
 	budget.wake = wake;
 	for (unsigned i = 0; i < count; i++) {
-		budget.slots[i].worker = &workers[i];
+		budget.slots[i].worker = workers[i];
 		budget.slots[i].task.run = wake_task;
 		atomic_store(&budget.slots[i].least, UINT64_MAX);
 	}

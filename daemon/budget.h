@@ -57,7 +57,7 @@ struct budget_stats {
  * wait: wake(w) runs on w's thread after bytes came back, for it to retry
  * its waiting connections. 0 or -ENOMEM.
  */
-int budget_start(const struct options *opts, struct worker *workers, unsigned count,
+int budget_start(const struct options *opts, struct worker *const *workers, unsigned count,
 		 void (*wake)(struct worker *w));
 
 /* A new connection: false (and counted as refused) at --max-clients. */

@@ -40,6 +40,8 @@
 #include "daemon/tls.h"
 #include "daemon/worker.h"
 
+static void conn_set_remove(struct conn_set *set, struct conn *c);
+
 struct evbuffer *conn_output(struct conn *c)
 {
 	return bufferevent_get_output(c->bev);
@@ -155,7 +157,7 @@ void conn_unref(struct conn *c)
 	budget_client_remove();
 	budget_peer_remove(&c->peer);
 	access_peer_release(&c->peer);
-	worker_conn_removed(c->worker, c);
+	conn_set_remove(c->set, c);
 	if (c->throttle_timer)
 		event_free(c->throttle_timer);
 	if (c->export) {
@@ -554,9 +556,10 @@ static void conn_stop_waiting(struct conn *c)
  * Retry the waiting connections that fit now; the others say again what
  * they wait for (and look once more, so that no release is missed).
  */
-void conn_budget_wake(struct worker *w)
+void conn_budget_wake(struct conn_set *set)
 {
-	struct conn *c = w->conns;
+	struct worker *w = set->worker;
+	struct conn *c = set->conns;
 	while (c) {
 		conn_ref(c);
 		if (c->budget_waiting && c->bev) {
@@ -597,7 +600,7 @@ static const struct timeval next_turn = {0, 0};
 
 void conn_yield(struct conn *c)
 {
-	struct worker *w = c->worker;
+	struct conn_set *w = c->set;
 	if (c->yielded || !c->bev)
 		return;
 	c->yielded = true;
@@ -617,8 +620,13 @@ void conn_yield(struct conn *c)
 		evtimer_add(w->resume, &next_turn);
 }
 
-void conn_resume_next(struct worker *w)
+/* The resume timer: the first of the yielded connections gets its next
+ * share; the timer is armed again while others wait. */
+static void conn_resume_next(evutil_socket_t fd, short what, void *arg)
 {
+	(void)fd;
+	(void)what;
+	struct conn_set *w = arg;
 	struct conn *c = w->yielded_head;
 	if (!c)
 		return;
@@ -631,6 +639,48 @@ void conn_resume_next(struct worker *w)
 	if (c->bev && (c->reading || c->sink.left))
 		conn_reading_on(c);
 	conn_unref(c);
+	uring_submit(&w->worker->ring);
+}
+
+int conn_set_init(struct conn_set *set, struct worker *w, struct export_table *exports,
+		  void (*on_empty)(struct conn_set *set))
+{
+	memset(set, 0, sizeof(*set));
+	set->worker = w;
+	set->exports = exports;
+	set->on_empty = on_empty;
+	set->resume = evtimer_new(w->base, conn_resume_next, set);
+	return set->resume ? 0 : -ENOMEM;
+}
+
+void conn_set_free(struct conn_set *set)
+{
+	if (set->resume)
+		event_free(set->resume);
+	set->resume = NULL;
+}
+
+static void conn_set_add(struct conn_set *set, struct conn *c)
+{
+	c->prev = NULL;
+	c->next = set->conns;
+	if (set->conns)
+		set->conns->prev = c;
+	set->conns = c;
+	set->count++;
+}
+
+static void conn_set_remove(struct conn_set *set, struct conn *c)
+{
+	if (c->prev)
+		c->prev->next = c->next;
+	else
+		set->conns = c->next;
+	if (c->next)
+		c->next->prev = c->prev;
+	set->count--;
+	if (set->stopping && set->count == 0 && set->on_empty)
+		set->on_empty(set);
 }
 
 void conn_update_reading(struct conn *c)
@@ -713,9 +763,10 @@ static void conn_on_event(struct bufferevent *bev, short what, void *arg)
 		conn_kill(c, strerror(EVUTIL_SOCKET_ERROR()));
 }
 
-int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *peer,
+int conn_start(struct conn_set *set, int fd, uint64_t id, const struct access_peer *peer,
 	       void (*on_input)(struct conn *c), struct conn **out)
 {
+	struct worker *w = set->worker;
 	struct conn *c = calloc(1, sizeof(*c));
 	if (!c) {
 		close(fd);
@@ -730,6 +781,7 @@ int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *
 	setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)); /* fails on Unix: fine */
 	c->id = id;
 	c->worker = w;
+	c->set = set;
 	c->phase = CONN_FLAGS;
 	c->refs = 1; /* the socket */
 	c->on_input = on_input;
@@ -743,7 +795,7 @@ int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *
 		access_peer_release(peer);
 		return -ENOMEM;
 	}
-	worker_conn_added(w, c);
+	conn_set_add(set, c);
 	bufferevent_setcb(c->bev, conn_on_read, conn_on_write, conn_on_event, c);
 	/* Larger reads than libevent's 16 KiB default: payloads are up to 32 MiB. */
 	bufferevent_set_max_single_read(c->bev, 1 << 20);
@@ -762,7 +814,7 @@ int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *
 	if (!c->timer || !c->output_cb) {
 		if (c->timer)
 			event_free(c->timer);
-		worker_conn_removed(w, c);
+		conn_set_remove(set, c);
 		bufferevent_free(c->bev);
 		free(c);
 		budget_client_remove();

@@ -20,12 +20,16 @@
  * phase. It gets the input through the on_input function it gives to
  * conn_start(): conn.c calls nothing above it by name.
  *
- *   worker.c --> session.c --+--> handshake.c --+
- *                            +--> transmit.c  --+--> conn.c
- *                            +------------------------^
+ *   host.c --> session.c --+--> handshake.c --+
+ *                          +--> transmit.c  --+--> conn.c
+ *                          +------------------------^
  *
- * (worker.c and server.c use conn.c's primitives as well: kill, shutdown,
+ * (host.c and server.c use conn.c's primitives as well: kill, shutdown,
  * the deadlines, the budget's wake-up.)
+ *
+ * Where: every connection runs on one worker thread (daemon/worker.h,
+ * the loop and its ring) and belongs to that thread's struct conn_set
+ * (below), which the connection host (daemon/host.h) keeps beside it.
  *
  * TLS (tls.h) is a primitive beside this one: after STARTTLS, c->bev is a
  * filter bufferevent over the socket's (conn_set_filter), and what conn.c
@@ -70,6 +74,7 @@
 
 struct worker;
 struct export;
+struct export_table;
 struct bufferevent;
 struct event;
 struct evbuffer;
@@ -163,9 +168,34 @@ struct conn_sink {
 
 enum conn_phase { CONN_FLAGS, CONN_OPTIONS, CONN_TRANSMISSION };
 
+/*
+ * The connections one worker thread serves, and what they are served from
+ * (the host's, daemon/host.h; only that thread touches it). When it is
+ * stopping and its last connection is freed, on_empty(set) runs.
+ */
+struct conn_set {
+	struct worker *worker;
+	struct export_table *exports;
+	struct conn *conns;
+	unsigned count;
+	bool stopping;
+	void (*on_empty)(struct conn_set *set);
+	/* Connections that had their share of a turn (conn_yield), first
+	 * resumed first, one per turn by the resume timer. */
+	struct conn *yielded_head, *yielded_tail;
+	struct event *resume;
+};
+
+/* Worker thread's set, before any connection: 0 or -ENOMEM. */
+int conn_set_init(struct conn_set *set, struct worker *w, struct export_table *exports,
+		  void (*on_empty)(struct conn_set *set));
+/* Once the worker's loop has ended (no connection left). */
+void conn_set_free(struct conn_set *set);
+
 struct conn {
 	uint64_t id;
-	struct worker *worker;
+	struct worker *worker; /* set->worker */
+	struct conn_set *set;
 	struct bufferevent *bev; /* NULL once killed */
 	struct event *timer;	 /* negotiation, then stall, then close deadline */
 	struct conn *prev, *next;
@@ -219,7 +249,7 @@ struct conn {
 	/* This turn of the loop (CONN_TURN_*): the work taken so far (the
 	 * phase adds a request's cost, session.c counts the messages); once
 	 * yielded, reading and input wait in the worker's queue of yielded
-	 * connections (yield_next) for conn_resume_next(). */
+	 * connections (yield_next) for its resume timer. */
 	uint64_t turn_work;
 	bool yielded;
 	struct conn *yield_next;
@@ -344,7 +374,7 @@ void conn_set_negotiation_timeout(unsigned seconds);
  * reads, and on_input(c) takes what arrives. *out is the connection (one
  * reference, the socket's). On failure fd is closed and -errno returned.
  */
-int conn_start(struct worker *w, int fd, uint64_t id, const struct access_peer *peer,
+int conn_start(struct conn_set *set, int fd, uint64_t id, const struct access_peer *peer,
 	       void (*on_input)(struct conn *c), struct conn **out);
 /* Stop reading and close once in-flight requests have replied (a long
  * one stops at its next step, with ESHUTDOWN: cancel_requests). */
@@ -386,9 +416,6 @@ void conn_update_reading(struct conn *c);
  * to c->on_input again (and reading resumes if it should).
  */
 void conn_yield(struct conn *c);
-/* Worker w's resume timer (worker.c): the first of its yielded connections
- * gets its next share; the timer is armed again while others wait. */
-void conn_resume_next(struct worker *w);
 /* Reserve cost reply bytes for the next request (budget_reserve); false:
  * refused, the connection stopped reading until conn_budget_wake(). */
 bool conn_admit(struct conn *c, uint64_t cost);
@@ -423,7 +450,7 @@ int conn_set_filter(struct conn *c, struct bufferevent *filter);
 void conn_output_moved(struct conn *c, size_t n);
 /* The socket's descriptor (under a filter too); -1 once killed. */
 int conn_fd(struct conn *c);
-/* Worker thread w: budget came back; retry its waiting connections. */
-void conn_budget_wake(struct worker *w);
+/* set's worker thread: budget came back; retry its waiting connections. */
+void conn_budget_wake(struct conn_set *set);
 
 #endif

@@ -119,7 +119,7 @@ int conn_list(struct conn_info **out, size_t *count)
 /* A disconnect, run on the connection's worker. */
 struct disconnect_task {
 	struct worker_task task;
-	struct worker *worker;
+	struct conn_set *set;
 	uint64_t id;
 	char why[96];
 };
@@ -127,7 +127,7 @@ struct disconnect_task {
 static void disconnect_run(struct worker_task *task)
 {
 	struct disconnect_task *d = (struct disconnect_task *)task;
-	for (struct conn *c = d->worker->conns; c; c = c->next) {
+	for (struct conn *c = d->set->conns; c; c = c->next) {
 		if (c->id != d->id)
 			continue;
 		conn_ref(c);
@@ -138,7 +138,7 @@ static void disconnect_run(struct worker_task *task)
 		conn_unref(c);
 		break;
 	}
-	uring_submit(&d->worker->ring);
+	uring_submit(&d->set->worker->ring);
 	free(d);
 }
 
@@ -156,7 +156,7 @@ int conn_disconnect(uint64_t id, const char *why)
 		if (c->id != id)
 			continue;
 		atomic_store(&c->disconnect_asked, true);
-		d->worker = c->worker;
+		d->set = c->set;
 		/* A stopping worker closes every connection anyway, and might
 		 * end its loop before running the task (which would leak). */
 		if (worker_post_if_running(c->worker, &d->task))

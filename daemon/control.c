@@ -507,7 +507,7 @@ int control_start(const struct control_config *cfg, struct control **out)
 	ctl->reload_task.run = control_reload_task;
 	ctl->start_task.run = start_task;
 	ctl->stop_task.run = stop_task;
-	int rc = worker_start(&ctl->worker, cfg->threads, cfg->exports);
+	int rc = worker_start(&ctl->worker, cfg->threads, NULL);
 	if (rc < 0) {
 		pthread_mutex_destroy(&ctl->reload_lock);
 		free(ctl);

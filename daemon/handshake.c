@@ -211,7 +211,7 @@ static void handle_export_name(struct conn *c, const char *data, uint32_t len)
 	}
 	/* EXPORT_NAME cannot fail: the spec wants the session ended. A hidden
 	 * export ends it as an unknown one does. */
-	struct export *e = export_get(c->worker->exports, data, len);
+	struct export *e = export_get(c->set->exports, data, len);
 	enum export_view v = export_view_named(c, e);
 	if (v != EXPORT_OPEN || !attach(c, e)) {
 		export_put(e);
@@ -265,7 +265,7 @@ static void send_info(struct conn *c, uint32_t option, const struct export *e,
 static struct export *option_export(struct conn *c, uint32_t option, const char *name,
 				    size_t len)
 {
-	struct export *e = export_get(c->worker->exports, name, len);
+	struct export *e = export_get(c->set->exports, name, len);
 	switch (export_view_named(c, e)) {
 	case EXPORT_OPEN:
 		return e;
@@ -312,7 +312,7 @@ static void handle_list(struct conn *c, uint32_t len)
 	}
 	struct export **list;
 	size_t count;
-	if (export_list(c->worker->exports, &list, &count) < 0) {
+	if (export_list(c->set->exports, &list, &count) < 0) {
 		option_error(c, NBD_OPT_LIST, NBD_REP_ERR_UNSUP, "out of memory");
 		return;
 	}

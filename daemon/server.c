@@ -34,10 +34,10 @@
 #include "daemon/conn.h"
 #include "daemon/control.h"
 #include "daemon/export.h"
+#include "daemon/host.h"
 #include "daemon/log.h"
 #include "daemon/metrics.h"
 #include "daemon/tls.h"
-#include "daemon/worker.h"
 #include "include/nbdcached/control.h"
 
 struct listener {
@@ -51,7 +51,7 @@ struct server {
 	struct event *accept_resume; /* re-enables listeners after EMFILE */
 	struct export_table exports;
 	struct cache *cache;
-	struct worker *workers;
+	struct host *workers;
 	unsigned worker_count;
 	unsigned next_worker;
 	uint64_t next_conn_id;
@@ -243,8 +243,8 @@ static void on_accept(struct evconnlistener *l, evutil_socket_t fd, struct socka
 			    (unsigned long long)st.refused_clients);
 		s->refusing = false;
 	}
-	struct worker *w = &s->workers[s->next_worker++ % s->worker_count];
-	worker_hand_off(w, fd, ++s->next_conn_id, &peer);
+	struct host *h = &s->workers[s->next_worker++ % s->worker_count];
+	host_hand_off(h, fd, ++s->next_conn_id, &peer);
 }
 
 /*
@@ -426,6 +426,7 @@ int server_run(const struct options *opts, int argc, char **argv)
 		     *watchdog = NULL;
 	int control_fd = -1, pidfile_fd = -1, metrics_fd = -1;
 	int *listen_fds = NULL;
+	struct worker **loops = NULL; /* the budget's view of the workers */
 	int status = 1;
 	unsigned threads = opts->threads;
 	if (threads == 0) {
@@ -525,7 +526,7 @@ int server_run(const struct options *opts, int argc, char **argv)
 	if (!s.workers)
 		goto out_base;
 	for (unsigned i = 0; i < threads; i++) {
-		rc = worker_start(&s.workers[i], i, &s.exports);
+		rc = host_start(&s.workers[i], i, &s.exports);
 		if (rc < 0) {
 			log_error("worker %u: %s", i, strerror(-rc));
 			goto out_workers;
@@ -533,7 +534,12 @@ int server_run(const struct options *opts, int argc, char **argv)
 		s.worker_count++;
 	}
 	s.max_clients = opts->max_clients;
-	if (budget_start(opts, s.workers, s.worker_count, conn_budget_wake) < 0)
+	loops = calloc(s.worker_count, sizeof(*loops));
+	if (!loops)
+		goto out_workers;
+	for (unsigned i = 0; i < s.worker_count; i++)
+		loops[i] = &s.workers[i].loop;
+	if (budget_start(opts, loops, s.worker_count, host_budget_wake) < 0)
 		goto out_workers;
 	listen_fds = calloc(s.listener_count ? s.listener_count : 1, sizeof(*listen_fds));
 	if (!listen_fds)
@@ -618,13 +624,14 @@ out_workers:
 	s.metrics = NULL;
 	close_listeners(&s);
 	for (unsigned i = 0; i < s.worker_count; i++)
-		worker_request_stop(&s.workers[i]);
+		host_request_stop(&s.workers[i]);
 	/* Closing connections read nothing more: no budget wake-ups to post. */
 	budget_stop();
 	/* The signal events stay installed meanwhile: a second SIGTERM is absorbed. */
 	for (unsigned i = 0; i < s.worker_count; i++)
-		worker_join(&s.workers[i]);
+		host_join(&s.workers[i]);
 	budget_free();
+	free(loops);
 	free(s.workers);
 	/* After the workers (no connection is left to flush for), before the
 	 * cache writes everything back. */

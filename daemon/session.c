@@ -40,10 +40,10 @@ static void session_input(struct conn *c)
 	uring_submit(&c->worker->ring);
 }
 
-int session_start(struct worker *w, int fd, uint64_t id, const struct access_peer *peer)
+int session_start(struct conn_set *set, int fd, uint64_t id, const struct access_peer *peer)
 {
 	struct conn *c;
-	int rc = conn_start(w, fd, id, peer, session_input, &c);
+	int rc = conn_start(set, fd, id, peer, session_input, &c);
 	if (rc < 0)
 		return rc;
 	handshake_send_greeting(c);

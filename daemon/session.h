@@ -16,11 +16,10 @@
 #include <stdint.h>
 
 struct access_peer;
+struct conn_set;
 
-struct worker;
-
-/* Adopt an accepted socket on the current worker thread and greet the
- * client. On failure fd is closed and -errno returned. */
-int session_start(struct worker *w, int fd, uint64_t id, const struct access_peer *peer);
+/* Adopt an accepted socket on the current worker thread (set's) and greet
+ * the client. On failure fd is closed and -errno returned. */
+int session_start(struct conn_set *set, int fd, uint64_t id, const struct access_peer *peer);
 
 #endif

@@ -59,7 +59,7 @@ void resize_start(struct request *r)
 		return;
 	}
 	rr->r = r;
-	rr->job.table = c->worker->exports;
+	rr->job.table = c->set->exports;
 	rr->job.export = c->export;
 	rr->job.size = r->hdr.offset;
 	rr->job.reply_to = c->worker;

@@ -1,32 +1,29 @@
 /*
- * daemon/worker.h: worker threads, each with its own libevent event_base and
- * its own io_uring.
+ * daemon/worker.h: a worker thread: its own libevent event_base, its own
+ * io_uring and a queue of tasks other threads post to it.
  *
- * Owns: the thread, its event loop, its ring and the connections it serves.
- * The listener thread hands accepted sockets over with worker_hand_off()
- * (the only cross-thread entry, with worker_request_stop(); both take the
- * worker's mutex and wake its loop with event_active()). Everything else in
- * a worker runs on its own thread without locks.
+ * Owns: the thread, its event loop, its ring and its task queue; nothing
+ * of what runs on it. The connection host (daemon/host.h) runs the client
+ * connections on worker threads; the cache's writeback and the control
+ * socket each run one of their own; the backends and the budget post
+ * their completions and wake-ups to them (worker_post). The cross-thread
+ * entries (worker_post, worker_post_if_running, worker_request_stop) take
+ * the worker's mutex and wake its loop with event_active(); everything
+ * else runs on the worker's own thread without locks.
+ *
+ * Stopping: worker_request_stop() makes the thread run, after the tasks
+ * posted before it, the on_stop callback given to worker_start(): whoever
+ * runs things on the thread ends them there and then calls worker_exit()
+ * (at once, or once they are done). Without a callback the loop ends at
+ * once. worker_join() waits for the thread.
  */
 #ifndef NBDCACHED_DAEMON_WORKER_H
 #define NBDCACHED_DAEMON_WORKER_H
 
 #include <pthread.h>
 #include <stdbool.h>
-#include <stddef.h>
-#include <stdint.h>
 
-#include "daemon/access.h"
 #include "daemon/uring.h"
-
-struct conn;
-struct export_table;
-
-struct worker_handoff {
-	int fd;
-	uint64_t id;
-	struct access_peer peer;
-};
 
 /*
  * Work for a worker thread, posted from any thread (worker_post): a callback
@@ -44,38 +41,28 @@ struct worker {
 	struct event_base *base;
 	struct uring ring;
 	struct event *wake;
-	struct event *stop_timer;
-	struct export_table *exports;
+	void (*on_stop)(struct worker *w); /* worker_start's; NULL: exit at once */
 
-	pthread_mutex_t lock; /* guards pending, tasks and stop_requested */
+	pthread_mutex_t lock; /* guards tasks and stop_requested */
 	struct worker_task *tasks, *tasks_tail;
-	struct worker_handoff *pending;
-	size_t pending_count, pending_cap;
 	bool stop_requested;
 
-	bool stopping; /* worker-thread copy of stop_requested */
-	struct conn *conns;
-	unsigned conn_count;
-	/* Connections that had their share of a turn (conn_yield), first
-	 * resumed first, one per turn by the resume timer. */
-	struct conn *yielded_head, *yielded_tail;
-	struct event *resume;
+	bool stop_seen; /* worker thread: on_stop has run */
 };
 
-int worker_start(struct worker *w, unsigned index, struct export_table *exports);
-/* Thread-safe: give an accepted socket to this worker. Takes ownership of fd. */
-void worker_hand_off(struct worker *w, int fd, uint64_t id, const struct access_peer *peer);
+/* Start the thread. on_stop: see above (NULL: the loop ends on a stop
+ * request). 0 or -errno. */
+int worker_start(struct worker *w, unsigned index, void (*on_stop)(struct worker *w));
 /* Thread-safe: run task->run(task) on the worker's thread soon. */
 void worker_post(struct worker *w, struct worker_task *task);
 /* Thread-safe: worker_post() unless the worker was asked to stop (false:
  * not posted). A task posted before the stop request still runs. */
 bool worker_post_if_running(struct worker *w, struct worker_task *task);
-/* Thread-safe: finish in-flight requests, close connections, end the thread. */
+/* Thread-safe: run on_stop on the worker's thread (or end the loop). */
 void worker_request_stop(struct worker *w);
+/* Worker thread: end the loop (after the callback that calls it). */
+void worker_exit(struct worker *w);
+/* Wait for the thread, then free the loop and the ring. */
 void worker_join(struct worker *w);
-
-/* Worker thread only: connection bookkeeping (conn.c). */
-void worker_conn_added(struct worker *w, struct conn *c);
-void worker_conn_removed(struct worker *w, struct conn *c);
 
 #endif

@@ -283,8 +283,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	tls_started = secure = killed = false;
 	export_refs = 0;
 	struct export_table *table = NULL;
-	struct worker w = {.exports = table};
-	struct conn c = {.worker = &w, .phase = CONN_FLAGS, .bev = (struct bufferevent *)&w};
+	struct worker w = {0};
+	struct conn_set set = {.worker = &w, .exports = table};
+	struct conn c = {
+	    .worker = &w, .set = &set, .phase = CONN_FLAGS, .bev = (struct bufferevent *)&w};
 	handshake_send_greeting(&c);
 	CHECK(evbuffer_get_length(out) == NBD_GREETING_SIZE);
 	evbuffer_drain(out, NBD_GREETING_SIZE);
