@@ -1,0 +1,122 @@
+/*
+ * daemon/upgrade_record.h: the state record of a live upgrade: what a
+ * running daemon hands to the daemon that replaces it, one record per
+ * message on a Unix SOCK_SEQPACKET pair, with at most one descriptor each
+ * (SCM_RIGHTS). Pure: encodes into and decodes from caller's buffers; the
+ * decoder is the trust boundary (a record from another version, cut short,
+ * or missing its descriptor is refused with the reason) and is fuzzed.
+ *
+ * Layout (big-endian, like NBD), UPGRADE_RECORD_HEADER bytes of header:
+ *
+ *   u32 magic   UPGRADE_RECORD_MAGIC ("NBCU")
+ *   u16 version UPGRADE_RECORD_VERSION: equal, or the record is refused
+ *   u16 type    enum upgrade_record_type
+ *   u32 length  of the body that follows (the rest of the message)
+ *   u32 fds     descriptors that came with it: 1 for LISTENER and
+ *               CONNECTION, 0 for the others
+ *
+ * Bodies:
+ *   HELLO       u32 pid: the new daemon read its config and opened its
+ *               exports; it is ready to take
+ *   LISTENER    u8 kind (enum upgrade_listener_kind), u16 n, n bytes: the
+ *               option's text it was bound from (--listen HOST:PORT,
+ *               --unix spec, --control path, --metrics HOST:PORT; empty
+ *               for socket activation)
+ *   CONNECTION  u64 id, u64 age_ms, u64 requests, u64 bytes_read,
+ *               u64 bytes_written, u64 payload_copied, u64 size (the
+ *               export's size the client knows), u16 transmission flags
+ *               sent, u8 flags (UPGRADE_CONN_*), u16 n, n bytes: the
+ *               export's name (1..4096), u32 m, m bytes (at most
+ *               UPGRADE_MAX_PENDING): input read from the client and
+ *               not yet parsed, which comes first
+ *   END         u32 connections, u32 listeners: everything was sent
+ *   TAKEN       u32 connections: the new daemon holds them all and will
+ *               serve once committed
+ *   COMMIT      empty: the old daemon is gone from here on
+ *   ERROR       n bytes of text (at most UPGRADE_MAX_TEXT): why the new
+ *               daemon cannot take over
+ */
+#ifndef NBDCACHED_DAEMON_UPGRADE_RECORD_H
+#define NBDCACHED_DAEMON_UPGRADE_RECORD_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define UPGRADE_RECORD_MAGIC 0x4e424355u /* "NBCU" */
+#define UPGRADE_RECORD_VERSION 1u
+#define UPGRADE_RECORD_HEADER 16u
+#define UPGRADE_MAX_NAME 4096u
+#define UPGRADE_MAX_SPEC 1024u
+#define UPGRADE_MAX_TEXT 1024u
+#define UPGRADE_MAX_PENDING (1u << 20)
+/* The largest record: a CONNECTION with the most pending input. */
+#define UPGRADE_RECORD_MAX                                                                         \
+	(UPGRADE_RECORD_HEADER + 7 * 8 + 2 + 1 + 2 + UPGRADE_MAX_NAME + 4 + UPGRADE_MAX_PENDING)
+
+enum upgrade_record_type {
+	UPGRADE_HELLO = 1,
+	UPGRADE_LISTENER = 2,
+	UPGRADE_CONNECTION = 3,
+	UPGRADE_END = 4,
+	UPGRADE_TAKEN = 5,
+	UPGRADE_COMMIT = 6,
+	UPGRADE_ERROR = 7,
+};
+
+enum upgrade_listener_kind {
+	UPGRADE_LISTEN_TCP = 1,
+	UPGRADE_LISTEN_UNIX = 2,
+	UPGRADE_LISTEN_ACTIVATED = 3,
+	UPGRADE_LISTEN_CONTROL = 4,
+	UPGRADE_LISTEN_METRICS = 5,
+};
+
+#define UPGRADE_CONN_STRUCTURED 0x01u
+#define UPGRADE_CONN_EXTENDED 0x02u
+#define UPGRADE_CONN_META 0x04u /* base:allocation selected */
+#define UPGRADE_CONN_FLAGS 0x07u
+
+struct upgrade_conn_state {
+	uint64_t id, age_ms, requests, bytes_read, bytes_written, payload_copied, size;
+	uint16_t tx_flags;
+	uint8_t flags;
+	char name[UPGRADE_MAX_NAME + 1];
+	const uint8_t *pending; /* into the decoded buffer */
+	uint32_t pending_len;
+};
+
+/* A decoded record: the fields of its type (pointers into the buffer). */
+struct upgrade_record {
+	enum upgrade_record_type type;
+	uint32_t pid;			 /* HELLO */
+	enum upgrade_listener_kind kind; /* LISTENER */
+	char spec[UPGRADE_MAX_SPEC + 1]; /* LISTENER */
+	struct upgrade_conn_state conn;	 /* CONNECTION */
+	uint32_t connections, listeners; /* END (both), TAKEN (connections) */
+	char text[UPGRADE_MAX_TEXT + 1]; /* ERROR */
+};
+
+/*
+ * Decode the message buf[0..len) that came with nfds descriptors. 0, or
+ * -EPROTO with why filled in (another version, another magic, a length
+ * that does not add up, a field out of its bounds, a descriptor missing
+ * or too many). Never reads past len.
+ */
+int upgrade_record_decode(const uint8_t *buf, size_t len, unsigned nfds, struct upgrade_record *out,
+			  char *why, size_t why_len);
+
+/*
+ * Encoders: the message into buf (UPGRADE_RECORD_MAX bytes are always
+ * enough); its length, or 0 when a field is out of its bounds (a name
+ * too long, pending input over UPGRADE_MAX_PENDING).
+ */
+size_t upgrade_record_hello(uint8_t *buf, uint32_t pid);
+size_t upgrade_record_listener(uint8_t *buf, enum upgrade_listener_kind kind, const char *spec);
+size_t upgrade_record_connection(uint8_t *buf, const struct upgrade_conn_state *c);
+size_t upgrade_record_end(uint8_t *buf, uint32_t connections, uint32_t listeners);
+size_t upgrade_record_taken(uint8_t *buf, uint32_t connections);
+size_t upgrade_record_commit(uint8_t *buf);
+size_t upgrade_record_error(uint8_t *buf, const char *text);
+
+#endif
