@@ -285,7 +285,9 @@ def sigterm(d):
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                CHECKS.add("the %s client got no reply and no end 5 s after the daemon" % name)
+                CHECKS.add("the %s client got no reply and no end 5 s after the daemon (%s; "
+                           "processes holding its peer: %s)"
+                           % (name, proc_state(p.pid), socket_holders(p.pid)))
                 continue
             err = p.stderr.read().decode(errors="replace")
             log("  %s client: exit %d: %s" % (name, p.returncode, err.strip().replace("\n", " | ")))
@@ -304,7 +306,36 @@ def sigterm(d):
         if not left or time.time() > deadline:
             break
         time.sleep(0.05)
-    expect(not left, "children of the daemon still run 5 s after it: %s" % left)
+    expect(not left, "children of the daemon still run 5 s after it: %s"
+           % ", ".join("%s (%s)" % (k, proc_state(int(k))) for k in left))
+
+
+def proc_state(pid):
+    """What /proc says a process is doing (for a failure's message)."""
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        with open("/proc/%d/wchan" % pid) as f:
+            wchan = f.read().strip()
+        with open("/proc/%d/stat" % pid) as f:
+            st = f.read()
+        return "pid %d %s, state %s, waiting in %s" % (
+            pid, cmd[:80], st[st.rindex(")") + 2:].split()[0], wchan or "-")
+    except OSError as e:
+        return "pid %d: %s" % (pid, e)
+
+
+def socket_holders(pid):
+    """Who holds the other end of pid's Unix sockets (ss -xp): a leaked
+    descriptor keeps a connection open after its daemon has gone."""
+    try:
+        out = subprocess.run(["ss", "-xpn"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return "ss: %s" % e
+    rows = [line.split() for line in out.splitlines()[1:]]
+    peers = {r[7] for r in rows if len(r) > 8 and ("pid=%d," % pid) in r[-1]}
+    held = ["%s %s" % (r[5], r[-1]) for r in rows if len(r) > 8 and r[5] in peers]
+    return "; ".join(held) or "nobody (peer inodes %s)" % (sorted(peers) or "none")
 
 
 def parent_of(pid):
