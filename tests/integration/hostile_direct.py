@@ -278,7 +278,9 @@ def sigterm(d):
             rc = d.proc.wait(timeout=STOP_LIMIT)
         except subprocess.TimeoutExpired:
             raise Failed("nbdcached did not exit within %g s of SIGTERM with operations of "
-                         "2^63 bytes in progress" % STOP_LIMIT)
+                         "2^63 bytes in progress; its threads: %s; its children: %s"
+                         % (STOP_LIMIT, thread_states(d.pid),
+                            ", ".join(proc_state(int(k)) for k in kids) or "none"))
         log("  the daemon exited %d, %.3f s after SIGTERM" % (rc, time.monotonic() - t0))
         expect(rc == 0, "nbdcached exited with %d after SIGTERM" % rc)
         for name, p in procs.items():
@@ -323,6 +325,36 @@ def proc_state(pid):
             pid, cmd[:80], st[st.rindex(")") + 2:].split()[0], wchan or "-")
     except OSError as e:
         return "pid %d: %s" % (pid, e)
+
+
+def thread_states(pid):
+    """Each thread of pid: its name, state, where it waits, and the top of
+    its kernel stack where readable (for a failure's message)."""
+    out = []
+    try:
+        tids = sorted(os.listdir("/proc/%d/task" % pid), key=int)
+    except OSError as e:
+        return str(e)
+    for tid in tids:
+        base = "/proc/%d/task/%s/" % (pid, tid)
+        try:
+            with open(base + "comm") as f:
+                comm = f.read().strip()
+            with open(base + "stat") as f:
+                st = f.read()
+            with open(base + "wchan") as f:
+                wchan = f.read().strip()
+        except OSError:
+            continue
+        line = "%s %s %s %s" % (tid, comm, st[st.rindex(")") + 2:].split()[0], wchan or "-")
+        try:
+            with open(base + "stack") as f:
+                frames = [fr.split()[-1] for fr in f.read().splitlines()[:4] if fr.split()]
+            line += " [%s]" % " < ".join(frames)
+        except OSError:
+            pass
+        out.append(line)
+    return "; ".join(out)
 
 
 def socket_holders(pid):
