@@ -189,6 +189,7 @@ tsan: deps
 	$(TSAN_RUN) tests/run --integration-only cache_races
 	$(TSAN_RUN) tests/run --integration-only durability
 	$(TSAN_RUN) tests/run --integration-only write_receive
+	$(TSAN_RUN) tests/run --integration-only upgrade
 
 i386: deps
 	$(MAKE) BUILD=build-i386 M32=-m32 unit

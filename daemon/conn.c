@@ -475,6 +475,23 @@ static bool conn_drained(struct conn *c)
 	return c->inflight == 0 && conn_unsent(c) == 0;
 }
 
+void conn_park(struct conn *c, bool on)
+{
+	if (!c->bev || c->closing)
+		return;
+	c->parking = on;
+	conn_update_reading(c);
+	/* Resumed: the requests that arrived meanwhile wait in the input. */
+	if (!on && c->reading)
+		conn_input_ready(c);
+}
+
+bool conn_parked(struct conn *c)
+{
+	return c->parking && c->bev && !c->closing && !c->sink.left && !c->discard &&
+	       !c->admitted && conn_drained(c);
+}
+
 /* What the connection holds in the budget: reservations and its output. */
 static uint64_t conn_held(struct conn *c)
 {
@@ -696,7 +713,8 @@ void conn_update_reading(struct conn *c)
 	/* Negotiation replies are small: a client that does not read them stops us early. */
 	size_t max_output =
 		c->phase == CONN_TRANSMISSION ? CONN_MAX_OUTPUT : CONN_MAX_NEGOTIATION_OUTPUT;
-	bool want = c->inflight < CONN_MAX_INFLIGHT &&
+	bool want = !(c->parking && !c->discard && !c->admitted) &&
+		    c->inflight < CONN_MAX_INFLIGHT &&
 		    c->inflight_bytes < CONN_MAX_INFLIGHT_BYTES &&
 		    evbuffer_get_length(conn_output(c)) < max_output && !c->budget_waiting;
 	/* Replies that bypass admission (refusals, errors) are small, but many.

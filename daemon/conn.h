@@ -230,6 +230,10 @@ struct conn {
 	uint64_t seen_error; /* the export's writeback error sequence last reported */
 	uint64_t seq_next, seq_run; /* sequential read detection (readahead, --seq-cutoff) */
 	bool closing; /* no more reading; close once drained */
+	/* A live upgrade (daemon/upgrade.h) waits for a request boundary:
+	 * no new request is parsed, and reading stops once a payload being
+	 * received is in (conn_park). */
+	bool parking;
 	/* QoS (transmit_throttle.c): requests the export's limits hold back,
 	 * in arrival order, not started (no cache op, nothing pinned); they
 	 * count in inflight and inflight_bytes. The timer is due when the
@@ -450,6 +454,18 @@ int conn_set_filter(struct conn *c, struct bufferevent *filter);
 void conn_output_moved(struct conn *c, size_t n);
 /* The socket's descriptor (under a filter too); -1 once killed. */
 int conn_fd(struct conn *c);
+/*
+ * A live upgrade: park c at a request boundary (on: no new request is
+ * parsed; a payload being received is received, its request answered),
+ * or resume it (off: reading again, and whatever input it holds parsed).
+ * Transmission only.
+ */
+void conn_park(struct conn *c, bool on);
+/* Is c parked: no request in flight or half received, nothing unsent? */
+bool conn_parked(struct conn *c);
+/* A live upgrade's new daemon: the input the old daemon had read from the
+ * client and not parsed, put before anything read here. 0 or -ENOMEM. */
+int conn_add_input(struct conn *c, const void *data, size_t len);
 /* set's worker thread: budget came back; retry its waiting connections. */
 void conn_budget_wake(struct conn_set *set);
 

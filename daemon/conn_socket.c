@@ -300,3 +300,13 @@ void conn_on_writable(evutil_socket_t fd, short what, void *arg)
 		conn_output_drained(c);
 	conn_unref(c);
 }
+
+int conn_add_input(struct conn *c, const void *data, size_t len)
+{
+	struct evbuffer *in = conn_input(c);
+	/* The input's end is the reader's (frozen between its reads). */
+	evbuffer_unfreeze(in, 0);
+	int rc = evbuffer_add(in, data, len);
+	evbuffer_freeze(in, 0);
+	return rc < 0 ? -ENOMEM : 0;
+}

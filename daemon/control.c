@@ -229,11 +229,14 @@ static void dispatch(struct control_client *cl, const char *line, size_t len)
 		control_cmd_resize(cl, req);
 	else if (strcmp(cmd, "limit") == 0)
 		control_cmd_limit(cl, req);
+	else if (strcmp(cmd, "upgrade") == 0)
+		control_cmd_upgrade(cl, req);
 	else
 		control_send_error(
 		    cl, EINVAL,
 		    "unknown command '%s' (status, exports, stats, flush, drop-clean, "
-		    "compact, set-mode, reload, connections, disconnect, resize, limit)",
+		    "compact, set-mode, reload, connections, disconnect, resize, limit, "
+		    "upgrade)",
 		    cmd);
 	json_object_put(req);
 }
@@ -518,6 +521,11 @@ int control_start(const struct control_config *cfg, struct control **out)
 	atomic_store(&cfg->exports->resize_worker, &ctl->worker);
 	*out = ctl;
 	return 0;
+}
+
+struct worker *control_worker(struct control *ctl)
+{
+	return &ctl->worker;
 }
 
 void control_stop(struct control *ctl)

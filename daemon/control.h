@@ -26,6 +26,7 @@
 #include "daemon/options.h"
 
 struct control;
+struct upgrade_server;
 
 struct control_config {
 	struct export_table *exports;
@@ -38,6 +39,7 @@ struct control_config {
 	size_t listen_count;
 	int control_fd;		  /* a bound, listening Unix socket; -1: none */
 	const char *control_path; /* to unlink at stop */
+	struct upgrade_server *upgrade; /* live upgrades (upgrade.h); NULL: none */
 };
 
 /* Bind the control socket: 0 and *fd, or -errno (logged). path NULL: the
@@ -46,6 +48,8 @@ int control_listen(const char *path, int *fd);
 int control_start(const struct control_config *cfg, struct control **out);
 /* Thread-safe: re-read the config file soon (SIGHUP). */
 void control_reload(struct control *ctl);
+/* The control thread's worker (a live upgrade's flushes complete there). */
+struct worker *control_worker(struct control *ctl);
 /* Finish pending requests, close clients, end the thread, unlink the socket. */
 void control_stop(struct control *ctl);
 

@@ -12,6 +12,7 @@
  *   control_conns.c    connections, disconnect: the NBD connections
  *   control_resize.c   resize: an export's new size (export_resize)
  *   control_limit.c    limit: an export's QoS limits set live
+ *   control_upgrade.c  upgrade: hand everything to a new daemon
  *
  * Calls run one way: control.c calls into the other three; they answer
  * only through the reply functions (control_send and its helpers) and
@@ -134,6 +135,10 @@ void control_cmd_compact(struct control_client *cl);
 void control_flush_start(struct control *ctl, struct control_wait *w, struct cache_export *ce);
 /* Stopping and no cache op in flight: end the thread. */
 void control_stop_when_idle(struct control *ctl);
+
+/* ---- control_upgrade.c ---- */
+
+void control_cmd_upgrade(struct control_client *cl, json_object *req);
 
 /* ---- control_conns.c ---- */
 

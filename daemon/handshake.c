@@ -19,6 +19,7 @@
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
 #include <event2/event.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -27,6 +28,7 @@
 #include "daemon/export.h"
 #include "daemon/log.h"
 #include "daemon/tls.h"
+#include "daemon/upgrade_record.h"
 #include "daemon/worker.h"
 
 #define KNOWN_CLIENT_FLAGS (NBD_FLAG_C_FIXED_NEWSTYLE | NBD_FLAG_C_NO_ZEROES)
@@ -188,6 +190,42 @@ static void enter_transmission(struct conn *c, struct export *e)
 		    "conn %llu: export \"%s\" negotiated structured=%d extended=%d meta=%d",
 		    (unsigned long long)c->id, e->name, c->structured, c->extended,
 		    c->session.block_status);
+}
+
+bool handshake_resume(struct conn *c, const struct upgrade_conn_state *st)
+{
+	struct export *e = export_get(c->set->exports, st->name, strlen(st->name));
+	if (!e) {
+		conn_kill(c, "upgrade: its export is not in the new configuration");
+		return false;
+	}
+	c->structured = (st->flags & UPGRADE_CONN_STRUCTURED) != 0;
+	c->extended = (st->flags & UPGRADE_CONN_EXTENDED) != 0;
+	uint16_t eflags = export_eflags(e, c->structured);
+	if (export_size(e) != st->size || eflags != st->tx_flags) {
+		char why[160];
+		snprintf(why, sizeof(why),
+			 "upgrade: export \"%s\" changed (size %llu, flags 0x%x; the client "
+			 "has %llu, 0x%x)",
+			 e->name, (unsigned long long)export_size(e), eflags,
+			 (unsigned long long)st->size, st->tx_flags);
+		export_put(e);
+		conn_kill(c, why);
+		return false;
+	}
+	if (!attach(c, e)) {
+		export_put(e);
+		conn_kill(c, "upgrade: the export is at its connection limit");
+		return false;
+	}
+	/* The meta context was selected for this export (block status). */
+	c->meta_selected = (st->flags & UPGRADE_CONN_META) != 0;
+	if (c->meta_selected) {
+		export_ref(e);
+		c->meta_export = e;
+	}
+	enter_transmission(c, e);
+	return true;
 }
 
 /* The refusal of such an export: TLS_REQD, but never to a connection that

@@ -4,14 +4,19 @@
 #include "daemon/host.h"
 
 #include <errno.h>
+#include <event2/buffer.h>
 #include <event2/event.h>
+#include <fcntl.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "daemon/access.h"
 #include "daemon/budget.h"
+#include "daemon/clock.h"
+#include "daemon/export.h"
 #include "daemon/log.h"
 #include "daemon/session.h"
 
@@ -27,6 +32,9 @@ static void host_finish(struct host *h)
 	if (h->stop_timer)
 		event_free(h->stop_timer);
 	h->stop_timer = NULL;
+	if (h->park_timer)
+		event_free(h->park_timer);
+	h->park_timer = NULL;
 	conn_set_free(&h->set);
 	worker_exit(&h->loop);
 }
@@ -113,6 +121,10 @@ static void hand_off_run(struct worker_task *task)
 		if (rc < 0)
 			log_limited(&start_failed_log, LOG_WARN, "conn %llu: cannot start: %s",
 				    (unsigned long long)o->id, strerror(-rc));
+		/* Accepted just before a live upgrade paused the listeners: it
+		 * waits like the others (the newest is the set's first). */
+		else if (h->parking && h->set.conns && h->set.conns->id == o->id)
+			conn_park(h->set.conns, true);
 	}
 	free(o);
 }
@@ -149,4 +161,245 @@ void host_join(struct host *h)
 void host_budget_wake(struct worker *w)
 {
 	conn_budget_wake(&host_of(w)->set);
+}
+
+/* ---- A live upgrade (host.h) ---- */
+
+#define HOST_PARK_CHECK_MS 10
+
+/* Connections that are not parked yet (closing ones end by themselves). */
+static unsigned count_busy(struct host *h)
+{
+	unsigned busy = 0;
+	for (struct conn *c = h->set.conns; c; c = c->next)
+		if (c->bev && !c->closing && !conn_parked(c))
+			busy++;
+	return busy;
+}
+
+static void host_on_park_timer(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	struct host *h = arg;
+	atomic_store(&h->busy, count_busy(h));
+	atomic_store(&h->park_seen, true);
+}
+
+static void park_run(struct worker_task *task)
+{
+	struct host *h = (struct host *)((char *)task - offsetof(struct host, park_task));
+	bool on = h->park_on;
+	h->parking = on;
+	struct conn *c = h->set.conns;
+	while (c) {
+		struct conn *next = c->next;
+		conn_ref(c);
+		conn_park(c, on);
+		conn_unref(c);
+		c = next;
+	}
+	if (on) {
+		if (!h->park_timer)
+			h->park_timer =
+			    event_new(h->loop.base, -1, EV_PERSIST, host_on_park_timer, h);
+		struct timeval tv = {0, HOST_PARK_CHECK_MS * 1000};
+		if (h->park_timer)
+			event_add(h->park_timer, &tv);
+		else
+			atomic_store(&h->park_seen, true); /* no timer: never counted ready */
+	} else if (h->park_timer) {
+		event_free(h->park_timer);
+		h->park_timer = NULL;
+	}
+	uring_submit(&h->loop.ring);
+}
+
+void host_park(struct host *h, bool on)
+{
+	atomic_store(&h->busy, UINT32_MAX);
+	atomic_store(&h->park_seen, false);
+	h->park_on = on;
+	h->park_task.run = park_run;
+	worker_post(&h->loop, &h->park_task);
+}
+
+unsigned host_busy(struct host *h)
+{
+	return atomic_load(&h->park_seen) ? atomic_load(&h->busy) : UINT32_MAX;
+}
+
+/* Why c cannot be handed over, or NULL: it can. */
+static const char *cannot_move(struct conn *c)
+{
+	if (c->phase != CONN_TRANSMISSION)
+		return "upgrade: still negotiating (the client may connect again)";
+	if (c->tls)
+		return "upgrade: a TLS session cannot be handed over";
+	if (!conn_parked(c))
+		return "upgrade: not at a request boundary in time";
+	if (evbuffer_get_length(conn_input(c)) > UPGRADE_MAX_PENDING ||
+	    strlen(c->export->name) > UPGRADE_MAX_NAME)
+		return "upgrade: too much unparsed input to hand over";
+	return NULL;
+}
+
+/* The state of a parked plaintext connection in transmission; false
+ * (with why) when it cannot be handed over. */
+static bool collect_one(struct conn *c, struct host_moved *m, const char **why)
+{
+	*why = cannot_move(c);
+	if (*why)
+		return false;
+	struct evbuffer *in = conn_input(c);
+	size_t pending = evbuffer_get_length(in);
+	memset(m, 0, sizeof(*m));
+	uint8_t *copy = NULL;
+	if (pending) {
+		copy = malloc(pending);
+		if (!copy || evbuffer_copyout(in, copy, pending) != (ev_ssize_t)pending) {
+			free(copy);
+			*why = "upgrade: out of memory";
+			return false;
+		}
+	}
+	m->fd = fcntl(conn_fd(c), F_DUPFD_CLOEXEC, 3);
+	if (m->fd < 0) {
+		free(copy);
+		*why = "upgrade: cannot duplicate its socket";
+		return false;
+	}
+	struct upgrade_conn_state *s = &m->state;
+	s->id = c->id;
+	s->age_ms = (clock_now_ns() - c->started_ns) / 1000000u;
+	s->requests = atomic_load(&c->requests);
+	s->bytes_read = atomic_load(&c->bytes_read);
+	s->bytes_written = atomic_load(&c->bytes_written);
+	s->payload_copied = atomic_load(&c->payload_copied);
+	s->size = c->session.size;
+	s->tx_flags = c->session.eflags;
+	s->flags = (uint8_t)((c->session.structured ? UPGRADE_CONN_STRUCTURED : 0) |
+			     (c->session.extended ? UPGRADE_CONN_EXTENDED : 0) |
+			     (c->session.block_status ? UPGRADE_CONN_META : 0));
+	snprintf(s->name, sizeof(s->name), "%s", c->export->name);
+	s->pending = copy;
+	s->pending_len = (uint32_t)pending;
+	return true;
+}
+
+static void collect_run(struct worker_task *task)
+{
+	struct host *h = (struct host *)((char *)task - offsetof(struct host, collect_task));
+	h->moved = calloc(h->set.count ? h->set.count : 1, sizeof(*h->moved));
+	h->moved_count = 0;
+	h->closed_count = 0;
+	for (struct conn *c = h->set.conns; c; c = c->next) {
+		if (!c->bev || c->closing)
+			continue; /* ending anyway */
+		const char *why = "upgrade: out of memory";
+		if (h->moved && collect_one(c, &h->moved[h->moved_count], &why))
+			h->moved_count++;
+		else
+			h->closed_count++;
+	}
+	atomic_store(&h->collected, true);
+}
+
+void host_collect(struct host *h)
+{
+	atomic_store(&h->collected, false);
+	h->collect_task.run = collect_run;
+	worker_post(&h->loop, &h->collect_task);
+}
+
+static bool was_moved(struct host *h, uint64_t id)
+{
+	for (size_t i = 0; i < h->moved_count; i++)
+		if (h->moved[i].state.id == id)
+			return true;
+	return false;
+}
+
+static void finish_run(struct worker_task *task)
+{
+	struct host *h = (struct host *)((char *)task - offsetof(struct host, finish_task));
+	struct conn *c = h->set.conns;
+	while (c) {
+		struct conn *next = c->next;
+		if (c->bev && !c->closing && !was_moved(h, c->id)) {
+			const char *why = cannot_move(c);
+			conn_kill(c, why ? why : "upgrade: could not be collected (out of memory)");
+		} else if (c->bev && was_moved(h, c->id)) {
+			log_info("conn %llu: handed over to the new daemon",
+				 (unsigned long long)c->id);
+		}
+		c = next;
+	}
+	atomic_store(&h->finished, true);
+}
+
+void host_finish_upgrade(struct host *h)
+{
+	atomic_store(&h->finished, false);
+	h->finish_task.run = finish_run;
+	worker_post(&h->loop, &h->finish_task);
+}
+
+void host_collected_free(struct host *h)
+{
+	for (size_t i = 0; i < h->moved_count; i++) {
+		if (h->moved[i].fd >= 0)
+			close(h->moved[i].fd);
+		free((void *)h->moved[i].state.pending);
+	}
+	free(h->moved);
+	h->moved = NULL;
+	h->moved_count = 0;
+}
+
+/* A connection handed over, on its way to its thread. */
+struct adopt {
+	struct worker_task task;
+	struct host *host;
+	int fd;
+	struct access_peer peer;
+	struct upgrade_conn_state st; /* st.pending: malloc'd */
+};
+
+static void adopt_run(struct worker_task *task)
+{
+	struct adopt *a = (struct adopt *)task;
+	int rc = session_adopt(&a->host->set, a->fd, &a->peer, &a->st);
+	if (rc < 0)
+		log_warn("conn %llu: cannot resume after the upgrade: %s",
+			 (unsigned long long)a->st.id, strerror(-rc));
+	free((void *)a->st.pending);
+	free(a);
+}
+
+void host_adopt(struct host *h, int fd, const struct access_peer *peer,
+		const struct upgrade_conn_state *st)
+{
+	struct adopt *a = malloc(sizeof(*a));
+	uint8_t *pending = st->pending_len ? malloc(st->pending_len) : NULL;
+	if (!a || (st->pending_len && !pending)) {
+		free(a);
+		free(pending);
+		log_error("conn %llu: out of memory resuming it after the upgrade",
+			  (unsigned long long)st->id);
+		close(fd);
+		budget_peer_remove(peer);
+		access_peer_release(peer);
+		budget_client_remove();
+		return;
+	}
+	a->task.run = adopt_run;
+	a->host = h;
+	a->fd = fd;
+	a->peer = *peer;
+	a->st = *st;
+	if (pending)
+		memcpy(pending, st->pending, st->pending_len);
+	a->st.pending = pending;
+	worker_post(&h->loop, &a->task);
 }

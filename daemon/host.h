@@ -20,9 +20,11 @@
 #ifndef NBDCACHED_DAEMON_HOST_H
 #define NBDCACHED_DAEMON_HOST_H
 
+#include <stdatomic.h>
 #include <stdint.h>
 
 #include "daemon/conn.h"
+#include "daemon/upgrade_record.h"
 #include "daemon/worker.h"
 
 struct access_peer;
@@ -30,10 +32,30 @@ struct export_table;
 
 #define HOST_STOP_GRACE_SECONDS 10
 
+/* A connection a live upgrade hands over (host_collect): its state and a
+ * duplicate of its socket, which the collector owns. */
+struct host_moved {
+	int fd;
+	struct upgrade_conn_state state; /* state.pending: malloc'd */
+};
+
 struct host {
 	struct worker loop; /* first: host_of() */
 	struct conn_set set;
 	struct event *stop_timer;
+
+	/* A live upgrade (daemon/upgrade.h). */
+	struct event *park_timer; /* while parked: counts busy connections */
+	atomic_uint busy;	  /* connections not at a request boundary yet */
+	atomic_bool park_seen;	  /* busy was counted since the park began */
+	struct host_moved *moved; /* host_collect()'s, until host_collected_free() */
+	size_t moved_count;
+	unsigned closed_count; /* to be closed: negotiating, TLS, over limits */
+	atomic_bool collected; /* host_collect() is done */
+	atomic_bool finished;  /* host_finish_upgrade() is done */
+	bool park_on;	       /* host_park's argument, for its task */
+	bool parking;	       /* worker thread: connections are being parked */
+	struct worker_task park_task, collect_task, finish_task;
 };
 
 /* Main thread: start worker thread index with its (empty) set. */
@@ -46,5 +68,34 @@ void host_request_stop(struct host *h);
 void host_join(struct host *h);
 /* The budget's wake-up (budget_start), on w's thread: w is a host's loop. */
 void host_budget_wake(struct worker *w);
+
+/*
+ * A live upgrade, from the thread that runs it (daemon/upgrade.c):
+ *
+ *   host_park(h, true)     every connection stops at its next request
+ *                          boundary (conn_park); host_busy() counts those
+ *                          not there yet, every 10 ms
+ *   host_collect(h)        the parked ones that can be handed over
+ *                          (plaintext, in transmission) into h->moved;
+ *                          h->collected once done
+ *   host_finish_upgrade(h) committed: the others are closed (negotiating,
+ *                          TLS: they cannot be handed over); none is read
+ *                          again; h->finished once done
+ *   host_park(h, false)    rolled back: every connection resumes
+ */
+void host_park(struct host *h, bool on);
+/* Connections not parked yet (UINT_MAX until first counted). */
+unsigned host_busy(struct host *h);
+void host_collect(struct host *h);
+void host_finish_upgrade(struct host *h);
+/* Free what host_collect() made (closing the duplicates not sent). */
+void host_collected_free(struct host *h);
+/*
+ * The new daemon: serve a connection handed over in transmission (the
+ * budget already counts it, peer is its own): posted to h's thread, where
+ * session_adopt() resumes it. Takes fd, peer and a copy of st.
+ */
+void host_adopt(struct host *h, int fd, const struct access_peer *peer,
+		const struct upgrade_conn_state *st);
 
 #endif

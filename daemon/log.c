@@ -62,6 +62,18 @@ enum log_level log_get_level(void)
 	return (enum log_level)current_level;
 }
 
+/* The last error line's message, for a live upgrade's new daemon to say
+ * why it could not start (log_last_error). */
+static pthread_mutex_t last_error_lock = PTHREAD_MUTEX_INITIALIZER;
+static char last_error[1024];
+
+void log_last_error(char *out, size_t len)
+{
+	pthread_mutex_lock(&last_error_lock);
+	snprintf(out, len, "%s", last_error);
+	pthread_mutex_unlock(&last_error_lock);
+}
+
 static void log_vmsg(enum log_level level, const char *fmt, va_list ap)
 {
 	char line[2048];
@@ -88,6 +100,11 @@ static void log_vmsg(enum log_level level, const char *fmt, va_list ap)
 	size_t len = (size_t)n + (size_t)m;
 	if (len > sizeof(line) - 2)
 		len = sizeof(line) - 2;
+	if (level == LOG_ERROR) {
+		pthread_mutex_lock(&last_error_lock);
+		snprintf(last_error, sizeof(last_error), "%.*s", (int)(len - (size_t)n), line + n);
+		pthread_mutex_unlock(&last_error_lock);
+	}
 	line[len++] = '\n';
 	int saved = errno;
 	ssize_t w = write(STDERR_FILENO, line, len);

@@ -27,6 +27,7 @@
 
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 enum log_level { LOG_ERROR = 0, LOG_WARN, LOG_INFO, LOG_DEBUG };
@@ -72,6 +73,9 @@ void log_limited(struct log_limit *l, enum log_level level, const char *fmt, ...
 /* Say the counts of limiters whose interval is over (any thread; the
  * control thread's tick calls it). */
 void log_limits_flush(void);
+
+/* The message of the last error line logged ("" if none). Any thread. */
+void log_last_error(char *out, size_t len);
 
 #define log_error(...) log_msg(LOG_ERROR, __VA_ARGS__)
 #define log_warn(...) log_msg(LOG_WARN, __VA_ARGS__)

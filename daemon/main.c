@@ -14,6 +14,7 @@
 #include "daemon/options.h"
 #include "daemon/server.h"
 #include "daemon/tls.h"
+#include "daemon/upgrade.h"
 
 #ifndef NBDCACHED_VERSION
 #define NBDCACHED_VERSION "0.1"
@@ -101,8 +102,12 @@ int main(int argc, char **argv)
 {
 	struct options opts;
 	char err[1024];
+	/* A live upgrade's new daemon: the old one waits on this (upgrade.h). */
+	int upgrade_fd = upgrade_child_fd();
 	if (config_options(argc, argv, &opts, err, sizeof(err)) < 0) {
 		fprintf(stderr, "nbdcached: %s\n", err);
+		if (upgrade_fd >= 0)
+			upgrade_child_fail(upgrade_fd, err);
 		if (strncmp(err, "unknown or incomplete option", 28) == 0 ||
 		    strncmp(err, "unexpected argument", 19) == 0)
 			fputs(options_usage(), stderr);
@@ -124,7 +129,12 @@ int main(int argc, char **argv)
 		return rc;
 	}
 	log_set_level(opts.log_level);
-	int status = server_run(&opts, argc, argv);
+	int status = server_run(&opts, argc, argv, &upgrade_fd);
+	if (status != 0 && upgrade_fd >= 0) {
+		char why[1024];
+		log_last_error(why, sizeof(why));
+		upgrade_child_fail(upgrade_fd, why);
+	}
 	options_free(&opts);
 	return status;
 }

@@ -38,12 +38,15 @@
 #include "daemon/log.h"
 #include "daemon/metrics.h"
 #include "daemon/tls.h"
+#include "daemon/upgrade.h"
 #include "include/nbdcached/control.h"
 
 struct listener {
 	int fd;
 	char *unix_path; /* to unlink at exit; NULL for TCP */
 	struct evconnlistener *ev;
+	enum upgrade_listener_kind kind; /* for a live upgrade */
+	char *spec;			 /* ... the option it was bound from */
 };
 
 struct server {
@@ -61,6 +64,7 @@ struct server {
 	struct metrics *metrics; /* NULL: no --metrics */
 	unsigned max_clients;
 	bool refusing; /* at --max-clients: said so once for this spell */
+	struct upgrade_taken *taken; /* a live upgrade's new daemon: what it was handed */
 };
 
 /* The lines a client's connects cause, each kind under its rate limit
@@ -143,12 +147,22 @@ static int tcp_socket(const char *what, const char *spec, int *out)
 
 static int listen_tcp(struct server *s, const char *spec)
 {
-	int fd;
-	int rc = tcp_socket("--listen", spec, &fd);
-	if (rc < 0)
-		return rc;
-	s->listeners[s->listener_count++] = (struct listener){.fd = fd};
-	log_info("listening on %s", spec);
+	char *copy = strdup(spec);
+	if (!copy)
+		return -ENOMEM;
+	int fd = s->taken ? upgrade_take_listener(s->taken, UPGRADE_LISTEN_TCP, spec) : -1;
+	if (fd >= 0) {
+		log_info("listening on %s (handed over)", spec);
+	} else {
+		int rc = tcp_socket("--listen", spec, &fd);
+		if (rc < 0) {
+			free(copy);
+			return rc;
+		}
+		log_info("listening on %s", spec);
+	}
+	s->listeners[s->listener_count++] =
+	    (struct listener){.fd = fd, .kind = UPGRADE_LISTEN_TCP, .spec = copy};
 	return 0;
 }
 
@@ -171,6 +185,20 @@ static int listen_unix(struct server *s, const char *spec)
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 	if (strlen(path) >= sizeof(sa.sun_path))
 		return -ENAMETOOLONG;
+	int taken = s->taken ? upgrade_take_listener(s->taken, UPGRADE_LISTEN_UNIX, spec) : -1;
+	if (taken >= 0) {
+		char *p = strdup(path), *sp = strdup(spec);
+		if (!p || !sp) {
+			free(p);
+			free(sp);
+			close(taken);
+			return -ENOMEM;
+		}
+		s->listeners[s->listener_count++] = (struct listener){
+		    .fd = taken, .unix_path = p, .kind = UPGRADE_LISTEN_UNIX, .spec = sp};
+		log_info("listening on unix socket %s (handed over)", path);
+		return 0;
+	}
 	strcpy(sa.sun_path, path);
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (fd < 0)
@@ -196,13 +224,16 @@ static int listen_unix(struct server *s, const char *spec)
 		log_error("--unix %s: %s", spec, strerror(-rc));
 		return rc;
 	}
-	char *copy = strdup(path);
-	if (!copy) {
+	char *copy = strdup(path), *spec_copy = strdup(spec);
+	if (!copy || !spec_copy) {
+		free(copy);
+		free(spec_copy);
 		close(fd);
 		unlink(path);
 		return -ENOMEM;
 	}
-	s->listeners[s->listener_count++] = (struct listener){.fd = fd, .unix_path = copy};
+	s->listeners[s->listener_count++] = (struct listener){
+	    .fd = fd, .unix_path = copy, .kind = UPGRADE_LISTEN_UNIX, .spec = spec_copy};
 	if (restrict_first)
 		log_info("listening on unix socket %s (mode %04o, group %u)", path,
 			 u.has_mode ? u.mode : (unsigned)(0777 & ~old),
@@ -287,6 +318,7 @@ static void close_listeners(struct server *s)
 			unlink(l->unix_path);
 			free(l->unix_path);
 		}
+		free(l->spec);
 	}
 	s->listener_count = 0;
 }
@@ -341,8 +373,23 @@ static int adopt_systemd_sockets(struct server *s, int n)
 			log_error("socket activation: fd %d is not a listening stream socket", fd);
 			return -EINVAL;
 		}
-		s->listeners[s->listener_count++] = (struct listener){.fd = fd};
+		s->listeners[s->listener_count++] =
+		    (struct listener){.fd = fd, .kind = UPGRADE_LISTEN_ACTIVATED};
 		log_info("listening on fd %d (socket activation)", fd);
+	}
+	return n;
+}
+
+/* A live upgrade's new daemon: the sockets its predecessor had from
+ * socket activation (its own environment names none). */
+static int adopt_activated(struct server *s)
+{
+	int n = 0, fd;
+	while ((fd = upgrade_take_listener(s->taken, UPGRADE_LISTEN_ACTIVATED, "")) >= 0) {
+		s->listeners[s->listener_count++] =
+		    (struct listener){.fd = fd, .kind = UPGRADE_LISTEN_ACTIVATED};
+		log_info("listening on fd %d (socket activation, handed over)", fd);
+		n++;
 	}
 	return n;
 }
@@ -408,6 +455,122 @@ static void on_stats_signal(evutil_socket_t sig, short what, void *arg)
 	cache_log_stats(s->cache);
 }
 
+/* ---- Live upgrades (daemon/upgrade.h) ---- */
+
+/* The upgrade thread pauses and resumes accepting (the listeners are
+ * thread-safe: LEV_OPT_THREADSAFE). */
+static void on_accepting(void *arg, bool on)
+{
+	struct server *s = arg;
+	for (size_t i = 0; i < s->listener_count; i++) {
+		if (!s->listeners[i].ev)
+			continue;
+		if (on)
+			evconnlistener_enable(s->listeners[i].ev);
+		else
+			evconnlistener_disable(s->listeners[i].ev);
+	}
+}
+
+/* What this daemon hands over if it is upgraded: its listeners, its
+ * control and metrics sockets, its workers; the binary it runs. */
+static int upgrade_setup(struct upgrade_server *up, struct server *s, char **argv, int control_fd,
+			 const char *control_path, int metrics_fd, const char *metrics)
+{
+	size_t n = s->listener_count + 2;
+	up->listeners = calloc(n, sizeof(*up->listeners));
+	if (!up->listeners)
+		return -ENOMEM;
+	for (size_t i = 0; i < s->listener_count; i++)
+		up->listeners[up->listener_count++] = (struct upgrade_listener){
+		    .fd = s->listeners[i].fd,
+		    .kind = s->listeners[i].kind,
+		    .spec = s->listeners[i].spec ? s->listeners[i].spec : (char *)""};
+	if (control_fd >= 0)
+		up->listeners[up->listener_count++] = (struct upgrade_listener){
+		    .fd = control_fd, .kind = UPGRADE_LISTEN_CONTROL, .spec = (char *)control_path};
+	if (metrics_fd >= 0)
+		up->listeners[up->listener_count++] = (struct upgrade_listener){
+		    .fd = metrics_fd, .kind = UPGRADE_LISTEN_METRICS, .spec = (char *)metrics};
+	up->hosts = s->workers;
+	up->host_count = s->worker_count;
+	up->exports = &s->exports;
+	up->flush_worker = control_worker(s->control);
+	up->accepting = on_accepting;
+	up->arg = s;
+	up->argv = argv;
+	ssize_t len = readlink("/proc/self/exe", up->self, sizeof(up->self) - 1);
+	up->self[len > 0 ? (size_t)len : 0] = '\0';
+	if (len <= 0)
+		snprintf(up->self, sizeof(up->self), "%s", argv[0]);
+	atomic_store(&up->ready, true); /* upgrades may start now */
+	return 0;
+}
+
+static void on_upgrade_done(const struct upgrade_result *r, void *arg)
+{
+	(void)arg;
+	if (r->committed) {
+		log_info("upgrade: pid %d serves from here on; exiting", (int)r->pid);
+		_exit(0);
+	}
+}
+
+/* SIGUSR2: upgrade to the binary this daemon runs (its path now). */
+static void on_upgrade_signal(evutil_socket_t sig, short what, void *arg)
+{
+	(void)sig;
+	(void)what;
+	struct upgrade_server *up = arg;
+	char buf[512];
+	const char *why = upgrade_refusal(up->exports, buf, sizeof(buf));
+	if (why) {
+		log_error("SIGUSR2: upgrade refused: %s", why);
+		return;
+	}
+	log_info("SIGUSR2: upgrading");
+	int rc = upgrade_begin(up, NULL, 0, on_upgrade_done, NULL);
+	if (rc < 0)
+		log_error("SIGUSR2: %s",
+			  rc == -EBUSY ? "an upgrade is in progress already" : strerror(-rc));
+}
+
+/* The new daemon of a live upgrade, committed: serve every connection
+ * handed over, dealt round robin to the workers like accepted ones. */
+static void adopt_connections(struct server *s)
+{
+	for (size_t i = 0; i < s->taken->conn_count; i++) {
+		struct upgrade_taken_conn *t = &s->taken->conns[i];
+		struct sockaddr_storage sa;
+		socklen_t len = sizeof(sa);
+		if (getpeername(t->fd, (struct sockaddr *)&sa, &len) < 0)
+			len = 0;
+		struct access_peer peer;
+		access_peer_from_socket(&peer, t->fd, &sa, len);
+		if (!budget_client_add()) {
+			log_warn("conn %llu: over --max-clients after the upgrade; closed",
+				 (unsigned long long)t->st.id);
+			access_peer_release(&peer);
+			continue;
+		}
+		budget_peer_add(&peer, 0); /* counted; the limit was checked at accept */
+		if (t->st.id > s->next_conn_id)
+			s->next_conn_id = t->st.id;
+		host_adopt(&s->workers[s->next_worker++ % s->worker_count], t->fd, &peer, &t->st);
+		t->fd = -1;
+	}
+}
+
+/* A new daemon that did not take over: the Unix socket paths it was
+ * handed are still the old daemon's, not to be removed. */
+static void forget_unix_paths(struct server *s)
+{
+	for (size_t i = 0; i < s->listener_count; i++) {
+		free(s->listeners[i].unix_path);
+		s->listeners[i].unix_path = NULL;
+	}
+}
+
 /* The pidfile is opened before privileges are dropped and written (through
  * the open descriptor) when the daemon is ready. */
 static int write_pidfile(int fd)
@@ -419,11 +582,16 @@ static int write_pidfile(int fd)
 	return 0;
 }
 
-int server_run(const struct options *opts, int argc, char **argv)
+int server_run(const struct options *opts, int argc, char **argv, int *upgrade_fd)
 {
 	struct server s = {0};
+	struct upgrade_taken taken = {0};
+	static struct upgrade_server up; /* the upgrade thread may outlive a return */
+	memset(&up, 0, sizeof(up));
+	bool committed = false; /* a new daemon's hand-over is done */
 	struct event *sigterm = NULL, *sigint = NULL, *sigusr1 = NULL, *sighup = NULL,
-		     *watchdog = NULL;
+		     *sigusr2 = NULL, *watchdog = NULL;
+	bool upgrading = *upgrade_fd >= 0;
 	int control_fd = -1, pidfile_fd = -1, metrics_fd = -1;
 	int *listen_fds = NULL;
 	struct worker **loops = NULL; /* the budget's view of the workers */
@@ -456,15 +624,30 @@ int server_run(const struct options *opts, int argc, char **argv)
 	}
 	if (export_table_open(&s.exports, opts, s.cache) < 0)
 		goto out_cache;
+	if (*upgrade_fd >= 0) {
+		/* A live upgrade: everything this daemon needs is open; take the
+		 * old one's sockets (it parks its connections meanwhile). */
+		char why[600];
+		if (upgrade_child_receive(*upgrade_fd, &taken, why, sizeof(why)) < 0) {
+			log_error("%s", why);
+			goto out_exports;
+		}
+		s.taken = &taken;
+		log_info("upgrade: handed %zu listener(s) and %zu connection(s)",
+			 taken.listener_count, taken.conn_count);
+	}
 	int activated = sd_listen_fds(1);
 	if (activated < 0)
 		activated = 0;
-	s.listeners = calloc(opts->listen_count + opts->unix_count + (size_t)activated,
-			     sizeof(*s.listeners));
+	s.listeners =
+	    calloc(opts->listen_count + opts->unix_count + (size_t)activated + taken.listener_count,
+		   sizeof(*s.listeners));
 	if (!s.listeners)
 		goto out_exports;
 	if (adopt_systemd_sockets(&s, activated) < 0)
 		goto out_listeners;
+	if (s.taken)
+		activated += adopt_activated(&s);
 	/* Sockets from systemd replace the default address and the config
 	 * file's, not --listen / --unix. */
 	bool replaced = activated && (opts->listen_default || opts->listen_from_config);
@@ -475,10 +658,17 @@ int server_run(const struct options *opts, int argc, char **argv)
 		if (listen_unix(&s, opts->unix_paths[i]) < 0)
 			goto out_listeners;
 	/* Bound before privileges are dropped, served once the workers run. */
-	if (opts->metrics && tcp_socket("--metrics", opts->metrics, &metrics_fd) < 0)
+	if (opts->metrics && s.taken)
+		metrics_fd = upgrade_take_listener(s.taken, UPGRADE_LISTEN_METRICS, opts->metrics);
+	if (opts->metrics && metrics_fd < 0 &&
+	    tcp_socket("--metrics", opts->metrics, &metrics_fd) < 0)
 		goto out_listeners;
 	bool no_control = opts->control_path && strcmp(opts->control_path, "none") == 0;
-	if (!no_control && control_listen(opts->control_path, &control_fd) < 0)
+	const char *control_path =
+	    opts->control_path ? opts->control_path : NBDCACHED_CONTROL_DEFAULT;
+	if (!no_control && s.taken)
+		control_fd = upgrade_take_listener(s.taken, UPGRADE_LISTEN_CONTROL, control_path);
+	if (!no_control && control_fd < 0 && control_listen(opts->control_path, &control_fd) < 0)
 		goto out_listeners;
 	if (opts->pidfile) {
 		pidfile_fd = open(opts->pidfile, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
@@ -490,7 +680,9 @@ int server_run(const struct options *opts, int argc, char **argv)
 	if (drop_privileges(opts) < 0)
 		goto out_listeners;
 
-	if (!opts->foreground && daemon(1, 0) < 0) {
+	/* A new daemon of a live upgrade stays the child its predecessor
+	 * started (whose PID it tells systemd). */
+	if (!opts->foreground && !s.taken && daemon(1, 0) < 0) {
 		log_error("daemon: %s", strerror(errno));
 		goto out_listeners;
 	}
@@ -541,31 +733,48 @@ int server_run(const struct options *opts, int argc, char **argv)
 		loops[i] = &s.workers[i].loop;
 	if (budget_start(opts, loops, s.worker_count, host_budget_wake) < 0)
 		goto out_workers;
+	if (s.taken) {
+		/* Everything is ready: confirm, and serve once the old daemon
+		 * says it is gone (before that, nothing here accepts or reads:
+		 * the old one may still roll back). */
+		rc = upgrade_child_commit(*upgrade_fd, (unsigned)taken.conn_count);
+		*upgrade_fd = -1;
+		if (rc < 0) {
+			log_error("upgrade: not committed (%s); the old daemon serves on",
+				  strerror(-rc));
+			goto out_workers;
+		}
+		committed = true;
+		adopt_connections(&s);
+		upgrade_taken_free(&taken);
+		s.taken = NULL;
+	}
 	listen_fds = calloc(s.listener_count ? s.listener_count : 1, sizeof(*listen_fds));
 	if (!listen_fds)
 		goto out_workers;
 	for (size_t i = 0; i < s.listener_count; i++)
 		listen_fds[i] = s.listeners[i].fd;
 	struct control_config ccfg = {
-		.exports = &s.exports,
-		.cache = s.cache,
-		.opts = opts,
-		.argc = argc,
-		.argv = argv,
-		.threads = s.worker_count,
-		.listen_fds = listen_fds,
-		.listen_count = s.listener_count,
-		.control_fd = control_fd,
-		.control_path = control_fd >= 0
-					? (opts->control_path ? opts->control_path
-							      : NBDCACHED_CONTROL_DEFAULT)
-					: NULL,
+	    .exports = &s.exports,
+	    .cache = s.cache,
+	    .opts = opts,
+	    .argc = argc,
+	    .argv = argv,
+	    .threads = s.worker_count,
+	    .listen_fds = listen_fds,
+	    .listen_count = s.listener_count,
+	    .control_fd = control_fd,
+	    .control_path = control_fd >= 0 ? (opts->control_path ? opts->control_path
+								  : NBDCACHED_CONTROL_DEFAULT)
+					    : NULL,
+	    .upgrade = &up,
 	};
 	rc = control_start(&ccfg, &s.control);
 	if (rc < 0) {
 		log_error("control thread: %s", strerror(-rc));
 		goto out_workers;
 	}
+	int control_listen_fd = control_fd, metrics_listen_fd = metrics_fd; /* for an upgrade */
 	control_fd = -1; /* the control thread's now */
 	if (metrics_fd >= 0) {
 		rc = metrics_start(metrics_fd, s.cache, &s.exports, &s.metrics);
@@ -581,20 +790,25 @@ int server_run(const struct options *opts, int argc, char **argv)
 		evutil_make_socket_nonblocking(l->fd);
 		/* Accepted sockets close on exec: an nbdkit a backend starts
 		 * (again, while clients are connected) must not hold one. */
-		l->ev =
-		    evconnlistener_new(s.base, on_accept, &s,
-				       LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC, -1, l->fd);
+		l->ev = evconnlistener_new(
+		    s.base, on_accept, &s,
+		    LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC | LEV_OPT_THREADSAFE, -1, l->fd);
 		if (!l->ev)
 			goto out_workers;
 		evconnlistener_set_error_cb(l->ev, on_accept_error);
 	}
+	if (upgrade_setup(&up, &s, argv, control_listen_fd, control_path, metrics_listen_fd,
+			  opts->metrics) < 0)
+		goto out_workers;
 	sigterm = evsignal_new(s.base, SIGTERM, on_signal, &s);
 	sigint = evsignal_new(s.base, SIGINT, on_signal, &s);
 	sigusr1 = evsignal_new(s.base, SIGUSR1, on_stats_signal, &s);
 	sighup = evsignal_new(s.base, SIGHUP, on_reload_signal, &s);
-	if (!sigterm || !sigint || !sigusr1 || !sighup || evsignal_add(sigterm, NULL) < 0 ||
-	    evsignal_add(sigint, NULL) < 0 || evsignal_add(sigusr1, NULL) < 0 ||
-	    evsignal_add(sighup, NULL) < 0) {
+	sigusr2 = evsignal_new(s.base, SIGUSR2, on_upgrade_signal, &up);
+	if (!sigterm || !sigint || !sigusr1 || !sighup || !sigusr2 ||
+	    evsignal_add(sigterm, NULL) < 0 || evsignal_add(sigint, NULL) < 0 ||
+	    evsignal_add(sigusr1, NULL) < 0 || evsignal_add(sighup, NULL) < 0 ||
+	    evsignal_add(sigusr2, NULL) < 0) {
 		log_error("cannot install signal handlers");
 		goto out_signals;
 	}
@@ -620,6 +834,13 @@ int server_run(const struct options *opts, int argc, char **argv)
 	status = 0;
 out_signals:
 out_workers:
+	/* An upgrade in progress holds the workers and listeners: it ends
+	 * within its timeouts (and ends the process if it commits). */
+	atomic_store(&up.ready, false);
+	while (atomic_load(&up.running))
+		usleep(10000);
+	if (upgrading && !committed)
+		forget_unix_paths(&s);
 	metrics_stop(s.metrics); /* first: it reads what the rest stops */
 	s.metrics = NULL;
 	close_listeners(&s);
@@ -644,6 +865,8 @@ out_workers:
 		event_free(watchdog);
 	if (sigusr1)
 		event_free(sigusr1);
+	if (sigusr2)
+		event_free(sigusr2);
 	if (sighup)
 		event_free(sighup);
 	if (sigterm)
@@ -662,7 +885,12 @@ out_base:
 out_listeners:
 	if (pidfile_fd >= 0)
 		close(pidfile_fd);
+	if (upgrading && !committed)
+		forget_unix_paths(&s);
 	close_listeners(&s);
+	upgrade_taken_free(&taken);
+	free(up.listeners);
+	up.listeners = NULL;
 	free(s.listeners);
 	free(listen_fds);
 	if (control_fd >= 0)

@@ -15,6 +15,8 @@
 #include "daemon/options.h"
 
 /* Run until a shutdown signal. Returns the process exit status. */
-int server_run(const struct options *opts, int argc, char **argv);
+/* upgrade_fd: a live upgrade's hand-over socket (upgrade_child_fd), or -1;
+ * set to -1 once used. */
+int server_run(const struct options *opts, int argc, char **argv, int *upgrade_fd);
 
 #endif

@@ -13,9 +13,12 @@
  */
 #include "daemon/session.h"
 
+#include "daemon/clock.h"
 #include "daemon/conn.h"
 #include "daemon/handshake.h"
+#include "daemon/log.h"
 #include "daemon/transmit.h"
+#include "daemon/upgrade_record.h"
 #include "daemon/worker.h"
 
 static void session_input(struct conn *c)
@@ -47,5 +50,34 @@ int session_start(struct conn_set *set, int fd, uint64_t id, const struct access
 	if (rc < 0)
 		return rc;
 	handshake_send_greeting(c);
+	return 0;
+}
+
+int session_adopt(struct conn_set *set, int fd, const struct access_peer *peer,
+		  const struct upgrade_conn_state *st)
+{
+	struct conn *c;
+	int rc = conn_start(set, fd, st->id, peer, session_input, &c);
+	if (rc < 0)
+		return rc;
+	conn_ref(c);
+	if (handshake_resume(c, st)) {
+		uint64_t now = clock_now_ns(), age = st->age_ms * 1000000u;
+		c->started_ns = age < now ? now - age : 0;
+		conn_counter_add(&c->requests, st->requests);
+		conn_counter_add(&c->bytes_read, st->bytes_read);
+		conn_counter_add(&c->bytes_written, st->bytes_written);
+		conn_counter_add(&c->payload_copied, st->payload_copied);
+		log_info(
+		    "conn %llu: resumed after the upgrade: export \"%s\", %llu requests so far, "
+		    "%u bytes of input to parse",
+		    (unsigned long long)c->id, st->name, (unsigned long long)st->requests,
+		    st->pending_len);
+		if (st->pending_len && conn_add_input(c, st->pending, st->pending_len) < 0)
+			conn_kill(c, "upgrade: out of memory for its pending input");
+		else if (st->pending_len)
+			session_input(c);
+	}
+	conn_unref(c);
 	return 0;
 }

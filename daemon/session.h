@@ -22,4 +22,16 @@ struct conn_set;
  * the client. On failure fd is closed and -errno returned. */
 int session_start(struct conn_set *set, int fd, uint64_t id, const struct access_peer *peer);
 
+struct upgrade_conn_state;
+/*
+ * A live upgrade's new daemon: adopt a socket handed over in transmission
+ * (st: what the old daemon had negotiated on it, its counters, the input
+ * it had read and not parsed) and serve it on from its next request. On
+ * failure fd is closed and -errno returned; a connection the new
+ * configuration cannot serve as negotiated is closed, with its reason in
+ * its end line (handshake_resume), and 0 returned.
+ */
+int session_adopt(struct conn_set *set, int fd, const struct access_peer *peer,
+		  const struct upgrade_conn_state *st);
+
 #endif

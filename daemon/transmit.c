@@ -686,6 +686,8 @@ int transmit_step(struct conn *c)
 		return 0; /* conn.c fills it, then reads on */
 	if (c->discard)
 		return discard_step(c, in);
+	if (c->parking && !c->admitted)
+		return 0; /* a request boundary: a live upgrade takes it from here */
 	size_t hsize = nbd_request_header_size(c->extended);
 	size_t avail = evbuffer_get_length(in);
 	if (avail < hsize)

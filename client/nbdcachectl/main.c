@@ -15,7 +15,8 @@
  *   attach  (attach.c) "status" and "exports" turned into an nbd-client
  *           command line, printed (shell-quoted) or executed;
  *   windows (attach.c) a split export's windows, from "exports";
- *   limit   (limit.c) KEY=VALUE arguments into one "limit" request.
+ *   limit   (limit.c) KEY=VALUE arguments into one "limit" request;
+ *   upgrade (upgrade.c) --binary and --timeout into one "upgrade" request.
  *
  *   main -> parse_args -> command->run (run_simple, run_flush, run_top,
  *           run_attach) -> ctl_call -> ctl_send / ctl_receive
@@ -78,6 +79,7 @@ static const struct command commands[] = {
     {"disconnect", {NULL}, 1, 1, NULL, run_disconnect},
     {"resize", {"export", "size"}, 1, 2, print_resize, run_simple},
     {"limit", {NULL}, 1, 64, NULL, run_limit},
+    {"upgrade", {NULL}, 0, 0, NULL, run_upgrade},
 };
 
 static void usage(FILE *f)
@@ -90,6 +92,7 @@ static void usage(FILE *f)
 	      "          | connections | disconnect ID | resize EXPORT [SIZE]\n"
 	      "          | limit EXPORT [KEY=VALUE...]  (iops-limit, bytes-limit,\n"
 	      "            client-iops-limit, client-bytes-limit and their -burst)\n"
+	      "          | upgrade [--binary PATH] [--timeout SECONDS]\n"
 	      "default control socket: " NBDCACHED_CONTROL_DEFAULT "\n"
 	      "exit status: 0 success, 1 the daemon refused or could not be reached, 2 usage\n",
 	      f);
@@ -103,6 +106,8 @@ static int parse_args(int argc, char **argv, struct options *o)
 						{"count", required_argument, NULL, 'n'},
 						{"interval", required_argument, NULL, 'i'},
 						{"run", no_argument, NULL, 'r'},
+						{"binary", required_argument, NULL, 'b'},
+						{"timeout", required_argument, NULL, 't'},
 						{"help", no_argument, NULL, 'h'},
 						{NULL, 0, NULL, 0}};
 	char *end;
@@ -138,6 +143,19 @@ static int parse_args(int argc, char **argv, struct options *o)
 		case 'r':
 			o->run = true;
 			break;
+		case 'b':
+			o->binary = optarg;
+			o->upgrade_options = true;
+			break;
+		case 't':
+			errno = 0;
+			o->timeout = strtol(optarg, &end, 10);
+			o->upgrade_options = true;
+			if (errno || *end || end == optarg || o->timeout < 1 || o->timeout > 3600) {
+				report("--timeout: 1 to 3600 seconds: %s", optarg);
+				return -EINVAL;
+			}
+			break;
 		case 'h':
 			usage(stdout);
 			return 1;
@@ -163,7 +181,8 @@ static int parse_args(int argc, char **argv, struct options *o)
 		return -EINVAL;
 	}
 	if ((o->top_options && o->command->run != run_top) ||
-	    (o->run && o->command->run != run_attach)) {
+	    (o->run && o->command->run != run_attach) ||
+	    (o->upgrade_options && o->command->run != run_upgrade)) {
 		report("%s: option not valid with this command", o->command->name);
 		return -EINVAL;
 	}

@@ -22,6 +22,9 @@ struct options {
 	long count;	  /* top --count; 0: forever */
 	double interval;  /* top --interval, seconds */
 	bool top_options; /* --count or --interval given */
+	const char *binary;   /* upgrade --binary */
+	long timeout;	      /* upgrade --timeout, seconds; 0: the daemon's default */
+	bool upgrade_options; /* --binary or --timeout given */
 	const struct command *command;
 	char **args;
 	int nargs;
@@ -54,6 +57,7 @@ int run_flush(const struct options *o);
 int run_top(const struct options *o);
 int run_attach(const struct options *o);
 int run_windows(const struct options *o);
+int run_upgrade(const struct options *o);
 int run_disconnect(const struct options *o); /* conns.c */
 int run_limit(const struct options *o);	     /* limit.c */
 

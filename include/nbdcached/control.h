@@ -193,6 +193,17 @@
  *     a window, or a size that is not a multiple of the block size;
  *     "ENOENT": no such export; "ENOTSUP": an NBD backend.
  *
+ *   upgrade [binary: PATH] [, timeout: SECONDS]
+ *     Starts a new daemon (PATH, by default the binary this one was started
+ *     from) and hands it every listener and every connection in
+ *     transmission (nbdcached(8), LIVE UPGRADE). Answered once it serves:
+ *     pid (the new daemon's), moved, closed (connections), pause_ms (from
+ *     parking the connections to the hand-over); this daemon then exits.
+ *     "EAGAIN": it failed, and this daemon serves on (the message says
+ *     why: the new daemon's error, its exit status, or the step it did
+ *     not take within timeout seconds, default 30); "ENOTSUP": an
+ *     nbdkit: or writable rbd: export; "EBUSY": one is in progress.
+ *
  *   connections
  *     connections: array of CONNECTION objects, one per NBD connection
  *     (negotiating ones too), oldest first:

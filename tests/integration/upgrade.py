@@ -1,0 +1,446 @@
+#!/usr/bin/python3
+"""upgrade: `nbdcachectl upgrade` hands every connection to a new daemon
+while clients keep requests in flight, and rolls back when the new daemon
+cannot take over.
+
+One daemon (--config FILE: one export on a 64 MiB file, the cache 32 MiB
+in writeback; a Unix socket and a TCP port on the command line). The test
+process is a child subreaper, so each new daemon, orphaned when its
+predecessor exits, is still its child (reaped, killed by PID).
+
+  1  Under load, UPGRADES upgrades in a row: CLIENTS libnbd clients
+     (structured replies, base:allocation), each on a region of its own,
+     keep up to QD random commands in flight (READ checked against a byte
+     model, WRITE, some with FUA, TRIM, WRITE_ZEROES, FLUSH, BLOCK_STATUS)
+     and go on through every upgrade on the same connection: no command
+     fails, no byte differs, no connection is dropped (the same ids, their
+     request counters never go back), each upgrade's reply names a new PID
+     and its pause. After the last, every region read whole equals its
+     model, and so does the file after the daemon's exit.
+  2  Roll-backs, each answered with the reason and followed by the old
+     daemon serving on (the clients' connections, a new connection on
+     each listener, the control socket): a binary that exits at once
+     (/bin/false), one that hangs (killed after --timeout 2), and a config
+     that no longer parses (the new daemon's own error in the reply).
+  3  Refused up front: a daemon with an nbdkit: export (its data is in
+     the nbdkit it started).
+"""
+
+import ctypes
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+sys.dont_write_bytecode = True
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "lib"))
+import nbdtest  # noqa: E402
+from nbdtest import Failed, log, require  # noqa: E402
+
+import nbd  # noqa: E402
+
+MIB = 1 << 20
+SIZE = 64 * MIB
+CLIENTS = 4
+REGION = 8 * MIB
+BLOCK = 4096
+QD = 32
+UPGRADES = int(os.environ.get("UPGRADES", "20"))
+CHECKS = nbdtest.Checks(catch=(Failed, nbd.Error, OSError, subprocess.SubprocessError))
+expect = CHECKS.expect
+
+
+def subreaper():
+    """Orphans of our children become ours (prctl PR_SET_CHILD_SUBREAPER)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    require(libc.prctl(36, 1, 0, 0, 0) == 0, "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+class Service:
+    """The daemon through its upgrades: the current PID from the pidfile."""
+
+    def __init__(self, tmp, conf):
+        self.tmp = tmp
+        self.sock = os.path.join(tmp, "nbd.sock")
+        self.control = os.path.join(tmp, "control.sock")
+        self.pidfile = os.path.join(tmp, "nbdcached.pid")
+        self.logpath = os.path.join(tmp, "nbdcached.log")
+        self.port = nbdtest.free_port()
+        self.args = [nbdtest.NBDCACHED, "--foreground", "--config", conf,
+                     "--unix", self.sock, "--listen", "127.0.0.1:%d" % self.port,
+                     "--control", self.control, "--pidfile", self.pidfile,
+                     "--threads", "2", "--log-level", "info"]
+        self.logf = open(self.logpath, "w")
+        log("+ " + " ".join(self.args))
+        self.first = subprocess.Popen(self.args, stdout=self.logf, stderr=subprocess.STDOUT)
+        require(nbdtest.wait_until(lambda: self.pid_file() == self.first.pid, 15),
+                "the daemon did not start (no pidfile)")
+
+    def pid_file(self):
+        try:
+            with open(self.pidfile) as f:
+                return int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def uri(self, tcp=False):
+        if tcp:
+            return "nbd://127.0.0.1:%d/disk" % self.port
+        return "nbd+unix:///disk?socket=%s" % self.sock
+
+    def ctl(self, *args):
+        cmd = [nbdtest.NBDCACHECTL, "--control", self.control] + list(args)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    def log_text(self):
+        self.logf.flush()
+        with open(self.logpath) as f:
+            return f.read()
+
+    def reap(self):
+        """Reap every exited child (old daemons, failed new ones)."""
+        for _ in range(1000):
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+    def stop(self):
+        """SIGTERM the daemon serving now, by PID; its exit status."""
+        pid = self.pid_file()
+        require(pid > 0, "no daemon PID in the pidfile")
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                got, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                return 0
+            if got == pid:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise Failed("the daemon (pid %d) did not exit within 30 s of SIGTERM" % pid)
+
+    def kill_all(self):
+        for pid in {self.pid_file(), self.first.pid}:
+            try:
+                if pid > 0:
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        self.reap()
+
+
+class Client:
+    """One connection, its region, its model; commands kept in flight."""
+
+    def __init__(self, svc, index, seed):
+        self.index = index
+        self.base = index * REGION
+        self.rng = random.Random(seed)
+        self.model = bytearray(REGION)
+        self.h = nbdtest.libnbd_handle(svc.uri(tcp=index % 2 == 1), meta=True)
+        self.busy = set()        # blocks with a command in flight
+        self.inflight = {}       # cookie -> (kind, block, data, buf)
+        self.done = {"read": 0, "write": 0, "trim": 0, "zero": 0, "flush": 0, "status": 0}
+        self.errors = []
+
+    def free_block(self):
+        for _ in range(64):
+            b = self.rng.randrange(REGION // BLOCK)
+            if b not in self.busy:
+                return b
+        return None
+
+    def issue(self):
+        kind = self.rng.choices(["read", "write", "trim", "zero", "flush", "status"],
+                                [35, 35, 8, 8, 6, 8])[0]
+        if kind == "flush":
+            c = self.h.aio_flush()
+            self.inflight[c] = (kind, None, None, None)
+            return
+        b = self.free_block()
+        if b is None:
+            return
+        off = self.base + b * BLOCK
+        if kind == "read":
+            buf = nbd.Buffer(BLOCK)
+            c = self.h.aio_pread(buf, off)
+            self.inflight[c] = (kind, b, None, buf)
+        elif kind == "write":
+            data = bytes([self.rng.randrange(256)]) * 16 + os.urandom(BLOCK - 16)
+            flags = nbd.CMD_FLAG_FUA if self.rng.random() < 0.2 else 0
+            c = self.h.aio_pwrite(data, off, flags=flags)
+            self.inflight[c] = (kind, b, data, None)
+        elif kind == "trim":
+            c = self.h.aio_trim(BLOCK, off)
+            self.inflight[c] = (kind, b, bytes(BLOCK), None)
+        elif kind == "zero":
+            c = self.h.aio_zero(BLOCK, off)
+            self.inflight[c] = (kind, b, bytes(BLOCK), None)
+        else:
+            seen = []
+
+            def cb(metacontext, offset, entries, err):
+                seen.append((offset, list(entries)))
+                return 0
+            c = self.h.aio_block_status(BLOCK, off, cb)
+            self.inflight[c] = (kind, b, seen, None)
+        self.busy.add(b)
+
+    def reap(self):
+        for c in list(self.inflight):
+            try:
+                if not self.h.aio_command_completed(c):
+                    continue
+            except nbd.Error as e:
+                kind, b, _, _ = self.inflight.pop(c)
+                self.busy.discard(b)
+                self.errors.append("%s of block %s: %s" % (kind, b, e))
+                continue
+            kind, b, data, buf = self.inflight.pop(c)
+            self.busy.discard(b)
+            self.done[kind] += 1
+            at = None if b is None else b * BLOCK
+            if kind == "read":
+                got = buf.to_bytearray()
+                if got != self.model[at:at + BLOCK]:
+                    self.errors.append("read of block %d: other bytes than the model" % b)
+            elif kind in ("write", "trim", "zero"):
+                self.model[at:at + BLOCK] = data
+            elif kind == "status":
+                covered = sum(n for _, ents in data for n in ents[0::2])
+                if covered <= 0:
+                    self.errors.append("block status of block %d: no extent" % b)
+
+    def poll(self, timeout_ms):
+        import select
+        p = select.poll()
+        d = self.h.aio_get_direction()
+        ev = (select.POLLIN if d & nbd.AIO_DIRECTION_READ else 0) | \
+             (select.POLLOUT if d & nbd.AIO_DIRECTION_WRITE else 0)
+        fd = self.h.aio_get_fd()
+        p.register(fd, ev or select.POLLIN)
+        for _, e in p.poll(timeout_ms):
+            if e & select.POLLIN:
+                self.h.aio_notify_read()
+            elif e & select.POLLOUT:
+                self.h.aio_notify_write()
+            elif e & (select.POLLHUP | select.POLLERR):
+                raise Failed("client %d: the connection was closed" % self.index)
+
+    def run(self, stop):
+        """Keep QD commands in flight until stop is set (bounded: 10 min)."""
+        deadline = time.time() + 600
+        try:
+            while not stop.is_set() and time.time() < deadline:
+                while len(self.inflight) < QD:
+                    self.issue()
+                self.poll(50)
+                self.reap()
+            end = time.time() + 60
+            while self.inflight and time.time() < end:
+                self.poll(50)
+                self.reap()
+            if self.inflight:
+                self.errors.append("%d commands never completed" % len(self.inflight))
+        except Exception as e:  # noqa: BLE001 - reported with the client's
+            self.errors.append("client %d: %s" % (self.index, e))
+
+
+def connections(svc):
+    r = nbdtest.control_request(svc.control, {"command": "connections"})
+    require(r.get("ok"), "connections: %s" % r)
+    return {c["id"]: c for c in r["connections"]}
+
+
+def served(svc, what):
+    """A new connection on each listener reads; the control socket answers."""
+    for tcp in (False, True):
+        h = nbdtest.libnbd_handle(svc.uri(tcp=tcp))
+        try:
+            h.pread(BLOCK, SIZE - BLOCK)
+        finally:
+            nbdtest.shutdown_all([h])
+    r = nbdtest.control_request(svc.control, {"command": "status"})
+    require(r.get("ok"), "%s: status: %s" % (what, r))
+
+
+def under_load(svc):
+    clients = [Client(svc, i, 1000 + i) for i in range(CLIENTS)]
+    ids_before = set(connections(svc))
+    stop = threading.Event()
+    threads = [threading.Thread(target=c.run, args=(stop,), daemon=True) for c in clients]
+    for t in threads:
+        t.start()
+    pids, pauses = [], []
+    last = connections(svc)
+    try:
+        for n in range(UPGRADES):
+            time.sleep(0.3)
+            before = svc.pid_file()
+            r = svc.ctl("--json", "upgrade")
+            svc.reap()
+            expect(r.returncode == 0, "upgrade %d: exit %d: %s" % (n + 1, r.returncode,
+                                                                   r.stderr.strip()))
+            if r.returncode:
+                continue
+            import json
+            reply = json.loads(r.stdout)
+            # The new daemon writes its pidfile and resumes the connections
+            # just after the old one has replied.
+            nbdtest.wait_until(lambda: svc.pid_file() == reply["pid"], 5)
+            now = svc.pid_file()
+            expect(reply["pid"] == now and now != before,
+                   "upgrade %d: the reply says pid %s, the pidfile %d (was %d)"
+                   % (n + 1, reply["pid"], now, before))
+            pids.append(now)
+            pauses.append(reply["pause_ms"])
+            expect(reply["moved"] >= CLIENTS,
+                   "upgrade %d: %d connections moved, %d clients" % (n + 1, reply["moved"],
+                                                                     CLIENTS))
+            nbdtest.wait_until(lambda: ids_before <= set(connections(svc)), 5)
+            conns = connections(svc)
+            for cid, c in last.items():
+                if cid not in ids_before:
+                    continue
+                expect(cid in conns, "upgrade %d: connection %d is gone" % (n + 1, cid))
+                if cid in conns:
+                    expect(conns[cid]["requests"] >= c["requests"],
+                           "upgrade %d: connection %d's requests went from %d to %d"
+                           % (n + 1, cid, c["requests"], conns[cid]["requests"]))
+            last = conns
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    for c in clients:
+        for e in c.errors[:5]:
+            CHECKS.add("client %d: %s" % (c.index, e))
+        log("  client %d: %s" % (c.index, ", ".join("%d %s" % (v, k) for k, v in c.done.items())))
+        expect(sum(c.done.values()) > UPGRADES * 10, "client %d did too little" % c.index)
+    if pauses:
+        s = sorted(pauses)
+        log("  %d upgrades, pids %s; pause p50 %d ms, max %d ms"
+            % (len(pauses), " ".join(map(str, pids[:3])) + " ...", s[len(s) // 2], s[-1]))
+    # Every region, read whole on its own connection, is its model.
+    for c in clients:
+        got = c.h.pread(REGION, c.base)
+        nbdtest.require_same(bytes(got), bytes(c.model), "client %d's region" % c.index,
+                             base=c.base)
+        c.h.flush()
+    nbdtest.shutdown_all([c.h for c in clients])
+    return clients
+
+
+def rollback(svc, conf, good_conf):
+    h = nbdtest.libnbd_handle(svc.uri())
+    pattern = os.urandom(BLOCK)
+    h.pwrite(pattern, 60 * MIB)
+    hang = os.path.join(svc.tmp, "hang.sh")
+    with open(hang, "w") as f:
+        f.write("#!/bin/sh\nexec sleep 600\n")
+    os.chmod(hang, 0o755)
+    cases = [("a binary that exits at once", ["--binary", "/bin/false"], "status 1"),
+             ("a binary that hangs", ["--binary", hang, "--timeout", "2"], "within 2 s"),
+             ("a config that no longer parses", [], "no-such-key")]
+    try:
+        for what, args, want in cases:
+            pid = svc.pid_file()
+            if "config" in what:
+                with open(conf, "w") as f:
+                    f.write(good_conf + "no-such-key = 1\n")
+            t0 = time.time()
+            r = svc.ctl("upgrade", *args)
+            took = time.time() - t0
+            svc.reap()
+            if "config" in what:
+                with open(conf, "w") as f:
+                    f.write(good_conf)
+            log("  %s: exit %d in %.1f s: %s" % (what, r.returncode, took, r.stderr.strip()))
+            expect(r.returncode == 1, "%s: nbdcachectl upgrade exited %d" % (what, r.returncode))
+            expect(want in r.stderr, "%s: the reason (%r) is not in %r" % (what, want, r.stderr))
+            expect(svc.pid_file() == pid, "%s: the pidfile changed" % what)
+            expect(h.pread(BLOCK, 60 * MIB) == pattern,
+                   "%s: the old connection does not read its bytes" % what)
+            h.pwrite(pattern, 60 * MIB)
+            h.flush()
+            served(svc, what)
+    finally:
+        nbdtest.shutdown_all([h])
+
+
+def refused_nbdkit(tmp):
+    if shutil.which("nbdkit") is None:
+        raise Failed("nbdkit not found (install nbdkit)")
+    os.mkdir(os.path.join(tmp, "kit"))
+    d = nbdtest.Daemon([("kit", "nbdkit:memory size=1M", "")], workdir=os.path.join(tmp, "kit"))
+    try:
+        r = nbdtest.control_request(d.control, {"command": "upgrade"})
+        expect(not r.get("ok") and "nbdkit" in r.get("error", ""),
+               "an nbdkit: export: upgrade answered %s" % r)
+        expect(d.alive(), "the daemon did not survive the refused upgrade")
+    finally:
+        d.stop()
+
+
+def main():
+    subreaper()
+    t0 = time.time()
+    with nbdtest.tempdir() as tmp:
+        disk = os.path.join(tmp, "disk.img")
+        nbdtest.sparse_file(disk, SIZE)
+        conf = os.path.join(tmp, "nbdcached.conf")
+        good_conf = ("[generic]\ncache-size = 32M\n\n[disk]\nbackend = %s\n" % disk)
+        with open(conf, "w") as f:
+            f.write(good_conf)
+        svc = Service(tmp, conf)
+        clients = []
+        try:
+            ok = CHECKS.run("%d upgrades with %d clients keeping %d commands in flight"
+                            % (UPGRADES, CLIENTS, QD), lambda: clients.extend(under_load(svc)))
+            CHECKS.run("roll-backs", rollback, svc, conf, good_conf)
+            rc = svc.stop()
+            expect(rc == 0, "the last daemon exited %d" % rc)
+            svc.reap()
+            if ok and clients:
+                with open(disk, "rb") as f:
+                    for c in clients:
+                        f.seek(c.base)
+                        nbdtest.require_same(f.read(REGION), bytes(c.model),
+                                             "the file, client %d's region" % c.index,
+                                             base=c.base)
+            text = svc.log_text()
+            expect("Sanitizer" not in text and "runtime error:" not in text,
+                   "a sanitizer report in the daemons' log")
+            expect(not os.path.exists(svc.sock), "the Unix socket is left after the last exit")
+            expect(text.count("handed over to the new daemon") >= UPGRADES * CLIENTS,
+                   "the log does not say every connection was handed over")
+            pending = re.findall(r"so far, (\d+) bytes of input to parse", text)
+            log("  %d connections resumed, %d of them with requests read and not parsed "
+                "(%d bytes in all)" % (len(pending), sum(1 for p in pending if int(p)),
+                                        sum(int(p) for p in pending)))
+            expect(any(int(p) for p in pending),
+                   "no connection was handed over with input read and not parsed: the "
+                   "test did not exercise it")
+        finally:
+            if CHECKS.failures:
+                log(svc.log_text()[-6000:])
+            svc.kill_all()
+        CHECKS.run("an nbdkit: export is refused up front", refused_nbdkit, tmp)
+    log("total %.1fs" % (time.time() - t0))
+    CHECKS.finish("upgrade")
+
+
+if __name__ == "__main__":
+    main()
