@@ -16,7 +16,11 @@ predecessor exits, is still its child (reaped, killed by PID).
      fails, no byte differs, no connection is dropped (the same ids, their
      request counters never go back), each upgrade's reply names a new PID
      and its pause. After the last, every region read whole equals its
-     model, and so does the file after the daemon's exit.
+     model, and so does the file after the daemon's exit. Beside them, on
+     regions of their own: fio's nbd engine (random 4 KiB writes at QD 16,
+     verified, loop after loop) and qemu-io (extended headers: write,
+     read -P, discard, write -z, one command after another), both spanning
+     several upgrades, both exiting 0 with nothing wrong.
   2  Roll-backs, each answered with the reason and followed by the old
      daemon serving on (the clients' connections, a new connection on
      each listener, the control socket): a binary that exits at once
@@ -24,6 +28,12 @@ predecessor exits, is still its child (reaped, killed by PID).
      that no longer parses (the new daemon's own error in the reply).
   3  Refused up front: a daemon with an nbdkit: export (its data is in
      the nbdkit it started).
+  4  Bad state records: the test plays the old daemon to a new one
+     (NBDCACHED_UPGRADE_FD): after its HELLO, a record of another version
+     (newer, older), one cut short, a CONNECTION without its descriptor,
+     an END that does not add up. Each time the new daemon exits non-zero
+     after an ERROR record that names the fault, serves nothing, and
+     leaves the socket paths it was given in place.
 """
 
 import ctypes
@@ -32,6 +42,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -276,9 +287,70 @@ def served(svc, what):
     require(r.get("ok"), "%s: status: %s" % (what, r))
 
 
+FIO_BASE, FIO_SIZE = 36 * MIB, 4 * MIB
+QEMU_BASE = 48 * MIB
+
+
+def start_peers(svc):
+    """fio (nbd engine, verify) and qemu-io, in the background."""
+    peers = {}
+    if shutil.which("fio"):
+        peers["fio"] = subprocess.Popen(
+            ["fio", "--name=up", "--ioengine=nbd", "--uri=" + svc.uri(), "--rw=randwrite",
+             "--bs=4k", "--iodepth=16", "--offset=%d" % FIO_BASE, "--size=%d" % FIO_SIZE,
+             "--loops=10", "--verify=crc32c", "--verify_fatal=1", "--do_verify=1",
+             "--verify_state_save=0"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=svc.tmp, text=True)
+    else:
+        CHECKS.add("fio not found (install fio)")
+    if shutil.which("qemu-io"):
+        cmds = []
+        rng = random.Random(7)
+        for i in range(1500):
+            off = QEMU_BASE + rng.randrange(64) * 65536
+            pat = 1 + i % 250
+            kind = rng.randrange(10)
+            if kind < 6:
+                cmds += ["write -P %d %d 65536" % (pat, off), "read -P %d %d 65536" % (pat, off)]
+            elif kind < 8:
+                cmds += ["discard %d 65536" % off, "read -P 0 %d 65536" % off]
+            else:
+                cmds += ["write -z %d 65536" % off, "read -P 0 %d 65536" % off]
+            if i % 50 == 0:
+                cmds.append("flush")
+        args = ["qemu-io", "-f", "raw"]
+        for c in cmds:
+            args += ["-c", c]
+        args.append("nbd+unix:///disk?socket=" + svc.sock)
+        peers["qemu-io"] = subprocess.Popen(args, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True)
+    else:
+        CHECKS.add("qemu-io not found (install qemu-utils)")
+    return peers
+
+
+def finish_peers(peers):
+    t0 = time.time()
+    for name, p in peers.items():
+        try:
+            out, _ = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            CHECKS.add("%s did not end within 300 s" % name)
+            continue
+        bad = [w for w in ("failed", "error", "mismatch", "verify:", "bad magic")
+               if w in out.lower()]
+        log("  %s: exit %d after %.1f s more%s" % (name, p.returncode, time.time() - t0,
+                                 (", said " + ", ".join(bad)) if bad else ""))
+        expect(p.returncode == 0 and not bad, "%s: exit %d, output: %s"
+               % (name, p.returncode, out[-1500:]))
+
+
 def under_load(svc):
     clients = [Client(svc, i, 1000 + i) for i in range(CLIENTS)]
-    ids_before = set(connections(svc))
+    ids_before = set(connections(svc))  # the clients' (the peers end on their own)
+    peers = start_peers(svc)
     stop = threading.Event()
     threads = [threading.Thread(target=c.run, args=(stop,), daemon=True) for c in clients]
     for t in threads:
@@ -324,11 +396,25 @@ def under_load(svc):
         stop.set()
         for t in threads:
             t.join(120)
+        finish_peers(peers)
     for c in clients:
         for e in c.errors[:5]:
             CHECKS.add("client %d: %s" % (c.index, e))
         log("  client %d: %s" % (c.index, ", ".join("%d %s" % (v, k) for k, v in c.done.items())))
         expect(sum(c.done.values()) > UPGRADES * 10, "client %d did too little" % c.index)
+    # fio's and qemu-io's connections went through upgrades too.
+    moved = {}
+    for cid in re.findall(r"conn (\d+): resumed after the upgrade", svc.log_text()):
+        if int(cid) not in ids_before:
+            moved[int(cid)] = moved.get(int(cid), 0) + 1
+    log("  the peers' connections resumed: %s" % moved)
+    ext = set(int(c) for c in re.findall(r"conn (\d+): export \"disk\" negotiated "
+                                          r"structured=1 extended=1", svc.log_text()))
+    expect(any(moved.get(c, 0) >= 2 for c in ext),
+           "no connection with extended headers (qemu-io's) went through upgrades")
+    expect(len(peers) == 0 or sum(1 for n in moved.values() if n >= 2) >= len(peers),
+           "fio's and qemu-io's connections were not each handed over twice or more: %s"
+           % moved)
     if pauses:
         s = sorted(pauses)
         log("  %d upgrades, pids %s; pause p50 %d ms, max %d ms"
@@ -394,6 +480,82 @@ def refused_nbdkit(tmp):
         d.stop()
 
 
+MAGIC = 0x4e424355
+
+
+def record(rtype, body, fds=0, version=1, length=None):
+    import struct
+    return struct.pack(">IHHII", MAGIC, version, rtype,
+                       len(body) if length is None else length, fds) + body
+
+
+def bad_records(tmp):
+    import struct
+    d = os.path.join(tmp, "bad")
+    os.mkdir(d)
+    disk = os.path.join(d, "disk.img")
+    nbdtest.sparse_file(disk, MIB)
+    sock_path = os.path.join(d, "nbd.sock")
+    conn = struct.pack(">QQQQQQQHBH", 9, 1, 1, 0, 0, 0, MIB, 0, 1, 4) + b"disk" + \
+        struct.pack(">I", 0)
+    cases = [
+        ("a newer version", record(4, struct.pack(">II", 0, 0), version=2), None,
+         "version 2, this daemon reads version 1"),
+        ("an older version", record(4, struct.pack(">II", 0, 0), version=0), None,
+         "version 0"),
+        ("a record cut short", record(3, conn[:20], fds=1, length=len(conn)), "fd",
+         "cut short"),
+        ("a CONNECTION without its descriptor", record(3, conn, fds=1), None,
+         "1 descriptor(s) announced and 0 received"),
+        ("an END that does not add up", record(4, struct.pack(">II", 3, 0)), None,
+         "END says 3 connections"),
+    ]
+    for what, payload, with_fd, want in cases:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # A Unix socket the "old daemon" listens on: the new one must leave it.
+        lsock = socket.socket(socket.AF_UNIX)
+        if os.path.exists(sock_path):
+            os.unlink(sock_path)
+        lsock.bind(sock_path)
+        lsock.listen(1)
+        env = dict(os.environ, NBDCACHED_UPGRADE_FD=str(b.fileno()))
+        args = [nbdtest.NBDCACHED, "--foreground", "--unix", sock_path, "--control", "none",
+                "--cache-size", "8M", "--export", "disk=" + disk]
+        p = subprocess.Popen(args, env=env, pass_fds=[b.fileno()], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT)
+        b.close()
+        try:
+            a.settimeout(20)
+            hello = a.recv(65536)
+            require(len(hello) >= 16 and struct.unpack(">H", hello[6:8])[0] == 1,
+                    "%s: no HELLO from the new daemon" % what)
+            lrec = record(2, bytes([2]) + struct.pack(">H", len(sock_path)) +
+                          sock_path.encode(), fds=1)
+            socket.send_fds(a, [lrec], [lsock.fileno()])
+            if with_fd:
+                socket.send_fds(a, [payload], [lsock.fileno()])
+            else:
+                a.send(payload)
+            err = a.recv(65536)
+            text = err[16:].decode(errors="replace") if len(err) > 16 else ""
+            rc = p.wait(timeout=20)
+            out = p.stdout.read().decode(errors="replace")
+            log("  %s: exit %d, ERROR %r" % (what, rc, text))
+            expect(rc != 0, "%s: the new daemon exited 0" % what)
+            expect(len(err) >= 16 and struct.unpack(">H", err[6:8])[0] == 7,
+                   "%s: no ERROR record (got %r)" % (what, err[:16]))
+            expect(want in text, "%s: the ERROR does not say %r: %r" % (what, want, text))
+            expect(os.path.exists(sock_path),
+                   "%s: the new daemon removed the socket path it was handed" % what)
+            expect("ready" not in out, "%s: the new daemon said it was ready" % what)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            a.close()
+            lsock.close()
+
+
 def main():
     subreaper()
     t0 = time.time()
@@ -438,6 +600,7 @@ def main():
                 log(svc.log_text()[-6000:])
             svc.kill_all()
         CHECKS.run("an nbdkit: export is refused up front", refused_nbdkit, tmp)
+        CHECKS.run("bad state records: the new daemon refuses them and exits", bad_records, tmp)
     log("total %.1fs" % (time.time() - t0))
     CHECKS.finish("upgrade")
 
