@@ -34,6 +34,11 @@ predecessor exits, is still its child (reaped, killed by PID).
      an END that does not add up. Each time the new daemon exits non-zero
      after an ERROR record that names the fault, serves nothing, and
      leaves the socket paths it was given in place.
+  5  What systemd hears (NOTIFY_SOCKET: a datagram socket of the test's,
+     the sender of each message from SCM_CREDENTIALS; WATCHDOG_USEC and
+     WATCHDOG_PID set as systemd sets them): the old daemon says
+     RELOADING=1, then MAINPID= the new one's; the new one then says
+     READY=1 and keeps the watchdog fed (WATCHDOG=1 from the new PID).
 """
 
 import ctypes
@@ -556,6 +561,86 @@ def bad_records(tmp):
             lsock.close()
 
 
+def notify(tmp):
+    import struct
+    d = os.path.join(tmp, "notify")
+    os.mkdir(d)
+    disk = os.path.join(d, "disk.img")
+    nbdtest.sparse_file(disk, MIB)
+    npath = os.path.join(d, "notify.sock")
+    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ns.bind(npath)
+    ns.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    control = os.path.join(d, "control.sock")
+    pidfile = os.path.join(d, "pid")
+    env = dict(os.environ, NOTIFY_SOCKET=npath, WATCHDOG_USEC="400000")
+    args = ["sh", "-c", 'WATCHDOG_PID=$$ exec "$0" "$@"', nbdtest.NBDCACHED, "--foreground",
+            "--unix", os.path.join(d, "nbd.sock"), "--control", control, "--pidfile", pidfile,
+            "--cache-size", "8M", "--export", "disk=" + disk]
+    logf = open(os.path.join(d, "log"), "w")
+    p = subprocess.Popen(args, env=env, stdout=logf, stderr=subprocess.STDOUT)
+    msgs = []
+
+    def drain(seconds):
+        end = time.time() + seconds
+        while time.time() < end:
+            ns.settimeout(max(0.01, end - time.time()))
+            try:
+                data, anc, _, _ = ns.recvmsg(4096, socket.CMSG_SPACE(12))
+            except socket.timeout:
+                break
+            pid = 0
+            for level, kind, blob in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    pid = struct.unpack("iII", blob[:12])[0]
+            msgs.append((pid, data.decode(errors="replace")))
+    new = 0
+    try:
+        drain(3)
+        require(any("READY=1" in m for _, m in msgs), "no READY=1 at start: %s" % msgs)
+        first = len(msgs)
+        r = nbdtest.control_request(control, {"command": "upgrade"}, timeout=60)
+        require(r.get("ok"), "upgrade: %s" % r)
+        new = r["pid"]
+        drain(1.5)
+        after = msgs[first:]
+        log("  after the upgrade: %s" % after)
+        old_says = [m for pid, m in after if pid == p.pid]
+        new_says = [m for pid, m in after if pid == new]
+        expect(any("RELOADING=1" in m for m in old_says), "the old daemon never said RELOADING=1")
+        expect(any(("MAINPID=%d" % new) in m for m in old_says),
+               "the old daemon never said MAINPID=%d" % new)
+        expect(any("READY=1" in m for m in new_says), "the new daemon never said READY=1")
+        at_mainpid = next((i for i, (pid, m) in enumerate(after)
+                           if pid == p.pid and "MAINPID=" in m), None)
+        at_ready = next((i for i, (pid, m) in enumerate(after)
+                         if pid == new and "READY=1" in m), None)
+        expect(at_mainpid is not None and at_ready is not None and at_mainpid < at_ready,
+               "the new daemon said READY=1 before the old one handed it MAINPID")
+        expect(sum(1 for m in new_says if "WATCHDOG=1" in m) >= 2,
+               "the new daemon does not feed the watchdog (WATCHDOG_PID is its own)")
+    finally:
+        for pid in (new, p.pid):
+            try:
+                if pid:
+                    os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
+        for pid in (new, p.pid):
+            if not pid:
+                continue
+            for _ in range(200):
+                try:
+                    got, _ = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if got == pid:
+                    break
+                time.sleep(0.05)
+        ns.close()
+        logf.close()
+
+
 def main():
     subreaper()
     t0 = time.time()
@@ -601,6 +686,7 @@ def main():
             svc.kill_all()
         CHECKS.run("an nbdkit: export is refused up front", refused_nbdkit, tmp)
         CHECKS.run("bad state records: the new daemon refuses them and exits", bad_records, tmp)
+        CHECKS.run("systemd: RELOADING, MAINPID, READY, the watchdog", notify, tmp)
     log("total %.1fs" % (time.time() - t0))
     CHECKS.finish("upgrade")
 
