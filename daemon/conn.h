@@ -310,6 +310,7 @@ struct conn {
 	char end_why[96]; /* why it ended: the first reason given */
 	struct conn *reg_prev, *reg_next; /* the registry of conn_list (its lock) */
 	atomic_bool disconnect_asked;	  /* conn_disconnect() was called */
+	_Atomic uint32_t upgrades;	  /* times handed over to a new daemon (set at adoption) */
 };
 
 /*
@@ -342,6 +343,7 @@ struct conn_info {
 	uint64_t age_ms;
 	unsigned worker;
 	bool closing; /* a disconnect was asked for */
+	unsigned upgrades; /* times it was handed over to a new daemon */
 	bool tls;     /* its TLS handshake is done; then (identity: peer's): */
 	char tls_version[16], tls_cipher[64];
 };

@@ -104,6 +104,7 @@ int conn_list(struct conn_info **out, size_t *count)
 		i->age_ms = (now - c->started_ns) / 1000000u;
 		i->worker = c->worker->index;
 		i->closing = atomic_load(&c->disconnect_asked);
+		i->upgrades = atomic_load_explicit(&c->upgrades, memory_order_relaxed);
 		i->tls = c->tls_listed;
 		if (i->tls) {
 			memcpy(i->tls_version, c->tls_version, sizeof(i->tls_version));

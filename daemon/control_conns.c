@@ -57,6 +57,7 @@ static json_object *connection_object(const struct conn_info *i)
 	control_add_u64(o, "age_ms", i->age_ms);
 	control_add_u64(o, "worker", i->worker);
 	json_object_object_add(o, "disconnecting", json_object_new_boolean(i->closing));
+	control_add_u64(o, "upgrades", i->upgrades);
 	/* TLS, once its handshake is done: version, cipher suite, the client's
 	 * identity (certificate DN or PSK username; null when it gave none). */
 	json_object_object_add(o, "tls", json_object_new_boolean(i->tls));

@@ -278,6 +278,7 @@ static bool collect_one(struct conn *c, struct host_moved *m, const char **why)
 	s->payload_copied = atomic_load(&c->payload_copied);
 	s->size = c->session.size;
 	s->tx_flags = c->session.eflags;
+	s->upgrades = atomic_load_explicit(&c->upgrades, memory_order_relaxed);
 	s->flags = (uint8_t)((c->session.structured ? UPGRADE_CONN_STRUCTURED : 0) |
 			     (c->session.extended ? UPGRADE_CONN_EXTENDED : 0) |
 			     (c->session.block_status ? UPGRADE_CONN_META : 0));

@@ -68,6 +68,7 @@ int session_adopt(struct conn_set *set, int fd, const struct access_peer *peer,
 		conn_counter_add(&c->bytes_read, st->bytes_read);
 		conn_counter_add(&c->bytes_written, st->bytes_written);
 		conn_counter_add(&c->payload_copied, st->payload_copied);
+		atomic_store_explicit(&c->upgrades, st->upgrades + 1, memory_order_relaxed);
 		log_info(
 		    "conn %llu: resumed after the upgrade: export \"%s\", %llu requests so far, "
 		    "%u bytes of input to parse",

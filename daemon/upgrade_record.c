@@ -162,6 +162,7 @@ int upgrade_record_decode(const uint8_t *buf, size_t len, unsigned nfds, struct 
 		s->size = get64(&c);
 		s->tx_flags = get16(&c);
 		s->flags = get8(&c);
+		s->upgrades = get32(&c);
 		uint16_t n = get16(&c);
 		if (c.short_read)
 			break;
@@ -248,7 +249,7 @@ size_t upgrade_record_connection(uint8_t *buf, const struct upgrade_conn_state *
 	if (n == 0 || n > UPGRADE_MAX_NAME || s->pending_len > UPGRADE_MAX_PENDING ||
 	    (s->flags & ~UPGRADE_CONN_FLAGS))
 		return 0;
-	size_t length = 7 * 8 + 2 + 1 + 2 + n + 4 + s->pending_len;
+	size_t length = 7 * 8 + 2 + 1 + 4 + 2 + n + 4 + s->pending_len;
 	uint8_t *p = header(buf, UPGRADE_CONNECTION, length, 1);
 	const uint64_t v[7] = {s->id,	      s->age_ms,	s->requests,
 			       s->bytes_read, s->bytes_written, s->payload_copied,
@@ -257,9 +258,10 @@ size_t upgrade_record_connection(uint8_t *buf, const struct upgrade_conn_state *
 		nbd_put64(p, v[i]);
 	nbd_put16(p, s->tx_flags);
 	p[2] = s->flags;
-	nbd_put16(p + 3, (uint16_t)n);
-	memcpy(p + 5, s->name, n);
-	p += 5 + n;
+	nbd_put32(p + 3, s->upgrades);
+	nbd_put16(p + 7, (uint16_t)n);
+	memcpy(p + 9, s->name, n);
+	p += 9 + n;
 	nbd_put32(p, s->pending_len);
 	if (s->pending_len)
 		memcpy(p + 4, s->pending, s->pending_len);

@@ -25,7 +25,8 @@
  *   CONNECTION  u64 id, u64 age_ms, u64 requests, u64 bytes_read,
  *               u64 bytes_written, u64 payload_copied, u64 size (the
  *               export's size the client knows), u16 transmission flags
- *               sent, u8 flags (UPGRADE_CONN_*), u16 n, n bytes: the
+ *               sent, u8 flags (UPGRADE_CONN_*), u32 upgrades (times it
+ *               was handed over before this one), u16 n, n bytes: the
  *               export's name (1..4096), u32 m, m bytes (at most
  *               UPGRADE_MAX_PENDING): input read from the client and
  *               not yet parsed, which comes first
@@ -52,7 +53,7 @@
 #define UPGRADE_MAX_PENDING (1u << 20)
 /* The largest record: a CONNECTION with the most pending input. */
 #define UPGRADE_RECORD_MAX                                                                         \
-	(UPGRADE_RECORD_HEADER + 7 * 8 + 2 + 1 + 2 + UPGRADE_MAX_NAME + 4 + UPGRADE_MAX_PENDING)
+	(UPGRADE_RECORD_HEADER + 7 * 8 + 2 + 1 + 4 + 2 + UPGRADE_MAX_NAME + 4 + UPGRADE_MAX_PENDING)
 
 enum upgrade_record_type {
 	UPGRADE_HELLO = 1,
@@ -81,6 +82,7 @@ struct upgrade_conn_state {
 	uint64_t id, age_ms, requests, bytes_read, bytes_written, payload_copied, size;
 	uint16_t tx_flags;
 	uint8_t flags;
+	uint32_t upgrades;
 	char name[UPGRADE_MAX_NAME + 1];
 	const uint8_t *pending; /* into the decoded buffer */
 	uint32_t pending_len;

@@ -15,9 +15,11 @@
 
 void print_connections(json_object *r)
 {
-	static const char *const headers[] = {"ID",	 "PEER",     "PHASE",	 "EXPORT", "READ",
-					      "WRITTEN", "REQUESTS", "INFLIGHT", "AGE",    "TLS"};
-	struct table t = {.columns = ARRAY_SIZE(headers), .headers = headers, .align = "rlllrrrrrl"};
+	static const char *const headers[] = {"ID",   "PEER",	  "PHASE",    "EXPORT",
+					      "READ", "WRITTEN",  "REQUESTS", "INFLIGHT",
+					      "AGE",  "UPGRADES", "TLS"};
+	struct table t = {
+	    .columns = ARRAY_SIZE(headers), .headers = headers, .align = "rlllrrrrrrl"};
 
 	for (size_t i = 0; i < ctl_array_length(r, "connections"); i++) {
 		json_object *c = ctl_array_item(r, "connections", i);
@@ -32,6 +34,7 @@ void print_connections(json_object *r)
 		table_cell(&t, "%" PRId64, ctl_get_int(c, "requests"));
 		table_cell(&t, "%" PRId64, ctl_get_int(c, "inflight"));
 		table_cell(&t, "%s", format_duration((char[32]){0}, 32, ctl_get_int(c, "age_ms")));
+		table_cell(&t, "%" PRId64, ctl_get_int(c, "upgrades"));
 		/* TLS: its version and the client's identity, "-" without. */
 		const char *who = ctl_get_string(c, "tls_peer");
 		if (ctl_get_bool(c, "tls"))

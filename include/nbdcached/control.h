@@ -219,11 +219,13 @@
  *       the socket straight into where they go), inflight
  *       (requests without a reply yet), age_s and age_ms (since accept),
  *       worker (the worker thread's index), disconnecting (bool: a
- *       disconnect was asked for), tls (bool: its TLS handshake is done),
- *       tls_version (string, e.g. "TLS1.3"), tls_cipher (string: the
- *       cipher suite), tls_peer (string: the client certificate's DN or
- *       the PSK username, as allow-identities matches it; null when the
- *       client gave none) (the three null without TLS)
+ *       disconnect was asked for), upgrades (times it was handed over
+ *       to a new daemon by a live upgrade; its counters and age go on),
+ *       tls (bool: its TLS handshake is done), tls_version (string, e.g.
+ *       "TLS1.3"), tls_cipher (string: the cipher suite), tls_peer
+ *       (string: the client certificate's DN or the PSK username, as
+ *       allow-identities matches it; null when the client gave none)
+ *       (the three null without TLS)
  *     A snapshot: each connection's counters are read at one moment, but
  *     not all connections at the same one.
  *

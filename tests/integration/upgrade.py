@@ -396,6 +396,11 @@ def under_load(svc):
                     expect(conns[cid]["requests"] >= c["requests"],
                            "upgrade %d: connection %d's requests went from %d to %d"
                            % (n + 1, cid, c["requests"], conns[cid]["requests"]))
+                    expect(conns[cid]["upgrades"] == n + 1 and
+                           conns[cid]["age_ms"] >= c["age_ms"],
+                           "upgrade %d: connection %d says upgrades %d, age %d ms (was %d)"
+                           % (n + 1, cid, conns[cid]["upgrades"], conns[cid]["age_ms"],
+                              c["age_ms"]))
             last = conns
     finally:
         stop.set()
@@ -501,7 +506,7 @@ def bad_records(tmp):
     disk = os.path.join(d, "disk.img")
     nbdtest.sparse_file(disk, MIB)
     sock_path = os.path.join(d, "nbd.sock")
-    conn = struct.pack(">QQQQQQQHBH", 9, 1, 1, 0, 0, 0, MIB, 0, 1, 4) + b"disk" + \
+    conn = struct.pack(">QQQQQQQHBIH", 9, 1, 1, 0, 0, 0, MIB, 0, 1, 0, 4) + b"disk" + \
         struct.pack(">I", 0)
     cases = [
         ("a newer version", record(4, struct.pack(">II", 0, 0), version=2), None,
