@@ -70,6 +70,8 @@ static const char *errno_name(int e)
 		return "ENOMEM";
 	case ENOSPC:
 		return "ENOSPC";
+	case EAGAIN:
+		return "EAGAIN";
 	default:
 		return "EIO";
 	}

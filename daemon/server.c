@@ -431,6 +431,15 @@ static int drop_privileges(const struct options *opts)
 		uid = pw->pw_uid;
 		if (!opts->group)
 			gid = pw->pw_gid;
+	}
+	/* Already so (a live upgrade's new daemon, started by one that had
+	 * dropped them): nothing to give up, and no right to change groups. */
+	if (geteuid() != 0 && getuid() == uid && geteuid() == uid && getgid() == gid &&
+	    getegid() == gid) {
+		log_info("running as uid %d gid %d", (int)uid, (int)gid);
+		return 0;
+	}
+	if (opts->user) {
 		if (initgroups(opts->user, gid) < 0) {
 			log_error("--user %s: initgroups: %s", opts->user, strerror(errno));
 			return -errno;

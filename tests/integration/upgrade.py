@@ -34,6 +34,9 @@ predecessor exits, is still its child (reaped, killed by PID).
      an END that does not add up. Each time the new daemon exits non-zero
      after an ERROR record that names the fault, serves nothing, and
      leaves the socket paths it was given in place.
+  6  A daemon that dropped its privileges (--user nobody, started as
+     root) upgrades to a new one that runs as nobody from the start: the
+     new one must not try to drop them again (and fail).
   5  What systemd hears (NOTIFY_SOCKET: a datagram socket of the test's,
      the sender of each message from SCM_CREDENTIALS; WATCHDOG_USEC and
      WATCHDOG_PID set as systemd sets them): the old daemon says
@@ -646,6 +649,53 @@ def notify(tmp):
         logf.close()
 
 
+def unprivileged(tmp):
+    os.chmod(tmp, 0o755)  # the new daemon, as nobody, reaches the image
+    d = os.path.join(tmp, "user")
+    os.mkdir(d)
+    os.chmod(d, 0o755)
+    disk = os.path.join(d, "disk.img")
+    nbdtest.sparse_file(disk, MIB)
+    os.chmod(disk, 0o666)  # the new daemon opens it as nobody
+    control = os.path.join(d, "control.sock")
+    sock = os.path.join(d, "nbd.sock")
+    args = [nbdtest.NBDCACHED, "--foreground", "--unix", sock, "--control", control,
+            "--user", "nobody", "--cache-size", "8M", "--export", "disk=" + disk]
+    logf = open(os.path.join(d, "log"), "w")
+    p = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT)
+    new = 0
+    try:
+        require(nbdtest.wait_until(lambda: os.path.exists(control), 15), "no control socket")
+        time.sleep(0.3)
+        h = nbdtest.libnbd_handle("nbd+unix:///disk?socket=" + sock)
+        h.pwrite(b"u" * BLOCK, 0)
+        r = nbdtest.control_request(control, {"command": "upgrade"}, timeout=60)
+        log("  upgrade as nobody: %s" % r)
+        expect(r.get("ok"), "upgrading a daemon running as nobody: %s" % r)
+        expect(r.get("ok") or r.get("errno") == "EAGAIN",
+               "a failed upgrade answers errno %s, not EAGAIN" % r.get("errno"))
+        new = r.get("pid", 0)
+        expect(h.pread(BLOCK, 0) == b"u" * BLOCK, "the connection does not read its bytes")
+        nbdtest.shutdown_all([h])
+    finally:
+        for pid in (new, p.pid):
+            try:
+                if pid:
+                    os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
+        for pid in (new, p.pid):
+            for _ in range(200):
+                try:
+                    got, _ = os.waitpid(pid, os.WNOHANG) if pid else (pid, 0)
+                except ChildProcessError:
+                    break
+                if got == pid:
+                    break
+                time.sleep(0.05)
+        logf.close()
+
+
 def main():
     subreaper()
     t0 = time.time()
@@ -692,6 +742,7 @@ def main():
         CHECKS.run("an nbdkit: export is refused up front", refused_nbdkit, tmp)
         CHECKS.run("bad state records: the new daemon refuses them and exits", bad_records, tmp)
         CHECKS.run("systemd: RELOADING, MAINPID, READY, the watchdog", notify, tmp)
+        CHECKS.run("a daemon running as --user nobody", unprivileged, tmp)
     log("total %.1fs" % (time.time() - t0))
     CHECKS.finish("upgrade")
 
