@@ -34,6 +34,11 @@ predecessor exits, is still its child (reaped, killed by PID).
      an END that does not add up. Each time the new daemon exits non-zero
      after an ERROR record that names the fault, serves nothing, and
      leaves the socket paths it was given in place.
+  7  A WRITE whose payload is half sent when the upgrade starts (a raw
+     client with extended headers): the upgrade waits for the rest (it
+     does not answer while the payload is missing), the WRITE is answered
+     with success, and the same connection then reads it back from the
+     new daemon.
   6  A daemon that dropped its privileges (--user nobody, started as
      root) upgrades to a new one that runs as nobody from the start: the
      new one must not try to drop them again (and fail).
@@ -442,6 +447,43 @@ def under_load(svc):
     return clients
 
 
+def half_payload(svc):
+    sys.path.insert(0, HERE)
+    import bad_input as raw
+    r = raw.RawClient(svc.sock, timeout=30)
+    try:
+        r.open("disk", extended=True)
+        data = os.urandom(64 * 1024)
+        off = 56 * MIB
+        cookie, hdr = r.encode_request(raw.CMD_WRITE, off, len(data))
+        r.pending[cookie] = (raw.CMD_WRITE, off, len(data))
+        r.send(hdr + data[:20000])
+        result = {}
+
+        def up():
+            result["r"] = svc.ctl("--json", "upgrade")
+        t = threading.Thread(target=up, daemon=True)
+        t.start()
+        time.sleep(1.0)
+        expect(t.is_alive(), "the upgrade ended while a WRITE's payload was half sent: %s"
+               % result.get("r"))
+        r.send(data[20000:])
+        reply = r.read_reply(cookie)
+        expect(reply.error == 0, "the half-sent WRITE: error %d" % reply.error)
+        t.join(60)
+        svc.reap()
+        u = result.get("r")
+        expect(u is not None and u.returncode == 0, "the upgrade: %s"
+               % (u.stderr if u else "no answer in 60 s"))
+        c2 = r.request(raw.CMD_READ, off, len(data))
+        back = r.read_reply(c2)
+        expect(back.error == 0 and bytes(back.data) == data,
+               "the same connection does not read the WRITE back from the new daemon")
+        log("  a 64 KiB WRITE, 20000 bytes sent before the upgrade: answered, read back")
+    finally:
+        r.close()
+
+
 def rollback(svc, conf, good_conf):
     h = nbdtest.libnbd_handle(svc.uri())
     pattern = os.urandom(BLOCK)
@@ -712,6 +754,7 @@ def main():
             ok = CHECKS.run("%d upgrades with %d clients keeping %d commands in flight"
                             % (UPGRADES, CLIENTS, QD), lambda: clients.extend(under_load(svc)))
             CHECKS.run("roll-backs", rollback, svc, conf, good_conf)
+            CHECKS.run("a WRITE payload half sent when the upgrade starts", half_payload, svc)
             rc = svc.stop()
             expect(rc == 0, "the last daemon exited %d" % rc)
             svc.reap()
