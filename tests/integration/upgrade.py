@@ -76,6 +76,11 @@ REGION = 8 * MIB
 BLOCK = 4096
 QD = 32
 UPGRADES = int(os.environ.get("UPGRADES", "20"))
+# The binary to upgrade to. By default the daemon's own (/proc/self/exe);
+# when NBDCACHED names a wrapper (the i386 pass runs the i386 daemon through
+# the chroot's loader, which is then what /proc/self/exe says), the wrapper.
+BINARY = ["--binary", nbdtest.NBDCACHED] if os.environ.get("NBDCACHED") else []
+BINARY_REQ = {"binary": nbdtest.NBDCACHED} if BINARY else {}
 CHECKS = nbdtest.Checks(catch=(Failed, nbd.Error, OSError, subprocess.SubprocessError))
 expect = CHECKS.expect
 
@@ -374,7 +379,7 @@ def under_load(svc):
         for n in range(UPGRADES):
             time.sleep(0.3)
             before = svc.pid_file()
-            r = svc.ctl("--json", "upgrade")
+            r = svc.ctl("--json", "upgrade", *BINARY)
             svc.reap()
             expect(r.returncode == 0, "upgrade %d: exit %d: %s" % (n + 1, r.returncode,
                                                                    r.stderr.strip()))
@@ -461,7 +466,7 @@ def half_payload(svc):
         result = {}
 
         def up():
-            result["r"] = svc.ctl("--json", "upgrade")
+            result["r"] = svc.ctl("--json", "upgrade", *BINARY)
         t = threading.Thread(target=up, daemon=True)
         t.start()
         time.sleep(1.0)
@@ -494,7 +499,7 @@ def rollback(svc, conf, good_conf):
     os.chmod(hang, 0o755)
     cases = [("a binary that exits at once", ["--binary", "/bin/false"], "status 1"),
              ("a binary that hangs", ["--binary", hang, "--timeout", "2"], "within 2 s"),
-             ("a config that no longer parses", [], "no-such-key")]
+             ("a config that no longer parses", BINARY, "no-such-key")]
     try:
         for what, args, want in cases:
             pid = svc.pid_file()
@@ -649,7 +654,8 @@ def notify(tmp):
         drain(3)
         require(any("READY=1" in m for _, m in msgs), "no READY=1 at start: %s" % msgs)
         first = len(msgs)
-        r = nbdtest.control_request(control, {"command": "upgrade"}, timeout=60)
+        r = nbdtest.control_request(control, dict({"command": "upgrade"}, **BINARY_REQ),
+                                    timeout=60)
         require(r.get("ok"), "upgrade: %s" % r)
         new = r["pid"]
         drain(1.5)
@@ -711,7 +717,8 @@ def unprivileged(tmp):
         time.sleep(0.3)
         h = nbdtest.libnbd_handle("nbd+unix:///disk?socket=" + sock)
         h.pwrite(b"u" * BLOCK, 0)
-        r = nbdtest.control_request(control, {"command": "upgrade"}, timeout=60)
+        r = nbdtest.control_request(control, dict({"command": "upgrade"}, **BINARY_REQ),
+                                    timeout=60)
         log("  upgrade as nobody: %s" % r)
         expect(r.get("ok"), "upgrading a daemon running as nobody: %s" % r)
         expect(r.get("ok") or r.get("errno") == "EAGAIN",
