@@ -636,6 +636,19 @@ void upgrade_child_fail(int fd, const char *why)
 	send_record(fd, buf, n, -1);
 }
 
+/* array (*cap elements of size bytes) with room for one more after count:
+ * itself, or a larger copy; NULL when out of memory (array unchanged). */
+static void *grow(void *array, size_t *cap, size_t count, size_t size)
+{
+	if (count < *cap)
+		return array;
+	size_t n = *cap ? *cap * 2 : 16;
+	void *p = realloc(array, n * size);
+	if (p)
+		*cap = n;
+	return p;
+}
+
 int upgrade_child_receive(int fd, struct upgrade_taken *t, char *why, size_t why_len)
 {
 	memset(t, 0, sizeof(*t));
@@ -676,18 +689,15 @@ int upgrade_child_receive(int fd, struct upgrade_taken *t, char *why, size_t why
 			break;
 		}
 		if (r.type == UPGRADE_LISTENER) {
-			if (t->listener_count == lcap) {
-				size_t cap = lcap ? lcap * 2 : 8;
-				void *p = realloc(t->listeners, cap * sizeof(*t->listeners));
-				if (!p) {
-					close(rfd);
-					rc = -ENOMEM;
-					snprintf(why, why_len, "upgrade: out of memory");
-					break;
-				}
-				t->listeners = p;
-				lcap = cap;
+			void *more =
+			    grow(t->listeners, &lcap, t->listener_count, sizeof(*t->listeners));
+			if (!more) {
+				close(rfd);
+				rc = -ENOMEM;
+				snprintf(why, why_len, "upgrade: out of memory");
+				break;
 			}
+			t->listeners = more;
 			char *spec = strdup(r.spec);
 			t->listeners[t->listener_count++] =
 			    (struct upgrade_listener){.fd = rfd, .kind = r.kind, .spec = spec};
@@ -697,18 +707,14 @@ int upgrade_child_receive(int fd, struct upgrade_taken *t, char *why, size_t why
 				break;
 			}
 		} else if (r.type == UPGRADE_CONNECTION) {
-			if (t->conn_count == ccap) {
-				size_t cap = ccap ? ccap * 2 : 64;
-				void *p = realloc(t->conns, cap * sizeof(*t->conns));
-				if (!p) {
-					close(rfd);
-					rc = -ENOMEM;
-					snprintf(why, why_len, "upgrade: out of memory");
-					break;
-				}
-				t->conns = p;
-				ccap = cap;
+			void *more = grow(t->conns, &ccap, t->conn_count, sizeof(*t->conns));
+			if (!more) {
+				close(rfd);
+				rc = -ENOMEM;
+				snprintf(why, why_len, "upgrade: out of memory");
+				break;
 			}
+			t->conns = more;
 			struct upgrade_taken_conn *c = &t->conns[t->conn_count++];
 			c->fd = rfd;
 			c->st = r.conn;

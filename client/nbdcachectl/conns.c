@@ -48,6 +48,12 @@ void print_connections(json_object *r)
 	table_free(&t);
 }
 
+static void print_disconnect(json_object *reply, const struct options *o)
+{
+	(void)reply;
+	printf("connection %s: disconnecting (in-flight replies go out first)\n", o->args[0]);
+}
+
 /* disconnect ID: the id goes as a number, not a string. */
 int run_disconnect(const struct options *o)
 {
@@ -61,18 +67,5 @@ int run_disconnect(const struct options *o)
 	json_object *req = json_object_new_object();
 	json_object_object_add(req, "command", json_object_new_string("disconnect"));
 	json_object_object_add(req, "id", json_object_new_int64(id));
-	struct ctl c = CTL_INIT;
-	json_object *reply = NULL;
-	int err = ctl_connect(&c, o->control);
-	if (!err)
-		err = ctl_call(&c, req, &reply);
-	else
-		json_object_put(req);
-	if (reply && o->json)
-		puts(c.line);
-	else if (!err)
-		printf("connection %lld: disconnecting (in-flight replies go out first)\n", id);
-	json_object_put(reply);
-	ctl_close(&c);
-	return err;
+	return run_request(o, req, print_disconnect);
 }

@@ -24,6 +24,16 @@ static void print_rate(json_object *l, const char *what, const char *rate, const
 		printf("  %-14s unlimited\n", what);
 }
 
+static void print_limits(json_object *reply, const struct options *o)
+{
+	json_object *l = ctl_field(reply, "limits");
+	printf("export %s (until the next reload):\n", o->args[0]);
+	print_rate(l, "export iops", "iops_limit", "iops_burst", "requests/s");
+	print_rate(l, "export bytes", "bytes_limit", "bytes_burst", "bytes/s");
+	print_rate(l, "client iops", "client_iops_limit", "client_iops_burst", "requests/s");
+	print_rate(l, "client bytes", "client_bytes_limit", "client_bytes_burst", "bytes/s");
+}
+
 int run_limit(const struct options *o)
 {
 	json_object *limits = json_object_new_object();
@@ -42,26 +52,5 @@ int run_limit(const struct options *o)
 	json_object_object_add(req, "command", json_object_new_string("limit"));
 	json_object_object_add(req, "export", json_object_new_string(o->args[0]));
 	json_object_object_add(req, "limits", limits);
-	struct ctl c = CTL_INIT;
-	json_object *reply = NULL;
-	int err = ctl_connect(&c, o->control);
-	if (!err)
-		err = ctl_call(&c, req, &reply);
-	else
-		json_object_put(req);
-	if (reply && o->json) {
-		puts(c.line);
-	} else if (!err) {
-		json_object *l = ctl_field(reply, "limits");
-		printf("export %s (until the next reload):\n", o->args[0]);
-		print_rate(l, "export iops", "iops_limit", "iops_burst", "requests/s");
-		print_rate(l, "export bytes", "bytes_limit", "bytes_burst", "bytes/s");
-		print_rate(l, "client iops", "client_iops_limit", "client_iops_burst",
-			   "requests/s");
-		print_rate(l, "client bytes", "client_bytes_limit", "client_bytes_burst",
-			   "bytes/s");
-	}
-	json_object_put(reply);
-	ctl_close(&c);
-	return err;
+	return run_request(o, req, print_limits);
 }

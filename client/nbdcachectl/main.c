@@ -42,23 +42,36 @@
 #include "include/nbdcached/control.h"
 
 #define PROGRAM "nbdcachectl"
-/* A command of one request: the reply as received (--json) or for people. */
-static int run_simple(const struct options *o)
+int run_request(const struct options *o, json_object *req,
+		void (*print)(json_object *reply, const struct options *o))
 {
 	struct ctl c = CTL_INIT;
 	json_object *reply = NULL;
 	int err = ctl_connect(&c, o->control);
 
 	if (!err)
-		err = ctl_call(
-		    &c, ctl_request(o->command->name, o->command->keys, o->args, o->nargs), &reply);
+		err = ctl_call(&c, req, &reply);
+	else
+		json_object_put(req);
 	if (reply && o->json)
 		puts(c.line);
 	else if (!err)
-		o->command->print(reply);
+		print(reply, o);
 	json_object_put(reply);
 	ctl_close(&c);
 	return err;
+}
+
+static void print_command(json_object *reply, const struct options *o)
+{
+	o->command->print(reply);
+}
+
+/* A command of one request: the reply as received (--json) or for people. */
+static int run_simple(const struct options *o)
+{
+	return run_request(o, ctl_request(o->command->name, o->command->keys, o->args, o->nargs),
+			   print_command);
 }
 
 /* ---- Command line. ---- */

@@ -57,6 +57,13 @@ int run_flush(const struct options *o);
 int run_top(const struct options *o);
 int run_attach(const struct options *o);
 int run_windows(const struct options *o);
+/*
+ * Send req (taken) on a new connection to the control socket; print the
+ * reply line as it came (--json), else print(reply, o). 0 or -errno (an
+ * ok=false reply, or the socket's failure, reported).
+ */
+int run_request(const struct options *o, json_object *req,
+		void (*print)(json_object *reply, const struct options *o));
 int run_upgrade(const struct options *o);
 int run_disconnect(const struct options *o); /* conns.c */
 int run_limit(const struct options *o);	     /* limit.c */

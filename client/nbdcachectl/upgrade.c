@@ -4,18 +4,25 @@
  * connection; the reply comes once the new one serves, or with the reason
  * it did not (then the old one serves on, and the exit status is 1).
  */
-#include <errno.h>
 #include <stdio.h>
 
 #include <json-c/json.h>
 
-#include "client/lib/ctl.h"
 #include "client/nbdcachectl/nbdcachectl.h"
 
 static long long field(json_object *r, const char *key)
 {
 	json_object *v;
 	return json_object_object_get_ex(r, key, &v) ? (long long)json_object_get_int64(v) : -1;
+}
+
+static void print_upgrade(json_object *reply, const struct options *o)
+{
+	(void)o;
+	printf("upgraded: pid %lld serves now; %lld connection(s) moved, %lld closed; clients "
+	       "paused %lld ms\n",
+	       field(reply, "pid"), field(reply, "moved"), field(reply, "closed"),
+	       field(reply, "pause_ms"));
 }
 
 int run_upgrade(const struct options *o)
@@ -26,21 +33,5 @@ int run_upgrade(const struct options *o)
 		json_object_object_add(req, "binary", json_object_new_string(o->binary));
 	if (o->timeout)
 		json_object_object_add(req, "timeout", json_object_new_int64(o->timeout));
-	struct ctl c = CTL_INIT;
-	json_object *reply = NULL;
-	int err = ctl_connect(&c, o->control);
-	if (!err)
-		err = ctl_call(&c, req, &reply);
-	else
-		json_object_put(req);
-	if (reply && o->json)
-		puts(c.line);
-	else if (!err)
-		printf("upgraded: pid %lld serves now; %lld connection(s) moved, %lld closed; "
-		       "clients paused %lld ms\n",
-		       field(reply, "pid"), field(reply, "moved"), field(reply, "closed"),
-		       field(reply, "pause_ms"));
-	json_object_put(reply);
-	ctl_close(&c);
-	return err;
+	return run_request(o, req, print_upgrade);
 }

@@ -49,7 +49,6 @@ predecessor exits, is still its child (reaped, killed by PID).
      READY=1 and keeps the watchdog fed (WATCHDOG=1 from the new PID).
 """
 
-import ctypes
 import os
 import random
 import re
@@ -83,12 +82,6 @@ BINARY = ["--binary", nbdtest.NBDCACHED] if os.environ.get("NBDCACHED") else []
 BINARY_REQ = {"binary": nbdtest.NBDCACHED} if BINARY else {}
 CHECKS = nbdtest.Checks(catch=(Failed, nbd.Error, OSError, subprocess.SubprocessError))
 expect = CHECKS.expect
-
-
-def subreaper():
-    """Orphans of our children become ours (prctl PR_SET_CHILD_SUBREAPER)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    require(libc.prctl(36, 1, 0, 0, 0) == 0, "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
 class Service:
@@ -134,31 +127,14 @@ class Service:
 
     def reap(self):
         """Reap every exited child (old daemons, failed new ones)."""
-        for _ in range(1000):
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        nbdtest.reap_children()
 
     def stop(self):
         """SIGTERM the daemon serving now, by PID; its exit status."""
         pid = self.pid_file()
         require(pid > 0, "no daemon PID in the pidfile")
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                got, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                return 0
-            if got == pid:
-                return os.waitstatus_to_exitcode(status)
-            time.sleep(0.05)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        raise Failed("the daemon (pid %d) did not exit within 30 s of SIGTERM" % pid)
+        rc = nbdtest.stop_pid(pid)
+        return 0 if rc is None else rc
 
     def kill_all(self):
         for pid in {self.pid_file(), self.first.pid}:
@@ -677,22 +653,7 @@ def notify(tmp):
                "the new daemon does not feed the watchdog (WATCHDOG_PID is its own)")
     finally:
         for pid in (new, p.pid):
-            try:
-                if pid:
-                    os.kill(pid, signal.SIGTERM)
-            except OSError:
-                pass
-        for pid in (new, p.pid):
-            if not pid:
-                continue
-            for _ in range(200):
-                try:
-                    got, _ = os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if got == pid:
-                    break
-                time.sleep(0.05)
+            nbdtest.stop_pid(pid, timeout=10)
         ns.close()
         logf.close()
 
@@ -728,25 +689,12 @@ def unprivileged(tmp):
         nbdtest.shutdown_all([h])
     finally:
         for pid in (new, p.pid):
-            try:
-                if pid:
-                    os.kill(pid, signal.SIGTERM)
-            except OSError:
-                pass
-        for pid in (new, p.pid):
-            for _ in range(200):
-                try:
-                    got, _ = os.waitpid(pid, os.WNOHANG) if pid else (pid, 0)
-                except ChildProcessError:
-                    break
-                if got == pid:
-                    break
-                time.sleep(0.05)
+            nbdtest.stop_pid(pid, timeout=10)
         logf.close()
 
 
 def main():
-    subreaper()
+    nbdtest.subreaper()
     t0 = time.time()
     with nbdtest.tempdir() as tmp:
         disk = os.path.join(tmp, "disk.img")

@@ -68,20 +68,7 @@ fi
 kv procs_attached $(ps | grep -v grep | grep -c 'nbd-client 10')
 run mkfs.ext4 -F -q -E nodiscard /dev/nbd0 || die mkfs
 run mount -t ext4 /dev/nbd0 /mnt || die mount
-end=$(( $(cut -d. -f1 /proc/uptime) + %(seconds)d ))
-i=0
-mark writing
-while [ $(cut -d. -f1 /proc/uptime) -lt $end ]; do
-	if dd if=/dev/urandom of=/mnt/w$i bs=64k count=4 conv=fsync 2>/tmp/dd.err; then
-		kv written:/w$i $(sha256sum /mnt/w$i | cut -d' ' -f1)
-	else
-		kv write_error:/w$i $(tail -1 /tmp/dd.err)
-	fi
-	i=$((i + 1))
-	sleep 0.2
-done
-mark written
-kv procs_after $(ps | grep -v grep | grep -c 'nbd-client 10')
+%(writes)skv procs_after $(ps | grep -v grep | grep -c 'nbd-client 10')
 dmesg | grep -E 'nbd|JBD2|Aborting' | sed 's/^/dmesg: /' | head -20
 sed 's/^/nbd-client: /' /tmp/nbdc.log 2>/dev/null
 run umount /mnt
@@ -93,8 +80,8 @@ def run_mode(checks, mode, tmp):
     img = os.path.join(tmp, "vol-%s.img" % mode)
     nbdtest.sparse_file(img, SIZE)
     d = nbdtest.Daemon([("vol", img, "")], tcp=False, workdir=tmp)
-    g = guest.Guest("amd64", SCRIPT % {"mode": mode, "seconds": WRITE_SECONDS}, d.sock, tmp,
-                    name="restart-" + mode, timeout=300)
+    script = SCRIPT % {"mode": mode, "writes": guest.FSYNC_WRITES % {"seconds": WRITE_SECONDS}}
+    g = guest.Guest("amd64", script, d.sock, tmp, name="restart-" + mode, timeout=300)
     restarted = False
     try:
         with g:

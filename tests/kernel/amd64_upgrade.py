@@ -20,7 +20,6 @@ clang build, else the ASan one). Then:
 amd64_restart.py asserts what a plain SIGTERM and start do instead.
 """
 
-import ctypes
 import hashlib
 import json
 import os
@@ -43,20 +42,7 @@ SCRIPT = r"""
 run nbd-client 10.0.2.100 10809 /dev/nbd0 -N vol -b 4096 -t 30 || die attach
 run mkfs.ext4 -F -q -E nodiscard /dev/nbd0 || die mkfs
 run mount -t ext4 /dev/nbd0 /mnt || die mount
-end=$(( $(cut -d. -f1 /proc/uptime) + %(seconds)d ))
-i=0
-mark writing
-while [ $(cut -d. -f1 /proc/uptime) -lt $end ]; do
-	if dd if=/dev/urandom of=/mnt/w$i bs=64k count=4 conv=fsync 2>/tmp/dd.err; then
-		kv written:/w$i $(sha256sum /mnt/w$i | cut -d' ' -f1)
-	else
-		kv write_error:/w$i $(tail -1 /tmp/dd.err)
-	fi
-	i=$((i + 1))
-	sleep 0.2
-done
-mark written
-sync
+%(writes)ssync
 dmesg | grep -iE 'nbd|I/O error|JBD2|Aborting|EXT4-fs' | sed 's/^/dmesg: /' | head -20
 kv io_errors $(dmesg | grep -ciE 'I/O error|Aborting journal|EXT4-fs error|Dead connection|timed out')
 run umount /mnt || die umount
@@ -92,11 +78,7 @@ def upgrade(checks, d, n, binary):
     t0 = time.time()
     p = subprocess.run(args, capture_output=True, text=True, timeout=120)
     took = time.time() - t0
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
-    except ChildProcessError:
-        pass
+    nbdtest.reap_children()
     if not checks.expect(p.returncode == 0, "upgrade %d: exit %d: %s"
                          % (n, p.returncode, p.stderr.strip())):
         return
@@ -112,31 +94,14 @@ def upgrade(checks, d, n, binary):
                   % (n, pid_of(d)))
 
 
-def stop(d):
-    pid = pid_of(d)
-    os.kill(pid, signal.SIGTERM)
-    for _ in range(600):
-        try:
-            got, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return 0
-        if got == pid:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    raise nbdtest.Failed("the daemon (pid %d) did not exit within 30 s of SIGTERM" % pid)
-
-
 def run(checks, tmp):
     # Each new daemon is orphaned when its predecessor exits: ours to reap.
-    libc = ctypes.CDLL(None, use_errno=True)
-    nbdtest.require(libc.prctl(36, 1, 0, 0, 0) == 0, "prctl(PR_SET_CHILD_SUBREAPER) failed")
+    nbdtest.subreaper()
     other = other_build()
     img = os.path.join(tmp, "vol.img")
     nbdtest.sparse_file(img, SIZE)
     d = nbdtest.Daemon([("vol", img, "")], tcp=False, workdir=tmp)
-    g = guest.Guest("amd64", SCRIPT % {"seconds": WRITE_SECONDS}, d.sock, tmp, name="upgrade",
+    g = guest.Guest("amd64", SCRIPT % {"writes": guest.FSYNC_WRITES % {"seconds": WRITE_SECONDS}}, d.sock, tmp, name="upgrade",
                     timeout=400)
     done = 0
     try:
@@ -150,7 +115,7 @@ def run(checks, tmp):
             g.wait()
     finally:
         try:
-            rc = stop(d)
+            rc = nbdtest.stop_pid(pid_of(d)) or 0
         except Exception:  # noqa: BLE001 - the daemon is killed; the failure is reported
             for pid in {pid_of(d), d.pid}:
                 try:

@@ -443,6 +443,26 @@ class Guest:
         return False
 
 
+# A guest script's writing loop (its %(seconds)d filled in by the test):
+# files /mnt/w0, /mnt/w1, ... of 256 KiB from /dev/urandom, each with dd
+# conv=fsync, 0.2 s apart, for that many seconds; each one's sha256 as
+# "KTEST-KV written:/wN SHA", or its failure as "KTEST-KV write_error:/wN".
+FSYNC_WRITES = r"""end=$(( $(cut -d. -f1 /proc/uptime) + %(seconds)d ))
+i=0
+mark writing
+while [ $(cut -d. -f1 /proc/uptime) -lt $end ]; do
+	if dd if=/dev/urandom of=/mnt/w$i bs=64k count=4 conv=fsync 2>/tmp/dd.err; then
+		kv written:/w$i $(sha256sum /mnt/w$i | cut -d' ' -f1)
+	else
+		kv write_error:/w$i $(tail -1 /tmp/dd.err)
+	fi
+	i=$((i + 1))
+	sleep 0.2
+done
+mark written
+"""
+
+
 def run_guest(arch, script, sock, workdir, name="guest", timeout=600, **kw):
     """Boot, run the script, wait for the end: the Guest (rc in .exit_rc)."""
     g = Guest(arch, script, sock, workdir, name=name, timeout=timeout, **kw)

@@ -893,6 +893,52 @@ def aio_wait(pending, timeout=120):
     raise Failed("aio commands never completed")
 
 
+def subreaper():
+    """Make this process a child subreaper (PR_SET_CHILD_SUBREAPER): the
+    orphans of its children become its own, so that a daemon a live
+    upgrade started (its predecessor, our child, having exited) can still
+    be waited for and reaped by its PID."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    require(libc.prctl(36, 1, 0, 0, 0) == 0, "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def stop_pid(pid, timeout=30):
+    """SIGTERM a child (or adopted orphan, see subreaper) by PID and reap it:
+    its exit status; SIGKILL and Failed after `timeout` s. None when it is
+    not ours (or already reaped)."""
+    if not pid:
+        return None
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.time() + timeout
+    while True:
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if got == pid:
+            return os.waitstatus_to_exitcode(status)
+        if time.time() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise Failed("pid %d did not exit within %gs of SIGTERM" % (pid, timeout))
+        time.sleep(0.05)
+
+
+def reap_children():
+    """Reap every child that has exited (without waiting for the others)."""
+    for _ in range(10000):
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def shutdown_all(handles):
     """h.shutdown() on each libnbd handle, ignoring the errors of handles
     whose connection is already gone."""
