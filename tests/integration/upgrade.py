@@ -94,7 +94,9 @@ class Service:
         self.pidfile = os.path.join(tmp, "nbdcached.pid")
         self.logpath = os.path.join(tmp, "nbdcached.log")
         self.port = nbdtest.free_port()
+        self.metrics_port = nbdtest.free_port()
         self.args = [nbdtest.NBDCACHED, "--foreground", "--config", conf,
+                     "--metrics", "127.0.0.1:%d" % self.metrics_port,
                      "--unix", self.sock, "--listen", "127.0.0.1:%d" % self.port,
                      "--control", self.control, "--pidfile", self.pidfile,
                      "--threads", "2", "--log-level", "info"]
@@ -269,8 +271,18 @@ def connections(svc):
     return {c["id"]: c for c in r["connections"]}
 
 
+def metrics_answer(svc):
+    """GET /metrics on the --metrics address (handed over with the rest)."""
+    import urllib.request
+    with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % svc.metrics_port,
+                                timeout=10) as r:
+        require(r.status == 200, "GET /metrics: HTTP %d" % r.status)
+        require(b"nbdcached_" in r.read(), "GET /metrics: not nbdcached's page")
+
+
 def served(svc, what):
-    """A new connection on each listener reads; the control socket answers."""
+    """A new connection on each listener reads; the control socket answers;
+    the metrics page answers."""
     for tcp in (False, True):
         h = nbdtest.libnbd_handle(svc.uri(tcp=tcp))
         try:
@@ -279,6 +291,7 @@ def served(svc, what):
             nbdtest.shutdown_all([h])
     r = nbdtest.control_request(svc.control, {"command": "status"})
     require(r.get("ok"), "%s: status: %s" % (what, r))
+    metrics_answer(svc)
 
 
 FIO_BASE, FIO_SIZE = 36 * MIB, 4 * MIB
@@ -418,6 +431,7 @@ def under_load(svc):
         s = sorted(pauses)
         log("  %d upgrades, pids %s; pause p50 %d ms, max %d ms"
             % (len(pauses), " ".join(map(str, pids[:3])) + " ...", s[len(s) // 2], s[-1]))
+    served(svc, "after %d upgrades" % UPGRADES)
     # Every region, read whole on its own connection, is its model.
     for c in clients:
         got = c.h.pread(REGION, c.base)
