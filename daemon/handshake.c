@@ -202,13 +202,16 @@ bool handshake_resume(struct conn *c, const struct upgrade_conn_state *st)
 	c->structured = (st->flags & UPGRADE_CONN_STRUCTURED) != 0;
 	c->extended = (st->flags & UPGRADE_CONN_EXTENDED) != 0;
 	uint16_t eflags = export_eflags(e, c->structured);
-	if (export_size(e) != st->size || eflags != st->tx_flags) {
-		char why[160];
+	if (export_size(e) != st->size || eflags != st->tx_flags ||
+	    e->backend->min_block != st->min_block || e->block_size != st->pref_block ||
+	    e->max_payload != st->max_payload) {
+		char why[256];
 		snprintf(why, sizeof(why),
-			 "upgrade: export \"%s\" changed (size %llu, flags 0x%x; the client "
-			 "has %llu, 0x%x)",
-			 e->name, (unsigned long long)export_size(e), eflags,
-			 (unsigned long long)st->size, st->tx_flags);
+			 "upgrade: export \"%s\" changed (size %llu, flags 0x%x, block sizes "
+			 "%u/%u/%u; the client has %llu, 0x%x, %u/%u/%u)",
+			 e->name, (unsigned long long)export_size(e), eflags, e->backend->min_block,
+			 e->block_size, e->max_payload, (unsigned long long)st->size, st->tx_flags,
+			 st->min_block, st->pref_block, st->max_payload);
 		export_put(e);
 		conn_kill(c, why);
 		return false;

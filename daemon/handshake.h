@@ -24,10 +24,11 @@ struct upgrade_conn_state;
 /*
  * A live upgrade's new daemon: put c, just started on a socket handed
  * over, in transmission as the old daemon had negotiated it (st): the same
- * export, size and transmission flags, structured replies, extended
- * headers, meta context. false (c killed, the reason in its end line) when
- * the new configuration no longer has that export, or gives it another
- * size or other flags, or it is at its connection limit.
+ * export, size, transmission flags and block sizes, structured replies,
+ * extended headers, meta context. false (c killed, the reason in its end
+ * line) when the new configuration no longer has that export, or gives it
+ * another size, other flags or other block sizes, or it is at its
+ * connection limit.
  */
 bool handshake_resume(struct conn *c, const struct upgrade_conn_state *st);
 

@@ -279,6 +279,9 @@ static bool collect_one(struct conn *c, struct host_moved *m, const char **why)
 	s->size = c->session.size;
 	s->tx_flags = c->session.eflags;
 	s->upgrades = atomic_load_explicit(&c->upgrades, memory_order_relaxed);
+	s->min_block = c->session.min_block;
+	s->pref_block = c->export->block_size;
+	s->max_payload = c->session.max_payload;
 	s->flags = (uint8_t)((c->session.structured ? UPGRADE_CONN_STRUCTURED : 0) |
 			     (c->session.extended ? UPGRADE_CONN_EXTENDED : 0) |
 			     (c->session.block_status ? UPGRADE_CONN_META : 0));

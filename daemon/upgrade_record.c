@@ -163,6 +163,9 @@ int upgrade_record_decode(const uint8_t *buf, size_t len, unsigned nfds, struct 
 		s->tx_flags = get16(&c);
 		s->flags = get8(&c);
 		s->upgrades = get32(&c);
+		s->min_block = get32(&c);
+		s->pref_block = get32(&c);
+		s->max_payload = get32(&c);
 		uint16_t n = get16(&c);
 		if (c.short_read)
 			break;
@@ -249,7 +252,7 @@ size_t upgrade_record_connection(uint8_t *buf, const struct upgrade_conn_state *
 	if (n == 0 || n > UPGRADE_MAX_NAME || s->pending_len > UPGRADE_MAX_PENDING ||
 	    (s->flags & ~UPGRADE_CONN_FLAGS))
 		return 0;
-	size_t length = 7 * 8 + 2 + 1 + 4 + 2 + n + 4 + s->pending_len;
+	size_t length = 7 * 8 + 2 + 1 + 4 * 4 + 2 + n + 4 + s->pending_len;
 	uint8_t *p = header(buf, UPGRADE_CONNECTION, length, 1);
 	const uint64_t v[7] = {s->id,	      s->age_ms,	s->requests,
 			       s->bytes_read, s->bytes_written, s->payload_copied,
@@ -259,9 +262,12 @@ size_t upgrade_record_connection(uint8_t *buf, const struct upgrade_conn_state *
 	nbd_put16(p, s->tx_flags);
 	p[2] = s->flags;
 	nbd_put32(p + 3, s->upgrades);
-	nbd_put16(p + 7, (uint16_t)n);
-	memcpy(p + 9, s->name, n);
-	p += 9 + n;
+	nbd_put32(p + 7, s->min_block);
+	nbd_put32(p + 11, s->pref_block);
+	nbd_put32(p + 15, s->max_payload);
+	nbd_put16(p + 19, (uint16_t)n);
+	memcpy(p + 21, s->name, n);
+	p += 21 + n;
 	nbd_put32(p, s->pending_len);
 	if (s->pending_len)
 		memcpy(p + 4, s->pending, s->pending_len);

@@ -26,7 +26,9 @@
  *               u64 bytes_written, u64 payload_copied, u64 size (the
  *               export's size the client knows), u16 transmission flags
  *               sent, u8 flags (UPGRADE_CONN_*), u32 upgrades (times it
- *               was handed over before this one), u16 n, n bytes: the
+ *               was handed over before this one), u32 min_block, u32
+ *               pref_block, u32 max_payload (the block size constraints
+ *               the client was given), u16 n, n bytes: the
  *               export's name (1..4096), u32 m, m bytes (at most
  *               UPGRADE_MAX_PENDING): input read from the client and
  *               not yet parsed, which comes first
@@ -53,7 +55,8 @@
 #define UPGRADE_MAX_PENDING (1u << 20)
 /* The largest record: a CONNECTION with the most pending input. */
 #define UPGRADE_RECORD_MAX                                                                         \
-	(UPGRADE_RECORD_HEADER + 7 * 8 + 2 + 1 + 4 + 2 + UPGRADE_MAX_NAME + 4 + UPGRADE_MAX_PENDING)
+	(UPGRADE_RECORD_HEADER + 7 * 8 + 2 + 1 + 4 * 4 + 2 + UPGRADE_MAX_NAME + 4 +                \
+	 UPGRADE_MAX_PENDING)
 
 enum upgrade_record_type {
 	UPGRADE_HELLO = 1,
@@ -83,6 +86,7 @@ struct upgrade_conn_state {
 	uint16_t tx_flags;
 	uint8_t flags;
 	uint32_t upgrades;
+	uint32_t min_block, pref_block, max_payload;
 	char name[UPGRADE_MAX_NAME + 1];
 	const uint8_t *pending; /* into the decoded buffer */
 	uint32_t pending_len;

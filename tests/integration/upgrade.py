@@ -39,6 +39,9 @@ predecessor exits, is still its child (reaped, killed by PID).
      does not answer while the payload is missing), the WRITE is answered
      with success, and the same connection then reads it back from the
      new daemon.
+  8  A new configuration that gives the export another block size: the
+     upgrade commits, and the new daemon closes the connection that was
+     told the old one, saying why in its log; a new connection is served.
   6  A daemon that dropped its privileges (--user nobody, started as
      root) upgrades to a new one that runs as nobody from the start: the
      new one must not try to drop them again (and fail).
@@ -479,6 +482,37 @@ def half_payload(svc):
         r.close()
 
 
+def changed_export(svc, conf, good_conf):
+    h = nbdtest.libnbd_handle(svc.uri())
+    h.pread(BLOCK, 0)
+    with open(conf, "w") as f:
+        f.write(good_conf + "block-size = 512\n")
+    try:
+        r = svc.ctl("--json", "upgrade", *BINARY)
+        svc.reap()
+        expect(r.returncode == 0, "upgrade: exit %d: %s" % (r.returncode, r.stderr.strip()))
+        nbdtest.wait_until(lambda: "block sizes" in svc.log_text(), 5)
+        try:
+            h.pread(BLOCK, 0)
+            CHECKS.add("the connection told block size 4096 was still served after the "
+                       "export changed to 512")
+        except nbd.Error as e:
+            log("  the old connection: %s" % e)
+        text = svc.log_text()
+        expect(re.search(r"upgrade: export \"disk\" changed \(size \d+, flags 0x[0-9a-f]+, "
+                         r"block sizes \d+/512/", text),
+               "the new daemon's log does not say the export changed")
+        h2 = nbdtest.libnbd_handle(svc.uri())
+        expect(h2.get_block_size(nbd.SIZE_PREFERRED) == 512,
+               "a new connection is not told the new block size")
+        h2.pread(BLOCK, 0)
+        nbdtest.shutdown_all([h2])
+    finally:
+        nbdtest.shutdown_all([h])
+        with open(conf, "w") as f:
+            f.write(good_conf)
+
+
 def rollback(svc, conf, good_conf):
     h = nbdtest.libnbd_handle(svc.uri())
     pattern = os.urandom(BLOCK)
@@ -546,7 +580,8 @@ def bad_records(tmp):
     disk = os.path.join(d, "disk.img")
     nbdtest.sparse_file(disk, MIB)
     sock_path = os.path.join(d, "nbd.sock")
-    conn = struct.pack(">QQQQQQQHBIH", 9, 1, 1, 0, 0, 0, MIB, 0, 1, 0, 4) + b"disk" + \
+    conn = struct.pack(">QQQQQQQHBIIIIH", 9, 1, 1, 0, 0, 0, MIB, 0, 1, 0, 512, 4096, MIB,
+                       4) + b"disk" + \
         struct.pack(">I", 0)
     cases = [
         ("a newer version", record(4, struct.pack(">II", 0, 0), version=2), None,
@@ -724,6 +759,8 @@ def main():
                             % (UPGRADES, CLIENTS, QD), lambda: clients.extend(under_load(svc)))
             CHECKS.run("roll-backs", rollback, svc, conf, good_conf)
             CHECKS.run("a WRITE payload half sent when the upgrade starts", half_payload, svc)
+            CHECKS.run("an export whose block size changed", changed_export, svc, conf,
+                       good_conf)
             rc = svc.stop()
             expect(rc == 0, "the last daemon exited %d" % rc)
             svc.reap()

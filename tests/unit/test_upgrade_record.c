@@ -56,6 +56,9 @@ static void test_round_trips(void **state)
 	c.tx_flags = 0x1234;
 	c.flags = UPGRADE_CONN_STRUCTURED | UPGRADE_CONN_META;
 	c.upgrades = 41;
+	c.min_block = 512;
+	c.pref_block = 4096;
+	c.max_payload = 32u << 20;
 	strcpy(c.name, "vol1");
 	const uint8_t pending[5] = {0x25, 0x60, 0x95, 0x13, 0};
 	c.pending = pending;
@@ -73,6 +76,9 @@ static void test_round_trips(void **state)
 	assert_int_equal(r.conn.tx_flags, 0x1234);
 	assert_int_equal(r.conn.flags, UPGRADE_CONN_STRUCTURED | UPGRADE_CONN_META);
 	assert_int_equal(r.conn.upgrades, 41);
+	assert_int_equal(r.conn.min_block, 512);
+	assert_int_equal(r.conn.pref_block, 4096);
+	assert_int_equal(r.conn.max_payload, 32u << 20);
 	assert_string_equal(r.conn.name, "vol1");
 	assert_int_equal(r.conn.pending_len, 5);
 	assert_memory_equal(r.conn.pending, pending, 5);
@@ -170,20 +176,21 @@ static void test_bounds(void **state)
 	assert_int_equal(upgrade_record_connection(buf, &c), 0);
 	c.flags = 0;
 	size_t n = upgrade_record_connection(buf, &c);
-	/* flags at header + 7 * 8 + 2, upgrades after them, then the name */
+	/* flags at header + 7 * 8 + 2; upgrades and the block sizes after them
+	 * (16 bytes), then the name */
 	buf[UPGRADE_RECORD_HEADER + 58] = 0x40;
 	assert_int_equal(decode(n, 1), -EPROTO);
 	assert_non_null(strstr(why, "unknown flags 0x40"));
 	n = upgrade_record_connection(buf, &c);
-	nbd_put16(buf + UPGRADE_RECORD_HEADER + 63, 0); /* the name's length */
+	nbd_put16(buf + UPGRADE_RECORD_HEADER + 75, 0); /* the name's length */
 	assert_int_equal(decode(n, 1), -EPROTO);
 	assert_non_null(strstr(why, "an export name of 0 bytes"));
 	n = upgrade_record_connection(buf, &c);
-	buf[UPGRADE_RECORD_HEADER + 65] = '\0'; /* the name itself */
+	buf[UPGRADE_RECORD_HEADER + 77] = '\0'; /* the name itself */
 	assert_int_equal(decode(n, 1), -EPROTO);
 	assert_non_null(strstr(why, "a NUL in the export name"));
 	n = upgrade_record_connection(buf, &c);
-	nbd_put32(buf + UPGRADE_RECORD_HEADER + 66, UPGRADE_MAX_PENDING + 1);
+	nbd_put32(buf + UPGRADE_RECORD_HEADER + 78, UPGRADE_MAX_PENDING + 1);
 	assert_int_equal(decode(n, 1), -EPROTO);
 	assert_non_null(strstr(why, "pending input, at most"));
 	n = upgrade_record_listener(buf, UPGRADE_LISTEN_TCP, "127.0.0.1:10809");
