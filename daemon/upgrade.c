@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <systemd/sd-daemon.h>
 #include <time.h>
@@ -432,16 +433,28 @@ static void wait_flag(struct upgrade_server *u, size_t offset)
 	}
 }
 
+/* Why a send to the new daemon failed, in words. */
+static const char *send_error(struct upgrade_run *run, int rc, char *buf, size_t len)
+{
+	if (rc == -EAGAIN || rc == -EWOULDBLOCK)
+		snprintf(buf, len, "the new daemon took nothing for %u s", run->timeout_s);
+	else
+		snprintf(buf, len, "%s", strerror(-rc));
+	return buf;
+}
+
 /* Hand the listeners and the parked connections over; false on failure. */
 static bool hand_over(struct upgrade_run *run)
 {
+	char err[128];
 	struct upgrade_server *u = run->u;
 	for (size_t i = 0; i < u->listener_count; i++) {
 		struct upgrade_listener *l = &u->listeners[i];
 		size_t n = upgrade_record_listener(run->buf, l->kind, l->spec);
 		int rc = n ? send_record(run->sock, run->buf, n, l->fd) : -ENAMETOOLONG;
 		if (rc < 0) {
-			fail(run, "sending listener '%s': %s", l->spec, strerror(-rc));
+			fail(run, "sending listener '%s': %s", l->spec,
+			     send_error(run, rc, err, sizeof(err)));
 			return false;
 		}
 	}
@@ -453,7 +466,8 @@ static bool hand_over(struct upgrade_run *run)
 			int rc = n ? send_record(run->sock, run->buf, n, h->moved[j].fd) : -EINVAL;
 			if (rc < 0) {
 				fail(run, "sending connection %llu: %s",
-				     (unsigned long long)h->moved[j].state.id, strerror(-rc));
+				     (unsigned long long)h->moved[j].state.id,
+				     send_error(run, rc, err, sizeof(err)));
 				return false;
 			}
 			conns++;
@@ -463,7 +477,7 @@ static bool hand_over(struct upgrade_run *run)
 	size_t n = upgrade_record_end(run->buf, conns, (uint32_t)u->listener_count);
 	int rc = send_record(run->sock, run->buf, n, -1);
 	if (rc < 0) {
-		fail(run, "sending END: %s", strerror(-rc));
+		fail(run, "sending END: %s", send_error(run, rc, err, sizeof(err)));
 		return false;
 	}
 	run->r.moved = conns;
@@ -489,6 +503,10 @@ static void *upgrade_main(void *arg)
 	if (setsockopt(sv[0], SOL_SOCKET, SO_SNDBUFFORCE, &size, sizeof(size)) < 0)
 		setsockopt(sv[0], SOL_SOCKET, SO_SNDBUF, &size, sizeof(size));
 	setsockopt(sv[1], SOL_SOCKET, SO_RCVBUFFORCE, &size, sizeof(size));
+	/* A new daemon that stops reading must not hold this thread forever:
+	 * a send blocked for the timeout fails (EAGAIN), and the run with it. */
+	struct timeval sndtimeo = {(time_t)run->timeout_s, 0};
+	setsockopt(sv[0], SOL_SOCKET, SO_SNDTIMEO, &sndtimeo, sizeof(sndtimeo));
 	run->sock = sv[0];
 	int rc = spawn(run, sv[1]);
 	close(sv[1]);
@@ -565,10 +583,7 @@ out:
 			host_collected_free(&u->hosts[i]);
 	if (run->sock >= 0)
 		close(run->sock);
-	bool committed = run->r.committed;
-	run->done(&run->r, run->arg);
-	/* done() ends the process when committed; it returns otherwise. */
-	(void)committed;
+	run->done(&run->r, run->arg); /* ends the process when committed */
 	atomic_store(&u->running, false);
 	pthread_mutex_destroy(&run->lock);
 	pthread_cond_destroy(&run->cond);

@@ -521,8 +521,19 @@ def rollback(svc, conf, good_conf):
     with open(hang, "w") as f:
         f.write("#!/bin/sh\nexec sleep 600\n")
     os.chmod(hang, 0o755)
+    # One that says HELLO, then takes nothing: the old daemon has parked
+    # its connections and written its cache back by then, and resumes.
+    silent = os.path.join(svc.tmp, "silent.py")
+    with open(silent, "w") as f:
+        f.write("#!%s\nimport os, struct, socket, time\n"
+                "s = socket.socket(fileno=int(os.environ['NBDCACHED_UPGRADE_FD']))\n"
+                "s.send(struct.pack('>IHHIII', 0x%x, 1, 1, 4, 0, os.getpid()))\n"
+                "time.sleep(600)\n" % (sys.executable, MAGIC))
+    os.chmod(silent, 0o755)
     cases = [("a binary that exits at once", ["--binary", "/bin/false"], "status 1"),
              ("a binary that hangs", ["--binary", hang, "--timeout", "2"], "within 2 s"),
+             ("a new daemon that says HELLO and takes nothing",
+              ["--binary", silent, "--timeout", "2"], "take the connections within 2 s"),
              ("a config that no longer parses", BINARY, "no-such-key")]
     try:
         for what, args, want in cases:
