@@ -215,7 +215,11 @@ def main():
                 # window of each phase left out.
                 phase, phases = 1.5, 6
                 per = int(phase / WINDOW)
-                for attempt in range(2):
+                # Up to three tries: the CI rehearsal of stop 35 saw the two
+                # of old swing 17% one way (alone 50420, beside 41980 IOPS)
+                # and 23% the other (41116, 50772) on an idle machine: noise
+                # that no isolation fault makes point both ways.
+                for attempt in range(3):
                     start = time.time() + 0.5
                     free = flood_child(d, "u", phase * phases, start=start, seed=2 + attempt)
                     lims = [flood_child(d, "c", phase, start=start + k * phase, seed=10 + k)
@@ -230,7 +234,7 @@ def main():
                     log("unlimited alone %.0f, beside the limited one %.0f IOPS (medians); "
                         "limited %s" % (alone_rate, beside_rate,
                                         ["%.0f" % r for r in lim_rates]))
-                    if attempt == 0 and abs(beside_rate / alone_rate - 1) > (
+                    if attempt < 2 and abs(beside_rate / alone_rate - 1) > (
                             0.5 if ASAN else 0.15):
                         log("retrying once: the machine is shared")
                         continue
