@@ -308,7 +308,7 @@ def start_peers(svc):
         peers["fio"] = subprocess.Popen(
             ["fio", "--name=up", "--ioengine=nbd", "--uri=" + svc.uri(), "--rw=randwrite",
              "--bs=4k", "--iodepth=16", "--offset=%d" % FIO_BASE, "--size=%d" % FIO_SIZE,
-             "--loops=10", "--verify=crc32c", "--verify_fatal=1", "--do_verify=1",
+             "--loops=25", "--verify=crc32c", "--verify_fatal=1", "--do_verify=1",
              "--verify_state_save=0"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=svc.tmp, text=True)
     else:
