@@ -125,9 +125,9 @@ int receive_write(struct conn *c, const struct nbd_request *req, uint64_t cost, 
 		return 1;
 	}
 	request_attach(c, r, req, cost);
-	log_debug("conn %llu: WRITE flags 0x%x offset %llu length %llu%s", (unsigned long long)c->id,
-		  req->flags, (unsigned long long)req->offset, (unsigned long long)req->length,
-		  r->in_arena ? " (into the cache)" : "");
+	log_debug("conn %llu: NBD_CMD_WRITE flags 0x%x offset %llu length %llu%s",
+		  (unsigned long long)c->id, req->flags, (unsigned long long)req->offset,
+		  (unsigned long long)req->length, r->in_arena ? " (into the cache)" : "");
 	if (conn_sink_start(c, r->iov, niov, req->payload_length, request_received, r))
 		request_received(c, r, req->payload_length);
 	return 1;
