@@ -15,7 +15,6 @@ TRIM (its per-export request counts), as many as the daemon's debug log
 (FUA) writes they caused.
 """
 
-import hashlib
 import os
 import sys
 import time
@@ -89,18 +88,9 @@ def main():
         finally:
             d.stop()
         t1 = time.time()
-        for key, want in sorted(kv.items()):
-            if not key.startswith("sha256:"):
-                continue
-            path = key[len("sha256:"):]
-            try:
-                got = hashlib.sha256(guest.debugfs_cat(img, path)).hexdigest()
-            except nbdtest.Failed as e:
-                checks.add(str(e))
-                continue
-            checks.expect(got == want, "%s: sha256 %s on the backend, the guest wrote %s"
-                          % (path, got, want))
-            nbdtest.log("%s: sha256 matches on the backend (%s)" % (path, got[:16]))
+        files = {k[len("sha256:"):]: v for k, v in kv.items() if k.startswith("sha256:")}
+        nbdtest.log("%d of %d file(s) match on the backend"
+                    % (guest.check_files(checks, img, files), len(files)))
         checks.expect(sum(k.startswith("sha256:") for k in kv) == 3, "the guest reported %d files"
                       % sum(k.startswith("sha256:") for k in kv))
         rc, _ = guest.e2fsck(img)

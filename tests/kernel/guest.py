@@ -524,6 +524,23 @@ def debugfs_cat(image, path):
     return p.stdout
 
 
+def check_files(checks, image, files):
+    """Each {path: sha256} of files, as the guest printed it, read back
+    from the ext4 on image (debugfs) and compared; the matches counted."""
+    import hashlib
+    good = 0
+    for path, want in sorted(files.items()):
+        try:
+            got = hashlib.sha256(debugfs_cat(image, path)).hexdigest()
+        except nbdtest.Failed as e:
+            checks.add(str(e))
+            continue
+        if checks.expect(got == want, "%s: sha256 %s on the backend, the guest wrote %s"
+                         % (path, got, want)):
+            good += 1
+    return good
+
+
 def e2fsck(image, timeout=600):
     """e2fsck -fn on the image: (exit code, output)."""
     t0 = time.time()
