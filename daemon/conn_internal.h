@@ -6,6 +6,7 @@
  *                   reading on and off (conn_update_reading), the budget
  *   conn_socket.c   the plaintext socket's own reader and writer, sinks
  *   conn_registry.c every connection, for conn_list() and conn_disconnect()
+ *   conn_set.c      a worker's connections, its yielded ones and their turns
  *
  * All of it runs on the connection's worker thread, but the registry,
  * which has its own lock.
@@ -30,5 +31,12 @@ void conn_registry_add(struct conn *c);
 void conn_registry_remove(struct conn *c);
 /* Replies drained (conn.c): the budget's wait, or reading again. */
 void conn_output_drained(struct conn *c);
+/* Reading on, and whatever input is buffered to the phase (conn.c). */
+void conn_reading_on(struct conn *c);
+/* The set (conn_set.c): from conn_start() to the free; the last one out
+ * of a stopping set runs its on_empty. */
+struct conn_set;
+void conn_set_add(struct conn_set *set, struct conn *c);
+void conn_set_remove(struct conn_set *set, struct conn *c);
 
 #endif
