@@ -38,34 +38,9 @@
 #include "daemon/log.h"
 #include "daemon/metrics.h"
 #include "daemon/tls.h"
+#include "daemon/server_internal.h"
 #include "daemon/upgrade.h"
 #include "include/nbdcached/control.h"
-
-struct listener {
-	int fd;
-	char *unix_path; /* to unlink at exit; NULL for TCP */
-	struct evconnlistener *ev;
-	enum upgrade_listener_kind kind; /* for a live upgrade */
-	char *spec;			 /* ... the option it was bound from */
-};
-
-struct server {
-	struct event_base *base;
-	struct event *accept_resume; /* re-enables listeners after EMFILE */
-	struct export_table exports;
-	struct cache *cache;
-	struct host *workers;
-	unsigned worker_count;
-	unsigned next_worker;
-	uint64_t next_conn_id;
-	struct listener *listeners;
-	size_t listener_count;
-	struct control *control;
-	struct metrics *metrics; /* NULL: no --metrics */
-	unsigned max_clients;
-	bool refusing; /* at --max-clients: said so once for this spell */
-	struct upgrade_taken *taken; /* a live upgrade's new daemon: what it was handed */
-};
 
 /* The lines a client's connects cause, each kind under its rate limit
  * (log.h): a flood of connects must not flood the log. */
@@ -462,122 +437,6 @@ static void on_stats_signal(evutil_socket_t sig, short what, void *arg)
 	(void)what;
 	struct server *s = arg;
 	cache_log_stats(s->cache);
-}
-
-/* ---- Live upgrades (daemon/upgrade.h) ---- */
-
-/* The upgrade thread pauses and resumes accepting (the listeners are
- * thread-safe: LEV_OPT_THREADSAFE). */
-static void on_accepting(void *arg, bool on)
-{
-	struct server *s = arg;
-	for (size_t i = 0; i < s->listener_count; i++) {
-		if (!s->listeners[i].ev)
-			continue;
-		if (on)
-			evconnlistener_enable(s->listeners[i].ev);
-		else
-			evconnlistener_disable(s->listeners[i].ev);
-	}
-}
-
-/* What this daemon hands over if it is upgraded: its listeners, its
- * control and metrics sockets, its workers; the binary it runs. */
-static int upgrade_setup(struct upgrade_server *up, struct server *s, char **argv, int control_fd,
-			 const char *control_path, int metrics_fd, const char *metrics)
-{
-	size_t n = s->listener_count + 2;
-	up->listeners = calloc(n, sizeof(*up->listeners));
-	if (!up->listeners)
-		return -ENOMEM;
-	for (size_t i = 0; i < s->listener_count; i++)
-		up->listeners[up->listener_count++] = (struct upgrade_listener){
-		    .fd = s->listeners[i].fd,
-		    .kind = s->listeners[i].kind,
-		    .spec = s->listeners[i].spec ? s->listeners[i].spec : (char *)""};
-	if (control_fd >= 0)
-		up->listeners[up->listener_count++] = (struct upgrade_listener){
-		    .fd = control_fd, .kind = UPGRADE_LISTEN_CONTROL, .spec = (char *)control_path};
-	if (metrics_fd >= 0)
-		up->listeners[up->listener_count++] = (struct upgrade_listener){
-		    .fd = metrics_fd, .kind = UPGRADE_LISTEN_METRICS, .spec = (char *)metrics};
-	up->hosts = s->workers;
-	up->host_count = s->worker_count;
-	up->exports = &s->exports;
-	up->flush_worker = control_worker(s->control);
-	up->accepting = on_accepting;
-	up->arg = s;
-	up->argv = argv;
-	ssize_t len = readlink("/proc/self/exe", up->self, sizeof(up->self) - 1);
-	up->self[len > 0 ? (size_t)len : 0] = '\0';
-	if (len <= 0)
-		snprintf(up->self, sizeof(up->self), "%s", argv[0]);
-	atomic_store(&up->ready, true); /* upgrades may start now */
-	return 0;
-}
-
-static void on_upgrade_done(const struct upgrade_result *r, void *arg)
-{
-	(void)arg;
-	if (r->committed) {
-		log_info("upgrade: pid %d serves from here on; exiting", (int)r->pid);
-		_exit(0);
-	}
-}
-
-/* SIGUSR2: upgrade to the binary this daemon runs (its path now). */
-static void on_upgrade_signal(evutil_socket_t sig, short what, void *arg)
-{
-	(void)sig;
-	(void)what;
-	struct upgrade_server *up = arg;
-	char buf[512];
-	const char *why = upgrade_refusal(up->exports, buf, sizeof(buf));
-	if (why) {
-		log_error("SIGUSR2: upgrade refused: %s", why);
-		return;
-	}
-	log_info("SIGUSR2: upgrading");
-	int rc = upgrade_begin(up, NULL, 0, on_upgrade_done, NULL);
-	if (rc < 0)
-		log_error("SIGUSR2: %s",
-			  rc == -EBUSY ? "an upgrade is in progress already" : strerror(-rc));
-}
-
-/* The new daemon of a live upgrade, committed: serve every connection
- * handed over, dealt round robin to the workers like accepted ones. */
-static void adopt_connections(struct server *s)
-{
-	for (size_t i = 0; i < s->taken->conn_count; i++) {
-		struct upgrade_taken_conn *t = &s->taken->conns[i];
-		struct sockaddr_storage sa;
-		socklen_t len = sizeof(sa);
-		if (getpeername(t->fd, (struct sockaddr *)&sa, &len) < 0)
-			len = 0;
-		struct access_peer peer;
-		access_peer_from_socket(&peer, t->fd, &sa, len);
-		if (!budget_client_add()) {
-			log_warn("conn %llu: over --max-clients after the upgrade; closed",
-				 (unsigned long long)t->st.id);
-			access_peer_release(&peer);
-			continue;
-		}
-		budget_peer_add(&peer, 0); /* counted; the limit was checked at accept */
-		if (t->st.id > s->next_conn_id)
-			s->next_conn_id = t->st.id;
-		host_adopt(&s->workers[s->next_worker++ % s->worker_count], t->fd, &peer, &t->st);
-		t->fd = -1;
-	}
-}
-
-/* A new daemon that did not take over: the Unix socket paths it was
- * handed are still the old daemon's, not to be removed. */
-static void forget_unix_paths(struct server *s)
-{
-	for (size_t i = 0; i < s->listener_count; i++) {
-		free(s->listeners[i].unix_path);
-		s->listeners[i].unix_path = NULL;
-	}
 }
 
 /* The pidfile is opened before privileges are dropped and written (through
