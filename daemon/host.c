@@ -183,7 +183,6 @@ static void host_on_park_timer(evutil_socket_t fd, short what, void *arg)
 	(void)what;
 	struct host *h = arg;
 	atomic_store(&h->busy, count_busy(h));
-	atomic_store(&h->park_seen, true);
 }
 
 static void park_run(struct worker_task *task)
@@ -206,8 +205,7 @@ static void park_run(struct worker_task *task)
 		struct timeval tv = {0, HOST_PARK_CHECK_MS * 1000};
 		if (h->park_timer)
 			event_add(h->park_timer, &tv);
-		else
-			atomic_store(&h->park_seen, true); /* no timer: never counted ready */
+		/* else no timer: busy stays UINT32_MAX, never counted ready */
 	} else if (h->park_timer) {
 		event_free(h->park_timer);
 		h->park_timer = NULL;
@@ -217,8 +215,7 @@ static void park_run(struct worker_task *task)
 
 void host_park(struct host *h, bool on)
 {
-	atomic_store(&h->busy, UINT32_MAX);
-	atomic_store(&h->park_seen, false);
+	atomic_store(&h->busy, UINT32_MAX); /* until the timer has counted */
 	h->park_on = on;
 	h->park_task.run = park_run;
 	worker_post(&h->loop, &h->park_task);
@@ -226,7 +223,7 @@ void host_park(struct host *h, bool on)
 
 unsigned host_busy(struct host *h)
 {
-	return atomic_load(&h->park_seen) ? atomic_load(&h->busy) : UINT32_MAX;
+	return atomic_load(&h->busy);
 }
 
 /* Why c cannot be handed over, or NULL: it can. */

@@ -46,8 +46,8 @@ struct host {
 
 	/* A live upgrade (daemon/upgrade.h). */
 	struct event *park_timer; /* while parked: counts busy connections */
-	atomic_uint busy;	  /* connections not at a request boundary yet */
-	atomic_bool park_seen;	  /* busy was counted since the park began */
+	atomic_uint busy;	  /* connections not at a request boundary yet; UINT32_MAX
+				   * until counted since the park began */
 	struct host_moved *moved; /* host_collect()'s, until host_collected_free() */
 	size_t moved_count;
 	unsigned closed_count; /* to be closed: negotiating, TLS, over limits */
