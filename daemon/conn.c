@@ -478,16 +478,32 @@ void conn_park(struct conn *c, bool on)
 	if (!c->bev || c->closing)
 		return;
 	c->parking = on;
+	c->park_negotiation = on && c->phase != CONN_TRANSMISSION;
 	conn_update_reading(c);
 	/* Resumed: the requests that arrived meanwhile wait in the input. */
 	if (!on && c->reading)
 		conn_input_ready(c);
 }
 
+void conn_park_negotiation_end(struct conn *c)
+{
+	if (!c->park_negotiation)
+		return;
+	c->park_negotiation = false;
+	if (c->bev && !c->closing)
+		conn_update_reading(c);
+}
+
+/* Parking and still negotiating, with leave to finish. */
+static bool conn_park_negotiating(const struct conn *c)
+{
+	return c->park_negotiation && c->phase != CONN_TRANSMISSION;
+}
+
 bool conn_parked(struct conn *c)
 {
 	return c->parking && c->bev && !c->closing && !c->sink.left && !c->discard &&
-	       !c->admitted && conn_drained(c);
+	       !c->admitted && !conn_park_negotiating(c) && conn_drained(c);
 }
 
 /* What the connection holds in the budget: reservations and its output. */
@@ -615,7 +631,7 @@ void conn_update_reading(struct conn *c)
 	/* Negotiation replies are small: a client that does not read them stops us early. */
 	size_t max_output =
 		c->phase == CONN_TRANSMISSION ? CONN_MAX_OUTPUT : CONN_MAX_NEGOTIATION_OUTPUT;
-	bool want = !(c->parking && !c->discard && !c->admitted) &&
+	bool want = !(c->parking && !conn_park_negotiating(c) && !c->discard && !c->admitted) &&
 		    c->inflight < CONN_MAX_INFLIGHT &&
 		    c->inflight_bytes < CONN_MAX_INFLIGHT_BYTES &&
 		    evbuffer_get_length(conn_output(c)) < max_output && !c->budget_waiting;

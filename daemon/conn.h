@@ -234,6 +234,10 @@ struct conn {
 	 * no new request is parsed, and reading stops once a payload being
 	 * received is in (conn_park). */
 	bool parking;
+	/* Parking, and still negotiating: the negotiation may go on, so that
+	 * a client that connected just before the upgrade is handed over in
+	 * transmission rather than closed (conn_park_negotiation_end). */
+	bool park_negotiation;
 	/* QoS (transmit_throttle.c): requests the export's limits hold back,
 	 * in arrival order, not started (no cache op, nothing pinned); they
 	 * count in inflight and inflight_bytes. The timer is due when the
@@ -460,10 +464,13 @@ int conn_fd(struct conn *c);
  * A live upgrade: park c at a request boundary (on: no new request is
  * parsed; a payload being received is received, its request answered),
  * or resume it (off: reading again, and whatever input it holds parsed).
- * Transmission only.
+ * A connection still negotiating goes on negotiating, and parks once in
+ * transmission, until conn_park_negotiation_end(c) stops it where it is.
  */
 void conn_park(struct conn *c, bool on);
-/* Is c parked: no request in flight or half received, nothing unsent? */
+void conn_park_negotiation_end(struct conn *c);
+/* Is c parked: no request in flight or half received, nothing unsent,
+ * and not negotiating on? */
 bool conn_parked(struct conn *c);
 /* A live upgrade's new daemon: the input the old daemon had read from the
  * client and not parsed, put before anything read here. 0 or -ENOMEM. */

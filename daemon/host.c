@@ -123,8 +123,11 @@ static void hand_off_run(struct worker_task *task)
 				    (unsigned long long)o->id, strerror(-rc));
 		/* Accepted just before a live upgrade paused the listeners: it
 		 * waits like the others (the newest is the set's first). */
-		else if (h->parking && h->set.conns && h->set.conns->id == o->id)
+		else if (h->parking && h->set.conns && h->set.conns->id == o->id) {
 			conn_park(h->set.conns, true);
+			if (h->negotiation_ended)
+				conn_park_negotiation_end(h->set.conns);
+		}
 	}
 	free(o);
 }
@@ -177,11 +180,29 @@ static unsigned count_busy(struct host *h)
 	return busy;
 }
 
+/* Connections still negotiating stop where they are: they will be closed. */
+static void end_negotiations(struct host *h)
+{
+	if (h->negotiation_ended)
+		return;
+	h->negotiation_ended = true;
+	struct conn *c = h->set.conns;
+	while (c) {
+		struct conn *next = c->next;
+		conn_ref(c);
+		conn_park_negotiation_end(c);
+		conn_unref(c);
+		c = next;
+	}
+}
+
 static void host_on_park_timer(evutil_socket_t fd, short what, void *arg)
 {
 	(void)fd;
 	(void)what;
 	struct host *h = arg;
+	if (clock_now_ns() - h->park_ns >= (uint64_t)HOST_NEGOTIATION_GRACE_MS * 1000000u)
+		end_negotiations(h);
 	atomic_store(&h->busy, count_busy(h));
 }
 
@@ -190,6 +211,8 @@ static void park_run(struct worker_task *task)
 	struct host *h = (struct host *)((char *)task - offsetof(struct host, park_task));
 	bool on = h->park_on;
 	h->parking = on;
+	h->negotiation_ended = false;
+	h->park_ns = clock_now_ns();
 	struct conn *c = h->set.conns;
 	while (c) {
 		struct conn *next = c->next;
@@ -294,6 +317,7 @@ static void collect_run(struct worker_task *task)
 	h->moved = calloc(h->set.count ? h->set.count : 1, sizeof(*h->moved));
 	h->moved_count = 0;
 	h->closed_count = 0;
+	end_negotiations(h); /* nothing new is read from here on */
 	for (struct conn *c = h->set.conns; c; c = c->next) {
 		if (!c->bev || c->closing)
 			continue; /* ending anyway */

@@ -55,6 +55,8 @@ struct host {
 	atomic_bool finished;  /* host_finish_upgrade() is done */
 	bool park_on;	       /* host_park's argument, for its task */
 	bool parking;	       /* worker thread: connections are being parked */
+	bool negotiation_ended; /* worker thread: negotiating ones stopped too */
+	uint64_t park_ns;	/* worker thread: when the park began */
 	struct worker_task park_task, collect_task, finish_task;
 };
 
@@ -74,7 +76,9 @@ void host_budget_wake(struct worker *w);
  *
  *   host_park(h, true)     every connection stops at its next request
  *                          boundary (conn_park); host_busy() counts those
- *                          not there yet, every 10 ms
+ *                          not there yet, every 10 ms; one still
+ *                          negotiating gets HOST_NEGOTIATION_GRACE_MS to
+ *                          reach transmission, then stops where it is
  *   host_collect(h)        the parked ones that can be handed over
  *                          (plaintext, in transmission) into h->moved;
  *                          h->collected once done
@@ -83,6 +87,7 @@ void host_budget_wake(struct worker *w);
  *                          again; h->finished once done
  *   host_park(h, false)    rolled back: every connection resumes
  */
+#define HOST_NEGOTIATION_GRACE_MS 500
 void host_park(struct host *h, bool on);
 /* Connections not parked yet (UINT_MAX until first counted). */
 unsigned host_busy(struct host *h);

@@ -437,6 +437,9 @@ static void *upgrade_main(void *arg)
 	for (unsigned i = 0; i < u->host_count; i++)
 		host_park(&u->hosts[i], true);
 	parked = true;
+	log_info("upgrade: listeners paused, connections parking at a request boundary (one "
+		 "still negotiating has %u ms to finish)",
+		 HOST_NEGOTIATION_GRACE_MS);
 	unsigned busy = wait_parked(u, run->timeout_s);
 	if (busy)
 		log_warn("upgrade: %u connection(s) not at a request boundary after %u s: they "

@@ -39,6 +39,11 @@ predecessor exits, is still its child (reaped, killed by PID).
      does not answer while the payload is missing), the WRITE is answered
      with success, and the same connection then reads it back from the
      new daemon.
+  9  Two raw clients have read the greeting when the upgrade parks the
+     connections: one negotiates on (structured replies, GO, a WRITE) and
+     is handed over in transmission, its WRITE answered by the new daemon
+     and read back; the other says nothing and is closed after the grace
+     (HOST_NEGOTIATION_GRACE_MS), the upgrade committing.
   8  A new configuration that gives the export another block size: the
      upgrade commits, and the new daemon closes the connection that was
      told the old one, saying why in its log; a new connection is served.
@@ -131,8 +136,9 @@ class Service:
             return f.read()
 
     def reap(self):
-        """Reap every exited child (old daemons, failed new ones)."""
-        nbdtest.reap_children()
+        """Reap every exited child (old daemons, failed new ones), not the
+        peers (fio, qemu-io): their Popen must see their exit status."""
+        nbdtest.reap_children(PEERS)
 
     def stop(self):
         """SIGTERM the daemon serving now, by PID; its exit status."""
@@ -299,6 +305,7 @@ def served(svc, what):
 
 FIO_BASE, FIO_SIZE = 36 * MIB, 4 * MIB
 QEMU_BASE = 48 * MIB
+PEERS = set()  # the peers' PIDs, never reaped behind their Popen's back
 
 
 def start_peers(svc):
@@ -336,6 +343,7 @@ def start_peers(svc):
                                             stderr=subprocess.STDOUT, text=True)
     else:
         CHECKS.add("qemu-io not found (install qemu-utils)")
+    PEERS.update(p.pid for p in peers.values())
     return peers
 
 
@@ -353,14 +361,22 @@ def finish_peers(peers):
                if w in out.lower()]
         log("  %s: exit %d after %.1f s more%s" % (name, p.returncode, time.time() - t0,
                                  (", said " + ", ".join(bad)) if bad else ""))
-        expect(p.returncode == 0 and not bad, "%s: exit %d, output: %s"
-               % (name, p.returncode, out[-1500:]))
+        said = [line for line in out.splitlines() if any(w in line.lower() for w in bad)]
+        expect(p.returncode == 0 and not bad, "%s: exit %d%s; output: %s"
+               % (name, p.returncode, (", said: " + " | ".join(said[:3])) if said else "",
+                  out[-1500:]))
 
 
 def under_load(svc):
     clients = [Client(svc, i, 1000 + i) for i in range(CLIENTS)]
     ids_before = set(connections(svc))  # the clients' (the peers end on their own)
     peers = start_peers(svc)
+    # The upgrades start once the peers are serving (fio connects twice:
+    # to learn the size, then for its I/O), so that each spans several.
+    # A client that connects during an upgrade is the next check's.
+    nbdtest.wait_until(lambda: sum(1 for cid, c in connections(svc).items()
+                                   if cid not in ids_before and c["requests"]) >= len(peers),
+                       60)
     stop = threading.Event()
     threads = [threading.Thread(target=c.run, args=(stop,), daemon=True) for c in clients]
     for t in threads:
@@ -480,6 +496,66 @@ def half_payload(svc):
         log("  a 64 KiB WRITE, 20000 bytes sent before the upgrade: answered, read back")
     finally:
         r.close()
+
+
+def negotiating(svc):
+    """Two raw clients have read the greeting when the upgrade parks the
+    connections: one goes on negotiating within the grace and is handed
+    over in transmission (its WRITE, sent before the hand-over, answered
+    by the new daemon); the other says nothing more and is closed once the
+    grace is over, the upgrade going through."""
+    sys.path.insert(0, HERE)
+    import bad_input as raw
+    a = raw.RawClient(svc.sock, timeout=30)
+    b = raw.RawClient(svc.sock, timeout=30)
+    try:
+        a.greeting()
+        b.greeting()
+        mark = len(svc.log_text())
+        result = {}
+
+        def up():
+            result["r"] = svc.ctl("--json", "upgrade", *BINARY)
+        t = threading.Thread(target=up, daemon=True)
+        t.start()
+        require(nbdtest.wait_until(lambda: "connections parking" in svc.log_text()[mark:], 30,
+                                   step=0.01),
+                "the upgrade did not begin parking the connections within 30 s")
+        time.sleep(0.05)
+        a.option(raw.OPT_STRUCTURED_REPLY)
+        a.structured = True
+        a.go("disk")
+        data = os.urandom(BLOCK)
+        off = 58 * MIB
+        cookie = a.request(raw.CMD_WRITE, off, len(data), payload=data)
+        t.join(60)
+        svc.reap()
+        u = result.get("r")
+        require(u is not None and u.returncode == 0, "the upgrade: %s"
+                % (u.stderr if u else "no answer in 60 s"))
+        import json
+        reply = json.loads(u.stdout)
+        log("  upgrade: %s" % reply)
+        expect(reply["closed"] == 1, "%d connection(s) closed, expected 1 (the silent one)"
+               % reply["closed"])
+        expect(reply["pause_ms"] >= 400,
+               "paused %d ms: the silent client did not get its grace" % reply["pause_ms"])
+        w = a.read_reply(cookie)
+        expect(w.error == 0, "the WRITE sent during the upgrade: error %d" % w.error)
+        c2 = a.request(raw.CMD_READ, off, len(data))
+        back = a.read_reply(c2)
+        expect(back.error == 0 and bytes(back.data) == data,
+               "the client that negotiated during the upgrade does not read its WRITE back")
+        got = b.wait_closed(10)
+        expect(got == b"", "the silent client was sent %r before its close" % got[:32])
+        text = svc.log_text()[mark:]
+        expect("still negotiating" in text,
+               "the log does not say the silent client was closed while negotiating")
+        log("  negotiated during the park: handed over, WRITE answered and read back; "
+            "silent one closed after the grace")
+    finally:
+        a.close()
+        b.close()
 
 
 def changed_export(svc, conf, good_conf):
@@ -770,6 +846,7 @@ def main():
                             % (UPGRADES, CLIENTS, QD), lambda: clients.extend(under_load(svc)))
             CHECKS.run("roll-backs", rollback, svc, conf, good_conf)
             CHECKS.run("a WRITE payload half sent when the upgrade starts", half_payload, svc)
+            CHECKS.run("clients negotiating when the upgrade parks", negotiating, svc)
             CHECKS.run("an export whose block size changed", changed_export, svc, conf,
                        good_conf)
             rc = svc.stop()

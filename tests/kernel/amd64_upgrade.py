@@ -69,7 +69,7 @@ def pid_of(d):
         return 0
 
 
-def upgrade(checks, d, n, binary):
+def upgrade(checks, d, n, binary, keep):
     before = pid_of(d)
     args = [nbdtest.NBDCACHECTL, "--control", d.control, "--json", "upgrade"]
     if binary:
@@ -77,7 +77,7 @@ def upgrade(checks, d, n, binary):
     t0 = time.time()
     p = subprocess.run(args, capture_output=True, text=True, timeout=120)
     took = time.time() - t0
-    nbdtest.reap_children()
+    nbdtest.reap_children(keep)
     if not checks.expect(p.returncode == 0, "upgrade %d: exit %d: %s"
                          % (n, p.returncode, p.stderr.strip())):
         return
@@ -108,7 +108,7 @@ def run(checks, tmp):
             g.start()
             if g.wait_for("KTEST-KV written:/w%d " % (FILES_BEFORE - 1), timeout=300):
                 for n in range(1, UPGRADES + 1):
-                    upgrade(checks, d, n, other if n == DIFFERENT else None)
+                    upgrade(checks, d, n, other if n == DIFFERENT else None, {g.proc.pid})
                     done += 1
                     time.sleep(3)
             g.wait()

@@ -928,15 +928,24 @@ def stop_pid(pid, timeout=30):
         time.sleep(0.05)
 
 
-def reap_children():
-    """Reap every child that has exited (without waiting for the others)."""
-    for _ in range(10000):
+def reap_children(keep=()):
+    """Reap every child that has exited (without waiting for the others),
+    except those in keep: processes a subprocess.Popen will wait for. (A
+    child reaped behind Popen's back reads as exit status 0.)"""
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in keep:
+            continue
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+            with open("/proc/%s/stat" % name) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] == "Z" and int(fields[1]) == me:
+            try:
+                os.waitpid(int(name), os.WNOHANG)
+            except ChildProcessError:
+                pass
 
 
 def shutdown_all(handles):
