@@ -65,7 +65,7 @@ CTL_LIBS := $(shell pkg-config --libs json-c 2>/dev/null || echo -ljson-c)
 PROTO_SRC := $(wildcard proto/*.c)
 # The daemon's dependency-free core: builds on i386 and is unit tested there.
 CORE_SRC := daemon/options.c daemon/export_spec.c daemon/option_values.c daemon/access.c daemon/qos.c daemon/log.c daemon/cache/arena.c \
-	daemon/histogram.c daemon/rbd_spec.c daemon/upgrade_record.c
+	daemon/histogram.c daemon/rbd_spec.c daemon/upgrade_record.c daemon/cache/device_format.c
 # Everything else in the daemon needs libevent / liburing.
 DAEMON_SRC := $(filter-out $(CORE_SRC) $(RBD_OUT),$(wildcard daemon/*.c daemon/backend/*.c daemon/cache/*.c))
 # test_uring needs liburing and libevent: not in the -m32 build of the core.
@@ -211,6 +211,12 @@ build-fuzz/fuzz_upgrade_record: tests/fuzz/fuzz_upgrade_record.c tests/fuzz/fuzz
 	@mkdir -p build-fuzz
 	clang -std=c11 -g -O1 -D_GNU_SOURCE -I. -fsanitize=fuzzer,address,undefined -o $@ \
 		tests/fuzz/fuzz_upgrade_record.c daemon/upgrade_record.c $(PROTO_SRC)
+
+# A cache device's superblock and log batch headers, as the replay decodes them.
+build-fuzz/fuzz_device_format: tests/fuzz/fuzz_device_format.c tests/fuzz/fuzz.h daemon/cache/device_format.c daemon/cache/device_format.h $(PROTO_SRC) proto/nbd.h
+	@mkdir -p build-fuzz
+	clang -std=c11 -g -O1 -D_GNU_SOURCE -I. -fsanitize=fuzzer,address,undefined -o $@ \
+		tests/fuzz/fuzz_device_format.c daemon/cache/device_format.c $(PROTO_SRC)
 
 # The negotiation fuzzer runs daemon/handshake.c itself, over stubs of the
 # layers below it (its own file), with libevent's evbuffers.

@@ -1,0 +1,257 @@
+/*
+ * daemon/cache/device_format.c: see device_format.h.
+ */
+#include "daemon/cache/device_format.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "proto/nbd.h"
+
+/* ---- CRC32C: reflected, polynomial 0x82F63B78, a table of 256 ---- */
+
+static uint32_t crc_table[256];
+static bool crc_ready;
+
+static void crc_init(void)
+{
+	for (uint32_t i = 0; i < 256; i++) {
+		uint32_t c = i;
+		for (int k = 0; k < 8; k++)
+			c = c & 1 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+		crc_table[i] = c;
+	}
+	__atomic_store_n(&crc_ready, true, __ATOMIC_RELEASE);
+}
+
+uint32_t devfmt_crc32c(uint32_t crc, const void *p, size_t n)
+{
+	/* Two threads may build the table at once: they write the same. */
+	if (!__atomic_load_n(&crc_ready, __ATOMIC_ACQUIRE))
+		crc_init();
+	const uint8_t *b = p;
+	crc = ~crc;
+	while (n--)
+		crc = crc_table[(crc ^ *b++) & 0xff] ^ (crc >> 8);
+	return ~crc;
+}
+
+static int refuse(char *why, size_t len, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int refuse(char *why, size_t len, const char *fmt, ...)
+{
+	if (why && len) {
+		va_list ap;
+		va_start(ap, fmt);
+		vsnprintf(why, len, fmt, ap);
+		va_end(ap);
+	}
+	return -EINVAL;
+}
+
+/* ---- the superblock ---- */
+
+int devfmt_sb_encode(const struct devfmt_sb *sb, uint8_t *buf)
+{
+	if (sb->export_count > DEVFMT_MAX_EXPORTS)
+		return -EINVAL;
+	memset(buf, 0, DEVFMT_SB_BYTES);
+	nbd_put64(buf, DEVFMT_SB_MAGIC);
+	nbd_put32(buf + 8, DEVFMT_VERSION);
+	nbd_put32(buf + 12, sb->flags);
+	memcpy(buf + 16, sb->uuid, 16);
+	nbd_put64(buf + 32, sb->generation);
+	nbd_put64(buf + 40, sb->device_bytes);
+	nbd_put64(buf + 48, sb->log_offset);
+	nbd_put64(buf + 56, sb->log_bytes);
+	nbd_put64(buf + 64, sb->checkpoint_offset);
+	nbd_put64(buf + 72, sb->checkpoint_seq);
+	nbd_put32(buf + 80, sb->export_count);
+	for (uint32_t i = 0; i < sb->export_count; i++) {
+		const struct devfmt_identity *id = &sb->exports[i];
+		size_t nl = strnlen(id->name, sizeof(id->name));
+		size_t bl = strnlen(id->backend, sizeof(id->backend));
+		if (nl == 0 || nl > DEVFMT_MAX_NAME || bl > DEVFMT_MAX_BACKEND)
+			return -EINVAL;
+		uint8_t *p = buf + DEVFMT_SB_HEADER + (size_t)i * DEVFMT_IDENTITY_BYTES;
+		nbd_put16(p, id->slot);
+		nbd_put16(p + 2, (uint16_t)nl);
+		nbd_put16(p + 4, (uint16_t)bl);
+		nbd_put32(p + 8, id->block_size);
+		nbd_put32(p + 12, id->kind);
+		nbd_put64(p + 16, id->size);
+		nbd_put64(p + 24, id->dev);
+		nbd_put64(p + 32, id->ino);
+		memcpy(p + DEVFMT_IDENTITY_FIXED, id->name, nl);
+		memcpy(p + DEVFMT_IDENTITY_FIXED + DEVFMT_MAX_NAME, id->backend, bl);
+	}
+	nbd_put32(buf + DEVFMT_SB_BYTES - 4, devfmt_crc32c(0, buf, DEVFMT_SB_BYTES - 4));
+	return 0;
+}
+
+static bool valid_block_size(uint32_t bs)
+{
+	return bs >= 512 && bs <= 65536 && (bs & (bs - 1)) == 0;
+}
+
+int devfmt_sb_decode(const uint8_t *buf, struct devfmt_sb *out, char *why, size_t why_len)
+{
+	if (nbd_get64(buf) != DEVFMT_SB_MAGIC)
+		return refuse(why, why_len, "no nbdcached superblock (magic 0x%016llx)",
+			      (unsigned long long)nbd_get64(buf));
+	uint32_t crc = devfmt_crc32c(0, buf, DEVFMT_SB_BYTES - 4);
+	if (crc != nbd_get32(buf + DEVFMT_SB_BYTES - 4))
+		return refuse(why, why_len, "superblock CRC32C 0x%08x, computed 0x%08x (corrupt)",
+			      nbd_get32(buf + DEVFMT_SB_BYTES - 4), crc);
+	uint32_t version = nbd_get32(buf + 8);
+	if (version != DEVFMT_VERSION)
+		return refuse(why, why_len, "format version %u; this daemon reads version %u",
+			      version, DEVFMT_VERSION);
+	memset(out, 0, sizeof(*out));
+	out->flags = nbd_get32(buf + 12);
+	memcpy(out->uuid, buf + 16, 16);
+	out->generation = nbd_get64(buf + 32);
+	out->device_bytes = nbd_get64(buf + 40);
+	out->log_offset = nbd_get64(buf + 48);
+	out->log_bytes = nbd_get64(buf + 56);
+	out->checkpoint_offset = nbd_get64(buf + 64);
+	out->checkpoint_seq = nbd_get64(buf + 72);
+	out->export_count = nbd_get32(buf + 80);
+	if (out->flags & ~DEVFMT_SB_CLEAN)
+		return refuse(why, why_len, "unknown flags 0x%x", out->flags);
+	if (out->log_offset < DEVFMT_LOG_OFFSET || out->log_offset % DEVFMT_BLOCK ||
+	    out->log_bytes < 2 * DEVFMT_BLOCK || out->log_bytes % DEVFMT_BLOCK ||
+	    out->log_bytes > out->device_bytes ||
+	    out->log_offset > out->device_bytes - out->log_bytes)
+		return refuse(
+		    why, why_len, "log at %llu, %llu bytes, does not fit a device of %llu bytes",
+		    (unsigned long long)out->log_offset, (unsigned long long)out->log_bytes,
+		    (unsigned long long)out->device_bytes);
+	if (out->checkpoint_offset >= out->log_bytes || out->checkpoint_offset % DEVFMT_BLOCK)
+		return refuse(why, why_len, "checkpoint at %llu, outside a log of %llu bytes",
+			      (unsigned long long)out->checkpoint_offset,
+			      (unsigned long long)out->log_bytes);
+	if (out->export_count > DEVFMT_MAX_EXPORTS)
+		return refuse(why, why_len, "%u exports; at most %u", out->export_count,
+			      (unsigned)DEVFMT_MAX_EXPORTS);
+	for (uint32_t i = 0; i < out->export_count; i++) {
+		const uint8_t *p = buf + DEVFMT_SB_HEADER + (size_t)i * DEVFMT_IDENTITY_BYTES;
+		struct devfmt_identity *id = &out->exports[i];
+		uint16_t nl = nbd_get16(p + 2), bl = nbd_get16(p + 4);
+		id->slot = nbd_get16(p);
+		id->block_size = nbd_get32(p + 8);
+		id->kind = nbd_get32(p + 12);
+		id->size = nbd_get64(p + 16);
+		id->dev = nbd_get64(p + 24);
+		id->ino = nbd_get64(p + 32);
+		if (nl == 0 || nl > DEVFMT_MAX_NAME || bl > DEVFMT_MAX_BACKEND)
+			return refuse(why, why_len, "export %u: name of %u bytes, backend of %u", i,
+				      nl, bl);
+		memcpy(id->name, p + DEVFMT_IDENTITY_FIXED, nl);
+		memcpy(id->backend, p + DEVFMT_IDENTITY_FIXED + DEVFMT_MAX_NAME, bl);
+		if (memchr(id->name, 0, nl) || memchr(id->backend, 0, bl))
+			return refuse(why, why_len, "export %u: a NUL byte in its name or backend",
+				      i);
+		if (!valid_block_size(id->block_size) ||
+		    (id->kind != DEVFMT_BACKEND_FILE && id->kind != DEVFMT_BACKEND_OTHER))
+			return refuse(why, why_len, "export \"%s\": block size %u, kind %u",
+				      id->name, id->block_size, id->kind);
+		for (uint32_t j = 0; j < i; j++)
+			if (out->exports[j].slot == id->slot ||
+			    strcmp(out->exports[j].name, id->name) == 0)
+				return refuse(why, why_len,
+					      "export \"%s\": slot %u or name given twice",
+					      id->name, id->slot);
+	}
+	return 0;
+}
+
+/* ---- batches ---- */
+
+uint64_t devfmt_batch_data_bytes(const struct devfmt_batch *b)
+{
+	uint64_t n = 0;
+	for (uint32_t i = 0; i < b->extent_count && i < DEVFMT_MAX_EXTENTS; i++)
+		if (b->extents[i].type == DEVFMT_EXTENT_DATA)
+			n += b->extents[i].length;
+	return n;
+}
+
+int devfmt_batch_encode(const struct devfmt_batch *b, const uint8_t uuid[16], uint8_t *buf)
+{
+	if (b->extent_count > DEVFMT_MAX_EXTENTS)
+		return -EINVAL;
+	memset(buf, 0, DEVFMT_BLOCK);
+	nbd_put64(buf, DEVFMT_BATCH_MAGIC);
+	memcpy(buf + 8, uuid, 16);
+	nbd_put64(buf + 24, b->seq);
+	nbd_put32(buf + 32, b->flags);
+	nbd_put32(buf + 36, b->extent_count);
+	nbd_put32(buf + 40, b->data_blocks);
+	nbd_put32(buf + 44, b->data_crc);
+	for (uint32_t i = 0; i < b->extent_count; i++) {
+		uint8_t *p = buf + DEVFMT_BATCH_HEADER + (size_t)i * DEVFMT_EXTENT_BYTES;
+		p[0] = b->extents[i].type;
+		nbd_put16(p + 2, b->extents[i].slot);
+		nbd_put64(p + 8, b->extents[i].offset);
+		nbd_put64(p + 16, b->extents[i].length);
+	}
+	nbd_put32(buf + DEVFMT_BLOCK - 4, devfmt_crc32c(0, buf, DEVFMT_BLOCK - 4));
+	return 0;
+}
+
+int devfmt_batch_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t expect_seq,
+			struct devfmt_batch *out, char *why, size_t why_len)
+{
+	if (nbd_get64(buf) != DEVFMT_BATCH_MAGIC)
+		return refuse(why, why_len, "no batch header (magic 0x%016llx)",
+			      (unsigned long long)nbd_get64(buf));
+	uint32_t crc = devfmt_crc32c(0, buf, DEVFMT_BLOCK - 4);
+	if (crc != nbd_get32(buf + DEVFMT_BLOCK - 4))
+		return refuse(why, why_len,
+			      "header CRC32C 0x%08x, computed 0x%08x (torn or corrupt)",
+			      nbd_get32(buf + DEVFMT_BLOCK - 4), crc);
+	if (memcmp(buf + 8, uuid, 16) != 0)
+		return refuse(why, why_len, "a batch of another format of the device (UUID)");
+	memset(out, 0, sizeof(*out));
+	out->seq = nbd_get64(buf + 24);
+	if (out->seq != expect_seq)
+		return refuse(why, why_len, "sequence number %llu, expected %llu (an older lap)",
+			      (unsigned long long)out->seq, (unsigned long long)expect_seq);
+	out->flags = nbd_get32(buf + 32);
+	out->extent_count = nbd_get32(buf + 36);
+	out->data_blocks = nbd_get32(buf + 40);
+	out->data_crc = nbd_get32(buf + 44);
+	if (out->flags & ~DEVFMT_BATCH_WRAP)
+		return refuse(why, why_len, "unknown batch flags 0x%x", out->flags);
+	if (out->extent_count > DEVFMT_MAX_EXTENTS)
+		return refuse(why, why_len, "%u extents; at most %u", out->extent_count,
+			      (unsigned)DEVFMT_MAX_EXTENTS);
+	if ((out->flags & DEVFMT_BATCH_WRAP) && (out->extent_count || out->data_blocks))
+		return refuse(why, why_len, "a wrap marker with extents or data");
+	for (uint32_t i = 0; i < out->extent_count; i++) {
+		const uint8_t *p = buf + DEVFMT_BATCH_HEADER + (size_t)i * DEVFMT_EXTENT_BYTES;
+		struct devfmt_extent *x = &out->extents[i];
+		x->type = p[0];
+		x->slot = nbd_get16(p + 2);
+		x->offset = nbd_get64(p + 8);
+		x->length = nbd_get64(p + 16);
+		if (x->type < DEVFMT_EXTENT_DATA || x->type > DEVFMT_EXTENT_TRIM)
+			return refuse(why, why_len, "extent %u: unknown type %u", i, x->type);
+		if (x->length == 0 || x->offset > UINT64_MAX - x->length ||
+		    (x->type == DEVFMT_EXTENT_DATA && x->length > DEVFMT_MAX_DATA_EXTENT))
+			return refuse(why, why_len, "extent %u: %llu bytes at %llu", i,
+				      (unsigned long long)x->length, (unsigned long long)x->offset);
+	}
+	uint64_t data = devfmt_batch_data_bytes(out);
+	uint64_t blocks = (data + DEVFMT_BLOCK - 1) / DEVFMT_BLOCK;
+	if (blocks != out->data_blocks)
+		return refuse(why, why_len,
+			      "extents carry %llu bytes of data, the header says %u "
+			      "blocks",
+			      (unsigned long long)data, out->data_blocks);
+	return 0;
+}

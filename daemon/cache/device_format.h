@@ -1,0 +1,162 @@
+/*
+ * daemon/cache/device_format.h: the on-device format of a cache device
+ * (--cache-device): its superblock and the batches of its intent log.
+ * Pure: encodes into and decodes from caller's buffers, no I/O. The
+ * decoders are the trust boundary (a device written by another version,
+ * another device's stale records, torn writes, corrupt bytes) and are
+ * fuzzed (tests/fuzz/fuzz_device_format.c); each refusal says why.
+ *
+ * Layout, big-endian like NBD; every length in bytes:
+ *
+ *   [0, 64 KiB)        superblock copy A
+ *   [64 KiB, 128 KiB)  superblock copy B
+ *   [log_offset, log_offset + log_bytes)  the intent log, a ring of batches
+ *
+ * A superblock copy (DEVFMT_SB_BYTES):
+ *
+ *     0 u64 magic       DEVFMT_SB_MAGIC ("NBDCDEV\0")
+ *     8 u32 version     DEVFMT_VERSION: equal, or the device is refused
+ *    12 u32 flags       DEVFMT_SB_CLEAN: written back and closed cleanly
+ *    16 u8[16] uuid     chosen at format time; every batch carries it
+ *    32 u64 generation  the newer valid copy wins; each write goes to the
+ *                       copy not holding the newest, so a torn write
+ *                       leaves the other one
+ *    40 u64 device_bytes  the size it was formatted for (geometry)
+ *    48 u64 log_offset, 56 u64 log_bytes  (multiples of DEVFMT_BLOCK)
+ *    64 u64 checkpoint_offset  where, within the log, replay starts
+ *    72 u64 checkpoint_seq     the sequence number of the batch there
+ *    80 u32 export_count       identities that follow (at most
+ *                              DEVFMT_MAX_EXPORTS)
+ *    84 u32 reserved (0)
+ *    88 identities, DEVFMT_IDENTITY_BYTES each:
+ *         u16 slot (the number batches use), u16 name length, u16 backend
+ *         length, u16 reserved, u32 block size, u32 kind
+ *         (DEVFMT_BACKEND_*), u64 size, u64 st_dev, u64 st_ino (a file's;
+ *         0 otherwise), name (at most DEVFMT_MAX_NAME), backend string (at
+ *         most DEVFMT_MAX_BACKEND), zero padded
+ *   last 4 bytes: u32 CRC32C of the copy up to them
+ *
+ * A batch (what one log commit writes, DEVFMT_BLOCK aligned):
+ *
+ *   a header block (DEVFMT_BLOCK bytes):
+ *     0 u64 magic       DEVFMT_BATCH_MAGIC ("NBDCLOG\0")
+ *     8 u8[16] uuid     the superblock's: a batch of an earlier format of
+ *                       the same device is not replayed
+ *    24 u64 seq         one more than the batch before it
+ *    32 u32 flags       DEVFMT_BATCH_WRAP: no extents; the next batch is
+ *                       at the log's start
+ *    36 u32 extent_count (at most DEVFMT_MAX_EXTENTS)
+ *    40 u32 data_blocks  DEVFMT_BLOCK blocks of data after the header
+ *    44 u32 data_crc     CRC32C of those blocks
+ *    48 extents, 24 bytes each: u8 type (DEVFMT_EXTENT_*), u8 0, u16
+ *       slot, u32 0, u64 offset, u64 length (a DATA extent's at most
+ *       DEVFMT_MAX_DATA_EXTENT); the DATA extents' bytes
+ *       follow the header in extent order, packed, the last block zero
+ *       padded
+ *   last 4 bytes of the header block: u32 CRC32C of the block up to them
+ *
+ * One write and one device flush commit a batch: the CRCs tell a torn or
+ * partial batch from a whole one, so no flush is needed between the data
+ * and the header (as OpenZFS's ZIL, which checksums its blocks).
+ */
+#ifndef NBDCACHED_DAEMON_CACHE_DEVICE_FORMAT_H
+#define NBDCACHED_DAEMON_CACHE_DEVICE_FORMAT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define DEVFMT_SB_MAGIC 0x4e424443444556ull    /* "NBDCDEV" */
+#define DEVFMT_BATCH_MAGIC 0x4e4244434c4f47ull /* "NBDCLOG" */
+#define DEVFMT_VERSION 1u
+#define DEVFMT_BLOCK 4096u
+#define DEVFMT_SB_BYTES (64u * 1024u)
+#define DEVFMT_SB_COPIES 2u
+#define DEVFMT_SB_HEADER 88u
+#define DEVFMT_IDENTITY_BYTES 1536u
+#define DEVFMT_MAX_NAME 256u
+#define DEVFMT_MAX_BACKEND 1200u
+#define DEVFMT_IDENTITY_FIXED 40u
+#define DEVFMT_MAX_EXPORTS ((DEVFMT_SB_BYTES - DEVFMT_SB_HEADER - 4u) / DEVFMT_IDENTITY_BYTES)
+#define DEVFMT_BATCH_HEADER 48u
+#define DEVFMT_EXTENT_BYTES 24u
+#define DEVFMT_MAX_EXTENTS ((DEVFMT_BLOCK - DEVFMT_BATCH_HEADER - 4u) / DEVFMT_EXTENT_BYTES)
+/* The log starts after both superblock copies. */
+#define DEVFMT_LOG_OFFSET ((uint64_t)DEVFMT_SB_BYTES * DEVFMT_SB_COPIES)
+/* The longest DATA extent: a batch's data then always adds up in 64 bits. */
+#define DEVFMT_MAX_DATA_EXTENT (1ull << 30)
+/* The smallest device: the superblocks and a log of 1 MiB. */
+#define DEVFMT_MIN_DEVICE (DEVFMT_LOG_OFFSET + (1u << 20))
+
+#define DEVFMT_SB_CLEAN 1u
+#define DEVFMT_BATCH_WRAP 1u
+
+enum devfmt_backend_kind {
+	DEVFMT_BACKEND_FILE = 1,  /* a file or block device: st_dev, st_ino */
+	DEVFMT_BACKEND_OTHER = 2, /* nbd:, nbdkit:, rbd: the string and size only */
+};
+
+enum devfmt_extent_type {
+	DEVFMT_EXTENT_DATA = 1, /* the bytes follow */
+	DEVFMT_EXTENT_ZERO = 2, /* WRITE_ZEROES */
+	DEVFMT_EXTENT_TRIM = 3, /* TRIM: replayed as zeros */
+};
+
+/* Who an export's dirty data belongs to. */
+struct devfmt_identity {
+	uint16_t slot;
+	uint32_t block_size;
+	uint32_t kind; /* enum devfmt_backend_kind */
+	uint64_t size, dev, ino;
+	char name[DEVFMT_MAX_NAME + 1];
+	char backend[DEVFMT_MAX_BACKEND + 1];
+};
+
+struct devfmt_sb {
+	uint32_t flags;
+	uint8_t uuid[16];
+	uint64_t generation;
+	uint64_t device_bytes, log_offset, log_bytes;
+	uint64_t checkpoint_offset, checkpoint_seq;
+	uint32_t export_count;
+	struct devfmt_identity exports[DEVFMT_MAX_EXPORTS];
+};
+
+struct devfmt_extent {
+	uint8_t type; /* enum devfmt_extent_type */
+	uint16_t slot;
+	uint64_t offset, length;
+};
+
+struct devfmt_batch {
+	uint64_t seq;
+	uint32_t flags;
+	uint32_t extent_count;
+	uint32_t data_blocks;
+	uint32_t data_crc;
+	struct devfmt_extent extents[DEVFMT_MAX_EXTENTS];
+};
+
+/* CRC32C (Castagnoli), as iSCSI and ext4 use it; crc 0 to start. */
+uint32_t devfmt_crc32c(uint32_t crc, const void *p, size_t n);
+
+/* sb into buf (DEVFMT_SB_BYTES): 0, or -EINVAL for a field out of range
+ * (a name or backend string too long, too many exports). */
+int devfmt_sb_encode(const struct devfmt_sb *sb, uint8_t *buf);
+/* A copy of DEVFMT_SB_BYTES bytes: 0, or -EINVAL with why. */
+int devfmt_sb_decode(const uint8_t *buf, struct devfmt_sb *out, char *why, size_t why_len);
+
+/* The header block of a batch into buf (DEVFMT_BLOCK): 0 or -EINVAL. */
+int devfmt_batch_encode(const struct devfmt_batch *b, const uint8_t uuid[16], uint8_t *buf);
+/*
+ * A header block: 0, or -EINVAL with why (not a batch, another device's,
+ * a sequence number other than expect_seq, a corrupt header, extents that
+ * do not add up to data_blocks). The data's CRC is the caller's to check
+ * (devfmt_crc32c over data_blocks blocks against b->data_crc).
+ */
+int devfmt_batch_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t expect_seq,
+			struct devfmt_batch *out, char *why, size_t why_len);
+/* The bytes of data a batch's extents carry (the sum of DATA lengths). */
+uint64_t devfmt_batch_data_bytes(const struct devfmt_batch *b);
+
+#endif

@@ -1,0 +1,240 @@
+/*
+ * tests/unit/test_device_format.c: the on-device format of a cache device
+ * (daemon/cache/device_format.h): CRC32C against its published check
+ * value; a superblock with identities and a batch header round-trip; and
+ * a superblock or batch that is corrupt, of another version or device,
+ * from an older lap of the log, or whose fields do not add up is refused
+ * with a message saying which.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <errno.h>
+
+#include "daemon/cache/device_format.h"
+#include "proto/nbd.h"
+
+static uint8_t sbuf[DEVFMT_SB_BYTES];
+static uint8_t bbuf[DEVFMT_BLOCK];
+static struct devfmt_sb sb, back;
+static struct devfmt_batch batch, bback;
+static char why[256];
+static const uint8_t uuid[16] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+
+static void make_sb(void)
+{
+	memset(&sb, 0, sizeof(sb));
+	memcpy(sb.uuid, uuid, 16);
+	sb.generation = 7;
+	sb.device_bytes = 1ull << 32;
+	sb.log_offset = DEVFMT_LOG_OFFSET;
+	sb.log_bytes = (1ull << 32) - DEVFMT_LOG_OFFSET;
+	sb.checkpoint_offset = 8 * DEVFMT_BLOCK;
+	sb.checkpoint_seq = 99;
+	sb.export_count = 2;
+	sb.exports[0] = (struct devfmt_identity){.slot = 0,
+						 .block_size = 4096,
+						 .kind = DEVFMT_BACKEND_FILE,
+						 .size = 1ull << 40,
+						 .dev = 0x803,
+						 .ino = 12345};
+	strcpy(sb.exports[0].name, "disk");
+	strcpy(sb.exports[0].backend, "/srv/disk.img");
+	sb.exports[1] = (struct devfmt_identity){
+	    .slot = 3, .block_size = 512, .kind = DEVFMT_BACKEND_OTHER, .size = 1ull << 30};
+	strcpy(sb.exports[1].name, "remote");
+	strcpy(sb.exports[1].backend, "nbd://127.0.0.1:10810/x");
+}
+
+static int sb_decode(void)
+{
+	why[0] = '\0';
+	return devfmt_sb_decode(sbuf, &back, why, sizeof(why));
+}
+
+static void test_crc32c(void **state)
+{
+	(void)state;
+	/* The check value of CRC-32C (RFC 3720's polynomial). */
+	assert_int_equal(devfmt_crc32c(0, "123456789", 9), 0xe3069283u);
+	/* Incremental equals whole. */
+	uint32_t a = devfmt_crc32c(0, "1234", 4);
+	assert_int_equal(devfmt_crc32c(a, "56789", 5), 0xe3069283u);
+	static const uint8_t zeros[32];
+	assert_int_equal(devfmt_crc32c(0, zeros, 32), 0x8a9136aau);
+}
+
+static void test_sb_round_trip(void **state)
+{
+	(void)state;
+	make_sb();
+	assert_int_equal(devfmt_sb_encode(&sb, sbuf), 0);
+	assert_int_equal(sb_decode(), 0);
+	assert_int_equal(back.generation, 7);
+	assert_int_equal(back.checkpoint_seq, 99);
+	assert_int_equal(back.checkpoint_offset, 8 * DEVFMT_BLOCK);
+	assert_memory_equal(back.uuid, uuid, 16);
+	assert_int_equal(back.export_count, 2);
+	assert_string_equal(back.exports[0].name, "disk");
+	assert_string_equal(back.exports[0].backend, "/srv/disk.img");
+	assert_int_equal(back.exports[0].ino, 12345);
+	assert_int_equal(back.exports[1].slot, 3);
+	assert_int_equal(back.exports[1].block_size, 512);
+	assert_string_equal(back.exports[1].backend, "nbd://127.0.0.1:10810/x");
+	assert_true(DEVFMT_MAX_EXPORTS >= 32);
+	assert_true(DEVFMT_IDENTITY_FIXED + DEVFMT_MAX_NAME + DEVFMT_MAX_BACKEND <=
+		    DEVFMT_IDENTITY_BYTES);
+}
+
+static void test_sb_refusals(void **state)
+{
+	(void)state;
+	make_sb();
+	devfmt_sb_encode(&sb, sbuf);
+	sbuf[1000] ^= 1; /* a flipped bit in an identity */
+	assert_int_equal(sb_decode(), -EINVAL);
+	assert_non_null(strstr(why, "CRC32C"));
+
+	memset(sbuf, 0, sizeof(sbuf));
+	assert_int_equal(sb_decode(), -EINVAL);
+	assert_non_null(strstr(why, "no nbdcached superblock"));
+
+	/* Another version, with a good CRC. */
+	devfmt_sb_encode(&sb, sbuf);
+	nbd_put32(sbuf + 8, 2);
+	nbd_put32(sbuf + DEVFMT_SB_BYTES - 4, devfmt_crc32c(0, sbuf, DEVFMT_SB_BYTES - 4));
+	assert_int_equal(sb_decode(), -EINVAL);
+	assert_non_null(strstr(why, "format version 2"));
+
+	/* A log that does not fit the device. */
+	make_sb();
+	sb.log_bytes = sb.device_bytes;
+	devfmt_sb_encode(&sb, sbuf);
+	assert_int_equal(sb_decode(), -EINVAL);
+	assert_non_null(strstr(why, "does not fit"));
+
+	make_sb();
+	sb.checkpoint_offset = sb.log_bytes;
+	devfmt_sb_encode(&sb, sbuf);
+	assert_int_equal(sb_decode(), -EINVAL);
+	assert_non_null(strstr(why, "checkpoint at"));
+
+	make_sb();
+	sb.exports[1].slot = 0;
+	devfmt_sb_encode(&sb, sbuf);
+	assert_int_equal(sb_decode(), -EINVAL);
+	assert_non_null(strstr(why, "given twice"));
+
+	make_sb();
+	sb.exports[0].block_size = 3000;
+	devfmt_sb_encode(&sb, sbuf);
+	assert_int_equal(sb_decode(), -EINVAL);
+	assert_non_null(strstr(why, "block size 3000"));
+
+	make_sb();
+	sb.export_count = DEVFMT_MAX_EXPORTS + 1;
+	assert_int_equal(devfmt_sb_encode(&sb, sbuf), -EINVAL);
+	make_sb();
+	sb.exports[0].name[0] = '\0';
+	assert_int_equal(devfmt_sb_encode(&sb, sbuf), -EINVAL);
+}
+
+static void make_batch(void)
+{
+	memset(&batch, 0, sizeof(batch));
+	batch.seq = 100;
+	batch.extent_count = 3;
+	batch.extents[0] = (struct devfmt_extent){DEVFMT_EXTENT_DATA, 0, 4096, 8192};
+	batch.extents[1] = (struct devfmt_extent){DEVFMT_EXTENT_ZERO, 3, 1ull << 40, 1ull << 30};
+	batch.extents[2] = (struct devfmt_extent){DEVFMT_EXTENT_DATA, 3, 512, 1024};
+	batch.data_blocks = 3; /* 9216 bytes */
+	batch.data_crc = 0xdeadbeef;
+}
+
+static int b_decode(uint64_t seq)
+{
+	why[0] = '\0';
+	return devfmt_batch_decode(bbuf, uuid, seq, &bback, why, sizeof(why));
+}
+
+static void test_batch(void **state)
+{
+	(void)state;
+	make_batch();
+	assert_int_equal(devfmt_batch_data_bytes(&batch), 9216);
+	assert_int_equal(devfmt_batch_encode(&batch, uuid, bbuf), 0);
+	assert_int_equal(b_decode(100), 0);
+	assert_int_equal(bback.extent_count, 3);
+	assert_int_equal(bback.data_crc, 0xdeadbeef);
+	assert_int_equal(bback.extents[1].type, DEVFMT_EXTENT_ZERO);
+	assert_int_equal(bback.extents[1].slot, 3);
+	assert_int_equal(bback.extents[1].offset, 1ull << 40);
+	assert_int_equal(bback.extents[2].length, 1024);
+
+	/* An older lap: the same place, an earlier sequence number. */
+	assert_int_equal(b_decode(101), -EINVAL);
+	assert_non_null(strstr(why, "sequence number 100, expected 101"));
+
+	static const uint8_t other[16] = {9};
+	why[0] = '\0';
+	assert_int_equal(devfmt_batch_decode(bbuf, other, 100, &bback, why, sizeof(why)), -EINVAL);
+	assert_non_null(strstr(why, "another format"));
+
+	/* Torn: the second half of the header block is from before. */
+	memset(bbuf + 2048, 0x5a, 100);
+	assert_int_equal(b_decode(100), -EINVAL);
+	assert_non_null(strstr(why, "torn or corrupt"));
+
+	make_batch();
+	batch.data_blocks = 2;
+	devfmt_batch_encode(&batch, uuid, bbuf);
+	assert_int_equal(b_decode(100), -EINVAL);
+	assert_non_null(strstr(why, "carry 9216 bytes"));
+
+	make_batch();
+	batch.extents[1].type = 7;
+	devfmt_batch_encode(&batch, uuid, bbuf);
+	assert_int_equal(b_decode(100), -EINVAL);
+	assert_non_null(strstr(why, "unknown type 7"));
+
+	make_batch();
+	batch.extents[1].offset = UINT64_MAX;
+	devfmt_batch_encode(&batch, uuid, bbuf);
+	assert_int_equal(b_decode(100), -EINVAL);
+	assert_non_null(strstr(why, "extent 1"));
+
+	make_batch();
+	batch.flags = DEVFMT_BATCH_WRAP;
+	devfmt_batch_encode(&batch, uuid, bbuf);
+	assert_int_equal(b_decode(100), -EINVAL);
+	assert_non_null(strstr(why, "wrap marker with extents"));
+	memset(&batch, 0, sizeof(batch));
+	batch.seq = 5;
+	batch.flags = DEVFMT_BATCH_WRAP;
+	devfmt_batch_encode(&batch, uuid, bbuf);
+	assert_int_equal(b_decode(5), 0);
+	assert_int_equal(bback.flags, DEVFMT_BATCH_WRAP);
+
+	make_batch();
+	batch.extent_count = DEVFMT_MAX_EXTENTS + 1;
+	assert_int_equal(devfmt_batch_encode(&batch, uuid, bbuf), -EINVAL);
+	memset(bbuf, 0, sizeof(bbuf));
+	assert_int_equal(b_decode(1), -EINVAL);
+	assert_non_null(strstr(why, "no batch header"));
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+	    cmocka_unit_test(test_crc32c),
+	    cmocka_unit_test(test_sb_round_trip),
+	    cmocka_unit_test(test_sb_refusals),
+	    cmocka_unit_test(test_batch),
+	};
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
