@@ -144,6 +144,7 @@ static int merge(struct config_ctx *x)
 	} while (0)
 	TAKE(OPT_GIVEN_THREADS, threads);
 	TAKE_STRING(OPT_GIVEN_PIDFILE, pidfile);
+	TAKE_STRING(OPT_GIVEN_CACHE_DEVICE, cache_device);
 	TAKE(OPT_GIVEN_LOG_LEVEL, log_level);
 	TAKE(OPT_GIVEN_CACHE_SIZE, cache_size);
 	TAKE(OPT_GIVEN_HUGEPAGES, hugepages);

@@ -210,6 +210,7 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 	    {"dirty-expire", OPT_GIVEN_DIRTY_EXPIRE},
 	    {"backend-timeout", OPT_GIVEN_BACKEND_TIMEOUT},
 	    {"rbd-takeover", OPT_GIVEN_RBD_TAKEOVER},
+	    {"cache-device", OPT_GIVEN_CACHE_DEVICE},
 	    {"control", OPT_GIVEN_CONTROL},
 	    {"user", OPT_GIVEN_USER},
 	    {"group", OPT_GIVEN_GROUP},
@@ -306,6 +307,10 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		if (v[0] == '\0')
 			return config_fail(x, "%s: empty name", name);
 		return set_string(x, bit == OPT_GIVEN_USER ? &f->user : &f->group, v);
+	case OPT_GIVEN_CACHE_DEVICE:
+		if (v[0] == '\0')
+			return config_fail(x, "%s: empty path", name);
+		return set_string(x, &f->cache_device, v);
 	case OPT_GIVEN_RBD_TAKEOVER:
 		if (options_parse_rbd_takeover(v, &f->rbd_takeover_wait) < 0)
 			return config_fail(x, "rbd-takeover %s: expected refuse or wait", v);

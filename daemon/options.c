@@ -36,6 +36,7 @@ const char *options_usage(void)
 	       "                 [--threads N] [--pidfile FILE] [--log-level LEVEL]\n"
 	       "                 [--user USER] [--group GROUP] [--max-connections N]\n"
 	       "                 [--cache-size SIZE] [--hugepages auto|require|off]\n"
+	       "                 [--cache-device PATH]\n"
 	       "                 [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]\n"
 	       "                 [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]\n"
 	       "                 [--backend-timeout SECONDS] [--rbd-takeover refuse|wait]\n"
@@ -89,6 +90,7 @@ void options_free(struct options *opts)
 		options_export_spec_free(&opts->exports[i]);
 	free(opts->exports);
 	free(opts->pidfile);
+	free(opts->cache_device);
 	free(opts->config_path);
 	free(opts->control_path);
 	free(opts->user);
@@ -169,6 +171,7 @@ enum {
 	OPT_METRICS_ALLOW,
 	OPT_METRICS_DENY,
 	OPT_RBD_TAKEOVER,
+	OPT_CACHE_DEVICE,
 };
 
 /*
@@ -278,6 +281,7 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 	    {"metrics-allow", required_argument, NULL, OPT_METRICS_ALLOW},
 	    {"metrics-deny", required_argument, NULL, OPT_METRICS_DENY},
 	    {"rbd-takeover", required_argument, NULL, OPT_RBD_TAKEOVER},
+	    {"cache-device", required_argument, NULL, OPT_CACHE_DEVICE},
 	    {"tls", required_argument, NULL, 1000},
 	    {"tls-certificates", required_argument, NULL, 1001},
 	    {"tls-psk", required_argument, NULL, 1002},
@@ -561,6 +565,15 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 				goto error;
 			}
 			out->given |= OPT_GIVEN_RBD_TAKEOVER;
+			break;
+		case OPT_CACHE_DEVICE:
+			if (optarg[0] == '\0') {
+				rc = fail(err, errlen, -EINVAL, "--cache-device: empty path");
+				goto error;
+			}
+			if ((rc = set_string(&out->cache_device, optarg)) < 0)
+				goto error;
+			out->given |= OPT_GIVEN_CACHE_DEVICE;
 			break;
 		case 1000:
 			if (options_parse_tls(optarg, &out->tls) < 0) {

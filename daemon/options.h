@@ -162,6 +162,7 @@ struct export_spec {
 #define OPT_GIVEN_METRICS_ALLOW (UINT64_C(1) << 37)
 #define OPT_GIVEN_METRICS_DENY (UINT64_C(1) << 38)
 #define OPT_GIVEN_RBD_TAKEOVER (UINT64_C(1) << 39)
+#define OPT_GIVEN_CACHE_DEVICE (UINT64_C(1) << 40)
 
 struct options {
 	bool foreground;
@@ -176,6 +177,9 @@ struct options {
 	unsigned threads; /* 0: one per CPU */
 	char *pidfile;
 	enum log_level log_level;
+	/* --cache-device: a file or block device holding the intent log
+	 * (daemon/cache/device.h); NULL: none. */
+	char *cache_device;
 	/* The cache (shared by every export). */
 	uint64_t cache_size;
 	enum hugepages_policy hugepages;

@@ -77,6 +77,12 @@ const char *upgrade_refusal(struct export_table *exports, char *buf, size_t len)
 	if (export_list(exports, &list, &count) < 0)
 		return "out of memory";
 	const char *why = NULL;
+	if (cache_device_attached(exports->cache)) {
+		snprintf(buf, len,
+			 "the cache device's intent log cannot be handed over yet (both daemons "
+			 "would write it): restart instead");
+		why = buf;
+	}
 	for (size_t i = 0; i < count && !why; i++) {
 		struct export *e = list[i];
 		const char *spec = e->backing->spec;

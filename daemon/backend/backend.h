@@ -147,6 +147,11 @@ struct backend {
 	 * from RAM either, since what it holds may be stale (cache.h).
 	 */
 	atomic_bool fenced;
+	/* A file's or block device's identity (st_dev and st_ino; a block
+	 * device's st_rdev and 0), which a cache device records with the
+	 * dirty data it holds; ident_file is false for the other backends. */
+	bool ident_file;
+	uint64_t ident_dev, ident_ino;
 };
 
 /* Open a regular file or block device. readonly opens it O_RDONLY. */

@@ -688,6 +688,10 @@ int backend_file_open(const char *path, bool readonly, struct backend **out)
 	fb->base.can_trim = true;
 	fb->base.can_zero = true;
 	fb->base.min_block = 1;
+	/* Who it is, for a cache device's binding (daemon/cache/device.h). */
+	fb->base.ident_dev = S_ISBLK(st.st_mode) ? (uint64_t)st.st_rdev : (uint64_t)st.st_dev;
+	fb->base.ident_ino = S_ISBLK(st.st_mode) ? 0 : (uint64_t)st.st_ino;
+	fb->base.ident_file = true;
 	if (S_ISBLK(st.st_mode)) {
 		uint64_t size;
 		if (ioctl(fd, BLKGETSIZE64, &size) < 0) {

@@ -98,6 +98,7 @@
 #include <stdint.h>
 
 #include "daemon/backend/backend.h"
+#include "daemon/cache/device.h"
 #include "daemon/histogram.h"
 #include "daemon/options.h"
 #include "daemon/worker.h"
@@ -177,6 +178,10 @@ struct cache_op {
 	uint64_t step_offset, step_length, step_bytes, step_sent_ns;
 	uint64_t throttle_seen;	   /* throttled WRITE: the cache's writebacks done */
 	uint64_t throttle_seen_ns; /* ... when that count last moved */
+	/* Direct, with a cache device: the record of its last step, and a
+	 * FUA operation's wait for it to be durable there (direct.c). */
+	uint64_t device_rec;
+	struct cache_device_waiter device_wait;
 };
 
 /*
@@ -284,6 +289,8 @@ int cache_start(struct cache *c);
  */
 int cache_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg), void *arg);
 void cache_destroy(struct cache *c);
+/* Is a cache device (--cache-device, device.h) in use? */
+bool cache_device_attached(const struct cache *c);
 
 int cache_export_add(struct cache *c, struct backend *be, const struct export_spec *spec,
 		     struct cache_export **out);

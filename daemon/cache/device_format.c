@@ -70,6 +70,7 @@ int devfmt_sb_encode(const struct devfmt_sb *sb, uint8_t *buf)
 	nbd_put64(buf + 64, sb->checkpoint_offset);
 	nbd_put64(buf + 72, sb->checkpoint_seq);
 	nbd_put32(buf + 80, sb->export_count);
+	nbd_put32(buf + 84, sb->checkpoint_skip);
 	for (uint32_t i = 0; i < sb->export_count; i++) {
 		const struct devfmt_identity *id = &sb->exports[i];
 		size_t nl = strnlen(id->name, sizeof(id->name));
@@ -120,6 +121,7 @@ int devfmt_sb_decode(const uint8_t *buf, struct devfmt_sb *out, char *why, size_
 	out->checkpoint_offset = nbd_get64(buf + 64);
 	out->checkpoint_seq = nbd_get64(buf + 72);
 	out->export_count = nbd_get32(buf + 80);
+	out->checkpoint_skip = nbd_get32(buf + 84);
 	if (out->flags & ~DEVFMT_SB_CLEAN)
 		return refuse(why, why_len, "unknown flags 0x%x", out->flags);
 	if (out->log_offset < DEVFMT_LOG_OFFSET || out->log_offset % DEVFMT_BLOCK ||
@@ -130,10 +132,13 @@ int devfmt_sb_decode(const uint8_t *buf, struct devfmt_sb *out, char *why, size_
 		    why, why_len, "log at %llu, %llu bytes, does not fit a device of %llu bytes",
 		    (unsigned long long)out->log_offset, (unsigned long long)out->log_bytes,
 		    (unsigned long long)out->device_bytes);
-	if (out->checkpoint_offset >= out->log_bytes || out->checkpoint_offset % DEVFMT_BLOCK)
-		return refuse(why, why_len, "checkpoint at %llu, outside a log of %llu bytes",
-			      (unsigned long long)out->checkpoint_offset,
-			      (unsigned long long)out->log_bytes);
+	if (out->checkpoint_offset >= out->log_bytes || out->checkpoint_offset % DEVFMT_BLOCK ||
+	    out->checkpoint_skip > DEVFMT_MAX_EXTENTS)
+		return refuse(
+		    why, why_len,
+		    "checkpoint at %llu (skipping %u extents), outside a log of %llu bytes",
+		    (unsigned long long)out->checkpoint_offset, out->checkpoint_skip,
+		    (unsigned long long)out->log_bytes);
 	if (out->export_count > DEVFMT_MAX_EXPORTS)
 		return refuse(why, why_len, "%u exports; at most %u", out->export_count,
 			      (unsigned)DEVFMT_MAX_EXPORTS);
@@ -239,7 +244,7 @@ int devfmt_batch_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t exp
 		x->slot = nbd_get16(p + 2);
 		x->offset = nbd_get64(p + 8);
 		x->length = nbd_get64(p + 16);
-		if (x->type < DEVFMT_EXTENT_DATA || x->type > DEVFMT_EXTENT_TRIM)
+		if (x->type < DEVFMT_EXTENT_DATA || x->type > DEVFMT_EXTENT_CLEAN)
 			return refuse(why, why_len, "extent %u: unknown type %u", i, x->type);
 		if (x->length == 0 || x->offset > UINT64_MAX - x->length ||
 		    (x->type == DEVFMT_EXTENT_DATA && x->length > DEVFMT_MAX_DATA_EXTENT))

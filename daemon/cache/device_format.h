@@ -27,7 +27,8 @@
  *    72 u64 checkpoint_seq     the sequence number of the batch there
  *    80 u32 export_count       identities that follow (at most
  *                              DEVFMT_MAX_EXPORTS)
- *    84 u32 reserved (0)
+ *    84 u32 checkpoint_skip    extents of that batch already covered (not
+ *                              replayed)
  *    88 identities, DEVFMT_IDENTITY_BYTES each:
  *         u16 slot (the number batches use), u16 name length, u16 backend
  *         length, u16 reserved, u32 block size, u32 kind
@@ -100,6 +101,10 @@ enum devfmt_extent_type {
 	DEVFMT_EXTENT_DATA = 1, /* the bytes follow */
 	DEVFMT_EXTENT_ZERO = 2, /* WRITE_ZEROES */
 	DEVFMT_EXTENT_TRIM = 3, /* TRIM: replayed as zeros */
+	/* No data: the backend holds these bytes durably as they were then
+	 * (written back and flushed); an earlier record over them is not
+	 * replayed. */
+	DEVFMT_EXTENT_CLEAN = 4,
 };
 
 /* Who an export's dirty data belongs to. */
@@ -118,6 +123,7 @@ struct devfmt_sb {
 	uint64_t generation;
 	uint64_t device_bytes, log_offset, log_bytes;
 	uint64_t checkpoint_offset, checkpoint_seq;
+	uint32_t checkpoint_skip;
 	uint32_t export_count;
 	struct devfmt_identity exports[DEVFMT_MAX_EXPORTS];
 };

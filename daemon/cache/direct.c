@@ -268,6 +268,38 @@ static void direct_done(struct backend_io *io, int result)
 }
 
 /*
+ * With a cache device: the step joins the intent log (device.h) before
+ * it is applied and while its range is registered, so that the log has
+ * it in the order the cache changed: a FLUSH round copies the blocks it
+ * touched only once it is applied (it waits for a registered range), a
+ * record of them copied before is older than this one.
+ */
+static void step_log(struct cache_op *op)
+{
+	struct cache_export *ce = op->ce;
+	struct cache_device *d = ce->cache->device;
+	if (!d || ce->device_slot < 0)
+		return;
+	unsigned type = op->cmd == BACKEND_WRITE  ? DEVFMT_EXTENT_DATA
+			: op->cmd == BACKEND_TRIM ? DEVFMT_EXTENT_TRIM
+						  : DEVFMT_EXTENT_ZERO;
+	const void *data =
+	    op->cmd == BACKEND_WRITE ? op->payload + (op->step_offset - op->offset) : NULL;
+	uint64_t rec = cache_device_append(d, ce, type, op->step_offset, op->step_length, data);
+	if (rec)
+		op->device_rec = rec;
+}
+
+static void device_wait_done(struct worker_task *task)
+{
+	struct cache_op *op =
+	    (struct cache_op *)((char *)task - offsetof(struct cache_op, device_wait.task));
+	/* -EIO: the device failed; the operation's data is on the backend
+	 * (FUA) all the same, and the log is off from now on. */
+	op_finish(op, op->error);
+}
+
+/*
  * The operation succeeded or failed as a whole, and is answered now. A
  * success (FUA aside) is one direct write not durable yet, and its loss,
  * if the backend may have lost writes since its first step, is reported
@@ -283,6 +315,17 @@ static void direct_end(struct cache_op *op)
 			ce->error_seq++;
 			pthread_mutex_unlock(&ce->lock);
 		}
+	}
+	/* FUA: durable on the backend, and its records on the cache device
+	 * (a replay must not put older data back over it). */
+	if (!op->error && (op->flags & BACKEND_FUA) && op->device_rec) {
+		op->device_wait.rec = op->device_rec;
+		op->device_wait.fallback = false;
+		op->device_wait.checkpoint = false;
+		op->device_wait.worker = op->worker;
+		op->device_wait.task.run = device_wait_done;
+		cache_device_wait(ce->cache->device, &op->device_wait);
+		return;
 	}
 	op_finish(op, op->error);
 }
@@ -401,6 +444,8 @@ void direct_step(struct cache_op *op)
 		return;
 	}
 	case 3: /* apply the step to the cache */
+		if (op->step_length && !op->error)
+			step_log(op);
 		if (op->step_length) {
 			if (!op->error && op->cmd == BACKEND_WRITE &&
 			    ce->mode == CACHE_MODE_WRITETHROUGH) {

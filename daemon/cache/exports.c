@@ -29,6 +29,16 @@ int cache_export_add(struct cache *c, struct backend *be, const struct export_sp
 	ce->min_order = ce->block_shift > ARENA_FRAME_SHIFT ? ce->block_shift - ARENA_FRAME_SHIFT : 0;
 	ce->mode = spec->cache_mode;
 	ce->seq_cutoff = spec->seq_cutoff;
+	ce->device_slot = -1;
+	/* Mode none caches nothing and logs nothing (it never leaves it). */
+	if (c->device && spec->cache_mode != CACHE_MODE_NONE) {
+		int rc = cache_device_add_export(c->device, ce, spec->name, spec->backend);
+		if (rc < 0) {
+			free(ce->latency);
+			free(ce);
+			return rc;
+		}
+	}
 	cache_export_set_watermarks(ce, spec->dirty_high, spec->dirty_low);
 	pthread_mutex_init(&ce->lock, NULL);
 	pthread_mutex_lock(&c->exports_lock);

@@ -323,6 +323,9 @@ struct cache_export {
 	struct cache_counters counters;
 	/* Latency histograms, cache->latency_slots of them (stats.c). */
 	struct cache_latency_slot *latency;
+	/* Its slot on the cache device (device.h), -1: not logged (no
+	 * device, or mode none). */
+	int device_slot;
 	/* Set once its export is gone and it holds nothing (cache_export_retire):
 	 * it stays on the list, skipped, so no thread walking it is surprised,
 	 * and is freed by cache_destroy. Not sooner: the writeback thread, the
@@ -391,6 +394,8 @@ struct cache {
 	atomic_uint throttled;
 	struct writeback *writeback;
 	struct compactor *compactor;
+	/* --cache-device's intent log (device.h), NULL: none. */
+	struct cache_device *device;
 	/* Threads that record latencies (enum cache_latency): the workers,
 	 * the control thread, the writeback thread last. */
 	unsigned latency_slots;

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "daemon/cache/compact.h"
+#include "daemon/cache/device.h"
 #include "daemon/cache/internal.h"
 #include "daemon/cache/ops.h"
 #include "daemon/cache/writeback.h"
@@ -26,6 +27,15 @@ int cache_create(const struct options *opts, unsigned workers, struct cache **ou
 		free(c);
 		return rc;
 	}
+	if (opts->cache_device) {
+		char err[1024];
+		rc = cache_device_open(opts->cache_device, &c->device, err, sizeof(err));
+		if (rc < 0) {
+			log_error("%s", err);
+			cache_destroy(c);
+			return rc;
+		}
+	}
 	rc = writeback_create(c);
 	if (rc == 0)
 		rc = compactor_create(c, opts);
@@ -38,9 +48,24 @@ int cache_create(const struct options *opts, unsigned workers, struct cache **ou
 	return 0;
 }
 
+bool cache_device_attached(const struct cache *c)
+{
+	return c && c->device;
+}
+
 int cache_start(struct cache *c)
 {
 	int rc = writeback_start(c);
+	if (rc == 0 && c->device) {
+		/* Before anything is served: the log is checked against the
+		 * exports, then replayed onto their backends. */
+		char err[1024];
+		rc = cache_device_bind(c->device, err, sizeof(err));
+		if (rc == 0)
+			rc = cache_device_start(c->device, &c->writeback->thread, err, sizeof(err));
+		if (rc < 0)
+			log_error("%s", err);
+	}
 	if (rc == 0)
 		rc = compactor_start(c);
 	return rc;
@@ -52,7 +77,12 @@ int cache_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg),
 	 * compactor stops: it gives up the retries, with exit status 1. */
 	writeback_catch_second_signal();
 	compactor_stop(c);
-	return writeback_stop(c, progress, arg);
+	int rc = writeback_stop(c, progress, arg);
+	if (c->device) {
+		cache_device_close(c->device, rc == 0);
+		c->device = NULL;
+	}
+	return rc;
 }
 
 void cache_destroy(struct cache *c)
@@ -61,6 +91,7 @@ void cache_destroy(struct cache *c)
 		return;
 	compactor_destroy(c);
 	writeback_destroy(c);
+	cache_device_close(c->device, false);
 	cache_index_destroy(c);
 	free(c);
 }

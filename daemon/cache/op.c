@@ -79,6 +79,7 @@ void op_reset(struct cache_op *op)
 	op->spans = NULL;
 	op->nspans = 0;
 	op->write_seq = 0;
+	op->device_rec = 0;
 	op->maybe_lost = false;
 	op->step_bytes = 0; /* direct_step: no step yet */
 	op->waiter.worker = op->worker;

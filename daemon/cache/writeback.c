@@ -479,6 +479,9 @@ static void background_pass_once(struct writeback *wb)
 	if (dirty <= c->dirty_low)
 		wb->draining = false;
 	uint64_t now = cache_now_ns();
+	/* The cache device's log is short of room: full rounds (no FLUSH to
+	 * answer) let a checkpoint free it (device.h). */
+	bool checkpoint = c->device && cache_device_wants_checkpoint(c->device);
 	pthread_mutex_lock(&c->exports_lock);
 	struct cache_export *ce = c->exports;
 	pthread_mutex_unlock(&c->exports_lock);
@@ -515,7 +518,10 @@ static void background_pass_once(struct writeback *wb)
 				writeback_entry(wb, batch[i], NULL);
 			cache_entry_unpin(batch[i]);
 		}
-		if (flush_due)
+		if (checkpoint && ce->device_slot >= 0 && !flush_round_running(ce) &&
+		    (!ce->writeback_failing || now >= ce->retry_at))
+			flush_round_start(wb, ce, false);
+		else if (flush_due)
 			flush_round_start(wb, ce, true);
 	}
 }

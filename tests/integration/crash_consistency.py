@@ -76,6 +76,14 @@ not the exact interleaving with the kill), CRASH_MODE (kill, power or
 both; default both when tests/lib/faults.py exists and /dev/fuse too,
 else kill; with both, odd seeds use power), CRASH_SECONDS (time budget; past it no new trial
 starts), CRASH_TRIM (1 default, 0: no TRIM).
+
+Mode "device" (tests/integration/cache_device_crash.py runs it): the
+backend is a plain file, and --cache-device a 64 MiB file on faultfs, so
+FLUSH and FUA are answered from its intent log. After the SIGKILL (and,
+in half the trials, a power loss of the device: back to its last fsync)
+a new daemon replays the log onto the backend and stops, writing
+everything back; then the backend file is checked against the same
+model: nothing FLUSH or FUA acknowledged may be missing.
 """
 
 import os
@@ -111,6 +119,7 @@ WITH_TRIM = os.environ.get("CRASH_TRIM", "1") != "0"
 WRITE_BUDGET = 96 * MIB      # bytes of write data per trial (kept for the check)
 DRAIN_SECONDS = 3.0          # reading replies after the kill
 PIECE = 512                  # the check's second granularity
+DEVICE_SIZE = 64 * MIB       # device mode: the cache device (its log)
 MAX_RSS = 2 << 30            # this process's memory: a leak ends the run
 INF = float("inf")
 
@@ -349,6 +358,8 @@ class Trial:
         # power mode: every faultfs data operation sleeps this long first,
         # which keeps more backend I/O in flight at the kill
         self.fs_delay_ms = r.choice((0, 0, 1, 3))
+        # device mode: a power loss of the cache device after the kill
+        self.device_power_loss = r.random() < 0.5
         self.armed = False
         self.kinds = [kd for kd, w in WEIGHTS + (("flush", self.flush_weight),)
                       for _ in range(w)]
@@ -376,7 +387,8 @@ class Trial:
             " delay %d ms" % self.fs_delay_ms if self.mode == "power" else "",
             self.bs, self.profile, self.depth,
             self.flush_weight * 100 // (len(self.kinds)), self.fua_rate * 100,
-            "" if self.kill_at_once else "at the first FLUSH/FUA reply after ", self.kill_after)
+            "" if self.kill_at_once else "at the first FLUSH/FUA reply after ", self.kill_after) + (
+            ", device power loss" if self.mode == "device" and self.device_power_loss else "")
 
     def tick(self):
         self.tick_no += 1
@@ -538,6 +550,8 @@ class Trial:
 
     def run(self, tmp):
         """The trial; returns the stats of the last check and the file it saw."""
+        if self.mode == "device":
+            return self.run_device(tmp)
         if self.mode == "kill":
             path = os.path.join(tmp, "disk.img")
             self.prepare(path)
@@ -573,17 +587,61 @@ class Trial:
             self.power_changed = changed
             return self.verify(fs.source("disk.img"), "after the power loss")
 
+    def run_device(self, tmp):
+        """The backend a plain file, the cache device (the intent log) a
+        file on faultfs: SIGKILL, in half the trials a power loss of the
+        device too (back to its last fsync), then a new daemon replays
+        the log onto the backend and stops (writing everything back): the
+        backend file must hold everything FLUSH or FUA acknowledged."""
+        path = os.path.join(tmp, "disk.img")
+        self.prepare(path)
+        with faults.FaultFS(os.path.join(tmp, "faultfs")) as fs:
+            with open(fs.path("cache.dev"), "wb") as f:
+                f.truncate(DEVICE_SIZE)
+                os.fsync(f.fileno())
+            extra = ["--cache-device", fs.path("cache.dev")]
+            if self.fs_delay_ms:
+                fs.set("delay-ms %d" % self.fs_delay_ms)
+            self.crash(path, tmp, extra)
+            c = fs.counters()
+            for _ in range(100):
+                time.sleep(0.02)
+                c, before = fs.counters(), c
+                if c == before:
+                    break
+            require(not c.get("undo_overflow"), "faultfs's undo log overflowed: %r" % c)
+            fs.set("ok")
+            if self.device_power_loss:
+                fs.power_loss()
+            cache, args = PROFILES[self.profile]
+            workdir = os.path.join(tmp, "replay")
+            os.mkdir(workdir)
+            d = nbdtest.CheckedDaemon([("disk", path, "")], threads=2, workdir=workdir,
+                                      extra=["--cache-mode", "writeback", "--cache-size", cache,
+                                             "--block-size", str(self.bs)] + args + extra,
+                                      what="the cache device after the crash")
+            d.stop()
+            with open(d.logpath) as f:
+                text = f.read()
+            replayed = [ln.split("info: ", 1)[-1] for ln in text.splitlines()
+                        if "replayed" in ln]
+            self.power_note = "; %s; %s" % (
+                "device power loss (%d fsyncs before)" % c.get("fsyncs_ok", -1)
+                if self.device_power_loss else "no power loss",
+                replayed[0] if replayed else "nothing to replay")
+        return self.verify(path, "after the replay")
+
     def prepare(self, path):
         with open(path, "wb") as f:
             f.write(self.initial)
             f.flush()
             os.fsync(f.fileno())
 
-    def crash(self, serve, tmp):
+    def crash(self, serve, tmp, more=()):
         """Start the daemon on `serve`, drive it, SIGKILL it, reap it."""
         cache, args = PROFILES[self.profile]
         extra = ["--cache-mode", "writeback", "--cache-size", cache, "--block-size",
-                 str(self.bs)] + args
+                 str(self.bs)] + args + list(more)
         workdir = os.path.join(tmp, "daemon")
         os.mkdir(workdir)
         d = self.daemon = nbdtest.Daemon([("disk", serve, "")], threads=2, extra=extra,
@@ -600,6 +658,10 @@ class Trial:
             require(h.can_zero() and (h.can_trim() or not WITH_TRIM),
                     "the export lacks WRITE_ZEROES or TRIM")
             self.elapsed = self.drive(handles)
+        except Failed:
+            d.kill()
+            log(d.log_text()[-6000:])   # why the daemon failed before the kill
+            raise
         finally:
             d.kill()                    # SIGKILL (if not yet) and reap, by PID
             text = d.log_text()
@@ -633,7 +695,8 @@ class Trial:
         log("    %s: %d bytes checked in %.2fs: %d with a required value, %d of them with "
             "acknowledged newer data, %d with several allowed values, %d never written%s"
             % (stage, st["bytes"], check_time, st["required"], st["newer"], st["multi"],
-               st["untouched"], self.power_note if "power" in stage else ""))
+               st["untouched"], self.power_note if "power" in stage or "replay" in stage
+               else ""))
         self.checked += st["bytes"]
         if violations:
             self.report(violations, stage)
@@ -678,15 +741,19 @@ class Trial:
 
 
 def trial_mode(seed):
+    if MODE == "device":
+        return "device"
     if MODE == "both":
         return "power" if seed % 2 else "kill"
     return MODE
 
 
 def main():
-    require_mode = MODE in ("kill", "power", "both")
-    nbdtest.check(require_mode, "CRASH_MODE must be kill, power or both, not %r" % MODE)
-    if MODE in ("power", "both") and faults is None:
+    require_mode = MODE in ("kill", "power", "both", "device")
+    nbdtest.check(require_mode, "CRASH_MODE must be kill, power, both or device, not %r" % MODE)
+    if MODE == "device" and not os.path.exists("/dev/fuse"):
+        nbdtest.skip("no /dev/fuse: the cache device lives on faultfs (FUSE)")
+    if MODE in ("power", "both", "device") and faults is None:
         nbdtest.fail("CRASH_MODE=%s needs tests/lib/faults.py" % MODE)
     why = ("" if MODE != "kill" else " (no tests/lib/faults.py: no power loss)" if not faults
            else " (no /dev/fuse: no power loss)" if not os.path.exists("/dev/fuse") else "")
@@ -695,7 +762,7 @@ def main():
     initial = random.Random(BASE_SEED ^ 0x5eed).randbytes(SIZE)
     checks = nbdtest.Checks(catch=(Failed, nbd.Error))
     t0 = time.monotonic()
-    done = {"kill": 0, "power": 0}
+    done = {"kill": 0, "power": 0, "device": 0}
     checked = 0
     power_changed = 0
     self_tested = False
@@ -727,6 +794,9 @@ def main():
         if rss > MAX_RSS:
             checks.add("this test's own memory grew to %d MiB after trial %d" % (rss >> 20, k))
             break
+    if done["device"]:
+        log("%d cache device trial(s) passed (kill, then replay; half with a power loss of the "
+            "device)" % done["device"])
     log("%d kill trial(s) and %d power-loss trial(s) passed, %d bytes checked, power losses "
         "changed %d 4 KiB blocks, %.1fs" % (done["kill"], done["power"], checked, power_changed,
                                            time.monotonic() - t0))

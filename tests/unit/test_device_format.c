@@ -36,6 +36,7 @@ static void make_sb(void)
 	sb.log_bytes = (1ull << 32) - DEVFMT_LOG_OFFSET;
 	sb.checkpoint_offset = 8 * DEVFMT_BLOCK;
 	sb.checkpoint_seq = 99;
+	sb.checkpoint_skip = 5;
 	sb.export_count = 2;
 	sb.exports[0] = (struct devfmt_identity){.slot = 0,
 						 .block_size = 4096,
@@ -77,6 +78,7 @@ static void test_sb_round_trip(void **state)
 	assert_int_equal(sb_decode(), 0);
 	assert_int_equal(back.generation, 7);
 	assert_int_equal(back.checkpoint_seq, 99);
+	assert_int_equal(back.checkpoint_skip, 5);
 	assert_int_equal(back.checkpoint_offset, 8 * DEVFMT_BLOCK);
 	assert_memory_equal(back.uuid, uuid, 16);
 	assert_int_equal(back.export_count, 2);

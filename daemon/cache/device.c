@@ -1,0 +1,581 @@
+/*
+ * daemon/cache/device.c: a cache device opened (its superblock read, or
+ * the device formatted), bound to the exports (the live log checked
+ * against their identities), started and closed (device.h; the ring:
+ * device_internal.h).
+ */
+#include "daemon/cache/device_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "daemon/log.h"
+
+int dev_fail(char *err, size_t len, int rc, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(err, len, fmt, ap);
+	va_end(ap);
+	return rc;
+}
+
+uint8_t *dev_aligned(size_t n)
+{
+	void *p = NULL;
+	if (posix_memalign(&p, DEVFMT_BLOCK, n ? n : DEVFMT_BLOCK) != 0)
+		return NULL;
+	return p;
+}
+
+int dev_pwrite_all(int fd, const void *buf, size_t n, uint64_t off)
+{
+	const uint8_t *p = buf;
+	while (n) {
+		ssize_t w = pwrite(fd, p, n, (off_t)off);
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w <= 0)
+			return w < 0 ? -errno : -EIO;
+		p += w;
+		n -= (size_t)w;
+		off += (uint64_t)w;
+	}
+	return 0;
+}
+
+int dev_pread_all(int fd, void *buf, size_t n, uint64_t off)
+{
+	uint8_t *p = buf;
+	while (n) {
+		ssize_t r = pread(fd, p, n, (off_t)off);
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r < 0)
+			return -errno;
+		if (r == 0)
+			return -EIO; /* past the end: a truncated device */
+		p += r;
+		n -= (size_t)r;
+		off += (uint64_t)r;
+	}
+	return 0;
+}
+
+int dev_sync(struct cache_device *d)
+{
+	return fdatasync(d->fd) < 0 ? -errno : 0;
+}
+
+/* Write the superblock (d->sb) to the copy not holding the newest, and
+ * flush: a torn write leaves the other. sb_lock held. */
+int dev_sb_write_locked(struct cache_device *d)
+{
+	uint8_t *buf = dev_aligned(DEVFMT_SB_BYTES);
+	if (!buf)
+		return -ENOMEM;
+	d->sb.generation++;
+	int rc = devfmt_sb_encode(&d->sb, buf);
+	unsigned copy = d->sb_newest ^ 1u;
+	if (rc == 0)
+		rc = dev_pwrite_all(d->fd, buf, DEVFMT_SB_BYTES, (uint64_t)copy * DEVFMT_SB_BYTES);
+	if (rc == 0)
+		rc = dev_sync(d);
+	if (rc == 0)
+		d->sb_newest = copy;
+	free(buf);
+	return rc;
+}
+
+static uint64_t device_size(int fd, const struct stat *st)
+{
+	if (S_ISBLK(st->st_mode)) {
+		uint64_t size = 0;
+		return ioctl(fd, BLKGETSIZE64, &size) < 0 ? 0 : size;
+	}
+	return (uint64_t)st->st_size;
+}
+
+static bool all_zero(const uint8_t *p, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		if (p[i])
+			return false;
+	return true;
+}
+
+static int format(struct cache_device *d, char *err, size_t len)
+{
+	memset(&d->sb, 0, sizeof(d->sb));
+	if (getrandom(d->sb.uuid, sizeof(d->sb.uuid), 0) != (ssize_t)sizeof(d->sb.uuid))
+		return dev_fail(err, len, -EIO, "%s: no random bytes for its UUID", d->path);
+	d->sb.device_bytes = d->device_bytes;
+	d->sb.log_offset = DEVFMT_LOG_OFFSET;
+	d->sb.log_bytes = (d->device_bytes - DEVFMT_LOG_OFFSET) / DEVFMT_BLOCK * DEVFMT_BLOCK;
+	d->sb.checkpoint_offset = 0;
+	d->sb.checkpoint_seq = 1;
+	/* Both copies: the second write makes the first the older one. */
+	d->sb_newest = 1;
+	pthread_mutex_lock(&d->sb_lock);
+	int rc = dev_sb_write_locked(d);
+	if (rc == 0)
+		rc = dev_sb_write_locked(d);
+	pthread_mutex_unlock(&d->sb_lock);
+	if (rc < 0)
+		return dev_fail(err, len, rc, "%s: formatting: %s", d->path, strerror(-rc));
+	log_info("cache device %s: formatted: %llu bytes of log", d->path,
+		 (unsigned long long)d->sb.log_bytes);
+	return 0;
+}
+
+int cache_device_open(const char *path, struct cache_device **out, char *err, size_t len)
+{
+	struct cache_device *d = calloc(1, sizeof(*d));
+	if (!d || !(d->path = strdup(path))) {
+		free(d);
+		return dev_fail(err, len, -ENOMEM, "cache device %s: out of memory", path);
+	}
+	pthread_mutex_init(&d->lock, NULL);
+	pthread_mutex_init(&d->sb_lock, NULL);
+	pthread_cond_init(&d->cond, NULL);
+	int rc;
+	d->odirect = true;
+	d->fd = open(path, O_RDWR | O_CLOEXEC | O_DIRECT);
+	if (d->fd < 0 && errno == EINVAL) {
+		d->odirect = false; /* tmpfs, some FUSE file systems */
+		d->fd = open(path, O_RDWR | O_CLOEXEC);
+	}
+	if (d->fd < 0) {
+		rc = dev_fail(err, len, -errno, "cache device %s: %s", path, strerror(errno));
+		goto out;
+	}
+	struct stat st;
+	if (fstat(d->fd, &st) < 0 || !(S_ISREG(st.st_mode) || S_ISBLK(st.st_mode))) {
+		rc = dev_fail(err, len, -EINVAL, "cache device %s: not a file or block device",
+			      path);
+		goto out;
+	}
+	d->device_bytes = device_size(d->fd, &st);
+	if (d->device_bytes < DEVFMT_MIN_DEVICE) {
+		rc = dev_fail(
+		    err, len, -EINVAL,
+		    "cache device %s: %llu bytes; a cache device needs at least %llu (a file: "
+		    "make it that large first, e.g. with fallocate)",
+		    path, (unsigned long long)d->device_bytes,
+		    (unsigned long long)DEVFMT_MIN_DEVICE);
+		goto out;
+	}
+	uint8_t *buf = dev_aligned(2 * DEVFMT_SB_BYTES);
+	if (!buf) {
+		rc = dev_fail(err, len, -ENOMEM, "cache device %s: out of memory", path);
+		goto out;
+	}
+	rc = dev_pread_all(d->fd, buf, 2 * DEVFMT_SB_BYTES, 0);
+	if (rc < 0) {
+		free(buf);
+		rc = dev_fail(err, len, rc, "cache device %s: reading its superblocks: %s", path,
+			      strerror(-rc));
+		goto out;
+	}
+	static struct devfmt_sb copy[2];
+	char why[2][200];
+	bool ok[2];
+	for (unsigned i = 0; i < 2; i++)
+		ok[i] = devfmt_sb_decode(buf + (size_t)i * DEVFMT_SB_BYTES, &copy[i], why[i],
+					 sizeof(why[i])) == 0;
+	bool zero = all_zero(buf, 2 * DEVFMT_SB_BYTES);
+	free(buf);
+	if (!ok[0] && !ok[1]) {
+		if (zero) {
+			rc = format(d, err, len);
+			if (rc < 0)
+				goto out;
+		} else {
+			rc = dev_fail(
+			    err, len, -EINVAL,
+			    "cache device %s: no usable superblock (copy A: %s; copy B: %s); "
+			    "if it holds nothing of nbdcached's, zero its first %u bytes to "
+			    "have it formatted",
+			    path, why[0], why[1], 2 * DEVFMT_SB_BYTES);
+			goto out;
+		}
+	} else {
+		unsigned n = ok[0] && (!ok[1] || copy[0].generation >= copy[1].generation) ? 0 : 1;
+		if (!ok[n ^ 1u])
+			log_warn("cache device %s: superblock copy %c is bad (%s); using copy %c",
+				 path, "AB"[n ^ 1u], why[n ^ 1u], "AB"[n]);
+		d->sb = copy[n];
+		d->sb_newest = n;
+		if (d->sb.device_bytes != d->device_bytes) {
+			rc = dev_fail(err, len, -EINVAL,
+				      "cache device %s: formatted for %llu bytes, it has %llu now "
+				      "(another geometry): refused, its log may hold dirty data",
+				      path, (unsigned long long)d->sb.device_bytes,
+				      (unsigned long long)d->device_bytes);
+			goto out;
+		}
+	}
+	for (uint32_t i = 0; i < d->sb.export_count; i++) {
+		const struct devfmt_identity *id = &d->sb.exports[i];
+		if (id->slot >= DEVFMT_MAX_EXPORTS) {
+			rc =
+			    dev_fail(err, len, -EINVAL, "cache device %s: export \"%s\" in slot %u",
+				     path, id->name, id->slot);
+			goto out;
+		}
+		d->slots[id->slot].used = true;
+		d->slots[id->slot].id = *id;
+	}
+	d->tail = d->head = d->sb.checkpoint_offset;
+	d->tail_seq = d->head_seq = d->sb.checkpoint_seq;
+	d->tail_skip = d->sb.checkpoint_skip;
+	d->st.attached = true;
+	d->st.device_bytes = d->device_bytes;
+	d->st.log_bytes = d->sb.log_bytes;
+	*out = d;
+	return 0;
+out:
+	if (d->fd >= 0)
+		close(d->fd);
+	free(d->path);
+	free(d);
+	return rc;
+}
+
+static void identity_of(struct devfmt_identity *id, const struct cache_export *ce, const char *name,
+			const char *spec)
+{
+	memset(id, 0, sizeof(*id));
+	snprintf(id->name, sizeof(id->name), "%s", name);
+	snprintf(id->backend, sizeof(id->backend), "%s", spec);
+	id->block_size = ce->block_size;
+	id->size = atomic_load(&ce->size);
+	id->kind = ce->backend->ident_file ? DEVFMT_BACKEND_FILE : DEVFMT_BACKEND_OTHER;
+	id->dev = ce->backend->ident_dev;
+	id->ino = ce->backend->ident_ino;
+}
+
+/* Why two identities differ, or NULL. */
+static const char *differs(const struct devfmt_identity *a, const struct devfmt_identity *b,
+			   char *buf, size_t len)
+{
+	if (strcmp(a->backend, b->backend) != 0)
+		snprintf(buf, len, "backend %s, recorded %s", b->backend, a->backend);
+	else if (a->size != b->size)
+		snprintf(buf, len, "size %llu, recorded %llu", (unsigned long long)b->size,
+			 (unsigned long long)a->size);
+	else if (a->block_size != b->block_size)
+		snprintf(buf, len, "block size %u, recorded %u", b->block_size, a->block_size);
+	else if (a->kind != b->kind || a->dev != b->dev || a->ino != b->ino)
+		snprintf(buf, len,
+			 "another file (device %llu inode %llu, recorded device %llu inode %llu)",
+			 (unsigned long long)b->dev, (unsigned long long)b->ino,
+			 (unsigned long long)a->dev, (unsigned long long)a->ino);
+	else
+		return NULL;
+	return buf;
+}
+
+int cache_device_add_export(struct cache_device *d, struct cache_export *ce, const char *name,
+			    const char *backend_spec)
+{
+	struct devfmt_identity id;
+	if (strlen(name) > DEVFMT_MAX_NAME || strlen(backend_spec) > DEVFMT_MAX_BACKEND) {
+		log_error("cache device %s: export \"%s\": name or backend string too long to "
+			  "record (at most %u and %u bytes)",
+			  d->path, name, DEVFMT_MAX_NAME, DEVFMT_MAX_BACKEND);
+		return -ENAMETOOLONG;
+	}
+	identity_of(&id, ce, name, backend_spec);
+	pthread_mutex_lock(&d->lock);
+	int slot = -1;
+	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS && slot < 0; i++)
+		if (d->slots[i].used && strcmp(d->slots[i].id.name, name) == 0)
+			slot = (int)i;
+	if (slot >= 0 && d->slots[slot].ce) {
+		pthread_mutex_unlock(&d->lock);
+		return 0; /* a second window of the same cache export */
+	}
+	bool replace = slot >= 0 && d->started;
+	if (slot < 0)
+		for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS && slot < 0; i++)
+			if (!d->slots[i].used)
+				slot = (int)i;
+	if (slot < 0) {
+		pthread_mutex_unlock(&d->lock);
+		log_error("cache device %s: export \"%s\": every one of its %u slots is taken",
+			  d->path, name, (unsigned)DEVFMT_MAX_EXPORTS);
+		return -ENOSPC;
+	}
+	struct dev_slot *s = &d->slots[slot];
+	bool known = s->used;
+	s->ce = ce;
+	ce->device_slot = slot;
+	id.slot = (uint16_t)slot;
+	s->cfg = id;
+	if (!known || replace)
+		s->id = id;
+	s->used = true;
+	s->covered = d->appended;
+	bool started = d->started;
+	pthread_mutex_unlock(&d->lock);
+	if (!started)
+		return 0; /* the table is written once the log is replayed */
+	/* Added by a reload: in the table before any record of it can be. */
+	pthread_mutex_lock(&d->sb_lock);
+	pthread_mutex_lock(&d->lock);
+	d->sb.export_count = 0;
+	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
+		if (d->slots[i].used)
+			d->sb.exports[d->sb.export_count++] = d->slots[i].id;
+	pthread_mutex_unlock(&d->lock);
+	int rc = dev_sb_write_locked(d);
+	pthread_mutex_unlock(&d->sb_lock);
+	if (rc < 0)
+		log_error("cache device %s: recording export \"%s\": %s", d->path, name,
+			  strerror(-rc));
+	return rc;
+}
+
+/* ---- reading the live log ---- */
+
+/* The next batch at w->off (following wraps): 1, 0 at the log's end
+ * (w->why says why), or -errno (reading the device failed). */
+int dev_walk_next(struct cache_device *d, struct walk *w, uint8_t *hdr)
+{
+	for (int wraps = 0; wraps < 2; wraps++) {
+		if (w->off >= d->sb.log_bytes)
+			w->off = 0;
+		if (w->bytes >= d->sb.log_bytes) {
+			snprintf(w->why, sizeof(w->why), "the whole log was read");
+			return 0;
+		}
+		int rc = dev_pread_all(d->fd, hdr, DEVFMT_BLOCK, d->sb.log_offset + w->off);
+		if (rc < 0)
+			return rc;
+		if (devfmt_batch_decode(hdr, d->sb.uuid, w->seq, &w->b, w->why, sizeof(w->why)) < 0)
+			return 0;
+		if (w->b.flags & DEVFMT_BATCH_WRAP) {
+			w->bytes += d->sb.log_bytes - w->off;
+			w->off = 0;
+			w->seq++;
+			continue;
+		}
+		uint64_t size = ((uint64_t)w->b.data_blocks + 1) * DEVFMT_BLOCK;
+		if (w->off + size > d->sb.log_bytes) {
+			snprintf(w->why, sizeof(w->why), "batch %llu runs past the log's end",
+				 (unsigned long long)w->seq);
+			return 0;
+		}
+		free(w->data);
+		w->data = dev_aligned((size_t)w->b.data_blocks * DEVFMT_BLOCK);
+		if (!w->data)
+			return -ENOMEM;
+		if (w->b.data_blocks) {
+			rc = dev_pread_all(d->fd, w->data, (size_t)w->b.data_blocks * DEVFMT_BLOCK,
+					   d->sb.log_offset + w->off + DEVFMT_BLOCK);
+			if (rc < 0)
+				return rc;
+		}
+		uint32_t crc = devfmt_crc32c(0, w->data, (size_t)w->b.data_blocks * DEVFMT_BLOCK);
+		if (crc != w->b.data_crc) {
+			snprintf(
+			    w->why, sizeof(w->why),
+			    "batch %llu: data CRC32C 0x%08x, computed 0x%08x (torn or corrupt)",
+			    (unsigned long long)w->seq, w->b.data_crc, crc);
+			return 0;
+		}
+		return 1;
+	}
+	snprintf(w->why, sizeof(w->why), "two wrap markers in a row");
+	return 0;
+}
+
+void dev_walk_advance(struct cache_device *d, struct walk *w)
+{
+	uint64_t size = ((uint64_t)w->b.data_blocks + 1) * DEVFMT_BLOCK;
+	(void)d;
+	w->off += size;
+	w->bytes += size;
+	w->seq++;
+	w->batches++;
+}
+
+int cache_device_bind(struct cache_device *d, char *err, size_t len)
+{
+	uint8_t *hdr = dev_aligned(DEVFMT_BLOCK);
+	if (!hdr)
+		return dev_fail(err, len, -ENOMEM, "cache device %s: out of memory", d->path);
+	struct walk w = {.off = d->sb.checkpoint_offset, .seq = d->sb.checkpoint_seq};
+	int rc;
+	while ((rc = dev_walk_next(d, &w, hdr)) > 0) {
+		for (uint32_t i = w.batches ? 0 : d->sb.checkpoint_skip; i < w.b.extent_count;
+		     i++) {
+			const struct devfmt_extent *x = &w.b.extents[i];
+			if (x->slot >= DEVFMT_MAX_EXPORTS || !d->slots[x->slot].used) {
+				rc = dev_fail(
+				    err, len, -EINVAL,
+				    "cache device %s: batch %llu holds a record of slot %u, "
+				    "which its superblock does not name: refused",
+				    d->path, (unsigned long long)w.seq, x->slot);
+				goto out;
+			}
+			if (x->type == DEVFMT_EXTENT_CLEAN)
+				continue;
+			d->slots[x->slot].live_records++;
+			d->slots[x->slot].live_bytes += x->length;
+		}
+		dev_walk_advance(d, &w);
+	}
+	if (rc < 0) {
+		rc = dev_fail(err, len, rc, "cache device %s: reading its log: %s", d->path,
+			      strerror(-rc));
+		goto out;
+	}
+	d->st.replay_batches = w.batches;
+	rc = 0;
+	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS && rc == 0; i++) {
+		struct dev_slot *s = &d->slots[i];
+		if (!s->used || !s->live_records)
+			continue;
+		if (!s->ce) {
+			rc = dev_fail(
+			    err, len, -EINVAL,
+			    "cache device %s holds %llu bytes in %llu record(s) not yet "
+			    "written back for export \"%s\" (backend %s), which is not "
+			    "configured: refused; configure it again to have them written back",
+			    d->path, (unsigned long long)s->live_bytes,
+			    (unsigned long long)s->live_records, s->id.name, s->id.backend);
+			break;
+		}
+		char why[600];
+		const char *diff = differs(&s->id, &s->cfg, why, sizeof(why));
+		if (diff)
+			rc = dev_fail(
+			    err, len, -EINVAL,
+			    "cache device %s holds %llu bytes in %llu record(s) not yet "
+			    "written back for export \"%s\", whose backend is not the one they "
+			    "were recorded for (%s): refused",
+			    d->path, (unsigned long long)s->live_bytes,
+			    (unsigned long long)s->live_records, s->id.name, diff);
+	}
+	if (rc == 0 && w.batches)
+		log_info("cache device %s: %llu batch(es) to replay from the checkpoint; the log "
+			 "ends there: %s",
+			 d->path, (unsigned long long)w.batches, w.why);
+out:
+	free(w.data);
+	free(hdr);
+	return rc;
+}
+
+/* The superblock's checkpoint and exports as they are now. sb_lock held. */
+int dev_sb_update(struct cache_device *d, bool clean)
+{
+	pthread_mutex_lock(&d->lock);
+	d->sb.checkpoint_offset = d->tail;
+	d->sb.checkpoint_seq = d->tail_seq;
+	d->sb.checkpoint_skip = d->tail_skip;
+	d->sb.flags = clean ? DEVFMT_SB_CLEAN : 0;
+	d->sb.export_count = 0;
+	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
+		if (d->slots[i].used)
+			d->sb.exports[d->sb.export_count++] = d->slots[i].id;
+	pthread_mutex_unlock(&d->lock);
+	return dev_sb_write_locked(d);
+}
+
+int cache_device_start(struct cache_device *d, struct worker *w, char *err, size_t len)
+{
+	int rc = dev_replay(d, w, err, len);
+	if (rc < 0)
+		return rc;
+	/* The table now: what is configured (slots only on the device held
+	 * nothing: bind refused otherwise). */
+	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++) {
+		struct dev_slot *s = &d->slots[i];
+		if (s->ce)
+			s->id = s->cfg;
+		else
+			s->used = false;
+	}
+	pthread_mutex_lock(&d->sb_lock);
+	rc = dev_sb_update(d, false);
+	pthread_mutex_unlock(&d->sb_lock);
+	if (rc < 0)
+		return dev_fail(err, len, rc, "cache device %s: writing its superblock: %s",
+				d->path, strerror(-rc));
+	d->running = true;
+	rc = pthread_create(&d->thread, NULL, dev_log_thread, d);
+	if (rc) {
+		d->running = false;
+		return dev_fail(err, len, -rc, "cache device %s: its thread: %s", d->path,
+				strerror(rc));
+	}
+	pthread_mutex_lock(&d->lock);
+	d->started = true;
+	pthread_mutex_unlock(&d->lock);
+	log_info("cache device %s: intent log of %llu bytes%s", d->path,
+		 (unsigned long long)d->sb.log_bytes, d->odirect ? ", O_DIRECT" : "");
+	return 0;
+}
+
+void cache_device_close(struct cache_device *d, bool clean)
+{
+	if (!d)
+		return;
+	if (d->running) {
+		pthread_mutex_lock(&d->lock);
+		if (clean) {
+			/* Everything is on the backends: the log is empty. */
+			for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
+				if (d->slots[i].ce)
+					d->slots[i].covered = d->appended;
+			d->checkpoint_due = true;
+		}
+		d->stop = true;
+		pthread_cond_signal(&d->cond);
+		pthread_mutex_unlock(&d->lock);
+		pthread_join(d->thread, NULL);
+		d->running = false;
+		if (clean && !d->failed && d->nbatches == 0 && d->npend == 0) {
+			pthread_mutex_lock(&d->sb_lock);
+			int rc = dev_sb_update(d, true);
+			pthread_mutex_unlock(&d->sb_lock);
+			if (rc == 0)
+				log_info("cache device %s: closed clean", d->path);
+			else
+				log_error("cache device %s: marking it clean: %s", d->path,
+					  strerror(-rc));
+		}
+	}
+	close(d->fd);
+	free(d->pend);
+	free(d->pdata);
+	free(d->batches);
+	free(d->path);
+	pthread_mutex_destroy(&d->lock);
+	pthread_mutex_destroy(&d->sb_lock);
+	pthread_cond_destroy(&d->cond);
+	free(d);
+}
+
+void cache_device_get_stats(struct cache_device *d, struct cache_device_stats *out)
+{
+	pthread_mutex_lock(&d->lock);
+	*out = d->st;
+	out->log_used = d->used;
+	out->pending_bytes = d->pdata_len;
+	pthread_mutex_unlock(&d->lock);
+}

@@ -1,0 +1,128 @@
+/*
+ * daemon/cache/device.h: a cache device (--cache-device PATH), a file or
+ * block device holding the intent log: a FLUSH or a FUA write is answered
+ * once every write it covers is durable there, not on the backend (the
+ * on-device format: device_format.h).
+ *
+ * The log is a redo log of what the cache acknowledged since the last
+ * checkpoint, in the order the cache's state changed:
+ *
+ *   DATA  a FLUSH's round copies every dirty or unstable block of its
+ *         export (flush.c, under the block's shard lock), a direct WRITE
+ *         its payload (direct.c, while its range is registered)
+ *   ZERO, TRIM  a direct WRITE_ZEROES or TRIM step (direct.c, likewise)
+ *
+ * Each record gets a number (its rec) as it is appended; the log thread
+ * commits what was appended in batches (group commit: one write and one
+ * device flush for every FLUSH that came meanwhile) and raises `durable`,
+ * the rec up to which every record is durable. A waiter (FLUSH, a FUA
+ * direct operation) waits for durable >= its rec.
+ *
+ * A checkpoint moves the log's tail: after a full flush round of an export
+ * (every dirty block written back, the backend flushed) the records
+ * appended before the round began are covered by the backend
+ * (cache_device_covered); once every export is, the batches holding only
+ * such records are no longer needed, the superblock says where replay
+ * starts now, and records not yet committed are dropped. `durable` rises
+ * to what the checkpoint covers, so a waiter is answered by a commit or by
+ * a checkpoint, whichever comes first.
+ *
+ * At start (cache_device_bind, before anything is served): the live log
+ * (from the checkpoint to its first bad batch) is read; every export it
+ * holds records for must be configured with the same backend identity, or
+ * the start is refused with the export and the bytes. cache_device_replay
+ * then writes the records to the backends in order, flushes them, and
+ * checkpoints: the log is empty, and every sequence number from here on
+ * is far past any stale batch on the device.
+ *
+ * Failures: a write or flush of the device that fails answers every
+ * waiter -EIO and turns the log off for good (cache_device_usable false:
+ * FLUSH goes to the backend again); a log without room answers waiters
+ * that can go another way -ENOSPC (a FLUSH round writes back instead) and
+ * asks for a checkpoint (cache_device_wants_checkpoint).
+ *
+ * Locks: the device lock is a leaf, taken under a shard lock (append) or
+ * an export lock; the log thread takes nothing else while holding it.
+ */
+#ifndef NBDCACHED_DAEMON_CACHE_DEVICE_H
+#define NBDCACHED_DAEMON_CACHE_DEVICE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "daemon/cache/device_format.h"
+#include "daemon/worker.h"
+
+struct cache;
+struct cache_export;
+struct cache_device;
+
+/* Someone waiting for records to be durable (cache_device_wait). */
+struct cache_device_waiter {
+	uint64_t rec;  /* durable >= rec */
+	bool fallback; /* -ENOSPC rather than wait when there is no room */
+	/* Wait for a checkpoint that covers rec, not for a commit: a full
+	 * round's FLUSH (no record up to rec may be replayed any more). */
+	bool checkpoint;
+	int result;	       /* 0, -EIO (device failed), -ENOSPC (fallback only) */
+	struct worker *worker; /* task posted there with the result */
+	struct worker_task task;
+	struct cache_device_waiter *next;
+};
+
+struct cache_device_stats {
+	bool attached, failed;
+	uint64_t device_bytes, log_bytes, log_used;
+	uint64_t commits, commit_ns, commit_max_ns, records, bytes_logged;
+	uint64_t checkpoints, fallbacks;
+	uint64_t replay_batches, replay_records, replay_bytes, replay_ns;
+	uint64_t pending_bytes;
+	int64_t last_commit_unix_ms;
+};
+
+/*
+ * Open path (a file or block device of at least DEVFMT_MIN_DEVICE bytes):
+ * its superblock, the newer valid copy; a device whose two copies are all
+ * zeros is formatted. 0, or -errno with err saying why (not a cache
+ * device, another version, both copies corrupt, another geometry).
+ */
+int cache_device_open(const char *path, struct cache_device **out, char *err, size_t len);
+/* The export joins the device (cache_export_add): its slot and identity. */
+int cache_device_add_export(struct cache_device *d, struct cache_export *ce, const char *name,
+			    const char *backend_spec);
+/*
+ * After every export is added, before anything is served: the live log
+ * against the exports. 0, or -EINVAL with err naming the export and its
+ * dirty bytes (not configured any more, another backend identity).
+ */
+int cache_device_bind(struct cache_device *d, char *err, size_t len);
+/* Write the live log to the backends (from thread w, the caller
+ * waiting), flush them, checkpoint, and start the log thread. */
+int cache_device_start(struct cache_device *d, struct worker *w, char *err, size_t len);
+/* Stop the log thread; clean: everything was written back and flushed
+ * (the log is checkpointed empty and the superblock says so). */
+void cache_device_close(struct cache_device *d, bool clean);
+
+/* Can the log take records now (attached, started, not failed)? */
+bool cache_device_usable(struct cache_device *d);
+/* Append a record for ce (DEVFMT_EXTENT_*; data: length bytes of DATA),
+ * copying the data. Its rec, or 0 when the log is off. */
+uint64_t cache_device_append(struct cache_device *d, struct cache_export *ce, unsigned type,
+			     uint64_t offset, uint64_t length, const void *data);
+/* The rec of the last record appended (0: none). */
+uint64_t cache_device_last(struct cache_device *d);
+/* Bytes appended and not yet committed. */
+uint64_t cache_device_pending(struct cache_device *d);
+/* Free bytes in the log (before the pending ones are committed). */
+uint64_t cache_device_room(struct cache_device *d);
+/* Post w->task to w->worker once durable >= w->rec (at once if so). */
+void cache_device_wait(struct cache_device *d, struct cache_device_waiter *w);
+/* A full flush round of ce succeeded: the records appended up to rec are
+ * on its backend. Moves the tail once every export is covered. */
+void cache_device_covered(struct cache_device *d, struct cache_export *ce, uint64_t rec);
+/* The log is short of room: full rounds would let a checkpoint free it. */
+bool cache_device_wants_checkpoint(struct cache_device *d);
+void cache_device_get_stats(struct cache_device *d, struct cache_device_stats *out);
+
+#endif

@@ -1,0 +1,122 @@
+/*
+ * daemon/cache/device_internal.h: what the cache device's files share
+ * (device.h is the interface): device.c opens, binds and closes it,
+ * device_replay.c writes its live log to the backends at start,
+ * device_log.c appends, commits and checkpoints while it runs.
+ *
+ * The log is a ring of batches in [log_offset, log_offset + log_bytes):
+ *
+ *   tail (checkpoint)            head (next batch)
+ *   v                            v
+ *   [batch s][batch s+1][wrap]...[free ...................]
+ *
+ * Committed batches are remembered (offset, bytes, seq, their records)
+ * until a checkpoint pops them; `used` is their bytes, including the end
+ * of the ring a wrap skipped. Only the log thread writes the ring and the
+ * superblock's checkpoint; records are appended under the device lock by
+ * any thread.
+ */
+#ifndef NBDCACHED_DAEMON_CACHE_DEVICE_INTERNAL_H
+#define NBDCACHED_DAEMON_CACHE_DEVICE_INTERNAL_H
+
+#include <pthread.h>
+
+#include "daemon/backend/backend.h"
+#include "daemon/cache/device.h"
+#include "daemon/cache/internal.h"
+
+/* A DATA record carries at most this much (longer ones are cut). */
+#define DEV_EXTENT_MAX (1u << 20)
+/* A batch carries at most this much data. */
+#define DEV_BATCH_DATA (4u << 20)
+/* Sequence numbers jump this far at each start: a batch left from before
+ * (a commit torn by a crash, past the replay's end) never fits in. */
+#define DEV_SEQ_JUMP (1ull << 32)
+
+struct dev_slot {
+	bool used;			   /* an identity in the table */
+	struct devfmt_identity id;	   /* as the superblock has it */
+	struct devfmt_identity cfg;	   /* as configured now (ce set) */
+	struct cache_export *ce;	   /* configured now (NULL: only on the device) */
+	uint64_t covered;		   /* records up to this are on the backend */
+	uint64_t last;			   /* its last record appended */
+	uint64_t live_bytes, live_records; /* in the live log at start */
+};
+
+struct dev_rec {
+	uint64_t rec;
+	uint8_t type;
+	uint16_t slot;
+	uint64_t offset, length;
+	size_t data; /* DATA: where its bytes are in pdata */
+};
+
+/* A committed batch: its records are first_rec .. first_rec + extents - 1
+ * (a wrap marker: none, first_rec is the next one's). */
+struct dev_batch {
+	uint64_t offset, bytes, seq, first_rec, last_rec;
+	uint32_t extents;
+};
+
+struct cache_device {
+	char *path;
+	int fd;
+	bool odirect;
+	uint64_t device_bytes;
+	struct devfmt_sb sb;
+	unsigned sb_newest;	 /* the copy holding the newest superblock */
+	pthread_mutex_t sb_lock; /* encoding and writing the superblock */
+	struct dev_slot slots[DEVFMT_MAX_EXPORTS];
+
+	pthread_mutex_t lock; /* the device lock: everything below */
+	pthread_cond_t cond;
+	pthread_t thread;
+	bool running, stop, started, failed, no_room, checkpoint_due;
+	struct dev_rec *pend;
+	size_t npend, cappend;
+	uint8_t *pdata;
+	size_t pdata_len, pdata_cap;
+	uint64_t appended, durable, want;
+	struct cache_device_waiter *waiters;
+	/* The ring: log thread, read under the lock for the stats. */
+	uint64_t head, head_seq, tail, tail_seq, used;
+	uint32_t tail_skip;    /* extents of the batch at the tail already covered */
+	uint64_t checkpointed; /* the rec the last checkpoint covered */
+	unsigned checkpoint_waiters;
+	struct dev_batch *batches;
+	size_t nbatches, capbatches;
+	struct cache_device_stats st;
+};
+
+/* One batch of the live log: its header, data read and checked. */
+struct walk {
+	uint64_t off, seq;
+	struct devfmt_batch b;
+	uint8_t *data; /* data_blocks blocks */
+	char why[200];
+	uint64_t batches, bytes;
+};
+
+int dev_fail(char *err, size_t len, int rc, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* A buffer of n bytes aligned for O_DIRECT (free() it). */
+uint8_t *dev_aligned(size_t n);
+int dev_pwrite_all(int fd, const void *buf, size_t n, uint64_t off);
+int dev_pread_all(int fd, void *buf, size_t n, uint64_t off);
+int dev_sync(struct cache_device *d);
+/* Write d->sb to the copy not holding the newest, and flush (sb_lock held). */
+int dev_sb_write_locked(struct cache_device *d);
+/* The superblock's checkpoint and exports as they are now (sb_lock held). */
+int dev_sb_update(struct cache_device *d, bool clean);
+/* The next batch of the live log at w->off (following wraps): 1, 0 at its
+ * end (w->why says why), or -errno. hdr: a DEVFMT_BLOCK buffer. */
+int dev_walk_next(struct cache_device *d, struct walk *w, uint8_t *hdr);
+void dev_walk_advance(struct cache_device *d, struct walk *w);
+/* device_replay.c: the live log onto the backends, then empty. */
+int dev_replay(struct cache_device *d, struct worker *w, char *err, size_t len);
+/* device_log.c */
+void *dev_log_thread(void *arg);
+/* The log cannot hold every record any more: off for good (lock held). */
+void dev_fail_locked(struct cache_device *d, int error, const char *what);
+
+#endif

@@ -1,0 +1,511 @@
+/*
+ * daemon/cache/device_log.c: a cache device's intent log while it runs:
+ * records appended, committed in batches by the log thread (group
+ * commit), waiters answered, checkpoints (device.h, device_internal.h).
+ */
+#include "daemon/cache/device_internal.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "daemon/log.h"
+
+/* ---- appending and waiting ---- */
+
+bool cache_device_usable(struct cache_device *d)
+{
+	pthread_mutex_lock(&d->lock);
+	bool ok = d->started && !d->failed;
+	pthread_mutex_unlock(&d->lock);
+	return ok;
+}
+
+static int pend_reserve(struct cache_device *d, size_t data)
+{
+	if (d->npend == d->cappend) {
+		size_t cap = d->cappend ? d->cappend * 2 : 256;
+		struct dev_rec *p = realloc(d->pend, cap * sizeof(*p));
+		if (!p)
+			return -ENOMEM;
+		d->pend = p;
+		d->cappend = cap;
+	}
+	if (d->pdata_len + data > d->pdata_cap) {
+		size_t cap = d->pdata_cap ? d->pdata_cap : (1u << 20);
+		while (cap < d->pdata_len + data)
+			cap *= 2;
+		uint8_t *p = realloc(d->pdata, cap);
+		if (!p)
+			return -ENOMEM;
+		d->pdata = p;
+		d->pdata_cap = cap;
+	}
+	return 0;
+}
+
+/* The log cannot hold every record any more: off for good, loudly. */
+void dev_fail_locked(struct cache_device *d, int error, const char *what)
+{
+	if (d->failed)
+		return;
+	d->failed = true;
+	d->st.failed = true;
+	log_error("cache device %s: %s: %s; the intent log is off from now on: FLUSH goes to "
+		  "the backends again (each export is switched to writethrough)",
+		  d->path, what, strerror(-error));
+}
+
+uint64_t cache_device_append(struct cache_device *d, struct cache_export *ce, unsigned type,
+			     uint64_t offset, uint64_t length, const void *data)
+{
+	pthread_mutex_lock(&d->lock);
+	if (!d->started || d->failed || ce->device_slot < 0) {
+		pthread_mutex_unlock(&d->lock);
+		return 0;
+	}
+	uint64_t rec = 0;
+	for (uint64_t done = 0; done < length;) {
+		uint64_t n = length - done;
+		if (type == DEVFMT_EXTENT_DATA && n > DEV_EXTENT_MAX)
+			n = DEV_EXTENT_MAX;
+		if (pend_reserve(d, type == DEVFMT_EXTENT_DATA ? (size_t)n : 0) < 0) {
+			/* A record the log cannot hold: it no longer says
+			 * everything, so it must not be trusted for more. */
+			dev_fail_locked(d, -ENOMEM, "no memory for a record");
+			pthread_mutex_unlock(&d->lock);
+			return 0;
+		}
+		struct dev_rec *r = &d->pend[d->npend++];
+		r->rec = rec = ++d->appended;
+		r->type = (uint8_t)type;
+		r->slot = (uint16_t)ce->device_slot;
+		d->slots[ce->device_slot].last = rec;
+		r->offset = offset + done;
+		r->length = n;
+		r->data = d->pdata_len;
+		if (type == DEVFMT_EXTENT_DATA) {
+			memcpy(d->pdata + d->pdata_len, (const uint8_t *)data + done, (size_t)n);
+			d->pdata_len += (size_t)n;
+		}
+		done += n;
+	}
+	pthread_mutex_unlock(&d->lock);
+	return rec;
+}
+
+uint64_t cache_device_last(struct cache_device *d)
+{
+	pthread_mutex_lock(&d->lock);
+	uint64_t r = d->appended;
+	pthread_mutex_unlock(&d->lock);
+	return r;
+}
+
+uint64_t cache_device_pending(struct cache_device *d)
+{
+	pthread_mutex_lock(&d->lock);
+	uint64_t r = d->pdata_len;
+	pthread_mutex_unlock(&d->lock);
+	return r;
+}
+
+uint64_t cache_device_room(struct cache_device *d)
+{
+	pthread_mutex_lock(&d->lock);
+	uint64_t r = d->sb.log_bytes - d->used;
+	pthread_mutex_unlock(&d->lock);
+	return r;
+}
+
+/* Take the waiters that can be answered now off the list. Lock held. */
+static struct cache_device_waiter *ready_locked(struct cache_device *d)
+{
+	struct cache_device_waiter *ready = NULL, **pp = &d->waiters;
+	while (*pp) {
+		struct cache_device_waiter *w = *pp;
+		int result = 1;
+		if (d->failed)
+			result = -EIO;
+		else if (w->rec <= (w->checkpoint ? d->checkpointed : d->durable))
+			result = 0;
+		else if (w->fallback && d->no_room)
+			result = -ENOSPC;
+		if (result > 0) {
+			pp = &w->next;
+			continue;
+		}
+		*pp = w->next;
+		if (w->checkpoint)
+			d->checkpoint_waiters--;
+		w->result = result;
+		w->next = ready;
+		ready = w;
+	}
+	return ready;
+}
+
+static void post_ready(struct cache_device_waiter *ready)
+{
+	while (ready) {
+		struct cache_device_waiter *next = ready->next;
+		worker_post(ready->worker, &ready->task);
+		ready = next;
+	}
+}
+
+void cache_device_wait(struct cache_device *d, struct cache_device_waiter *w)
+{
+	pthread_mutex_lock(&d->lock);
+	w->next = d->waiters;
+	d->waiters = w;
+	if (w->checkpoint) {
+		d->checkpoint_waiters++;
+		d->checkpoint_due = true;
+	} else if (w->rec > d->want) {
+		d->want = w->rec;
+	}
+	struct cache_device_waiter *ready = ready_locked(d);
+	pthread_cond_signal(&d->cond);
+	pthread_mutex_unlock(&d->lock);
+	post_ready(ready);
+}
+
+void cache_device_covered(struct cache_device *d, struct cache_export *ce, uint64_t rec)
+{
+	pthread_mutex_lock(&d->lock);
+	if (ce->device_slot >= 0 && rec > d->slots[ce->device_slot].covered) {
+		d->slots[ce->device_slot].covered = rec;
+		d->checkpoint_due = true;
+		pthread_cond_signal(&d->cond);
+	}
+	pthread_mutex_unlock(&d->lock);
+}
+
+bool cache_device_wants_checkpoint(struct cache_device *d)
+{
+	pthread_mutex_lock(&d->lock);
+	bool r = d->started && !d->failed &&
+		 (d->no_room || d->checkpoint_waiters || d->used > d->sb.log_bytes / 2 ||
+		  d->pdata_len > d->sb.log_bytes / 4);
+	pthread_mutex_unlock(&d->lock);
+	return r;
+}
+
+/* ---- the log thread ---- */
+
+/* Where a batch of size bytes goes from *head (updating it and *used),
+ * or false: no room. The free space is [head, L) and [0, tail) while the
+ * head is ahead of the tail (or the log is empty), else [head, tail). */
+static bool place(const struct cache_device *d, uint64_t *head, uint64_t *used, uint64_t size)
+{
+	uint64_t L = d->sb.log_bytes, tail = d->tail;
+	if (*used > 0 && *head == tail)
+		return false; /* full */
+	if (*used == 0 || *head > tail) {
+		if (*head + size <= L) {
+			*head += size;
+			*used += size;
+			return true;
+		}
+		/* The rest of the ring is skipped (a wrap marker says so). */
+		uint64_t limit = *used == 0 ? *head : tail;
+		if (size > limit)
+			return false;
+		*used += (L - *head) + size;
+		*head = size;
+		return true;
+	}
+	if (*head + size > tail)
+		return false;
+	*head += size;
+	*used += size;
+	return true;
+}
+
+static int64_t unix_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static int push_batch(struct cache_device *d, const struct dev_batch *nb)
+{
+	if (d->nbatches == d->capbatches) {
+		size_t cap = d->capbatches ? d->capbatches * 2 : 64;
+		struct dev_batch *b = realloc(d->batches, cap * sizeof(*b));
+		if (!b)
+			return -ENOMEM;
+		d->batches = b;
+		d->capbatches = cap;
+	}
+	d->batches[d->nbatches++] = *nb;
+	d->used += nb->bytes;
+	return 0;
+}
+
+/*
+ * Commit every pending record (lock held on entry and exit, dropped for
+ * the I/O): batches of at most DEVFMT_MAX_EXTENTS extents and
+ * DEV_BATCH_DATA bytes, each one write at the head, then one flush.
+ */
+static void commit_locked(struct cache_device *d)
+{
+	/* Plan the batches, and check they fit. */
+	size_t n = d->npend;
+	uint64_t head = d->head, used = d->used;
+	size_t nb = 0;
+	for (size_t i = 0; i < n;) {
+		size_t j = i;
+		uint64_t data = 0;
+		while (j < n && j - i < DEVFMT_MAX_EXTENTS &&
+		       (d->pend[j].type != DEVFMT_EXTENT_DATA || j == i ||
+			data + d->pend[j].length <= DEV_BATCH_DATA)) {
+			if (d->pend[j].type == DEVFMT_EXTENT_DATA)
+				data += d->pend[j].length;
+			j++;
+		}
+		uint64_t size =
+		    DEVFMT_BLOCK + (data + DEVFMT_BLOCK - 1) / DEVFMT_BLOCK * DEVFMT_BLOCK;
+		if (!place(d, &head, &used, size)) {
+			if (!d->no_room)
+				log_warn(
+				    "cache device %s: the log is full (%llu of %llu bytes used, "
+				    "%llu pending): FLUSH writes back to the backend until a "
+				    "checkpoint frees it",
+				    d->path, (unsigned long long)d->used,
+				    (unsigned long long)d->sb.log_bytes,
+				    (unsigned long long)d->pdata_len);
+			d->no_room = true;
+			d->st.fallbacks++;
+			return;
+		}
+		nb++;
+		i = j;
+	}
+	/* Take the records: appends go on meanwhile into a fresh list. */
+	struct dev_rec *recs = d->pend;
+	uint8_t *pdata = d->pdata;
+	d->pend = NULL;
+	d->npend = d->cappend = 0;
+	d->pdata = NULL;
+	d->pdata_len = d->pdata_cap = 0;
+	uint64_t last = recs[n - 1].rec;
+	pthread_mutex_unlock(&d->lock);
+
+	uint64_t t0 = clock_now_ns();
+	int rc = 0;
+	uint64_t bytes_logged = 0;
+	struct dev_batch *done = calloc(2 * nb + 1, sizeof(*done));
+	size_t ndone = 0;
+	uint64_t seq = d->head_seq;
+	head = d->head;
+	uint8_t *buf = NULL;
+	if (!done)
+		rc = -ENOMEM;
+	for (size_t i = 0; i < n && rc == 0;) {
+		size_t j = i;
+		uint64_t data = 0;
+		while (j < n && j - i < DEVFMT_MAX_EXTENTS &&
+		       (recs[j].type != DEVFMT_EXTENT_DATA || j == i ||
+			data + recs[j].length <= DEV_BATCH_DATA)) {
+			if (recs[j].type == DEVFMT_EXTENT_DATA)
+				data += recs[j].length;
+			j++;
+		}
+		uint64_t blocks = (data + DEVFMT_BLOCK - 1) / DEVFMT_BLOCK;
+		uint64_t size = (blocks + 1) * DEVFMT_BLOCK;
+		if (head + size > d->sb.log_bytes) {
+			/* The rest of the ring is skipped: say so there. */
+			uint64_t waste = d->sb.log_bytes - head;
+			if (waste >= DEVFMT_BLOCK) {
+				struct devfmt_batch wb;
+				memset(&wb, 0, sizeof(wb));
+				wb.seq = seq;
+				wb.flags = DEVFMT_BATCH_WRAP;
+				uint8_t *hb = dev_aligned(DEVFMT_BLOCK);
+				rc = hb ? devfmt_batch_encode(&wb, d->sb.uuid, hb) : -ENOMEM;
+				if (rc == 0)
+					rc = dev_pwrite_all(d->fd, hb, DEVFMT_BLOCK,
+							    d->sb.log_offset + head);
+				free(hb);
+				if (rc < 0)
+					break;
+				done[ndone++] = (struct dev_batch){
+				    head, waste, seq, recs[i].rec, recs[i].rec - 1, 0};
+				seq++;
+			}
+			head = 0;
+		}
+		free(buf);
+		buf = dev_aligned((size_t)size);
+		if (!buf) {
+			rc = -ENOMEM;
+			break;
+		}
+		memset(buf + (size - DEVFMT_BLOCK), 0, DEVFMT_BLOCK);
+		struct devfmt_batch b;
+		memset(&b, 0, sizeof(b));
+		b.seq = seq;
+		b.extent_count = (uint32_t)(j - i);
+		b.data_blocks = (uint32_t)blocks;
+		uint64_t pos = 0;
+		for (size_t k = i; k < j; k++) {
+			b.extents[k - i] = (struct devfmt_extent){recs[k].type, recs[k].slot,
+								  recs[k].offset, recs[k].length};
+			if (recs[k].type == DEVFMT_EXTENT_DATA) {
+				memcpy(buf + DEVFMT_BLOCK + pos, pdata + recs[k].data,
+				       (size_t)recs[k].length);
+				pos += recs[k].length;
+			}
+		}
+		b.data_crc = devfmt_crc32c(0, buf + DEVFMT_BLOCK, (size_t)(blocks * DEVFMT_BLOCK));
+		rc = devfmt_batch_encode(&b, d->sb.uuid, buf);
+		if (rc == 0)
+			rc = dev_pwrite_all(d->fd, buf, (size_t)size, d->sb.log_offset + head);
+		if (rc < 0)
+			break;
+		done[ndone++] = (struct dev_batch){
+		    head, size, seq, recs[i].rec, recs[j - 1].rec, (uint32_t)(j - i)};
+		bytes_logged += data;
+		head += size;
+		seq++;
+		i = j;
+	}
+	free(buf);
+	if (rc == 0)
+		rc = dev_sync(d);
+	uint64_t took = clock_now_ns() - t0;
+	free(recs);
+	free(pdata);
+
+	pthread_mutex_lock(&d->lock);
+	if (rc < 0) {
+		dev_fail_locked(d, rc, "writing its log");
+	} else {
+		for (size_t k = 0; k < ndone && rc == 0; k++)
+			rc = push_batch(d, &done[k]);
+		if (rc < 0)
+			dev_fail_locked(d, rc, "keeping track of its log");
+		d->head = head % d->sb.log_bytes;
+		d->head_seq = seq;
+		if (last > d->durable)
+			d->durable = last;
+		d->st.commits++;
+		d->st.commit_ns += took;
+		if (took > d->st.commit_max_ns)
+			d->st.commit_max_ns = took;
+		d->st.records += n;
+		d->st.bytes_logged += bytes_logged;
+		d->st.last_commit_unix_ms = unix_ms();
+	}
+	free(done);
+}
+
+/* Move the tail past every batch the exports' backends cover. */
+static void checkpoint_locked(struct cache_device *d)
+{
+	d->checkpoint_due = false;
+	uint64_t covered = UINT64_MAX;
+	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++) {
+		const struct dev_slot *s = &d->slots[i];
+		/* An export with no record past its last full round holds
+		 * nothing back. */
+		if (s->ce && !atomic_load(&s->ce->retired) && s->last > s->covered &&
+		    s->covered < covered)
+			covered = s->covered;
+	}
+	if (covered == UINT64_MAX)
+		covered = d->appended;
+	if (covered <= d->checkpointed)
+		return;
+	/* Records not committed yet that the backends cover: never written. */
+	size_t drop = 0;
+	while (drop < d->npend && d->pend[drop].rec <= covered)
+		drop++;
+	if (drop) {
+		size_t keep_data = drop < d->npend ? d->pend[drop].data : d->pdata_len;
+		memmove(d->pend, d->pend + drop, (d->npend - drop) * sizeof(*d->pend));
+		d->npend -= drop;
+		for (size_t i = 0; i < d->npend; i++)
+			d->pend[i].data -= keep_data;
+		memmove(d->pdata, d->pdata + keep_data, d->pdata_len - keep_data);
+		d->pdata_len -= keep_data;
+	}
+	size_t pop = 0;
+	while (pop < d->nbatches && d->batches[pop].last_rec <= covered)
+		pop++;
+	uint64_t tail = d->tail, tail_seq = d->tail_seq;
+	uint32_t skip = d->tail_skip;
+	if (pop)
+		skip = 0;
+	if (pop) {
+		for (size_t i = 0; i < pop; i++)
+			d->used -= d->batches[i].bytes;
+		if (pop < d->nbatches) {
+			tail = d->batches[pop].offset;
+			tail_seq = d->batches[pop].seq;
+		} else {
+			tail = d->head;
+			tail_seq = d->head_seq;
+		}
+		memmove(d->batches, d->batches + pop, (d->nbatches - pop) * sizeof(*d->batches));
+		d->nbatches -= pop;
+	}
+	/* The batch now at the tail may begin with covered records: they
+	 * must not be replayed either (they may be older than what the
+	 * backend has now). */
+	if (d->nbatches && d->batches[0].extents && d->batches[0].first_rec <= covered) {
+		uint64_t n = covered - d->batches[0].first_rec + 1;
+		if (n > skip)
+			skip = (uint32_t)(n < d->batches[0].extents ? n : d->batches[0].extents);
+	}
+	if (tail != d->tail || tail_seq != d->tail_seq || skip != d->tail_skip) {
+		d->tail = tail;
+		d->tail_seq = tail_seq;
+		d->tail_skip = skip;
+		pthread_mutex_unlock(&d->lock);
+		pthread_mutex_lock(&d->sb_lock);
+		int rc = dev_sb_update(d, false);
+		pthread_mutex_unlock(&d->sb_lock);
+		pthread_mutex_lock(&d->lock);
+		if (rc < 0) {
+			dev_fail_locked(d, rc, "writing its checkpoint");
+			return;
+		}
+		d->st.checkpoints++;
+	}
+	d->checkpointed = covered;
+	if (covered > d->durable)
+		d->durable = covered > d->appended ? d->appended : covered;
+	d->no_room = false;
+}
+
+void *dev_log_thread(void *arg)
+{
+	struct cache_device *d = arg;
+	pthread_mutex_lock(&d->lock);
+	for (;;) {
+		if (d->checkpoint_due && !d->failed) {
+			checkpoint_locked(d);
+		} else if (d->npend && d->want > d->durable && !d->no_room && !d->failed) {
+			commit_locked(d);
+		} else if (d->stop) {
+			break;
+		} else {
+			pthread_cond_wait(&d->cond, &d->lock);
+			continue;
+		}
+		struct cache_device_waiter *ready = ready_locked(d);
+		pthread_mutex_unlock(&d->lock);
+		post_ready(ready);
+		pthread_mutex_lock(&d->lock);
+	}
+	struct cache_device_waiter *ready = ready_locked(d);
+	pthread_mutex_unlock(&d->lock);
+	post_ready(ready);
+	return NULL;
+}
