@@ -190,6 +190,7 @@ tsan: deps
 	$(TSAN_RUN) tests/run --integration-only durability
 	$(TSAN_RUN) tests/run --integration-only write_receive
 	$(TSAN_RUN) tests/run --integration-only upgrade
+	$(TSAN_RUN) CRASH_TRIALS=8 tests/run --integration-only cache_device
 
 i386: deps
 	$(MAKE) BUILD=build-i386 M32=-m32 unit

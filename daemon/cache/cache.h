@@ -291,6 +291,8 @@ int cache_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg),
 void cache_destroy(struct cache *c);
 /* Is a cache device (--cache-device, device.h) in use? */
 bool cache_device_attached(const struct cache *c);
+/* Its figures; false when there is none. */
+bool cache_get_device_stats(struct cache *c, struct cache_device_stats *out);
 
 int cache_export_add(struct cache *c, struct backend *be, const struct export_spec *spec,
 		     struct cache_export **out);

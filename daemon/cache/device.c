@@ -549,16 +549,25 @@ void cache_device_close(struct cache_device *d, bool clean)
 		pthread_mutex_unlock(&d->lock);
 		pthread_join(d->thread, NULL);
 		d->running = false;
-		if (clean && !d->failed && d->nbatches == 0 && d->npend == 0) {
+		int rc = -EIO;
+		if (clean && d->nbatches == 0) {
 			pthread_mutex_lock(&d->sb_lock);
-			int rc = dev_sb_update(d, true);
+			rc = dev_sb_update(d, true);
 			pthread_mutex_unlock(&d->sb_lock);
 			if (rc == 0)
 				log_info("cache device %s: closed clean", d->path);
-			else
-				log_error("cache device %s: marking it clean: %s", d->path,
-					  strerror(-rc));
 		}
+		/* Records the device holds that are older than what the
+		 * backends hold now (it failed: some were never written) must
+		 * not be replayed: said loudly. */
+		if (rc < 0 && d->failed)
+			log_error("cache device %s: its log could not be emptied after it failed; "
+				  "it may hold records older than what the backends hold now: do "
+				  "not use it again as it is (zero its first 128 KiB to have it "
+				  "formatted)",
+				  d->path);
+		else if (rc < 0 && clean)
+			log_error("cache device %s: marking it clean: %s", d->path, strerror(-rc));
 	}
 	close(d->fd);
 	free(d->pend);

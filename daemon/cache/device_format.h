@@ -86,8 +86,9 @@
 #define DEVFMT_LOG_OFFSET ((uint64_t)DEVFMT_SB_BYTES * DEVFMT_SB_COPIES)
 /* The longest DATA extent: a batch's data then always adds up in 64 bits. */
 #define DEVFMT_MAX_DATA_EXTENT (1ull << 30)
-/* The smallest device: the superblocks and a log of 1 MiB. */
-#define DEVFMT_MIN_DEVICE (DEVFMT_LOG_OFFSET + (1u << 20))
+/* The smallest device: the superblocks and a log of 16 MiB (a few
+ * batches of the largest size). */
+#define DEVFMT_MIN_DEVICE (DEVFMT_LOG_OFFSET + (16u << 20))
 
 #define DEVFMT_SB_CLEAN 1u
 #define DEVFMT_BATCH_WRAP 1u

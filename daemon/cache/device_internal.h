@@ -81,6 +81,7 @@ struct cache_device {
 	/* The ring: log thread, read under the lock for the stats. */
 	uint64_t head, head_seq, tail, tail_seq, used;
 	uint32_t tail_skip;    /* extents of the batch at the tail already covered */
+	bool sb_stale;	       /* the last checkpoint's superblock write failed */
 	uint64_t checkpointed; /* the rec the last checkpoint covered */
 	unsigned checkpoint_waiters;
 	struct dev_batch *batches;

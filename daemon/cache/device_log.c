@@ -432,7 +432,8 @@ static void checkpoint_locked(struct cache_device *d)
 		d->npend -= drop;
 		for (size_t i = 0; i < d->npend; i++)
 			d->pend[i].data -= keep_data;
-		memmove(d->pdata, d->pdata + keep_data, d->pdata_len - keep_data);
+		if (d->pdata_len > keep_data) /* (pdata is NULL while nothing is kept) */
+			memmove(d->pdata, d->pdata + keep_data, d->pdata_len - keep_data);
 		d->pdata_len -= keep_data;
 	}
 	size_t pop = 0;
@@ -463,7 +464,7 @@ static void checkpoint_locked(struct cache_device *d)
 		if (n > skip)
 			skip = (uint32_t)(n < d->batches[0].extents ? n : d->batches[0].extents);
 	}
-	if (tail != d->tail || tail_seq != d->tail_seq || skip != d->tail_skip) {
+	if (tail != d->tail || tail_seq != d->tail_seq || skip != d->tail_skip || d->sb_stale) {
 		d->tail = tail;
 		d->tail_seq = tail_seq;
 		d->tail_skip = skip;
@@ -472,11 +473,19 @@ static void checkpoint_locked(struct cache_device *d)
 		int rc = dev_sb_update(d, false);
 		pthread_mutex_unlock(&d->sb_lock);
 		pthread_mutex_lock(&d->lock);
+		/* Failed: written again at the next checkpoint (a device that
+		 * failed keeps trying: its log must not outlive what the
+		 * backends now hold). */
+		d->sb_stale = rc < 0;
 		if (rc < 0) {
 			dev_fail_locked(d, rc, "writing its checkpoint");
 			return;
 		}
 		d->st.checkpoints++;
+		if (d->failed && d->nbatches == 0)
+			log_warn("cache device %s: its log is empty again (everything is on the "
+				 "backends); it stays off until a restart",
+				 d->path);
 	}
 	d->checkpointed = covered;
 	if (covered > d->durable)
@@ -489,7 +498,7 @@ void *dev_log_thread(void *arg)
 	struct cache_device *d = arg;
 	pthread_mutex_lock(&d->lock);
 	for (;;) {
-		if (d->checkpoint_due && !d->failed) {
+		if (d->checkpoint_due) {
 			checkpoint_locked(d);
 		} else if (d->npend && d->want > d->durable && !d->no_room && !d->failed) {
 			commit_locked(d);

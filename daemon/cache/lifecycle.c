@@ -53,6 +53,14 @@ bool cache_device_attached(const struct cache *c)
 	return c && c->device;
 }
 
+bool cache_get_device_stats(struct cache *c, struct cache_device_stats *out)
+{
+	if (!c || !c->device)
+		return false;
+	cache_device_get_stats(c->device, out);
+	return true;
+}
+
 int cache_start(struct cache *c)
 {
 	int rc = writeback_start(c);

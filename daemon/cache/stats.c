@@ -125,40 +125,65 @@ void cache_log_stats(struct cache *c)
 	for (unsigned o = 0; o < ARENA_ORDERS; o++)
 		at += (size_t)snprintf(by_order + at, sizeof(by_order) - at, "%s%llu", o ? "," : "",
 				       (unsigned long long)s.free_bytes_by_order[o]);
-	log_info("stats: arena=%s cache_bytes=%llu used_bytes=%llu entries=%llu hits=%llu "
-		 "misses=%llu partial_hits=%llu backend_reads=%llu backend_read_bytes=%llu "
-		 "backend_writes=%llu backend_write_bytes=%llu dirty_bytes=%llu evictions=%llu "
-		 "writeback_errors=%llu bypass_reads=%llu direct_writes=%llu writes_in_place=%llu "
-		 "writes_swapped=%llu throttled_writes=%llu "
-		 "metadata_bytes=%llu arena_metadata_bytes=%llu free_2m_bytes=%llu "
-		 "fragmentation=%llu "
-		 "free_bytes_by_order=%s large_bytes=%llu large_share=%llu alloc_2m_attempts=%llu "
-		 "alloc_2m_ok=%llu alloc_failures=%llu compact_moves=%llu compact_skipped_pinned=%llu "
-		 "compact_collapses=%llu entry_splits=%llu compact_chunks_freed=%llu compact_passes=%llu "
-		 "compact_ns=%llu unstable_bytes=%llu backend_flushes=%llu "
-		 "backend_flush_errors=%llu losses=%llu",
-		 s.arena, (unsigned long long)s.cache_bytes, (unsigned long long)s.used_bytes,
-		 (unsigned long long)s.entries, (unsigned long long)s.traffic.hits,
-		 (unsigned long long)s.traffic.misses, (unsigned long long)s.traffic.partial_hits,
-		 (unsigned long long)s.traffic.backend_reads, (unsigned long long)s.traffic.backend_read_bytes,
-		 (unsigned long long)s.traffic.backend_writes, (unsigned long long)s.traffic.backend_write_bytes,
-		 (unsigned long long)s.traffic.dirty_bytes, (unsigned long long)s.traffic.evictions,
-		 (unsigned long long)s.traffic.writeback_errors, (unsigned long long)s.traffic.bypass_reads,
-		 (unsigned long long)s.traffic.direct_writes,
-		 (unsigned long long)s.traffic.writes_in_place,
-		 (unsigned long long)s.traffic.writes_swapped,
-		 (unsigned long long)s.traffic.throttled_writes, (unsigned long long)s.metadata_bytes,
-		 (unsigned long long)s.arena_metadata_bytes,
-		 (unsigned long long)s.free_2m_bytes, (unsigned long long)s.fragmentation, by_order,
-		 (unsigned long long)s.large_bytes, (unsigned long long)s.large_share,
-		 (unsigned long long)s.alloc_2m_attempts, (unsigned long long)s.alloc_2m_ok,
-		 (unsigned long long)s.alloc_failures, (unsigned long long)s.compact_moves, (unsigned long long)s.compact_skipped_pinned,
-		 (unsigned long long)s.compact_collapses, (unsigned long long)s.entry_splits,
-		 (unsigned long long)s.compact_chunks_freed, (unsigned long long)s.compact_passes,
-		 (unsigned long long)s.compact_ns, (unsigned long long)s.traffic.unstable_bytes,
-		 (unsigned long long)s.traffic.backend_flushes,
-		 (unsigned long long)s.traffic.backend_flush_errors,
-		 (unsigned long long)s.traffic.losses);
+	/* With a cache device, its figures end the line. */
+	char dev[640] = "";
+	if (c->device) {
+		struct cache_device_stats d;
+		cache_device_get_stats(c->device, &d);
+		snprintf(dev, sizeof(dev),
+			 " device_failed=%d device_log_bytes=%llu device_log_used_bytes=%llu "
+			 "device_pending_bytes=%llu device_commits=%llu device_commit_ns=%llu "
+			 "device_commit_max_ns=%llu device_records=%llu device_bytes_logged=%llu "
+			 "device_checkpoints=%llu device_full_log_fallbacks=%llu "
+			 "device_replay_batches=%llu device_replay_records=%llu "
+			 "device_replay_bytes=%llu device_replay_ns=%llu",
+			 d.failed ? 1 : 0, (unsigned long long)d.log_bytes,
+			 (unsigned long long)d.log_used, (unsigned long long)d.pending_bytes,
+			 (unsigned long long)d.commits, (unsigned long long)d.commit_ns,
+			 (unsigned long long)d.commit_max_ns, (unsigned long long)d.records,
+			 (unsigned long long)d.bytes_logged, (unsigned long long)d.checkpoints,
+			 (unsigned long long)d.fallbacks, (unsigned long long)d.replay_batches,
+			 (unsigned long long)d.replay_records, (unsigned long long)d.replay_bytes,
+			 (unsigned long long)d.replay_ns);
+	}
+	log_info(
+	    "stats: arena=%s cache_bytes=%llu used_bytes=%llu entries=%llu hits=%llu "
+	    "misses=%llu partial_hits=%llu backend_reads=%llu backend_read_bytes=%llu "
+	    "backend_writes=%llu backend_write_bytes=%llu dirty_bytes=%llu evictions=%llu "
+	    "writeback_errors=%llu bypass_reads=%llu direct_writes=%llu writes_in_place=%llu "
+	    "writes_swapped=%llu throttled_writes=%llu "
+	    "metadata_bytes=%llu arena_metadata_bytes=%llu free_2m_bytes=%llu "
+	    "fragmentation=%llu "
+	    "free_bytes_by_order=%s large_bytes=%llu large_share=%llu alloc_2m_attempts=%llu "
+	    "alloc_2m_ok=%llu alloc_failures=%llu compact_moves=%llu compact_skipped_pinned=%llu "
+	    "compact_collapses=%llu entry_splits=%llu compact_chunks_freed=%llu "
+	    "compact_passes=%llu "
+	    "compact_ns=%llu unstable_bytes=%llu backend_flushes=%llu "
+	    "backend_flush_errors=%llu losses=%llu%s",
+	    s.arena, (unsigned long long)s.cache_bytes, (unsigned long long)s.used_bytes,
+	    (unsigned long long)s.entries, (unsigned long long)s.traffic.hits,
+	    (unsigned long long)s.traffic.misses, (unsigned long long)s.traffic.partial_hits,
+	    (unsigned long long)s.traffic.backend_reads,
+	    (unsigned long long)s.traffic.backend_read_bytes,
+	    (unsigned long long)s.traffic.backend_writes,
+	    (unsigned long long)s.traffic.backend_write_bytes,
+	    (unsigned long long)s.traffic.dirty_bytes, (unsigned long long)s.traffic.evictions,
+	    (unsigned long long)s.traffic.writeback_errors,
+	    (unsigned long long)s.traffic.bypass_reads, (unsigned long long)s.traffic.direct_writes,
+	    (unsigned long long)s.traffic.writes_in_place,
+	    (unsigned long long)s.traffic.writes_swapped,
+	    (unsigned long long)s.traffic.throttled_writes, (unsigned long long)s.metadata_bytes,
+	    (unsigned long long)s.arena_metadata_bytes, (unsigned long long)s.free_2m_bytes,
+	    (unsigned long long)s.fragmentation, by_order, (unsigned long long)s.large_bytes,
+	    (unsigned long long)s.large_share, (unsigned long long)s.alloc_2m_attempts,
+	    (unsigned long long)s.alloc_2m_ok, (unsigned long long)s.alloc_failures,
+	    (unsigned long long)s.compact_moves, (unsigned long long)s.compact_skipped_pinned,
+	    (unsigned long long)s.compact_collapses, (unsigned long long)s.entry_splits,
+	    (unsigned long long)s.compact_chunks_freed, (unsigned long long)s.compact_passes,
+	    (unsigned long long)s.compact_ns, (unsigned long long)s.traffic.unstable_bytes,
+	    (unsigned long long)s.traffic.backend_flushes,
+	    (unsigned long long)s.traffic.backend_flush_errors,
+	    (unsigned long long)s.traffic.losses, dev);
 }
 
 /* ---- latency histograms ---- */

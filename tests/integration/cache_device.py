@@ -1,0 +1,259 @@
+#!/usr/bin/python3
+"""cache_device: --cache-device, the intent log on a local device.
+
+  1  A FLUSH answered from the log: 4 MiB written and FLUSHed (writeback
+     mode, no expiry: the backend file does not have it), SIGKILL; the
+     next start replays the log (its log line says so), the backend file
+     and a read both have every byte, and the stats (control socket,
+     nbdcachectl stats, the SIGUSR1 line) count commits, bytes logged and
+     the replay; a SIGTERM then closes the device clean.
+  2  Refusals, each with its message and nothing replayed, then a start
+     with the right setting that replays every byte: the backend file of
+     another size, another file in its place (a copy: another inode), the
+     export not configured any more, the device truncated (another
+     geometry), a device that is not one (garbage in its superblocks), one
+     too small; and a corrupt superblock copy (the older one, as a torn
+     write leaves it): reported, the other copy used.
+  3  Device faults (the device a file on faultfs): writes failing, then
+     fsyncs failing: the FLUSH whose commit failed gets EIO, the log says
+     the export goes writethrough, the next FLUSH succeeds with the data
+     on the backend file; the daemon stops with status 0 and a new one on
+     the healed device replays nothing older over it.
+"""
+
+import errno
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+
+sys.dont_write_bytecode = True
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "lib"))
+import faults  # noqa: E402
+import nbdtest  # noqa: E402
+from nbdtest import Failed, log, require  # noqa: E402
+
+import nbd  # noqa: E402
+
+MIB = 1 << 20
+SIZE = 64 * MIB
+DEVICE = 64 * MIB
+SB = 64 * 1024
+CHECKS = nbdtest.Checks(catch=(Failed, nbd.Error))
+expect = CHECKS.expect
+
+
+def daemon(tmp, disk, dev, name="disk", extra=(), what=None):
+    work = os.path.join(tmp, "d%d" % len(os.listdir(tmp)))
+    os.mkdir(work)
+    return nbdtest.CheckedDaemon([(name, disk, "")], workdir=work, tcp=False,
+                                 extra=["--cache-device", dev, "--cache-size", "32M",
+                                        "--dirty-expire", "3600", "--cache-mode",
+                                        "writeback"] + list(extra), what=what)
+
+
+def refused(disk, dev, name="disk"):
+    """Start with these; it must fail. Its exit status and output."""
+    args = [nbdtest.NBDCACHED, "--foreground", "--control", "none", "--unix",
+            os.path.join(os.path.dirname(dev), "refused.sock"), "--export",
+            "%s=%s" % (name, disk), "--cache-size", "32M", "--cache-device", dev]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stdout + p.stderr
+
+
+def write_and_kill(tmp, disk, dev):
+    """4 MiB written and FLUSHed, 64 KiB with FUA, then SIGKILL: what the
+    log holds that the backend file does not."""
+    data = os.urandom(4 * MIB)
+    fua = os.urandom(64 * 1024)
+    d = daemon(tmp, disk, dev)
+    try:
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        h.pwrite(data, 8 * MIB)
+        h.pwrite(fua, 20 * MIB, nbd.CMD_FLAG_FUA)
+        h.flush()
+    finally:
+        d.kill()
+        d.logf.close()
+    on_file = nbdtest.read_at(disk, 8 * MIB, len(data))
+    require(on_file != data, "the data reached the backend file before the kill: the test "
+            "does not show the log at work")
+    return {8 * MIB: data, 20 * MIB: fua}
+
+
+def check_data(disk, want, what):
+    for off, data in want.items():
+        nbdtest.require_same(nbdtest.read_at(disk, off, len(data)), data,
+                             "%s: the backend file at %d" % (what, off), base=off)
+
+
+def replay_after_kill(tmp):
+    disk, dev = os.path.join(tmp, "disk.img"), os.path.join(tmp, "cache.dev")
+    nbdtest.sparse_file(disk, SIZE)
+    nbdtest.sparse_file(dev, DEVICE)
+    want = write_and_kill(tmp, disk, dev)
+    d = daemon(tmp, disk, dev)
+    try:
+        check_data(disk, want, "after the replay")
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        got = h.pread(4 * MIB, 8 * MIB)
+        nbdtest.require_same(got, want[8 * MIB], "read after the replay", base=8 * MIB)
+        text = d.log_text()
+        m = re.search(r"replayed (\d+) batch\(es\), (\d+) record\(s\), (\d+) bytes of data in "
+                      r"([0-9.]+) s", text)
+        require(m, "no replay line in the log")
+        log("  %s" % m.group(0))
+        expect(int(m.group(3)) >= 4 * MIB, "replayed %s bytes, 4 MiB were FLUSHed" % m.group(3))
+        h.pwrite(b"\x5a" * 65536, 30 * MIB)
+        h.flush()
+        st = nbdtest.control_request(d.control, {"command": "stats"})
+        dev_st = st["cache"].get("cache_device")
+        require(dev_st, "stats: no cache_device: %s" % sorted(st["cache"]))
+        log("  stats: %s" % {k: dev_st[k] for k in ("commits", "bytes_logged", "records",
+                                                     "replay_bytes", "log_used_bytes")})
+        expect(dev_st["commits"] >= 1 and dev_st["bytes_logged"] >= 65536,
+               "stats: %s" % dev_st)
+        expect(dev_st["replay_bytes"] == int(m.group(3)), "stats: replay_bytes %d, the log "
+               "said %s" % (dev_st["replay_bytes"], m.group(3)))
+        r = nbdtest.run([nbdtest.NBDCACHECTL, "--control", d.control, "stats"])
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("cache device")]
+        expect(line, "nbdcachectl stats has no cache device line:\n%s" % r.stdout)
+        log("  nbdcachectl: %s" % (line[0] if line else ""))
+        usr1 = nbdtest.stats(d)
+        expect(usr1.get("device_commits", 0) >= 1, "SIGUSR1 line: %s" % usr1)
+    finally:
+        d.stop()
+    text = open(d.logpath).read()
+    expect("closed clean" in text, "the device was not closed clean at SIGTERM")
+
+
+def refusals(tmp):
+    disk, dev = os.path.join(tmp, "disk.img"), os.path.join(tmp, "cache.dev")
+    nbdtest.sparse_file(disk, SIZE)
+    nbdtest.sparse_file(dev, DEVICE)
+    want = write_and_kill(tmp, disk, dev)
+    cases = []
+
+    def case(what, pattern, **kw):
+        rc, out = refused(kw.get("disk", disk), kw.get("dev", dev), kw.get("name", "disk"))
+        line = [ln for ln in out.splitlines() if "error:" in ln]
+        log("  %s: exit %d: %s" % (what, rc, line[0].split("error: ", 1)[-1] if line else out))
+        expect(rc != 0 and re.search(pattern, out), "%s: exit %d, output does not say %r:\n%s"
+               % (what, rc, pattern, out[-2000:]))
+        cases.append(what)
+
+    os.truncate(disk, SIZE + MIB)
+    case("backend file grown", r'holds \d+ bytes in \d+ record\(s\) not yet written back for '
+         r'export "disk", whose backend is not the one they were recorded for \(size '
+         r'68157440, recorded 67108864\)')
+    os.truncate(disk, SIZE)
+    os.rename(disk, disk + ".orig")
+    shutil.copyfile(disk + ".orig", disk)
+    case("another file in its place", r'export "disk", whose backend is not the one .*another '
+         r'file \(device \d+ inode \d+, recorded device \d+ inode \d+\)')
+    os.replace(disk + ".orig", disk)
+    case("export not configured", r'holds \d+ bytes in \d+ record\(s\) not yet written back for '
+         r'export "disk" \(backend .*\), which is not configured', name="other")
+    shutil.copyfile(dev, dev + ".orig")
+    os.truncate(dev, DEVICE - 16 * MIB)
+    case("device truncated", r"formatted for 67108864 bytes, it has 50331648 now \(another "
+         r"geometry\)")
+    os.replace(dev + ".orig", dev)
+    junk = os.path.join(tmp, "junk.dev")
+    with open(junk, "wb") as f:
+        f.write(os.urandom(256 * 1024))
+        f.truncate(DEVICE)
+    case("not a cache device", r"no usable superblock \(copy A: no nbdcached superblock", dev=junk)
+    small = os.path.join(tmp, "small.dev")
+    nbdtest.sparse_file(small, MIB)
+    case("too small", r"1048576 bytes; a cache device needs at least 16908288", dev=small)
+    check_data(disk, {8 * MIB: b"\0" * 16}, "after the refusals (nothing replayed)")
+    # A torn superblock write damages the copy not holding the newest.
+    with open(dev, "r+b") as f:
+        gens = []
+        for copy in range(2):
+            f.seek(copy * SB + 32)
+            gens.append(struct.unpack(">Q", f.read(8))[0])
+        older = 0 if gens[0] < gens[1] else 1
+        f.seek(older * SB + 5000)
+        f.write(b"\xff" * 100)
+    d = daemon(tmp, disk, dev, what="a device with a corrupt superblock copy")
+    try:
+        text = d.log_text()
+        m = re.search(r"superblock copy ([AB]) is bad \(superblock CRC32C", text)
+        expect(m and m.group(1) == "AB"[older], "the log does not say copy %s is bad"
+               % "AB"[older])
+        log("  corrupt copy %s (generations %s): %s" % ("AB"[older], gens,
+                                                        m.group(0) if m else "-"))
+        check_data(disk, want, "replayed after the refusals")
+    finally:
+        d.stop()
+    log("  %d refusals, then every byte replayed" % len(cases))
+
+
+def device_faults(tmp):
+    for fault in ("fail-write", "fail-fsync"):
+        log("  --- %s" % fault)
+        work = os.path.join(tmp, fault)
+        os.mkdir(work)
+        disk = os.path.join(work, "disk.img")
+        nbdtest.sparse_file(disk, SIZE)
+        with faults.FaultFS(os.path.join(work, "faultfs")) as fs:
+            dev = fs.path("cache.dev")
+            with open(dev, "wb") as f:
+                f.truncate(DEVICE)
+            fs.lose_on_fsync_error(False)
+            d = daemon(work, disk, dev)
+            try:
+                h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+                a, b = os.urandom(MIB), os.urandom(MIB)
+                h.pwrite(a, 0)
+                h.flush()
+                fs.set(fault)
+                h.pwrite(b, MIB)
+                nbdtest.expect_nbd_error(h.flush, errno.EIO, "a FLUSH whose commit failed (%s)"
+                                         % fault)
+                text = d.log_text()
+                expect(re.search(r"cache device .*: writing its log: .*the intent log is off "
+                                 r"from now on", text), "no log line for the failed commit")
+                expect("writethrough from now on: its cache device failed" in text,
+                       "the log does not say the export went writethrough")
+                h.flush()  # to the backend now
+                check_data(disk, {0: a, MIB: b}, "after the FLUSH that followed")
+                exports = nbdtest.control_request(d.control, {"command": "exports"})
+                modes = [e.get("cache_mode") for e in exports.get("exports", [])]
+                expect(modes == ["writethrough"], "exports say %s" % modes)
+                fs.set("ok")
+                c = os.urandom(MIB)
+                h.pwrite(c, 2 * MIB)
+                h.flush()
+                check_data(disk, {2 * MIB: c}, "a write after the fault")
+                nbdtest.shutdown_all([h])
+            finally:
+                rc = d.stop(expect_rc=None)
+            expect(rc == 0, "%s: the daemon exited %d" % (fault, rc))
+            d2 = daemon(work, disk, dev, what="the healed device")
+            try:
+                check_data(disk, {0: a, MIB: b, 2 * MIB: c}, "after a restart on the healed "
+                           "device")
+            finally:
+                d2.stop()
+
+
+def main():
+    with nbdtest.tempdir() as tmp:
+        for name, fn in (("a FLUSH answered from the log, replayed after SIGKILL",
+                          replay_after_kill),
+                         ("refusals", refusals),
+                         ("device faults", device_faults)):
+            sub = os.path.join(tmp, fn.__name__)
+            os.mkdir(sub)
+            CHECKS.run(name, fn, sub)
+    CHECKS.finish("cache device")
+
+
+if __name__ == "__main__":
+    main()
