@@ -436,8 +436,23 @@ int cache_device_bind(struct cache_device *d, char *err, size_t len)
 			d->slots[x->slot].live_records++;
 			d->slots[x->slot].live_bytes += x->length;
 		}
+		if (d->nlive == d->caplive) {
+			size_t cap = d->caplive ? d->caplive * 2 : 64;
+			struct dev_pos *p = realloc(d->live, cap * sizeof(*p));
+			if (!p) {
+				rc = dev_fail(err, len, -ENOMEM, "cache device %s: out of memory",
+					      d->path);
+				goto out;
+			}
+			d->live = p;
+			d->caplive = cap;
+		}
+		d->live[d->nlive++] = (struct dev_pos){w.off, w.seq};
 		dev_walk_advance(d, &w);
 	}
+	d->live_end = w.off % d->sb.log_bytes;
+	d->live_end_seq = w.seq;
+	snprintf(d->live_why, sizeof(d->live_why), "%s", w.why);
 	if (rc < 0) {
 		rc = dev_fail(err, len, rc, "cache device %s: reading its log: %s", d->path,
 			      strerror(-rc));
@@ -573,6 +588,7 @@ void cache_device_close(struct cache_device *d, bool clean)
 	free(d->pend);
 	free(d->pdata);
 	free(d->batches);
+	free(d->live);
 	free(d->path);
 	pthread_mutex_destroy(&d->lock);
 	pthread_mutex_destroy(&d->sb_lock);

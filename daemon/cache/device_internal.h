@@ -53,6 +53,10 @@ struct dev_rec {
 
 /* A committed batch: its records are first_rec .. first_rec + extents - 1
  * (a wrap marker: none, first_rec is the next one's). */
+struct dev_pos {
+	uint64_t off, seq;
+};
+
 struct dev_batch {
 	uint64_t offset, bytes, seq, first_rec, last_rec;
 	uint32_t extents;
@@ -82,6 +86,12 @@ struct cache_device {
 	uint64_t head, head_seq, tail, tail_seq, used;
 	uint32_t tail_skip;    /* extents of the batch at the tail already covered */
 	bool sb_stale;	       /* the last checkpoint's superblock write failed */
+	/* The live log as cache_device_bind() read it, for the replay: each
+	 * batch's place and sequence number, and where and why it ended. */
+	struct dev_pos *live;
+	size_t nlive, caplive;
+	uint64_t live_end, live_end_seq;
+	char live_why[200];
 	uint64_t checkpointed; /* the rec the last checkpoint covered */
 	unsigned checkpoint_waiters;
 	struct dev_batch *batches;

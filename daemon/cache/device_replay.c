@@ -13,64 +13,113 @@
 
 /* ---- replay: the live log onto the backends ---- */
 
-/* A backend request from the replay, sent from thread w, waited for here. */
-struct sync_io {
-	struct backend_io io;
-	struct worker_task task;
-	struct worker *w;
-	struct backend *be;
-	pthread_mutex_t lock;
-	pthread_cond_t cond;
-	bool done;
-	int result;
+/*
+ * The replay's backend requests, sent from thread w, up to REPLAY_WINDOW
+ * in flight: each byte is written once (by the newest record over it), so
+ * they never overlap and may complete in any order. A batch's data stays
+ * until the last request that points into it is done (struct rbuf).
+ */
+#define REPLAY_WINDOW 16
+
+struct rbuf {
+	uint8_t *data;
+	unsigned refs; /* window lock */
 };
 
-static void sync_io_done(struct backend_io *io, int result)
+struct window {
+	struct worker *w;
+	pthread_mutex_t lock;
+	pthread_cond_t cond;
+	unsigned inflight;
+	int error;
+};
+
+struct rio {
+	struct backend_io io;
+	struct worker_task task;
+	struct window *win;
+	struct backend *be;
+	struct rbuf *buf;
+};
+
+static void rbuf_put_locked(struct rbuf *b)
 {
-	struct sync_io *s = (struct sync_io *)((char *)io - offsetof(struct sync_io, io));
-	pthread_mutex_lock(&s->lock);
-	s->done = true;
-	s->result = result;
-	pthread_cond_signal(&s->cond);
-	pthread_mutex_unlock(&s->lock);
+	if (b && --b->refs == 0) {
+		free(b->data);
+		free(b);
+	}
 }
 
-static void sync_io_task(struct worker_task *task)
+static void rio_done(struct backend_io *io, int result)
 {
-	struct sync_io *s = (struct sync_io *)((char *)task - offsetof(struct sync_io, task));
-	/* s may be gone once submitted: a backend may complete inline. */
-	struct worker *w = s->w;
-	backend_submit(s->be, w, &s->io);
+	struct rio *r = (struct rio *)((char *)io - offsetof(struct rio, io));
+	struct window *win = r->win;
+	pthread_mutex_lock(&win->lock);
+	if (result < 0 && !win->error)
+		win->error = result;
+	win->inflight--;
+	rbuf_put_locked(r->buf);
+	pthread_cond_broadcast(&win->cond);
+	pthread_mutex_unlock(&win->lock);
+	free(r);
+}
+
+static void rio_task(struct worker_task *task)
+{
+	struct rio *r = (struct rio *)((char *)task - offsetof(struct rio, task));
+	/* r may be gone once submitted: a backend may complete inline. */
+	struct worker *w = r->win->w;
+	backend_submit(r->be, w, &r->io);
 	uring_submit(&w->ring);
 }
 
-static int sync_io(struct worker *w, struct backend *be, enum backend_cmd cmd, uint64_t offset,
-		   uint64_t length, void *buf)
+/* Send one request (buf: into b's data, or NULL); waits for room. */
+static int rio_send(struct window *win, struct backend *be, enum backend_cmd cmd, uint64_t offset,
+		    uint64_t length, uint8_t *buf, struct rbuf *b)
 {
-	struct sync_io s;
-	memset(&s, 0, sizeof(s));
-	pthread_mutex_init(&s.lock, NULL);
-	pthread_cond_init(&s.cond, NULL);
-	s.w = w;
-	s.be = be;
-	s.io.cmd = cmd;
-	s.io.offset = offset;
-	s.io.length = length;
-	s.io.buf = buf;
-	s.io.done = sync_io_done;
-	s.task.run = sync_io_task;
-	worker_post(w, &s.task);
-	pthread_mutex_lock(&s.lock);
-	while (!s.done)
-		pthread_cond_wait(&s.cond, &s.lock);
-	pthread_mutex_unlock(&s.lock);
-	pthread_mutex_destroy(&s.lock);
-	pthread_cond_destroy(&s.cond);
-	return s.result < 0 ? s.result : 0;
+	struct rio *r = calloc(1, sizeof(*r));
+	if (!r)
+		return -ENOMEM;
+	pthread_mutex_lock(&win->lock);
+	while (win->inflight >= REPLAY_WINDOW)
+		pthread_cond_wait(&win->cond, &win->lock);
+	int error = win->error;
+	if (!error) {
+		win->inflight++;
+		if (b)
+			b->refs++;
+	}
+	pthread_mutex_unlock(&win->lock);
+	if (error) {
+		free(r);
+		return error;
+	}
+	r->win = win;
+	r->be = be;
+	r->buf = b;
+	r->io.cmd = cmd;
+	r->io.offset = offset;
+	r->io.length = length;
+	r->io.buf = buf;
+	r->io.done = rio_done;
+	r->task.run = rio_task;
+	worker_post(win->w, &r->task);
+	return 0;
 }
 
-static int replay_extent(struct cache_device *d, struct worker *w, const struct devfmt_extent *x,
-			 uint8_t *data)
+/* Every request sent is done: the first error, or 0. */
+static int window_drain(struct window *win)
+{
+	pthread_mutex_lock(&win->lock);
+	while (win->inflight)
+		pthread_cond_wait(&win->cond, &win->lock);
+	int error = win->error;
+	pthread_mutex_unlock(&win->lock);
+	return error;
+}
+
+static int replay_extent(struct cache_device *d, struct window *win, const struct devfmt_extent *x,
+			 uint8_t *data, struct rbuf *b)
 {
 	struct cache_export *ce = d->slots[x->slot].ce;
 	struct backend *be = ce->backend;
@@ -86,7 +135,8 @@ static int replay_extent(struct cache_device *d, struct worker *w, const struct 
 		for (uint64_t done = 0; done < x->length;) {
 			uint64_t n =
 			    x->length - done < DEV_EXTENT_MAX ? x->length - done : DEV_EXTENT_MAX;
-			int rc = sync_io(w, be, BACKEND_WRITE, x->offset + done, n, data + done);
+			int rc =
+			    rio_send(win, be, BACKEND_WRITE, x->offset + done, n, data + done, b);
 			if (rc < 0)
 				return rc;
 			done += n;
@@ -99,7 +149,7 @@ static int replay_extent(struct cache_device *d, struct worker *w, const struct 
 	uint64_t step = be->max_range ? be->max_range : x->length;
 	for (uint64_t done = 0; done < x->length;) {
 		uint64_t n = x->length - done < step ? x->length - done : step;
-		int rc = sync_io(w, be, cmd, x->offset + done, n, NULL);
+		int rc = rio_send(win, be, cmd, x->offset + done, n, NULL, NULL);
 		if (rc < 0)
 			return rc;
 		done += n;
@@ -161,8 +211,8 @@ static int ranges_add(struct ranges *s, uint64_t a, uint64_t b)
 }
 
 /* Apply the parts of x (data: its bytes) no later record decided. */
-static int replay_part(struct cache_device *d, struct worker *w, struct ranges *done,
-		       const struct devfmt_extent *x, uint8_t *data)
+static int replay_part(struct cache_device *d, struct window *win, struct ranges *done,
+		       const struct devfmt_extent *x, uint8_t *data, struct rbuf *buf)
 {
 	uint64_t a = x->offset, end = x->offset + x->length;
 	size_t i = ranges_find(done, a);
@@ -174,8 +224,8 @@ static int replay_part(struct cache_device *d, struct worker *w, struct ranges *
 			part.offset = a;
 			part.length = b - a;
 			if (x->type != DEVFMT_EXTENT_CLEAN)
-				rc = replay_extent(d, w, &part,
-						   data ? data + (a - x->offset) : NULL);
+				rc = replay_extent(d, win, &part,
+						   data ? data + (a - x->offset) : NULL, buf);
 			d->st.replay_bytes += x->type == DEVFMT_EXTENT_DATA ? b - a : 0;
 		}
 		if (i < done->n && done->r[i][0] < end)
@@ -197,38 +247,31 @@ int dev_replay(struct cache_device *d, struct worker *w, char *err, size_t len)
 	if (!hdr)
 		return dev_fail(err, len, -ENOMEM, "cache device %s: out of memory", d->path);
 	uint64_t t0 = clock_now_ns();
-	/* Forward: where each batch of the live log is. */
-	struct walk w2 = {.off = d->sb.checkpoint_offset, .seq = d->sb.checkpoint_seq};
-	struct {
-		uint64_t off, seq;
-	} *pos = NULL;
-	size_t npos = 0, cappos = 0;
-	int rc;
-	while ((rc = dev_walk_next(d, &w2, hdr)) > 0) {
-		if (npos == cappos) {
-			size_t cap = cappos ? cappos * 2 : 64;
-			void *p = realloc(pos, cap * sizeof(*pos));
-			if (!p) {
-				rc = -ENOMEM;
-				break;
-			}
-			pos = p;
-			cappos = cap;
-		}
-		pos[npos].off = w2.off;
-		pos[npos].seq = w2.seq;
-		npos++;
-		dev_walk_advance(d, &w2);
-	}
-	uint64_t end = w2.off % d->sb.log_bytes, end_seq = w2.seq;
+	/* Where each batch of the live log is: cache_device_bind() read it. */
+	const struct dev_pos *pos = d->live;
+	size_t npos = d->nlive;
+	uint64_t end = d->live_end, end_seq = d->live_end_seq;
+	int rc = 0;
 	struct ranges done[DEVFMT_MAX_EXPORTS] = {{0}};
 	bool touched[DEVFMT_MAX_EXPORTS] = {false};
+	struct window win = {.w = w};
+	pthread_mutex_init(&win.lock, NULL);
+	pthread_cond_init(&win.cond, NULL);
 	/* Backward: each batch again, its extents last to first. */
 	for (size_t k = npos; k-- > 0 && rc >= 0;) {
 		struct walk b = {.off = pos[k].off, .seq = pos[k].seq};
 		rc = dev_walk_next(d, &b, hdr);
 		if (rc == 0)
 			rc = -EIO; /* it read well a moment ago */
+		/* The batch's data lives on while requests point into it. */
+		struct rbuf *buf = rc > 0 ? calloc(1, sizeof(*buf)) : NULL;
+		if (rc > 0 && !buf)
+			rc = -ENOMEM;
+		if (buf) {
+			buf->data = b.data;
+			buf->refs = 1;
+			b.data = NULL;
+		}
 		if (rc > 0) {
 			uint64_t at[DEVFMT_MAX_EXTENTS], p = 0;
 			for (uint32_t i = 0; i < b.b.extent_count; i++) {
@@ -240,36 +283,54 @@ int dev_replay(struct cache_device *d, struct worker *w, char *err, size_t len)
 			uint32_t first = k == 0 ? d->sb.checkpoint_skip : 0;
 			for (uint32_t i = b.b.extent_count; i-- > first && rc >= 0;) {
 				const struct devfmt_extent *x = &b.b.extents[i];
-				rc = replay_part(d, w, &done[x->slot], x,
-						 x->type == DEVFMT_EXTENT_DATA ? b.data + at[i]
-									       : NULL);
+				rc = replay_part(
+				    d, &win, &done[x->slot], x,
+				    x->type == DEVFMT_EXTENT_DATA ? buf->data + at[i] : NULL, buf);
 				if (x->type != DEVFMT_EXTENT_CLEAN)
 					touched[x->slot] = true;
 				d->st.replay_records++;
 			}
 		}
 		free(b.data);
+		if (buf) {
+			pthread_mutex_lock(&win.lock);
+			rbuf_put_locked(buf);
+			pthread_mutex_unlock(&win.lock);
+		}
 	}
+	int werr = window_drain(&win);
+	if (rc >= 0 && werr < 0)
+		rc = werr;
 	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++) {
 		free(done[i].r);
 		done[i] = (struct ranges){0};
 	}
-	free(pos);
-	free(w2.data);
+	free(d->live);
+	d->live = NULL;
+	d->nlive = d->caplive = 0;
 	free(hdr);
-	if (rc < 0)
+	if (rc < 0) {
+		pthread_mutex_destroy(&win.lock);
+		pthread_cond_destroy(&win.cond);
 		return dev_fail(err, len, rc, "cache device %s: replaying its log: %s", d->path,
 				strerror(-rc));
-	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++) {
+	}
+	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS && rc >= 0; i++) {
 		if (!touched[i])
 			continue;
-		rc = sync_io(w, d->slots[i].ce->backend, BACKEND_FLUSH, 0, 0, NULL);
+		rc = rio_send(&win, d->slots[i].ce->backend, BACKEND_FLUSH, 0, 0, NULL, NULL);
+		if (rc >= 0)
+			rc = window_drain(&win);
 		if (rc < 0)
-			return dev_fail(
-			    err, len, rc,
-			    "cache device %s: flushing export \"%s\" after the replay: %s", d->path,
-			    d->slots[i].id.name, strerror(-rc));
+			rc =
+			    dev_fail(err, len, rc,
+				     "cache device %s: flushing export \"%s\" after the replay: %s",
+				     d->path, d->slots[i].id.name, strerror(-rc));
 	}
+	pthread_mutex_destroy(&win.lock);
+	pthread_cond_destroy(&win.cond);
+	if (rc < 0)
+		return rc;
 	d->st.replay_ns = clock_now_ns() - t0;
 	d->st.replay_batches = npos;
 	if (npos)
@@ -277,7 +338,7 @@ int dev_replay(struct cache_device *d, struct worker *w, char *err, size_t len)
 			 "data in %.3f s; the log ended at offset %llu, batch %llu: %s",
 			 d->path, npos, (unsigned long long)d->st.replay_records,
 			 (unsigned long long)d->st.replay_bytes, (double)d->st.replay_ns / 1e9,
-			 (unsigned long long)end, (unsigned long long)end_seq, w2.why);
+			 (unsigned long long)end, (unsigned long long)end_seq, d->live_why);
 	/* Empty from here, and far past anything stale after it. */
 	d->head = d->tail = end;
 	d->head_seq = d->tail_seq = end_seq + DEV_SEQ_JUMP;

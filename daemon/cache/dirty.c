@@ -24,6 +24,10 @@ void cache_mark_dirty(struct cache_entry *e, uint32_t first, uint32_t count)
 		x = cache_entry_ext_get(ce, e);
 		pthread_mutex_unlock(&ce->lock);
 	}
+	x->logged = false; /* written: a log round copies it again */
+	if (ce->device_slot >= 0)
+		atomic_fetch_add_explicit(&ce->log_unlogged_bytes,
+					  (uint64_t)count << ce->block_shift, memory_order_relaxed);
 	struct cache_map dirty = cache_dirty_map(e);
 	uint32_t added = 0;
 	for (uint32_t b = first; b < first + count; b++) {

@@ -352,6 +352,11 @@ static int log_entry(struct flush_job *job, struct cache_entry *e)
 		pthread_mutex_unlock(&sh->lock);
 		return 0;
 	}
+	struct cache_entry_ext *x = cache_entry_ext(e);
+	if (x && x->logged) {
+		pthread_mutex_unlock(&sh->lock);
+		return 1; /* copied by an earlier round, not written since */
+	}
 	struct cache_map uptodate = cache_uptodate_map(e), dirty = cache_dirty_map(e),
 			 busy = cache_busy_map(e);
 	bool unstable = cache_entry_on_unstable_list(e);
@@ -371,6 +376,8 @@ static int log_entry(struct flush_job *job, struct cache_entry *e)
 			run = UINT32_MAX;
 		}
 	}
+	if (x)
+		x->logged = true;
 	pthread_mutex_unlock(&sh->lock);
 	return 1;
 }
@@ -462,8 +469,9 @@ static bool log_round_possible(struct flush_job *job)
 	/* A loss is acted on by a round that writes back (round_flush). */
 	if (atomic_load(&ce->backend->loss_seq) != ce->loss_seen)
 		return false;
-	uint64_t copy = atomic_load(&ce->counters.dirty_bytes) +
-			atomic_load(&ce->counters.unstable_bytes) + cache_device_pending(dev);
+	/* Entries copied by an earlier round and not written since are not
+	 * copied again: what was written since is what it copies. */
+	uint64_t copy = atomic_load(&ce->log_unlogged_bytes) + cache_device_pending(dev);
 	uint64_t room = cache_device_room(dev);
 	return copy <= WB_LOG_ROUND_MAX && copy <= room / 2;
 }
@@ -736,6 +744,7 @@ void flush_round_start(struct writeback *wb, struct cache_export *ce, bool backg
 		job->device_rec = cache_device_last(wb->cache->device);
 		if (log_round_possible(job)) {
 			job->logged = true;
+			atomic_store(&ce->log_unlogged_bytes, 0);
 			if (log_round_snapshot(job) < 0) {
 				job->error = -ENOMEM;
 				job->stage = 2;

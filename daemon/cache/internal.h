@@ -204,6 +204,10 @@ struct cache_entry_ext {
 	bool on_dirty_list;
 	bool on_unstable_list; /* written back, no backend flush since: see cache.h */
 	bool writeback;	       /* a writeback of this entry is in flight */
+	/* A cache device's log round copied it, and no block of it was
+	 * dirtied since (cache_mark_dirty): the next round need not copy it
+	 * again (flush.c, log_entry). */
+	bool logged;
 };
 
 /* Range nodes: a slot of the ranges pool. The entries (pool indexes,
@@ -324,8 +328,10 @@ struct cache_export {
 	/* Latency histograms, cache->latency_slots of them (stats.c). */
 	struct cache_latency_slot *latency;
 	/* Its slot on the cache device (device.h), -1: not logged (no
-	 * device, or mode none). */
+	 * device, or mode none); bytes written into the cache since its
+	 * last log round began (what the next one may copy, at most). */
 	int device_slot;
+	atomic_uint_fast64_t log_unlogged_bytes;
 	/* Set once its export is gone and it holds nothing (cache_export_retire):
 	 * it stays on the list, skipped, so no thread walking it is surprised,
 	 * and is freed by cache_destroy. Not sooner: the writeback thread, the

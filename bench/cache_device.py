@@ -1,0 +1,319 @@
+#!/usr/bin/python3
+"""bench/cache_device.py: what the intent log on a cache device
+(--cache-device) does to FLUSH, side by side in one run. A benchmark: it
+prints numbers and ratios and never fails on them.
+
+  bench/cache_device.py [--seconds S] [--rounds R] [--replay-mib M]
+
+Backends, each a 1 GiB file on the machine's disk (not tmpfs):
+  slow   nbdkit --filter=delay file, every write, zero and trim 2 ms (the
+         delay filter has no flush delay: a FLUSH is the file's fdatasync)
+  file   the file itself
+
+Servers in front of each (the cache device, when there is one, a 256 MiB
+file on the same disk; nbdcached in writeback mode, cache 512 MiB):
+  nbdcached+log   nbdcached --cache-device
+  nbdcached       nbdcached without one (FLUSH goes to the backend)
+  nbdkit-cache    nbdkit --filter=cache nbd (cache=writeback), a FLUSH
+                  written back to the backend and flushed
+
+Workload: fio (nbd engine) 4 KiB random writes at iodepth 1 with a FLUSH
+after each (--fsync=1), --seconds each; printed: write IOPS, FLUSH p50
+and p99 (fio's sync latency), and the ratios of nbdcached+log's FLUSH p50
+to the others'. The target of issue 28: over the 2 ms backend, p50 with
+the log at most 1/5 of without it. Rounds alternate the servers' order;
+the table shows the medians.
+
+Then the replay: --replay-mib MiB (default 1024) written and FLUSHed
+into a log of twice that, the daemon SIGKILLed, and the next start's
+replay timed (from its log line), with the bytes per second.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOP = os.path.dirname(HERE)
+BUILD = os.environ.get("BUILD", "build")
+NBDCACHED = os.environ.get("NBDCACHED", os.path.join(TOP, BUILD, "nbdcached"))
+MIB = 1 << 20
+SIZE = 1 << 30
+DEVICE = 256 * MIB
+DELAY = "2ms"
+
+
+def wait_socket(path, proc, timeout=30):
+    import socket
+    end = time.time() + timeout
+    while time.time() < end:
+        if proc.poll() is not None:
+            raise RuntimeError("%s exited %d" % (proc.args[0], proc.returncode))
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(path)
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("no socket %s" % path)
+
+
+class Proc:
+    """A server started by this script, stopped by its PID."""
+
+    def __init__(self, argv, sock, log, ready=None):
+        self.sock = sock
+        if os.path.exists(sock):
+            os.unlink(sock)
+        self.logf = open(log, "w")
+        self.p = subprocess.Popen(argv, stdout=self.logf, stderr=subprocess.STDOUT)
+        wait_socket(sock, self.p)
+        # nbdcached listens before its replay: "ready" says it is done.
+        end = time.time() + 600
+        while ready and time.time() < end and self.p.poll() is None:
+            with open(log) as f:
+                if ready in f.read():
+                    break
+            time.sleep(0.05)
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.p.poll() is None:
+            self.p.send_signal(sig)
+            try:
+                self.p.wait(120)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self.logf.close()
+
+
+def zero_file(path, size):
+    """Written with zeros and fsync()ed: its blocks allocated, so that
+    what is measured is writing over them (an SSD partition's case), not
+    the file system allocating them."""
+    buf = bytes(8 * MIB)
+    with open(path, "wb") as f:
+        for _ in range(size // len(buf)):
+            f.write(buf)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fio(uri, seconds, out):
+    argv = ["fio", "--name=sync", "--ioengine=nbd", "--uri=" + uri, "--rw=randwrite",
+            "--bs=4k", "--iodepth=1", "--fsync=1", "--size=%d" % (256 * MIB),
+            "--time_based", "--runtime=%d" % seconds, "--output-format=json",
+            "--output=" + out]
+    subprocess.run(argv, check=True, timeout=seconds + 120, capture_output=True)
+    with open(out) as f:
+        job = json.load(f)["jobs"][0]
+    pct = job["sync"]["lat_ns"].get("percentile", {})
+    return {"iops": job["write"]["iops"],
+            "p50": pct.get("50.000000", 0) / 1e3, "p99": pct.get("99.000000", 0) / 1e3,
+            "flushes": job["sync"]["total_ios"]}
+
+
+def backend(kind, tmp, path):
+    """The backend's URI or path, and its process (None: a file)."""
+    if kind == "file":
+        return path, None
+    sock = os.path.join(tmp, "backend.sock")
+    p = Proc(["nbdkit", "-U", sock, "-f", "--filter=delay", "file", path,
+              "delay-write=" + DELAY, "delay-zero=" + DELAY, "delay-trim=" + DELAY], sock, os.path.join(tmp, "backend.log"))
+    return "nbd+unix:///?socket=" + sock, p
+
+
+def server(name, tmp, spec, dev):
+    sock = os.path.join(tmp, "front.sock")
+    if name.startswith("nbdcached"):
+        argv = [NBDCACHED, "--foreground", "--unix", sock, "--control", "none",
+                "--export", "d=" + spec, "--cache-size", "512M", "--cache-mode",
+                "writeback", "--threads", "2"]
+        if name == "nbdcached+log":
+            with open(dev, "r+b") as f:
+                f.write(bytes(128 * 1024))  # zeros: formatted at start
+                f.flush()
+                os.fsync(f.fileno())
+            argv += ["--cache-device", dev]
+        return Proc(argv, sock, os.path.join(tmp, name + ".log")), \
+            "nbd+unix:///d?socket=" + sock
+    plugin = (["nbd", "uri=" + spec] if spec.startswith("nbd") else ["file", spec])
+    argv = ["nbdkit", "-U", sock, "-f", "--filter=cache"] + plugin + [
+        "cache=writeback", "cache-max-size=512M"]
+    return Proc(argv, sock, os.path.join(tmp, name + ".log")), "nbd+unix:///?socket=" + sock
+
+
+def device_floor(dev, n=2000):
+    """The device file's own cost of a commit, no server: an 8 KiB
+    O_DIRECT write (a batch header and a 4 KiB block) and fdatasync, n
+    times at the offsets a log would use; p50 and p99 in us."""
+    import mmap
+    buf = mmap.mmap(-1, 8192)
+    buf.write(os.urandom(8192))
+    fd = os.open(dev, os.O_RDWR | os.O_DIRECT)
+    lat = []
+    try:
+        for i in range(n):
+            t0 = time.perf_counter()
+            os.pwritev(fd, [buf], (1 << 20) + i * 8192)
+            os.fdatasync(fd)
+            lat.append((time.perf_counter() - t0) * 1e6)
+    finally:
+        os.close(fd)
+    lat.sort()
+    return lat[len(lat) // 2], lat[len(lat) * 99 // 100]
+
+
+def flush_latency(args, tmp):
+    path = os.path.join(tmp, "backend.img")
+    dev = os.path.join(tmp, "cache.dev")
+    t0 = time.time()
+    zero_file(path, SIZE)
+    zero_file(dev, DEVICE)
+    print("backend file (%d MiB) and cache device file (%d MiB) written with zeros and "
+          "fsync()ed in %.1f s" % (SIZE // MIB, DEVICE // MIB, time.time() - t0), flush=True)
+    p50, p99 = device_floor(dev)
+    print("FLOOR the device file alone: 8 KiB O_DIRECT write + fdatasync, p50 %.1f us, p99 "
+          "%.1f us (what any commit to it costs)" % (p50, p99), flush=True)
+    servers = ["nbdcached+log", "nbdcached", "nbdkit-cache"]
+    for kind in ("slow", "file"):
+        print("\n== backend: %s" % ("nbdkit --filter=delay file, writes %s, FLUSH fdatasync"
+                                    % DELAY if kind == "slow" else "the file itself"),
+              flush=True)
+        results = {s: [] for s in servers}
+        for rnd in range(args.rounds):
+            order = servers if rnd % 2 == 0 else servers[::-1]
+            for name in order:
+                spec, bp = backend(kind, tmp, path)
+                try:
+                    p, uri = server(name, tmp, spec, dev)
+                    try:
+                        r = fio(uri, args.seconds, os.path.join(tmp, "fio.json"))
+                    finally:
+                        p.stop()
+                finally:
+                    if bp:
+                        bp.stop()
+                results[name].append(r)
+                print("  round %d %-14s %6.0f IOPS  FLUSH p50 %8.1f us  p99 %8.1f us  (%d "
+                      "FLUSHes)" % (rnd + 1, name, r["iops"], r["p50"], r["p99"],
+                                    r["flushes"]), flush=True)
+        med = {s: {k: statistics.median(x[k] for x in results[s]) for k in ("iops", "p50",
+                                                                               "p99")}
+               for s in servers}
+        print("  %-14s %10s %14s %14s   (median of %d rounds)" % ("server", "IOPS",
+                                                                   "FLUSH p50 us",
+                                                                   "FLUSH p99 us",
+                                                                   args.rounds))
+        for s in servers:
+            print("  %-14s %10.0f %14.1f %14.1f" % (s, med[s]["iops"], med[s]["p50"],
+                                                    med[s]["p99"]))
+        log = med["nbdcached+log"]
+        for other in ("nbdcached", "nbdkit-cache"):
+            q = log["p50"] / med[other]["p50"] if med[other]["p50"] else float("nan")
+            q99 = log["p99"] / med[other]["p99"] if med[other]["p99"] else float("nan")
+            print("  RATIO FLUSH p50 nbdcached+log / %s: %.3f (p99 %.3f)%s"
+                  % (other, q, q99, ("  target <= 0.2: %s" % ("MET" if q <= 0.2 else
+                                                              "NOT MET"))
+                     if kind == "slow" and other == "nbdcached" else ""))
+
+
+def replay(args, tmp):
+    path = os.path.join(tmp, "backend.img")
+    dev = os.path.join(tmp, "replay.dev")
+    size = args.replay_mib * MIB
+    # Under half of the log: no checkpoint round writes it back first.
+    zero_file(dev, 4 * size + 8 * MIB)
+    sock = os.path.join(tmp, "r.sock")
+    argv = [NBDCACHED, "--foreground", "--unix", sock, "--control", "none", "--export",
+            "d=" + path, "--cache-size", "%dM" % (args.replay_mib + 256), "--cache-mode",
+            "writeback", "--dirty-expire", "3600", "--dirty-high", "99", "--dirty-low", "98",
+            "--cache-device", dev]
+    print("\n== replay: %d MiB written (1 MiB WRITEs, a FLUSH after every 16 MiB) into the "
+          "log, SIGKILL, start again" % args.replay_mib, flush=True)
+    p = Proc(argv, sock, os.path.join(tmp, "replay1.log"))
+    import nbd
+    h = nbd.NBD()
+    h.connect_uri("nbd+unix:///d?socket=" + sock)
+    buf = os.urandom(MIB)
+    t0 = time.time()
+    for i in range(args.replay_mib):
+        h.pwrite(buf, i * MIB)
+        if i % 16 == 15:
+            h.flush()
+    h.flush()
+    took = time.time() - t0
+    h.shutdown()
+    p.stop(signal.SIGKILL)
+    print("  written and FLUSHed in %.2f s" % took)
+    p = Proc(argv, sock, os.path.join(tmp, "replay2.log"), ready="info: ready:")
+    p.stop()
+    text = open(os.path.join(tmp, "replay2.log")).read()
+    m = re.search(r"replayed (\d+) batch\(es\), (\d+) record\(s\), (\d+) bytes of data in "
+                  r"([0-9.]+) s", text)
+    if not m:
+        print("  no replay line in the log:\n" + text[-2000:])
+        return
+    secs = float(m.group(4))
+    scan = re.search(r"T(\d+):(\d+):([0-9.]+)Z.*info: cache device .*batch\(es\) to replay", text)
+    rate = int(m.group(3)) / MIB / secs if secs else 0
+    print("  %s: %.0f MiB/s written back; a full 16 GiB log at that rate: %.0f s"
+          % (m.group(0), rate, 16 * 1024 / rate if rate else 0))
+    # The floor: reading the log once, sequentially, O_DIRECT (the replay
+    # reads it twice: once to find where it ends, once backwards to apply).
+    t0 = time.time()
+    subprocess.run(["dd", "if=" + dev, "of=/dev/null", "bs=4M", "iflag=direct",
+                    "count=%d" % (2 * size // (4 * MIB))], check=True, capture_output=True)
+    read = 2 * size / MIB / (time.time() - t0)
+    print("  FLOOR the device file read sequentially (dd, 4 MiB O_DIRECT): %.0f MiB/s: reading "
+          "a 16 GiB log once takes %.0f s here" % (read, 16 * 1024 / read))
+    t0 = time.time()
+    subprocess.run(["dd", "if=/dev/zero", "of=" + path, "bs=4M", "oflag=direct",
+                    "conv=notrunc,fdatasync", "count=%d" % (size // (4 * MIB))], check=True,
+                   capture_output=True)
+    write = size / MIB / (time.time() - t0)
+    print("  FLOOR the backend file written sequentially (dd, 4 MiB O_DIRECT, fdatasync): %.0f "
+          "MiB/s: writing 16 GiB back takes %.0f s here" % (write, 16 * 1024 / write))
+    del scan
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--replay-mib", type=int, default=1024)
+    ap.add_argument("--dir", default=os.path.join(TOP, BUILD, "bench-cache-device"),
+                    help="a directory on the disk to measure (default: under the build)")
+    args = ap.parse_args()
+    for tool in ("fio", "nbdkit"):
+        if not shutil.which(tool):
+            sys.exit("bench/cache_device.py: %s is not installed" % tool)
+    if not os.path.exists(NBDCACHED):
+        sys.exit("bench/cache_device.py: %s is not built" % NBDCACHED)
+    os.makedirs(args.dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="run-", dir=args.dir)
+    try:
+        print("bench/cache_device.py: %s on %s (%s), fio %s" % (
+            os.path.relpath(NBDCACHED, TOP), tmp, subprocess.run(
+                ["stat", "-f", "-c", "%T", tmp], capture_output=True, text=True).stdout.strip(),
+            subprocess.run(["fio", "--version"], capture_output=True,
+                           text=True).stdout.strip()))
+        print("client: fio ioengine=nbd, 4 KiB random writes, iodepth 1, --fsync=1, %d s per "
+              "run, %d rounds" % (args.seconds, args.rounds), flush=True)
+        flush_latency(args, tmp)
+        if args.replay_mib:
+            replay(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
