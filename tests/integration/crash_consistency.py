@@ -343,6 +343,20 @@ def self_test(got, initial, ops, flush_mark):
     return False
 
 
+def settle(fs):
+    """A request of the dead daemon that faultfs had already taken may
+    still be carried out: wait until its counters stop moving, so that
+    nothing lands after the check or the power loss. The counters."""
+    c = fs.counters()
+    for _ in range(100):
+        time.sleep(0.02)
+        c, before = fs.counters(), c
+        if c == before:
+            break
+    require(not c.get("undo_overflow"), "faultfs's undo log overflowed: %r" % c)
+    return c
+
+
 class Trial:
     def __init__(self, k, seed, mode, initial):
         self.k, self.seed, self.mode, self.initial = k, seed, mode, initial
@@ -562,16 +576,7 @@ class Trial:
             if self.fs_delay_ms:
                 fs.set("delay-ms %d" % self.fs_delay_ms)
             self.crash(fs.path("disk.img"), tmp)
-            # A request of the dead daemon that faultfs had already taken
-            # may still be carried out: wait until its counters stop moving,
-            # so that nothing lands after the check or the power loss.
-            c = fs.counters()
-            for _ in range(100):
-                time.sleep(0.02)
-                c, before = fs.counters(), c
-                if c == before:
-                    break
-            require(not c.get("undo_overflow"), "faultfs's undo log overflowed: %r" % c)
+            c = settle(fs)
             # faultfs passes every write through: the source file is what
             # the daemon wrote, as after a kill; check that first.
             _, before = self.verify(fs.source("disk.img"), "after the kill")
@@ -603,13 +608,7 @@ class Trial:
             if self.fs_delay_ms:
                 fs.set("delay-ms %d" % self.fs_delay_ms)
             self.crash(path, tmp, extra)
-            c = fs.counters()
-            for _ in range(100):
-                time.sleep(0.02)
-                c, before = fs.counters(), c
-                if c == before:
-                    break
-            require(not c.get("undo_overflow"), "faultfs's undo log overflowed: %r" % c)
+            c = settle(fs)
             fs.set("ok")
             if self.device_power_loss:
                 fs.power_loss()
