@@ -15,8 +15,9 @@
 #                   tests run there and the integration suite run against
 #                   the i386 daemon (scripts/i386-chroot)
 #   make fuzz       libFuzzer targets, each for FUZZ_SECONDS
-#   make soak       the crash-consistency test at length: CRASH_TRIALS
-#                   trials (default 300), from CRASH_SEED (default: the clock)
+#   make soak       the crash-consistency tests (and their cache device mode)
+#                   at length: CRASH_TRIALS trials each (default 300), from
+#                   CRASH_SEED (default: the clock)
 #   make run        the daemon on the embedded default (see README.md), after
 #                   building it and the client programs beside it
 #   make bench      bench/ against nbdkit and qemu-nbd, ratios printed
@@ -231,9 +232,12 @@ fuzz: deps $(FUZZ_BIN)
 
 soak: deps
 	$(MAKE) all
-	CRASH_TRIALS=$${CRASH_TRIALS:-300} CRASH_SEED=$${CRASH_SEED:-$$(date +%s)} \
-		TEST_TIMEOUT=$${TEST_TIMEOUT:-7200} BUILD=$(BUILD) tests/run --integration-only crash_consistency; \
-	rc=$$?; grep -E '^(crash_consistency:|[0-9]+ kill trial)' $(BUILD)/test-logs/integration_crash_consistency.py.log; exit $$rc
+	seed=$${CRASH_SEED:-$$(date +%s)}; rc=0; \
+	for t in crash_consistency cache_device_crash; do \
+		CRASH_TRIALS=$${CRASH_TRIALS:-300} CRASH_SEED=$$seed \
+			TEST_TIMEOUT=$${TEST_TIMEOUT:-7200} BUILD=$(BUILD) tests/run --integration-only $$t || rc=1; \
+		grep -E '^(crash_consistency:|[0-9]+ (kill|cache device) trial)' $(BUILD)/test-logs/integration_$$t.py.log; \
+	done; exit $$rc
 
 run: deps $(BUILD)/nbdcached $(CLIENT_BIN)
 	@scripts/run-default
