@@ -145,6 +145,7 @@ static int merge(struct config_ctx *x)
 	TAKE(OPT_GIVEN_THREADS, threads);
 	TAKE_STRING(OPT_GIVEN_PIDFILE, pidfile);
 	TAKE_STRING(OPT_GIVEN_CACHE_DEVICE, cache_device);
+	TAKE_STRING(OPT_GIVEN_CACHE_DEVICE_DISCARD, cache_device_discard);
 	TAKE(OPT_GIVEN_LOG_LEVEL, log_level);
 	TAKE(OPT_GIVEN_CACHE_SIZE, cache_size);
 	TAKE(OPT_GIVEN_HUGEPAGES, hugepages);

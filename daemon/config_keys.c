@@ -211,6 +211,7 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 	    {"backend-timeout", OPT_GIVEN_BACKEND_TIMEOUT},
 	    {"rbd-takeover", OPT_GIVEN_RBD_TAKEOVER},
 	    {"cache-device", OPT_GIVEN_CACHE_DEVICE},
+	    {"cache-device-discard-dirty", OPT_GIVEN_CACHE_DEVICE_DISCARD},
 	    {"control", OPT_GIVEN_CONTROL},
 	    {"user", OPT_GIVEN_USER},
 	    {"group", OPT_GIVEN_GROUP},
@@ -307,6 +308,10 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		if (v[0] == '\0')
 			return config_fail(x, "%s: empty name", name);
 		return set_string(x, bit == OPT_GIVEN_USER ? &f->user : &f->group, v);
+	case OPT_GIVEN_CACHE_DEVICE_DISCARD:
+		if (v[0] == '\0')
+			return config_fail(x, "%s: no export named", name);
+		return set_string(x, &f->cache_device_discard, v);
 	case OPT_GIVEN_CACHE_DEVICE:
 		if (v[0] == '\0')
 			return config_fail(x, "%s: empty path", name);

@@ -58,6 +58,8 @@ static void refused_globals(const struct options *was, const struct options *now
 	    {!same_opt_string(was->group, now->group), "group"},
 	    {!same_opt_string(was->pidfile, now->pidfile), "pidfile"},
 	    {!same_opt_string(was->cache_device, now->cache_device), "cache-device"},
+	    {!same_opt_string(was->cache_device_discard, now->cache_device_discard),
+	     "cache-device-discard-dirty"},
 	    {was->backend_timeout != now->backend_timeout, "backend-timeout"},
 	    {was->rbd_takeover_wait != now->rbd_takeover_wait, "rbd-takeover"},
 	    {was->compact != now->compact, "compact"},

@@ -36,7 +36,7 @@ const char *options_usage(void)
 	       "                 [--threads N] [--pidfile FILE] [--log-level LEVEL]\n"
 	       "                 [--user USER] [--group GROUP] [--max-connections N]\n"
 	       "                 [--cache-size SIZE] [--hugepages auto|require|off]\n"
-	       "                 [--cache-device PATH]\n"
+	       "                 [--cache-device PATH] [--cache-device-discard-dirty NAMES]\n"
 	       "                 [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]\n"
 	       "                 [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]\n"
 	       "                 [--backend-timeout SECONDS] [--rbd-takeover refuse|wait]\n"
@@ -91,6 +91,7 @@ void options_free(struct options *opts)
 	free(opts->exports);
 	free(opts->pidfile);
 	free(opts->cache_device);
+	free(opts->cache_device_discard);
 	free(opts->config_path);
 	free(opts->control_path);
 	free(opts->user);
@@ -172,6 +173,7 @@ enum {
 	OPT_METRICS_DENY,
 	OPT_RBD_TAKEOVER,
 	OPT_CACHE_DEVICE,
+	OPT_CACHE_DEVICE_DISCARD,
 };
 
 /*
@@ -282,6 +284,7 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 	    {"metrics-deny", required_argument, NULL, OPT_METRICS_DENY},
 	    {"rbd-takeover", required_argument, NULL, OPT_RBD_TAKEOVER},
 	    {"cache-device", required_argument, NULL, OPT_CACHE_DEVICE},
+	    {"cache-device-discard-dirty", required_argument, NULL, OPT_CACHE_DEVICE_DISCARD},
 	    {"tls", required_argument, NULL, 1000},
 	    {"tls-certificates", required_argument, NULL, 1001},
 	    {"tls-psk", required_argument, NULL, 1002},
@@ -574,6 +577,16 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 			if ((rc = set_string(&out->cache_device, optarg)) < 0)
 				goto error;
 			out->given |= OPT_GIVEN_CACHE_DEVICE;
+			break;
+		case OPT_CACHE_DEVICE_DISCARD:
+			if (optarg[0] == '\0') {
+				rc = fail(err, errlen, -EINVAL,
+					  "--cache-device-discard-dirty: no export named");
+				goto error;
+			}
+			if ((rc = set_string(&out->cache_device_discard, optarg)) < 0)
+				goto error;
+			out->given |= OPT_GIVEN_CACHE_DEVICE_DISCARD;
 			break;
 		case 1000:
 			if (options_parse_tls(optarg, &out->tls) < 0) {

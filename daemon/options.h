@@ -163,6 +163,7 @@ struct export_spec {
 #define OPT_GIVEN_METRICS_DENY (UINT64_C(1) << 38)
 #define OPT_GIVEN_RBD_TAKEOVER (UINT64_C(1) << 39)
 #define OPT_GIVEN_CACHE_DEVICE (UINT64_C(1) << 40)
+#define OPT_GIVEN_CACHE_DEVICE_DISCARD (UINT64_C(1) << 41)
 
 struct options {
 	bool foreground;
@@ -180,6 +181,10 @@ struct options {
 	/* --cache-device: a file or block device holding the intent log
 	 * (daemon/cache/device.h); NULL: none. */
 	char *cache_device;
+	/* --cache-device-discard-dirty: export names (commas between) whose
+	 * records on the cache device are thrown away at start rather than
+	 * refused; NULL: none. */
+	char *cache_device_discard;
 	/* The cache (shared by every export). */
 	uint64_t cache_size;
 	enum hugepages_policy hugepages;

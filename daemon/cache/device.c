@@ -287,6 +287,27 @@ static const char *differs(const struct devfmt_identity *a, const struct devfmt_
 	return buf;
 }
 
+int cache_device_discard(struct cache_device *d, const char *names)
+{
+	free(d->discard);
+	d->discard = names ? strdup(names) : NULL;
+	return names && !d->discard ? -ENOMEM : 0;
+}
+
+/* Is name in d's discard list? */
+static bool discarded(const struct cache_device *d, const char *name)
+{
+	size_t n = strlen(name);
+	for (const char *p = d->discard; p && *p;) {
+		const char *comma = strchr(p, ',');
+		size_t len = comma ? (size_t)(comma - p) : strlen(p);
+		if (len == n && memcmp(p, name, n) == 0)
+			return true;
+		p = comma ? comma + 1 : p + len;
+	}
+	return false;
+}
+
 int cache_device_add_export(struct cache_device *d, struct cache_export *ce, const char *name,
 			    const char *backend_spec)
 {
@@ -464,6 +485,16 @@ int cache_device_bind(struct cache_device *d, char *err, size_t len)
 		struct dev_slot *s = &d->slots[i];
 		if (!s->used || !s->live_records)
 			continue;
+		if (discarded(d, s->id.name)) {
+			s->discard = true;
+			log_warn(
+			    "cache device %s: throwing away %llu bytes in %llu record(s) not yet "
+			    "written back for export \"%s\" (backend %s), as "
+			    "cache-device-discard-dirty says: they are not written back",
+			    d->path, (unsigned long long)s->live_bytes,
+			    (unsigned long long)s->live_records, s->id.name, s->id.backend);
+			continue;
+		}
 		if (!s->ce) {
 			rc = dev_fail(
 			    err, len, -EINVAL,
@@ -589,6 +620,7 @@ void cache_device_close(struct cache_device *d, bool clean)
 	free(d->pdata);
 	free(d->batches);
 	free(d->live);
+	free(d->discard);
 	free(d->path);
 	pthread_mutex_destroy(&d->lock);
 	pthread_mutex_destroy(&d->sb_lock);

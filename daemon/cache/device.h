@@ -88,6 +88,9 @@ struct cache_device_stats {
  * device, another version, both copies corrupt, another geometry).
  */
 int cache_device_open(const char *path, struct cache_device **out, char *err, size_t len);
+/* Exports (names, commas between) whose records are thrown away at bind,
+ * logged, rather than refused (cache-device-discard-dirty); NULL: none. */
+int cache_device_discard(struct cache_device *d, const char *names);
 /* The export joins the device (cache_export_add): its slot and identity. */
 int cache_device_add_export(struct cache_device *d, struct cache_export *ce, const char *name,
 			    const char *backend_spec);

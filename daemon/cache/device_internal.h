@@ -41,6 +41,7 @@ struct dev_slot {
 	uint64_t covered;		   /* records up to this are on the backend */
 	uint64_t last;			   /* its last record appended */
 	uint64_t live_bytes, live_records; /* in the live log at start */
+	bool discard; /* its records are thrown away (cache-device-discard-dirty) */
 };
 
 struct dev_rec {
@@ -71,6 +72,7 @@ struct cache_device {
 	unsigned sb_newest;	 /* the copy holding the newest superblock */
 	pthread_mutex_t sb_lock; /* encoding and writing the superblock */
 	struct dev_slot slots[DEVFMT_MAX_EXPORTS];
+	char *discard; /* cache-device-discard-dirty, or NULL */
 
 	pthread_mutex_t lock; /* the device lock: everything below */
 	pthread_cond_t cond;

@@ -283,6 +283,8 @@ int dev_replay(struct cache_device *d, struct worker *w, char *err, size_t len)
 			uint32_t first = k == 0 ? d->sb.checkpoint_skip : 0;
 			for (uint32_t i = b.b.extent_count; i-- > first && rc >= 0;) {
 				const struct devfmt_extent *x = &b.b.extents[i];
+				if (d->slots[x->slot].discard)
+					continue; /* cache-device-discard-dirty */
 				rc = replay_part(
 				    d, &win, &done[x->slot], x,
 				    x->type == DEVFMT_EXTENT_DATA ? buf->data + at[i] : NULL, buf);

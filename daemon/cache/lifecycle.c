@@ -7,6 +7,7 @@
  * cache_submit is here too: a FLUSH goes to the writeback thread.
  */
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "daemon/cache/compact.h"
@@ -30,6 +31,9 @@ int cache_create(const struct options *opts, unsigned workers, struct cache **ou
 	if (opts->cache_device) {
 		char err[1024];
 		rc = cache_device_open(opts->cache_device, &c->device, err, sizeof(err));
+		if (rc == 0 &&
+		    (rc = cache_device_discard(c->device, opts->cache_device_discard)) < 0)
+			snprintf(err, sizeof(err), "cache device: out of memory");
 		if (rc < 0) {
 			log_error("%s", err);
 			cache_destroy(c);

@@ -13,7 +13,9 @@
      export not configured any more, the device truncated (another
      geometry), a device that is not one (garbage in its superblocks), one
      too small; and a corrupt superblock copy (the older one, as a torn
-     write leaves it): reported, the other copy used.
+     write leaves it): reported, the other copy used. Last,
+     --cache-device-discard-dirty: the export's records thrown away, what
+     was thrown away logged, the daemon serving without them.
   3  Device faults (the device a file on faultfs): writes failing, then
      fsyncs failing: the FLUSH whose commit failed gets EIO, the log says
      the export goes writethrough, the next FLUSH succeeds with the data
@@ -192,6 +194,23 @@ def refusals(tmp):
     finally:
         d.stop()
     log("  %d refusals, then every byte replayed" % len(cases))
+    # cache-device-discard-dirty: the records of the export named are
+    # thrown away (logged), and the daemon starts without it.
+    before = nbdtest.read_at(disk, 8 * MIB, 4 * MIB)
+    want = write_and_kill(tmp, disk, dev)
+    d = daemon(tmp, disk, dev, name="other", extra=["--cache-device-discard-dirty", "x,disk"],
+               what="cache-device-discard-dirty")
+    try:
+        text = d.log_text()
+        m = re.search(r'throwing away (\d+) bytes in \d+ record\(s\) not yet written back for '
+                      r'export "disk"', text)
+        expect(m and int(m.group(1)) >= 4 * MIB, "the log does not say what was thrown away")
+        log("  discard: %s" % (m.group(0) if m else "-"))
+        expect(nbdtest.read_at(disk, 8 * MIB, 4 * MIB) == before,
+               "the records thrown away were written back all the same")
+        check_data(disk, {20 * MIB: want[20 * MIB]}, "the FUA write (on the backend already)")
+    finally:
+        d.stop()
 
 
 def device_faults(tmp):
