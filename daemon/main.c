@@ -9,6 +9,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "daemon/cache/device.h"
 #include "daemon/config.h"
 #include "daemon/log.h"
 #include "daemon/options.h"
@@ -89,6 +90,16 @@ static int check_config(const struct options *opts)
 		printf("at most %u connection(s) per client\n", opts->max_connections_per_client);
 	if (strcmp(tls, "tls off") != 0)
 		printf("%s\n", tls);
+	if (opts->cache_device) {
+		/* Read only: what a start would replay, or why it would refuse. */
+		char text[2048];
+		int rc = cache_device_check(opts->cache_device, opts, text, sizeof(text));
+		if (rc < 0) {
+			fprintf(stderr, "nbdcached: %s\n", text);
+			return 1;
+		}
+		printf("%s\n", text);
+	}
 	if (opts->metrics) {
 		printf("metrics on http://%s/metrics\n", opts->metrics);
 		print_access("metrics ", &opts->metrics_access);

@@ -139,8 +139,12 @@ static int format(struct cache_device *d, char *err, size_t len)
 	return 0;
 }
 
-int cache_device_open(const char *path, struct cache_device **out, char *err, size_t len)
+/* Open path and read its superblock (*fresh: both copies all zeros, no
+ * superblock read); readonly for --check-config. */
+static int load(const char *path, bool readonly, struct cache_device **out, bool *fresh, char *err,
+		size_t len)
 {
+	*fresh = false;
 	struct cache_device *d = calloc(1, sizeof(*d));
 	if (!d || !(d->path = strdup(path))) {
 		free(d);
@@ -151,10 +155,11 @@ int cache_device_open(const char *path, struct cache_device **out, char *err, si
 	pthread_cond_init(&d->cond, NULL);
 	int rc;
 	d->odirect = true;
-	d->fd = open(path, O_RDWR | O_CLOEXEC | O_DIRECT);
+	int mode = readonly ? O_RDONLY : O_RDWR;
+	d->fd = open(path, mode | O_CLOEXEC | O_DIRECT);
 	if (d->fd < 0 && errno == EINVAL) {
 		d->odirect = false; /* tmpfs, some FUSE file systems */
-		d->fd = open(path, O_RDWR | O_CLOEXEC);
+		d->fd = open(path, mode | O_CLOEXEC);
 	}
 	if (d->fd < 0) {
 		rc = dev_fail(err, len, -errno, "cache device %s: %s", path, strerror(errno));
@@ -198,9 +203,7 @@ int cache_device_open(const char *path, struct cache_device **out, char *err, si
 	free(buf);
 	if (!ok[0] && !ok[1]) {
 		if (zero) {
-			rc = format(d, err, len);
-			if (rc < 0)
-				goto out;
+			*fresh = true;
 		} else {
 			rc = dev_fail(
 			    err, len, -EINVAL,
@@ -250,6 +253,24 @@ out:
 		close(d->fd);
 	free(d->path);
 	free(d);
+	return rc;
+}
+
+int cache_device_open(const char *path, struct cache_device **out, char *err, size_t len)
+{
+	bool fresh;
+	int rc = load(path, false, out, &fresh, err, len);
+	if (rc == 0 && fresh) {
+		struct cache_device *d = *out;
+		rc = format(d, err, len);
+		if (rc < 0) {
+			cache_device_close(d, false);
+			return rc;
+		}
+		d->tail = d->head = d->sb.checkpoint_offset;
+		d->tail_seq = d->head_seq = d->sb.checkpoint_seq;
+		d->st.log_bytes = d->sb.log_bytes;
+	}
 	return rc;
 }
 
@@ -342,6 +363,7 @@ int cache_device_add_export(struct cache_device *d, struct cache_export *ce, con
 	struct dev_slot *s = &d->slots[slot];
 	bool known = s->used;
 	s->ce = ce;
+	s->configured = true;
 	ce->device_slot = slot;
 	id.slot = (uint16_t)slot;
 	s->cfg = id;
@@ -495,7 +517,7 @@ int cache_device_bind(struct cache_device *d, char *err, size_t len)
 			    (unsigned long long)s->live_records, s->id.name, s->id.backend);
 			continue;
 		}
-		if (!s->ce) {
+		if (!s->configured) {
 			rc = dev_fail(
 			    err, len, -EINVAL,
 			    "cache device %s holds %llu bytes in %llu record(s) not yet "
@@ -635,4 +657,89 @@ void cache_device_get_stats(struct cache_device *d, struct cache_device_stats *o
 	out->log_used = d->used;
 	out->pending_bytes = d->pdata_len;
 	pthread_mutex_unlock(&d->lock);
+}
+
+/* --check-config: a configured export's identity, from its spec alone
+ * (no backend opened): a file's or block device's size, device and inode;
+ * for the others the size is not known here (0: not compared). */
+static void identity_of_spec(struct devfmt_identity *id, const struct export_spec *e)
+{
+	memset(id, 0, sizeof(*id));
+	snprintf(id->name, sizeof(id->name), "%s", e->name);
+	snprintf(id->backend, sizeof(id->backend), "%s", e->backend);
+	id->block_size = e->block_size;
+	id->kind = DEVFMT_BACKEND_OTHER;
+	struct stat st;
+	if (strstr(e->backend, "://") || strncmp(e->backend, "nbdkit:", 7) == 0 ||
+	    strncmp(e->backend, "rbd:", 4) == 0 || stat(e->backend, &st) < 0)
+		return;
+	id->kind = DEVFMT_BACKEND_FILE;
+	id->dev = S_ISBLK(st.st_mode) ? (uint64_t)st.st_rdev : (uint64_t)st.st_dev;
+	id->ino = S_ISBLK(st.st_mode) ? 0 : (uint64_t)st.st_ino;
+	id->size = (uint64_t)st.st_size;
+	if (S_ISBLK(st.st_mode)) {
+		int fd = open(e->backend, O_RDONLY | O_CLOEXEC);
+		if (fd >= 0) {
+			id->size = device_size(fd, &st);
+			close(fd);
+		}
+	}
+}
+
+int cache_device_check(const char *path, const struct options *opts, char *text, size_t len)
+{
+	struct cache_device *d;
+	bool fresh;
+	int rc = load(path, true, &d, &fresh, text, len);
+	if (rc < 0)
+		return rc;
+	if (fresh) {
+		snprintf(text, len,
+			 "cache device %s: %llu bytes, all zeros at its start: it would "
+			 "be formatted",
+			 path, (unsigned long long)d->device_bytes);
+		cache_device_close(d, false);
+		return 0;
+	}
+	if (cache_device_discard(d, opts->cache_device_discard) < 0) {
+		snprintf(text, len, "cache device %s: out of memory", path);
+		cache_device_close(d, false);
+		return -ENOMEM;
+	}
+	for (size_t i = 0; i < opts->export_count; i++) {
+		const struct export_spec *e = &opts->exports[i];
+		if (options_backend_first(opts, i) != i || e->cache_mode == CACHE_MODE_NONE)
+			continue;
+		for (unsigned k = 0; k < DEVFMT_MAX_EXPORTS; k++) {
+			struct dev_slot *s = &d->slots[k];
+			if (!s->used || strcmp(s->id.name, e->name) != 0)
+				continue;
+			identity_of_spec(&s->cfg, e);
+			if (s->cfg.kind != DEVFMT_BACKEND_FILE) {
+				/* Not opened here: what cannot be known is not compared. */
+				s->cfg.kind = s->id.kind;
+				s->cfg.size = s->id.size;
+			}
+			s->configured = true;
+		}
+	}
+	rc = cache_device_bind(d, text, len);
+	if (rc == 0) {
+		size_t at = (size_t)snprintf(text, len,
+					     "cache device %s: %llu bytes of log, %zu "
+					     "batch(es) to replay",
+					     path, (unsigned long long)d->sb.log_bytes, d->nlive);
+		for (unsigned k = 0; k < DEVFMT_MAX_EXPORTS && at < len; k++)
+			if (d->slots[k].live_records)
+				at += (size_t)snprintf(
+				    text + at, len - at,
+				    "; export \"%s\": %llu bytes in %llu record(s)%s",
+				    d->slots[k].id.name, (unsigned long long)d->slots[k].live_bytes,
+				    (unsigned long long)d->slots[k].live_records,
+				    d->slots[k].discard
+					? ", thrown away (cache-device-discard-dirty)"
+					: "");
+	}
+	cache_device_close(d, false);
+	return rc;
 }

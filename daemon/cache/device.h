@@ -91,6 +91,15 @@ int cache_device_open(const char *path, struct cache_device **out, char *err, si
 /* Exports (names, commas between) whose records are thrown away at bind,
  * logged, rather than refused (cache-device-discard-dirty); NULL: none. */
 int cache_device_discard(struct cache_device *d, const char *names);
+/*
+ * --check-config: what a start with this device and these options would
+ * do, without writing it or opening a backend (a file's identity is
+ * stat()ed; another backend's size is not compared). 0 and text saying
+ * what would be replayed (or formatted), or -errno and text saying why
+ * the start would be refused.
+ */
+struct options;
+int cache_device_check(const char *path, const struct options *opts, char *text, size_t len);
 /* The export joins the device (cache_export_add): its slot and identity. */
 int cache_device_add_export(struct cache_device *d, struct cache_export *ce, const char *name,
 			    const char *backend_spec);

@@ -42,6 +42,7 @@ struct dev_slot {
 	uint64_t last;			   /* its last record appended */
 	uint64_t live_bytes, live_records; /* in the live log at start */
 	bool discard; /* its records are thrown away (cache-device-discard-dirty) */
+	bool configured; /* an export configured now has it (cfg set) */
 };
 
 struct dev_rec {

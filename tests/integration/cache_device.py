@@ -7,7 +7,9 @@
      and a read both have every byte, and the stats (control socket,
      nbdcachectl stats, the SIGUSR1 line) count commits, bytes logged and
      the replay; a SIGTERM then closes the device clean.
-  2  Refusals, each with its message and nothing replayed, then a start
+  2  Refusals, each with its message (and the same from --check-config,
+     exit 1, which otherwise says what a start would replay) and nothing
+     replayed, then a start
      with the right setting that replays every byte: the backend file of
      another size, another file in its place (a copy: another inode), the
      export not configured any more, the device truncated (another
@@ -62,6 +64,14 @@ def refused(disk, dev, name="disk"):
     args = [nbdtest.NBDCACHED, "--foreground", "--control", "none", "--unix",
             os.path.join(os.path.dirname(dev), "refused.sock"), "--export",
             "%s=%s" % (name, disk), "--cache-size", "32M", "--cache-device", dev]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stdout + p.stderr
+
+
+def check_config(disk, dev, name="disk"):
+    """nbdcached --check-config with the device: its exit status and output."""
+    args = [nbdtest.NBDCACHED, "--check-config", "--export", "%s=%s" % (name, disk),
+            "--cache-device", dev]
     p = subprocess.run(args, capture_output=True, text=True, timeout=120)
     return p.returncode, p.stdout + p.stderr
 
@@ -140,7 +150,11 @@ def refusals(tmp):
     cases = []
 
     def case(what, pattern, **kw):
-        rc, out = refused(kw.get("disk", disk), kw.get("dev", dev), kw.get("name", "disk"))
+        args = (kw.get("disk", disk), kw.get("dev", dev), kw.get("name", "disk"))
+        crc, cout = check_config(*args)
+        expect(crc == 1 and re.search(pattern, cout), "%s: --check-config exit %d, output does "
+               "not say %r:\n%s" % (what, crc, pattern, cout[-2000:]))
+        rc, out = refused(*args)
         line = [ln for ln in out.splitlines() if "error:" in ln]
         log("  %s: exit %d: %s" % (what, rc, line[0].split("error: ", 1)[-1] if line else out))
         expect(rc != 0 and re.search(pattern, out), "%s: exit %d, output does not say %r:\n%s"
@@ -173,6 +187,11 @@ def refusals(tmp):
     nbdtest.sparse_file(small, MIB)
     case("too small", r"1048576 bytes; a cache device needs at least 16908288", dev=small)
     check_data(disk, {8 * MIB: b"\0" * 16}, "after the refusals (nothing replayed)")
+    rc, out = check_config(disk, dev)
+    m = re.search(r'\d+ batch\(es\) to replay; export "disk": (\d+) bytes in \d+ record', out)
+    expect(rc == 0 and m and int(m.group(1)) >= 4 * MIB, "--check-config with the right "
+           "settings: exit %d:\n%s" % (rc, out[-2000:]))
+    log("  --check-config: %s" % (m.group(0) if m else "-"))
     # A torn superblock write damages the copy not holding the newest.
     with open(dev, "r+b") as f:
         gens = []
