@@ -233,12 +233,14 @@ static void dispatch(struct control_client *cl, const char *line, size_t len)
 		control_cmd_limit(cl, req);
 	else if (strcmp(cmd, "upgrade") == 0)
 		control_cmd_upgrade(cl, req);
+	else if (strcmp(cmd, "cache-device") == 0)
+		control_cmd_cache_device(cl);
 	else
 		control_send_error(
 		    cl, EINVAL,
 		    "unknown command '%s' (status, exports, stats, flush, drop-clean, "
 		    "compact, set-mode, reload, connections, disconnect, resize, limit, "
-		    "upgrade)",
+		    "upgrade, cache-device)",
 		    cmd);
 	json_object_put(req);
 }

@@ -121,6 +121,8 @@ void control_cmd_status(struct control_client *cl);
 void control_cmd_exports(struct control_client *cl);
 /* only: one export's name, or NULL for all of them. */
 void control_cmd_stats(struct control_client *cl, const char *only);
+/* cache-device: the intent log's figures (control_stats.c). */
+void control_cmd_cache_device(struct control_client *cl);
 /* Once a second, from the tick: the writeback rates. */
 void control_sample_rates(struct control *ctl);
 

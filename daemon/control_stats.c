@@ -265,6 +265,47 @@ static json_object *latency_fields(struct cache_export *ce)
 	return o;
 }
 
+/* The intent log's figures (--cache-device), or NULL when there is none. */
+static json_object *device_object(struct cache *cache)
+{
+	struct cache_device_stats ds;
+	if (!cache_get_device_stats(cache, &ds))
+		return NULL;
+	json_object *dev = json_object_new_object();
+	json_object_object_add(dev, "failed", json_object_new_boolean(ds.failed));
+	control_add_u64(dev, "device_bytes", ds.device_bytes);
+	control_add_u64(dev, "log_bytes", ds.log_bytes);
+	control_add_u64(dev, "log_used_bytes", ds.log_used);
+	control_add_u64(dev, "pending_bytes", ds.pending_bytes);
+	control_add_u64(dev, "commits", ds.commits);
+	control_add_u64(dev, "commit_ns", ds.commit_ns);
+	control_add_u64(dev, "commit_max_ns", ds.commit_max_ns);
+	control_add_u64(dev, "records", ds.records);
+	control_add_u64(dev, "bytes_logged", ds.bytes_logged);
+	control_add_u64(dev, "checkpoints", ds.checkpoints);
+	control_add_u64(dev, "full_log_fallbacks", ds.fallbacks);
+	control_add_u64(dev, "replay_batches", ds.replay_batches);
+	control_add_u64(dev, "replay_records", ds.replay_records);
+	control_add_u64(dev, "replay_bytes", ds.replay_bytes);
+	control_add_u64(dev, "replay_ns", ds.replay_ns);
+	json_object_object_add(dev, "last_commit_unix_ms",
+			       json_object_new_int64(ds.last_commit_unix_ms));
+	return dev;
+}
+
+void control_cmd_cache_device(struct control_client *cl)
+{
+	json_object *dev = device_object(cl->ctl->cfg.cache);
+	if (!dev) {
+		control_send_error(cl, ENODEV, "no cache device (--cache-device)");
+		return;
+	}
+	json_object *o = control_reply_ok();
+	control_add_string(o, "path", cl->ctl->cfg.opts->cache_device);
+	json_object_object_add(o, "cache_device", dev);
+	control_send(cl, o);
+}
+
 void control_cmd_stats(struct control_client *cl, const char *only)
 {
 	struct control *ctl = cl->ctl;
@@ -325,30 +366,9 @@ void control_cmd_stats(struct control_client *cl, const char *only)
 	control_add_u64(arena, "compact_passes", s.compact_passes);
 	control_add_u64(arena, "compact_ns", s.compact_ns);
 	json_object_object_add(c, "arena", arena);
-	struct cache_device_stats ds;
-	if (cache_get_device_stats(ctl->cfg.cache, &ds)) {
-		/* The intent log (--cache-device). */
-		json_object *dev = json_object_new_object();
-		json_object_object_add(dev, "failed", json_object_new_boolean(ds.failed));
-		control_add_u64(dev, "device_bytes", ds.device_bytes);
-		control_add_u64(dev, "log_bytes", ds.log_bytes);
-		control_add_u64(dev, "log_used_bytes", ds.log_used);
-		control_add_u64(dev, "pending_bytes", ds.pending_bytes);
-		control_add_u64(dev, "commits", ds.commits);
-		control_add_u64(dev, "commit_ns", ds.commit_ns);
-		control_add_u64(dev, "commit_max_ns", ds.commit_max_ns);
-		control_add_u64(dev, "records", ds.records);
-		control_add_u64(dev, "bytes_logged", ds.bytes_logged);
-		control_add_u64(dev, "checkpoints", ds.checkpoints);
-		control_add_u64(dev, "full_log_fallbacks", ds.fallbacks);
-		control_add_u64(dev, "replay_batches", ds.replay_batches);
-		control_add_u64(dev, "replay_records", ds.replay_records);
-		control_add_u64(dev, "replay_bytes", ds.replay_bytes);
-		control_add_u64(dev, "replay_ns", ds.replay_ns);
-		json_object_object_add(dev, "last_commit_unix_ms",
-				       json_object_new_int64(ds.last_commit_unix_ms));
+	json_object *dev = device_object(ctl->cfg.cache);
+	if (dev)
 		json_object_object_add(c, "cache_device", dev);
-	}
 	json_object_object_add(o, "cache", c);
 	struct budget_stats b;
 	budget_get_stats(&b);

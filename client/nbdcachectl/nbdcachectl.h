@@ -42,6 +42,7 @@ struct command {
 void print_status(json_object *r);
 void print_exports(json_object *r);
 void print_stats(json_object *r);
+void print_cache_device(json_object *r);
 void print_drop_clean(json_object *r);
 void print_resize(json_object *r);
 void print_compact(json_object *r);

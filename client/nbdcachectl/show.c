@@ -137,6 +137,33 @@ void print_latency(json_object *r)
 	table_free(&t);
 }
 
+/* A cache device's lines (stats, cache-device); nothing without one. */
+static void print_device(json_object *dev)
+{
+	if (!dev)
+		return;
+	int64_t commits = ctl_get_int(dev, "commits");
+	printf("cache device %slog %s, %s used, %s pending; %" PRId64
+	       " commits (mean %.2f ms, max %.2f ms), %s logged, %" PRId64 " checkpoints, %" PRId64
+	       " full-log fallbacks\n",
+	       ctl_get_bool(dev, "failed") ? "FAILED (off until a restart), " : "",
+	       SIZE(ctl_get_int(dev, "log_bytes")), SIZE(ctl_get_int(dev, "log_used_bytes")),
+	       SIZE(ctl_get_int(dev, "pending_bytes")), commits,
+	       commits ? (double)ctl_get_int(dev, "commit_ns") / (double)commits / 1e6 : 0.0,
+	       (double)ctl_get_int(dev, "commit_max_ns") / 1e6,
+	       SIZE(ctl_get_int(dev, "bytes_logged")), ctl_get_int(dev, "checkpoints"),
+	       ctl_get_int(dev, "full_log_fallbacks"));
+	printf("replay       %" PRId64 " batches, %" PRId64 " records, %s in %.3f s at start\n",
+	       ctl_get_int(dev, "replay_batches"), ctl_get_int(dev, "replay_records"),
+	       SIZE(ctl_get_int(dev, "replay_bytes")), (double)ctl_get_int(dev, "replay_ns") / 1e9);
+}
+
+void print_cache_device(json_object *r)
+{
+	printf("path         %s\n", ctl_get_string(r, "path") ? ctl_get_string(r, "path") : "?");
+	print_device(ctl_field(r, "cache_device"));
+}
+
 void print_stats(json_object *r)
 {
 	static const char *const headers[] = {
@@ -183,26 +210,7 @@ void print_stats(json_object *r)
 	       ctl_get_int(c, "evictions"), ctl_get_int(c, "bypass_reads"),
 	       ctl_get_int(c, "direct_writes"), ctl_get_int(c, "writes_in_place"),
 	       ctl_get_int(c, "writes_swapped"), ctl_get_int(c, "throttled_writes"));
-	json_object *dev = ctl_field(c, "cache_device");
-	if (dev) {
-		int64_t commits = ctl_get_int(dev, "commits");
-		printf(
-		    "cache device %slog %s, %s used, %s pending; %" PRId64
-		    " commits (mean %.2f ms, max %.2f ms), %s logged, %" PRId64
-		    " checkpoints, %" PRId64 " full-log fallbacks\n",
-		    ctl_get_bool(dev, "failed") ? "FAILED (off until a restart), " : "",
-		    SIZE(ctl_get_int(dev, "log_bytes")), SIZE(ctl_get_int(dev, "log_used_bytes")),
-		    SIZE(ctl_get_int(dev, "pending_bytes")), commits,
-		    commits ? (double)ctl_get_int(dev, "commit_ns") / (double)commits / 1e6 : 0.0,
-		    (double)ctl_get_int(dev, "commit_max_ns") / 1e6,
-		    SIZE(ctl_get_int(dev, "bytes_logged")), ctl_get_int(dev, "checkpoints"),
-		    ctl_get_int(dev, "full_log_fallbacks"));
-		printf("replay       %" PRId64 " batches, %" PRId64
-		       " records, %s in %.3f s at start\n",
-		       ctl_get_int(dev, "replay_batches"), ctl_get_int(dev, "replay_records"),
-		       SIZE(ctl_get_int(dev, "replay_bytes")),
-		       (double)ctl_get_int(dev, "replay_ns") / 1e9);
-	}
+	print_device(ctl_field(c, "cache_device"));
 	printf("arena        %s, %s free, fragmentation %s\n",
 	       ctl_get_string(arena, "kind") ? ctl_get_string(arena, "kind") : "?",
 	       SIZE(free_bytes), PERCENT(ctl_get_double(arena, "fragmentation")));

@@ -26,6 +26,7 @@
 """
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -136,6 +137,13 @@ def replay_after_kill(tmp):
         log("  nbdcachectl: %s" % (line[0] if line else ""))
         usr1 = nbdtest.stats(d)
         expect(usr1.get("device_commits", 0) >= 1, "SIGUSR1 line: %s" % usr1)
+        r = nbdtest.run([nbdtest.NBDCACHECTL, "--control", d.control, "cache-device"])
+        expect(r.returncode == 0 and dev in r.stdout and "cache device log" in r.stdout,
+               "nbdcachectl cache-device: exit %d:\n%s%s" % (r.returncode, r.stdout, r.stderr))
+        r = nbdtest.run([nbdtest.NBDCACHECTL, "--control", d.control, "--json",
+                         "cache-device"])
+        expect(r.returncode == 0 and json.loads(r.stdout)["cache_device"]["commits"] >= 1,
+               "nbdcachectl --json cache-device: %s" % r.stdout)
     finally:
         d.stop()
     text = open(d.logpath).read()
