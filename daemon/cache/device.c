@@ -243,9 +243,6 @@ static int load(const char *path, bool readonly, struct cache_device **out, bool
 	d->tail = d->head = d->sb.checkpoint_offset;
 	d->tail_seq = d->head_seq = d->sb.checkpoint_seq;
 	d->tail_skip = d->sb.checkpoint_skip;
-	d->st.attached = true;
-	d->st.device_bytes = d->device_bytes;
-	d->st.log_bytes = d->sb.log_bytes;
 	*out = d;
 	return 0;
 out:
@@ -269,7 +266,6 @@ int cache_device_open(const char *path, struct cache_device **out, char *err, si
 		}
 		d->tail = d->head = d->sb.checkpoint_offset;
 		d->tail_seq = d->head_seq = d->sb.checkpoint_seq;
-		d->st.log_bytes = d->sb.log_bytes;
 	}
 	return rc;
 }
@@ -377,13 +373,7 @@ int cache_device_add_export(struct cache_device *d, struct cache_export *ce, con
 		return 0; /* the table is written once the log is replayed */
 	/* Added by a reload: in the table before any record of it can be. */
 	pthread_mutex_lock(&d->sb_lock);
-	pthread_mutex_lock(&d->lock);
-	d->sb.export_count = 0;
-	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
-		if (d->slots[i].used)
-			d->sb.exports[d->sb.export_count++] = d->slots[i].id;
-	pthread_mutex_unlock(&d->lock);
-	int rc = dev_sb_write_locked(d);
+	int rc = dev_sb_update(d, false);
 	pthread_mutex_unlock(&d->sb_lock);
 	if (rc < 0)
 		log_error("cache device %s: recording export \"%s\": %s", d->path, name,
@@ -501,7 +491,6 @@ int cache_device_bind(struct cache_device *d, char *err, size_t len)
 			      strerror(-rc));
 		goto out;
 	}
-	d->st.replay_batches = w.batches;
 	rc = 0;
 	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS && rc == 0; i++) {
 		struct dev_slot *s = &d->slots[i];
@@ -654,6 +643,9 @@ void cache_device_get_stats(struct cache_device *d, struct cache_device_stats *o
 {
 	pthread_mutex_lock(&d->lock);
 	*out = d->st;
+	out->attached = true;
+	out->device_bytes = d->device_bytes;
+	out->log_bytes = d->sb.log_bytes;
 	out->log_used = d->used;
 	out->pending_bytes = d->pdata_len;
 	pthread_mutex_unlock(&d->lock);

@@ -115,11 +115,7 @@ class Service:
                 "the daemon did not start (no pidfile)")
 
     def pid_file(self):
-        try:
-            with open(self.pidfile) as f:
-                return int(f.read().strip() or 0)
-        except (OSError, ValueError):
-            return 0
+        return nbdtest.pidfile_pid(self.pidfile)
 
     def uri(self, tcp=False):
         if tcp:

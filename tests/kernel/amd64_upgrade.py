@@ -62,11 +62,7 @@ def other_build():
 
 
 def pid_of(d):
-    try:
-        with open(d.pidfile) as f:
-            return int(f.read().strip() or 0)
-    except (OSError, ValueError):
-        return 0
+    return nbdtest.pidfile_pid(d.pidfile)
 
 
 def upgrade(checks, d, n, binary, keep):

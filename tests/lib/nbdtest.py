@@ -928,6 +928,15 @@ def stop_pid(pid, timeout=30):
         time.sleep(0.05)
 
 
+def pidfile_pid(path):
+    """The PID a --pidfile holds, 0 when there is none (yet)."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
 def reap_children(keep=()):
     """Reap every child that has exited (without waiting for the others),
     except those in keep: processes a subprocess.Popen will wait for. (A
