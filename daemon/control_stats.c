@@ -290,6 +290,26 @@ static json_object *device_object(struct cache *cache)
 	control_add_u64(dev, "replay_ns", ds.replay_ns);
 	json_object_object_add(dev, "last_commit_unix_ms",
 			       json_object_new_int64(ds.last_commit_unix_ms));
+	static const char *const uses[] = {"none", "log", "l2", "both"};
+	json_object_object_add(dev, "use", json_object_new_string(uses[ds.use & 3]));
+	json_object *l2 = json_object_new_object();
+	json_object_object_add(l2, "on", json_object_new_boolean(ds.l2_on));
+	json_object_object_add(l2, "failed", json_object_new_boolean(ds.l2_failed));
+	control_add_u64(l2, "bytes", ds.l2_bytes);
+	control_add_u64(l2, "used_bytes", ds.l2_used);
+	control_add_u64(l2, "staged_bytes", ds.l2_staged);
+	control_add_u64(l2, "hits", ds.l2_hits);
+	control_add_u64(l2, "hit_bytes", ds.l2_hit_bytes);
+	control_add_u64(l2, "misses", ds.l2_misses);
+	control_add_u64(l2, "stale_reads", ds.l2_stale);
+	control_add_u64(l2, "read_errors", ds.l2_read_errors);
+	control_add_u64(l2, "stored_bytes", ds.l2_stored_bytes);
+	control_add_u64(l2, "dropped_bytes", ds.l2_dropped_bytes);
+	control_add_u64(l2, "invalidated_bytes", ds.l2_invalidated_bytes);
+	control_add_u64(l2, "loaded_bytes", ds.l2_loaded_bytes);
+	control_add_u64(l2, "load_ns", ds.l2_load_ns);
+	control_add_u64(l2, "write_ns", ds.l2_write_ns);
+	json_object_object_add(dev, "l2", l2);
 	return dev;
 }
 

@@ -167,6 +167,19 @@ int options_parse_compact(const char *text, bool *out)
 	return 0;
 }
 
+int options_parse_cache_device_use(const char *text, unsigned *use)
+{
+	if (strcmp(text, "log") == 0)
+		*use = 1;
+	else if (strcmp(text, "l2") == 0)
+		*use = 2;
+	else if (strcmp(text, "both") == 0)
+		*use = 3;
+	else
+		return -EINVAL;
+	return 0;
+}
+
 int options_parse_rbd_takeover(const char *text, bool *wait)
 {
 	if (strcmp(text, "refuse") == 0)

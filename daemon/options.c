@@ -36,7 +36,8 @@ const char *options_usage(void)
 	       "                 [--threads N] [--pidfile FILE] [--log-level LEVEL]\n"
 	       "                 [--user USER] [--group GROUP] [--max-connections N]\n"
 	       "                 [--cache-size SIZE] [--hugepages auto|require|off]\n"
-	       "                 [--cache-device PATH] [--cache-device-discard-dirty NAMES]\n"
+	       "                 [--cache-device PATH] [--cache-device-use log|l2|both]\n"
+	       "                 [--cache-device-discard-dirty NAMES]\n"
 	       "                 [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]\n"
 	       "                 [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]\n"
 	       "                 [--backend-timeout SECONDS] [--rbd-takeover refuse|wait]\n"
@@ -134,6 +135,7 @@ void options_defaults(struct options *out)
 	memset(out, 0, sizeof(*out));
 	out->log_level = LOG_INFO;
 	out->cache_size = OPTIONS_DEFAULT_CACHE_SIZE;
+	out->cache_device_use = 3;
 	out->block_size = OPTIONS_DEFAULT_BLOCK_SIZE;
 	out->cache_mode = CACHE_MODE_WRITEBACK;
 	out->dirty_high = OPTIONS_DEFAULT_DIRTY_HIGH;
@@ -174,6 +176,7 @@ enum {
 	OPT_RBD_TAKEOVER,
 	OPT_CACHE_DEVICE,
 	OPT_CACHE_DEVICE_DISCARD,
+	OPT_CACHE_DEVICE_USE,
 };
 
 /*
@@ -285,6 +288,7 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 	    {"rbd-takeover", required_argument, NULL, OPT_RBD_TAKEOVER},
 	    {"cache-device", required_argument, NULL, OPT_CACHE_DEVICE},
 	    {"cache-device-discard-dirty", required_argument, NULL, OPT_CACHE_DEVICE_DISCARD},
+	    {"cache-device-use", required_argument, NULL, OPT_CACHE_DEVICE_USE},
 	    {"tls", required_argument, NULL, 1000},
 	    {"tls-certificates", required_argument, NULL, 1001},
 	    {"tls-psk", required_argument, NULL, 1002},
@@ -587,6 +591,15 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 			if ((rc = set_string(&out->cache_device_discard, optarg)) < 0)
 				goto error;
 			out->given |= OPT_GIVEN_CACHE_DEVICE_DISCARD;
+			break;
+		case OPT_CACHE_DEVICE_USE:
+			if (options_parse_cache_device_use(optarg, &out->cache_device_use) < 0) {
+				rc =
+				    fail(err, errlen, -EINVAL,
+					 "--cache-device-use %s: expected log, l2 or both", optarg);
+				goto error;
+			}
+			out->given |= OPT_GIVEN_CACHE_DEVICE_USE;
 			break;
 		case 1000:
 			if (options_parse_tls(optarg, &out->tls) < 0) {

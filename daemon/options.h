@@ -164,6 +164,7 @@ struct export_spec {
 #define OPT_GIVEN_RBD_TAKEOVER (UINT64_C(1) << 39)
 #define OPT_GIVEN_CACHE_DEVICE (UINT64_C(1) << 40)
 #define OPT_GIVEN_CACHE_DEVICE_DISCARD (UINT64_C(1) << 41)
+#define OPT_GIVEN_CACHE_DEVICE_USE (UINT64_C(1) << 42)
 
 struct options {
 	bool foreground;
@@ -185,6 +186,9 @@ struct options {
 	 * records on the cache device are thrown away at start rather than
 	 * refused; NULL: none. */
 	char *cache_device_discard;
+	/* --cache-device-use: what the device holds, CACHE_DEVICE_USE_* bits
+	 * (1 the intent log, 2 the level-2 cache; default both). */
+	unsigned cache_device_use;
 	/* The cache (shared by every export). */
 	uint64_t cache_size;
 	enum hugepages_policy hugepages;

@@ -156,6 +156,20 @@ static void print_device(json_object *dev)
 	printf("replay       %" PRId64 " batches, %" PRId64 " records, %s in %.3f s at start\n",
 	       ctl_get_int(dev, "replay_batches"), ctl_get_int(dev, "replay_records"),
 	       SIZE(ctl_get_int(dev, "replay_bytes")), (double)ctl_get_int(dev, "replay_ns") / 1e9);
+	json_object *l2 = ctl_field(dev, "l2");
+	if (!l2)
+		return;
+	printf("level-2      %s%s, %s used, %s staged; %" PRId64 " hits (%s), %" PRId64
+	       " misses, %" PRId64 " stale; %s stored, %s left out, %s written over; %s warm "
+	       "at start in %.3f s\n",
+	       ctl_get_bool(l2, "failed") ? "FAILED (off until a restart), " : "",
+	       ctl_get_bool(l2, "on") ? SIZE(ctl_get_int(l2, "bytes")) : "off",
+	       SIZE(ctl_get_int(l2, "used_bytes")), SIZE(ctl_get_int(l2, "staged_bytes")),
+	       ctl_get_int(l2, "hits"), SIZE(ctl_get_int(l2, "hit_bytes")),
+	       ctl_get_int(l2, "misses"), ctl_get_int(l2, "stale_reads"),
+	       SIZE(ctl_get_int(l2, "stored_bytes")), SIZE(ctl_get_int(l2, "dropped_bytes")),
+	       SIZE(ctl_get_int(l2, "invalidated_bytes")), SIZE(ctl_get_int(l2, "loaded_bytes")),
+	       (double)ctl_get_int(l2, "load_ns") / 1e9);
 }
 
 void print_cache_device(json_object *r)

@@ -48,6 +48,7 @@ struct cache_fill {
 	uint32_t first, count;
 	uint32_t invalidations;
 	bool ahead; /* reads ahead of the request: a failure retries without */
+	bool level2; /* read from the cache device's level-2 cache, not the backend */
 };
 
 static struct cache_piece *piece_add(struct cache_op *op)
@@ -208,7 +209,8 @@ static void fill_done(struct backend_io *io, int result)
 	struct cache_entry *e = f->piece->entry;
 	struct cache_export *ce = op->ce;
 	struct cache_shard *sh = shard_of(ce, cache_entry_offset(e));
-	cache_backend_timed(ce, io);
+	if (!f->level2)
+		cache_backend_timed(ce, io);
 	if (result >= 0) {
 		/* Bytes past the end of the export read as zeros. */
 		uint64_t start, end;
@@ -249,6 +251,23 @@ static void fill_done(struct backend_io *io, int result)
 	free(f);
 	if (--op->pending == 0)
 		op_run(op);
+}
+
+/* A fill from the level-2 cache: a failure (a page rewritten meanwhile,
+ * the device's error) reads the backend instead. */
+static void level2_done(struct backend_io *io, int result)
+{
+	struct cache_fill *f = (struct cache_fill *)io;
+	if (result < 0) {
+		struct cache_export *ce = f->op->ce;
+		f->level2 = false;
+		f->io.done = fill_done;
+		atomic_fetch_add(&ce->counters.backend_reads, 1);
+		atomic_fetch_add(&ce->counters.backend_read_bytes, f->io.length);
+		cache_backend_submit(ce, f->op->worker, &f->io);
+		return;
+	}
+	fill_done(io, result);
 }
 
 static void bypass_done(struct backend_io *io, int result)
@@ -299,6 +318,16 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
 		f->io.worker = NULL;
 		done(&f->io, 0);
 		return 0;
+	}
+	struct cache_device *d = ce->cache->device;
+	if (done == fill_done && d) {
+		f->level2 = true;
+		f->io.done = level2_done;
+		f->io.worker = op->worker;
+		if (cache_device_l2_read(d, ce, op->worker, &f->io))
+			return 0;
+		f->level2 = false;
+		f->io.done = done;
 	}
 	atomic_fetch_add(&ce->counters.backend_reads, 1);
 	atomic_fetch_add(&ce->counters.backend_read_bytes, length);

@@ -122,7 +122,25 @@ static int format(struct cache_device *d, char *err, size_t len)
 		return dev_fail(err, len, -EIO, "%s: no random bytes for its UUID", d->path);
 	d->sb.device_bytes = d->device_bytes;
 	d->sb.log_offset = DEVFMT_LOG_OFFSET;
-	d->sb.log_bytes = (d->device_bytes - DEVFMT_LOG_OFFSET) / DEVFMT_BLOCK * DEVFMT_BLOCK;
+	uint64_t avail = (d->device_bytes - DEVFMT_LOG_OFFSET) / DEVFMT_BLOCK * DEVFMT_BLOCK;
+	d->sb.log_bytes = avail;
+	if ((d->use & CACHE_DEVICE_USE_L2) && avail >= DEV_L2_MIN_DEVICE) {
+		/* An eighth for the log (16 MiB to 1 GiB), and at least room for
+		 * the level-2 table a clean close writes there; the rest is the
+		 * level-2 area. */
+		uint64_t log = avail / 8;
+		log = log < (16u << 20) ? (16u << 20) : log > (1ull << 30) ? (1ull << 30) : log;
+		uint64_t table = DEVFMT_BLOCK + avail / DEVFMT_BLOCK * DEVFMT_L2T_ENTRY;
+		if (log < table)
+			log = table;
+		log = (log + (1u << 20) - 1) & ~(uint64_t)((1u << 20) - 1);
+		uint64_t l2 = (avail - log) / DEVFMT_BLOCK * DEVFMT_BLOCK;
+		if (l2 / DEVFMT_BLOCK > UINT32_MAX)
+			l2 = (uint64_t)UINT32_MAX * DEVFMT_BLOCK;
+		d->sb.log_bytes = log;
+		d->sb.l2_offset = DEVFMT_LOG_OFFSET + log;
+		d->sb.l2_bytes = l2;
+	}
 	d->sb.checkpoint_offset = 0;
 	d->sb.checkpoint_seq = 1;
 	/* Both copies: the second write makes the first the older one. */
@@ -134,15 +152,15 @@ static int format(struct cache_device *d, char *err, size_t len)
 	pthread_mutex_unlock(&d->sb_lock);
 	if (rc < 0)
 		return dev_fail(err, len, rc, "%s: formatting: %s", d->path, strerror(-rc));
-	log_info("cache device %s: formatted: %llu bytes of log", d->path,
-		 (unsigned long long)d->sb.log_bytes);
+	log_info("cache device %s: formatted: %llu bytes of log, %llu of level-2 area", d->path,
+		 (unsigned long long)d->sb.log_bytes, (unsigned long long)d->sb.l2_bytes);
 	return 0;
 }
 
 /* Open path and read its superblock (*fresh: both copies all zeros, no
  * superblock read); readonly for --check-config. */
-static int load(const char *path, bool readonly, struct cache_device **out, bool *fresh, char *err,
-		size_t len)
+static int load(const char *path, unsigned use, bool readonly, struct cache_device **out,
+		bool *fresh, char *err, size_t len)
 {
 	*fresh = false;
 	struct cache_device *d = calloc(1, sizeof(*d));
@@ -150,6 +168,7 @@ static int load(const char *path, bool readonly, struct cache_device **out, bool
 		free(d);
 		return dev_fail(err, len, -ENOMEM, "cache device %s: out of memory", path);
 	}
+	d->use = use;
 	pthread_mutex_init(&d->lock, NULL);
 	pthread_mutex_init(&d->sb_lock, NULL);
 	pthread_cond_init(&d->cond, NULL);
@@ -253,10 +272,11 @@ out:
 	return rc;
 }
 
-int cache_device_open(const char *path, struct cache_device **out, char *err, size_t len)
+int cache_device_open(const char *path, unsigned use, struct cache_device **out, char *err,
+		      size_t len)
 {
 	bool fresh;
-	int rc = load(path, false, out, &fresh, err, len);
+	int rc = load(path, use, false, out, &fresh, err, len);
 	if (rc == 0 && fresh) {
 		struct cache_device *d = *out;
 		rc = format(d, err, len);
@@ -284,8 +304,8 @@ static void identity_of(struct devfmt_identity *id, const struct cache_export *c
 }
 
 /* Why two identities differ, or NULL. */
-static const char *differs(const struct devfmt_identity *a, const struct devfmt_identity *b,
-			   char *buf, size_t len)
+const char *dev_identity_differs(const struct devfmt_identity *a, const struct devfmt_identity *b,
+				 char *buf, size_t len)
 {
 	if (strcmp(a->backend, b->backend) != 0)
 		snprintf(buf, len, "backend %s, recorded %s", b->backend, a->backend);
@@ -369,6 +389,8 @@ int cache_device_add_export(struct cache_device *d, struct cache_export *ce, con
 	s->covered = d->appended;
 	bool started = d->started;
 	pthread_mutex_unlock(&d->lock);
+	if (replace) /* the slot's level-2 pages are another backend's */
+		cache_device_l2_invalidate(d, ce, 0, UINT64_MAX);
 	if (!started)
 		return 0; /* the table is written once the log is replayed */
 	/* Added by a reload: in the table before any record of it can be. */
@@ -517,7 +539,7 @@ int cache_device_bind(struct cache_device *d, char *err, size_t len)
 			break;
 		}
 		char why[600];
-		const char *diff = differs(&s->id, &s->cfg, why, sizeof(why));
+		const char *diff = dev_identity_differs(&s->id, &s->cfg, why, sizeof(why));
 		if (diff)
 			rc = dev_fail(
 			    err, len, -EINVAL,
@@ -545,6 +567,10 @@ int dev_sb_update(struct cache_device *d, bool clean)
 	d->sb.checkpoint_seq = d->tail_seq;
 	d->sb.checkpoint_skip = d->tail_skip;
 	d->sb.flags = clean ? DEVFMT_SB_CLEAN : 0;
+	if (!clean) { /* the level-2 table holds only while it says clean */
+		d->sb.l2_table_bytes = 0;
+		d->sb.l2_table_crc = 0;
+	}
 	d->sb.export_count = 0;
 	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
 		if (d->slots[i].used)
@@ -555,7 +581,19 @@ int dev_sb_update(struct cache_device *d, bool clean)
 
 int cache_device_start(struct cache_device *d, struct worker *w, char *err, size_t len)
 {
-	int rc = dev_replay(d, w, err, len);
+	int rc = dev_l2_init(d);
+	if (rc < 0)
+		return dev_fail(err, len, rc, "cache device %s: its level-2 cache: %s", d->path,
+				strerror(-rc));
+	if ((d->use & CACHE_DEVICE_USE_L2) && !d->sb.l2_bytes)
+		log_warn("cache device %s: formatted without a level-2 area (too small, or "
+			 "cache-device-use was log then): no level-2 cache; zero its first 128 KiB "
+			 "with nothing dirty on it to have it formatted again",
+			 d->path);
+	/* Before the replay and before the table of exports is rewritten: the
+	 * table of a clean close is read against the identities recorded. */
+	dev_l2_load(d);
+	rc = dev_replay(d, w, err, len);
 	if (rc < 0)
 		return rc;
 	/* The table now: what is configured (slots only on the device held
@@ -580,11 +618,19 @@ int cache_device_start(struct cache_device *d, struct worker *w, char *err, size
 		return dev_fail(err, len, -rc, "cache device %s: its thread: %s", d->path,
 				strerror(rc));
 	}
+	rc = dev_l2_start(d);
+	if (rc < 0)
+		return dev_fail(err, len, rc, "cache device %s: its level-2 thread: %s", d->path,
+				strerror(-rc));
 	pthread_mutex_lock(&d->lock);
 	d->started = true;
 	pthread_mutex_unlock(&d->lock);
-	log_info("cache device %s: intent log of %llu bytes%s", d->path,
-		 (unsigned long long)d->sb.log_bytes, d->odirect ? ", O_DIRECT" : "");
+	log_info("cache device %s: intent log of %llu bytes%s, level-2 cache of %llu bytes%s%s",
+		 d->path, (unsigned long long)d->sb.log_bytes,
+		 d->use & CACHE_DEVICE_USE_LOG ? "" : " (not used: cache-device-use)",
+		 (unsigned long long)(d->l2.pages ? d->sb.l2_bytes : 0),
+		 d->use & CACHE_DEVICE_USE_L2 ? "" : " (not used: cache-device-use)",
+		 d->odirect ? ", O_DIRECT" : "");
 	return 0;
 }
 
@@ -606,9 +652,18 @@ void cache_device_close(struct cache_device *d, bool clean)
 		pthread_mutex_unlock(&d->lock);
 		pthread_join(d->thread, NULL);
 		d->running = false;
+		dev_l2_stop(d);
 		int rc = -EIO;
 		if (clean && d->nbatches == 0) {
 			pthread_mutex_lock(&d->sb_lock);
+			/* The level-2 table into the empty log, then the superblock
+			 * that says where it is. */
+			rc = dev_l2_save(d);
+			if (rc < 0)
+				log_error(
+				    "cache device %s: writing its level-2 table: %s; the next "
+				    "start begins with it cold",
+				    d->path, strerror(-rc));
 			rc = dev_sb_update(d, true);
 			pthread_mutex_unlock(&d->sb_lock);
 			if (rc == 0)
@@ -626,6 +681,7 @@ void cache_device_close(struct cache_device *d, bool clean)
 		else if (rc < 0 && clean)
 			log_error("cache device %s: marking it clean: %s", d->path, strerror(-rc));
 	}
+	dev_l2_free(d);
 	close(d->fd);
 	free(d->pend);
 	free(d->pdata);
@@ -648,7 +704,9 @@ void cache_device_get_stats(struct cache_device *d, struct cache_device_stats *o
 	out->log_bytes = d->sb.log_bytes;
 	out->log_used = d->used;
 	out->pending_bytes = d->pdata_len;
+	out->use = d->use;
 	pthread_mutex_unlock(&d->lock);
+	dev_l2_stats(d, out);
 }
 
 /* --check-config: a configured export's identity, from its spec alone
@@ -682,7 +740,7 @@ int cache_device_check(const char *path, const struct options *opts, char *text,
 {
 	struct cache_device *d;
 	bool fresh;
-	int rc = load(path, true, &d, &fresh, text, len);
+	int rc = load(path, opts->cache_device_use, true, &d, &fresh, text, len);
 	if (rc < 0)
 		return rc;
 	if (fresh) {

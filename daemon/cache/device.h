@@ -71,8 +71,22 @@ struct cache_device_waiter {
 	struct cache_device_waiter *next;
 };
 
+/* What the device is used for (cache-device-use). */
+#define CACHE_DEVICE_USE_LOG 1u
+#define CACHE_DEVICE_USE_L2 2u
+
 struct cache_device_stats {
 	bool attached, failed;
+	unsigned use;
+	/* The level-2 cache: its area, pages in use and staged, fills it
+	 * served (hits) and could not (misses), reads that found a page
+	 * rewritten meanwhile (stale) or failed, pages written, left out
+	 * (staging full), written over by clients, read back at start. */
+	bool l2_on, l2_failed;
+	uint64_t l2_bytes, l2_used, l2_staged;
+	uint64_t l2_hits, l2_hit_bytes, l2_misses, l2_stale, l2_read_errors;
+	uint64_t l2_stored_bytes, l2_dropped_bytes, l2_invalidated_bytes;
+	uint64_t l2_loaded_bytes, l2_load_ns, l2_write_ns;
 	uint64_t device_bytes, log_bytes, log_used;
 	uint64_t commits, commit_ns, commit_max_ns, records, bytes_logged;
 	uint64_t checkpoints, fallbacks;
@@ -82,12 +96,16 @@ struct cache_device_stats {
 };
 
 /*
- * Open path (a file or block device of at least DEVFMT_MIN_DEVICE bytes):
+ * Open path (a file or block device of at least DEVFMT_MIN_DEVICE bytes),
+ * used for use (CACHE_DEVICE_USE_*: without the log, FLUSH goes to the
+ * backend; without the level-2 cache, evictions are dropped; a device
+ * formatted without a level-2 area has none, said at start):
  * its superblock, the newer valid copy; a device whose two copies are all
  * zeros is formatted. 0, or -errno with err saying why (not a cache
  * device, another version, both copies corrupt, another geometry).
  */
-int cache_device_open(const char *path, struct cache_device **out, char *err, size_t len);
+int cache_device_open(const char *path, unsigned use, struct cache_device **out, char *err,
+		      size_t len);
 /* Exports (names, commas between) whose records are thrown away at bind,
  * logged, rather than refused (cache-device-discard-dirty); NULL: none. */
 int cache_device_discard(struct cache_device *d, const char *names);
@@ -136,5 +154,28 @@ void cache_device_covered(struct cache_device *d, struct cache_export *ce, uint6
 /* The log is short of room: full rounds would let a checkpoint free it. */
 bool cache_device_wants_checkpoint(struct cache_device *d);
 void cache_device_get_stats(struct cache_device *d, struct cache_device_stats *out);
+
+/*
+ * The level-2 cache (device_l2.c): clean pages evicted from RAM, read back
+ * on a RAM miss. Only whole DEVFMT_BLOCK pages, aligned, are kept.
+ */
+struct backend_io;
+bool cache_device_l2_on(struct cache_device *d);
+/* An evicted clean range of ce (shard lock held): copied and queued for the
+ * area, or left out when staging is full; never waits. */
+void cache_device_l2_store(struct cache_device *d, struct cache_export *ce, uint64_t offset,
+			   const void *data, uint64_t length);
+/* ce's range is written, zeroed or trimmed: its pages are gone, staged
+ * copies cancelled. Under the shard lock of a cached write, or after a
+ * direct step dropped the range from RAM. */
+void cache_device_l2_invalidate(struct cache_device *d, struct cache_export *ce, uint64_t offset,
+				uint64_t length);
+/* A fill of io->length bytes at ce's io->offset into io->buf: false if
+ * the area does not hold every page; else read through w's ring, and
+ * io->done(io, 0) runs on w, or io->done(io, -errno) when the area could
+ * not give it (a page rewritten meanwhile: -ESTALE; the caller then reads
+ * the backend). */
+bool cache_device_l2_read(struct cache_device *d, struct cache_export *ce, struct worker *w,
+			  struct backend_io *io);
 
 #endif

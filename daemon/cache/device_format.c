@@ -71,6 +71,10 @@ int devfmt_sb_encode(const struct devfmt_sb *sb, uint8_t *buf)
 	nbd_put64(buf + 72, sb->checkpoint_seq);
 	nbd_put32(buf + 80, sb->export_count);
 	nbd_put32(buf + 84, sb->checkpoint_skip);
+	nbd_put64(buf + 88, sb->l2_offset);
+	nbd_put64(buf + 96, sb->l2_bytes);
+	nbd_put64(buf + 104, sb->l2_table_bytes);
+	nbd_put32(buf + 112, sb->l2_table_crc);
 	for (uint32_t i = 0; i < sb->export_count; i++) {
 		const struct devfmt_identity *id = &sb->exports[i];
 		size_t nl = strnlen(id->name, sizeof(id->name));
@@ -122,6 +126,10 @@ int devfmt_sb_decode(const uint8_t *buf, struct devfmt_sb *out, char *why, size_
 	out->checkpoint_seq = nbd_get64(buf + 72);
 	out->export_count = nbd_get32(buf + 80);
 	out->checkpoint_skip = nbd_get32(buf + 84);
+	out->l2_offset = nbd_get64(buf + 88);
+	out->l2_bytes = nbd_get64(buf + 96);
+	out->l2_table_bytes = nbd_get64(buf + 104);
+	out->l2_table_crc = nbd_get32(buf + 112);
 	if (out->flags & ~DEVFMT_SB_CLEAN)
 		return refuse(why, why_len, "unknown flags 0x%x", out->flags);
 	if (out->log_offset < DEVFMT_LOG_OFFSET || out->log_offset % DEVFMT_BLOCK ||
@@ -139,6 +147,22 @@ int devfmt_sb_decode(const uint8_t *buf, struct devfmt_sb *out, char *why, size_
 		    "checkpoint at %llu (skipping %u extents), outside a log of %llu bytes",
 		    (unsigned long long)out->checkpoint_offset, out->checkpoint_skip,
 		    (unsigned long long)out->log_bytes);
+	if (out->l2_bytes &&
+	    (out->l2_offset < out->log_offset + out->log_bytes || out->l2_offset % DEVFMT_BLOCK ||
+	     out->l2_bytes % DEVFMT_BLOCK || out->l2_bytes > out->device_bytes ||
+	     out->l2_offset > out->device_bytes - out->l2_bytes ||
+	     out->l2_bytes / DEVFMT_BLOCK > UINT32_MAX))
+		return refuse(why, why_len,
+			      "level-2 area at %llu, %llu bytes, does not fit after the log on a "
+			      "device of %llu bytes",
+			      (unsigned long long)out->l2_offset, (unsigned long long)out->l2_bytes,
+			      (unsigned long long)out->device_bytes);
+	if (out->l2_table_bytes && (!out->l2_bytes || out->l2_table_bytes > out->log_bytes ||
+				    out->l2_table_bytes < DEVFMT_BLOCK ||
+				    (out->l2_table_bytes - DEVFMT_BLOCK) % DEVFMT_L2T_ENTRY))
+		return refuse(why, why_len, "a level-2 table of %llu bytes in a log of %llu",
+			      (unsigned long long)out->l2_table_bytes,
+			      (unsigned long long)out->log_bytes);
 	if (out->export_count > DEVFMT_MAX_EXPORTS)
 		return refuse(why, why_len, "%u exports; at most %u", out->export_count,
 			      (unsigned)DEVFMT_MAX_EXPORTS);
@@ -258,5 +282,55 @@ int devfmt_batch_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t exp
 			      "extents carry %llu bytes of data, the header says %u "
 			      "blocks",
 			      (unsigned long long)data, out->data_blocks);
+	return 0;
+}
+
+/* ---- the level-2 table ---- */
+
+void devfmt_l2t_header_encode(const struct devfmt_l2t_header *h, const uint8_t uuid[16],
+			      uint8_t *buf)
+{
+	memset(buf, 0, DEVFMT_BLOCK);
+	nbd_put64(buf, DEVFMT_L2T_MAGIC);
+	memcpy(buf + 8, uuid, 16);
+	nbd_put64(buf + 24, h->entries);
+	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
+		nbd_put64(buf + DEVFMT_L2T_FIXED + 8 * i, h->mtime_ns[i]);
+}
+
+int devfmt_l2t_header_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t max_entries,
+			     struct devfmt_l2t_header *out, char *why, size_t why_len)
+{
+	if (nbd_get64(buf) != DEVFMT_L2T_MAGIC)
+		return refuse(why, why_len, "no level-2 table (magic 0x%016llx)",
+			      (unsigned long long)nbd_get64(buf));
+	if (memcmp(buf + 8, uuid, 16) != 0)
+		return refuse(why, why_len, "a level-2 table of another device");
+	memset(out, 0, sizeof(*out));
+	out->entries = nbd_get64(buf + 24);
+	if (out->entries > max_entries)
+		return refuse(why, why_len, "a level-2 table of %llu entries; at most %llu fit",
+			      (unsigned long long)out->entries, (unsigned long long)max_entries);
+	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
+		out->mtime_ns[i] = nbd_get64(buf + DEVFMT_L2T_FIXED + 8 * i);
+	return 0;
+}
+
+void devfmt_l2t_entry_encode(const struct devfmt_l2t_entry *e, uint8_t *p)
+{
+	nbd_put16(p, e->slot);
+	nbd_put16(p + 2, 0);
+	nbd_put32(p + 4, e->page);
+	nbd_put64(p + 8, e->block);
+}
+
+int devfmt_l2t_entry_decode(const uint8_t *p, uint64_t pages, struct devfmt_l2t_entry *out)
+{
+	out->slot = nbd_get16(p);
+	out->page = nbd_get32(p + 4);
+	out->block = nbd_get64(p + 8);
+	if (out->slot >= DEVFMT_MAX_EXPORTS || nbd_get16(p + 2) != 0 || out->page >= pages ||
+	    out->block > (UINT64_MAX / DEVFMT_BLOCK))
+		return -EINVAL;
 	return 0;
 }

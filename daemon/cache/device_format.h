@@ -11,6 +11,8 @@
  *   [0, 64 KiB)        superblock copy A
  *   [64 KiB, 128 KiB)  superblock copy B
  *   [log_offset, log_offset + log_bytes)  the intent log, a ring of batches
+ *   [l2_offset, l2_offset + l2_bytes)    the level-2 cache: DEVFMT_BLOCK pages
+ *                                        of clean data, written as a ring
  *
  * A superblock copy (DEVFMT_SB_BYTES):
  *
@@ -29,7 +31,14 @@
  *                              DEVFMT_MAX_EXPORTS)
  *    84 u32 checkpoint_skip    extents of that batch already covered (not
  *                              replayed)
- *    88 identities, DEVFMT_IDENTITY_BYTES each:
+ *    88 u64 l2_offset, 96 u64 l2_bytes  the level-2 area (0 bytes: none;
+ *                              after the log, multiples of DEVFMT_BLOCK)
+ *   104 u64 l2_table_bytes     the level-2 table at the log's start (0:
+ *                              none); written only by a clean close, read
+ *                              only while the superblock says clean
+ *   112 u32 l2_table_crc       CRC32C of those bytes
+ *   116 12 bytes of zeros
+ *   128 identities, DEVFMT_IDENTITY_BYTES each:
  *         u16 slot (the number batches use), u16 name length, u16 backend
  *         length, u16 reserved, u32 block size, u32 kind
  *         (DEVFMT_BACKEND_*), u64 size, u64 st_dev, u64 st_ino (a file's;
@@ -56,6 +65,20 @@
  *       padded
  *   last 4 bytes of the header block: u32 CRC32C of the block up to them
  *
+ * The level-2 table (what a clean close leaves at log_offset, so a start
+ * finds the level-2 cache warm):
+ *
+ *   a header block (DEVFMT_BLOCK bytes):
+ *     0 u64 magic       DEVFMT_L2T_MAGIC ("NBDCL2T\0")
+ *     8 u8[16] uuid     the superblock's
+ *    24 u64 entries     that follow the header block
+ *    32 u64 mtime_ns[DEVFMT_MAX_EXPORTS]  by export slot: a backend file's
+ *                       modification time at the close (0: not a regular
+ *                       file); another one at start means someone wrote
+ *                       it meanwhile, and its pages are not used
+ *   entries, DEVFMT_L2T_ENTRY bytes each: u16 slot, u16 0, u32 page (of
+ *   the level-2 area), u64 block (the export's offset / DEVFMT_BLOCK)
+ *
  * One write and one device flush commit a batch: the CRCs tell a torn or
  * partial batch from a whole one, so no flush is needed between the data
  * and the header (as OpenZFS's ZIL, which checksums its blocks).
@@ -69,11 +92,12 @@
 
 #define DEVFMT_SB_MAGIC 0x4e424443444556ull    /* "NBDCDEV" */
 #define DEVFMT_BATCH_MAGIC 0x4e4244434c4f47ull /* "NBDCLOG" */
-#define DEVFMT_VERSION 1u
+#define DEVFMT_L2T_MAGIC 0x4e4244434c3254ull   /* "NBDCL2T" */
+#define DEVFMT_VERSION 2u
 #define DEVFMT_BLOCK 4096u
 #define DEVFMT_SB_BYTES (64u * 1024u)
 #define DEVFMT_SB_COPIES 2u
-#define DEVFMT_SB_HEADER 88u
+#define DEVFMT_SB_HEADER 128u
 #define DEVFMT_IDENTITY_BYTES 1536u
 #define DEVFMT_MAX_NAME 256u
 #define DEVFMT_MAX_BACKEND 1200u
@@ -89,6 +113,9 @@
 /* The smallest device: the superblocks and a log of 16 MiB (a few
  * batches of the largest size). */
 #define DEVFMT_MIN_DEVICE (DEVFMT_LOG_OFFSET + (16u << 20))
+/* The level-2 table's entries and its header's fixed part. */
+#define DEVFMT_L2T_ENTRY 16u
+#define DEVFMT_L2T_FIXED 32u
 
 #define DEVFMT_SB_CLEAN 1u
 #define DEVFMT_BATCH_WRAP 1u
@@ -125,6 +152,8 @@ struct devfmt_sb {
 	uint64_t device_bytes, log_offset, log_bytes;
 	uint64_t checkpoint_offset, checkpoint_seq;
 	uint32_t checkpoint_skip;
+	uint64_t l2_offset, l2_bytes, l2_table_bytes;
+	uint32_t l2_table_crc;
 	uint32_t export_count;
 	struct devfmt_identity exports[DEVFMT_MAX_EXPORTS];
 };
@@ -165,5 +194,25 @@ int devfmt_batch_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t exp
 			struct devfmt_batch *out, char *why, size_t why_len);
 /* The bytes of data a batch's extents carry (the sum of DATA lengths). */
 uint64_t devfmt_batch_data_bytes(const struct devfmt_batch *b);
+
+/* The level-2 table's header block (DEVFMT_BLOCK bytes). */
+struct devfmt_l2t_header {
+	uint64_t entries;
+	uint64_t mtime_ns[DEVFMT_MAX_EXPORTS];
+};
+struct devfmt_l2t_entry {
+	uint16_t slot;
+	uint32_t page;
+	uint64_t block;
+};
+void devfmt_l2t_header_encode(const struct devfmt_l2t_header *h, const uint8_t uuid[16],
+			      uint8_t *buf);
+/* 0, or -EINVAL with why (not a table, another device's, more entries
+ * than max_entries). */
+int devfmt_l2t_header_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t max_entries,
+			     struct devfmt_l2t_header *out, char *why, size_t why_len);
+void devfmt_l2t_entry_encode(const struct devfmt_l2t_entry *e, uint8_t *p);
+/* 0, or -EINVAL: a slot past DEVFMT_MAX_EXPORTS or a page past pages. */
+int devfmt_l2t_entry_decode(const uint8_t *p, uint64_t pages, struct devfmt_l2t_entry *out);
 
 #endif

@@ -20,6 +20,7 @@
 #define NBDCACHED_DAEMON_CACHE_DEVICE_INTERNAL_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 
 #include "daemon/backend/backend.h"
 #include "daemon/cache/device.h"
@@ -29,6 +30,8 @@
 #define DEV_EXTENT_MAX (1u << 20)
 /* A batch carries at most this much data. */
 #define DEV_BATCH_DATA (4u << 20)
+/* The smallest device given a level-2 area when formatted. */
+#define DEV_L2_MIN_DEVICE (64u << 20)
 /* Sequence numbers jump this far at each start: a batch left from before
  * (a commit torn by a crash, past the replay's end) never fits in. */
 #define DEV_SEQ_JUMP (1ull << 32)
@@ -64,8 +67,47 @@ struct dev_batch {
 	uint32_t extents;
 };
 
+/* A clean range staged for the level-2 area (device_l2.c). */
+struct dev_l2_item {
+	uint16_t slot;
+	uint64_t block; /* its first page: the export's offset / DEVFMT_BLOCK */
+	uint32_t pages;
+	bool cancelled; /* written over meanwhile: not entered */
+	uint8_t *data;	/* pages * DEVFMT_BLOCK, aligned */
+	struct dev_l2_item *next;
+};
+
+/* The level-2 cache (device_l2.c): its own lock, a leaf. */
+struct dev_l2 {
+	bool inited, running, stop, st_failed;
+	atomic_bool on;
+	uint64_t offset; /* of the area on the device */
+	uint32_t pages;	 /* in the area; 0: no level-2 cache */
+	uint32_t head;	 /* the next page the ring writes */
+	pthread_mutex_t lock;
+	pthread_cond_t cond;
+	pthread_t thread;
+	uint64_t *owner; /* per page: its key, 0 free */
+	uint32_t *epoch; /* per page: bumped when it is rewritten */
+	uint64_t *hkeys; /* key -> page: 0 empty */
+	uint32_t *hpages;
+	size_t hmask;
+	uint64_t valid;			 /* keys in the table */
+	atomic_uint_fast64_t valid_hint; /* valid, read without the lock */
+	atomic_uint_fast64_t held;	 /* items staged or being written */
+	atomic_uint_fast64_t misses;	 /* fills it could not serve */
+	struct dev_l2_item *staged, *staged_tail, *writing;
+	uint64_t staged_bytes;
+	struct {
+		uint64_t l2_hits, l2_hit_bytes, l2_stale, l2_read_errors;
+		uint64_t l2_stored_bytes, l2_dropped_bytes, l2_invalidated_bytes;
+		uint64_t l2_loaded_bytes, l2_load_ns, l2_write_ns;
+	} st;
+};
+
 struct cache_device {
 	char *path;
+	unsigned use; /* CACHE_DEVICE_USE_* */
 	int fd;
 	bool odirect;
 	uint64_t device_bytes;
@@ -100,6 +142,7 @@ struct cache_device {
 	struct dev_batch *batches;
 	size_t nbatches, capbatches;
 	struct cache_device_stats st;
+	struct dev_l2 l2;
 };
 
 /* One batch of the live log: its header, data read and checked. */
@@ -128,6 +171,19 @@ int dev_walk_next(struct cache_device *d, struct walk *w, uint8_t *hdr);
 void dev_walk_advance(struct cache_device *d, struct walk *w);
 /* device_replay.c: the live log onto the backends, then empty. */
 int dev_replay(struct cache_device *d, struct worker *w, char *err, size_t len);
+/* Why two identities differ (buf), or NULL. */
+const char *dev_identity_differs(const struct devfmt_identity *a, const struct devfmt_identity *b,
+				 char *buf, size_t len);
+/* device_l2.c: set up (before the table is read), the table of a clean
+ * close read back, the thread started; stopped, the table written (the
+ * superblock's fields set: the caller writes it), everything freed. */
+int dev_l2_init(struct cache_device *d);
+void dev_l2_load(struct cache_device *d);
+int dev_l2_start(struct cache_device *d);
+void dev_l2_stop(struct cache_device *d);
+int dev_l2_save(struct cache_device *d);
+void dev_l2_free(struct cache_device *d);
+void dev_l2_stats(struct cache_device *d, struct cache_device_stats *out);
 /* device_log.c */
 void *dev_log_thread(void *arg);
 /* The log cannot hold every record any more: off for good (lock held). */

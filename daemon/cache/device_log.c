@@ -17,6 +17,8 @@
 
 bool cache_device_usable(struct cache_device *d)
 {
+	if (!(d->use & CACHE_DEVICE_USE_LOG))
+		return false;
 	pthread_mutex_lock(&d->lock);
 	bool ok = d->started && !d->failed;
 	pthread_mutex_unlock(&d->lock);
@@ -61,6 +63,8 @@ void dev_fail_locked(struct cache_device *d, int error, const char *what)
 uint64_t cache_device_append(struct cache_device *d, struct cache_export *ce, unsigned type,
 			     uint64_t offset, uint64_t length, const void *data)
 {
+	if (!(d->use & CACHE_DEVICE_USE_LOG))
+		return 0;
 	pthread_mutex_lock(&d->lock);
 	if (!d->started || d->failed || ce->device_slot < 0) {
 		pthread_mutex_unlock(&d->lock);

@@ -446,6 +446,10 @@ void direct_step(struct cache_op *op)
 	case 3: /* apply the step to the cache */
 		if (op->step_length && !op->error)
 			step_log(op);
+		/* The level-2 cache's copies (and those an eviction staged while
+		 * the backend wrote) are older than the backend's bytes now. */
+		if (op->step_length && c->device)
+			cache_device_l2_invalidate(c->device, ce, op->step_offset, op->step_length);
 		if (op->step_length) {
 			if (!op->error && op->cmd == BACKEND_WRITE &&
 			    ce->mode == CACHE_MODE_WRITETHROUGH) {

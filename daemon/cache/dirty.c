@@ -25,6 +25,11 @@ void cache_mark_dirty(struct cache_entry *e, uint32_t first, uint32_t count)
 		pthread_mutex_unlock(&ce->lock);
 	}
 	x->logged = false; /* written: a log round copies it again */
+	if (ce->cache->device)
+		cache_device_l2_invalidate(ce->cache->device, ce,
+					   cache_entry_offset(e) +
+					       ((uint64_t)first << ce->block_shift),
+					   (uint64_t)count << ce->block_shift);
 	if (ce->device_slot >= 0)
 		atomic_fetch_add_explicit(&ce->log_unlogged_bytes,
 					  (uint64_t)count << ce->block_shift, memory_order_relaxed);

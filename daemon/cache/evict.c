@@ -161,6 +161,40 @@ void cache_queue_split(struct cache *c, struct cache_entry *e, struct cache_entr
 	e->fifo_next = ni; /* q->frames stay: e gave n its frames */
 }
 
+/*
+ * A clean entry leaves RAM: its uptodate pages go to the cache device's
+ * level-2 cache (device.h), copied now, written later. Shard lock held.
+ */
+static void offer_level2(struct cache *c, struct cache_export *ce, struct cache_entry *e)
+{
+	if (!c->device || ce->device_slot < 0 || !cache_device_l2_on(c->device))
+		return;
+	struct cache_map up = cache_uptodate_map(e);
+	uint64_t bytes = cache_entry_bytes(e), offset = cache_entry_offset(e);
+	uint64_t size = atomic_load(&ce->size);
+	const uint8_t *mem = arena_address(&c->arena, e->frame);
+	/* Page by page: a page goes if every block over it is uptodate. */
+	uint64_t run = 0, pages = bytes / ARENA_FRAME_SIZE;
+	for (uint64_t p = 0; p <= pages; p++) {
+		bool ok = p < pages && offset + p * ARENA_FRAME_SIZE < size;
+		if (ok) {
+			uint64_t from = p * ARENA_FRAME_SIZE, to = from + ARENA_FRAME_SIZE - 1;
+			for (uint64_t b = from >> ce->block_shift; ok && b <= to >> ce->block_shift;
+			     b++)
+				ok = map_test(up, (uint32_t)b);
+		}
+		if (ok) {
+			run++;
+			continue;
+		}
+		if (run)
+			cache_device_l2_store(c->device, ce, offset + (p - run) * ARENA_FRAME_SIZE,
+					      mem + (p - run) * ARENA_FRAME_SIZE,
+					      run * ARENA_FRAME_SIZE);
+		run = 0;
+	}
+}
+
 bool cache_entry_evictable(struct cache_entry *e)
 {
 	if (cache_entry_pinned(e))
@@ -224,6 +258,7 @@ static bool evict_one(struct cache *c, struct cache_shard *held_shard)
 		if (queue == CACHE_SMALL)
 			ghost_remember(c, e);
 		struct cache_export *ce = r->ce;
+		offer_level2(c, ce, e);
 		cache_entry_destroy(c, sh, e);
 		pthread_mutex_unlock(&sh->lock);
 		atomic_fetch_add(&ce->counters.evictions, 1);
@@ -240,6 +275,7 @@ bool cache_entry_evict_cold(struct cache *c, struct cache_shard *sh, struct cach
 	if (entry_queue(e) == CACHE_SMALL)
 		ghost_remember(c, e);
 	struct cache_export *ce = cache_entry_export(e);
+	offer_level2(c, ce, e);
 	cache_entry_destroy(c, sh, e);
 	pthread_mutex_unlock(&c->evict_lock);
 	atomic_fetch_add(&ce->counters.evictions, 1);

@@ -30,7 +30,8 @@ int cache_create(const struct options *opts, unsigned workers, struct cache **ou
 	}
 	if (opts->cache_device) {
 		char err[1024];
-		rc = cache_device_open(opts->cache_device, &c->device, err, sizeof(err));
+		rc = cache_device_open(opts->cache_device, opts->cache_device_use, &c->device, err,
+				       sizeof(err));
 		if (rc == 0 &&
 		    (rc = cache_device_discard(c->device, opts->cache_device_discard)) < 0)
 			snprintf(err, sizeof(err), "cache device: out of memory");

@@ -126,7 +126,7 @@ void cache_log_stats(struct cache *c)
 		at += (size_t)snprintf(by_order + at, sizeof(by_order) - at, "%s%llu", o ? "," : "",
 				       (unsigned long long)s.free_bytes_by_order[o]);
 	/* With a cache device, its figures end the line. */
-	char dev[640] = "";
+	char dev[1024] = "";
 	if (c->device) {
 		struct cache_device_stats d;
 		cache_device_get_stats(c->device, &d);
@@ -145,6 +145,18 @@ void cache_log_stats(struct cache *c)
 			 (unsigned long long)d.fallbacks, (unsigned long long)d.replay_batches,
 			 (unsigned long long)d.replay_records, (unsigned long long)d.replay_bytes,
 			 (unsigned long long)d.replay_ns);
+		size_t n = strlen(dev);
+		snprintf(
+		    dev + n, sizeof(dev) - n,
+		    " device_l2_bytes=%llu device_l2_used_bytes=%llu device_l2_hits=%llu "
+		    "device_l2_hit_bytes=%llu device_l2_misses=%llu device_l2_stale_reads=%llu "
+		    "device_l2_stored_bytes=%llu device_l2_dropped_bytes=%llu "
+		    "device_l2_loaded_bytes=%llu",
+		    (unsigned long long)d.l2_bytes, (unsigned long long)d.l2_used,
+		    (unsigned long long)d.l2_hits, (unsigned long long)d.l2_hit_bytes,
+		    (unsigned long long)d.l2_misses, (unsigned long long)d.l2_stale,
+		    (unsigned long long)d.l2_stored_bytes, (unsigned long long)d.l2_dropped_bytes,
+		    (unsigned long long)d.l2_loaded_bytes);
 	}
 	log_info(
 	    "stats: arena=%s cache_bytes=%llu used_bytes=%llu entries=%llu hits=%llu "

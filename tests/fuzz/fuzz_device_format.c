@@ -2,8 +2,10 @@
  * tests/fuzz/fuzz_device_format.c: a cache device's superblock copy and
  * batch header (daemon/cache/device_format.c) as a corrupt or hostile
  * device could hold them. The first input byte picks which (even: a
- * superblock, odd: a batch header, expecting the sequence number in the
- * next 8 bytes), the rest is the block, zero padded; with bit 2 of that
+ * superblock, odd with bit 3: the level-2 table's header block and, read
+ * again from the same bytes, its entries; odd without: a batch header,
+ * expecting the sequence number in the next 8 bytes), the rest is the
+ * block, zero padded; with bit 2 of that
  * byte the harness writes a good magic, version and CRC over the fuzzer's
  * bytes, so that the checks past them are reached. Whatever is accepted
  * keeps the promises the replay relies on: the log lies within the
@@ -47,6 +49,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		CHECK(sb.log_offset + sb.log_bytes <= sb.device_bytes);
 		CHECK(sb.checkpoint_offset < sb.log_bytes);
 		CHECK(sb.export_count <= DEVFMT_MAX_EXPORTS);
+		CHECK(!sb.l2_bytes || (sb.l2_offset >= sb.log_offset + sb.log_bytes &&
+				       sb.l2_offset + sb.l2_bytes <= sb.device_bytes));
+		CHECK(sb.l2_table_bytes <= sb.log_bytes);
 		for (uint32_t i = 0; i < sb.export_count; i++) {
 			CHECK(memchr(sb.exports[i].name, 0, sizeof(sb.exports[i].name)));
 			CHECK(memchr(sb.exports[i].backend, 0, sizeof(sb.exports[i].backend)));
@@ -55,6 +60,36 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		CHECK(devfmt_sb_encode(&sb, again) == 0);
 		CHECK(devfmt_sb_decode(again, &sb2, why, sizeof(why)) == 0);
 		CHECK(memcmp(&sb, &sb2, sizeof(sb)) == 0);
+		return 0;
+	}
+	if (data[0] & 8) {
+		/* The level-2 table: a header block, then entries. */
+		size_t n = size - 1 < DEVFMT_BLOCK ? size - 1 : DEVFMT_BLOCK;
+		memcpy(block, data + 1, n);
+		if (data[0] & 4) {
+			nbd_put64(block, DEVFMT_L2T_MAGIC);
+			memcpy(block + 8, uuid, 16);
+		}
+		static struct devfmt_l2t_header h, h2;
+		if (devfmt_l2t_header_decode(block, uuid, 1u << 20, &h, why, sizeof(why)) < 0) {
+			CHECK(why[0] != '\0');
+		} else {
+			CHECK(h.entries <= 1u << 20);
+			devfmt_l2t_header_encode(&h, uuid, again);
+			CHECK(devfmt_l2t_header_decode(again, uuid, 1u << 20, &h2, why,
+						       sizeof(why)) == 0);
+			CHECK(memcmp(&h, &h2, sizeof(h)) == 0);
+		}
+		for (size_t at = 1; at + DEVFMT_L2T_ENTRY <= size; at += DEVFMT_L2T_ENTRY) {
+			struct devfmt_l2t_entry e, e2;
+			if (devfmt_l2t_entry_decode(data + at, 1u << 20, &e) < 0)
+				continue;
+			CHECK(e.slot < DEVFMT_MAX_EXPORTS && e.page < 1u << 20);
+			uint8_t enc[DEVFMT_L2T_ENTRY];
+			devfmt_l2t_entry_encode(&e, enc);
+			CHECK(devfmt_l2t_entry_decode(enc, 1u << 20, &e2) == 0);
+			CHECK(e.slot == e2.slot && e.page == e2.page && e.block == e2.block);
+		}
 		return 0;
 	}
 	if (size < 9)

@@ -119,7 +119,7 @@ WITH_TRIM = os.environ.get("CRASH_TRIM", "1") != "0"
 WRITE_BUDGET = 96 * MIB      # bytes of write data per trial (kept for the check)
 DRAIN_SECONDS = 3.0          # reading replies after the kill
 PIECE = 512                  # the check's second granularity
-DEVICE_SIZE = 64 * MIB       # device mode: the cache device (its log)
+DEVICE_SIZE = 96 * MIB       # device mode: the cache device (log and level-2 area)
 MAX_RSS = 2 << 30            # this process's memory: a leak ends the run
 INF = float("inf")
 

@@ -106,12 +106,36 @@ static void test_sb_refusals(void **state)
 	assert_int_equal(sb_decode(), -EINVAL);
 	assert_non_null(strstr(why, "no nbdcached superblock"));
 
-	/* Another version, with a good CRC. */
+	/* Another version (1: before the level-2 area), with a good CRC. */
 	devfmt_sb_encode(&sb, sbuf);
-	nbd_put32(sbuf + 8, 2);
+	nbd_put32(sbuf + 8, 1);
 	nbd_put32(sbuf + DEVFMT_SB_BYTES - 4, devfmt_crc32c(0, sbuf, DEVFMT_SB_BYTES - 4));
 	assert_int_equal(sb_decode(), -EINVAL);
-	assert_non_null(strstr(why, "format version 2"));
+	assert_non_null(strstr(why, "format version 1"));
+
+	/* A level-2 area over the log, or past the device's end. */
+	make_sb();
+	sb.log_bytes = 1u << 30;
+	sb.l2_offset = DEVFMT_LOG_OFFSET + (1u << 29);
+	sb.l2_bytes = 1u << 30;
+	devfmt_sb_encode(&sb, sbuf);
+	assert_int_equal(sb_decode(), -EINVAL);
+	assert_non_null(strstr(why, "level-2 area at"));
+	sb.l2_offset = DEVFMT_LOG_OFFSET + (1u << 30);
+	sb.l2_bytes = sb.device_bytes - (1u << 30);
+	devfmt_sb_encode(&sb, sbuf);
+	assert_int_equal(sb_decode(), -EINVAL);
+	assert_non_null(strstr(why, "level-2 area at"));
+	/* A table larger than the log, or not whole entries. */
+	sb.l2_bytes = (1u << 30);
+	sb.l2_table_bytes = (1u << 30) + DEVFMT_BLOCK;
+	devfmt_sb_encode(&sb, sbuf);
+	assert_int_equal(sb_decode(), -EINVAL);
+	assert_non_null(strstr(why, "level-2 table of"));
+	sb.l2_table_bytes = DEVFMT_BLOCK + 17;
+	devfmt_sb_encode(&sb, sbuf);
+	assert_int_equal(sb_decode(), -EINVAL);
+	assert_non_null(strstr(why, "level-2 table of"));
 
 	/* A log that does not fit the device. */
 	make_sb();
@@ -144,6 +168,58 @@ static void test_sb_refusals(void **state)
 	make_sb();
 	sb.exports[0].name[0] = '\0';
 	assert_int_equal(devfmt_sb_encode(&sb, sbuf), -EINVAL);
+}
+
+static void test_l2(void **state)
+{
+	(void)state;
+	/* The geometry round-trips. */
+	make_sb();
+	sb.log_bytes = 1u << 29;
+	sb.l2_offset = DEVFMT_LOG_OFFSET + (1u << 29);
+	sb.l2_bytes = (1ull << 32) - DEVFMT_LOG_OFFSET - (1u << 29);
+	sb.l2_table_bytes = DEVFMT_BLOCK + 3 * DEVFMT_L2T_ENTRY;
+	sb.l2_table_crc = 0x12345678;
+	sb.flags = DEVFMT_SB_CLEAN;
+	assert_int_equal(devfmt_sb_encode(&sb, sbuf), 0);
+	assert_int_equal(sb_decode(), 0);
+	assert_int_equal(back.l2_offset, sb.l2_offset);
+	assert_int_equal(back.l2_bytes, sb.l2_bytes);
+	assert_int_equal(back.l2_table_bytes, sb.l2_table_bytes);
+	assert_int_equal(back.l2_table_crc, 0x12345678);
+	assert_int_equal(back.exports[1].slot, 3); /* identities after the longer header */
+
+	/* The table's header and entries. */
+	static struct devfmt_l2t_header h, hb;
+	memset(&h, 0, sizeof(h));
+	h.entries = 3;
+	h.mtime_ns[0] = 1700000000123456789ull;
+	h.mtime_ns[DEVFMT_MAX_EXPORTS - 1] = 5;
+	devfmt_l2t_header_encode(&h, uuid, bbuf);
+	assert_int_equal(devfmt_l2t_header_decode(bbuf, uuid, 3, &hb, why, sizeof(why)), 0);
+	assert_int_equal(hb.entries, 3);
+	assert_int_equal(hb.mtime_ns[0], 1700000000123456789ull);
+	assert_int_equal(hb.mtime_ns[DEVFMT_MAX_EXPORTS - 1], 5);
+	assert_int_equal(devfmt_l2t_header_decode(bbuf, uuid, 2, &hb, why, sizeof(why)), -EINVAL);
+	assert_non_null(strstr(why, "at most 2 fit"));
+	static const uint8_t other[16] = {9};
+	assert_int_equal(devfmt_l2t_header_decode(bbuf, other, 3, &hb, why, sizeof(why)), -EINVAL);
+	assert_non_null(strstr(why, "another device"));
+	memset(bbuf, 0, 8);
+	assert_int_equal(devfmt_l2t_header_decode(bbuf, uuid, 3, &hb, why, sizeof(why)), -EINVAL);
+	assert_non_null(strstr(why, "no level-2 table"));
+
+	uint8_t e[DEVFMT_L2T_ENTRY];
+	struct devfmt_l2t_entry in = {.slot = 3, .page = 77, .block = 1ull << 40}, out;
+	devfmt_l2t_entry_encode(&in, e);
+	assert_int_equal(devfmt_l2t_entry_decode(e, 78, &out), 0);
+	assert_int_equal(out.slot, 3);
+	assert_int_equal(out.page, 77);
+	assert_int_equal(out.block, 1ull << 40);
+	assert_int_equal(devfmt_l2t_entry_decode(e, 77, &out), -EINVAL); /* past the area */
+	in.slot = DEVFMT_MAX_EXPORTS;
+	devfmt_l2t_entry_encode(&in, e);
+	assert_int_equal(devfmt_l2t_entry_decode(e, 78, &out), -EINVAL);
 }
 
 static void make_batch(void)
@@ -233,9 +309,8 @@ static void test_batch(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-	    cmocka_unit_test(test_crc32c),
-	    cmocka_unit_test(test_sb_round_trip),
-	    cmocka_unit_test(test_sb_refusals),
+	    cmocka_unit_test(test_crc32c),	cmocka_unit_test(test_sb_round_trip),
+	    cmocka_unit_test(test_sb_refusals), cmocka_unit_test(test_l2),
 	    cmocka_unit_test(test_batch),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);

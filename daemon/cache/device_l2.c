@@ -1,0 +1,712 @@
+/*
+ * daemon/cache/device_l2.c: a cache device's level-2 cache (device.h): clean
+ * pages evicted from RAM, kept in the device's level-2 area and read back
+ * on a RAM miss instead of from the backend.
+ *
+ * The area is a ring of DEVFMT_BLOCK pages written in order (as OpenZFS's
+ * L2ARC): what is written next overwrites the oldest, which is its
+ * eviction. In memory: the owner of each page (its key: export slot and
+ * block, 0 when free), a counter per page bumped whenever it is rewritten
+ * (its epoch), and a hash table from key to page. Nothing of it is on the
+ * device while the daemon runs; a clean close writes it as the level-2
+ * table (device_format.h) and the next start reads it back.
+ *
+ * Storing: an evicted entry's uptodate pages are copied (under its shard
+ * lock, cache_device_l2_store) into a staged item, and the level-2 thread
+ * writes staged items to the ring, then enters their pages. Staging is
+ * bounded (L2_STAGE_MAX bytes): past it a page is not stored, never waited
+ * for.
+ *
+ * Never stale: every write, zero or trim of an export's range (as it
+ * enters the cache under a shard lock, or goes direct) removes the pages
+ * it covers from the table and cancels staged and in-flight items over
+ * them before a later fill could see them (cache_device_l2_invalidate). A
+ * read from the area snapshots each page's epoch and owner, and once its
+ * data is in checks both again: a page rewritten meanwhile makes the read
+ * fall back to the backend.
+ *
+ * Lock: l2.lock, a leaf (taken under a shard lock and the evict lock).
+ */
+#include "daemon/cache/device_internal.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "daemon/log.h"
+
+/* Staged bytes at most (copies waiting for the level-2 thread). */
+#define L2_STAGE_MAX (32u << 20)
+/* Keys: the export slot + 1 above a block number of 48 bits (an export of
+ * up to 2^60 bytes); 0 is a free page. */
+#define L2_BLOCK_BITS 48
+
+static uint64_t key_of(unsigned slot, uint64_t block)
+{
+	return ((uint64_t)slot + 1) << L2_BLOCK_BITS | block;
+}
+
+static unsigned key_slot(uint64_t key)
+{
+	return (unsigned)(key >> L2_BLOCK_BITS) - 1;
+}
+
+static uint64_t key_block(uint64_t key)
+{
+	return key & ((1ull << L2_BLOCK_BITS) - 1);
+}
+
+static size_t key_hash(const struct dev_l2 *l, uint64_t key)
+{
+	key ^= key >> 33;
+	key *= 0xff51afd7ed558ccdull;
+	key ^= key >> 33;
+	return (size_t)key & l->hmask;
+}
+
+/* ---- the table: key -> page, open addressing, linear probing ---- */
+
+static bool table_get(const struct dev_l2 *l, uint64_t key, uint32_t *page)
+{
+	for (size_t i = key_hash(l, key);; i = (i + 1) & l->hmask) {
+		if (l->hkeys[i] == 0)
+			return false;
+		if (l->hkeys[i] == key) {
+			*page = l->hpages[i];
+			return true;
+		}
+	}
+}
+
+static void table_put(struct dev_l2 *l, uint64_t key, uint32_t page)
+{
+	size_t i = key_hash(l, key);
+	while (l->hkeys[i] != 0 && l->hkeys[i] != key)
+		i = (i + 1) & l->hmask;
+	if (l->hkeys[i] == 0)
+		atomic_store_explicit(&l->valid_hint, ++l->valid, memory_order_relaxed);
+	l->hkeys[i] = key;
+	l->hpages[i] = page;
+}
+
+/* Remove key (backward shift: no tombstones). */
+static void table_remove(struct dev_l2 *l, uint64_t key)
+{
+	size_t i = key_hash(l, key);
+	while (l->hkeys[i] != key) {
+		if (l->hkeys[i] == 0)
+			return;
+		i = (i + 1) & l->hmask;
+	}
+	atomic_store_explicit(&l->valid_hint, --l->valid, memory_order_relaxed);
+	for (size_t j = (i + 1) & l->hmask;; j = (j + 1) & l->hmask) {
+		if (l->hkeys[j] == 0)
+			break;
+		size_t home = key_hash(l, l->hkeys[j]);
+		/* j's entry may move to i if its home is not in (i, j]. */
+		bool between = i <= j ? (home > i && home <= j) : (home > i || home <= j);
+		if (between)
+			continue;
+		l->hkeys[i] = l->hkeys[j];
+		l->hpages[i] = l->hpages[j];
+		i = j;
+	}
+	l->hkeys[i] = 0;
+}
+
+/* Page p no longer holds what its owner says (lock held). */
+static void page_free(struct dev_l2 *l, uint32_t p)
+{
+	if (l->owner[p]) {
+		table_remove(l, l->owner[p]);
+		l->owner[p] = 0;
+	}
+}
+
+/* ---- set up and tear down ---- */
+
+bool cache_device_l2_on(struct cache_device *d)
+{
+	return atomic_load_explicit(&d->l2.on, memory_order_acquire);
+}
+
+int dev_l2_init(struct cache_device *d)
+{
+	struct dev_l2 *l = &d->l2;
+	pthread_mutex_init(&l->lock, NULL);
+	pthread_cond_init(&l->cond, NULL);
+	l->inited = true;
+	if (!(d->use & CACHE_DEVICE_USE_L2) || !d->sb.l2_bytes)
+		return 0;
+	l->offset = d->sb.l2_offset;
+	l->pages = (uint32_t)(d->sb.l2_bytes / DEVFMT_BLOCK);
+	size_t slots = 1;
+	while (slots < (size_t)l->pages * 2)
+		slots <<= 1;
+	l->hmask = slots - 1;
+	l->owner = calloc(l->pages, sizeof(*l->owner));
+	l->epoch = calloc(l->pages, sizeof(*l->epoch));
+	l->hkeys = calloc(slots, sizeof(*l->hkeys));
+	l->hpages = calloc(slots, sizeof(*l->hpages));
+	if (!l->owner || !l->epoch || !l->hkeys || !l->hpages)
+		return -ENOMEM;
+	return 0;
+}
+
+static void *l2_thread(void *arg);
+
+int dev_l2_start(struct cache_device *d)
+{
+	struct dev_l2 *l = &d->l2;
+	if (!l->pages)
+		return 0;
+	l->running = true;
+	int rc = pthread_create(&l->thread, NULL, l2_thread, d);
+	if (rc) {
+		l->running = false;
+		return -rc;
+	}
+	atomic_store_explicit(&l->on, true, memory_order_release);
+	return 0;
+}
+
+static void items_free(struct dev_l2_item *it)
+{
+	while (it) {
+		struct dev_l2_item *next = it->next;
+		free(it->data);
+		free(it);
+		it = next;
+	}
+}
+
+void dev_l2_stop(struct cache_device *d)
+{
+	struct dev_l2 *l = &d->l2;
+	if (!l->inited || !l->running)
+		return;
+	pthread_mutex_lock(&l->lock);
+	l->stop = true;
+	pthread_cond_signal(&l->cond);
+	pthread_mutex_unlock(&l->lock);
+	pthread_join(l->thread, NULL);
+	l->running = false;
+}
+
+void dev_l2_free(struct cache_device *d)
+{
+	struct dev_l2 *l = &d->l2;
+	if (!l->inited)
+		return;
+	dev_l2_stop(d);
+	items_free(l->staged);
+	free(l->owner);
+	free(l->epoch);
+	free(l->hkeys);
+	free(l->hpages);
+	pthread_mutex_destroy(&l->lock);
+	pthread_cond_destroy(&l->cond);
+}
+
+/* Off for good (a write to the area failed): every page forgotten. */
+static void l2_off_locked(struct cache_device *d, int error)
+{
+	struct dev_l2 *l = &d->l2;
+	if (!atomic_exchange(&l->on, false))
+		return;
+	memset(l->owner, 0, (size_t)l->pages * sizeof(*l->owner));
+	memset(l->hkeys, 0, (l->hmask + 1) * sizeof(*l->hkeys));
+	l->valid = 0;
+	atomic_store_explicit(&l->valid_hint, 0, memory_order_relaxed);
+	l->st_failed = true;
+	log_error("cache device %s: writing its level-2 area: %s; the level-2 cache is off from "
+		  "now on (misses read from the backends)",
+		  d->path, strerror(-error));
+}
+
+/* ---- storing ---- */
+
+void cache_device_l2_store(struct cache_device *d, struct cache_export *ce, uint64_t offset,
+			   const void *data, uint64_t length)
+{
+	struct dev_l2 *l = &d->l2;
+	int slot = ce->device_slot;
+	if (slot < 0 || !cache_device_l2_on(d) || offset % DEVFMT_BLOCK || length % DEVFMT_BLOCK ||
+	    !length || (offset + length) / DEVFMT_BLOCK >= (1ull << L2_BLOCK_BITS))
+		return;
+	uint64_t block = offset / DEVFMT_BLOCK;
+	uint32_t pages = (uint32_t)(length / DEVFMT_BLOCK);
+	pthread_mutex_lock(&l->lock);
+	/* Pages the area holds already (read from it, evicted again): the same
+	 * bytes, nothing to write. Only a whole item is left out. */
+	uint32_t held = 0, p;
+	for (uint32_t i = 0; i < pages; i++)
+		held += table_get(l, key_of((unsigned)slot, block + i), &p);
+	bool full = l->staged_bytes + length > L2_STAGE_MAX || pages > l->pages / 4;
+	if (held == pages || full) {
+		if (full)
+			l->st.l2_dropped_bytes += length;
+		pthread_mutex_unlock(&l->lock);
+		return;
+	}
+	l->staged_bytes += length;
+	pthread_mutex_unlock(&l->lock);
+	/* Copied without the level-2 lock: the caller's shard lock keeps
+	 * writes to the range (and their invalidations) out until it is
+	 * queued, where invalidations find it. */
+	struct dev_l2_item *it = calloc(1, sizeof(*it));
+	uint8_t *buf = it ? dev_aligned(length) : NULL;
+	if (!buf) {
+		free(it);
+		pthread_mutex_lock(&l->lock);
+		l->staged_bytes -= length;
+		l->st.l2_dropped_bytes += length;
+		pthread_mutex_unlock(&l->lock);
+		return;
+	}
+	memcpy(buf, data, length);
+	it->slot = (uint16_t)slot;
+	it->block = block;
+	it->pages = pages;
+	it->data = buf;
+	pthread_mutex_lock(&l->lock);
+	it->next = NULL;
+	if (l->staged_tail)
+		l->staged_tail->next = it;
+	else
+		l->staged = it;
+	l->staged_tail = it;
+	atomic_fetch_add(&l->held, 1);
+	pthread_cond_signal(&l->cond);
+	pthread_mutex_unlock(&l->lock);
+}
+
+/* Write one item to the ring and enter its pages (the level-2 thread; lock
+ * held on entry and exit, dropped for the write). */
+static void write_item(struct cache_device *d, struct dev_l2_item *it)
+{
+	struct dev_l2 *l = &d->l2;
+	if (l->head + it->pages > l->pages)
+		l->head = 0; /* the pages past it stay as they are, for a lap */
+	uint32_t start = l->head;
+	for (uint32_t i = 0; i < it->pages; i++) {
+		page_free(l, start + i);
+		l->epoch[start + i]++;
+	}
+	l->head = start + it->pages == l->pages ? 0 : start + it->pages;
+	l->writing = it;
+	pthread_mutex_unlock(&l->lock);
+	uint64_t t0 = cache_now_ns();
+	int rc = dev_pwrite_all(d->fd, it->data, (size_t)it->pages * DEVFMT_BLOCK,
+				l->offset + (uint64_t)start * DEVFMT_BLOCK);
+	uint64_t t1 = cache_now_ns();
+	pthread_mutex_lock(&l->lock);
+	l->writing = NULL;
+	if (rc < 0) {
+		l2_off_locked(d, rc);
+		return;
+	}
+	l->st.l2_write_ns += t1 - t0;
+	if (it->cancelled)
+		return;
+	for (uint32_t i = 0; i < it->pages; i++) {
+		uint64_t key = key_of(it->slot, it->block + i);
+		uint32_t old;
+		if (table_get(l, key, &old))
+			l->owner[old] = 0;
+		table_put(l, key, start + i);
+		l->owner[start + i] = key;
+	}
+	l->st.l2_stored_bytes += (uint64_t)it->pages * DEVFMT_BLOCK;
+}
+
+static void *l2_thread(void *arg)
+{
+	struct cache_device *d = arg;
+	struct dev_l2 *l = &d->l2;
+	pthread_mutex_lock(&l->lock);
+	while (!l->stop) {
+		struct dev_l2_item *it = l->staged;
+		if (!it) {
+			pthread_cond_wait(&l->cond, &l->lock);
+			continue;
+		}
+		l->staged = it->next;
+		if (!l->staged)
+			l->staged_tail = NULL;
+		if (!it->cancelled && cache_device_l2_on(d))
+			write_item(d, it);
+		l->staged_bytes -= (uint64_t)it->pages * DEVFMT_BLOCK;
+		atomic_fetch_sub(&l->held, 1);
+		pthread_mutex_unlock(&l->lock);
+		free(it->data);
+		free(it);
+		pthread_mutex_lock(&l->lock);
+	}
+	pthread_mutex_unlock(&l->lock);
+	return NULL;
+}
+
+/* ---- invalidating ---- */
+
+static bool item_overlaps(const struct dev_l2_item *it, unsigned slot, uint64_t first,
+			  uint64_t last)
+{
+	return it->slot == slot && it->block <= last && it->block + it->pages - 1 >= first;
+}
+
+void cache_device_l2_invalidate(struct cache_device *d, struct cache_export *ce, uint64_t offset,
+				uint64_t length)
+{
+	struct dev_l2 *l = &d->l2;
+	int slot = ce->device_slot;
+	if (slot < 0 || !length || !l->pages)
+		return;
+	if (!atomic_load(&l->held) && !atomic_load_explicit(&l->valid_hint, memory_order_relaxed))
+		return;
+	uint64_t first = offset / DEVFMT_BLOCK;
+	uint64_t end = offset + length < offset ? UINT64_MAX : offset + length;
+	uint64_t last = (end - 1) / DEVFMT_BLOCK;
+	pthread_mutex_lock(&l->lock);
+	for (struct dev_l2_item *it = l->staged; it; it = it->next)
+		if (item_overlaps(it, (unsigned)slot, first, last))
+			it->cancelled = true;
+	if (l->writing && item_overlaps(l->writing, (unsigned)slot, first, last))
+		l->writing->cancelled = true;
+	uint64_t gone = 0;
+	if (last - first < l->valid) {
+		for (uint64_t b = first; b <= last && b < (1ull << L2_BLOCK_BITS); b++) {
+			uint32_t p;
+			if (table_get(l, key_of((unsigned)slot, b), &p)) {
+				page_free(l, p);
+				gone++;
+			}
+		}
+	} else {
+		/* A range wider than what the area holds: walk the area. */
+		for (uint32_t p = 0; p < l->pages; p++) {
+			uint64_t k = l->owner[p];
+			if (k && key_slot(k) == (unsigned)slot && key_block(k) >= first &&
+			    key_block(k) <= last) {
+				page_free(l, p);
+				gone++;
+			}
+		}
+	}
+	l->st.l2_invalidated_bytes += gone * DEVFMT_BLOCK;
+	pthread_mutex_unlock(&l->lock);
+}
+
+/* ---- reading ---- */
+
+struct l2_extent {
+	struct uring_op op;
+	struct l2_read *r;
+	uint8_t *buf;
+	uint64_t at; /* device offset */
+	uint32_t len, done;
+};
+
+struct l2_read {
+	struct cache_device *d;
+	struct backend_io *io;
+	struct worker *worker;
+	unsigned slot;
+	uint64_t block;
+	uint32_t pages, pending;
+	int error;
+	uint32_t *page, *epoch; /* per page: where, and its epoch then */
+	unsigned nextents;
+	struct l2_extent ext[];
+};
+
+static void extent_prep(struct l2_extent *x)
+{
+	struct io_uring_sqe *sqe = uring_get_sqe(&x->r->worker->ring, &x->op);
+	io_uring_prep_read(sqe, x->r->d->fd, x->buf + x->done, x->len - x->done, x->at + x->done);
+}
+
+static void read_finish(struct l2_read *r)
+{
+	struct cache_device *d = r->d;
+	struct dev_l2 *l = &d->l2;
+	int result = r->error;
+	pthread_mutex_lock(&l->lock);
+	if (result == 0)
+		for (uint32_t i = 0; i < r->pages; i++)
+			if (l->epoch[r->page[i]] != r->epoch[i] ||
+			    l->owner[r->page[i]] != key_of(r->slot, r->block + i)) {
+				result = -ESTALE;
+				break;
+			}
+	if (result == 0) {
+		l->st.l2_hits++;
+		l->st.l2_hit_bytes += (uint64_t)r->pages * DEVFMT_BLOCK;
+	} else if (result == -ESTALE) {
+		l->st.l2_stale++;
+	} else {
+		l->st.l2_read_errors++;
+	}
+	pthread_mutex_unlock(&l->lock);
+	if (result < 0 && result != -ESTALE)
+		log_warn("cache device %s: reading its level-2 area: %s; read from the backend",
+			 d->path, strerror(-result));
+	struct backend_io *io = r->io;
+	free(r);
+	io->done(io, result);
+}
+
+static void extent_complete(struct uring_op *op, int res)
+{
+	struct l2_extent *x = (struct l2_extent *)op;
+	struct l2_read *r = x->r;
+	if (res == -EINTR || res == -EAGAIN) {
+		extent_prep(x);
+		return;
+	}
+	if (res > 0) {
+		x->done += (uint32_t)res;
+		if (x->done < x->len) {
+			extent_prep(x);
+			return;
+		}
+	} else if (!r->error) {
+		r->error = res < 0 ? res : -EIO;
+	}
+	if (--r->pending == 0)
+		read_finish(r);
+}
+
+bool cache_device_l2_read(struct cache_device *d, struct cache_export *ce, struct worker *w,
+			  struct backend_io *io)
+{
+	struct dev_l2 *l = &d->l2;
+	int slot = ce->device_slot;
+	if (slot < 0 || !cache_device_l2_on(d) || io->offset % DEVFMT_BLOCK ||
+	    io->length % DEVFMT_BLOCK || !io->length ||
+	    (io->offset + io->length) / DEVFMT_BLOCK >= (1ull << L2_BLOCK_BITS))
+		return false;
+	if (!atomic_load_explicit(&l->valid_hint, memory_order_relaxed)) {
+		atomic_fetch_add_explicit(&l->misses, 1, memory_order_relaxed);
+		return false;
+	}
+	uint32_t pages = (uint32_t)(io->length / DEVFMT_BLOCK);
+	uint64_t block = io->offset / DEVFMT_BLOCK;
+	/* At most one extent per page. */
+	struct l2_read *r = malloc(sizeof(*r) + (size_t)pages * sizeof(struct l2_extent) +
+				   (size_t)pages * 2 * sizeof(uint32_t));
+	if (!r)
+		return false;
+	r->page = (uint32_t *)((char *)r + sizeof(*r) + (size_t)pages * sizeof(struct l2_extent));
+	r->epoch = r->page + pages;
+	pthread_mutex_lock(&l->lock);
+	for (uint32_t i = 0; i < pages; i++) {
+		if (!table_get(l, key_of((unsigned)slot, block + i), &r->page[i])) {
+			atomic_fetch_add_explicit(&l->misses, 1, memory_order_relaxed);
+			pthread_mutex_unlock(&l->lock);
+			free(r);
+			return false;
+		}
+		r->epoch[i] = l->epoch[r->page[i]];
+	}
+	pthread_mutex_unlock(&l->lock);
+	r->d = d;
+	r->io = io;
+	r->worker = w;
+	r->slot = (unsigned)slot;
+	r->block = block;
+	r->pages = pages;
+	r->error = 0;
+	r->nextents = 0;
+	for (uint32_t i = 0; i < pages; i++) {
+		struct l2_extent *x = r->nextents ? &r->ext[r->nextents - 1] : NULL;
+		uint64_t at = l->offset + (uint64_t)r->page[i] * DEVFMT_BLOCK;
+		if (x && x->at + x->len == at) {
+			x->len += DEVFMT_BLOCK;
+			continue;
+		}
+		x = &r->ext[r->nextents++];
+		x->op.complete = extent_complete;
+		x->r = r;
+		x->buf = (uint8_t *)io->buf + (size_t)i * DEVFMT_BLOCK;
+		x->at = at;
+		x->len = DEVFMT_BLOCK;
+		x->done = 0;
+	}
+	r->pending = r->nextents;
+	for (unsigned k = 0; k < r->nextents; k++)
+		extent_prep(&r->ext[k]);
+	return true;
+}
+
+/* ---- the table across a clean restart ---- */
+
+/* A backend file's modification time (0: not a regular file). */
+static uint64_t backend_mtime(const struct devfmt_identity *id)
+{
+	struct stat st;
+	if (id->kind != DEVFMT_BACKEND_FILE || stat(id->backend, &st) < 0 || !S_ISREG(st.st_mode))
+		return 0;
+	return (uint64_t)st.st_mtim.tv_sec * 1000000000ull + (uint64_t)st.st_mtim.tv_nsec;
+}
+
+int dev_l2_save(struct cache_device *d)
+{
+	struct dev_l2 *l = &d->l2;
+	d->sb.l2_table_bytes = 0;
+	d->sb.l2_table_crc = 0;
+	if (!l->pages || !cache_device_l2_on(d))
+		return 0;
+	uint64_t bytes = DEVFMT_BLOCK + (uint64_t)l->valid * DEVFMT_L2T_ENTRY;
+	uint64_t alloc = (bytes + DEVFMT_BLOCK - 1) / DEVFMT_BLOCK * DEVFMT_BLOCK;
+	if (bytes > d->sb.log_bytes)
+		return 0;
+	uint8_t *buf = dev_aligned((size_t)alloc);
+	if (!buf)
+		return -ENOMEM;
+	memset(buf, 0, (size_t)alloc);
+	struct devfmt_l2t_header h = {.entries = 0};
+	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
+		if (d->slots[i].used && d->slots[i].ce)
+			h.mtime_ns[i] = backend_mtime(&d->slots[i].id);
+	uint8_t *p = buf + DEVFMT_BLOCK;
+	for (uint32_t pg = 0; pg < l->pages; pg++) {
+		uint64_t k = l->owner[pg];
+		if (!k)
+			continue;
+		struct devfmt_l2t_entry e = {
+		    .slot = (uint16_t)key_slot(k), .page = pg, .block = key_block(k)};
+		devfmt_l2t_entry_encode(&e, p);
+		p += DEVFMT_L2T_ENTRY;
+		h.entries++;
+	}
+	devfmt_l2t_header_encode(&h, d->sb.uuid, buf);
+	bytes = DEVFMT_BLOCK + h.entries * DEVFMT_L2T_ENTRY;
+	int rc = dev_pwrite_all(d->fd, buf, (size_t)alloc, d->sb.log_offset);
+	if (rc == 0)
+		rc = dev_sync(d);
+	if (rc == 0) {
+		d->sb.l2_table_bytes = bytes;
+		d->sb.l2_table_crc = devfmt_crc32c(0, buf, (size_t)bytes);
+		log_info(
+		    "cache device %s: level-2 table of %llu pages (%llu MiB) kept for the next "
+		    "start",
+		    d->path, (unsigned long long)h.entries,
+		    (unsigned long long)(h.entries * DEVFMT_BLOCK >> 20));
+	}
+	free(buf);
+	return rc;
+}
+
+void dev_l2_load(struct cache_device *d)
+{
+	struct dev_l2 *l = &d->l2;
+	uint64_t bytes = d->sb.l2_table_bytes;
+	if (!bytes)
+		return;
+	if (!(d->sb.flags & DEVFMT_SB_CLEAN) || !l->pages) {
+		log_info("cache device %s: level-2 table not used (%s)", d->path,
+			 l->pages ? "not closed clean" : "the level-2 cache is not in use");
+		return;
+	}
+	uint64_t alloc = (bytes + DEVFMT_BLOCK - 1) / DEVFMT_BLOCK * DEVFMT_BLOCK;
+	uint8_t *buf = dev_aligned((size_t)alloc);
+	if (!buf)
+		return;
+	uint64_t t0 = cache_now_ns();
+	char why[200] = "";
+	struct devfmt_l2t_header h;
+	int rc = dev_pread_all(d->fd, buf, (size_t)alloc, d->sb.log_offset);
+	if (rc < 0)
+		snprintf(why, sizeof(why), "reading it: %s", strerror(-rc));
+	else if (devfmt_crc32c(0, buf, (size_t)bytes) != d->sb.l2_table_crc)
+		snprintf(why, sizeof(why), "its CRC32C does not match the superblock's");
+	else if (devfmt_l2t_header_decode(buf, d->sb.uuid,
+					  (bytes - DEVFMT_BLOCK) / DEVFMT_L2T_ENTRY, &h, why,
+					  sizeof(why)) < 0)
+		rc = -EINVAL;
+	if (rc < 0 || why[0]) {
+		log_warn("cache device %s: level-2 table not used: %s", d->path, why);
+		free(buf);
+		return;
+	}
+	/* Which slots' pages hold: configured with the identity recorded, and a
+	 * backend file nobody modified since the close. */
+	bool ok[DEVFMT_MAX_EXPORTS];
+	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++) {
+		const struct dev_slot *s = &d->slots[i];
+		char diff[300];
+		ok[i] = s->used && s->ce && s->configured &&
+			dev_identity_differs(&s->id, &s->cfg, diff, sizeof(diff)) == NULL;
+		if (ok[i] && h.mtime_ns[i] && backend_mtime(&s->cfg) != h.mtime_ns[i]) {
+			log_warn("cache device %s: export \"%s\": its backend file was modified "
+				 "since the last close; its level-2 pages are not used",
+				 d->path, s->cfg.name);
+			ok[i] = false;
+		}
+	}
+	uint64_t loaded = 0, bad = 0;
+	pthread_mutex_lock(&l->lock);
+	for (uint64_t i = 0; i < h.entries; i++) {
+		struct devfmt_l2t_entry e;
+		if (devfmt_l2t_entry_decode(buf + DEVFMT_BLOCK + i * DEVFMT_L2T_ENTRY, l->pages,
+					    &e) < 0 ||
+		    e.block >= (1ull << L2_BLOCK_BITS) || l->owner[e.page]) {
+			bad++;
+			continue;
+		}
+		if (!ok[e.slot])
+			continue;
+		uint64_t key = key_of(e.slot, e.block);
+		uint32_t old;
+		if (table_get(l, key, &old)) {
+			bad++;
+			continue;
+		}
+		table_put(l, key, e.page);
+		l->owner[e.page] = key;
+		loaded++;
+	}
+	/* The ring goes on after the highest page in use. */
+	l->head = 0;
+	for (uint32_t p = l->pages; p-- > 0;)
+		if (l->owner[p]) {
+			l->head = p + 1 == l->pages ? 0 : p + 1;
+			break;
+		}
+	l->st.l2_loaded_bytes = loaded * DEVFMT_BLOCK;
+	l->st.l2_load_ns = cache_now_ns() - t0;
+	pthread_mutex_unlock(&l->lock);
+	free(buf);
+	log_info("cache device %s: level-2 cache warm: %llu MiB in %llu ms%s", d->path,
+		 (unsigned long long)(loaded * DEVFMT_BLOCK >> 20),
+		 (unsigned long long)(l->st.l2_load_ns / 1000000),
+		 bad ? " (some entries of the table did not add up and were left out)" : "");
+}
+
+void dev_l2_stats(struct cache_device *d, struct cache_device_stats *out)
+{
+	struct dev_l2 *l = &d->l2;
+	if (!l->inited)
+		return;
+	pthread_mutex_lock(&l->lock);
+	out->l2_bytes = (uint64_t)l->pages * DEVFMT_BLOCK;
+	out->l2_used = l->valid * DEVFMT_BLOCK;
+	out->l2_staged = l->staged_bytes;
+	out->l2_on = cache_device_l2_on(d);
+	out->l2_failed = l->st_failed;
+	out->l2_hits = l->st.l2_hits;
+	out->l2_hit_bytes = l->st.l2_hit_bytes;
+	out->l2_misses = atomic_load_explicit(&l->misses, memory_order_relaxed);
+	out->l2_stale = l->st.l2_stale;
+	out->l2_read_errors = l->st.l2_read_errors;
+	out->l2_stored_bytes = l->st.l2_stored_bytes;
+	out->l2_dropped_bytes = l->st.l2_dropped_bytes;
+	out->l2_invalidated_bytes = l->st.l2_invalidated_bytes;
+	out->l2_loaded_bytes = l->st.l2_loaded_bytes;
+	out->l2_load_ns = l->st.l2_load_ns;
+	out->l2_write_ns = l->st.l2_write_ns;
+	pthread_mutex_unlock(&l->lock);
+}

@@ -1,0 +1,312 @@
+#!/usr/bin/python3
+"""cache_device_l2: the cache device's level-2 cache (--cache-device,
+cache-device-use l2 or both).
+
+A 96 MiB working set on a 256 MiB backend file, a RAM cache of 16 MiB and
+a cache device of 176 MiB (a level-2 area of about 150 MiB); a byte model
+of the whole export says what every read must return.
+
+  1  Level-2 at work: the working set written and FLUSHed, read once
+     (evictions fill the level-2 area), then read again: at most 5% of
+     its bytes come from the backend, the rest from the device (stats:
+     hits, hit bytes, stored bytes; nbdcachectl stats' level-2 line; the
+     SIGUSR1 line's device_l2_* figures).
+  2  Never stale: rounds of 4 KiB and 1 MiB WRITEs, WRITE_ZEROES and TRIMs
+     over ranges the level-2 area holds and RAM does not, each round then
+     read whole against the model; then the same through a writethrough
+     daemon (whose WRITEs go direct to the backend).
+  3  Warm restart: SIGTERM (the log says the level-2 table was kept), a
+     new start reads it back (its log line), and the first pass over the
+     working set reads at most 5% of its bytes from the backend, every
+     byte as the model says.
+  4  The backend file modified while the daemon was down: its pages are
+     not used (the log says why), and a read returns the file's new bytes.
+  5  After SIGKILL: the next start begins cold (no table: it is kept only
+     by a clean close) and every byte reads as the model says.
+  6  cache-device-use: log (no level-2 cache: the stats say off, evictions
+     are not stored) and l2 (a FLUSH is not answered from the log: no
+     commits, the bytes on the backend file after it).
+"""
+
+import os
+import random
+import re
+import time
+import sys
+
+sys.dont_write_bytecode = True
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "lib"))
+import nbdtest  # noqa: E402
+from nbdtest import Failed, log, require  # noqa: E402
+
+import nbd  # noqa: E402
+
+MIB = 1 << 20
+SIZE = 256 * MIB
+WORKING = 96 * MIB
+BASE = 64 * MIB              # the working set: [BASE, BASE + WORKING)
+DEVICE = 176 * MIB
+CHECKS = nbdtest.Checks(catch=(Failed, nbd.Error))
+expect = CHECKS.expect
+SEED = int(os.environ.get("L2_SEED", "20261206"))
+
+
+class Model:
+    """The export's bytes as every acknowledged command left them."""
+
+    def __init__(self, path):
+        self.buf = bytearray(nbdtest.read_at(path, 0, SIZE))
+
+    def write(self, off, data):
+        self.buf[off:off + len(data)] = data
+
+    def zero(self, off, n):
+        self.buf[off:off + n] = bytes(n)
+
+
+class Run:
+    def __init__(self, tmp):
+        self.tmp = tmp
+        self.disk = os.path.join(tmp, "disk.img")
+        self.dev = os.path.join(tmp, "cache.dev")
+        self.rng = random.Random(SEED)
+        with open(self.disk, "wb") as f:
+            f.truncate(SIZE)
+            f.seek(BASE)
+            f.write(self.rng.randbytes(WORKING))
+        nbdtest.sparse_file(self.dev, DEVICE)
+        self.model = Model(self.disk)
+        self.d = None
+
+    def start(self, mode="writeback", use=None, what=None):
+        work = os.path.join(self.tmp, "d%d" % len(os.listdir(self.tmp)))
+        os.mkdir(work)
+        extra = ["--cache-device", self.dev, "--cache-size", "16M", "--cache-mode", mode,
+                 "--hugepages", "off"]
+        if use:
+            extra += ["--cache-device-use", use]
+        self.d = nbdtest.CheckedDaemon([("disk", self.disk, "")], workdir=work, tcp=False,
+                                       extra=extra, what=what)
+        self.h = nbdtest.libnbd_handle(self.d.unix_uri("disk"))
+        return self.d
+
+    def stats(self):
+        st = nbdtest.control_request(self.d.control, {"command": "stats"})
+        dev = st["cache"].get("cache_device")
+        require(dev and "l2" in dev, "stats: no cache_device.l2: %s" % sorted(st["cache"]))
+        return st["cache"], dev["l2"]
+
+    def backend_read_bytes(self):
+        cache, _ = self.stats()
+        return cache["backend_read_bytes"]
+
+    def settle(self):
+        """Wait until nothing is staged for the level-2 area."""
+        for _ in range(400):
+            _, l2 = self.stats()
+            if l2["staged_bytes"] == 0:
+                return l2
+            time.sleep(0.05)
+        raise Failed("level-2 staging did not drain: %s" % l2)
+
+    def read_all(self, what, chunk=MIB):
+        """Read the working set (random order of 1 MiB chunks) against the
+        model; the bytes read from the backend meanwhile."""
+        before = self.backend_read_bytes()
+        offs = list(range(BASE, BASE + WORKING, chunk))
+        self.rng.shuffle(offs)
+        for off in offs:
+            got = self.h.pread(chunk, off)
+            want = self.model.buf[off:off + chunk]
+            if got != want:
+                nbdtest.require_same(got, want, "%s: read at %d" % (what, off), base=off)
+        return self.backend_read_bytes() - before
+
+    def read_pages(self, what, count):
+        """count random 4 KiB reads over the working set against the model;
+        the bytes read from the backend meanwhile."""
+        before = self.backend_read_bytes()
+        for _ in range(count):
+            off = BASE + self.rng.randrange(WORKING // 4096) * 4096
+            got = self.h.pread(4096, off)
+            if got != self.model.buf[off:off + 4096]:
+                nbdtest.require_same(got, self.model.buf[off:off + 4096],
+                                     "%s: read at %d" % (what, off), base=off)
+        return self.backend_read_bytes() - before
+
+
+def level2_at_work(r):
+    r.start()
+    data = r.rng.randbytes(WORKING)
+    for off in range(0, WORKING, 4 * MIB):
+        r.h.pwrite(data[off:off + 4 * MIB], BASE + off)
+        r.model.write(BASE + off, data[off:off + 4 * MIB])
+    r.h.flush()
+    first = r.read_all("first pass")
+    r.settle()
+    second = r.read_all("second pass")
+    cache, l2 = r.stats()
+    log("  first pass %d MiB from the backend, second %.1f MiB; level-2: %s" % (
+        first >> 20, second / MIB,
+        {k: l2[k] for k in ("bytes", "used_bytes", "hits", "hit_bytes", "misses",
+                            "stored_bytes", "dropped_bytes")}))
+    expect(l2["on"] and l2["bytes"] > WORKING, "level-2 area: %s" % l2)
+    expect(second <= WORKING // 20, "the second pass read %d bytes of %d from the backend "
+           "(more than 5%%)" % (second, WORKING))
+    expect(l2["hit_bytes"] >= WORKING // 2, "level-2 hit bytes %d" % l2["hit_bytes"])
+    res = nbdtest.run([nbdtest.NBDCACHECTL, "--control", r.d.control, "stats"])
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("level-2")]
+    expect(line and "hits" in line[0], "nbdcachectl stats: no level-2 line:\n%s" % res.stdout)
+    log("  nbdcachectl: %s" % (line[0] if line else ""))
+    usr1 = nbdtest.stats(r.d)
+    expect(usr1.get("device_l2_hits", 0) >= 1 and usr1.get("device_l2_bytes", 0) > 0,
+           "SIGUSR1 line: %s" % {k: v for k, v in usr1.items() if k.startswith("device_l2")})
+
+
+def one_round(r, i):
+    """Writes of every kind over the working set, then all of it read."""
+    h = r.h
+    for _ in range(60):
+        kind = r.rng.randrange(4)
+        if kind == 0:
+            off = BASE + r.rng.randrange(WORKING // 4096) * 4096
+            data = r.rng.randbytes(4096)
+            h.pwrite(data, off)
+            r.model.write(off, data)
+        elif kind == 1:
+            off = BASE + r.rng.randrange(WORKING // MIB) * MIB
+            data = r.rng.randbytes(MIB)
+            h.pwrite(data, off)
+            r.model.write(off, data)
+        elif kind == 2:
+            off = BASE + r.rng.randrange(WORKING // 65536) * 65536
+            h.zero(65536, off)
+            r.model.zero(off, 65536)
+        else:
+            # TRIM, then the range written: what a trimmed range reads as
+            # is the backend's to say, so the model keeps only the write.
+            off = BASE + r.rng.randrange(WORKING // 65536) * 65536
+            h.trim(65536, off)
+            data = r.rng.randbytes(65536)
+            h.pwrite(data, off)
+            r.model.write(off, data)
+        if r.rng.randrange(8) == 0:
+            h.flush()
+        if r.rng.randrange(4) == 0:
+            r.read_pages("round %d" % i, 16)
+    h.flush()
+    r.read_all("round %d" % i)
+    r.settle()
+
+
+def never_stale(r):
+    for i in range(4):
+        one_round(r, i)
+    _, l2 = r.stats()
+    log("  level-2 after the rounds: %s" % {k: l2[k] for k in (
+        "hits", "stale_reads", "invalidated_bytes", "stored_bytes", "used_bytes")})
+    expect(l2["invalidated_bytes"] > 0, "no level-2 page was written over: the rounds did "
+           "not reach the level-2 area")
+    expect(l2["hits"] > 0, "no level-2 hit during the rounds")
+    r.d.stop()
+    r.start(mode="writethrough", what="writethrough")
+    r.read_all("writethrough, before")
+    r.settle()
+    for i in range(2):
+        one_round(r, 10 + i)
+    r.d.stop()
+
+
+def warm_restart(r):
+    r.start()
+    r.read_all("before the restart")
+    r.settle()
+    r.d.stop()
+    with open(r.d.logpath) as f:
+        text = f.read()
+    m = re.search(r"level-2 table of (\d+) pages", text)
+    require(m, "the clean close did not say it kept the level-2 table")
+    log("  %s" % m.group(0))
+    r.start(what="warm start")
+    m = re.search(r"level-2 cache warm: (\d+) MiB in (\d+) ms", r.d.log_text())
+    require(m, "no 'level-2 cache warm' line at start")
+    log("  %s" % m.group(0))
+    first = r.read_pages("first pass after the restart", WORKING // 4096 // 4)
+    log("  first pass of %d random 4 KiB reads: %.1f MiB from the backend (%.1f%% of what "
+        "was read)" % (WORKING // 4096 // 4, first / MIB, 100.0 * first / (WORKING // 4)))
+    expect(first <= WORKING // 4 // 20, "after a clean restart %d bytes of %d read came from "
+           "the backend (more than 5%%)" % (first, WORKING // 4))
+    r.d.stop()
+
+
+def modified_while_down(r):
+    off = BASE + 8 * MIB
+    data = r.rng.randbytes(MIB)
+    with open(r.disk, "r+b") as f:
+        f.seek(off)
+        f.write(data)
+        os.fsync(f.fileno())
+    r.model.write(off, data)
+    r.start(what="after the backend file was modified")
+    text = r.d.log_text()
+    expect("was modified since the last close" in text, "the start did not say the backend "
+           "file was modified; it said:\n%s" % text[-2000:])
+    got = r.h.pread(MIB, off)
+    nbdtest.require_same(got, data, "the modified range", base=off)
+    r.read_all("after the modification")
+    r.settle()
+
+
+def after_kill(r):
+    r.d.kill()
+    r.d.logf.close()
+    r.start(what="after SIGKILL")
+    expect("level-2 cache warm" not in r.d.log_text(), "a table was used after SIGKILL")
+    first = r.read_all("after SIGKILL")
+    log("  after SIGKILL the first pass read %d MiB of %d from the backend (cold: a table "
+        "is kept only by a clean close)" % (first >> 20, WORKING >> 20))
+    r.d.stop()
+
+
+def uses(r):
+    r.start(use="log", what="cache-device-use log")
+    r.read_all("use log")
+    _, l2 = r.stats()
+    expect(not l2["on"] and l2["stored_bytes"] == 0, "cache-device-use log: %s" % l2)
+    r.d.stop()
+    r.start(use="l2", what="cache-device-use l2")
+    off = BASE + 40 * MIB
+    data = r.rng.randbytes(MIB)
+    r.h.pwrite(data, off)
+    r.model.write(off, data)
+    r.h.flush()
+    st = nbdtest.control_request(r.d.control, {"command": "stats"})
+    dev = st["cache"]["cache_device"]
+    expect(dev["commits"] == 0 and dev["use"] == "l2", "cache-device-use l2: the log was "
+           "used: %s" % {k: dev[k] for k in ("commits", "records", "use")})
+    nbdtest.require_same(nbdtest.read_at(r.disk, off, MIB), data,
+                         "cache-device-use l2: the backend file after FLUSH", base=off)
+    r.read_all("use l2")
+    r.settle()
+    _, l2 = r.stats()
+    expect(l2["on"] and l2["stored_bytes"] > 0, "cache-device-use l2: %s" % l2)
+    r.d.stop()
+
+
+def main():
+    with nbdtest.tempdir() as tmp:
+        r = Run(tmp)
+        CHECKS.run("level-2 at work", level2_at_work, r)
+        CHECKS.run("never stale", never_stale, r)
+        CHECKS.run("warm restart", warm_restart, r)
+        CHECKS.run("backend modified while down", modified_while_down, r)
+        CHECKS.run("after SIGKILL", after_kill, r)
+        CHECKS.run("cache-device-use", uses, r)
+        if r.d and r.d.alive():
+            r.d.stop()
+    CHECKS.finish("cache_device_l2")
+
+
+if __name__ == "__main__":
+    main()
