@@ -6,8 +6,9 @@
 #                   tests two at a time, those marked "alone" by
 #                   themselves; TEST_JOBS=1 runs them one after the other)
 #   make asan       the same suite under ASan + UBSan (build-asan/)
-#   make tsan       the unit tests and the cache concurrency tests
-#                   (cache_compact, cache_races, durability, write_receive) under TSan
+#   make tsan       the unit tests and the concurrency tests (cache_compact,
+#                   cache_races, durability, write_receive, upgrade and the
+#                   cache_device ones; one run, two at a time) under TSan
 #                   (build-tsan/; suppressions in tests/tsan.supp)
 #   make i386       proto/, the dependency-free daemon core and their unit
 #                   tests built with -m32 and run (build-i386/); then the
@@ -172,12 +173,26 @@ unit: $(UNIT_BIN)
 
 # The sanitizer and i386 passes repeat the long randomised tests fewer times
 # than make check does (which runs them in full): crash trials, backend-death
-# runs, the compaction run's length.
-SHORT_REPEATS = CRASH_TRIALS=12 RUNS=5 RUNS9=1 CACHE_COMPACT_SECONDS=10
+# runs, the compaction run's length; cache_races' FLUSH-during-writeback
+# rounds and model ops per configuration (400 and 3000 in full), upgrade's
+# upgrades in a row (20), cache_property's random ops per run (500), and
+# fio_verify's bytes per job (64 MiB, its cache shrunk alike so that the
+# data still outgrows it). Timed checks keep their durations.
+SHORT_REPEATS = CRASH_TRIALS=12 RUNS=5 RUNS9=1 CACHE_COMPACT_SECONDS=10 \
+	CACHE_RACES_WB_ITERATIONS=100 CACHE_RACES_MODEL_OPS=1000 UPGRADES=8 \
+	CACHE_PROPERTY_OPS=200 FIO_VERIFY_MIB=16
+
+# ... and leave out (TEST_EXCLUDE) the tests whose outcome does not depend
+# on the build under test, which make check runs: deps_mirror.py
+# (scripts/deps and its apt mirror; 45-55 s a pass) and, in make i386,
+# install_tree.py (there it builds the host's amd64 programs into
+# build-i386-root/run and installs those, never the i386 ones; 22 s).
+# tests/run fails if a name here is no longer a test.
+SAME_IN_EVERY_BUILD = deps_mirror.py
 
 asan: deps
 	$(MAKE) BUILD=build-asan CC=gcc SANITIZE="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" OPT="-O1 -g" all
-	$(SHORT_REPEATS) ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:quarantine_size_mb=16 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	$(SHORT_REPEATS) TEST_EXCLUDE="$(SAME_IN_EVERY_BUILD)" ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:quarantine_size_mb=16 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 		BUILD=build-asan tests/run
 
 # TSan does not mix with ASan. libevent and liburing are not instrumented:
@@ -186,16 +201,12 @@ TSAN_RUN = TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp halt_on_error=1 
 tsan: deps
 	$(MAKE) BUILD=build-tsan CC=gcc SANITIZE="-fsanitize=thread -fno-omit-frame-pointer" OPT="-O1 -g" all
 	$(TSAN_RUN) tests/run --unit-only
-	$(TSAN_RUN) CACHE_COMPACT_SECONDS=10 tests/run --integration-only cache_compact
-	$(TSAN_RUN) tests/run --integration-only cache_races
-	$(TSAN_RUN) tests/run --integration-only durability
-	$(TSAN_RUN) tests/run --integration-only write_receive
-	$(TSAN_RUN) tests/run --integration-only upgrade
-	$(TSAN_RUN) CRASH_TRIALS=8 tests/run --integration-only cache_device
+	$(TSAN_RUN) CACHE_COMPACT_SECONDS=10 CRASH_TRIALS=8 tests/run --integration-only \
+		'cache_compact|cache_races|durability|write_receive|upgrade|cache_device'
 
 i386: deps
 	$(MAKE) BUILD=build-i386 M32=-m32 unit
-	$(SHORT_REPEATS) scripts/i386-chroot
+	$(SHORT_REPEATS) TEST_EXCLUDE="$(SAME_IN_EVERY_BUILD) install_tree.py" scripts/i386-chroot
 
 FUZZ_BIN := $(patsubst tests/fuzz/%.c,build-fuzz/%,$(FUZZ_SRC))
 build-fuzz/%: tests/fuzz/%.c tests/fuzz/fuzz.h $(PROTO_SRC) proto/nbd.h

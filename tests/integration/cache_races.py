@@ -38,6 +38,9 @@ I/O completes inline and these races need I/O in flight.
 
 Seeds are fixed (printed); CACHE_RACES_SEED changes the base seed and
 CACHE_RACES_ONLY runs only the parts whose name contains it.
+CACHE_RACES_WB_ITERATIONS (flush-during-writeback's rounds, default 400)
+and CACHE_RACES_MODEL_OPS (ops per model run, default 3000) repeat less
+(make asan and make i386: SHORT_REPEATS in the Makefile).
 """
 
 import collections
@@ -61,11 +64,13 @@ ONLY = os.environ.get("CACHE_RACES_ONLY", "")
 DEADLINE = 20              # seconds for any request
 HOLE = nbd.STATE_HOLE
 
-WB_SIZE, WB_ITERATIONS, WB_SECONDS, WB_BATCH = 1 << 30, 400, 25, 64
+WB_SIZE, WB_SECONDS, WB_BATCH = 1 << 30, 25, 64
+WB_ITERATIONS = int(os.environ.get("CACHE_RACES_WB_ITERATIONS", "400"))
 BP_SIZE, BP_ITERATIONS, BP_SECONDS, BP_DEADLINE = 12 * MIB + 16 * KIB, 1500, 20, 10
 RUN, RUNS = 16 * KIB, 600          # block-status-many-extents: data every RUN bytes
 DIRTY_HOLES = (1, 2) + tuple(range(248, 264))
-MODEL_OPS, MODEL_SECONDS = 3000, 30
+MODEL_OPS = int(os.environ.get("CACHE_RACES_MODEL_OPS", "3000"))
+MODEL_SECONDS = 30
 MODEL_CONFIGS = (  # export size, block size, cache mode, cache size
     (100000, 512, "writeback", "1M"),
     (1000003, 4096, "writeback", "1M"),

@@ -14,6 +14,12 @@ Then every workload is verified again (verify_only) over the other
 transport, and once more after the daemon is restarted on the same backend:
 the data was on the backend, not only in the daemon. fio must exit 0 and
 every job must report error 0 and no verify failure in its output.
+
+FIO_VERIFY_MIB (default and at most 64) is the MiB each job writes, the
+sequential job four times that: 704 MiB a transport, 1408 MiB for both,
+more than the daemon's default 1 GiB cache. Below 64 (make asan and make
+i386: SHORT_REPEATS in the Makefile) --cache-size shrinks in proportion,
+so that the data still outgrows the cache.
 """
 
 import json
@@ -28,16 +34,22 @@ from nbdtest import check, fail, log  # noqa: E402
 MiB = 1 << 20
 GiB = 1 << 30
 SIZE = 2 * GiB
+JOB_MIB = int(os.environ.get("FIO_VERIFY_MIB", "64"))
+# The daemon's default cache (1 GiB) at 64 MiB a job; in proportion below.
+DAEMON_EXTRA = [] if JOB_MIB >= 64 else ["--cache-size", "%dM" % (1024 * JOB_MIB // 64)]
 
 # name -> (fio options, bytes written per job, jobs); the offset is added
 # per transport (Unix socket: 0, TCP: 1 GiB).
 WORKLOADS = {
-    "randwrite4k": (["--rw=randwrite", "--bs=4k", "--size=64m", "--iodepth=16"], 64 * MiB, 1),
-    "seqwrite1m": (["--rw=write", "--bs=1m", "--size=256m", "--iodepth=8"], 256 * MiB, 1),
-    "randrw4k": (["--rw=randrw", "--rwmixread=50", "--bs=4k", "--size=64m", "--iodepth=32",
-                  "--numjobs=2", "--offset_increment=64m"], None, 2),
+    "randwrite4k": (["--rw=randwrite", "--bs=4k", "--size=%dm" % JOB_MIB, "--iodepth=16"],
+                    JOB_MIB * MiB, 1),
+    "seqwrite1m": (["--rw=write", "--bs=1m", "--size=%dm" % (4 * JOB_MIB), "--iodepth=8"],
+                   4 * JOB_MIB * MiB, 1),
+    "randrw4k": (["--rw=randrw", "--rwmixread=50", "--bs=4k", "--size=%dm" % JOB_MIB,
+                  "--iodepth=32", "--numjobs=2", "--offset_increment=64m"], None, 2),
     "randrw-mixedbs": (["--rw=randrw", "--rwmixread=50", "--bsrange=512-256k", "--bs_unaligned",
-                        "--size=64m", "--iodepth=64", "--numjobs=4", "--offset_increment=64m"],
+                        "--size=%dm" % JOB_MIB, "--iodepth=64", "--numjobs=4",
+                        "--offset_increment=64m"],
                        None, 4),
 }
 REGION = {"randwrite4k": 0, "seqwrite1m": 128 * MiB, "randrw4k": 512 * MiB,
@@ -98,10 +110,12 @@ def verify_only(uri, base):
 
 
 def main():
+    if not 1 <= JOB_MIB <= 64:      # the regions above are laid out for 64
+        fail("FIO_VERIFY_MIB=%d: 1 to 64" % JOB_MIB)
     with nbdtest.tempdir() as tmp:
         state["tmp"] = tmp
         backend = nbdtest.sparse_file(os.path.join(tmp, "f.img"), SIZE)
-        with nbdtest.Daemon([("f", backend, "")]) as d:
+        with nbdtest.Daemon([("f", backend, "")], extra=DAEMON_EXTRA) as d:
             unix, tcp = d.unix_uri("f"), d.tcp_uri("f")
             log("=== write + verify over the Unix socket")
             write_and_verify(unix, 0)
@@ -112,7 +126,7 @@ def main():
             verify_only(unix, 1 * GiB)
             check(d.alive(), "nbdcached died")
         log("=== verify_only after a daemon restart on the same backend")
-        with nbdtest.Daemon([("f", backend, "")]) as d:
+        with nbdtest.Daemon([("f", backend, "")], extra=DAEMON_EXTRA) as d:
             verify_only(d.unix_uri("f"), 0)
             verify_only(d.tcp_uri("f"), 1 * GiB)
     log("all fio checks passed")
