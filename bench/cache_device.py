@@ -12,7 +12,7 @@ Backends, each a 1 GiB file on the machine's disk (not tmpfs):
 
 Servers in front of each (the cache device, when there is one, a 256 MiB
 file on the same disk; nbdcached in writeback mode, cache 512 MiB):
-  nbdcached+log   nbdcached --cache-device
+  nbdcached+log   nbdcached --cache-device (cache-device-use log)
   nbdcached       nbdcached without one (FLUSH goes to the backend)
   nbdkit-cache    nbdkit --filter=cache nbd (cache=writeback), a FLUSH
                   written back to the backend and flushed
@@ -23,6 +23,20 @@ and p99 (fio's sync latency), and the ratios of nbdcached+log's FLUSH p50
 to the others'. The target of issue 28: over the 2 ms backend, p50 with
 the log at most 1/5 of without it. Rounds alternate the servers' order;
 the table shows the medians.
+
+Then reads (--read-rounds, default 3): a working set of 256 MiB, 4x the
+RAM cache (64 MiB) and within the level-2 area of a 512 MiB cache device;
+the backend nbdkit --filter=delay file with reads delayed 2 ms too
+(slowread), and the file itself. Each server reads the working set twice
+sequentially first (1 MiB reads: what RAM cannot hold goes to the level-2
+area), then fio 4 KiB random reads at iodepth 1 over it for --seconds:
+  nbdcached+l2   nbdcached --cache-device (cache-device-use l2)
+  nbdcached      without one
+  nbdkit-cache   nbdkit --filter=cache (cache-max-size 64M)
+printed: read IOPS and p50/p99 latency, and the ratio of nbdcached+l2's
+IOPS to the others' (the target of issue 28: at least 5x without it over
+the 2 ms backend). Then the hit path: the same random reads over 32 MiB
+that RAM holds, nbdcached+l2 against nbdcached (within noise: 1.0).
 
 Then the replay: --replay-mib MiB (default 1024) written and FLUSHed
 into a log of twice that, the daemon SIGKILLed, and the next start's
@@ -126,28 +140,32 @@ def backend(kind, tmp, path):
     if kind == "file":
         return path, None
     sock = os.path.join(tmp, "backend.sock")
-    p = Proc(["nbdkit", "-U", sock, "-f", "--filter=delay", "file", path,
-              "delay-write=" + DELAY, "delay-zero=" + DELAY, "delay-trim=" + DELAY], sock, os.path.join(tmp, "backend.log"))
+    delays = ["delay-write=" + DELAY, "delay-zero=" + DELAY, "delay-trim=" + DELAY]
+    if kind == "slowread":
+        delays.append("delay-read=" + DELAY)
+    p = Proc(["nbdkit", "-U", sock, "-f", "--filter=delay", "file", path] + delays, sock,
+             os.path.join(tmp, "backend.log"))
     return "nbd+unix:///?socket=" + sock, p
 
 
-def server(name, tmp, spec, dev):
+def server(name, tmp, spec, dev, cache="512M"):
     sock = os.path.join(tmp, "front.sock")
     if name.startswith("nbdcached"):
         argv = [NBDCACHED, "--foreground", "--unix", sock, "--control", "none",
-                "--export", "d=" + spec, "--cache-size", "512M", "--cache-mode",
+                "--export", "d=" + spec, "--cache-size", cache, "--cache-mode",
                 "writeback", "--threads", "2"]
-        if name == "nbdcached+log":
+        if name in ("nbdcached+log", "nbdcached+l2"):
             with open(dev, "r+b") as f:
                 f.write(bytes(128 * 1024))  # zeros: formatted at start
                 f.flush()
                 os.fsync(f.fileno())
-            argv += ["--cache-device", dev]
+            argv += ["--cache-device", dev, "--cache-device-use",
+                     "log" if name == "nbdcached+log" else "l2"]
         return Proc(argv, sock, os.path.join(tmp, name + ".log")), \
             "nbd+unix:///d?socket=" + sock
     plugin = (["nbd", "uri=" + spec] if spec.startswith("nbd") else ["file", spec])
     argv = ["nbdkit", "-U", sock, "-f", "--filter=cache"] + plugin + [
-        "cache=writeback", "cache-max-size=512M"]
+        "cache=writeback", "cache-max-size=" + cache]
     return Proc(argv, sock, os.path.join(tmp, name + ".log")), "nbd+unix:///?socket=" + sock
 
 
@@ -226,6 +244,86 @@ def flush_latency(args, tmp):
                      if kind == "slow" and other == "nbdcached" else ""))
 
 
+READ_SET = 256 * MIB
+READ_CACHE = "64M"
+READ_DEVICE = 512 * MIB
+
+
+def fio_read(uri, seconds, out, size, rw="randread", bs="4k", time_based=True):
+    argv = ["fio", "--name=read", "--ioengine=nbd", "--uri=" + uri, "--rw=" + rw,
+            "--bs=" + bs, "--iodepth=1", "--size=%d" % size, "--output-format=json",
+            "--output=" + out]
+    if time_based:
+        argv += ["--time_based", "--runtime=%d" % seconds]
+    subprocess.run(argv, check=True, timeout=seconds + 300, capture_output=True)
+    with open(out) as f:
+        job = json.load(f)["jobs"][0]
+    pct = job["read"]["clat_ns"].get("percentile", {})
+    return {"iops": job["read"]["iops"], "p50": pct.get("50.000000", 0) / 1e3,
+            "p99": pct.get("99.000000", 0) / 1e3}
+
+
+def reads(args, tmp):
+    path = os.path.join(tmp, "backend.img")
+    dev = os.path.join(tmp, "read.dev")
+    if not os.path.exists(path):
+        zero_file(path, SIZE)
+    zero_file(dev, READ_DEVICE)
+    with open(path, "r+b") as f:  # data, not zeros: nothing reads as a hole
+        for off in range(0, READ_SET, 8 * MIB):
+            f.seek(off)
+            f.write(os.urandom(8 * MIB))
+        os.fsync(f.fileno())
+    servers = ["nbdcached+l2", "nbdcached", "nbdkit-cache"]
+    for kind, size, names in (("slowread", READ_SET, servers), ("file", READ_SET, servers),
+                              ("file", 32 * MIB, servers[:2])):
+        hit = size < READ_SET
+        print("\n== reads, backend: %s; %s" % (
+            "nbdkit --filter=delay file, reads and writes %s" % DELAY if kind == "slowread"
+            else "the file itself",
+            "the hit path: 32 MiB, all in RAM" if hit else
+            "working set %d MiB, RAM cache %s, cache device %d MiB" % (
+                READ_SET // MIB, READ_CACHE, READ_DEVICE // MIB)), flush=True)
+        results = {s: [] for s in names}
+        for rnd in range(args.read_rounds):
+            order = names if rnd % 2 == 0 else names[::-1]
+            for name in order:
+                spec, bp = backend(kind, tmp, path)
+                try:
+                    p, uri = server(name, tmp, spec, dev, cache=READ_CACHE)
+                    try:
+                        out = os.path.join(tmp, "fio.json")
+                        for _ in range(2):  # warm: RAM, then the level-2 area
+                            fio_read(uri, 0, out, size, rw="read", bs="1m", time_based=False)
+                        time.sleep(1)  # the level-2 thread writes what was staged
+                        r = fio_read(uri, args.seconds, out, size)
+                    finally:
+                        p.stop()
+                finally:
+                    if bp:
+                        bp.stop()
+                results[name].append(r)
+                print("  round %d %-14s %8.0f IOPS  p50 %8.1f us  p99 %8.1f us" % (
+                    rnd + 1, name, r["iops"], r["p50"], r["p99"]), flush=True)
+        med = {s: {k: statistics.median(x[k] for x in results[s]) for k in ("iops", "p50",
+                                                                               "p99")}
+               for s in names}
+        print("  %-14s %10s %12s %12s   (median of %d rounds)" % (
+            "server", "IOPS", "p50 us", "p99 us", args.read_rounds))
+        for s in names:
+            print("  %-14s %10.0f %12.1f %12.1f" % (s, med[s]["iops"], med[s]["p50"],
+                                                    med[s]["p99"]))
+        l2 = med["nbdcached+l2"]["iops"]
+        for other in names[1:]:
+            q = l2 / med[other]["iops"] if med[other]["iops"] else float("nan")
+            target = ""
+            if kind == "slowread" and other == "nbdcached":
+                target = "  target >= 5: %s" % ("MET" if q >= 5 else "NOT MET")
+            elif hit:
+                target = "  (the hit path: within noise of 1.0)"
+            print("  RATIO read IOPS nbdcached+l2 / %s: %.2f%s" % (other, q, target))
+
+
 def replay(args, tmp):
     path = os.path.join(tmp, "backend.img")
     dev = os.path.join(tmp, "replay.dev")
@@ -290,6 +388,8 @@ def main():
     ap.add_argument("--seconds", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--replay-mib", type=int, default=1024)
+    ap.add_argument("--read-rounds", type=int, default=3)
+    ap.add_argument("--skip-flush", action="store_true", help="only the reads and the replay")
     ap.add_argument("--dir", default=os.path.join(TOP, BUILD, "bench-cache-device"),
                     help="a directory on the disk to measure (default: under the build)")
     args = ap.parse_args()
@@ -308,7 +408,10 @@ def main():
                            text=True).stdout.strip()))
         print("client: fio ioengine=nbd, 4 KiB random writes, iodepth 1, --fsync=1, %d s per "
               "run, %d rounds" % (args.seconds, args.rounds), flush=True)
-        flush_latency(args, tmp)
+        if not args.skip_flush:
+            flush_latency(args, tmp)
+        if args.read_rounds:
+            reads(args, tmp)
         if args.replay_mib:
             replay(args, tmp)
     finally:
