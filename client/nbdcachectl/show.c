@@ -160,16 +160,17 @@ static void print_device(json_object *dev)
 	if (!l2)
 		return;
 	printf("level-2      %s%s, %s used, %s staged; %" PRId64 " hits (%s), %" PRId64
-	       " misses, %" PRId64 " stale; %s stored, %s left out, %s written over; %s warm "
+	       " misses, %" PRId64 " to a faster backend, %" PRId64
+	       " stale; %s stored, %s left out, %s written over; %s warm "
 	       "at start in %.3f s\n",
 	       ctl_get_bool(l2, "failed") ? "FAILED (off until a restart), " : "",
 	       ctl_get_bool(l2, "on") ? SIZE(ctl_get_int(l2, "bytes")) : "off",
 	       SIZE(ctl_get_int(l2, "used_bytes")), SIZE(ctl_get_int(l2, "staged_bytes")),
 	       ctl_get_int(l2, "hits"), SIZE(ctl_get_int(l2, "hit_bytes")),
-	       ctl_get_int(l2, "misses"), ctl_get_int(l2, "stale_reads"),
-	       SIZE(ctl_get_int(l2, "stored_bytes")), SIZE(ctl_get_int(l2, "dropped_bytes")),
-	       SIZE(ctl_get_int(l2, "invalidated_bytes")), SIZE(ctl_get_int(l2, "loaded_bytes")),
-	       (double)ctl_get_int(l2, "load_ns") / 1e9);
+	       ctl_get_int(l2, "misses"), ctl_get_int(l2, "skipped"),
+	       ctl_get_int(l2, "stale_reads"), SIZE(ctl_get_int(l2, "stored_bytes")),
+	       SIZE(ctl_get_int(l2, "dropped_bytes")), SIZE(ctl_get_int(l2, "invalidated_bytes")),
+	       SIZE(ctl_get_int(l2, "loaded_bytes")), (double)ctl_get_int(l2, "load_ns") / 1e9);
 }
 
 void print_cache_device(json_object *r)

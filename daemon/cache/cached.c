@@ -209,8 +209,11 @@ static void fill_done(struct backend_io *io, int result)
 	struct cache_entry *e = f->piece->entry;
 	struct cache_export *ce = op->ce;
 	struct cache_shard *sh = shard_of(ce, cache_entry_offset(e));
-	if (!f->level2)
+	if (!f->level2 && io->worker) {
 		cache_backend_timed(ce, io);
+		if (result >= 0 && ce->cache->device && io->length <= CACHE_DEVICE_SMALL_READ)
+			cache_device_cost_note(&ce->fill_page_ns, clock_now_ns() - io->submit_ns);
+	}
 	if (result >= 0) {
 		/* Bytes past the end of the export read as zeros. */
 		uint64_t start, end;
@@ -251,6 +254,27 @@ static void fill_done(struct backend_io *io, int result)
 	free(f);
 	if (--op->pending == 0)
 		op_run(op);
+}
+
+/*
+ * Is the level-2 cache worth asking for this fill? Not for a small one
+ * while the backend answers small fills faster than the device (a file
+ * in the page cache, a fast array). Either way a few go the other way, so
+ * that both figures stay current: one in 32 to the device while the
+ * backend is faster, one in 256 to the backend while it is not (or has
+ * not been timed yet).
+ */
+static bool level2_worth(struct cache_export *ce, struct cache_device *d, uint64_t length)
+{
+	if (length > CACHE_DEVICE_SMALL_READ)
+		return true;
+	uint64_t backend = atomic_load_explicit(&ce->fill_page_ns, memory_order_relaxed);
+	uint64_t device = cache_device_l2_page_ns(d);
+	unsigned n = atomic_fetch_add_explicit(&ce->level2_skips, 1, memory_order_relaxed);
+	bool worth = !device || (backend && device <= backend) ? n % 256 != 0 : n % 32 == 0;
+	if (!worth)
+		cache_device_l2_skipped(d);
+	return worth;
 }
 
 /* A fill from the level-2 cache: a failure (a page rewritten meanwhile,
@@ -320,7 +344,7 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
 		return 0;
 	}
 	struct cache_device *d = ce->cache->device;
-	if (done == fill_done && d) {
+	if (done == fill_done && d && cache_device_l2_on(d) && level2_worth(ce, d, length)) {
 		f->level2 = true;
 		f->io.done = level2_done;
 		f->io.worker = op->worker;

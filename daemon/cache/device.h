@@ -47,6 +47,7 @@
 #ifndef NBDCACHED_DAEMON_CACHE_DEVICE_H
 #define NBDCACHED_DAEMON_CACHE_DEVICE_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -85,6 +86,9 @@ struct cache_device_stats {
 	bool l2_on, l2_failed;
 	uint64_t l2_bytes, l2_used, l2_staged;
 	uint64_t l2_hits, l2_hit_bytes, l2_misses, l2_stale, l2_read_errors;
+	/* Fills sent to the backend as it answers faster; the average cost of
+	 * a small read from the area, ns. */
+	uint64_t l2_skipped, l2_page_ns;
 	uint64_t l2_stored_bytes, l2_dropped_bytes, l2_invalidated_bytes;
 	uint64_t l2_loaded_bytes, l2_load_ns, l2_write_ns;
 	uint64_t device_bytes, log_bytes, log_used;
@@ -177,5 +181,16 @@ void cache_device_l2_invalidate(struct cache_device *d, struct cache_export *ce,
  * the backend). */
 bool cache_device_l2_read(struct cache_device *d, struct cache_export *ce, struct worker *w,
 			  struct backend_io *io);
+/* Small reads (up to CACHE_DEVICE_SMALL_READ bytes: what random reads
+ * fill) are where the device and the backend are weighed against each
+ * other: what one from the area has cost lately, ns (a moving average;
+ * 0: none yet). */
+#define CACHE_DEVICE_SMALL_READ (64u << 10)
+uint64_t cache_device_l2_page_ns(struct cache_device *d);
+/* A fill went to the backend though the area might hold it: the backend
+ * answers faster (counted). */
+void cache_device_l2_skipped(struct cache_device *d);
+/* Fold ns into a moving average (of eight). */
+void cache_device_cost_note(atomic_uint_fast64_t *avg, uint64_t ns);
 
 #endif

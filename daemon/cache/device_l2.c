@@ -411,6 +411,7 @@ struct l2_extent {
 
 struct l2_read {
 	struct cache_device *d;
+	uint64_t t0;
 	struct backend_io *io;
 	struct worker *worker;
 	unsigned slot;
@@ -442,6 +443,8 @@ static void read_finish(struct l2_read *r)
 				break;
 			}
 	if (result == 0) {
+		if ((uint64_t)r->pages * DEVFMT_BLOCK <= CACHE_DEVICE_SMALL_READ)
+			cache_device_cost_note(&l->page_ns, cache_now_ns() - r->t0);
 		l->st.l2_hits++;
 		l->st.l2_hit_bytes += (uint64_t)r->pages * DEVFMT_BLOCK;
 	} else if (result == -ESTALE) {
@@ -513,6 +516,7 @@ bool cache_device_l2_read(struct cache_device *d, struct cache_export *ce, struc
 	}
 	pthread_mutex_unlock(&l->lock);
 	r->d = d;
+	r->t0 = cache_now_ns();
 	r->io = io;
 	r->worker = w;
 	r->slot = (unsigned)slot;
@@ -539,6 +543,24 @@ bool cache_device_l2_read(struct cache_device *d, struct cache_export *ce, struc
 	for (unsigned k = 0; k < r->nextents; k++)
 		extent_prep(&r->ext[k]);
 	return true;
+}
+
+void cache_device_cost_note(atomic_uint_fast64_t *avg, uint64_t ns)
+{
+	uint64_t per = ns;
+	uint64_t old = atomic_load_explicit(avg, memory_order_relaxed);
+	/* Racing updates may lose one: it is an estimate. */
+	atomic_store_explicit(avg, old ? old - old / 8 + per / 8 : per, memory_order_relaxed);
+}
+
+uint64_t cache_device_l2_page_ns(struct cache_device *d)
+{
+	return atomic_load_explicit(&d->l2.page_ns, memory_order_relaxed);
+}
+
+void cache_device_l2_skipped(struct cache_device *d)
+{
+	atomic_fetch_add_explicit(&d->l2.skipped, 1, memory_order_relaxed);
 }
 
 /* ---- the table across a clean restart ---- */
@@ -700,6 +722,8 @@ void dev_l2_stats(struct cache_device *d, struct cache_device_stats *out)
 	out->l2_hits = l->st.l2_hits;
 	out->l2_hit_bytes = l->st.l2_hit_bytes;
 	out->l2_misses = atomic_load_explicit(&l->misses, memory_order_relaxed);
+	out->l2_skipped = atomic_load_explicit(&l->skipped, memory_order_relaxed);
+	out->l2_page_ns = atomic_load_explicit(&l->page_ns, memory_order_relaxed);
 	out->l2_stale = l->st.l2_stale;
 	out->l2_read_errors = l->st.l2_read_errors;
 	out->l2_stored_bytes = l->st.l2_stored_bytes;

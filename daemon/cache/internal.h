@@ -332,6 +332,11 @@ struct cache_export {
 	 * last log round began (what the next one may copy, at most). */
 	int device_slot;
 	atomic_uint_fast64_t log_unlogged_bytes;
+	/* What a small fill from the backend has cost lately, ns (a moving
+	 * average; 0: none yet), against which one from the level-2 cache is
+	 * weighed (cached.c), and the small fills that weighed them. */
+	atomic_uint_fast64_t fill_page_ns;
+	atomic_uint level2_skips;
 	/* Set once its export is gone and it holds nothing (cache_export_retire):
 	 * it stays on the list, skipped, so no thread walking it is surprised,
 	 * and is freed by cache_destroy. Not sooner: the writeback thread, the

@@ -2,9 +2,12 @@
 """cache_device_l2: the cache device's level-2 cache (--cache-device,
 cache-device-use l2 or both).
 
-A 96 MiB working set on a 256 MiB backend file, a RAM cache of 16 MiB and
-a cache device of 176 MiB (a level-2 area of about 150 MiB); a byte model
-of the whole export says what every read must return.
+A 96 MiB working set on a 256 MiB backend file, served through nbdkit's
+delay filter (reads 1 ms: a backend slower than the device, as the
+level-2 cache is for; over a faster one small fills go to the backend),
+a RAM cache of 16 MiB and a cache device of 176 MiB (a level-2 area of
+about 150 MiB); a byte model of the whole export says what every read
+must return.
 
   1  Level-2 at work: the working set written and FLUSHed, read once
      (evictions fill the level-2 area), then read again: at most 5% of
@@ -19,7 +22,8 @@ of the whole export says what every read must return.
      new start reads it back (its log line), and the first pass over the
      working set reads at most 5% of its bytes from the backend, every
      byte as the model says.
-  4  The backend file modified while the daemon was down: its pages are
+  4  The backend file itself (the export's backend, so its modification
+     time is recorded) modified while the daemon was down: its pages are
      not used (the log says why), and a read returns the file's new bytes.
   5  After SIGKILL: the next start begins cold (no table: it is kept only
      by a clean close) and every byte reads as the model says.
@@ -79,14 +83,16 @@ class Run:
         self.model = Model(self.disk)
         self.d = None
 
-    def start(self, mode="writeback", use=None, what=None):
+    def start(self, mode="writeback", use=None, what=None, backend=None):
         work = os.path.join(self.tmp, "d%d" % len(os.listdir(self.tmp)))
         os.mkdir(work)
         extra = ["--cache-device", self.dev, "--cache-size", "16M", "--cache-mode", mode,
                  "--hugepages", "off"]
         if use:
             extra += ["--cache-device-use", use]
-        self.d = nbdtest.CheckedDaemon([("disk", self.disk, "")], workdir=work, tcp=False,
+        if backend is None:
+            backend = "nbdkit:--filter=delay file %s rdelay=1ms" % self.disk
+        self.d = nbdtest.CheckedDaemon([("disk", backend, "")], workdir=work, tcp=False,
                                        extra=extra, what=what)
         self.h = nbdtest.libnbd_handle(self.d.unix_uri("disk"))
         return self.d
@@ -241,6 +247,11 @@ def warm_restart(r):
 
 
 def modified_while_down(r):
+    # Once with the file as the backend (its time recorded by the close).
+    r.start(backend=r.disk, what="the file as the backend")
+    r.read_all("the file as the backend")
+    r.settle()
+    r.d.stop()
     off = BASE + 8 * MIB
     data = r.rng.randbytes(MIB)
     with open(r.disk, "r+b") as f:
@@ -248,7 +259,7 @@ def modified_while_down(r):
         f.write(data)
         os.fsync(f.fileno())
     r.model.write(off, data)
-    r.start(what="after the backend file was modified")
+    r.start(backend=r.disk, what="after the backend file was modified")
     text = r.d.log_text()
     expect("was modified since the last close" in text, "the start did not say the backend "
            "file was modified; it said:\n%s" % text[-2000:])
@@ -256,6 +267,8 @@ def modified_while_down(r):
     nbdtest.require_same(got, data, "the modified range", base=off)
     r.read_all("after the modification")
     r.settle()
+    r.d.stop()
+    r.start(what="the delayed backend again")
 
 
 def after_kill(r):
