@@ -234,7 +234,7 @@ static void dispatch(struct control_client *cl, const char *line, size_t len)
 	else if (strcmp(cmd, "upgrade") == 0)
 		control_cmd_upgrade(cl, req);
 	else if (strcmp(cmd, "cache-device") == 0)
-		control_cmd_cache_device(cl);
+		control_cmd_cache_device(cl, req);
 	else
 		control_send_error(
 		    cl, EINVAL,

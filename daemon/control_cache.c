@@ -1,8 +1,9 @@
 /*
  * daemon/control_cache.c: the control socket's commands that act on the
  * cache: flush and set-mode, which wait for it, drop-clean and compact,
- * which do not; and the flush a reap of a removed export needs
- * (control_reload.c).
+ * which do not; the flush a reap of a removed export needs
+ * (control_reload.c); and cache-device flush and detach, which write
+ * back every export on the cache device, one after another.
  *
  * A waiting request is a struct control_wait holding a cache op. While it
  * is in flight its client is not read (cl->wait), so replies stay in
@@ -174,6 +175,140 @@ void control_cmd_flush(struct control_client *cl, json_object *req, bool set_mod
 	cl->wait = w;
 	bufferevent_disable(cl->bev, EV_READ); /* replies in order */
 	control_flush_start(cl->ctl, w, e->cache);
+}
+
+/* ---- cache-device flush and detach ---- */
+
+static void device_next(struct control_wait *w);
+
+static void device_step_done(struct cache_op *op, int result)
+{
+	struct control_wait *w =
+	    (struct control_wait *)((char *)op - offsetof(struct control_wait, op));
+	cache_op_release(op);
+	w->ctl->pending--;
+	if (result < 0 && !w->dev_error)
+		w->dev_error = result;
+	w->dev_next++;
+	device_next(w);
+}
+
+/* The next export's FLUSH, written back rather than answered from the
+ * log (a full round, answered once a checkpoint covers it); after the
+ * last one, detach, reply, and resume the client. */
+static void device_next(struct control_wait *w)
+{
+	struct control *ctl = w->ctl;
+	if (w->dev_next < w->dev_n && !w->dev_error) {
+		struct cache_export *ce = w->dev_list[w->dev_next]->cache;
+		w->seen_error = cache_export_error_seq(ce);
+		w->op = (struct cache_op){
+		    .ce = ce,
+		    .worker = &ctl->worker,
+		    .cmd = BACKEND_FLUSH,
+		    .flags = CACHE_FLUSH_WRITEBACK,
+		    .seen_error = &w->seen_error,
+		    .done = device_step_done,
+		};
+		ctl->pending++;
+		cache_submit(&w->op);
+		return;
+	}
+	const char *action = w->dev_detach ? "detach" : "flush";
+	struct cache_device *dev = cache_get_device(ctl->cfg.cache);
+	int rc = w->dev_error;
+	if (rc == 0 && w->dev_detach)
+		rc = cache_device_detach_end(dev);
+	uint64_t ms = (clock_now_ns() - w->started_ns) / 1000000u;
+	if (rc < 0)
+		log_error("cache device: %s (control socket) failed after %llu ms: %s", action,
+			  (unsigned long long)ms, strerror(-rc));
+	else
+		log_info("cache device: %s (control socket): %zu export(s) written back and "
+			 "flushed in %llu ms",
+			 action, w->dev_n, (unsigned long long)ms);
+	struct control_client *cl = w->client;
+	if (cl) {
+		cl->wait = NULL;
+		if (rc < 0) {
+			control_send_error(
+			    cl, -rc, "cache-device %s: %s; %s", action,
+			    rc == -EBUSY ? "records remain in the log" : strerror(-rc),
+			    w->dev_detach
+				? "the device stays detaching (no new records, no level-2 "
+				  "cache): try again"
+				: "the data stays dirty in the cache");
+		} else {
+			json_object *o = control_reply_ok();
+			control_add_string(o, "action", action);
+			control_add_u64(o, "exports", w->dev_n);
+			control_add_u64(o, "time_ms", ms);
+			control_add_string(o, "path", ctl->cfg.opts->cache_device);
+			json_object *d = control_device_object(ctl->cfg.cache);
+			if (d)
+				json_object_object_add(o, "cache_device", d);
+			control_send(cl, o);
+		}
+		control_client_resume(cl);
+	}
+	for (size_t i = 0; i < w->dev_n; i++)
+		export_put(w->dev_list[i]);
+	free(w->dev_list);
+	free(w);
+	control_stop_when_idle(ctl);
+}
+
+void control_device_flush(struct control_client *cl, bool detach)
+{
+	struct control *ctl = cl->ctl;
+	struct cache_device *dev = cache_get_device(ctl->cfg.cache);
+	struct export **list;
+	size_t n;
+	if (export_list(ctl->cfg.exports, &list, &n) < 0) {
+		control_send_error(cl, ENOMEM, "out of memory");
+		return;
+	}
+	/* Each cache export once (windows share theirs), only those on the
+	 * device. */
+	size_t k = 0;
+	for (size_t i = 0; i < n; i++) {
+		bool keep = cache_export_on_device(list[i]->cache);
+		for (size_t j = 0; j < k && keep; j++)
+			keep = list[j]->cache != list[i]->cache;
+		if (keep)
+			list[k++] = list[i];
+		else
+			export_put(list[i]);
+	}
+	struct control_wait *w = calloc(1, sizeof(*w));
+	int rc = w ? 0 : -ENOMEM;
+	if (rc == 0 && detach) {
+		rc = cache_device_detach_begin(dev);
+		if (rc == -EALREADY || rc == -EIO)
+			control_send_error(cl, -rc, "cache-device detach: %s",
+					   rc == -EALREADY ? "the device is detached already"
+							   : "the device failed: it is not used");
+	} else if (rc < 0) {
+		control_send_error(cl, ENOMEM, "out of memory");
+	}
+	if (rc < 0) {
+		free(w);
+		for (size_t i = 0; i < k; i++)
+			export_put(list[i]);
+		free(list);
+		return;
+	}
+	log_info("cache device: %s (control socket): writing back %zu export(s)",
+		 detach ? "detach" : "flush", k);
+	w->ctl = ctl;
+	w->client = cl;
+	w->dev_list = list;
+	w->dev_n = k;
+	w->dev_detach = detach;
+	w->started_ns = clock_now_ns();
+	cl->wait = w;
+	bufferevent_disable(cl->bev, EV_READ); /* replies in order */
+	device_next(w);
 }
 
 void control_cmd_drop_clean(struct control_client *cl, json_object *req)

@@ -55,6 +55,12 @@ struct control_wait {
 	enum cache_mode previous;
 	bool is_set_mode;
 	struct control *ctl;
+	/* cache-device flush and detach: the exports on the device, written
+	 * back one after another (the next one's index), the first error. */
+	struct export **dev_list;
+	size_t dev_n, dev_next;
+	int dev_error;
+	bool dev_detach;
 };
 
 struct control_client {
@@ -122,7 +128,9 @@ void control_cmd_exports(struct control_client *cl);
 /* only: one export's name, or NULL for all of them. */
 void control_cmd_stats(struct control_client *cl, const char *only);
 /* cache-device: the intent log's figures (control_stats.c). */
-void control_cmd_cache_device(struct control_client *cl);
+void control_cmd_cache_device(struct control_client *cl, json_object *req);
+/* The device's figures (cache.cache_device in stats), NULL: none. */
+json_object *control_device_object(struct cache *cache);
 /* Once a second, from the tick: the writeback rates. */
 void control_sample_rates(struct control *ctl);
 
@@ -135,6 +143,10 @@ void control_cmd_compact(struct control_client *cl);
 /* Flush w's cache export through the cache; w (calloc'd, with client,
  * export or reap set) is answered and freed when it completes. */
 void control_flush_start(struct control *ctl, struct control_wait *w, struct cache_export *ce);
+/* cache-device flush (detach false) or detach: every export on the device
+ * written back and flushed, its log emptied (detach: then not used again
+ * until a restart); the client waits for the reply. */
+void control_device_flush(struct control_client *cl, bool detach);
 /* Stopping and no cache op in flight: end the thread. */
 void control_stop_when_idle(struct control *ctl);
 

@@ -266,13 +266,15 @@ static json_object *latency_fields(struct cache_export *ce)
 }
 
 /* The intent log's figures (--cache-device), or NULL when there is none. */
-static json_object *device_object(struct cache *cache)
+json_object *control_device_object(struct cache *cache)
 {
 	struct cache_device_stats ds;
 	if (!cache_get_device_stats(cache, &ds))
 		return NULL;
 	json_object *dev = json_object_new_object();
 	json_object_object_add(dev, "failed", json_object_new_boolean(ds.failed));
+	json_object_object_add(dev, "detaching", json_object_new_boolean(ds.detaching));
+	json_object_object_add(dev, "detached", json_object_new_boolean(ds.detached));
 	control_add_u64(dev, "device_bytes", ds.device_bytes);
 	control_add_u64(dev, "log_bytes", ds.log_bytes);
 	control_add_u64(dev, "log_used_bytes", ds.log_used);
@@ -315,11 +317,34 @@ static json_object *device_object(struct cache *cache)
 	return dev;
 }
 
-void control_cmd_cache_device(struct control_client *cl)
+void control_cmd_cache_device(struct control_client *cl, json_object *req)
 {
-	json_object *dev = device_object(cl->ctl->cfg.cache);
-	if (!dev) {
+	json_object *v;
+	const char *action = "status";
+	if (json_object_object_get_ex(req, "action", &v)) {
+		if (!json_object_is_type(v, json_type_string)) {
+			control_send_error(cl, EINVAL, "cache-device: \"action\" is a string");
+			return;
+		}
+		action = json_object_get_string(v);
+	}
+	bool flush = strcmp(action, "flush") == 0, detach = strcmp(action, "detach") == 0;
+	if (!flush && !detach && strcmp(action, "status") != 0) {
+		control_send_error(cl, EINVAL,
+				   "cache-device: action '%s' (status, flush or detach)", action);
+		return;
+	}
+	if (!cache_device_attached(cl->ctl->cfg.cache)) {
 		control_send_error(cl, ENODEV, "no cache device (--cache-device)");
+		return;
+	}
+	if (flush || detach) {
+		control_device_flush(cl, detach);
+		return;
+	}
+	json_object *dev = control_device_object(cl->ctl->cfg.cache);
+	if (!dev) {
+		control_send_error(cl, ENOMEM, "out of memory");
 		return;
 	}
 	json_object *o = control_reply_ok();
@@ -388,7 +413,7 @@ void control_cmd_stats(struct control_client *cl, const char *only)
 	control_add_u64(arena, "compact_passes", s.compact_passes);
 	control_add_u64(arena, "compact_ns", s.compact_ns);
 	json_object_object_add(c, "arena", arena);
-	json_object *dev = device_object(ctl->cfg.cache);
+	json_object *dev = control_device_object(ctl->cfg.cache);
 	if (dev)
 		json_object_object_add(c, "cache_device", dev);
 	json_object_object_add(o, "cache", c);

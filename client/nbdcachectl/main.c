@@ -93,7 +93,7 @@ static const struct command commands[] = {
     {"resize", {"export", "size"}, 1, 2, print_resize, run_simple},
     {"limit", {NULL}, 1, 64, NULL, run_limit},
     {"upgrade", {NULL}, 0, 0, NULL, run_upgrade},
-    {"cache-device", {NULL}, 0, 0, print_cache_device, run_simple},
+    {"cache-device", {"action"}, 0, 1, print_cache_device, run_simple},
 };
 
 static void usage(FILE *f)
@@ -106,7 +106,8 @@ static void usage(FILE *f)
 	      "          | connections | disconnect ID | resize EXPORT [SIZE]\n"
 	      "          | limit EXPORT [KEY=VALUE...]  (iops-limit, bytes-limit,\n"
 	      "            client-iops-limit, client-bytes-limit and their -burst)\n"
-	      "          | upgrade [--binary PATH] [--timeout SECONDS] | cache-device\n"
+	      "          | upgrade [--binary PATH] [--timeout SECONDS]\n"
+	      "          | cache-device [status | flush | detach]\n"
 	      "default control socket: " NBDCACHED_CONTROL_DEFAULT "\n"
 	      "exit status: 0 success, 1 the daemon refused or could not be reached, 2 usage\n",
 	      f);

@@ -143,10 +143,13 @@ static void print_device(json_object *dev)
 	if (!dev)
 		return;
 	int64_t commits = ctl_get_int(dev, "commits");
-	printf("cache device %slog %s, %s used, %s pending; %" PRId64
+	printf("cache device %s%slog %s, %s used, %s pending; %" PRId64
 	       " commits (mean %.2f ms, max %.2f ms), %s logged, %" PRId64 " checkpoints, %" PRId64
 	       " full-log fallbacks\n",
 	       ctl_get_bool(dev, "failed") ? "FAILED (off until a restart), " : "",
+	       ctl_get_bool(dev, "detached")	? "DETACHED (not used until a restart), "
+	       : ctl_get_bool(dev, "detaching") ? "DETACHING, "
+						: "",
 	       SIZE(ctl_get_int(dev, "log_bytes")), SIZE(ctl_get_int(dev, "log_used_bytes")),
 	       SIZE(ctl_get_int(dev, "pending_bytes")), commits,
 	       commits ? (double)ctl_get_int(dev, "commit_ns") / (double)commits / 1e6 : 0.0,
@@ -175,6 +178,14 @@ static void print_device(json_object *dev)
 
 void print_cache_device(json_object *r)
 {
+	const char *action = ctl_get_string(r, "action");
+	if (action)
+		printf("%s       %" PRId64 " export(s) written back and flushed in %" PRId64
+		       " ms; %s\n",
+		       action, ctl_get_int(r, "exports"), ctl_get_int(r, "time_ms"),
+		       strcmp(action, "detach") == 0
+			   ? "the device is marked clean and not used until a restart"
+			   : "the log holds nothing older");
 	printf("path         %s\n", ctl_get_string(r, "path") ? ctl_get_string(r, "path") : "?");
 	print_device(ctl_field(r, "cache_device"));
 }

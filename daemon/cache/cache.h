@@ -132,7 +132,8 @@ struct cache_op {
 	struct cache_export *ce;
 	struct worker *worker;
 	enum backend_cmd cmd;
-	uint32_t flags; /* BACKEND_FUA, BACKEND_NO_HOLE, BACKEND_FAST_ONLY */
+	/* BACKEND_FUA, BACKEND_NO_HOLE, BACKEND_FAST_ONLY; CACHE_FLUSH_WRITEBACK */
+	uint32_t flags;
 	uint64_t offset, length;
 	const uint8_t *payload;	    /* WRITE */
 	bool no_allocate;	    /* READ: use cached data, cache nothing new */
@@ -189,6 +190,9 @@ struct cache_op {
  * struct cache_stats, where every counter is the sum over the exports and
  * dirty_bytes and cached_bytes are the cache's own.
  */
+/* A FLUSH's flag (struct cache_op): written back and flushed on the
+ * backend, not answered from the cache device's log (cache-device flush). */
+#define CACHE_FLUSH_WRITEBACK (1u << 16)
 #define CACHE_COMMANDS (BACKEND_BLOCK_STATUS + 1)
 
 struct cache_export_stats {
@@ -291,6 +295,10 @@ int cache_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg),
 void cache_destroy(struct cache *c);
 /* Is a cache device (--cache-device, device.h) in use? */
 bool cache_device_attached(const struct cache *c);
+/* The device (NULL: none), for the control socket's cache-device command. */
+struct cache_device *cache_get_device(struct cache *c);
+/* Is ce's data logged on the cache device (it has a slot there)? */
+bool cache_export_on_device(const struct cache_export *ce);
 /* Its figures; false when there is none. */
 bool cache_get_device_stats(struct cache *c, struct cache_device_stats *out);
 

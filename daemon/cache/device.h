@@ -77,7 +77,7 @@ struct cache_device_waiter {
 #define CACHE_DEVICE_USE_L2 2u
 
 struct cache_device_stats {
-	bool attached, failed;
+	bool attached, failed, detaching, detached;
 	unsigned use;
 	/* The level-2 cache: its area, pages in use and staged, fills it
 	 * served (hits) and could not (misses), reads that found a page
@@ -137,6 +137,18 @@ int cache_device_start(struct cache_device *d, struct worker *w, char *err, size
 /* Stop the log thread; clean: everything was written back and flushed
  * (the log is checkpointed empty and the superblock says so). */
 void cache_device_close(struct cache_device *d, bool clean);
+/*
+ * Detaching, live (nbdcachectl cache-device detach). begin: the log takes
+ * no more records (FLUSH goes to the backends, in full rounds) and the
+ * level-2 cache is off; 0, again while detaching (a detach that failed may
+ * be tried again), -EALREADY once detached, -EIO when the device failed.
+ * The caller then runs a full round on every export on the device, each
+ * answered once a checkpoint covers it. end: the log is empty; its thread
+ * stops, the superblock is marked clean, and the device is not used again
+ * until a restart; -EBUSY while records remain (a round failed).
+ */
+int cache_device_detach_begin(struct cache_device *d);
+int cache_device_detach_end(struct cache_device *d);
 
 /* Can the log take records now (attached, started, not failed)? */
 bool cache_device_usable(struct cache_device *d);

@@ -123,6 +123,7 @@ struct cache_device {
 	pthread_cond_t cond;
 	pthread_t thread;
 	bool running, stop, started, failed, no_room, checkpoint_due;
+	bool detaching, detached; /* cache_device_detach_begin, _end */
 	struct dev_rec *pend;
 	size_t npend, cappend;
 	uint8_t *pdata;
@@ -186,6 +187,8 @@ void dev_l2_stop(struct cache_device *d);
 int dev_l2_save(struct cache_device *d);
 void dev_l2_free(struct cache_device *d);
 void dev_l2_stats(struct cache_device *d, struct cache_device_stats *out);
+/* Off for good, quietly (a detach): every page forgotten, the thread stopped. */
+void dev_l2_detach(struct cache_device *d);
 /* device_log.c */
 void *dev_log_thread(void *arg);
 /* The log cannot hold every record any more: off for good (lock held). */

@@ -226,6 +226,23 @@ static void l2_off_locked(struct cache_device *d, int error)
 		  d->path, strerror(-error));
 }
 
+void dev_l2_detach(struct cache_device *d)
+{
+	struct dev_l2 *l = &d->l2;
+	if (!l->inited)
+		return;
+	pthread_mutex_lock(&l->lock);
+	atomic_store(&l->on, false);
+	if (l->pages) {
+		memset(l->owner, 0, (size_t)l->pages * sizeof(*l->owner));
+		memset(l->hkeys, 0, (l->hmask + 1) * sizeof(*l->hkeys));
+	}
+	l->valid = 0;
+	atomic_store_explicit(&l->valid_hint, 0, memory_order_relaxed);
+	pthread_mutex_unlock(&l->lock);
+	dev_l2_stop(d);
+}
+
 /* ---- storing ---- */
 
 void cache_device_l2_store(struct cache_device *d, struct cache_export *ce, uint64_t offset,

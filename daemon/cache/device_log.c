@@ -20,7 +20,7 @@ bool cache_device_usable(struct cache_device *d)
 	if (!(d->use & CACHE_DEVICE_USE_LOG))
 		return false;
 	pthread_mutex_lock(&d->lock);
-	bool ok = d->started && !d->failed;
+	bool ok = d->started && !d->failed && !d->detaching;
 	pthread_mutex_unlock(&d->lock);
 	return ok;
 }
@@ -66,7 +66,7 @@ uint64_t cache_device_append(struct cache_device *d, struct cache_export *ce, un
 	if (!(d->use & CACHE_DEVICE_USE_LOG))
 		return 0;
 	pthread_mutex_lock(&d->lock);
-	if (!d->started || d->failed || ce->device_slot < 0) {
+	if (!d->started || d->failed || d->detaching || ce->device_slot < 0) {
 		pthread_mutex_unlock(&d->lock);
 		return 0;
 	}
@@ -131,7 +131,9 @@ static struct cache_device_waiter *ready_locked(struct cache_device *d)
 	while (*pp) {
 		struct cache_device_waiter *w = *pp;
 		int result = 1;
-		if (d->failed)
+		if (d->detached) /* every record is on the backends: nothing to wait for */
+			result = 0;
+		else if (d->failed)
 			result = -EIO;
 		else if (w->rec <= (w->checkpoint ? d->checkpointed : d->durable))
 			result = 0;
@@ -191,7 +193,7 @@ void cache_device_covered(struct cache_device *d, struct cache_export *ce, uint6
 bool cache_device_wants_checkpoint(struct cache_device *d)
 {
 	pthread_mutex_lock(&d->lock);
-	bool r = d->started && !d->failed &&
+	bool r = d->started && !d->failed && !d->detached &&
 		 (d->no_room || d->checkpoint_waiters || d->used > d->sb.log_bytes / 2 ||
 		  d->pdata_len > d->sb.log_bytes / 4);
 	pthread_mutex_unlock(&d->lock);
@@ -521,4 +523,62 @@ void *dev_log_thread(void *arg)
 	pthread_mutex_unlock(&d->lock);
 	post_ready(ready);
 	return NULL;
+}
+
+/* ---- detaching ---- */
+
+int cache_device_detach_begin(struct cache_device *d)
+{
+	pthread_mutex_lock(&d->lock);
+	int rc = d->detached ? -EALREADY : d->failed || !d->started ? -EIO : 0;
+	bool first = rc == 0 && !d->detaching;
+	if (rc == 0) {
+		d->detaching = true;
+		d->st.detaching = true;
+	}
+	pthread_mutex_unlock(&d->lock);
+	if (first) {
+		log_info("cache device %s: detaching: the log takes no more records (FLUSH goes to "
+			 "the backends), the level-2 cache is off; writing every export on it back",
+			 d->path);
+		dev_l2_detach(d);
+	}
+	return rc;
+}
+
+int cache_device_detach_end(struct cache_device *d)
+{
+	pthread_mutex_lock(&d->lock);
+	if (d->detached) {
+		pthread_mutex_unlock(&d->lock);
+		return -EALREADY;
+	}
+	/* The full rounds' checkpoints covered everything appended before the
+	 * detach began, and nothing was appended since. */
+	if (!d->detaching || d->nbatches || d->npend) {
+		pthread_mutex_unlock(&d->lock);
+		return -EBUSY;
+	}
+	d->stop = true;
+	pthread_cond_signal(&d->cond);
+	pthread_mutex_unlock(&d->lock);
+	pthread_join(d->thread, NULL);
+	d->running = false;
+	pthread_mutex_lock(&d->sb_lock);
+	int rc = dev_sb_update(d, true);
+	pthread_mutex_unlock(&d->sb_lock);
+	pthread_mutex_lock(&d->lock);
+	d->detached = true;
+	d->st.detached = true;
+	d->started = false;
+	pthread_mutex_unlock(&d->lock);
+	if (rc < 0)
+		log_error("cache device %s: detached, but marking it clean failed: %s; it holds "
+			  "nothing the backends lack",
+			  d->path, strerror(-rc));
+	else
+		log_info("cache device %s: detached: everything on it is on the backends, it is "
+			 "marked clean and not used again until a restart",
+			 d->path);
+	return 0;
 }

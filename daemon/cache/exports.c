@@ -113,6 +113,11 @@ int cache_export_retire(struct cache_export *ce)
 	return 0;
 }
 
+bool cache_export_on_device(const struct cache_export *ce)
+{
+	return ce->device_slot >= 0;
+}
+
 void cache_export_note_direct_write(struct cache_export *ce)
 {
 	atomic_fetch_add(&ce->backend_writes_done, 1);

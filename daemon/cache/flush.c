@@ -462,6 +462,9 @@ void flush_round_start(struct writeback *wb, struct cache_export *ce, bool backg
 	job->background = background && !members && !shutdown;
 	ce->flush_waiting_head = ce->flush_waiting_tail = NULL;
 	ce->shutdown_waiting = false;
+	bool writeback_only = members && ce->flush_writeback;
+	if (members)
+		ce->flush_writeback = false;
 	job->waiter.worker = &wb->thread;
 	job->waiter.task.run = flush_waiter_task;
 	job->errors_at_start = atomic_load(&ce->counters.writeback_errors);
@@ -471,7 +474,7 @@ void flush_round_start(struct writeback *wb, struct cache_export *ce, bool backg
 	if (wb->cache->device && ce->device_slot >= 0 && !job->background) {
 		/* Before the snapshot: every record up to here is covered. */
 		job->device_rec = cache_device_last(wb->cache->device);
-		if (flush_log_possible(job)) {
+		if (!writeback_only && flush_log_possible(job)) {
 			job->logged = true;
 			atomic_store(&ce->log_unlogged_bytes, 0);
 			if (flush_log_snapshot(job) < 0) {
@@ -499,6 +502,8 @@ static void flush_arrive_task(struct worker_task *task)
 	struct cache_op *op = (struct cache_op *)((char *)task - offsetof(struct cache_op, waiter.task));
 	struct cache_export *ce = op->ce;
 	op->flush_next = NULL;
+	if (op->flags & CACHE_FLUSH_WRITEBACK)
+		ce->flush_writeback = true;
 	if (ce->flush_waiting_tail)
 		ce->flush_waiting_tail->flush_next = op;
 	else

@@ -322,6 +322,7 @@ struct cache_export {
 	uint64_t loss_seen;
 	struct flush_job *round;
 	struct cache_op *flush_waiting_head, *flush_waiting_tail;
+	bool flush_writeback;  /* one of them has CACHE_FLUSH_WRITEBACK */
 	bool shutdown_waiting; /* the next round is the shutdown's */
 	uint64_t unstable_since; /* monotonic ns: the unstable list became non-empty */
 	struct cache_counters counters;

@@ -58,6 +58,11 @@ bool cache_device_attached(const struct cache *c)
 	return c && c->device;
 }
 
+struct cache_device *cache_get_device(struct cache *c)
+{
+	return c ? c->device : NULL;
+}
+
 bool cache_get_device_stats(struct cache *c, struct cache_device_stats *out)
 {
 	if (!c || !c->device)

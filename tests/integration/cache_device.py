@@ -23,6 +23,12 @@
      the export goes writethrough, the next FLUSH succeeds with the data
      on the backend file; the daemon stops with status 0 and a new one on
      the healed device replays nothing older over it.
+  4  nbdcachectl cache-device flush: what the log held is written back
+     (the backend file has it) and the log is empty; detach: the same,
+     then the device is not used (stats say detached, a FLUSH is not
+     logged and puts the data on the backend file), a second detach and
+     an unknown action are refused with their messages, and a restart on
+     the device finds nothing to replay.
 """
 
 import errno
@@ -289,12 +295,72 @@ def device_faults(tmp):
                 d2.stop()
 
 
+def ctl(d, *args):
+    r = nbdtest.run([nbdtest.NBDCACHECTL, "--control", d.control] + list(args),
+                    check_rc=False)
+    return r.returncode, r.stdout + r.stderr
+
+
+def flush_and_detach(tmp):
+    disk, dev = os.path.join(tmp, "disk.img"), os.path.join(tmp, "cache.dev")
+    nbdtest.sparse_file(disk, SIZE)
+    nbdtest.sparse_file(dev, DEVICE)
+    d = daemon(tmp, disk, dev)
+    try:
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        a, b, c = os.urandom(MIB), os.urandom(MIB), os.urandom(MIB)
+        h.pwrite(a, 2 * MIB)
+        h.flush()
+        require(nbdtest.read_at(disk, 2 * MIB, MIB) != a, "the FLUSH wrote back: the log "
+                "was not used")
+        rc, out = ctl(d, "cache-device", "flush")
+        log("  flush: %s" % out.splitlines()[0] if out else "")
+        expect(rc == 0 and "written back and flushed" in out, "cache-device flush: exit %d: "
+               "%s" % (rc, out))
+        check_data(disk, {2 * MIB: a}, "after cache-device flush")
+        st = nbdtest.control_request(d.control, {"command": "stats"})["cache"]["cache_device"]
+        expect(st["log_used_bytes"] == 0, "the log holds %d bytes after the flush" %
+               st["log_used_bytes"])
+        h.pwrite(b, 4 * MIB)
+        h.flush()
+        rc, out = ctl(d, "cache-device", "detach")
+        expect(rc == 0 and "not used until a restart" in out, "cache-device detach: exit %d: "
+               "%s" % (rc, out))
+        check_data(disk, {4 * MIB: b}, "after cache-device detach")
+        st = nbdtest.control_request(d.control, {"command": "stats"})["cache"]["cache_device"]
+        expect(st["detached"] and not st["l2"]["on"], "stats after detach: %s" % st)
+        commits = st["commits"]
+        h.pwrite(c, 6 * MIB)
+        h.flush()
+        check_data(disk, {6 * MIB: c}, "a FLUSH after the detach")
+        st = nbdtest.control_request(d.control, {"command": "stats"})["cache"]["cache_device"]
+        expect(st["commits"] == commits, "a FLUSH after the detach was logged: %s" % st)
+        rc, out = ctl(d, "cache-device", "detach")
+        expect(rc == 1 and "detached already" in out, "a second detach: exit %d: %s" % (rc, out))
+        rc, out = ctl(d, "cache-device", "trim")
+        expect(rc == 1 and "status, flush or detach" in out, "an unknown action: exit %d: %s"
+               % (rc, out))
+    finally:
+        d.stop()
+    d = daemon(tmp, disk, dev, what="after the detach")
+    try:
+        text = d.log_text()
+        expect("replayed" not in text or "replayed 0 batch" in text, "a start after the "
+               "detach replayed something")
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        for off, data in ((2 * MIB, a), (4 * MIB, b), (6 * MIB, c)):
+            nbdtest.require_same(h.pread(MIB, off), data, "read after the restart", base=off)
+    finally:
+        d.stop()
+
+
 def main():
     with nbdtest.tempdir() as tmp:
         for name, fn in (("a FLUSH answered from the log, replayed after SIGKILL",
                           replay_after_kill),
                          ("refusals", refusals),
-                         ("device faults", device_faults)):
+                         ("device faults", device_faults),
+                         ("cache-device flush and detach", flush_and_detach)):
             sub = os.path.join(tmp, fn.__name__)
             os.mkdir(sub)
             CHECKS.run(name, fn, sub)
