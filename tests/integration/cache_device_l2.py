@@ -30,6 +30,11 @@ must return.
   6  cache-device-use: log (no level-2 cache: the stats say off, evictions
      are not stored) and l2 (a FLUSH is not answered from the log: no
      commits, the bytes on the backend file after it).
+  7  Device faults (the device a file on faultfs, cache-device-use l2):
+     reads from the level-2 area failing go to the backend (read errors
+     counted, every byte as the model says); then writes failing turn the
+     level-2 cache off with a loud line, and reads go on from the
+     backend; the daemon stops with status 0.
 """
 
 import os
@@ -41,6 +46,7 @@ import sys
 sys.dont_write_bytecode = True
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "lib"))
+import faults  # noqa: E402
 import nbdtest  # noqa: E402
 from nbdtest import Failed, log, require  # noqa: E402
 
@@ -307,6 +313,47 @@ def uses(r):
     r.d.stop()
 
 
+def device_faults(r):
+    with faults.FaultFS(os.path.join(r.tmp, "faultfs")) as fs:
+        dev = fs.path("cache.dev")
+        with open(dev, "wb") as f:
+            f.truncate(DEVICE)
+            os.fsync(f.fileno())
+        saved, r.dev = r.dev, dev
+        try:
+            r.start(use="l2", what="the device on faultfs")
+            r.read_all("faultfs, warming")
+            r.settle()
+            r.read_all("faultfs, warm")
+            _, l2 = r.stats()
+            require(l2["hits"] > 0, "no level-2 hit on faultfs: %s" % l2)
+            fs.set("fail-read")
+            r.read_all("the device failing reads")
+            _, l2 = r.stats()
+            log("  reads failing: %s" % {k: l2[k] for k in ("hits", "read_errors", "on")})
+            expect(l2["read_errors"] > 0 and l2["on"], "reads failing: %s" % l2)
+            fs.set("fail-write")
+            # New evictions: the rest of the export read through RAM.
+            for off in range(0, BASE, MIB):
+                got = r.h.pread(MIB, off)
+                if got != r.model.buf[off:off + MIB]:
+                    nbdtest.require_same(got, r.model.buf[off:off + MIB], "read at %d" % off,
+                                         base=off)
+            for _ in range(100):
+                _, l2 = r.stats()
+                if not l2["on"]:
+                    break
+                time.sleep(0.05)
+            expect(not l2["on"] and l2["failed"], "writes failing: %s" % l2)
+            expect("the level-2 cache is off from now on" in r.d.log_text(),
+                   "no loud line when the level-2 area could not be written")
+            r.read_all("the level-2 cache off")
+            fs.set("ok")
+            r.d.stop()
+        finally:
+            r.dev = saved
+
+
 def main():
     with nbdtest.tempdir() as tmp:
         r = Run(tmp)
@@ -316,6 +363,7 @@ def main():
         CHECKS.run("backend modified while down", modified_while_down, r)
         CHECKS.run("after SIGKILL", after_kill, r)
         CHECKS.run("cache-device-use", uses, r)
+        CHECKS.run("device faults", device_faults, r)
         if r.d and r.d.alive():
             r.d.stop()
     CHECKS.finish("cache_device_l2")
