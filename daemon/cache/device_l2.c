@@ -30,6 +30,7 @@
 #include "daemon/cache/device_internal.h"
 
 #include <errno.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -140,18 +141,39 @@ int dev_l2_init(struct cache_device *d)
 	l->inited = true;
 	if (!(d->use & CACHE_DEVICE_USE_L2) || !d->sb.l2_bytes)
 		return 0;
-	l->offset = d->sb.l2_offset;
-	l->pages = (uint32_t)(d->sb.l2_bytes / DEVFMT_BLOCK);
-	size_t slots = 1;
-	while (slots < (size_t)l->pages * 2)
+	/* Its table in memory: about 36 bytes per page. Where it cannot be
+	 * had (a huge area on a 32-bit machine), no level-2 cache, said. */
+	uint64_t pages = d->sb.l2_bytes / DEVFMT_BLOCK, slots = 1;
+	while (slots < pages * 2)
 		slots <<= 1;
-	l->hmask = slots - 1;
-	l->owner = calloc(l->pages, sizeof(*l->owner));
-	l->epoch = calloc(l->pages, sizeof(*l->epoch));
-	l->hkeys = calloc(slots, sizeof(*l->hkeys));
-	l->hpages = calloc(slots, sizeof(*l->hpages));
-	if (!l->owner || !l->epoch || !l->hkeys || !l->hpages)
-		return -ENOMEM;
+	if (slots > SIZE_MAX / sizeof(uint64_t) / 2 || pages > SIZE_MAX / sizeof(uint64_t)) {
+		log_warn("cache device %s: a level-2 area of %llu pages needs more memory than "
+			 "this process can address; no level-2 cache",
+			 d->path, (unsigned long long)pages);
+		return 0;
+	}
+	l->owner = calloc((size_t)pages, sizeof(*l->owner));
+	l->epoch = calloc((size_t)pages, sizeof(*l->epoch));
+	l->hkeys = calloc((size_t)slots, sizeof(*l->hkeys));
+	l->hpages = calloc((size_t)slots, sizeof(*l->hpages));
+	if (!l->owner || !l->epoch || !l->hkeys || !l->hpages) {
+		log_warn("cache device %s: no memory for the table of a level-2 area of %llu "
+			 "pages (%llu MiB); no level-2 cache",
+			 d->path, (unsigned long long)pages,
+			 (unsigned long long)((pages * 12 + slots * 12) >> 20));
+		free(l->owner);
+		free(l->epoch);
+		free(l->hkeys);
+		free(l->hpages);
+		l->owner = NULL;
+		l->epoch = NULL;
+		l->hkeys = NULL;
+		l->hpages = NULL;
+		return 0;
+	}
+	l->offset = d->sb.l2_offset;
+	l->pages = (uint32_t)pages;
+	l->hmask = (size_t)slots - 1;
 	return 0;
 }
 
