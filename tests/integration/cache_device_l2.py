@@ -40,6 +40,7 @@ must return.
 import os
 import random
 import re
+import subprocess
 import time
 import sys
 
@@ -240,6 +241,12 @@ def warm_restart(r):
     m = re.search(r"level-2 table of (\d+) pages", text)
     require(m, "the clean close did not say it kept the level-2 table")
     log("  %s" % m.group(0))
+    p = subprocess.run([nbdtest.NBDCACHED, "--check-config", "--export",
+                        "disk=nbdkit:--filter=delay file %s rdelay=1ms" % r.disk,
+                        "--cache-device", r.dev], capture_output=True, text=True, timeout=60)
+    out = p.stdout + p.stderr
+    expect(p.returncode == 0 and "warm: its table was kept by a clean close" in out,
+           "--check-config: exit %d: %s" % (p.returncode, out))
     r.start(what="warm start")
     m = re.search(r"level-2 cache warm: (\d+) MiB in (\d+) ms", r.d.log_text())
     require(m, "no 'level-2 cache warm' line at start")
