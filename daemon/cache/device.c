@@ -775,16 +775,10 @@ int cache_device_check(const char *path, const struct options *opts, char *text,
 	}
 	rc = cache_device_bind(d, text, len);
 	if (rc == 0) {
-		size_t at = (size_t)snprintf(
-		    text, len,
-		    "cache device %s: %llu bytes of log, %zu batch(es) to replay; %llu bytes of "
-		    "level-2 area%s",
-		    path, (unsigned long long)d->sb.log_bytes, d->nlive,
-		    (unsigned long long)d->sb.l2_bytes,
-		    !(d->use & CACHE_DEVICE_USE_L2) ? " (not used: cache-device-use)"
-		    : d->sb.l2_table_bytes && (d->sb.flags & DEVFMT_SB_CLEAN)
-			? ", warm: its table was kept by a clean close"
-			: ", cold");
+		size_t at = (size_t)snprintf(text, len,
+					     "cache device %s: %llu bytes of log, %zu "
+					     "batch(es) to replay",
+					     path, (unsigned long long)d->sb.log_bytes, d->nlive);
 		for (unsigned k = 0; k < DEVFMT_MAX_EXPORTS && at < len; k++)
 			if (d->slots[k].live_records)
 				at += (size_t)snprintf(
@@ -795,6 +789,13 @@ int cache_device_check(const char *path, const struct options *opts, char *text,
 				    d->slots[k].discard
 					? ", thrown away (cache-device-discard-dirty)"
 					: "");
+		if (at < len)
+			snprintf(text + at, len - at, "; %llu bytes of level-2 area%s",
+				 (unsigned long long)d->sb.l2_bytes,
+				 !(d->use & CACHE_DEVICE_USE_L2) ? " (not used: cache-device-use)"
+				 : d->sb.l2_table_bytes && (d->sb.flags & DEVFMT_SB_CLEAN)
+				     ? ", warm: its table was kept by a clean close"
+				     : ", cold");
 	}
 	cache_device_close(d, false);
 	return rc;
