@@ -158,6 +158,7 @@ static int merge(struct config_ctx *x)
 	TAKE(OPT_GIVEN_BACKEND_TIMEOUT, backend_timeout);
 	TAKE(OPT_GIVEN_RBD_TAKEOVER, rbd_takeover_wait);
 	TAKE(OPT_GIVEN_CACHE_DEVICE_USE, cache_device_use);
+	TAKE(OPT_GIVEN_CACHE_DEVICE_WARM, cache_device_warm_all);
 	TAKE(OPT_GIVEN_MAX_CONNECTIONS, max_connections);
 	TAKE(OPT_GIVEN_COMPACT, compact);
 	TAKE(OPT_GIVEN_COMPACT_INTERVAL, compact_interval_ms);

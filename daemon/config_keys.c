@@ -213,6 +213,7 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 	    {"cache-device", OPT_GIVEN_CACHE_DEVICE},
 	    {"cache-device-discard-dirty", OPT_GIVEN_CACHE_DEVICE_DISCARD},
 	    {"cache-device-use", OPT_GIVEN_CACHE_DEVICE_USE},
+	    {"cache-device-warm", OPT_GIVEN_CACHE_DEVICE_WARM},
 	    {"control", OPT_GIVEN_CONTROL},
 	    {"user", OPT_GIVEN_USER},
 	    {"group", OPT_GIVEN_GROUP},
@@ -317,6 +318,10 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		if (v[0] == '\0')
 			return config_fail(x, "%s: empty path", name);
 		return set_string(x, &f->cache_device, v);
+	case OPT_GIVEN_CACHE_DEVICE_WARM:
+		if (options_parse_cache_device_warm(v, &f->cache_device_warm_all) < 0)
+			return config_fail(x, "%s %s: expected files or all", name, v);
+		return 1;
 	case OPT_GIVEN_CACHE_DEVICE_USE:
 		if (options_parse_cache_device_use(v, &f->cache_device_use) < 0)
 			return config_fail(x, "%s %s: expected log, l2 or both", name, v);

@@ -199,6 +199,8 @@ static void device_step_done(struct cache_op *op, int result)
 static void device_next(struct control_wait *w)
 {
 	struct control *ctl = w->ctl;
+	if (ctl->stopping && !w->dev_error)
+		w->dev_error = -ESHUTDOWN;
 	if (w->dev_next < w->dev_n && !w->dev_error) {
 		struct cache_export *ce = w->dev_list[w->dev_next]->cache;
 		w->seen_error = cache_export_error_seq(ce);
@@ -217,8 +219,16 @@ static void device_next(struct control_wait *w)
 	const char *action = w->dev_detach ? "detach" : "flush";
 	struct cache_device *dev = cache_get_device(ctl->cfg.cache);
 	int rc = w->dev_error;
-	if (rc == 0 && w->dev_detach)
+	if (rc == 0 && w->dev_detach) {
 		rc = cache_device_detach_end(dev);
+		/* Records came meanwhile (direct writes, CLEAN records): the
+		 * log is emptied again, a few times at most. */
+		if (rc == -EBUSY && ++w->dev_passes < 4) {
+			w->dev_next = 0;
+			device_next(w);
+			return;
+		}
+	}
 	uint64_t ms = (clock_now_ns() - w->started_ns) / 1000000u;
 	if (rc < 0)
 		log_error("cache device: %s (control socket) failed after %llu ms: %s", action,
@@ -233,7 +243,10 @@ static void device_next(struct control_wait *w)
 		if (rc < 0) {
 			control_send_error(
 			    cl, -rc, "cache-device %s: %s; %s", action,
-			    rc == -EBUSY ? "records remain in the log" : strerror(-rc),
+			    rc == -EBUSY ? "records kept coming into the log; it could not be "
+					   "emptied"
+			    : rc == -ESHUTDOWN ? "the daemon is stopping"
+					       : strerror(-rc),
 			    w->dev_detach
 				? "the device stays detaching (no new records, no level-2 "
 				  "cache): try again"

@@ -59,6 +59,7 @@ struct control_wait {
 	 * back one after another (the next one's index), the first error. */
 	struct export **dev_list;
 	size_t dev_n, dev_next;
+	unsigned dev_passes; /* detach: passes over them so far */
 	int dev_error;
 	bool dev_detach;
 };

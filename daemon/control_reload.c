@@ -61,6 +61,7 @@ static void refused_globals(const struct options *was, const struct options *now
 	    {!same_opt_string(was->cache_device_discard, now->cache_device_discard),
 	     "cache-device-discard-dirty"},
 	    {was->cache_device_use != now->cache_device_use, "cache-device-use"},
+	    {was->cache_device_warm_all != now->cache_device_warm_all, "cache-device-warm"},
 	    {was->backend_timeout != now->backend_timeout, "backend-timeout"},
 	    {was->rbd_takeover_wait != now->rbd_takeover_wait, "rbd-takeover"},
 	    {was->compact != now->compact, "compact"},

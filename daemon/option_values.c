@@ -180,6 +180,17 @@ int options_parse_cache_device_use(const char *text, unsigned *use)
 	return 0;
 }
 
+int options_parse_cache_device_warm(const char *text, bool *all)
+{
+	if (strcmp(text, "files") == 0)
+		*all = false;
+	else if (strcmp(text, "all") == 0)
+		*all = true;
+	else
+		return -EINVAL;
+	return 0;
+}
+
 int options_parse_rbd_takeover(const char *text, bool *wait)
 {
 	if (strcmp(text, "refuse") == 0)

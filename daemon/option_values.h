@@ -62,6 +62,7 @@ int options_parse_max_connections(const char *text, unsigned *out);
 int options_parse_compact(const char *text, bool *out);		      /* on, off */
 /* log 1, l2 2, both 3 (CACHE_DEVICE_USE_* bits) */
 int options_parse_cache_device_use(const char *text, unsigned *use);
+int options_parse_cache_device_warm(const char *text, bool *all);     /* files, all */
 int options_parse_rbd_takeover(const char *text, bool *wait);	      /* refuse, wait */
 int options_parse_compact_interval(const char *text, unsigned *out);  /* 1..3600000 */
 int options_parse_compact_threshold(const char *text, unsigned *out); /* 0..1000 */

@@ -37,6 +37,7 @@ const char *options_usage(void)
 	       "                 [--user USER] [--group GROUP] [--max-connections N]\n"
 	       "                 [--cache-size SIZE] [--hugepages auto|require|off]\n"
 	       "                 [--cache-device PATH] [--cache-device-use log|l2|both]\n"
+	       "                 [--cache-device-warm files|all]\n"
 	       "                 [--cache-device-discard-dirty NAMES]\n"
 	       "                 [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]\n"
 	       "                 [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]\n"
@@ -177,6 +178,7 @@ enum {
 	OPT_CACHE_DEVICE,
 	OPT_CACHE_DEVICE_DISCARD,
 	OPT_CACHE_DEVICE_USE,
+	OPT_CACHE_DEVICE_WARM,
 };
 
 /*
@@ -289,6 +291,7 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 	    {"cache-device", required_argument, NULL, OPT_CACHE_DEVICE},
 	    {"cache-device-discard-dirty", required_argument, NULL, OPT_CACHE_DEVICE_DISCARD},
 	    {"cache-device-use", required_argument, NULL, OPT_CACHE_DEVICE_USE},
+	    {"cache-device-warm", required_argument, NULL, OPT_CACHE_DEVICE_WARM},
 	    {"tls", required_argument, NULL, 1000},
 	    {"tls-certificates", required_argument, NULL, 1001},
 	    {"tls-psk", required_argument, NULL, 1002},
@@ -600,6 +603,15 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 				goto error;
 			}
 			out->given |= OPT_GIVEN_CACHE_DEVICE_USE;
+			break;
+		case OPT_CACHE_DEVICE_WARM:
+			if (options_parse_cache_device_warm(optarg, &out->cache_device_warm_all) <
+			    0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--cache-device-warm %s: expected files or all", optarg);
+				goto error;
+			}
+			out->given |= OPT_GIVEN_CACHE_DEVICE_WARM;
 			break;
 		case 1000:
 			if (options_parse_tls(optarg, &out->tls) < 0) {

@@ -165,6 +165,7 @@ struct export_spec {
 #define OPT_GIVEN_CACHE_DEVICE (UINT64_C(1) << 40)
 #define OPT_GIVEN_CACHE_DEVICE_DISCARD (UINT64_C(1) << 41)
 #define OPT_GIVEN_CACHE_DEVICE_USE (UINT64_C(1) << 42)
+#define OPT_GIVEN_CACHE_DEVICE_WARM (UINT64_C(1) << 43)
 
 struct options {
 	bool foreground;
@@ -189,6 +190,10 @@ struct options {
 	/* --cache-device-use: what the device holds, CACHE_DEVICE_USE_* bits
 	 * (1 the intent log, 2 the level-2 cache; default both). */
 	unsigned cache_device_use;
+	/* --cache-device-warm all: a clean restart keeps the level-2 pages of
+	 * every backend, not only of regular files (whose modification time
+	 * shows a write made while the daemon was down). */
+	bool cache_device_warm_all;
 	/* The cache (shared by every export). */
 	uint64_t cache_size;
 	enum hugepages_policy hugepages;

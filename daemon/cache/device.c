@@ -324,6 +324,11 @@ const char *dev_identity_differs(const struct devfmt_identity *a, const struct d
 	return buf;
 }
 
+void cache_device_set_warm_all(struct cache_device *d, bool all)
+{
+	d->warm_all = all;
+}
+
 int cache_device_discard(struct cache_device *d, const char *names)
 {
 	free(d->discard);

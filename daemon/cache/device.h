@@ -110,6 +110,9 @@ struct cache_device_stats {
  */
 int cache_device_open(const char *path, unsigned use, struct cache_device **out, char *err,
 		      size_t len);
+/* A clean restart keeps the level-2 pages of every backend (true), or only
+ * of regular files, checked by their modification time (default). */
+void cache_device_set_warm_all(struct cache_device *d, bool all);
 /* Exports (names, commas between) whose records are thrown away at bind,
  * logged, rather than refused (cache-device-discard-dirty); NULL: none. */
 int cache_device_discard(struct cache_device *d, const char *names);
@@ -186,6 +189,9 @@ void cache_device_l2_store(struct cache_device *d, struct cache_export *ce, uint
  * direct step dropped the range from RAM. */
 void cache_device_l2_invalidate(struct cache_device *d, struct cache_export *ce, uint64_t offset,
 				uint64_t length);
+/* Wait until what is staged is written (a clean stop keeping RAM's
+ * pages, cache_stop). */
+void cache_device_l2_drain(struct cache_device *d);
 /* A fill of io->length bytes at ce's io->offset into io->buf: false if
  * the area does not hold every page; else read through w's ring, and
  * io->done(io, 0) runs on w, or io->done(io, -errno) when the area could

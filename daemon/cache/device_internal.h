@@ -85,7 +85,7 @@ struct dev_l2 {
 	uint32_t pages;	 /* in the area; 0: no level-2 cache */
 	uint32_t head;	 /* the next page the ring writes */
 	pthread_mutex_t lock;
-	pthread_cond_t cond;
+	pthread_cond_t cond, idle; /* idle: nothing staged or being written */
 	pthread_t thread;
 	uint64_t *owner; /* per page: its key, 0 free */
 	uint32_t *epoch; /* per page: bumped when it is rewritten */
@@ -109,7 +109,8 @@ struct dev_l2 {
 
 struct cache_device {
 	char *path;
-	unsigned use; /* CACHE_DEVICE_USE_* */
+	unsigned use;  /* CACHE_DEVICE_USE_* */
+	bool warm_all; /* cache_device_set_warm_all */
 	int fd;
 	bool odirect;
 	uint64_t device_bytes;
@@ -124,6 +125,7 @@ struct cache_device {
 	pthread_t thread;
 	bool running, stop, started, failed, no_room, checkpoint_due;
 	bool detaching, detached; /* cache_device_detach_begin, _end */
+	bool committing;	  /* the log thread writes records taken from pend */
 	struct dev_rec *pend;
 	size_t npend, cappend;
 	uint8_t *pdata;

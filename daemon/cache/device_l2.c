@@ -138,6 +138,7 @@ int dev_l2_init(struct cache_device *d)
 	struct dev_l2 *l = &d->l2;
 	pthread_mutex_init(&l->lock, NULL);
 	pthread_cond_init(&l->cond, NULL);
+	pthread_cond_init(&l->idle, NULL);
 	l->inited = true;
 	if (!(d->use & CACHE_DEVICE_USE_L2) || !d->sb.l2_bytes)
 		return 0;
@@ -230,6 +231,7 @@ void dev_l2_free(struct cache_device *d)
 	free(l->hpages);
 	pthread_mutex_destroy(&l->lock);
 	pthread_cond_destroy(&l->cond);
+	pthread_cond_destroy(&l->idle);
 }
 
 /* Off for good (a write to the area failed): every page forgotten. */
@@ -248,6 +250,17 @@ static void l2_off_locked(struct cache_device *d, int error)
 		  d->path, strerror(-error));
 }
 
+void cache_device_l2_drain(struct cache_device *d)
+{
+	struct dev_l2 *l = &d->l2;
+	if (!l->running)
+		return;
+	pthread_mutex_lock(&l->lock);
+	while (l->staged && cache_device_l2_on(d))
+		pthread_cond_wait(&l->idle, &l->lock);
+	pthread_mutex_unlock(&l->lock);
+}
+
 void dev_l2_detach(struct cache_device *d)
 {
 	struct dev_l2 *l = &d->l2;
@@ -263,6 +276,14 @@ void dev_l2_detach(struct cache_device *d)
 	atomic_store_explicit(&l->valid_hint, 0, memory_order_relaxed);
 	pthread_mutex_unlock(&l->lock);
 	dev_l2_stop(d);
+	/* What was staged is never written now. */
+	pthread_mutex_lock(&l->lock);
+	struct dev_l2_item *staged = l->staged;
+	l->staged = l->staged_tail = NULL;
+	l->staged_bytes = 0;
+	atomic_store(&l->held, 0);
+	pthread_mutex_unlock(&l->lock);
+	items_free(staged);
 }
 
 /* ---- storing ---- */
@@ -292,25 +313,24 @@ void cache_device_l2_store(struct cache_device *d, struct cache_export *ce, uint
 	}
 	l->staged_bytes += length;
 	pthread_mutex_unlock(&l->lock);
-	/* Copied without the level-2 lock: the caller's shard lock keeps
-	 * writes to the range (and their invalidations) out until it is
-	 * queued, where invalidations find it. */
 	struct dev_l2_item *it = calloc(1, sizeof(*it));
 	uint8_t *buf = it ? dev_aligned(length) : NULL;
-	if (!buf) {
-		free(it);
-		pthread_mutex_lock(&l->lock);
+	pthread_mutex_lock(&l->lock);
+	if (!buf || !cache_device_l2_on(d)) {
 		l->staged_bytes -= length;
-		l->st.l2_dropped_bytes += length;
+		l->st.l2_dropped_bytes += buf ? 0 : length;
 		pthread_mutex_unlock(&l->lock);
+		free(buf);
+		free(it);
 		return;
 	}
+	/* Copied and queued under the level-2 lock: from the moment its bytes
+	 * are taken, an invalidation of the range finds the item. */
 	memcpy(buf, data, length);
 	it->slot = (uint16_t)slot;
 	it->block = block;
 	it->pages = pages;
 	it->data = buf;
-	pthread_mutex_lock(&l->lock);
 	it->next = NULL;
 	if (l->staged_tail)
 		l->staged_tail->next = it;
@@ -327,14 +347,14 @@ void cache_device_l2_store(struct cache_device *d, struct cache_export *ce, uint
 static void write_item(struct cache_device *d, struct dev_l2_item *it)
 {
 	struct dev_l2 *l = &d->l2;
-	if (l->head + it->pages > l->pages)
+	if ((uint64_t)l->head + it->pages > l->pages)
 		l->head = 0; /* the pages past it stay as they are, for a lap */
 	uint32_t start = l->head;
 	for (uint32_t i = 0; i < it->pages; i++) {
 		page_free(l, start + i);
 		l->epoch[start + i]++;
 	}
-	l->head = start + it->pages == l->pages ? 0 : start + it->pages;
+	l->head = (uint64_t)start + it->pages == l->pages ? 0 : start + it->pages;
 	l->writing = it;
 	pthread_mutex_unlock(&l->lock);
 	uint64_t t0 = cache_now_ns();
@@ -348,8 +368,8 @@ static void write_item(struct cache_device *d, struct dev_l2_item *it)
 		return;
 	}
 	l->st.l2_write_ns += t1 - t0;
-	if (it->cancelled)
-		return;
+	if (it->cancelled || !cache_device_l2_on(d))
+		return; /* written over meanwhile, or the level-2 cache went off */
 	for (uint32_t i = 0; i < it->pages; i++) {
 		uint64_t key = key_of(it->slot, it->block + i);
 		uint32_t old;
@@ -379,6 +399,8 @@ static void *l2_thread(void *arg)
 			write_item(d, it);
 		l->staged_bytes -= (uint64_t)it->pages * DEVFMT_BLOCK;
 		atomic_fetch_sub(&l->held, 1);
+		if (!l->staged)
+			pthread_cond_broadcast(&l->idle);
 		pthread_mutex_unlock(&l->lock);
 		free(it->data);
 		free(it);
@@ -404,7 +426,7 @@ void cache_device_l2_invalidate(struct cache_device *d, struct cache_export *ce,
 	if (slot < 0 || !length || !l->pages)
 		return;
 	if (!atomic_load(&l->held) && !atomic_load_explicit(&l->valid_hint, memory_order_relaxed))
-		return;
+		return; /* nothing staged, written or held (also once it is off) */
 	uint64_t first = offset / DEVFMT_BLOCK;
 	uint64_t end = offset + length < offset ? UINT64_MAX : offset + length;
 	uint64_t last = (end - 1) / DEVFMT_BLOCK;
@@ -415,7 +437,7 @@ void cache_device_l2_invalidate(struct cache_device *d, struct cache_export *ce,
 	if (l->writing && item_overlaps(l->writing, (unsigned)slot, first, last))
 		l->writing->cancelled = true;
 	uint64_t gone = 0;
-	if (last - first < l->valid) {
+	if (last - first < l->pages) {
 		for (uint64_t b = first; b <= last && b < (1ull << L2_BLOCK_BITS); b++) {
 			uint32_t p;
 			if (table_get(l, key_of((unsigned)slot, b), &p)) {
@@ -706,6 +728,13 @@ void dev_l2_load(struct cache_device *d)
 				 "since the last close; its level-2 pages are not used",
 				 d->path, s->cfg.name);
 			ok[i] = false;
+		} else if (ok[i] && !h.mtime_ns[i] && !d->warm_all) {
+			log_info(
+			    "cache device %s: export \"%s\": a write made to its backend while "
+			    "the daemon was down could not be told (not a regular file): its "
+			    "level-2 pages are not used (cache-device-warm all keeps them)",
+			    d->path, s->cfg.name);
+			ok[i] = false;
 		}
 	}
 	uint64_t loaded = 0, bad = 0;
@@ -741,10 +770,16 @@ void dev_l2_load(struct cache_device *d)
 	l->st.l2_load_ns = cache_now_ns() - t0;
 	pthread_mutex_unlock(&l->lock);
 	free(buf);
-	log_info("cache device %s: level-2 cache warm: %llu MiB in %llu ms%s", d->path,
-		 (unsigned long long)(loaded * DEVFMT_BLOCK >> 20),
-		 (unsigned long long)(l->st.l2_load_ns / 1000000),
-		 bad ? " (some entries of the table did not add up and were left out)" : "");
+	if (loaded)
+		log_info("cache device %s: level-2 cache warm: %llu MiB in %llu ms%s", d->path,
+			 (unsigned long long)(loaded * DEVFMT_BLOCK >> 20),
+			 (unsigned long long)(l->st.l2_load_ns / 1000000),
+			 bad ? " (some entries of the table did not add up and were left out)"
+			     : "");
+	else
+		log_info("cache device %s: level-2 table read, none of its %llu pages used: the "
+			 "level-2 cache starts cold",
+			 d->path, (unsigned long long)h.entries);
 }
 
 void dev_l2_stats(struct cache_device *d, struct cache_device_stats *out)

@@ -66,7 +66,9 @@ uint64_t cache_device_append(struct cache_device *d, struct cache_export *ce, un
 	if (!(d->use & CACHE_DEVICE_USE_LOG))
 		return 0;
 	pthread_mutex_lock(&d->lock);
-	if (!d->started || d->failed || d->detaching || ce->device_slot < 0) {
+	/* While detaching, direct steps still append (the log stays a whole
+	 * redo log until it is empty); no log round does (not usable). */
+	if (!d->started || d->failed || d->detached || ce->device_slot < 0) {
 		pthread_mutex_unlock(&d->lock);
 		return 0;
 	}
@@ -135,6 +137,10 @@ static struct cache_device_waiter *ready_locked(struct cache_device *d)
 			result = 0;
 		else if (d->failed)
 			result = -EIO;
+		else if (w->fallback && d->detaching)
+			/* A log round while a detach began: some of its entries
+			 * may not have been appended; it writes back instead. */
+			result = -ENOSPC;
 		else if (w->rec <= (w->checkpoint ? d->checkpointed : d->durable))
 			result = 0;
 		else if (w->fallback && d->no_room)
@@ -300,6 +306,7 @@ static void commit_locked(struct cache_device *d)
 	d->pdata = NULL;
 	d->pdata_len = d->pdata_cap = 0;
 	uint64_t last = recs[n - 1].rec;
+	d->committing = true; /* records neither pending nor in a batch */
 	pthread_mutex_unlock(&d->lock);
 
 	uint64_t t0 = clock_now_ns();
@@ -389,6 +396,7 @@ static void commit_locked(struct cache_device *d)
 	free(pdata);
 
 	pthread_mutex_lock(&d->lock);
+	d->committing = false;
 	if (rc < 0) {
 		dev_fail_locked(d, rc, "writing its log");
 	} else {
@@ -549,36 +557,41 @@ int cache_device_detach_begin(struct cache_device *d)
 int cache_device_detach_end(struct cache_device *d)
 {
 	pthread_mutex_lock(&d->lock);
-	if (d->detached) {
+	int rc = d->detached ? -EALREADY : d->failed ? -EIO : 0;
+	/* Only at an instant the log is empty (every record covered by a
+	 * checkpoint, none pending, none being committed) do appends stop:
+	 * from then on no record older than what the backends hold is left
+	 * to be replayed over it. Else the caller runs its rounds again. */
+	if (rc == 0 && (!d->detaching || d->nbatches || d->npend || d->committing ||
+			d->checkpointed < d->appended))
+		rc = -EBUSY;
+	if (rc < 0) {
 		pthread_mutex_unlock(&d->lock);
-		return -EALREADY;
+		return rc;
 	}
-	/* The full rounds' checkpoints covered everything appended before the
-	 * detach began, and nothing was appended since. */
-	if (!d->detaching || d->nbatches || d->npend) {
-		pthread_mutex_unlock(&d->lock);
-		return -EBUSY;
-	}
+	d->detached = true;
+	d->st.detached = true;
 	d->stop = true;
 	pthread_cond_signal(&d->cond);
 	pthread_mutex_unlock(&d->lock);
 	pthread_join(d->thread, NULL);
 	d->running = false;
 	pthread_mutex_lock(&d->sb_lock);
-	int rc = dev_sb_update(d, true);
+	rc = dev_sb_update(d, true);
 	pthread_mutex_unlock(&d->sb_lock);
 	pthread_mutex_lock(&d->lock);
-	d->detached = true;
-	d->st.detached = true;
 	d->started = false;
+	struct cache_device_waiter *ready = ready_locked(d); /* any left: answered */
 	pthread_mutex_unlock(&d->lock);
-	if (rc < 0)
-		log_error("cache device %s: detached, but marking it clean failed: %s; it holds "
-			  "nothing the backends lack",
+	post_ready(ready);
+	if (rc < 0) {
+		log_error("cache device %s: detached (it holds nothing the backends lack), but "
+			  "marking it clean failed: %s",
 			  d->path, strerror(-rc));
-	else
-		log_info("cache device %s: detached: everything on it is on the backends, it is "
-			 "marked clean and not used again until a restart",
-			 d->path);
+		return rc;
+	}
+	log_info("cache device %s: detached: everything on it is on the backends, it is "
+		 "marked clean and not used again until a restart",
+		 d->path);
 	return 0;
 }

@@ -466,6 +466,11 @@ void direct_step(struct cache_op *op)
 				op_retry_later(op);
 				return;
 			}
+			/* Again: an entry evicted before the walk reached it was
+			 * staged with the bytes from before. */
+			if (c->device)
+				cache_device_l2_invalidate(c->device, ce, op->step_offset,
+							   op->step_length);
 		}
 		direct_unregister(op);
 		step_next(op);

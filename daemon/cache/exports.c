@@ -86,8 +86,14 @@ void cache_set_writeback_policy(struct cache *c, unsigned high_pct, unsigned low
  */
 int cache_export_resize(struct cache_export *ce, uint64_t size, uint64_t *dirty_past)
 {
-	uint64_t old = atomic_exchange(&ce->size, size);
+	uint64_t old = atomic_load(&ce->size);
 	uint64_t from = (old < size ? old : size) & ~(uint64_t)(ce->block_size - 1);
+	/* The level-2 cache's pages from there on, before the size moves (a
+	 * fill past the old end must not find the zeros kept there) and
+	 * after (below). */
+	if (ce->cache->device)
+		cache_device_l2_invalidate(ce->cache->device, ce, from, UINT64_MAX - from);
+	atomic_store(&ce->size, size);
 	uint64_t dropped, busy;
 	int rc = cache_export_drop_from(ce, from, &dropped, &busy, dirty_past);
 	if (rc == 0 && busy)

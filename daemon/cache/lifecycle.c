@@ -32,6 +32,8 @@ int cache_create(const struct options *opts, unsigned workers, struct cache **ou
 		char err[1024];
 		rc = cache_device_open(opts->cache_device, opts->cache_device_use, &c->device, err,
 				       sizeof(err));
+		if (rc == 0)
+			cache_device_set_warm_all(c->device, opts->cache_device_warm_all);
 		if (rc == 0 &&
 		    (rc = cache_device_discard(c->device, opts->cache_device_discard)) < 0)
 			snprintf(err, sizeof(err), "cache device: out of memory");
@@ -96,6 +98,22 @@ int cache_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg),
 	writeback_catch_second_signal();
 	compactor_stop(c);
 	int rc = writeback_stop(c, progress, arg);
+	if (c->device && rc == 0 && cache_device_l2_on(c->device)) {
+		/* Everything is clean: what RAM holds goes to the level-2 area
+		 * too, so that the next start finds it there. Evicted 16 MiB
+		 * at a time, each written before the next (staging is bounded). */
+		uint64_t target = 0, step = (16u << 20) >> ARENA_FRAME_SHIFT;
+		for (unsigned i = 0; i < 1u << 20; i++) {
+			pthread_mutex_lock(&c->arena.lock);
+			uint64_t free_frames = c->arena.free_frames;
+			pthread_mutex_unlock(&c->arena.lock);
+			target = free_frames + step;
+			uint64_t n = cache_evict_until(c, target);
+			cache_device_l2_drain(c->device);
+			if (n == 0)
+				break;
+		}
+	}
 	if (c->device) {
 		cache_device_close(c->device, rc == 0);
 		c->device = NULL;

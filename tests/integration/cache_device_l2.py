@@ -18,10 +18,13 @@ must return.
      over ranges the level-2 area holds and RAM does not, each round then
      read whole against the model; then the same through a writethrough
      daemon (whose WRITEs go direct to the backend).
-  3  Warm restart: SIGTERM (the log says the level-2 table was kept), a
-     new start reads it back (its log line), and the first pass over the
-     working set reads at most 5% of its bytes from the backend, every
-     byte as the model says.
+  3  Warm restart: SIGTERM (the log says the level-2 table was kept);
+     a start with the default cache-device-warm files does not use the
+     pages of the nbdkit backend (a write to it while the daemon was down
+     could not be told: the log says so); with cache-device-warm all a
+     new start reads the table back (its log line, and --check-config
+     says warm), and the first pass over the working set reads at most
+     5% of its bytes from the backend, every byte as the model says.
   4  The backend file itself (the export's backend, so its modification
      time is recorded) modified while the daemon was down: its pages are
      not used (the log says why), and a read returns the file's new bytes.
@@ -90,13 +93,15 @@ class Run:
         self.model = Model(self.disk)
         self.d = None
 
-    def start(self, mode="writeback", use=None, what=None, backend=None):
+    def start(self, mode="writeback", use=None, what=None, backend=None, warm_all=False):
         work = os.path.join(self.tmp, "d%d" % len(os.listdir(self.tmp)))
         os.mkdir(work)
         extra = ["--cache-device", self.dev, "--cache-size", "16M", "--cache-mode", mode,
                  "--hugepages", "off"]
         if use:
             extra += ["--cache-device-use", use]
+        if warm_all:
+            extra += ["--cache-device-warm", "all"]
         if backend is None:
             backend = "nbdkit:--filter=delay file %s rdelay=1ms" % self.disk
         self.d = nbdtest.CheckedDaemon([("disk", backend, "")], workdir=work, tcp=False,
@@ -236,6 +241,14 @@ def warm_restart(r):
     r.read_all("before the restart")
     r.settle()
     r.d.stop()
+    r.start(what="cache-device-warm files")
+    text = r.d.log_text()
+    expect("could not be told (not a regular file)" in text and
+           "level-2 cache warm" not in text,
+           "cache-device-warm files used the pages of an nbdkit backend:\n%s" % text[-1500:])
+    r.read_all("before the restart, again")
+    r.settle()
+    r.d.stop()
     with open(r.d.logpath) as f:
         text = f.read()
     m = re.search(r"level-2 table of (\d+) pages", text)
@@ -247,7 +260,7 @@ def warm_restart(r):
     out = p.stdout + p.stderr
     expect(p.returncode == 0 and "warm: its table was kept by a clean close" in out,
            "--check-config: exit %d: %s" % (p.returncode, out))
-    r.start(what="warm start")
+    r.start(what="warm start", warm_all=True)
     m = re.search(r"level-2 cache warm: (\d+) MiB in (\d+) ms", r.d.log_text())
     require(m, "no 'level-2 cache warm' line at start")
     log("  %s" % m.group(0))

@@ -49,8 +49,9 @@ reads back, round after round; every round must take under 100 ms.
 Under ASan (make asan: ASAN_OPTIONS set) the two RSS bounds of 3 are
 logged, not asserted: ASan's allocator keeps freed memory in its quarantine
 and adds redzones and shadow to every allocation, so RSS says nothing of
-what the daemon counts (as in memory_pressure); the reply_bytes bounds, the
-probe and everything else still hold there.
+what the daemon counts (as in memory_pressure); the reply_bytes bounds and
+everything else still hold there, and the probe's rounds within 200 ms
+(PROBE_LIMIT).
 
 Failures are collected and listed together at the end; any one fails the
 test. Every daemon must exit 0 on SIGTERM.
@@ -77,6 +78,11 @@ MIB = 1024 * KIB
 CACHE_SIZE = 64 * MIB
 # make asan: RSS is ASan's, not the daemon's (see the opening).
 ASAN = "ASAN_OPTIONS" in os.environ
+# The probe's bound: 100 ms; 200 ms under ASan, where the flood's own work
+# (a 32 MiB hole's reply per READ, checked and sent) costs about twice as
+# much and clean runs reach 97 ms: the bound still tells a worker that
+# serves others between a connection's READs from one that does not (32 s).
+PROBE_LIMIT = 0.2 if ASAN else 0.1
 SPARSE_SIZE = 64 * MIB
 READ_SIZE = 32 * MIB
 FLOOD_READS = 300
@@ -215,7 +221,7 @@ def close_all(readers):
 def sparse_reads(d):
     warm(d)
     before = client_stat(d, "copied_reply_bytes")
-    with nbdtest.ServedProbe(d.unix_uri("probe")) as probe:
+    with nbdtest.ServedProbe(d.unix_uri("probe"), limit=PROBE_LIMIT) as probe:
         time.sleep(0.3)
         t0 = time.monotonic()
         readers = hole_flood(d, FLOOD_READS, 120)
@@ -247,7 +253,7 @@ def sparse_reads(d):
 
 def sigterm_during_flood(d):
     warm(d)
-    with nbdtest.ServedProbe(d.unix_uri("probe")) as probe:
+    with nbdtest.ServedProbe(d.unix_uri("probe"), limit=PROBE_LIMIT) as probe:
         time.sleep(0.3)
         readers = hole_flood(d, TERM_READS, 60)
         try:
@@ -307,7 +313,7 @@ def never_read(d):
     base = status(d.pid, "VmRSS")
     bound = base + REPLY_MEMORY + CACHE_SIZE + MEMORY_MARGIN
     clients = []
-    with nbdtest.ServedProbe(d.unix_uri("probe")) as probe:
+    with nbdtest.ServedProbe(d.unix_uri("probe"), limit=PROBE_LIMIT) as probe:
         time.sleep(0.3)
         try:
             blocks = RANDOM_SIZE // SMALL_READ
