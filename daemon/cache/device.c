@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "daemon/log.h"
+#include "proto/nbd.h"
 
 int dev_fail(char *err, size_t len, int rc, const char *fmt, ...)
 {
@@ -157,6 +158,30 @@ static int format(struct cache_device *d, char *err, size_t len)
 	return 0;
 }
 
+/*
+ * The superblock copies of an earlier format (version 1, before the
+ * level-2 area; its header is what version 2's begins with): 1 when the
+ * newest copy with a good CRC is such a one and says closed clean (the
+ * device holds nothing: it may be formatted again), 0 when it does not
+ * say so, -1 when neither copy is one.
+ */
+static int earlier_format_clean(const uint8_t *buf)
+{
+	int best = -1;
+	uint64_t gen = 0;
+	for (unsigned i = 0; i < DEVFMT_SB_COPIES; i++) {
+		const uint8_t *p = buf + (size_t)i * DEVFMT_SB_BYTES;
+		if (nbd_get64(p) != DEVFMT_SB_MAGIC || nbd_get32(p + 8) != 1 ||
+		    devfmt_crc32c(0, p, DEVFMT_SB_BYTES - 4) != nbd_get32(p + DEVFMT_SB_BYTES - 4))
+			continue;
+		if (best < 0 || nbd_get64(p + 32) > gen) {
+			gen = nbd_get64(p + 32);
+			best = (nbd_get32(p + 12) & DEVFMT_SB_CLEAN) ? 1 : 0;
+		}
+	}
+	return best;
+}
+
 /* Open path and read its superblock (*fresh: both copies all zeros, no
  * superblock read); readonly for --check-config. */
 static int load(const char *path, unsigned use, bool readonly, struct cache_device **out,
@@ -219,10 +244,24 @@ static int load(const char *path, unsigned use, bool readonly, struct cache_devi
 		ok[i] = devfmt_sb_decode(buf + (size_t)i * DEVFMT_SB_BYTES, &copy[i], why[i],
 					 sizeof(why[i])) == 0;
 	bool zero = all_zero(buf, 2 * DEVFMT_SB_BYTES);
+	int older = earlier_format_clean(buf);
 	free(buf);
 	if (!ok[0] && !ok[1]) {
-		if (zero) {
+		if (zero || older == 1) {
+			if (older == 1)
+				log_info(
+				    "cache device %s: written by an earlier version (format 1) "
+				    "and closed clean: it holds nothing; formatted again",
+				    path);
 			*fresh = true;
+		} else if (older == 0) {
+			rc = dev_fail(err, len, -EINVAL,
+				      "cache device %s: written by an earlier version (format 1) "
+				      "and not closed clean: its log may hold data the backends "
+				      "lack; start that version on it once and stop it (SIGTERM), "
+				      "then this one",
+				      path);
+			goto out;
 		} else {
 			rc = dev_fail(
 			    err, len, -EINVAL,

@@ -14,8 +14,10 @@
      another size, another file in its place (a copy: another inode), the
      export not configured any more, the device truncated (another
      geometry), a device that is not one (garbage in its superblocks), one
-     too small; and a corrupt superblock copy (the older one, as a torn
-     write leaves it): reported, the other copy used. Last,
+     too small, one written by the earlier format (1) and not closed
+     clean; and a corrupt superblock copy (the older one, as a torn
+     write leaves it): reported, the other copy used. One of format 1
+     closed clean holds nothing: it is formatted again (said). Last,
      --cache-device-discard-dirty: the export's records thrown away, what
      was thrown away logged, the daemon serving without them.
   3  Device faults (the device a file on faultfs): writes failing, then
@@ -101,6 +103,32 @@ def write_and_kill(tmp, disk, dev):
     require(on_file != data, "the data reached the backend file before the kill: the test "
             "does not show the log at work")
     return {8 * MIB: data, 20 * MIB: fua}
+
+
+def crc32c(data):
+    """CRC32C (Castagnoli), as the device format has it."""
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def format1_device(path, clean):
+    """A device as the earlier format (version 1) leaves it: one good
+    superblock copy, no exports, clean or not."""
+    sb = bytearray(SB)
+    struct.pack_into(">QII16sQQQQQQII", sb, 0, 0x4e424443444556, 1, 1 if clean else 0,
+                     b"\x01" * 16, 5, DEVICE, 2 * SB, DEVICE - 2 * SB, 0, 1, 0, 0)
+    struct.pack_into(">I", sb, SB - 4, crc32c(bytes(sb[:SB - 4])))
+    with open(path, "wb") as f:
+        f.write(sb)
+        f.truncate(DEVICE)
 
 
 def check_data(disk, want, what):
@@ -200,6 +228,18 @@ def refusals(tmp):
     small = os.path.join(tmp, "small.dev")
     nbdtest.sparse_file(small, MIB)
     case("too small", r"1048576 bytes; a cache device needs at least 16908288", dev=small)
+    old = os.path.join(tmp, "format1.dev")
+    format1_device(old, clean=False)
+    case("format 1, not closed clean", r"written by an earlier version \(format 1\) and not "
+         r"closed clean", dev=old)
+    format1_device(old, clean=True)
+    d = daemon(tmp, disk, old, what="a device of format 1 closed clean")
+    try:
+        expect("(format 1) and closed clean: it holds nothing; formatted again" in d.log_text(),
+               "a clean device of format 1 was not said to be formatted again")
+    finally:
+        d.kill()
+        d.logf.close()
     check_data(disk, {8 * MIB: b"\0" * 16}, "after the refusals (nothing replayed)")
     rc, out = check_config(disk, dev)
     m = re.search(r'\d+ batch\(es\) to replay; export "disk": (\d+) bytes in \d+ record', out)
