@@ -200,6 +200,29 @@ def device_floor(dev, n=2000):
     return lat[len(lat) // 2], lat[len(lat) * 99 // 100]
 
 
+def rounds(names, count, kind, tmp, path, dev, cache, measure, show):
+    """count rounds, each server once a round (the order reversed every
+    other round), each before a fresh backend of this kind: measure(uri)'s
+    results printed (show) as they come; the medians of iops, p50, p99."""
+    results = {s: [] for s in names}
+    for rnd in range(count):
+        for name in (names if rnd % 2 == 0 else names[::-1]):
+            spec, bp = backend(kind, tmp, path)
+            try:
+                p, uri = server(name, tmp, spec, dev, cache=cache)
+                try:
+                    r = measure(uri)
+                finally:
+                    p.stop()
+            finally:
+                if bp:
+                    bp.stop()
+            results[name].append(r)
+            print("  round %d %-14s %s" % (rnd + 1, name, show(r)), flush=True)
+    return {s: {k: statistics.median(x[k] for x in results[s]) for k in ("iops", "p50", "p99")}
+            for s in names}
+
+
 def flush_latency(args, tmp):
     path = os.path.join(tmp, "backend.img")
     dev = os.path.join(tmp, "cache.dev")
@@ -216,27 +239,10 @@ def flush_latency(args, tmp):
         print("\n== backend: %s" % ("nbdkit --filter=delay file, writes %s, FLUSH fdatasync"
                                     % DELAY if kind == "slow" else "the file itself"),
               flush=True)
-        results = {s: [] for s in servers}
-        for rnd in range(args.rounds):
-            order = servers if rnd % 2 == 0 else servers[::-1]
-            for name in order:
-                spec, bp = backend(kind, tmp, path)
-                try:
-                    p, uri = server(name, tmp, spec, dev)
-                    try:
-                        r = fio(uri, args.seconds, os.path.join(tmp, "fio.json"))
-                    finally:
-                        p.stop()
-                finally:
-                    if bp:
-                        bp.stop()
-                results[name].append(r)
-                print("  round %d %-14s %6.0f IOPS  FLUSH p50 %8.1f us  p99 %8.1f us  (%d "
-                      "FLUSHes)" % (rnd + 1, name, r["iops"], r["p50"], r["p99"],
-                                    r["flushes"]), flush=True)
-        med = {s: {k: statistics.median(x[k] for x in results[s]) for k in ("iops", "p50",
-                                                                               "p99")}
-               for s in servers}
+        med = rounds(servers, args.rounds, kind, tmp, path, dev, "512M",
+                     lambda uri: fio(uri, args.seconds, os.path.join(tmp, "fio.json")),
+                     lambda r: "%6.0f IOPS  FLUSH p50 %8.1f us  p99 %8.1f us  (%d FLUSHes)" % (
+                         r["iops"], r["p50"], r["p99"], r["flushes"]))
         print("  %-14s %10s %14s %14s   (median of %d rounds)" % ("server", "IOPS",
                                                                    "FLUSH p50 us",
                                                                    "FLUSH p99 us",
@@ -318,30 +324,17 @@ def reads(args, tmp):
             "the hit path: 32 MiB, all in RAM" if hit else
             "working set %d MiB, RAM cache %s, cache device %d MiB" % (
                 READ_SET // MIB, READ_CACHE, READ_DEVICE // MIB)), flush=True)
-        results = {s: [] for s in names}
-        for rnd in range(args.read_rounds):
-            order = names if rnd % 2 == 0 else names[::-1]
-            for name in order:
-                spec, bp = backend(kind, tmp, path)
-                try:
-                    p, uri = server(name, tmp, spec, dev, cache=READ_CACHE)
-                    try:
-                        out = os.path.join(tmp, "fio.json")
-                        for _ in range(2):  # warm: RAM, then the level-2 area
-                            fio_read(uri, 0, out, size, rw="read", bs="1m", time_based=False)
-                        time.sleep(1)  # the level-2 thread writes what was staged
-                        r = fio_read(uri, args.seconds, out, size)
-                    finally:
-                        p.stop()
-                finally:
-                    if bp:
-                        bp.stop()
-                results[name].append(r)
-                print("  round %d %-14s %8.0f IOPS  p50 %8.1f us  p99 %8.1f us" % (
-                    rnd + 1, name, r["iops"], r["p50"], r["p99"]), flush=True)
-        med = {s: {k: statistics.median(x[k] for x in results[s]) for k in ("iops", "p50",
-                                                                               "p99")}
-               for s in names}
+        out = os.path.join(tmp, "fio.json")
+
+        def measure(uri, size=size):
+            for _ in range(2):  # warm: RAM, then the level-2 area
+                fio_read(uri, 0, out, size, rw="read", bs="1m", time_based=False)
+            time.sleep(1)  # the level-2 thread writes what was staged
+            return fio_read(uri, args.seconds, out, size)
+
+        med = rounds(names, args.read_rounds, kind, tmp, path, dev, READ_CACHE, measure,
+                     lambda r: "%8.0f IOPS  p50 %8.1f us  p99 %8.1f us" % (r["iops"], r["p50"],
+                                                                         r["p99"]))
         print("  %-14s %10s %12s %12s   (median of %d rounds)" % (
             "server", "IOPS", "p50 us", "p99 us", args.read_rounds))
         for s in names:
