@@ -3,7 +3,7 @@
 cache-device-use l2 or both).
 
 A 96 MiB working set on a 256 MiB backend file, served through nbdkit's
-delay filter (reads 1 ms: a backend slower than the device, as the
+delay filter (reads 2 ms: a backend slower than the device, as the
 level-2 cache is for; over a faster one small fills go to the backend),
 a RAM cache of 16 MiB and a cache device of 176 MiB (a level-2 area of
 about 150 MiB); a byte model of the whole export says what every read
@@ -103,7 +103,7 @@ class Run:
         if warm_all:
             extra += ["--cache-device-warm", "all"]
         if backend is None:
-            backend = "nbdkit:--filter=delay file %s rdelay=1ms" % self.disk
+            backend = "nbdkit:--filter=delay file %s rdelay=2ms" % self.disk
         self.d = nbdtest.CheckedDaemon([("disk", backend, "")], workdir=work, tcp=False,
                                        extra=extra, what=what)
         self.h = nbdtest.libnbd_handle(self.d.unix_uri("disk"))
@@ -255,7 +255,7 @@ def warm_restart(r):
     require(m, "the clean close did not say it kept the level-2 table")
     log("  %s" % m.group(0))
     p = subprocess.run([nbdtest.NBDCACHED, "--check-config", "--export",
-                        "disk=nbdkit:--filter=delay file %s rdelay=1ms" % r.disk,
+                        "disk=nbdkit:--filter=delay file %s rdelay=2ms" % r.disk,
                         "--cache-device", r.dev], capture_output=True, text=True, timeout=60)
     out = p.stdout + p.stderr
     expect(p.returncode == 0 and "warm: its table was kept by a clean close" in out,
@@ -264,11 +264,20 @@ def warm_restart(r):
     m = re.search(r"level-2 cache warm: (\d+) MiB in (\d+) ms", r.d.log_text())
     require(m, "no 'level-2 cache warm' line at start")
     log("  %s" % m.group(0))
+    _, before = r.stats()
     first = r.read_pages("first pass after the restart", WORKING // 4096 // 4)
+    _, after = r.stats()
+    # The bytes the level-2 cache could not give, apart from the small
+    # fills it sent to the backend by choice while the device answered
+    # slower (level2_worth: a sanitizer build beside another test, a
+    # busy disk): those say nothing of how warm it is.
+    skipped = (after["skipped"] - before["skipped"]) * 4096
+    missed = max(first - skipped, 0)
     log("  first pass of %d random 4 KiB reads: %.1f MiB from the backend (%.1f%% of what "
-        "was read)" % (WORKING // 4096 // 4, first / MIB, 100.0 * first / (WORKING // 4)))
-    expect(first <= WORKING // 4 // 20, "after a clean restart %d bytes of %d read came from "
-           "the backend (more than 5%%)" % (first, WORKING // 4))
+        "was read), %.1f MiB of it sent there by choice (the device answered slower)"
+        % (WORKING // 4096 // 4, first / MIB, 100.0 * first / (WORKING // 4), skipped / MIB))
+    expect(missed <= WORKING // 4 // 20, "after a clean restart %d bytes of %d read came from "
+           "the backend not by choice (more than 5%%)" % (missed, WORKING // 4))
     r.d.stop()
 
 
