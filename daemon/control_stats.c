@@ -304,7 +304,7 @@ json_object *control_device_object(struct cache *cache)
 	control_add_u64(l2, "hit_bytes", ds.l2_hit_bytes);
 	control_add_u64(l2, "misses", ds.l2_misses);
 	control_add_u64(l2, "skipped", ds.l2_skipped);
-	control_add_u64(l2, "small_read_ns", ds.l2_page_ns);
+	control_add_u64(l2, "small_read_ns", ds.l2_small_read_ns);
 	control_add_u64(l2, "stale_reads", ds.l2_stale);
 	control_add_u64(l2, "read_errors", ds.l2_read_errors);
 	control_add_u64(l2, "stored_bytes", ds.l2_stored_bytes);

@@ -212,7 +212,7 @@ static void fill_done(struct backend_io *io, int result)
 	if (!f->level2 && io->worker) {
 		cache_backend_timed(ce, io);
 		if (result >= 0 && ce->cache->device && io->length <= CACHE_DEVICE_SMALL_READ)
-			cache_device_cost_note(&ce->fill_page_ns, clock_now_ns() - io->submit_ns);
+			cache_device_cost_note(&ce->small_fill_ns, clock_now_ns() - io->submit_ns);
 	}
 	if (result >= 0) {
 		/* Bytes past the end of the export read as zeros. */
@@ -268,9 +268,9 @@ static bool level2_worth(struct cache_export *ce, struct cache_device *d, uint64
 {
 	if (length > CACHE_DEVICE_SMALL_READ)
 		return true;
-	uint64_t backend = atomic_load_explicit(&ce->fill_page_ns, memory_order_relaxed);
-	uint64_t device = cache_device_l2_page_ns(d);
-	unsigned n = atomic_fetch_add_explicit(&ce->level2_skips, 1, memory_order_relaxed);
+	uint64_t backend = atomic_load_explicit(&ce->small_fill_ns, memory_order_relaxed);
+	uint64_t device = cache_device_l2_small_read_ns(d);
+	unsigned n = atomic_fetch_add_explicit(&ce->level2_weighed, 1, memory_order_relaxed);
 	bool worth = !device || (backend && device <= backend) ? n % 256 != 0 : n % 32 == 0;
 	if (!worth)
 		cache_device_l2_skipped(d);

@@ -88,7 +88,7 @@ struct cache_device_stats {
 	uint64_t l2_hits, l2_hit_bytes, l2_misses, l2_stale, l2_read_errors;
 	/* Fills sent to the backend as it answers faster; the average cost of
 	 * a small read from the area, ns. */
-	uint64_t l2_skipped, l2_page_ns;
+	uint64_t l2_skipped, l2_small_read_ns;
 	uint64_t l2_stored_bytes, l2_dropped_bytes, l2_invalidated_bytes;
 	uint64_t l2_loaded_bytes, l2_load_ns, l2_write_ns;
 	uint64_t device_bytes, log_bytes, log_used;
@@ -204,7 +204,7 @@ bool cache_device_l2_read(struct cache_device *d, struct cache_export *ce, struc
  * other: what one from the area has cost lately, ns (a moving average;
  * 0: none yet). */
 #define CACHE_DEVICE_SMALL_READ (64u << 10)
-uint64_t cache_device_l2_page_ns(struct cache_device *d);
+uint64_t cache_device_l2_small_read_ns(struct cache_device *d);
 /* A fill went to the backend though the area might hold it: the backend
  * answers faster (counted). */
 void cache_device_l2_skipped(struct cache_device *d);

@@ -97,7 +97,7 @@ struct dev_l2 {
 	atomic_uint_fast64_t held;	 /* items staged or being written */
 	atomic_uint_fast64_t misses;	 /* fills it could not serve */
 	atomic_uint_fast64_t skipped;	 /* fills sent to a faster backend */
-	atomic_uint_fast64_t page_ns;	 /* a read's cost per page, averaged */
+	atomic_uint_fast64_t small_read_ns; /* a small read's cost, averaged */
 	struct dev_l2_item *staged, *staged_tail, *writing;
 	uint64_t staged_bytes;
 	struct {

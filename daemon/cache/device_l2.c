@@ -128,6 +128,28 @@ static void page_free(struct dev_l2 *l, uint32_t p)
 
 /* ---- set up and tear down ---- */
 
+static void table_free(struct dev_l2 *l)
+{
+	free(l->owner);
+	free(l->epoch);
+	free(l->hkeys);
+	free(l->hpages);
+	l->owner = l->hkeys = NULL;
+	l->epoch = l->hpages = NULL;
+}
+
+/* Every page forgotten, the cache off (lock held). */
+static void table_clear_locked(struct dev_l2 *l)
+{
+	atomic_store(&l->on, false);
+	if (l->pages) {
+		memset(l->owner, 0, (size_t)l->pages * sizeof(*l->owner));
+		memset(l->hkeys, 0, (l->hmask + 1) * sizeof(*l->hkeys));
+	}
+	l->valid = 0;
+	atomic_store_explicit(&l->valid_hint, 0, memory_order_relaxed);
+}
+
 bool cache_device_l2_on(struct cache_device *d)
 {
 	return atomic_load_explicit(&d->l2.on, memory_order_acquire);
@@ -162,14 +184,7 @@ int dev_l2_init(struct cache_device *d)
 			 "pages (%llu MiB); no level-2 cache",
 			 d->path, (unsigned long long)pages,
 			 (unsigned long long)((pages * 12 + slots * 12) >> 20));
-		free(l->owner);
-		free(l->epoch);
-		free(l->hkeys);
-		free(l->hpages);
-		l->owner = NULL;
-		l->epoch = NULL;
-		l->hkeys = NULL;
-		l->hpages = NULL;
+		table_free(l);
 		return 0;
 	}
 	l->offset = d->sb.l2_offset;
@@ -225,10 +240,7 @@ void dev_l2_free(struct cache_device *d)
 		return;
 	dev_l2_stop(d);
 	items_free(l->staged);
-	free(l->owner);
-	free(l->epoch);
-	free(l->hkeys);
-	free(l->hpages);
+	table_free(l);
 	pthread_mutex_destroy(&l->lock);
 	pthread_cond_destroy(&l->cond);
 	pthread_cond_destroy(&l->idle);
@@ -238,12 +250,9 @@ void dev_l2_free(struct cache_device *d)
 static void l2_off_locked(struct cache_device *d, int error)
 {
 	struct dev_l2 *l = &d->l2;
-	if (!atomic_exchange(&l->on, false))
+	if (!cache_device_l2_on(d))
 		return;
-	memset(l->owner, 0, (size_t)l->pages * sizeof(*l->owner));
-	memset(l->hkeys, 0, (l->hmask + 1) * sizeof(*l->hkeys));
-	l->valid = 0;
-	atomic_store_explicit(&l->valid_hint, 0, memory_order_relaxed);
+	table_clear_locked(l);
 	l->st_failed = true;
 	log_error("cache device %s: writing its level-2 area: %s; the level-2 cache is off from "
 		  "now on (misses read from the backends)",
@@ -267,13 +276,7 @@ void dev_l2_detach(struct cache_device *d)
 	if (!l->inited)
 		return;
 	pthread_mutex_lock(&l->lock);
-	atomic_store(&l->on, false);
-	if (l->pages) {
-		memset(l->owner, 0, (size_t)l->pages * sizeof(*l->owner));
-		memset(l->hkeys, 0, (l->hmask + 1) * sizeof(*l->hkeys));
-	}
-	l->valid = 0;
-	atomic_store_explicit(&l->valid_hint, 0, memory_order_relaxed);
+	table_clear_locked(l);
 	pthread_mutex_unlock(&l->lock);
 	dev_l2_stop(d);
 	/* What was staged is never written now. */
@@ -505,7 +508,7 @@ static void read_finish(struct l2_read *r)
 			}
 	if (result == 0) {
 		if ((uint64_t)r->pages * DEVFMT_BLOCK <= CACHE_DEVICE_SMALL_READ)
-			cache_device_cost_note(&l->page_ns, cache_now_ns() - r->t0);
+			cache_device_cost_note(&l->small_read_ns, cache_now_ns() - r->t0);
 		l->st.l2_hits++;
 		l->st.l2_hit_bytes += (uint64_t)r->pages * DEVFMT_BLOCK;
 	} else if (result == -ESTALE) {
@@ -614,9 +617,9 @@ void cache_device_cost_note(atomic_uint_fast64_t *avg, uint64_t ns)
 	atomic_store_explicit(avg, old ? old - old / 8 + per / 8 : per, memory_order_relaxed);
 }
 
-uint64_t cache_device_l2_page_ns(struct cache_device *d)
+uint64_t cache_device_l2_small_read_ns(struct cache_device *d)
 {
-	return atomic_load_explicit(&d->l2.page_ns, memory_order_relaxed);
+	return atomic_load_explicit(&d->l2.small_read_ns, memory_order_relaxed);
 }
 
 void cache_device_l2_skipped(struct cache_device *d)
@@ -797,7 +800,7 @@ void dev_l2_stats(struct cache_device *d, struct cache_device_stats *out)
 	out->l2_hit_bytes = l->st.l2_hit_bytes;
 	out->l2_misses = atomic_load_explicit(&l->misses, memory_order_relaxed);
 	out->l2_skipped = atomic_load_explicit(&l->skipped, memory_order_relaxed);
-	out->l2_page_ns = atomic_load_explicit(&l->page_ns, memory_order_relaxed);
+	out->l2_small_read_ns = atomic_load_explicit(&l->small_read_ns, memory_order_relaxed);
 	out->l2_stale = l->st.l2_stale;
 	out->l2_read_errors = l->st.l2_read_errors;
 	out->l2_stored_bytes = l->st.l2_stored_bytes;

@@ -336,8 +336,8 @@ struct cache_export {
 	/* What a small fill from the backend has cost lately, ns (a moving
 	 * average; 0: none yet), against which one from the level-2 cache is
 	 * weighed (cached.c), and the small fills that weighed them. */
-	atomic_uint_fast64_t fill_page_ns;
-	atomic_uint level2_skips;
+	atomic_uint_fast64_t small_fill_ns;
+	atomic_uint level2_weighed;
 	/* Set once its export is gone and it holds nothing (cache_export_retire):
 	 * it stays on the list, skipped, so no thread walking it is surprised,
 	 * and is freed by cache_destroy. Not sooner: the writeback thread, the

@@ -102,17 +102,15 @@ int cache_stop(struct cache *c, void (*progress)(uint64_t remaining, void *arg),
 		/* Everything is clean: what RAM holds goes to the level-2 area
 		 * too, so that the next start finds it there. Evicted 16 MiB
 		 * at a time, each written before the next (staging is bounded). */
-		uint64_t target = 0, step = (16u << 20) >> ARENA_FRAME_SHIFT;
-		for (unsigned i = 0; i < 1u << 20; i++) {
+		const uint64_t step = (16u << 20) >> ARENA_FRAME_SHIFT;
+		uint64_t n;
+		do {
 			pthread_mutex_lock(&c->arena.lock);
-			uint64_t free_frames = c->arena.free_frames;
+			uint64_t want = c->arena.free_frames + step;
 			pthread_mutex_unlock(&c->arena.lock);
-			target = free_frames + step;
-			uint64_t n = cache_evict_until(c, target);
+			n = cache_evict_until(c, want);
 			cache_device_l2_drain(c->device);
-			if (n == 0)
-				break;
-		}
+		} while (n > 0);
 	}
 	if (c->device) {
 		cache_device_close(c->device, rc == 0);
