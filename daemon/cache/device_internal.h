@@ -176,12 +176,35 @@ int dev_walk_next(struct cache_device *d, struct walk *w, uint8_t *hdr);
 void dev_walk_advance(struct cache_device *d, struct walk *w);
 /* device_replay.c: the live log onto the backends, then empty. */
 int dev_replay(struct cache_device *d, struct worker *w, char *err, size_t len);
+/* Keys: the export slot + 1 above a block number of 48 bits (an export of
+ * up to 2^60 bytes); 0 is a free page. */
+#define DEV_L2_BLOCK_BITS 48
+
+static inline uint64_t dev_l2_key(unsigned slot, uint64_t block)
+{
+	return ((uint64_t)slot + 1) << DEV_L2_BLOCK_BITS | block;
+}
+
+static inline unsigned dev_l2_key_slot(uint64_t key)
+{
+	return (unsigned)(key >> DEV_L2_BLOCK_BITS) - 1;
+}
+
+static inline uint64_t dev_l2_key_block(uint64_t key)
+{
+	return key & ((1ull << DEV_L2_BLOCK_BITS) - 1);
+}
+
+/* The level-2 table (device_l2.c): key -> page (lock held). */
+bool dev_l2_table_get(const struct dev_l2 *l, uint64_t key, uint32_t *page);
+void dev_l2_table_put(struct dev_l2 *l, uint64_t key, uint32_t page);
+
 /* Why two identities differ (buf), or NULL. */
 const char *dev_identity_differs(const struct devfmt_identity *a, const struct devfmt_identity *b,
 				 char *buf, size_t len);
-/* device_l2.c: set up (before the table is read), the table of a clean
- * close read back, the thread started; stopped, the table written (the
- * superblock's fields set: the caller writes it), everything freed. */
+/* device_l2.c: set up (before the table is read), the thread started,
+ * stopped, everything freed; device_l2_keep.c: the table of a clean close
+ * read back, written (the superblock's fields set: the caller writes it). */
 int dev_l2_init(struct cache_device *d);
 void dev_l2_load(struct cache_device *d);
 int dev_l2_start(struct cache_device *d);

@@ -26,6 +26,7 @@
  * fall back to the backend.
  *
  * Lock: l2.lock, a leaf (taken under a shard lock and the evict lock).
+ * The table kept across a clean restart: device_l2_keep.c.
  */
 #include "daemon/cache/device_internal.h"
 
@@ -40,25 +41,6 @@
 
 /* Staged bytes at most (copies waiting for the level-2 thread). */
 #define L2_STAGE_MAX (32u << 20)
-/* Keys: the export slot + 1 above a block number of 48 bits (an export of
- * up to 2^60 bytes); 0 is a free page. */
-#define L2_BLOCK_BITS 48
-
-static uint64_t key_of(unsigned slot, uint64_t block)
-{
-	return ((uint64_t)slot + 1) << L2_BLOCK_BITS | block;
-}
-
-static unsigned key_slot(uint64_t key)
-{
-	return (unsigned)(key >> L2_BLOCK_BITS) - 1;
-}
-
-static uint64_t key_block(uint64_t key)
-{
-	return key & ((1ull << L2_BLOCK_BITS) - 1);
-}
-
 static size_t key_hash(const struct dev_l2 *l, uint64_t key)
 {
 	key ^= key >> 33;
@@ -69,7 +51,7 @@ static size_t key_hash(const struct dev_l2 *l, uint64_t key)
 
 /* ---- the table: key -> page, open addressing, linear probing ---- */
 
-static bool table_get(const struct dev_l2 *l, uint64_t key, uint32_t *page)
+bool dev_l2_table_get(const struct dev_l2 *l, uint64_t key, uint32_t *page)
 {
 	for (size_t i = key_hash(l, key);; i = (i + 1) & l->hmask) {
 		if (l->hkeys[i] == 0)
@@ -81,7 +63,7 @@ static bool table_get(const struct dev_l2 *l, uint64_t key, uint32_t *page)
 	}
 }
 
-static void table_put(struct dev_l2 *l, uint64_t key, uint32_t page)
+void dev_l2_table_put(struct dev_l2 *l, uint64_t key, uint32_t page)
 {
 	size_t i = key_hash(l, key);
 	while (l->hkeys[i] != 0 && l->hkeys[i] != key)
@@ -297,7 +279,7 @@ void cache_device_l2_store(struct cache_device *d, struct cache_export *ce, uint
 	struct dev_l2 *l = &d->l2;
 	int slot = ce->device_slot;
 	if (slot < 0 || !cache_device_l2_on(d) || offset % DEVFMT_BLOCK || length % DEVFMT_BLOCK ||
-	    !length || (offset + length) / DEVFMT_BLOCK >= (1ull << L2_BLOCK_BITS))
+	    !length || (offset + length) / DEVFMT_BLOCK >= (1ull << DEV_L2_BLOCK_BITS))
 		return;
 	uint64_t block = offset / DEVFMT_BLOCK;
 	uint32_t pages = (uint32_t)(length / DEVFMT_BLOCK);
@@ -306,7 +288,7 @@ void cache_device_l2_store(struct cache_device *d, struct cache_export *ce, uint
 	 * bytes, nothing to write. Only a whole item is left out. */
 	uint32_t held = 0, p;
 	for (uint32_t i = 0; i < pages; i++)
-		held += table_get(l, key_of((unsigned)slot, block + i), &p);
+		held += dev_l2_table_get(l, dev_l2_key((unsigned)slot, block + i), &p);
 	bool full = l->staged_bytes + length > L2_STAGE_MAX || pages > l->pages / 4;
 	if (held == pages || full) {
 		if (full)
@@ -374,11 +356,11 @@ static void write_item(struct cache_device *d, struct dev_l2_item *it)
 	if (it->cancelled || !cache_device_l2_on(d))
 		return; /* written over meanwhile, or the level-2 cache went off */
 	for (uint32_t i = 0; i < it->pages; i++) {
-		uint64_t key = key_of(it->slot, it->block + i);
+		uint64_t key = dev_l2_key(it->slot, it->block + i);
 		uint32_t old;
-		if (table_get(l, key, &old))
+		if (dev_l2_table_get(l, key, &old))
 			l->owner[old] = 0;
-		table_put(l, key, start + i);
+		dev_l2_table_put(l, key, start + i);
 		l->owner[start + i] = key;
 	}
 	l->st.l2_stored_bytes += (uint64_t)it->pages * DEVFMT_BLOCK;
@@ -441,9 +423,9 @@ void cache_device_l2_invalidate(struct cache_device *d, struct cache_export *ce,
 		l->writing->cancelled = true;
 	uint64_t gone = 0;
 	if (last - first < l->pages) {
-		for (uint64_t b = first; b <= last && b < (1ull << L2_BLOCK_BITS); b++) {
+		for (uint64_t b = first; b <= last && b < (1ull << DEV_L2_BLOCK_BITS); b++) {
 			uint32_t p;
-			if (table_get(l, key_of((unsigned)slot, b), &p)) {
+			if (dev_l2_table_get(l, dev_l2_key((unsigned)slot, b), &p)) {
 				page_free(l, p);
 				gone++;
 			}
@@ -452,8 +434,8 @@ void cache_device_l2_invalidate(struct cache_device *d, struct cache_export *ce,
 		/* A range wider than what the area holds: walk the area. */
 		for (uint32_t p = 0; p < l->pages; p++) {
 			uint64_t k = l->owner[p];
-			if (k && key_slot(k) == (unsigned)slot && key_block(k) >= first &&
-			    key_block(k) <= last) {
+			if (k && dev_l2_key_slot(k) == (unsigned)slot &&
+			    dev_l2_key_block(k) >= first && dev_l2_key_block(k) <= last) {
 				page_free(l, p);
 				gone++;
 			}
@@ -502,7 +484,7 @@ static void read_finish(struct l2_read *r)
 	if (result == 0)
 		for (uint32_t i = 0; i < r->pages; i++)
 			if (l->epoch[r->page[i]] != r->epoch[i] ||
-			    l->owner[r->page[i]] != key_of(r->slot, r->block + i)) {
+			    l->owner[r->page[i]] != dev_l2_key(r->slot, r->block + i)) {
 				result = -ESTALE;
 				break;
 			}
@@ -553,7 +535,7 @@ bool cache_device_l2_read(struct cache_device *d, struct cache_export *ce, struc
 	int slot = ce->device_slot;
 	if (slot < 0 || !cache_device_l2_on(d) || io->offset % DEVFMT_BLOCK ||
 	    io->length % DEVFMT_BLOCK || !io->length ||
-	    (io->offset + io->length) / DEVFMT_BLOCK >= (1ull << L2_BLOCK_BITS))
+	    (io->offset + io->length) / DEVFMT_BLOCK >= (1ull << DEV_L2_BLOCK_BITS))
 		return false;
 	if (!atomic_load_explicit(&l->valid_hint, memory_order_relaxed)) {
 		atomic_fetch_add_explicit(&l->misses, 1, memory_order_relaxed);
@@ -570,7 +552,7 @@ bool cache_device_l2_read(struct cache_device *d, struct cache_export *ce, struc
 	r->epoch = r->page + pages;
 	pthread_mutex_lock(&l->lock);
 	for (uint32_t i = 0; i < pages; i++) {
-		if (!table_get(l, key_of((unsigned)slot, block + i), &r->page[i])) {
+		if (!dev_l2_table_get(l, dev_l2_key((unsigned)slot, block + i), &r->page[i])) {
 			atomic_fetch_add_explicit(&l->misses, 1, memory_order_relaxed);
 			pthread_mutex_unlock(&l->lock);
 			free(r);
@@ -625,164 +607,6 @@ uint64_t cache_device_l2_small_read_ns(struct cache_device *d)
 void cache_device_l2_skipped(struct cache_device *d)
 {
 	atomic_fetch_add_explicit(&d->l2.skipped, 1, memory_order_relaxed);
-}
-
-/* ---- the table across a clean restart ---- */
-
-/* A backend file's modification time (0: not a regular file). */
-static uint64_t backend_mtime(const struct devfmt_identity *id)
-{
-	struct stat st;
-	if (id->kind != DEVFMT_BACKEND_FILE || stat(id->backend, &st) < 0 || !S_ISREG(st.st_mode))
-		return 0;
-	return (uint64_t)st.st_mtim.tv_sec * 1000000000ull + (uint64_t)st.st_mtim.tv_nsec;
-}
-
-int dev_l2_save(struct cache_device *d)
-{
-	struct dev_l2 *l = &d->l2;
-	d->sb.l2_table_bytes = 0;
-	d->sb.l2_table_crc = 0;
-	if (!l->pages || !cache_device_l2_on(d))
-		return 0;
-	uint64_t bytes = DEVFMT_BLOCK + (uint64_t)l->valid * DEVFMT_L2T_ENTRY;
-	uint64_t alloc = (bytes + DEVFMT_BLOCK - 1) / DEVFMT_BLOCK * DEVFMT_BLOCK;
-	if (bytes > d->sb.log_bytes)
-		return 0;
-	uint8_t *buf = dev_aligned((size_t)alloc);
-	if (!buf)
-		return -ENOMEM;
-	memset(buf, 0, (size_t)alloc);
-	struct devfmt_l2t_header h = {.entries = 0};
-	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
-		if (d->slots[i].used && d->slots[i].ce)
-			h.mtime_ns[i] = backend_mtime(&d->slots[i].id);
-	uint8_t *p = buf + DEVFMT_BLOCK;
-	for (uint32_t pg = 0; pg < l->pages; pg++) {
-		uint64_t k = l->owner[pg];
-		if (!k)
-			continue;
-		struct devfmt_l2t_entry e = {
-		    .slot = (uint16_t)key_slot(k), .page = pg, .block = key_block(k)};
-		devfmt_l2t_entry_encode(&e, p);
-		p += DEVFMT_L2T_ENTRY;
-		h.entries++;
-	}
-	devfmt_l2t_header_encode(&h, d->sb.uuid, buf);
-	bytes = DEVFMT_BLOCK + h.entries * DEVFMT_L2T_ENTRY;
-	int rc = dev_pwrite_all(d->fd, buf, (size_t)alloc, d->sb.log_offset);
-	if (rc == 0)
-		rc = dev_sync(d);
-	if (rc == 0) {
-		d->sb.l2_table_bytes = bytes;
-		d->sb.l2_table_crc = devfmt_crc32c(0, buf, (size_t)bytes);
-		log_info(
-		    "cache device %s: level-2 table of %llu pages (%llu MiB) kept for the next "
-		    "start",
-		    d->path, (unsigned long long)h.entries,
-		    (unsigned long long)(h.entries * DEVFMT_BLOCK >> 20));
-	}
-	free(buf);
-	return rc;
-}
-
-void dev_l2_load(struct cache_device *d)
-{
-	struct dev_l2 *l = &d->l2;
-	uint64_t bytes = d->sb.l2_table_bytes;
-	if (!bytes)
-		return;
-	if (!(d->sb.flags & DEVFMT_SB_CLEAN) || !l->pages) {
-		log_info("cache device %s: level-2 table not used (%s)", d->path,
-			 l->pages ? "not closed clean" : "the level-2 cache is not in use");
-		return;
-	}
-	uint64_t alloc = (bytes + DEVFMT_BLOCK - 1) / DEVFMT_BLOCK * DEVFMT_BLOCK;
-	uint8_t *buf = dev_aligned((size_t)alloc);
-	if (!buf)
-		return;
-	uint64_t t0 = cache_now_ns();
-	char why[200] = "";
-	struct devfmt_l2t_header h;
-	int rc = dev_pread_all(d->fd, buf, (size_t)alloc, d->sb.log_offset);
-	if (rc < 0)
-		snprintf(why, sizeof(why), "reading it: %s", strerror(-rc));
-	else if (devfmt_crc32c(0, buf, (size_t)bytes) != d->sb.l2_table_crc)
-		snprintf(why, sizeof(why), "its CRC32C does not match the superblock's");
-	else if (devfmt_l2t_header_decode(buf, d->sb.uuid,
-					  (bytes - DEVFMT_BLOCK) / DEVFMT_L2T_ENTRY, &h, why,
-					  sizeof(why)) < 0)
-		rc = -EINVAL;
-	if (rc < 0 || why[0]) {
-		log_warn("cache device %s: level-2 table not used: %s", d->path, why);
-		free(buf);
-		return;
-	}
-	/* Which slots' pages hold: configured with the identity recorded, and a
-	 * backend file nobody modified since the close. */
-	bool ok[DEVFMT_MAX_EXPORTS];
-	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++) {
-		const struct dev_slot *s = &d->slots[i];
-		char diff[300];
-		ok[i] = s->used && s->ce && s->configured &&
-			dev_identity_differs(&s->id, &s->cfg, diff, sizeof(diff)) == NULL;
-		if (ok[i] && h.mtime_ns[i] && backend_mtime(&s->cfg) != h.mtime_ns[i]) {
-			log_warn("cache device %s: export \"%s\": its backend file was modified "
-				 "since the last close; its level-2 pages are not used",
-				 d->path, s->cfg.name);
-			ok[i] = false;
-		} else if (ok[i] && !h.mtime_ns[i] && !d->warm_all) {
-			log_info(
-			    "cache device %s: export \"%s\": a write made to its backend while "
-			    "the daemon was down could not be told (not a regular file): its "
-			    "level-2 pages are not used (cache-device-warm all keeps them)",
-			    d->path, s->cfg.name);
-			ok[i] = false;
-		}
-	}
-	uint64_t loaded = 0, bad = 0;
-	pthread_mutex_lock(&l->lock);
-	for (uint64_t i = 0; i < h.entries; i++) {
-		struct devfmt_l2t_entry e;
-		if (devfmt_l2t_entry_decode(buf + DEVFMT_BLOCK + i * DEVFMT_L2T_ENTRY, l->pages,
-					    &e) < 0 ||
-		    e.block >= (1ull << L2_BLOCK_BITS) || l->owner[e.page]) {
-			bad++;
-			continue;
-		}
-		if (!ok[e.slot])
-			continue;
-		uint64_t key = key_of(e.slot, e.block);
-		uint32_t old;
-		if (table_get(l, key, &old)) {
-			bad++;
-			continue;
-		}
-		table_put(l, key, e.page);
-		l->owner[e.page] = key;
-		loaded++;
-	}
-	/* The ring goes on after the highest page in use. */
-	l->head = 0;
-	for (uint32_t p = l->pages; p-- > 0;)
-		if (l->owner[p]) {
-			l->head = p + 1 == l->pages ? 0 : p + 1;
-			break;
-		}
-	l->st.l2_loaded_bytes = loaded * DEVFMT_BLOCK;
-	l->st.l2_load_ns = cache_now_ns() - t0;
-	pthread_mutex_unlock(&l->lock);
-	free(buf);
-	if (loaded)
-		log_info("cache device %s: level-2 cache warm: %llu MiB in %llu ms%s", d->path,
-			 (unsigned long long)(loaded * DEVFMT_BLOCK >> 20),
-			 (unsigned long long)(l->st.l2_load_ns / 1000000),
-			 bad ? " (some entries of the table did not add up and were left out)"
-			     : "");
-	else
-		log_info("cache device %s: level-2 table read, none of its %llu pages used: the "
-			 "level-2 cache starts cold",
-			 d->path, (unsigned long long)h.entries);
 }
 
 void dev_l2_stats(struct cache_device *d, struct cache_device_stats *out)

@@ -1,15 +1,82 @@
 /*
- * daemon/cache/device_replay.c: a cache device's live log written to the
- * exports' backends at start, before anything is served (device.h).
+ * daemon/cache/device_replay.c: a cache device's live log read (batch by
+ * batch, checked: also for cache_device_bind and --check-config) and
+ * written to the exports' backends at start, before anything is served
+ * (device.h).
  */
 #include "daemon/cache/device_internal.h"
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "daemon/log.h"
+
+/* ---- reading the live log ---- */
+
+/* The next batch at w->off (following wraps): 1, 0 at the log's end
+ * (w->why says why), or -errno (reading the device failed). */
+int dev_walk_next(struct cache_device *d, struct walk *w, uint8_t *hdr)
+{
+	for (int wraps = 0; wraps < 2; wraps++) {
+		if (w->off >= d->sb.log_bytes)
+			w->off = 0;
+		if (w->bytes >= d->sb.log_bytes) {
+			snprintf(w->why, sizeof(w->why), "the whole log was read");
+			return 0;
+		}
+		int rc = dev_pread_all(d->fd, hdr, DEVFMT_BLOCK, d->sb.log_offset + w->off);
+		if (rc < 0)
+			return rc;
+		if (devfmt_batch_decode(hdr, d->sb.uuid, w->seq, &w->b, w->why, sizeof(w->why)) < 0)
+			return 0;
+		if (w->b.flags & DEVFMT_BATCH_WRAP) {
+			w->bytes += d->sb.log_bytes - w->off;
+			w->off = 0;
+			w->seq++;
+			continue;
+		}
+		uint64_t size = ((uint64_t)w->b.data_blocks + 1) * DEVFMT_BLOCK;
+		if (w->off + size > d->sb.log_bytes) {
+			snprintf(w->why, sizeof(w->why), "batch %llu runs past the log's end",
+				 (unsigned long long)w->seq);
+			return 0;
+		}
+		free(w->data);
+		w->data = dev_aligned((size_t)w->b.data_blocks * DEVFMT_BLOCK);
+		if (!w->data)
+			return -ENOMEM;
+		if (w->b.data_blocks) {
+			rc = dev_pread_all(d->fd, w->data, (size_t)w->b.data_blocks * DEVFMT_BLOCK,
+					   d->sb.log_offset + w->off + DEVFMT_BLOCK);
+			if (rc < 0)
+				return rc;
+		}
+		uint32_t crc = devfmt_crc32c(0, w->data, (size_t)w->b.data_blocks * DEVFMT_BLOCK);
+		if (crc != w->b.data_crc) {
+			snprintf(
+			    w->why, sizeof(w->why),
+			    "batch %llu: data CRC32C 0x%08x, computed 0x%08x (torn or corrupt)",
+			    (unsigned long long)w->seq, w->b.data_crc, crc);
+			return 0;
+		}
+		return 1;
+	}
+	snprintf(w->why, sizeof(w->why), "two wrap markers in a row");
+	return 0;
+}
+
+void dev_walk_advance(struct cache_device *d, struct walk *w)
+{
+	uint64_t size = ((uint64_t)w->b.data_blocks + 1) * DEVFMT_BLOCK;
+	(void)d;
+	w->off += size;
+	w->bytes += size;
+	w->seq++;
+	w->batches++;
+}
 
 /* ---- replay: the live log onto the backends ---- */
 
