@@ -42,11 +42,12 @@ Then the warm restart (--warm-gib G, default 2; 0: none): a G GiB working
 set of random data behind nbdkit's delay filter (reads 2 ms), RAM cache
 256 MiB, a cache device of 2G GiB (cache-device-warm all); the working
 set read twice sequentially, SIGTERM (what RAM holds goes to the level-2
-area, its table is kept), a new start, then one pass of 4 KiB random
+area, its map is kept), a new start, then one pass of 4 KiB random
 reads over the whole working set (fio's random map: each block once,
 iodepth 8): the share of its bytes read from the backend (the target of
-issue 28: at most 5%). Then SIGKILL, a start, and 10 s of the same reads:
-the share after a crash (cold: the table is kept only by a clean stop).
+issue 28: at most 5%). Then SIGKILL at once after that pass, a start,
+and the same pass again: the share after a crash (the map on the device
+is kept true while the daemon runs).
 
 Then the replay: --replay-mib MiB (default 1024) written and FLUSHed
 into a log of twice that, the daemon SIGKILLed, and the next start's
@@ -427,7 +428,7 @@ def warm(args, tmp):
         t = time.time()
     finally:
         p.stop()
-    print("  SIGTERM: stopped in %.1f s (RAM moved to the level-2 area, table kept)" % (
+    print("  SIGTERM: stopped in %.1f s (RAM moved to the level-2 area, map kept)" % (
         time.time() - t))
     p = Proc(argv, sock, os.path.join(tmp, "warm2.log"), ready="info: ready:")
     try:
@@ -442,11 +443,13 @@ def warm(args, tmp):
         p.stop(signal.SIGKILL)
     p = Proc(argv, sock, os.path.join(tmp, "warm3.log"), ready="info: ready:")
     try:
-        got, read = one_pass("after SIGKILL and start, 10 s", seconds=10)
+        text = open(os.path.join(tmp, "warm3.log")).read()
+        m = re.search(r"level-2 cache warm: \d+ MiB in \d+ ms", text)
+        print("  start after SIGKILL: %s" % (m.group(0) if m else "no warm line"), flush=True)
+        got, read = one_pass("first pass after SIGKILL and start")
         share = 100.0 * got / read if read else 100
-        print("  RATIO share from the backend after a crash: %.2f%%  target <= 5%%: %s "
-              "(a warm start after a crash is not built)" % (share, "MET" if share <= 5
-                                                            else "NOT MET"), flush=True)
+        print("  RATIO share of the first pass from the backend after a crash: %.2f%%  "
+              "target <= 5%%: %s" % (share, "MET" if share <= 5 else "NOT MET"), flush=True)
     finally:
         p.stop()
     os.unlink(path)

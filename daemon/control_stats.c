@@ -313,6 +313,9 @@ json_object *control_device_object(struct cache *cache)
 	control_add_u64(l2, "loaded_bytes", ds.l2_loaded_bytes);
 	control_add_u64(l2, "load_ns", ds.l2_load_ns);
 	control_add_u64(l2, "write_ns", ds.l2_write_ns);
+	control_add_u64(l2, "map_writes", ds.l2_map_writes);
+	control_add_u64(l2, "map_ns", ds.l2_map_ns);
+	control_add_u64(l2, "map_pending_bytes", ds.l2_map_pending);
 	json_object_object_add(dev, "l2", l2);
 	return dev;
 }

@@ -202,6 +202,23 @@ static bool range_uptodate(struct cache_entry *e, uint64_t offset, uint64_t leng
 	return true;
 }
 
+/* A fill's whole 4 KiB pages inside the export, to the level-2 cache
+ * (shard lock held). */
+static void offer_fill(struct cache_export *ce, struct cache_entry *e, uint32_t first,
+		       uint32_t count, const void *buf)
+{
+	uint64_t start, end;
+	block_range(e, first, &start, &end);
+	uint64_t length = (uint64_t)count << ce->block_shift;
+	uint64_t size = atomic_load(&ce->size);
+	if (start % ARENA_FRAME_SIZE || length % ARENA_FRAME_SIZE || start >= size)
+		return;
+	if (length > size - start)
+		length = (size - start) / ARENA_FRAME_SIZE * ARENA_FRAME_SIZE;
+	if (length && cache_device_l2_on(ce->cache->device))
+		cache_device_l2_store(ce->cache->device, ce, start, buf, length);
+}
+
 static void fill_done(struct backend_io *io, int result)
 {
 	struct cache_fill *f = (struct cache_fill *)io;
@@ -242,6 +259,11 @@ static void fill_done(struct backend_io *io, int result)
 		if (keep)
 			map_set(uptodate, b);
 	}
+	/* What the backend gave goes to the level-2 cache now, not only when
+	 * evicted: a crash loses RAM, not the device (under the shard lock, so
+	 * a write's invalidation comes after it). */
+	if (keep && !f->level2 && ce->cache->device)
+		offer_fill(ce, e, f->first, f->count, io->buf);
 	pthread_mutex_unlock(&sh->lock);
 	cache_waitq_wake(ce->cache);
 	if (result < 0 && f->ahead) {

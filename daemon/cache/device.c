@@ -126,21 +126,22 @@ static int format(struct cache_device *d, char *err, size_t len)
 	uint64_t avail = (d->device_bytes - DEVFMT_LOG_OFFSET) / DEVFMT_BLOCK * DEVFMT_BLOCK;
 	d->sb.log_bytes = avail;
 	if ((d->use & CACHE_DEVICE_USE_L2) && avail >= DEV_L2_MIN_DEVICE) {
-		/* An eighth for the log (16 MiB to 1 GiB), and at least room for
-		 * the level-2 table a clean close writes there; the rest is the
-		 * level-2 area. */
+		/* An eighth for the log (16 MiB to 1 GiB); the rest is the
+		 * level-2 map and the area it describes. */
 		uint64_t log = avail / 8;
 		log = log < (16u << 20) ? (16u << 20) : log > (1ull << 30) ? (1ull << 30) : log;
-		uint64_t table = DEVFMT_BLOCK + avail / DEVFMT_BLOCK * DEVFMT_L2T_ENTRY;
-		if (log < table)
-			log = table;
 		log = (log + (1u << 20) - 1) & ~(uint64_t)((1u << 20) - 1);
-		uint64_t l2 = (avail - log) / DEVFMT_BLOCK * DEVFMT_BLOCK;
-		if (l2 / DEVFMT_BLOCK > UINT32_MAX)
-			l2 = (uint64_t)UINT32_MAX * DEVFMT_BLOCK;
+		uint64_t rest = avail - log;
+		uint64_t pages =
+		    (rest / DEVFMT_BLOCK - 1) * DEVFMT_L2M_PER_BLOCK / (DEVFMT_L2M_PER_BLOCK + 1);
+		while (pages && devfmt_l2m_bytes(pages) + pages * DEVFMT_BLOCK > rest)
+			pages--;
+		if (pages > UINT32_MAX)
+			pages = UINT32_MAX;
 		d->sb.log_bytes = log;
-		d->sb.l2_offset = DEVFMT_LOG_OFFSET + log;
-		d->sb.l2_bytes = l2;
+		d->sb.l2_map_offset = DEVFMT_LOG_OFFSET + log;
+		d->sb.l2_offset = d->sb.l2_map_offset + devfmt_l2m_bytes(pages);
+		d->sb.l2_bytes = pages * DEVFMT_BLOCK;
 	}
 	d->sb.checkpoint_offset = 0;
 	d->sb.checkpoint_seq = 1;
@@ -160,23 +161,26 @@ static int format(struct cache_device *d, char *err, size_t len)
 
 /*
  * The superblock copies of an earlier format (version 1, before the
- * level-2 area; its header is what version 2's begins with): 1 when the
- * newest copy with a good CRC is such a one and says closed clean (the
- * device holds nothing: it may be formatted again), 0 when it does not
- * say so, -1 when neither copy is one.
+ * level-2 area; version 2, before its map; their headers are what this
+ * one's begins with): 1 when the newest copy with a good CRC is such a one
+ * and says closed clean (the device holds nothing: it may be formatted
+ * again), 0 when it does not say so, -1 when neither copy is one; *version
+ * the newest copy's.
  */
-static int earlier_format_clean(const uint8_t *buf)
+static int earlier_format_clean(const uint8_t *buf, uint32_t *version)
 {
 	int best = -1;
 	uint64_t gen = 0;
 	for (unsigned i = 0; i < DEVFMT_SB_COPIES; i++) {
 		const uint8_t *p = buf + (size_t)i * DEVFMT_SB_BYTES;
-		if (nbd_get64(p) != DEVFMT_SB_MAGIC || nbd_get32(p + 8) != 1 ||
+		uint32_t v = nbd_get32(p + 8);
+		if (nbd_get64(p) != DEVFMT_SB_MAGIC || v == 0 || v >= DEVFMT_VERSION ||
 		    devfmt_crc32c(0, p, DEVFMT_SB_BYTES - 4) != nbd_get32(p + DEVFMT_SB_BYTES - 4))
 			continue;
 		if (best < 0 || nbd_get64(p + 32) > gen) {
 			gen = nbd_get64(p + 32);
 			best = (nbd_get32(p + 12) & DEVFMT_SB_CLEAN) ? 1 : 0;
+			*version = v;
 		}
 	}
 	return best;
@@ -244,23 +248,24 @@ static int load(const char *path, unsigned use, bool readonly, struct cache_devi
 		ok[i] = devfmt_sb_decode(buf + (size_t)i * DEVFMT_SB_BYTES, &copy[i], why[i],
 					 sizeof(why[i])) == 0;
 	bool zero = all_zero(buf, 2 * DEVFMT_SB_BYTES);
-	int older = earlier_format_clean(buf);
+	uint32_t version = 0;
+	int older = earlier_format_clean(buf, &version);
 	free(buf);
 	if (!ok[0] && !ok[1]) {
 		if (zero || older == 1) {
 			if (older == 1)
 				log_info(
-				    "cache device %s: written by an earlier version (format 1) "
+				    "cache device %s: written by an earlier version (format %u) "
 				    "and closed clean: it holds nothing; formatted again",
-				    path);
+				    path, version);
 			*fresh = true;
 		} else if (older == 0) {
 			rc = dev_fail(err, len, -EINVAL,
-				      "cache device %s: written by an earlier version (format 1) "
+				      "cache device %s: written by an earlier version (format %u) "
 				      "and not closed clean: its log may hold data the backends "
 				      "lack; start that version on it once and stop it (SIGTERM), "
 				      "then this one",
-				      path);
+				      path, version);
 			goto out;
 		} else {
 			rc = dev_fail(
@@ -547,10 +552,6 @@ int dev_sb_update(struct cache_device *d, bool clean)
 	d->sb.checkpoint_seq = d->tail_seq;
 	d->sb.checkpoint_skip = d->tail_skip;
 	d->sb.flags = clean ? DEVFMT_SB_CLEAN : 0;
-	if (!clean) { /* the level-2 table holds only while it says clean */
-		d->sb.l2_table_bytes = 0;
-		d->sb.l2_table_crc = 0;
-	}
 	d->sb.export_count = 0;
 	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
 		if (d->slots[i].used)
@@ -571,7 +572,7 @@ int cache_device_start(struct cache_device *d, struct worker *w, char *err, size
 			 "with nothing dirty on it to have it formatted again",
 			 d->path);
 	/* Before the replay and before the table of exports is rewritten: the
-	 * table of a clean close is read against the identities recorded. */
+	 * level-2 map is read against the identities recorded. */
 	dev_l2_load(d);
 	rc = dev_replay(d, w, err, len);
 	if (rc < 0)
@@ -635,15 +636,10 @@ void cache_device_close(struct cache_device *d, bool clean)
 		dev_l2_stop(d);
 		int rc = -EIO;
 		if (clean && d->nbatches == 0) {
+			/* Every page held into the level-2 map, then the
+			 * superblock. */
+			dev_l2_map_close(d);
 			pthread_mutex_lock(&d->sb_lock);
-			/* The level-2 table into the empty log, then the superblock
-			 * that says where it is. */
-			rc = dev_l2_save(d);
-			if (rc < 0)
-				log_error(
-				    "cache device %s: writing its level-2 table: %s; the next "
-				    "start begins with it cold",
-				    d->path, strerror(-rc));
 			rc = dev_sb_update(d, true);
 			pthread_mutex_unlock(&d->sb_lock);
 			if (rc == 0)
@@ -773,9 +769,8 @@ int cache_device_check(const char *path, const struct options *opts, char *text,
 			snprintf(text + at, len - at, "; %llu bytes of level-2 area%s",
 				 (unsigned long long)d->sb.l2_bytes,
 				 !(d->use & CACHE_DEVICE_USE_L2) ? " (not used: cache-device-use)"
-				 : d->sb.l2_table_bytes && (d->sb.flags & DEVFMT_SB_CLEAN)
-				     ? ", warm: its table was kept by a clean close"
-				     : ", cold");
+				 : dev_l2_map_kept(d)		 ? ", warm: its map is kept"
+								 : ", cold: no map kept");
 	}
 	cache_device_close(d, false);
 	return rc;

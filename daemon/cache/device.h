@@ -91,6 +91,11 @@ struct cache_device_stats {
 	uint64_t l2_skipped, l2_small_read_ns;
 	uint64_t l2_stored_bytes, l2_dropped_bytes, l2_invalidated_bytes;
 	uint64_t l2_loaded_bytes, l2_load_ns, l2_write_ns;
+	/* Writes of its map on the device (each ends with a device flush) and
+	 * their time, ns. */
+	uint64_t l2_map_writes, l2_map_ns;
+	/* Bytes the ring wrote that the map does not claim yet. */
+	uint64_t l2_map_pending;
 	uint64_t device_bytes, log_bytes, log_used;
 	uint64_t commits, commit_ns, commit_max_ns, records, bytes_logged;
 	uint64_t checkpoints, fallbacks;
@@ -188,6 +193,20 @@ void cache_device_l2_store(struct cache_device *d, struct cache_export *ce, uint
  * copies cancelled. Under the shard lock of a cached write, or after a
  * direct step dropped the range from RAM. */
 void cache_device_l2_invalidate(struct cache_device *d, struct cache_export *ce, uint64_t offset,
+				uint64_t length);
+/*
+ * Before any write to a backend (a writeback, a direct step, a
+ * passthrough write): the device's level-2 map no longer claims a page
+ * removed so far (written to the device first when it does; blocks the
+ * caller for that write). A direct step brackets its backend write with
+ * _direct_begin (its range removed, then this) and _direct_end (removed
+ * again: evictions meanwhile staged the bytes from before, and the map
+ * never claims what was stored in between).
+ */
+void cache_device_l2_before_write(struct cache_device *d);
+void cache_device_l2_direct_begin(struct cache_device *d, struct cache_export *ce, uint64_t offset,
+				  uint64_t length);
+void cache_device_l2_direct_end(struct cache_device *d, struct cache_export *ce, uint64_t offset,
 				uint64_t length);
 /* Wait until what is staged is written (a clean stop keeping RAM's
  * pages, cache_stop). */

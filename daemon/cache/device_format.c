@@ -73,8 +73,8 @@ int devfmt_sb_encode(const struct devfmt_sb *sb, uint8_t *buf)
 	nbd_put32(buf + 84, sb->checkpoint_skip);
 	nbd_put64(buf + 88, sb->l2_offset);
 	nbd_put64(buf + 96, sb->l2_bytes);
-	nbd_put64(buf + 104, sb->l2_table_bytes);
-	nbd_put32(buf + 112, sb->l2_table_crc);
+	nbd_put64(buf + 104, sb->l2_map_offset);
+	nbd_put32(buf + 112, sb->l2_map_gen);
 	for (uint32_t i = 0; i < sb->export_count; i++) {
 		const struct devfmt_identity *id = &sb->exports[i];
 		size_t nl = strnlen(id->name, sizeof(id->name));
@@ -128,8 +128,8 @@ int devfmt_sb_decode(const uint8_t *buf, struct devfmt_sb *out, char *why, size_
 	out->checkpoint_skip = nbd_get32(buf + 84);
 	out->l2_offset = nbd_get64(buf + 88);
 	out->l2_bytes = nbd_get64(buf + 96);
-	out->l2_table_bytes = nbd_get64(buf + 104);
-	out->l2_table_crc = nbd_get32(buf + 112);
+	out->l2_map_offset = nbd_get64(buf + 104);
+	out->l2_map_gen = nbd_get32(buf + 112);
 	if (out->flags & ~DEVFMT_SB_CLEAN)
 		return refuse(why, why_len, "unknown flags 0x%x", out->flags);
 	if (out->log_offset < DEVFMT_LOG_OFFSET || out->log_offset % DEVFMT_BLOCK ||
@@ -157,12 +157,18 @@ int devfmt_sb_decode(const uint8_t *buf, struct devfmt_sb *out, char *why, size_
 			      "device of %llu bytes",
 			      (unsigned long long)out->l2_offset, (unsigned long long)out->l2_bytes,
 			      (unsigned long long)out->device_bytes);
-	if (out->l2_table_bytes && (!out->l2_bytes || out->l2_table_bytes > out->log_bytes ||
-				    out->l2_table_bytes < DEVFMT_BLOCK ||
-				    (out->l2_table_bytes - DEVFMT_BLOCK) % DEVFMT_L2T_ENTRY))
-		return refuse(why, why_len, "a level-2 table of %llu bytes in a log of %llu",
-			      (unsigned long long)out->l2_table_bytes,
-			      (unsigned long long)out->log_bytes);
+	if (out->l2_bytes
+		? out->l2_map_offset < out->log_offset + out->log_bytes ||
+		      out->l2_map_offset % DEVFMT_BLOCK || out->l2_map_offset > out->l2_offset ||
+		      devfmt_l2m_bytes(out->l2_bytes / DEVFMT_BLOCK) >
+			  out->l2_offset - out->l2_map_offset
+		: out->l2_map_offset != 0)
+		return refuse(why, why_len,
+			      "level-2 map at %llu does not fit between the log and the area at "
+			      "%llu (%llu bytes)",
+			      (unsigned long long)out->l2_map_offset,
+			      (unsigned long long)out->l2_offset,
+			      (unsigned long long)out->l2_bytes);
 	if (out->export_count > DEVFMT_MAX_EXPORTS)
 		return refuse(why, why_len, "%u exports; at most %u", out->export_count,
 			      (unsigned)DEVFMT_MAX_EXPORTS);
@@ -285,52 +291,77 @@ int devfmt_batch_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t exp
 	return 0;
 }
 
-/* ---- the level-2 table ---- */
+/* ---- the level-2 map ---- */
 
-void devfmt_l2t_header_encode(const struct devfmt_l2t_header *h, const uint8_t uuid[16],
+uint64_t devfmt_l2m_bytes(uint64_t pages)
+{
+	return DEVFMT_BLOCK * (1 + (pages + DEVFMT_L2M_PER_BLOCK - 1) / DEVFMT_L2M_PER_BLOCK);
+}
+
+void devfmt_l2m_header_encode(const struct devfmt_l2m_header *h, const uint8_t uuid[16],
 			      uint8_t *buf)
 {
 	memset(buf, 0, DEVFMT_BLOCK);
-	nbd_put64(buf, DEVFMT_L2T_MAGIC);
+	nbd_put64(buf, DEVFMT_L2M_MAGIC);
 	memcpy(buf + 8, uuid, 16);
-	nbd_put64(buf + 24, h->entries);
+	nbd_put32(buf + 24, h->gen);
 	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
-		nbd_put64(buf + DEVFMT_L2T_FIXED + 8 * i, h->mtime_ns[i]);
+		nbd_put64(buf + DEVFMT_L2M_FIXED + 8 * i, h->mtime_ns[i]);
+	nbd_put32(buf + DEVFMT_BLOCK - 4, devfmt_crc32c(0, buf, DEVFMT_BLOCK - 4));
 }
 
-int devfmt_l2t_header_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t max_entries,
-			     struct devfmt_l2t_header *out, char *why, size_t why_len)
+int devfmt_l2m_header_decode(const uint8_t *buf, const uint8_t uuid[16], uint32_t gen,
+			     struct devfmt_l2m_header *out, char *why, size_t why_len)
 {
-	if (nbd_get64(buf) != DEVFMT_L2T_MAGIC)
-		return refuse(why, why_len, "no level-2 table (magic 0x%016llx)",
+	if (nbd_get64(buf) != DEVFMT_L2M_MAGIC)
+		return refuse(why, why_len, "no level-2 map (magic 0x%016llx)",
 			      (unsigned long long)nbd_get64(buf));
+	uint32_t crc = devfmt_crc32c(0, buf, DEVFMT_BLOCK - 4);
+	if (crc != nbd_get32(buf + DEVFMT_BLOCK - 4))
+		return refuse(why, why_len, "level-2 map header CRC32C 0x%08x, computed 0x%08x",
+			      nbd_get32(buf + DEVFMT_BLOCK - 4), crc);
 	if (memcmp(buf + 8, uuid, 16) != 0)
-		return refuse(why, why_len, "a level-2 table of another device");
+		return refuse(why, why_len, "a level-2 map of another device");
 	memset(out, 0, sizeof(*out));
-	out->entries = nbd_get64(buf + 24);
-	if (out->entries > max_entries)
-		return refuse(why, why_len, "a level-2 table of %llu entries; at most %llu fit",
-			      (unsigned long long)out->entries, (unsigned long long)max_entries);
+	out->gen = nbd_get32(buf + 24);
+	if (out->gen != gen)
+		return refuse(why, why_len,
+			      "a level-2 map of generation %u; the superblock says %u", out->gen,
+			      gen);
 	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
-		out->mtime_ns[i] = nbd_get64(buf + DEVFMT_L2T_FIXED + 8 * i);
+		out->mtime_ns[i] = nbd_get64(buf + DEVFMT_L2M_FIXED + 8 * i);
 	return 0;
 }
 
-void devfmt_l2t_entry_encode(const struct devfmt_l2t_entry *e, uint8_t *p)
+void devfmt_l2m_block_encode(uint32_t index, uint32_t gen, const uint8_t uuid[16],
+			     const uint64_t *keys, uint32_t n, uint8_t *buf)
 {
-	nbd_put16(p, e->slot);
-	nbd_put16(p + 2, 0);
-	nbd_put32(p + 4, e->page);
-	nbd_put64(p + 8, e->block);
+	memset(buf, 0, DEVFMT_BLOCK);
+	nbd_put32(buf + 4, index);
+	memcpy(buf + 8, uuid, 16);
+	nbd_put32(buf + 24, gen);
+	for (uint32_t i = 0; i < n && i < DEVFMT_L2M_PER_BLOCK; i++)
+		nbd_put64(buf + DEVFMT_L2M_FIXED + 8 * i, keys[i]);
+	nbd_put32(buf, devfmt_crc32c(0, buf + 4, DEVFMT_BLOCK - 4));
 }
 
-int devfmt_l2t_entry_decode(const uint8_t *p, uint64_t pages, struct devfmt_l2t_entry *out)
+int devfmt_l2m_block_decode(const uint8_t *buf, uint32_t index, uint32_t gen,
+			    const uint8_t uuid[16], uint64_t *keys, char *why, size_t why_len)
 {
-	out->slot = nbd_get16(p);
-	out->page = nbd_get32(p + 4);
-	out->block = nbd_get64(p + 8);
-	if (out->slot >= DEVFMT_MAX_EXPORTS || nbd_get16(p + 2) != 0 || out->page >= pages ||
-	    out->block > (UINT64_MAX / DEVFMT_BLOCK))
-		return -EINVAL;
+	uint32_t crc = devfmt_crc32c(0, buf + 4, DEVFMT_BLOCK - 4);
+	if (crc != nbd_get32(buf))
+		return refuse(why, why_len, "map block %u: CRC32C 0x%08x, computed 0x%08x", index,
+			      nbd_get32(buf), crc);
+	if (nbd_get32(buf + 4) != index || memcmp(buf + 8, uuid, 16) != 0 ||
+	    nbd_get32(buf + 24) != gen)
+		return refuse(why, why_len,
+			      "map block %u: of block %u, another device or generation %u", index,
+			      nbd_get32(buf + 4), nbd_get32(buf + 24));
+	for (uint32_t i = 0; i < DEVFMT_L2M_PER_BLOCK; i++) {
+		keys[i] = nbd_get64(buf + DEVFMT_L2M_FIXED + 8 * i);
+		if (keys[i] && (keys[i] >> 48) > DEVFMT_MAX_EXPORTS)
+			return refuse(why, why_len, "map block %u: page %u names export slot %llu",
+				      index, i, (unsigned long long)(keys[i] >> 48) - 1);
+	}
 	return 0;
 }

@@ -11,6 +11,8 @@
  *   [0, 64 KiB)        superblock copy A
  *   [64 KiB, 128 KiB)  superblock copy B
  *   [log_offset, log_offset + log_bytes)  the intent log, a ring of batches
+ *   [l2_map_offset, + devfmt_l2m_bytes(pages))  the level-2 map: which
+ *                                        export block each page holds
  *   [l2_offset, l2_offset + l2_bytes)    the level-2 cache: DEVFMT_BLOCK pages
  *                                        of clean data, written as a ring
  *
@@ -33,10 +35,11 @@
  *                              replayed)
  *    88 u64 l2_offset, 96 u64 l2_bytes  the level-2 area (0 bytes: none;
  *                              after the log, multiples of DEVFMT_BLOCK)
- *   104 u64 l2_table_bytes     the level-2 table at the log's start (0:
- *                              none); written only by a clean close, read
- *                              only while the superblock says clean
- *   112 u32 l2_table_crc       CRC32C of those bytes
+ *   104 u64 l2_map_offset      the level-2 map (0 when there is no area:
+ *                              after the log, before the area)
+ *   112 u32 l2_map_gen         a map block of another generation is not
+ *                              read: bumped when the map could no longer
+ *                              be kept true (the level-2 cache turned off)
  *   116 12 bytes of zeros
  *   128 identities, DEVFMT_IDENTITY_BYTES each:
  *         u16 slot (the number batches use), u16 name length, u16 backend
@@ -65,19 +68,30 @@
  *       padded
  *   last 4 bytes of the header block: u32 CRC32C of the block up to them
  *
- * The level-2 table (what a clean close leaves at log_offset, so a start
- * finds the level-2 cache warm):
+ * The level-2 map (kept while the daemon runs, so that a start after a
+ * crash finds the level-2 cache warm):
  *
  *   a header block (DEVFMT_BLOCK bytes):
- *     0 u64 magic       DEVFMT_L2T_MAGIC ("NBDCL2T\0")
+ *     0 u64 magic       DEVFMT_L2M_MAGIC ("NBDCL2M\0")
  *     8 u8[16] uuid     the superblock's
- *    24 u64 entries     that follow the header block
+ *    24 u32 gen         the superblock's l2_map_gen
+ *    28 u32 0
  *    32 u64 mtime_ns[DEVFMT_MAX_EXPORTS]  by export slot: a backend file's
- *                       modification time at the close (0: not a regular
- *                       file); another one at start means someone wrote
- *                       it meanwhile, and its pages are not used
- *   entries, DEVFMT_L2T_ENTRY bytes each: u16 slot, u16 0, u32 page (of
- *   the level-2 area), u64 block (the export's offset / DEVFMT_BLOCK)
+ *                       modification time when the map was last written
+ *                       (0: not a regular file); a later one at start means
+ *                       it was written since, and its pages are not used
+ *     last 4 bytes: u32 CRC32C of the block up to them
+ *   then one map block per DEVFMT_L2M_PER_BLOCK pages, in page order:
+ *     0 u32 CRC32C of the block's bytes after these four
+ *     4 u32 index       of the block (0 for pages 0..507)
+ *     8 u8[16] uuid, 24 u32 gen  as the header's
+ *    28 u32 0
+ *    32 u64 key per page: 0 free, else (export slot + 1) << 48 | the
+ *       export's offset / DEVFMT_BLOCK
+ *   A map block claims a page only once the page's bytes are durable, and
+ *   stops claiming it (durably) before the page is written over or the
+ *   backend's bytes there change: a block that does not decode claims
+ *   nothing, which only makes the level-2 cache colder.
  *
  * One write and one device flush commit a batch: the CRCs tell a torn or
  * partial batch from a whole one, so no flush is needed between the data
@@ -92,8 +106,8 @@
 
 #define DEVFMT_SB_MAGIC 0x4e424443444556ull    /* "NBDCDEV" */
 #define DEVFMT_BATCH_MAGIC 0x4e4244434c4f47ull /* "NBDCLOG" */
-#define DEVFMT_L2T_MAGIC 0x4e4244434c3254ull   /* "NBDCL2T" */
-#define DEVFMT_VERSION 2u
+#define DEVFMT_L2M_MAGIC 0x4e4244434c324dull   /* "NBDCL2M" */
+#define DEVFMT_VERSION 3u
 #define DEVFMT_BLOCK 4096u
 #define DEVFMT_SB_BYTES (64u * 1024u)
 #define DEVFMT_SB_COPIES 2u
@@ -113,9 +127,9 @@
 /* The smallest device: the superblocks and a log of 16 MiB (a few
  * batches of the largest size). */
 #define DEVFMT_MIN_DEVICE (DEVFMT_LOG_OFFSET + (16u << 20))
-/* The level-2 table's entries and its header's fixed part. */
-#define DEVFMT_L2T_ENTRY 16u
-#define DEVFMT_L2T_FIXED 32u
+/* The level-2 map: the fixed part of its blocks, pages per block. */
+#define DEVFMT_L2M_FIXED 32u
+#define DEVFMT_L2M_PER_BLOCK ((DEVFMT_BLOCK - DEVFMT_L2M_FIXED) / 8u)
 
 #define DEVFMT_SB_CLEAN 1u
 #define DEVFMT_BATCH_WRAP 1u
@@ -152,8 +166,8 @@ struct devfmt_sb {
 	uint64_t device_bytes, log_offset, log_bytes;
 	uint64_t checkpoint_offset, checkpoint_seq;
 	uint32_t checkpoint_skip;
-	uint64_t l2_offset, l2_bytes, l2_table_bytes;
-	uint32_t l2_table_crc;
+	uint64_t l2_offset, l2_bytes, l2_map_offset;
+	uint32_t l2_map_gen;
 	uint32_t export_count;
 	struct devfmt_identity exports[DEVFMT_MAX_EXPORTS];
 };
@@ -195,24 +209,27 @@ int devfmt_batch_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t exp
 /* The bytes of data a batch's extents carry (the sum of DATA lengths). */
 uint64_t devfmt_batch_data_bytes(const struct devfmt_batch *b);
 
-/* The level-2 table's header block (DEVFMT_BLOCK bytes). */
-struct devfmt_l2t_header {
-	uint64_t entries;
+/* The level-2 map's bytes for an area of pages: its header and blocks. */
+uint64_t devfmt_l2m_bytes(uint64_t pages);
+/* The map's header block (DEVFMT_BLOCK bytes). */
+struct devfmt_l2m_header {
+	uint32_t gen;
 	uint64_t mtime_ns[DEVFMT_MAX_EXPORTS];
 };
-struct devfmt_l2t_entry {
-	uint16_t slot;
-	uint32_t page;
-	uint64_t block;
-};
-void devfmt_l2t_header_encode(const struct devfmt_l2t_header *h, const uint8_t uuid[16],
+void devfmt_l2m_header_encode(const struct devfmt_l2m_header *h, const uint8_t uuid[16],
 			      uint8_t *buf);
-/* 0, or -EINVAL with why (not a table, another device's, more entries
- * than max_entries). */
-int devfmt_l2t_header_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t max_entries,
-			     struct devfmt_l2t_header *out, char *why, size_t why_len);
-void devfmt_l2t_entry_encode(const struct devfmt_l2t_entry *e, uint8_t *p);
-/* 0, or -EINVAL: a slot past DEVFMT_MAX_EXPORTS or a page past pages. */
-int devfmt_l2t_entry_decode(const uint8_t *p, uint64_t pages, struct devfmt_l2t_entry *out);
+/* 0, or -EINVAL with why (not a map header, another device's, another
+ * generation than gen, corrupt). */
+int devfmt_l2m_header_decode(const uint8_t *buf, const uint8_t uuid[16], uint32_t gen,
+			     struct devfmt_l2m_header *out, char *why, size_t why_len);
+/* Map block index: keys[0 .. n) (n at most DEVFMT_L2M_PER_BLOCK, the rest
+ * free) into buf (DEVFMT_BLOCK bytes). */
+void devfmt_l2m_block_encode(uint32_t index, uint32_t gen, const uint8_t uuid[16],
+			     const uint64_t *keys, uint32_t n, uint8_t *buf);
+/* A map block: 0 with its DEVFMT_L2M_PER_BLOCK keys, or -EINVAL with why
+ * (another index, device or generation, corrupt, a key naming no export
+ * slot). */
+int devfmt_l2m_block_decode(const uint8_t *buf, uint32_t index, uint32_t gen,
+			    const uint8_t uuid[16], uint64_t *keys, char *why, size_t why_len);
 
 #endif

@@ -73,11 +73,18 @@ struct dev_l2_item {
 	uint64_t block; /* its first page: the export's offset / DEVFMT_BLOCK */
 	uint32_t pages;
 	bool cancelled; /* written over meanwhile: not entered */
+	bool unmapped;	/* stored while a direct write to its export was being
+			 * made: never claimed by the map */
 	uint8_t *data;	/* pages * DEVFMT_BLOCK, aligned */
 	struct dev_l2_item *next;
 };
 
-/* The level-2 cache (device_l2.c): its own lock, a leaf. */
+/* A page's state for the level-2 map (dev_l2.pstate). */
+#define L2P_MAPPED 1u	/* the map claims it (or will, at its next write) */
+#define L2P_UNMAPPED 2u /* never claimed (dev_l2_item.unmapped) */
+
+/* The level-2 cache (device_l2.c; its map on the device:
+ * device_l2_map.c): its own lock, a leaf. */
 struct dev_l2 {
 	bool inited, running, stop, st_failed;
 	atomic_bool on;
@@ -100,10 +107,29 @@ struct dev_l2 {
 	atomic_uint_fast64_t small_read_ns; /* a small read's cost, averaged */
 	struct dev_l2_item *staged, *staged_tail, *writing;
 	uint64_t staged_bytes;
+	/* The map on the device (device_l2_map.c). Lock order: map_lock,
+	 * then sb_lock, then lock. */
+	pthread_mutex_t map_lock;	/* writing the map */
+	uint64_t map_offset;		/* its header block; 0: no map */
+	uint32_t mblocks;		/* its map blocks */
+	uint8_t *pstate;		/* per page: L2P_* */
+	uint8_t *mdirty;		/* per map block: to be written */
+	uint32_t clear_hi;		/* pages [head, clear_hi) are claimed by no map block */
+	uint32_t mark_from;		/* the head when the map last took new pages */
+	uint64_t since_mark;		/* bytes written to the ring since */
+	atomic_uint_fast64_t removals;	/* claimed pages removed */
+	atomic_uint_fast64_t persisted; /* removals the device's map has */
+	atomic_bool map_live;		/* the device's map may claim pages */
+	atomic_bool void_due;		/* the table was cleared: the map must go */
+	uint64_t mark_due;		/* when the map takes new pages, idle or not */
+	atomic_uint direct[DEVFMT_MAX_EXPORTS]; /* direct writes being made */
+	uint64_t mtime_ns[DEVFMT_MAX_EXPORTS];	/* as the map's header has them */
+	bool header_ok;				/* that header is on the device */
 	struct {
 		uint64_t l2_hits, l2_hit_bytes, l2_stale, l2_read_errors;
 		uint64_t l2_stored_bytes, l2_dropped_bytes, l2_invalidated_bytes;
 		uint64_t l2_loaded_bytes, l2_load_ns, l2_write_ns;
+		uint64_t l2_map_writes, l2_map_ns, l2_map_waits;
 	} st;
 };
 
@@ -198,20 +224,42 @@ static inline uint64_t dev_l2_key_block(uint64_t key)
 /* The level-2 table (device_l2.c): key -> page (lock held). */
 bool dev_l2_table_get(const struct dev_l2 *l, uint64_t key, uint32_t *page);
 void dev_l2_table_put(struct dev_l2 *l, uint64_t key, uint32_t page);
+/* Page p's map block is to be written (lock held). */
+static inline void dev_l2_map_dirty(struct dev_l2 *l, uint32_t p)
+{
+	l->mdirty[p / DEVFMT_L2M_PER_BLOCK] = 1;
+}
+/* The pages of slot's bytes [offset, offset + length) leave the table
+ * (lock not held). */
+void dev_l2_forget(struct cache_device *d, unsigned slot, uint64_t offset, uint64_t length);
 
 /* Why two identities differ (buf), or NULL. */
 const char *dev_identity_differs(const struct devfmt_identity *a, const struct devfmt_identity *b,
 				 char *buf, size_t len);
-/* device_l2.c: set up (before the table is read), the thread started,
- * stopped, everything freed; device_l2_keep.c: the table of a clean close
- * read back, written (the superblock's fields set: the caller writes it). */
+/* device_l2.c: set up (before the map is read), the thread started,
+ * stopped, everything freed. */
 int dev_l2_init(struct cache_device *d);
-void dev_l2_load(struct cache_device *d);
 int dev_l2_start(struct cache_device *d);
 void dev_l2_stop(struct cache_device *d);
-int dev_l2_save(struct cache_device *d);
 void dev_l2_free(struct cache_device *d);
+/* device_l2_map.c: the map read at start (before the replay; the pages it
+ * claims enter the table); written: the removals and new pages the table
+ * has now (all: every page held, a clean close), 0 or -errno (then the
+ * map is given up, dev_l2_map_void); given up: a new generation in d->sb
+ * (written by the caller when sb_write is false). */
+void dev_l2_load(struct cache_device *d);
+int dev_l2_map_write(struct cache_device *d, bool all);
+void dev_l2_map_void(struct cache_device *d, bool sb_write);
+/* A clean close (the level-2 thread stopped, everything on the backends):
+ * every page held into the map, their bytes made durable first; or the
+ * map given up if the table was cleared (the caller writes d->sb). */
+void dev_l2_map_close(struct cache_device *d);
+/* --check-config: the device's map header is there, of its generation. */
+bool dev_l2_map_kept(struct cache_device *d);
 void dev_l2_stats(struct cache_device *d, struct cache_device_stats *out);
+/* Off for good (a write to the area or its map failed): every page
+ * forgotten, said (lock held). */
+void dev_l2_off_locked(struct cache_device *d, int error);
 /* Off for good, quietly (a detach): every page forgotten, the thread stopped. */
 void dev_l2_detach(struct cache_device *d);
 /* device_log.c */

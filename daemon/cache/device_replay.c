@@ -350,6 +350,10 @@ int dev_replay(struct cache_device *d, struct worker *w, char *err, size_t len)
 			uint32_t first = k == 0 ? d->sb.checkpoint_skip : 0;
 			for (uint32_t i = b.b.extent_count; i-- > first && rc >= 0;) {
 				const struct devfmt_extent *x = &b.b.extents[i];
+				/* Its range leaves the level-2 cache (its map is
+				 * written before the log is emptied, below). */
+				if (x->type != DEVFMT_EXTENT_CLEAN)
+					dev_l2_forget(d, x->slot, x->offset, x->length);
 				if (d->slots[x->slot].discard)
 					continue; /* cache-device-discard-dirty */
 				rc = replay_part(
@@ -400,6 +404,9 @@ int dev_replay(struct cache_device *d, struct worker *w, char *err, size_t len)
 	pthread_cond_destroy(&win.cond);
 	if (rc < 0)
 		return rc;
+	/* The replayed ranges out of the level-2 map before the log that names
+	 * them is emptied. */
+	cache_device_l2_before_write(d);
 	d->st.replay_ns = clock_now_ns() - t0;
 	d->st.replay_batches = npos;
 	if (npos)

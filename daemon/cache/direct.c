@@ -440,6 +440,11 @@ void direct_step(struct cache_op *op)
 			atomic_fetch_add(&ce->counters.backend_write_bytes, op->length);
 			atomic_fetch_add(&ce->counters.direct_writes, 1);
 		}
+		/* The range leaves the level-2 cache and its map on the device
+		 * before the backend's bytes change (ended in stage 3). */
+		if (op->step_length && c->device)
+			cache_device_l2_direct_begin(c->device, ce, op->step_offset,
+						     op->step_length);
 		cache_backend_submit(ce, op->worker, &op->io);
 		return;
 	}
@@ -469,7 +474,7 @@ void direct_step(struct cache_op *op)
 			/* Again: an entry evicted before the walk reached it was
 			 * staged with the bytes from before. */
 			if (c->device)
-				cache_device_l2_invalidate(c->device, ce, op->step_offset,
+				cache_device_l2_direct_end(c->device, ce, op->step_offset,
 							   op->step_length);
 		}
 		direct_unregister(op);
@@ -509,5 +514,12 @@ void passthrough_start(struct cache_op *op)
 	io->done = passthrough_done;
 	if (op->cmd == BACKEND_READ)
 		op->read_missed = true;
+	/* Mode none caches nothing, but the level-2 cache may hold pages from
+	 * before a reload set it. */
+	struct cache_device *d = op->ce->cache->device;
+	if (d && op->cmd == BACKEND_WRITE) {
+		cache_device_l2_invalidate(d, op->ce, op->offset, op->length);
+		cache_device_l2_before_write(d);
+	}
 	cache_backend_submit(op->ce, op->worker, io);
 }

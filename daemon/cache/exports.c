@@ -91,8 +91,10 @@ int cache_export_resize(struct cache_export *ce, uint64_t size, uint64_t *dirty_
 	/* The level-2 cache's pages from there on, before the size moves (a
 	 * fill past the old end must not find the zeros kept there) and
 	 * after (below). */
-	if (ce->cache->device)
+	if (ce->cache->device) {
 		cache_device_l2_invalidate(ce->cache->device, ce, from, UINT64_MAX - from);
+		cache_device_l2_before_write(ce->cache->device);
+	}
 	atomic_store(&ce->size, size);
 	uint64_t dropped, busy;
 	int rc = cache_export_drop_from(ce, from, &dropped, &busy, dirty_past);

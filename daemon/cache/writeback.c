@@ -388,6 +388,9 @@ static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, u
 	}
 	atomic_fetch_add(&ce->counters.backend_writes, 1);
 	atomic_fetch_add(&ce->counters.backend_write_bytes, end - off);
+	/* The level-2 map no longer claims pages these bytes replace. */
+	if (ce->cache->device)
+		cache_device_l2_before_write(ce->cache->device);
 	cache_backend_submit(ce, &op->wb->thread, &w->io);
 	return 0;
 }

@@ -51,7 +51,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		CHECK(sb.export_count <= DEVFMT_MAX_EXPORTS);
 		CHECK(!sb.l2_bytes || (sb.l2_offset >= sb.log_offset + sb.log_bytes &&
 				       sb.l2_offset + sb.l2_bytes <= sb.device_bytes));
-		CHECK(sb.l2_table_bytes <= sb.log_bytes);
+		CHECK(!sb.l2_bytes ||
+		      (sb.l2_map_offset >= sb.log_offset + sb.log_bytes &&
+		       sb.l2_map_offset + devfmt_l2m_bytes(sb.l2_bytes / DEVFMT_BLOCK) <=
+			   sb.l2_offset));
 		for (uint32_t i = 0; i < sb.export_count; i++) {
 			CHECK(memchr(sb.exports[i].name, 0, sizeof(sb.exports[i].name)));
 			CHECK(memchr(sb.exports[i].backend, 0, sizeof(sb.exports[i].backend)));
@@ -63,33 +66,46 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		return 0;
 	}
 	if (data[0] & 8) {
-		/* The level-2 table: a header block, then entries. */
+		/* The level-2 map: a header block or a map block (generation 7,
+		 * index 3), the fuzzer's bytes with the right fields half the
+		 * time. */
 		size_t n = size - 1 < DEVFMT_BLOCK ? size - 1 : DEVFMT_BLOCK;
 		memcpy(block, data + 1, n);
-		if (data[0] & 4) {
-			nbd_put64(block, DEVFMT_L2T_MAGIC);
-			memcpy(block + 8, uuid, 16);
-		}
-		static struct devfmt_l2t_header h, h2;
-		if (devfmt_l2t_header_decode(block, uuid, 1u << 20, &h, why, sizeof(why)) < 0) {
-			CHECK(why[0] != '\0');
-		} else {
-			CHECK(h.entries <= 1u << 20);
-			devfmt_l2t_header_encode(&h, uuid, again);
-			CHECK(devfmt_l2t_header_decode(again, uuid, 1u << 20, &h2, why,
-						       sizeof(why)) == 0);
+		if (data[0] & 16) {
+			static struct devfmt_l2m_header h, h2;
+			if (data[0] & 4) {
+				nbd_put64(block, DEVFMT_L2M_MAGIC);
+				memcpy(block + 8, uuid, 16);
+				nbd_put32(block + 24, 7);
+				nbd_put32(block + DEVFMT_BLOCK - 4,
+					  devfmt_crc32c(0, block, DEVFMT_BLOCK - 4));
+			}
+			if (devfmt_l2m_header_decode(block, uuid, 7, &h, why, sizeof(why)) < 0) {
+				CHECK(why[0] != '\0');
+				return 0;
+			}
+			CHECK(h.gen == 7);
+			devfmt_l2m_header_encode(&h, uuid, again);
+			CHECK(devfmt_l2m_header_decode(again, uuid, 7, &h2, why, sizeof(why)) == 0);
 			CHECK(memcmp(&h, &h2, sizeof(h)) == 0);
+			return 0;
 		}
-		for (size_t at = 1; at + DEVFMT_L2T_ENTRY <= size; at += DEVFMT_L2T_ENTRY) {
-			struct devfmt_l2t_entry e, e2;
-			if (devfmt_l2t_entry_decode(data + at, 1u << 20, &e) < 0)
-				continue;
-			CHECK(e.slot < DEVFMT_MAX_EXPORTS && e.page < 1u << 20);
-			uint8_t enc[DEVFMT_L2T_ENTRY];
-			devfmt_l2t_entry_encode(&e, enc);
-			CHECK(devfmt_l2t_entry_decode(enc, 1u << 20, &e2) == 0);
-			CHECK(e.slot == e2.slot && e.page == e2.page && e.block == e2.block);
+		if (data[0] & 4) {
+			nbd_put32(block + 4, 3);
+			memcpy(block + 8, uuid, 16);
+			nbd_put32(block + 24, 7);
+			nbd_put32(block, devfmt_crc32c(0, block + 4, DEVFMT_BLOCK - 4));
 		}
+		static uint64_t keys[DEVFMT_L2M_PER_BLOCK], keys2[DEVFMT_L2M_PER_BLOCK];
+		if (devfmt_l2m_block_decode(block, 3, 7, uuid, keys, why, sizeof(why)) < 0) {
+			CHECK(why[0] != '\0');
+			return 0;
+		}
+		for (unsigned i = 0; i < DEVFMT_L2M_PER_BLOCK; i++)
+			CHECK(keys[i] >> 48 <= DEVFMT_MAX_EXPORTS);
+		devfmt_l2m_block_encode(3, 7, uuid, keys, DEVFMT_L2M_PER_BLOCK, again);
+		CHECK(devfmt_l2m_block_decode(again, 3, 7, uuid, keys2, why, sizeof(why)) == 0);
+		CHECK(memcmp(keys, keys2, sizeof(keys)) == 0);
 		return 0;
 	}
 	if (size < 9)

@@ -18,18 +18,25 @@ must return.
      over ranges the level-2 area holds and RAM does not, each round then
      read whole against the model; then the same through a writethrough
      daemon (whose WRITEs go direct to the backend).
-  3  Warm restart: SIGTERM (the log says the level-2 table was kept);
+  3  Warm restart: SIGTERM (the log says the level-2 map was kept);
      a start with the default cache-device-warm files does not use the
      pages of the nbdkit backend (a write to it while the daemon was down
      could not be told: the log says so); with cache-device-warm all a
-     new start reads the table back (its log line, and --check-config
+     new start reads the map back (its log line, and --check-config
      says warm), and the first pass over the working set reads at most
      5% of its bytes from the backend, every byte as the model says.
   4  The backend file itself (the export's backend, so its modification
      time is recorded) modified while the daemon was down: its pages are
      not used (the log says why), and a read returns the file's new bytes.
-  5  After SIGKILL: the next start begins cold (no table: it is kept only
-     by a clean close) and every byte reads as the model says.
+  5  After SIGKILL: warm as well. The working set read (the level-2
+     area filled, the map given time to take the pages), then SIGKILL:
+     the next start reads the map back, and its first pass reads at most
+     5% from the backend. Then never stale across a crash: a round of
+     writes over pages the area holds, FLUSHed, and SIGKILL at once
+     (writeback and the replay's log still in flight), several times:
+     each start replays the log, and the whole working set reads as the
+     model says; then a few 4 KiB writes over claimed pages, FLUSHed, and
+     SIGKILL at once (only the replay removes those pages).
   6  cache-device-use: log (no level-2 cache: the stats say off, evictions
      are not stored) and l2 (a FLUSH is not answered from the log: no
      commits, the bytes on the backend file after it).
@@ -64,6 +71,7 @@ DEVICE = 176 * MIB
 CHECKS = nbdtest.Checks(catch=(Failed, nbd.Error))
 expect = CHECKS.expect
 SEED = int(os.environ.get("L2_SEED", "20261206"))
+CRASH_ROUNDS = int(os.environ.get("L2_CRASH_ROUNDS", "3"))
 
 
 class Model:
@@ -182,8 +190,10 @@ def level2_at_work(r):
            "SIGUSR1 line: %s" % {k: v for k, v in usr1.items() if k.startswith("device_l2")})
 
 
-def one_round(r, i):
-    """Writes of every kind over the working set, then all of it read."""
+def one_round(r, i, settle=True):
+    """Writes of every kind over the working set, then all of it read
+    (settle: and the level-2 staging drained); without settle, what it
+    wrote is only FLUSHed."""
     h = r.h
     for _ in range(60):
         kind = r.rng.randrange(4)
@@ -214,8 +224,9 @@ def one_round(r, i):
         if r.rng.randrange(4) == 0:
             r.read_pages("round %d" % i, 16)
     h.flush()
-    r.read_all("round %d" % i)
-    r.settle()
+    if settle:
+        r.read_all("round %d" % i)
+        r.settle()
 
 
 def never_stale(r):
@@ -251,31 +262,20 @@ def warm_restart(r):
     r.d.stop()
     with open(r.d.logpath) as f:
         text = f.read()
-    m = re.search(r"level-2 table of (\d+) pages", text)
-    require(m, "the clean close did not say it kept the level-2 table")
+    m = re.search(r"level-2 map of (\d+) pages", text)
+    require(m, "the clean close did not say it kept the level-2 map")
     log("  %s" % m.group(0))
     p = subprocess.run([nbdtest.NBDCACHED, "--check-config", "--export",
                         "disk=nbdkit:--filter=delay file %s rdelay=2ms" % r.disk,
                         "--cache-device", r.dev], capture_output=True, text=True, timeout=60)
     out = p.stdout + p.stderr
-    expect(p.returncode == 0 and "warm: its table was kept by a clean close" in out,
+    expect(p.returncode == 0 and "warm: its map is kept" in out,
            "--check-config: exit %d: %s" % (p.returncode, out))
     r.start(what="warm start", warm_all=True)
     m = re.search(r"level-2 cache warm: (\d+) MiB in (\d+) ms", r.d.log_text())
     require(m, "no 'level-2 cache warm' line at start")
     log("  %s" % m.group(0))
-    _, before = r.stats()
-    first = r.read_pages("first pass after the restart", WORKING // 4096 // 4)
-    _, after = r.stats()
-    # The bytes the level-2 cache could not give, apart from the small
-    # fills it sent to the backend by choice while the device answered
-    # slower (level2_worth: a sanitizer build beside another test, a
-    # busy disk): those say nothing of how warm it is.
-    skipped = (after["skipped"] - before["skipped"]) * 4096
-    missed = max(first - skipped, 0)
-    log("  first pass of %d random 4 KiB reads: %.1f MiB from the backend (%.1f%% of what "
-        "was read), %.1f MiB of it sent there by choice (the device answered slower)"
-        % (WORKING // 4096 // 4, first / MIB, 100.0 * first / (WORKING // 4), skipped / MIB))
+    missed = first_pass(r, "first pass after the restart")
     expect(missed <= WORKING // 4 // 20, "after a clean restart %d bytes of %d read came from "
            "the backend not by choice (more than 5%%)" % (missed, WORKING // 4))
     r.d.stop()
@@ -296,7 +296,7 @@ def modified_while_down(r):
     r.model.write(off, data)
     r.start(backend=r.disk, what="after the backend file was modified")
     text = r.d.log_text()
-    expect("was modified since the last close" in text, "the start did not say the backend "
+    expect("was modified since the level-2 map was last written" in text, "the start did not say the backend "
            "file was modified; it said:\n%s" % text[-2000:])
     got = r.h.pread(MIB, off)
     nbdtest.require_same(got, data, "the modified range", base=off)
@@ -306,14 +306,87 @@ def modified_while_down(r):
     r.start(what="the delayed backend again")
 
 
+def first_pass(r, what):
+    """A first pass of random 4 KiB reads over a quarter of the working
+    set: the bytes the level-2 cache could not give (apart from the small
+    fills it sent to the backend by choice while the device answered
+    slower: level2_worth, a sanitizer build beside another test, a busy
+    disk; those say nothing of how warm it is)."""
+    _, before = r.stats()
+    first = r.read_pages(what, WORKING // 4096 // 4)
+    _, after = r.stats()
+    skipped = (after["skipped"] - before["skipped"]) * 4096
+    log("  %s: %d random 4 KiB reads, %.1f MiB from the backend (%.1f%% of what was "
+        "read), %.1f MiB of it sent there by choice (the device answered slower)"
+        % (what, WORKING // 4096 // 4, first / MIB, 100.0 * first / (WORKING // 4),
+           skipped / MIB))
+    return max(first - skipped, 0)
+
+
+def map_settle(r):
+    """Wait until the level-2 map has taken what the ring wrote (it does
+    after 200 ms idle)."""
+    for _ in range(200):
+        _, l2 = r.stats()
+        if l2["staged_bytes"] == 0 and l2["map_pending_bytes"] == 0:
+            return
+        time.sleep(0.05)
+    raise Failed("the level-2 map did not take what the ring wrote: %s" % l2)
+
+
 def after_kill(r):
+    r.d.stop()
+    r.start(what="warm all", warm_all=True)
+    r.read_all("before SIGKILL")
+    map_settle(r)
+    _, l2 = r.stats()
+    log("  level-2 before SIGKILL: %s" % {k: l2[k] for k in (
+        "used_bytes", "stored_bytes", "loaded_bytes", "hits", "map_writes")})
     r.d.kill()
     r.d.logf.close()
-    r.start(what="after SIGKILL")
-    expect("level-2 cache warm" not in r.d.log_text(), "a table was used after SIGKILL")
-    first = r.read_all("after SIGKILL")
-    log("  after SIGKILL the first pass read %d MiB of %d from the backend (cold: a table "
-        "is kept only by a clean close)" % (first >> 20, WORKING >> 20))
+    r.start(what="after SIGKILL", warm_all=True)
+    m = re.search(r"level-2 cache warm: (\d+) MiB in (\d+) ms", r.d.log_text())
+    require(m, "no 'level-2 cache warm' line at the start after SIGKILL:\n%s"
+            % r.d.log_text()[-2000:])
+    log("  %s" % m.group(0))
+    missed = first_pass(r, "first pass after SIGKILL")
+    expect(missed <= WORKING // 4 // 20, "after SIGKILL %d bytes of %d read came from the "
+           "backend not by choice (more than 5%%)" % (missed, WORKING // 4))
+    r.read_all("after SIGKILL")
+    # Never stale across a crash: writes over what the area holds, then
+    # SIGKILL right after their FLUSH.
+    for i in range(CRASH_ROUNDS):
+        map_settle(r)
+        one_round(r, 20 + i, settle=False)
+        r.d.kill()
+        r.d.logf.close()
+        r.start(what="after SIGKILL %d" % (i + 1), warm_all=True)
+        text = r.d.log_text()
+        m = re.search(r"level-2 cache warm: (\d+) MiB", text)
+        log("  start %d after SIGKILL: %s; %s" % (
+            i + 1, m.group(0) if m else "cold",
+            "replayed" if "replayed" in text else "nothing replayed"))
+        r.read_all("after SIGKILL %d" % (i + 1))
+    # And at once: a few 4 KiB writes over pages the map claims, FLUSHed,
+    # SIGKILL before the writeback or the level-2 thread could have
+    # written the map again: only the replay removes them.
+    for i in range(CRASH_ROUNDS):
+        r.read_all("before quick SIGKILL %d" % (i + 1))
+        map_settle(r)
+        for _ in range(8):
+            off = BASE + r.rng.randrange(WORKING // 4096) * 4096
+            data = r.rng.randbytes(4096)
+            r.h.pwrite(data, off)
+            r.model.write(off, data)
+        r.h.flush()
+        r.d.kill()
+        r.d.logf.close()
+        r.start(what="after quick SIGKILL %d" % (i + 1), warm_all=True)
+        r.read_all("after quick SIGKILL %d" % (i + 1))
+    _, l2 = r.stats()
+    log("  level-2 after the crashes: %s" % {k: l2[k] for k in (
+        "hits", "stale_reads", "loaded_bytes", "map_writes")})
+    expect(l2["loaded_bytes"] > 0, "the last start after SIGKILL loaded nothing: %s" % l2)
     r.d.stop()
 
 

@@ -126,16 +126,25 @@ static void test_sb_refusals(void **state)
 	devfmt_sb_encode(&sb, sbuf);
 	assert_int_equal(sb_decode(), -EINVAL);
 	assert_non_null(strstr(why, "level-2 area at"));
-	/* A table larger than the log, or not whole entries. */
+	/* A map inside the log, too small for the area, or without an area. */
+	sb.l2_offset = DEVFMT_LOG_OFFSET + (1u << 30);
 	sb.l2_bytes = (1u << 30);
-	sb.l2_table_bytes = (1u << 30) + DEVFMT_BLOCK;
+	sb.l2_map_offset = DEVFMT_LOG_OFFSET + (1u << 29);
 	devfmt_sb_encode(&sb, sbuf);
 	assert_int_equal(sb_decode(), -EINVAL);
-	assert_non_null(strstr(why, "level-2 table of"));
-	sb.l2_table_bytes = DEVFMT_BLOCK + 17;
+	assert_non_null(strstr(why, "level-2 map at"));
+	sb.l2_map_offset = sb.l2_offset - DEVFMT_BLOCK;
 	devfmt_sb_encode(&sb, sbuf);
 	assert_int_equal(sb_decode(), -EINVAL);
-	assert_non_null(strstr(why, "level-2 table of"));
+	assert_non_null(strstr(why, "level-2 map at"));
+	sb.l2_map_offset = sb.l2_offset - devfmt_l2m_bytes(sb.l2_bytes / DEVFMT_BLOCK);
+	sb.log_bytes = sb.l2_map_offset - DEVFMT_LOG_OFFSET;
+	devfmt_sb_encode(&sb, sbuf);
+	assert_int_equal(sb_decode(), 0);
+	sb.l2_bytes = 0;
+	devfmt_sb_encode(&sb, sbuf);
+	assert_int_equal(sb_decode(), -EINVAL);
+	assert_non_null(strstr(why, "level-2 map at"));
 
 	/* A log that does not fit the device. */
 	make_sb();
@@ -175,51 +184,72 @@ static void test_l2(void **state)
 	(void)state;
 	/* The geometry round-trips. */
 	make_sb();
+	uint64_t pages = ((1ull << 32) - DEVFMT_LOG_OFFSET - (1u << 29)) / DEVFMT_BLOCK - 2000;
 	sb.log_bytes = 1u << 29;
-	sb.l2_offset = DEVFMT_LOG_OFFSET + (1u << 29);
-	sb.l2_bytes = (1ull << 32) - DEVFMT_LOG_OFFSET - (1u << 29);
-	sb.l2_table_bytes = DEVFMT_BLOCK + 3 * DEVFMT_L2T_ENTRY;
-	sb.l2_table_crc = 0x12345678;
+	sb.l2_map_offset = DEVFMT_LOG_OFFSET + (1u << 29);
+	sb.l2_offset = sb.l2_map_offset + devfmt_l2m_bytes(pages);
+	sb.l2_bytes = pages * DEVFMT_BLOCK;
+	sb.l2_map_gen = 0x12345678;
 	sb.flags = DEVFMT_SB_CLEAN;
 	assert_int_equal(devfmt_sb_encode(&sb, sbuf), 0);
 	assert_int_equal(sb_decode(), 0);
 	assert_int_equal(back.l2_offset, sb.l2_offset);
 	assert_int_equal(back.l2_bytes, sb.l2_bytes);
-	assert_int_equal(back.l2_table_bytes, sb.l2_table_bytes);
-	assert_int_equal(back.l2_table_crc, 0x12345678);
+	assert_int_equal(back.l2_map_offset, sb.l2_map_offset);
+	assert_int_equal(back.l2_map_gen, 0x12345678);
 	assert_int_equal(back.exports[1].slot, 3); /* identities after the longer header */
+	/* The map: a header block and a block per 508 pages. */
+	assert_int_equal(DEVFMT_L2M_PER_BLOCK, 508);
+	assert_int_equal(devfmt_l2m_bytes(1), 2 * DEVFMT_BLOCK);
+	assert_int_equal(devfmt_l2m_bytes(508), 2 * DEVFMT_BLOCK);
+	assert_int_equal(devfmt_l2m_bytes(509), 3 * DEVFMT_BLOCK);
 
-	/* The table's header and entries. */
-	static struct devfmt_l2t_header h, hb;
+	/* The map's header. */
+	static struct devfmt_l2m_header h, hb;
 	memset(&h, 0, sizeof(h));
-	h.entries = 3;
+	h.gen = 7;
 	h.mtime_ns[0] = 1700000000123456789ull;
 	h.mtime_ns[DEVFMT_MAX_EXPORTS - 1] = 5;
-	devfmt_l2t_header_encode(&h, uuid, bbuf);
-	assert_int_equal(devfmt_l2t_header_decode(bbuf, uuid, 3, &hb, why, sizeof(why)), 0);
-	assert_int_equal(hb.entries, 3);
+	devfmt_l2m_header_encode(&h, uuid, bbuf);
+	assert_int_equal(devfmt_l2m_header_decode(bbuf, uuid, 7, &hb, why, sizeof(why)), 0);
+	assert_int_equal(hb.gen, 7);
 	assert_int_equal(hb.mtime_ns[0], 1700000000123456789ull);
 	assert_int_equal(hb.mtime_ns[DEVFMT_MAX_EXPORTS - 1], 5);
-	assert_int_equal(devfmt_l2t_header_decode(bbuf, uuid, 2, &hb, why, sizeof(why)), -EINVAL);
-	assert_non_null(strstr(why, "at most 2 fit"));
+	assert_int_equal(devfmt_l2m_header_decode(bbuf, uuid, 8, &hb, why, sizeof(why)), -EINVAL);
+	assert_non_null(strstr(why, "generation 7; the superblock says 8"));
 	static const uint8_t other[16] = {9};
-	assert_int_equal(devfmt_l2t_header_decode(bbuf, other, 3, &hb, why, sizeof(why)), -EINVAL);
+	assert_int_equal(devfmt_l2m_header_decode(bbuf, other, 7, &hb, why, sizeof(why)), -EINVAL);
 	assert_non_null(strstr(why, "another device"));
+	bbuf[100] ^= 1;
+	assert_int_equal(devfmt_l2m_header_decode(bbuf, uuid, 7, &hb, why, sizeof(why)), -EINVAL);
+	assert_non_null(strstr(why, "CRC32C"));
 	memset(bbuf, 0, 8);
-	assert_int_equal(devfmt_l2t_header_decode(bbuf, uuid, 3, &hb, why, sizeof(why)), -EINVAL);
-	assert_non_null(strstr(why, "no level-2 table"));
+	assert_int_equal(devfmt_l2m_header_decode(bbuf, uuid, 7, &hb, why, sizeof(why)), -EINVAL);
+	assert_non_null(strstr(why, "no level-2 map"));
 
-	uint8_t e[DEVFMT_L2T_ENTRY];
-	struct devfmt_l2t_entry in = {.slot = 3, .page = 77, .block = 1ull << 40}, out;
-	devfmt_l2t_entry_encode(&in, e);
-	assert_int_equal(devfmt_l2t_entry_decode(e, 78, &out), 0);
-	assert_int_equal(out.slot, 3);
-	assert_int_equal(out.page, 77);
-	assert_int_equal(out.block, 1ull << 40);
-	assert_int_equal(devfmt_l2t_entry_decode(e, 77, &out), -EINVAL); /* past the area */
-	in.slot = DEVFMT_MAX_EXPORTS;
-	devfmt_l2t_entry_encode(&in, e);
-	assert_int_equal(devfmt_l2t_entry_decode(e, 78, &out), -EINVAL);
+	/* A map block: keys round-trip, the rest free; each refusal says why. */
+	uint64_t keys[DEVFMT_L2M_PER_BLOCK], kb[DEVFMT_L2M_PER_BLOCK];
+	keys[0] = (1ull << 48) | 12345;
+	keys[1] = 0;
+	keys[2] = ((uint64_t)DEVFMT_MAX_EXPORTS << 48) | ((1ull << 48) - 1);
+	devfmt_l2m_block_encode(9, 7, uuid, keys, 3, bbuf);
+	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, uuid, kb, why, sizeof(why)), 0);
+	assert_int_equal(kb[0], keys[0]);
+	assert_int_equal(kb[1], 0);
+	assert_int_equal(kb[2], keys[2]);
+	for (unsigned i = 3; i < DEVFMT_L2M_PER_BLOCK; i++)
+		assert_int_equal(kb[i], 0);
+	assert_int_equal(devfmt_l2m_block_decode(bbuf, 10, 7, uuid, kb, why, sizeof(why)), -EINVAL);
+	assert_non_null(strstr(why, "map block 10: of block 9"));
+	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 6, uuid, kb, why, sizeof(why)), -EINVAL);
+	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, other, kb, why, sizeof(why)), -EINVAL);
+	bbuf[DEVFMT_BLOCK - 1] ^= 0x80;
+	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, uuid, kb, why, sizeof(why)), -EINVAL);
+	assert_non_null(strstr(why, "CRC32C"));
+	keys[2] = (uint64_t)(DEVFMT_MAX_EXPORTS + 1) << 48;
+	devfmt_l2m_block_encode(9, 7, uuid, keys, 3, bbuf);
+	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, uuid, kb, why, sizeof(why)), -EINVAL);
+	assert_non_null(strstr(why, "names export slot"));
 }
 
 static void make_batch(void)
