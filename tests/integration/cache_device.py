@@ -16,7 +16,7 @@
      geometry), a device that is not one (garbage in its superblocks), one
      too small, one written by the earlier format (1) and not closed
      clean; and a corrupt superblock copy (the older one, as a torn
-     write leaves it): reported, the other copy used. One of format 1
+     write leaves it): reported, the other copy used. One of format 1 or 2
      closed clean holds nothing: it is formatted again (said). Last,
      --cache-device-discard-dirty: the export's records thrown away, what
      was thrown away logged, the daemon serving without them.
@@ -119,11 +119,11 @@ def crc32c(data):
     return crc ^ 0xFFFFFFFF
 
 
-def format1_device(path, clean):
-    """A device as the earlier format (version 1) leaves it: one good
+def earlier_device(path, clean, version=1):
+    """A device as an earlier format (version 1 or 2) leaves it: one good
     superblock copy, no exports, clean or not."""
     sb = bytearray(SB)
-    struct.pack_into(">QII16sQQQQQQII", sb, 0, 0x4e424443444556, 1, 1 if clean else 0,
+    struct.pack_into(">QII16sQQQQQQII", sb, 0, 0x4e424443444556, version, 1 if clean else 0,
                      b"\x01" * 16, 5, DEVICE, 2 * SB, DEVICE - 2 * SB, 0, 1, 0, 0)
     struct.pack_into(">I", sb, SB - 4, crc32c(bytes(sb[:SB - 4])))
     with open(path, "wb") as f:
@@ -228,18 +228,20 @@ def refusals(tmp):
     small = os.path.join(tmp, "small.dev")
     nbdtest.sparse_file(small, MIB)
     case("too small", r"1048576 bytes; a cache device needs at least 16908288", dev=small)
-    old = os.path.join(tmp, "format1.dev")
-    format1_device(old, clean=False)
-    case("format 1, not closed clean", r"written by an earlier version \(format 1\) and not "
-         r"closed clean", dev=old)
-    format1_device(old, clean=True)
-    d = daemon(tmp, disk, old, what="a device of format 1 closed clean")
-    try:
-        expect("(format 1) and closed clean: it holds nothing; formatted again" in d.log_text(),
-               "a clean device of format 1 was not said to be formatted again")
-    finally:
-        d.kill()
-        d.logf.close()
+    old = os.path.join(tmp, "earlier.dev")
+    for version in (1, 2):
+        earlier_device(old, clean=False, version=version)
+        case("format %d, not closed clean" % version, r"written by an earlier version "
+             r"\(format %d\) and not closed clean" % version, dev=old)
+        earlier_device(old, clean=True, version=version)
+        d = daemon(tmp, disk, old, what="a device of format %d closed clean" % version)
+        try:
+            expect("(format %d) and closed clean: it holds nothing; formatted again" % version
+                   in d.log_text(),
+                   "a clean device of format %d was not said to be formatted again" % version)
+        finally:
+            d.kill()
+            d.logf.close()
     check_data(disk, {8 * MIB: b"\0" * 16}, "after the refusals (nothing replayed)")
     rc, out = check_config(disk, dev)
     m = re.search(r'\d+ batch\(es\) to replay; export "disk": (\d+) bytes in \d+ record', out)

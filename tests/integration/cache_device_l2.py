@@ -36,7 +36,9 @@ must return.
      (writeback and the replay's log still in flight), several times:
      each start replays the log, and the whole working set reads as the
      model says; then a few 4 KiB writes over claimed pages, FLUSHed, and
-     SIGKILL at once (only the replay removes those pages).
+     SIGKILL at once (only the replay removes those pages); and rounds
+     through a writethrough daemon (its writes go direct to the backend)
+     each ended by SIGKILL.
   6  cache-device-use: log (no level-2 cache: the stats say off, evictions
      are not stored) and l2 (a FLUSH is not answered from the log: no
      commits, the bytes on the backend file after it).
@@ -367,6 +369,21 @@ def after_kill(r):
             i + 1, m.group(0) if m else "cold",
             "replayed" if "replayed" in text else "nothing replayed"))
         r.read_all("after SIGKILL %d" % (i + 1))
+    # Writethrough: the writes go direct to the backend, each after the map
+    # stopped claiming what it replaces.
+    r.d.stop()
+    r.start(mode="writethrough", what="writethrough, warm all", warm_all=True)
+    for i in range(2):
+        r.read_all("writethrough, before SIGKILL %d" % (i + 1))
+        map_settle(r)
+        one_round(r, 30 + i, settle=False)
+        r.d.kill()
+        r.d.logf.close()
+        r.start(mode="writethrough", what="writethrough, after SIGKILL %d" % (i + 1),
+                warm_all=True)
+        r.read_all("writethrough, after SIGKILL %d" % (i + 1))
+    r.d.stop()
+    r.start(what="after the writethrough crashes", warm_all=True)
     # And at once: a few 4 KiB writes over pages the map claims, FLUSHed,
     # SIGKILL before the writeback or the level-2 thread could have
     # written the map again: only the replay removes them.
