@@ -5,15 +5,20 @@
 
 #include <errno.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "proto/nbd.h"
 
-/* ---- CRC32C: reflected, polynomial 0x82F63B78, a table of 256 ---- */
+/* ---- CRC32C: reflected, polynomial 0x82F63B78 ----
+ * Eight bytes at a time: the CPU's crc32 instruction where it has one
+ * (SSE4.2, checked at run time), else eight tables of 256 (slicing by 8).
+ * The replay reads the whole log twice and checks each batch both times:
+ * a byte at a time (about 280 MiB/s here) was most of its time. */
 
-static uint32_t crc_table[256];
-static bool crc_ready;
+static uint32_t crc_table[8][256];
+static bool crc_ready, crc_hw;
 
 static void crc_init(void)
 {
@@ -21,21 +26,73 @@ static void crc_init(void)
 		uint32_t c = i;
 		for (int k = 0; k < 8; k++)
 			c = c & 1 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
-		crc_table[i] = c;
+		crc_table[0][i] = c;
 	}
+	for (uint32_t i = 0; i < 256; i++)
+		for (int t = 1; t < 8; t++)
+			crc_table[t][i] =
+			    (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xff];
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+	__builtin_cpu_init();
+	crc_hw = __builtin_cpu_supports("sse4.2");
+#endif
 	__atomic_store_n(&crc_ready, true, __ATOMIC_RELEASE);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((target("sse4.2"))) static uint32_t crc_sse42(uint32_t crc, const uint8_t *b,
+							    size_t n)
+{
+	for (; n && ((uintptr_t)b & 7); n--)
+		crc = __builtin_ia32_crc32qi(crc, *b++);
+	for (; n >= 8; n -= 8, b += 8) {
+		uint64_t v;
+		memcpy(&v, b, 8);
+		crc = (uint32_t)__builtin_ia32_crc32di(crc, v);
+	}
+	for (; n; n--)
+		crc = __builtin_ia32_crc32qi(crc, *b++);
+	return crc;
+}
+#endif
+
+static uint32_t crc_slice8(uint32_t crc, const uint8_t *b, size_t n)
+{
+	for (; n && ((uintptr_t)b & 7); n--)
+		crc = crc_table[0][(crc ^ *b++) & 0xff] ^ (crc >> 8);
+	for (; n >= 8; n -= 8, b += 8) {
+		/* Little-endian words, as the reflected CRC takes its bytes. */
+		uint32_t lo = crc ^ ((uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 |
+				     (uint32_t)b[3] << 24);
+		uint32_t hi = (uint32_t)b[4] | (uint32_t)b[5] << 8 | (uint32_t)b[6] << 16 |
+			      (uint32_t)b[7] << 24;
+		crc = crc_table[7][lo & 0xff] ^ crc_table[6][(lo >> 8) & 0xff] ^
+		      crc_table[5][(lo >> 16) & 0xff] ^ crc_table[4][lo >> 24] ^
+		      crc_table[3][hi & 0xff] ^ crc_table[2][(hi >> 8) & 0xff] ^
+		      crc_table[1][(hi >> 16) & 0xff] ^ crc_table[0][hi >> 24];
+	}
+	for (; n; n--)
+		crc = crc_table[0][(crc ^ *b++) & 0xff] ^ (crc >> 8);
+	return crc;
 }
 
 uint32_t devfmt_crc32c(uint32_t crc, const void *p, size_t n)
 {
-	/* Two threads may build the table at once: they write the same. */
+	/* Two threads may build the tables at once: they write the same. */
 	if (!__atomic_load_n(&crc_ready, __ATOMIC_ACQUIRE))
 		crc_init();
-	const uint8_t *b = p;
-	crc = ~crc;
-	while (n--)
-		crc = crc_table[(crc ^ *b++) & 0xff] ^ (crc >> 8);
-	return ~crc;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+	if (crc_hw)
+		return ~crc_sse42(~crc, p, n);
+#endif
+	return ~crc_slice8(~crc, p, n);
+}
+
+uint32_t devfmt_crc32c_portable(uint32_t crc, const void *p, size_t n)
+{
+	if (!__atomic_load_n(&crc_ready, __ATOMIC_ACQUIRE))
+		crc_init();
+	return ~crc_slice8(~crc, p, n);
 }
 
 static int refuse(char *why, size_t len, const char *fmt, ...)

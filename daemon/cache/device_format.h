@@ -187,8 +187,11 @@ struct devfmt_batch {
 	struct devfmt_extent extents[DEVFMT_MAX_EXTENTS];
 };
 
-/* CRC32C (Castagnoli), as iSCSI and ext4 use it; crc 0 to start. */
+/* CRC32C (Castagnoli), as iSCSI and ext4 use it; crc 0 to start. The
+ * CPU's instruction where it has one; _portable never uses it (the unit
+ * test compares the two). */
 uint32_t devfmt_crc32c(uint32_t crc, const void *p, size_t n);
+uint32_t devfmt_crc32c_portable(uint32_t crc, const void *p, size_t n);
 
 /* sb into buf (DEVFMT_SB_BYTES): 0, or -EINVAL for a field out of range
  * (a name or backend string too long, too many exports). */
