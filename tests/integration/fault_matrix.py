@@ -9,7 +9,8 @@ three client connections (python libnbd, Unix socket):
 
   1  24 aligned writes of 4 KiB..256 KiB spread over the connections, no
      FUA: 12, then 2.2 s for background writeback (so that the fault finds
-     data both written back but unflushed and still dirty), then 12 more
+     data both written back but unflushed and still dirty: the stats must
+     show backend writes), then 12 more
   2  the fault is injected
   3  FLUSH on every connection, one after the other, fails with EIO and
      returns within --backend-timeout + 1 s (3 s); in the -once case only
@@ -44,6 +45,12 @@ The cases:
 
 Nothing is skipped but for a kernel without FUSE (the faultfs cases). The
 seed is fixed (printed). Every check runs; failures are listed at the end.
+
+FAULT_MATRIX_BACKEND_TIMEOUT (default 2) is the daemons' --backend-timeout,
+the FLUSH bound in step 3 that plus 1 s; FAULT_MATRIX_WRITEBACK_SECONDS
+(default 2.2) the wait in step 1. make asan and make i386 set 1 and 1.6:
+--dirty-expire 1 and the writeback's 250 ms tick write the first 12 back
+within 1.25 s, which the stats check.
 """
 
 import errno
@@ -67,10 +74,12 @@ MIB = 1024 * KIB
 SIZE = 8 * MIB
 SEED = 31337
 CONNS = 3
-BACKEND_TIMEOUT = 2
+BACKEND_TIMEOUT = int(os.environ.get("FAULT_MATRIX_BACKEND_TIMEOUT", "2"))
 FLUSH_BOUND = BACKEND_TIMEOUT + 1        # seconds a failing FLUSH may take
 WAIT = FLUSH_BOUND + 0.5                 # how long we wait to find out
 RECOVER_SECONDS = 30
+# After the first 12 writes, for the background writeback (--dirty-expire 1).
+WRITEBACK_SECONDS = float(os.environ.get("FAULT_MATRIX_WRITEBACK_SECONDS", "2.2"))
 DAEMON_ARGS = ["--cache-size", "64M", "--cache-mode", "writeback", "--dirty-expire", "1",
                "--backend-timeout", str(BACKEND_TIMEOUT)]
 CHECKS = nbdtest.Checks(catch=(Failed, nbd.Error, OSError))
@@ -484,14 +493,20 @@ def run_case(case, seed):
         run = Run(case, d, seed)
         try:
             run.writes(12)
-            time.sleep(2.2)               # --dirty-expire 1: background writeback
+            time.sleep(WRITEBACK_SECONDS)  # --dirty-expire 1: background writeback
             run.writes(12)
-            try:                          # information only
+            try:
                 st = nbdtest.stats(d, keys=())
+            except Failed as e:            # a missing stats line is not what this tests
+                st = None
+                log("  no stats before the fault: %s" % e)
+            if st is not None:
                 log("  before the fault: dirty_bytes=%s backend_writes=%s"
                     % (st.get("dirty_bytes"), st.get("backend_writes")))
-            except Failed as e:
-                log("  no stats before the fault: %s" % e)
+                run.expect(int(st.get("backend_writes", 0)) > 0,
+                           "test setup: nothing written back %.1f s after the first 12 "
+                           "writes (--dirty-expire 1): the fault would find no data written "
+                           "back but unflushed" % WRITEBACK_SECONDS)
             case.inject()
             injected = True
             run.faulted_flushes()
