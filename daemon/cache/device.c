@@ -198,6 +198,7 @@ static int load(const char *path, unsigned use, bool readonly, struct cache_devi
 		return dev_fail(err, len, -ENOMEM, "cache device %s: out of memory", path);
 	}
 	d->use = use;
+	d->rfd = -1;
 	pthread_mutex_init(&d->lock, NULL);
 	pthread_mutex_init(&d->sb_lock, NULL);
 	pthread_cond_init(&d->cond, NULL);
@@ -213,6 +214,10 @@ static int load(const char *path, unsigned use, bool readonly, struct cache_devi
 		rc = dev_fail(err, len, -errno, "cache device %s: %s", path, strerror(errno));
 		goto out;
 	}
+	/* The start reads the live log twice, forward to find its end, then
+	 * backward to replay it: through the page cache, the second read
+	 * mostly finds what the first left (dropped after the replay). */
+	d->rfd = open(path, O_RDONLY | O_CLOEXEC);
 	struct stat st;
 	if (fstat(d->fd, &st) < 0 || !(S_ISREG(st.st_mode) || S_ISBLK(st.st_mode))) {
 		rc = dev_fail(err, len, -EINVAL, "cache device %s: not a file or block device",
@@ -311,6 +316,8 @@ static int load(const char *path, unsigned use, bool readonly, struct cache_devi
 out:
 	if (d->fd >= 0)
 		close(d->fd);
+	if (d->rfd >= 0)
+		close(d->rfd);
 	free(d->path);
 	free(d);
 	return rc;
@@ -658,6 +665,7 @@ void cache_device_close(struct cache_device *d, bool clean)
 			log_error("cache device %s: marking it clean: %s", d->path, strerror(-rc));
 	}
 	dev_l2_free(d);
+	dev_walk_done(d);
 	close(d->fd);
 	free(d->pend);
 	free(d->pdata);

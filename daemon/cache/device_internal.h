@@ -138,6 +138,7 @@ struct cache_device {
 	unsigned use;  /* CACHE_DEVICE_USE_* */
 	bool warm_all; /* cache_device_set_warm_all */
 	int fd;
+	int rfd; /* the log's walks at start: buffered, read twice (-1: none) */
 	bool odirect;
 	uint64_t device_bytes;
 	struct devfmt_sb sb;
@@ -200,6 +201,8 @@ int dev_sb_update(struct cache_device *d, bool clean);
  * end (w->why says why), or -errno. hdr: a DEVFMT_BLOCK buffer. */
 int dev_walk_next(struct cache_device *d, struct walk *w, uint8_t *hdr);
 void dev_walk_advance(struct cache_device *d, struct walk *w);
+/* No more walks: the log's pages dropped from the page cache, rfd closed. */
+void dev_walk_done(struct cache_device *d);
 /* device_replay.c: the live log onto the backends, then empty. */
 int dev_replay(struct cache_device *d, struct worker *w, char *err, size_t len);
 /* Keys: the export slot + 1 above a block number of 48 bits (an export of

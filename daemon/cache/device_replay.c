@@ -7,6 +7,7 @@
 #include "daemon/cache/device_internal.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,7 +28,8 @@ int dev_walk_next(struct cache_device *d, struct walk *w, uint8_t *hdr)
 			snprintf(w->why, sizeof(w->why), "the whole log was read");
 			return 0;
 		}
-		int rc = dev_pread_all(d->fd, hdr, DEVFMT_BLOCK, d->sb.log_offset + w->off);
+		int fd = d->rfd >= 0 ? d->rfd : d->fd;
+		int rc = dev_pread_all(fd, hdr, DEVFMT_BLOCK, d->sb.log_offset + w->off);
 		if (rc < 0)
 			return rc;
 		if (devfmt_batch_decode(hdr, d->sb.uuid, w->seq, &w->b, w->why, sizeof(w->why)) < 0)
@@ -49,7 +51,7 @@ int dev_walk_next(struct cache_device *d, struct walk *w, uint8_t *hdr)
 		if (!w->data)
 			return -ENOMEM;
 		if (w->b.data_blocks) {
-			rc = dev_pread_all(d->fd, w->data, (size_t)w->b.data_blocks * DEVFMT_BLOCK,
+			rc = dev_pread_all(fd, w->data, (size_t)w->b.data_blocks * DEVFMT_BLOCK,
 					   d->sb.log_offset + w->off + DEVFMT_BLOCK);
 			if (rc < 0)
 				return rc;
@@ -76,6 +78,15 @@ void dev_walk_advance(struct cache_device *d, struct walk *w)
 	w->bytes += size;
 	w->seq++;
 	w->batches++;
+}
+
+void dev_walk_done(struct cache_device *d)
+{
+	if (d->rfd < 0)
+		return;
+	posix_fadvise(d->rfd, (off_t)d->sb.log_offset, (off_t)d->sb.log_bytes, POSIX_FADV_DONTNEED);
+	close(d->rfd);
+	d->rfd = -1;
 }
 
 /* ---- replay: the live log onto the backends ---- */
@@ -382,6 +393,7 @@ int dev_replay(struct cache_device *d, struct worker *w, char *err, size_t len)
 	d->live = NULL;
 	d->nlive = d->caplive = 0;
 	free(hdr);
+	dev_walk_done(d);
 	if (rc < 0) {
 		pthread_mutex_destroy(&win.lock);
 		pthread_cond_destroy(&win.cond);
