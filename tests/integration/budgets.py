@@ -53,6 +53,16 @@ memory, the number of connections, and the stall deadline.
    replies are held (reply_bytes above 0) but pinned_reply_bytes stays 0
    (the data is the request's, not the arena's); another client reads the
    right bytes; once the slow client closes, reply_bytes is 0 again.
+
+BUDGETS_STALL_TIMEOUT (default 5, at least 3) is check 3's --stall-timeout:
+the waves of non-readers come one stall timeout apart; the well-behaved
+client is measured alone for 2 s less (at most 3 s) and beside the first
+wave for 2.5 s less. BUDGETS_READ_DELAY (default 1) is check 2's backend
+read delay in seconds. make asan and make i386 set 3 and 0.5: the windows
+around the deadline (1 s early, 3 s late) stay what they are, the
+well-behaved client still makes thousands of reads in each 0.5 s or more,
+and the READ behind the CACHEs still waits for at least one backend read.
+BUDGETS_ONLY=DIGITS runs those checks only (e.g. 13).
 """
 
 import fcntl
@@ -82,7 +92,8 @@ BIG_SIZE = 640 * MIB
 CACHE_SIZE = 256 * MIB
 PINNED_DEFAULT = CACHE_SIZE // 8          # --max-pinned-replies default
 REPLY_MEMORY_DEFAULT = 512 * MIB          # --max-reply-memory default
-STALL_TIMEOUT = 5                         # check 3's --stall-timeout (default 30)
+# check 3's --stall-timeout (the daemon's default 30)
+STALL_TIMEOUT = int(os.environ.get("BUDGETS_STALL_TIMEOUT", "5"))
 # How early and how late check 3 accepts a reset: the timer's and the
 # poller's slack, well short of another stall timeout.
 # Resets come from a timer on a busy event loop: up to STALL_LATE s late
@@ -94,7 +105,7 @@ WATCH = 8 * STALL_TIMEOUT                 # at most, check 3 watches the non-rea
 SETTLE = 1.5                              # seconds for the first wave to fill up
 # Check 2's backend read delay: the warm READ behind the CACHEs must wait
 # for at least one such read (a READ not held back is answered at once).
-CACHE_RDELAY = 1
+CACHE_RDELAY = float(os.environ.get("BUDGETS_READ_DELAY", "1"))
 # Above the cache and --max-reply-memory: 1 MiB per connection that each may
 # hold whatever the others do, a 32 MiB reply being copied per worker, malloc.
 RSS_SLACK = 160 * MIB
@@ -240,7 +251,7 @@ def pinned_replies(d):
 def cache_counted(tmp):
     workdir = os.path.join(tmp, "slow")
     os.makedirs(workdir)
-    slow = "nbdkit:--filter=delay memory size=1G rdelay=%d" % CACHE_RDELAY
+    slow = "nbdkit:--filter=delay memory size=1G rdelay=%dms" % (CACHE_RDELAY * 1000)
     with nbdtest.running_daemon([("slow", slow, "")], extra=["--cache-size", "512M"],
                                 workdir=workdir) as d:
         cache_pipeline(d)
@@ -263,7 +274,7 @@ def cache_pipeline(d):
         r.send(wire + hdr)
         rep = r.read_reply(ck)
         waited = time.monotonic() - t0
-        log("     the warm READ behind 6 x 32 MiB CACHE (backend reads take %d s) was "
+        log("     the warm READ behind 6 x 32 MiB CACHE (backend reads take %g s) was "
             "answered after %.2f s" % (CACHE_RDELAY, waited))
         need(rep.error == 0, "warm READ: %s" % raw.err_name(rep.error))
         expect(waited >= 0.75 * CACHE_RDELAY, "the READ behind 192 MiB of CACHE was answered "
@@ -360,8 +371,8 @@ def never_readers(tmp, big):
         h = nbd.NBD()
         bounded("libnbd connect", 15, h.connect_uri, d.unix_uri("big"))
         rnd = random.Random(5)
-        bounded("warm", 30, lambda: [h.pread(MIB, 600 * MIB + i * MIB) for i in range(16)])
-        alone = bounded("IOPS alone", 30, qd1_iops, h, 3, rnd)
+        bounded("warm", 30, lambda h=h: [h.pread(MIB, 600 * MIB + i * MIB) for i in range(16)])
+        alone = bounded("IOPS alone", 30, qd1_iops, h, min(3, STALL_TIMEOUT - 2), rnd)
         log("     daemon RSS %d MiB at start; well-behaved client alone: %.0f IOPS"
             % (base >> 20, alone))
         bound = base + CACHE_SIZE + REPLY_MEMORY_DEFAULT + RSS_SLACK
@@ -560,6 +571,8 @@ def none_pins_nothing(tmp, big):
 
 
 def main():
+    if STALL_TIMEOUT < 3:       # check 3 measures for STALL_TIMEOUT - SETTLE - 1 s
+        nbdtest.fail("BUDGETS_STALL_TIMEOUT=%d: 3 at least" % STALL_TIMEOUT)
     only = os.environ.get("BUDGETS_ONLY", "12345")   # a subset, for a quick look
     with nbdtest.tempdir() as tmp:
         big = os.path.join(tmp, "big.img")
