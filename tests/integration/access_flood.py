@@ -31,6 +31,19 @@ all along.
              counts adding up to at least 1500 (the probe's sessions count
              too)
   served     a client from 127.0.0.1 still opens "disk" and reads it
+
+The floods run one after the other, each with the probe beside it, and
+their lines are counted once the last has ended: a count is said only once
+its kind's 5 s interval is over (the daemon's LOG_LIMIT_INTERVAL_NS), which
+counting after each flood waited out four times over (24 s in all, now
+about 12). Each kind of line has its own interval, but two kinds see other
+lines than their flood's, and the bounds allow the flood two intervals, so
+the order matters. sessions runs first: its flood starts an interval of
+its kinds (the probes' sessions are lines of them too, and would have begun
+one earlier). export runs last: the lines of its second kind that are not
+its flood's (the harness's readiness connection and per_client's two held
+connections, ended in negotiation) come before it, in the interval its
+flood begins in or in one long over.
 """
 import os
 import re
@@ -144,6 +157,9 @@ def main():
                 [("disk", disk, "deny=127.0.0.3"), ("probe", probe_img, "")], workdir=tmp,
                 extra=["--cache-size", "32M", "--deny", "127.0.0.2",
                        "--max-connections-per-client", "2"]) as d:
+            # The accounting of each flood that passed, done after the last.
+            logged = []
+
             def accept():
                 with nbdtest.ServedProbe(d.unix_uri("probe")) as probe:
                     secs = flood("127.0.0.2", 3000, lambda: closed_at_accept(d.port, "127.0.0.2"))
@@ -153,18 +169,22 @@ def main():
                     st = nbdtest.control_request(d.control, {"command": "stats"})
                     return st["clients"]["refused_access"] == 3000
                 require(nbdtest.wait_until(counted, 10), "stats did not count 3000 refusals")
-                accounted(d, r"refused 127\.0\.0\.2:\d+: deny 127\.0\.0\.2 \(global access "
-                          r"rules\); closed at accept",
-                          "connections refused at accept by the access rules", 3000, secs)
+                logged.append(("accept", lambda: accounted(
+                    d, r"refused 127\.0\.0\.2:\d+: deny 127\.0\.0\.2 \(global access "
+                    r"rules\); closed at accept",
+                    "connections refused at accept by the access rules", 3000, secs)))
 
             def export():
                 with nbdtest.ServedProbe(d.unix_uri("probe")) as probe:
                     secs = flood("127.0.0.3", 1000, lambda: info_refused(d.port, "127.0.0.3"))
                 probe.check("beside 1000 connects refused export 'disk'")
-                accounted(d, r"refused 127\.0\.0\.3:\d+ export 'disk': deny 127\.0\.0\.3",
-                          "refused exports", 1000, secs)
-                accounted(d, r"conn \d+: ended after [0-9.]+ s: .*; export \"\", 0 requests",
-                          "connections ended in negotiation", 1000, secs, exact=False)
+
+                def lines():
+                    accounted(d, r"refused 127\.0\.0\.3:\d+ export 'disk': deny 127\.0\.0\.3",
+                              "refused exports", 1000, secs)
+                    accounted(d, r"conn \d+: ended after [0-9.]+ s: .*; export \"\", 0 requests",
+                              "connections ended in negotiation", 1000, secs, exact=False)
+                logged.append(("export", lines))
 
             def per_client():
                 held = [connect_from(d.port, "127.0.0.4") for _ in range(2)]
@@ -173,9 +193,10 @@ def main():
                         secs = flood("127.0.0.4", 500,
                                      lambda: closed_at_accept(d.port, "127.0.0.4"))
                     probe.check("beside 500 connects over the per-client limit")
-                    accounted(d, r"refused 127\.0\.0\.4:\d+: it has 2 connections",
-                              "connections refused at accept by --max-connections-per-client",
-                              500, secs)
+                    logged.append(("per_client", lambda: accounted(
+                        d, r"refused 127\.0\.0\.4:\d+: it has 2 connections",
+                        "connections refused at accept by --max-connections-per-client",
+                        500, secs)))
                 finally:
                     for s in held:
                         s.close()
@@ -184,21 +205,27 @@ def main():
                 with nbdtest.ServedProbe(d.unix_uri("probe")) as probe:
                     secs = flood("127.0.0.5", 1500, lambda: session(d.port, "127.0.0.5"))
                 probe.check("beside 1500 sessions opened and closed")
-                for line_re, kind in ((r"conn \d+: export \"\w+\" negotiated", "exports negotiated"),
-                                      (r"conn \d+: ended after [0-9.]+ s: .*; export \"\w+\"",
-                                       "connections ended")):
-                    accounted(d, line_re, kind, 1500, secs, exact=False, burst=SESSION_BURST,
-                              max_lines=4 * (SESSION_BURST + 1))
+
+                def lines():
+                    for line_re, kind in (
+                            (r"conn \d+: export \"\w+\" negotiated", "exports negotiated"),
+                            (r"conn \d+: ended after [0-9.]+ s: .*; export \"\w+\"",
+                             "connections ended")):
+                        accounted(d, line_re, kind, 1500, secs, exact=False,
+                                  burst=SESSION_BURST, max_lines=4 * (SESSION_BURST + 1))
+                logged.append(("sessions", lines))
 
             def served():
                 h = nbdtest.libnbd_handle(d.tcp_uri("disk"))
                 require(h.pread(4096, 0) == nbdtest.read_at(disk, 0, 4096), "READ disk")
                 h.shutdown()
 
-            for name, fn in (("accept", accept), ("export", export),
-                             ("per_client", per_client), ("sessions", sessions),
-                             ("served", served)):
+            for name, fn in (("sessions", sessions), ("accept", accept),
+                             ("per_client", per_client), ("export", export)):
                 checks.run(name, fn)
+            for name, fn in logged:
+                checks.run("%s: the log" % name, fn)
+            checks.run("served", served)
             checks.dump_log(d)
         checks.finish("access flood")
 
