@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 TOP = os.environ.get("NBDCACHED_TOP") or os.path.abspath(
@@ -43,7 +44,9 @@ LOFF_MAX = 2 ** 63 - 1
 
 
 def log(*args):
-    print(*args, flush=True)
+    # One write per line: checks run beside each other (Beside) log whole lines.
+    sys.stdout.write(" ".join(str(a) for a in args) + "\n")
+    sys.stdout.flush()
 
 
 def skip(reason):
@@ -375,12 +378,18 @@ class Checks:
 
     expect() records a failure and carries on; run() runs one named check and
     records the exception that ends it (of a type in `catch`); finish()
-    lists every failure and exits: 1 if there was any, else 0.
+    lists every failure and exits: 1 if there was any, else 0. A check run
+    by a Beside is told only of the expect()s in that Beside's thread, and a
+    check run outside any only of those outside any (in whatever thread).
     """
 
     def __init__(self, catch=(Failed,)):
         self.failures = []
         self.catch = tuple(catch)
+        self._added_in = {}     # Beside (None: none) -> the expect() failures in it
+
+    def _added(self):
+        return self._added_in.get(getattr(_beside, "current", None), 0)
 
     def expect(self, cond, msg):
         if not cond:
@@ -390,6 +399,8 @@ class Checks:
     def add(self, msg):
         log("FAIL: " + msg)
         self.failures.append(msg)
+        lane = getattr(_beside, "current", None)
+        self._added_in[lane] = self._added_in.get(lane, 0) + 1
 
     def run(self, name, fn, *args, catch=None, header=True):
         """fn(*args) as the check `name`; False when it failed (an exception
@@ -397,7 +408,7 @@ class Checks:
         Other exceptions propagate."""
         if header:
             log("=== %s" % name)
-        before = len(self.failures)
+        before = self._added()
         t0 = time.time()
         try:
             fn(*args)
@@ -405,8 +416,8 @@ class Checks:
             log("FAIL %s: %s" % (name, e))
             self.failures.append("%s: %s" % (name, e))
             return False
-        if len(self.failures) > before:
-            log("FAIL %s: %d expectation(s) not met" % (name, len(self.failures) - before))
+        if self._added() > before:
+            log("FAIL %s: %d expectation(s) not met" % (name, self._added() - before))
             return False
         log("ok %s (%.2fs)" % (name, time.time() - t0))
         return True
@@ -966,6 +977,39 @@ def shutdown_all(handles):
             h.shutdown()
         except nbd.Error:
             pass
+
+
+_beside = threading.local()     # .current: the Beside whose thread this is
+
+
+class Beside:
+    """fn(*args) on a thread of its own, started at once: a check that
+    mostly waits (for a deadline, a timeout, a delayed backend), run beside
+    another one that does too. wait(timeout) joins it and returns what fn
+    returned; it raises Failed when fn still runs after timeout seconds, or
+    when anything ended it (an exception, or sys.exit: nbdtest.fail ends
+    only the thread it runs on), naming `what`."""
+
+    def __init__(self, what, fn, *args):
+        self.what = what
+        self.value = self.error = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args):
+        _beside.current = self
+        try:
+            self.value = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - wait() reports it
+            self.error = e
+
+    def wait(self, timeout):
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise Failed("%s: still running %g s later" % (self.what, timeout))
+        if self.error is not None:
+            raise Failed("%s: %s: %s" % (self.what, type(self.error).__name__, self.error))
+        return self.value
 
 
 class Child:
