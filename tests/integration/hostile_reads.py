@@ -53,6 +53,12 @@ what the daemon counts (as in memory_pressure); the reply_bytes bounds and
 everything else still hold there, and the probe's rounds within 200 ms
 (PROBE_LIMIT).
 
+HOSTILE_READS_SECONDS (default 6) is FLOOD_SECONDS; make asan and make
+i386 set 3. The clients have sent all their READs and the reply memory is
+full well before (3 checks that it is at least half full: else nothing was
+checked). Under ASan the wait for VmRSS to come back is skipped: it does
+not (the quarantine), and the bound is not asserted there anyway.
+
 Failures are collected and listed together at the end; any one fails the
 test. Every daemon must exit 0 on SIGTERM.
 """
@@ -93,7 +99,7 @@ REPLY_MEMORY = 128 * MIB
 RANDOM_SIZE = 256 * MIB
 NON_READERS = 8
 SMALL_READ = 4 * KIB
-FLOOD_SECONDS = 6
+FLOOD_SECONDS = float(os.environ.get("HOSTILE_READS_SECONDS", "6"))
 BUDGET_CONN_RESERVE = 1 * MIB  # daemon/budget.h
 MEMORY_MARGIN = NON_READERS * BUDGET_CONN_RESERVE + 8 * MIB
 RETURN_MARGIN = 24 * MIB
@@ -344,13 +350,13 @@ def never_read(d):
     # Their replies freed, the memory goes back to the system (bounded wait).
     after_bound = base + CACHE_SIZE + RETURN_MARGIN
     after = status(d.pid, "VmRSS")
-    for _ in range(50):
+    for _ in range(0 if ASAN else 50):      # not asserted under ASan: no wait
         if after <= after_bound:
             break
         time.sleep(0.1)
         after = status(d.pid, "VmRSS")
     sent = sum(r.sent for r in clients) // 28
-    log("     %d clients sent %d READs of 4 KiB in %d s and read nothing; reply_bytes %d MiB"
+    log("     %d clients sent %d READs of 4 KiB in %g s and read nothing; reply_bytes %d MiB"
         % (NON_READERS, sent, FLOOD_SECONDS, reply_bytes >> 20))
     log("     VmRSS at start %d MiB, VmHWM %d MiB; bound %d MiB (start + %d MiB replies + "
         "%d MiB cache + %d MiB)" % (base >> 20, hwm >> 20, bound >> 20, REPLY_MEMORY >> 20,
