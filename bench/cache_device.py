@@ -410,6 +410,10 @@ def warm(args, tmp):
               "%.2f%%" % (label, job["io_bytes"] >> 20, time.time() - t, job["iops"],
                           got / MIB, 100.0 * got / job["io_bytes"] if job["io_bytes"] else 0),
               flush=True)
+        l2 = control(ctl, {"command": "stats"})["cache"]["cache_device"]["l2"]
+        print("    level-2 since the start: %s" % {k: l2[k] for k in (
+            "hits", "misses", "skipped", "stale_reads", "read_errors", "stored_bytes",
+            "small_read_ns")}, flush=True)
         return got, job["io_bytes"]
 
     p = Proc(argv, sock, os.path.join(tmp, "warm1.log"), ready="info: ready:")

@@ -280,11 +280,13 @@ static void fill_done(struct backend_io *io, int result)
 
 /*
  * Is the level-2 cache worth asking for this fill? Not for a small one
- * while the backend answers small fills faster than the device (a file
- * in the page cache, a fast array). Either way a few go the other way, so
- * that both figures stay current: one in 32 to the device while the
- * backend is faster, one in 256 to the backend while it is not (or has
- * not been timed yet).
+ * while the backend answers small fills more than twice as fast as the
+ * device (a file in the page cache, a fast array; the margin and the
+ * averages of 32 keep a device's passing stall, a flush ahead of its
+ * reads, from sending fills to a slow backend). Either way a few go the
+ * other way, so that both figures stay current: one in 32 to the device
+ * while the backend is faster, one in 256 to the backend while it is not
+ * (or either has not been timed yet).
  */
 static bool level2_worth(struct cache_export *ce, struct cache_device *d, uint64_t length)
 {
@@ -293,7 +295,8 @@ static bool level2_worth(struct cache_export *ce, struct cache_device *d, uint64
 	uint64_t backend = atomic_load_explicit(&ce->small_fill_ns, memory_order_relaxed);
 	uint64_t device = cache_device_l2_small_read_ns(d);
 	unsigned n = atomic_fetch_add_explicit(&ce->level2_weighed, 1, memory_order_relaxed);
-	bool worth = !device || (backend && device <= backend) ? n % 256 != 0 : n % 32 == 0;
+	bool backend_faster = backend && device && device / 2 > backend;
+	bool worth = backend_faster ? n % 32 == 0 : n % 256 != 0;
 	if (!worth)
 		cache_device_l2_skipped(d);
 	return worth;

@@ -227,7 +227,8 @@ uint64_t cache_device_l2_small_read_ns(struct cache_device *d);
 /* A fill went to the backend though the area might hold it: the backend
  * answers faster (counted). */
 void cache_device_l2_skipped(struct cache_device *d);
-/* Fold ns into a moving average (of eight). */
+/* Fold ns into a moving average (of 32: a few slow reads, a device
+ * flush ahead of them, do not swing it). */
 void cache_device_cost_note(atomic_uint_fast64_t *avg, uint64_t ns);
 
 #endif

@@ -772,7 +772,7 @@ void cache_device_cost_note(atomic_uint_fast64_t *avg, uint64_t ns)
 	uint64_t per = ns;
 	uint64_t old = atomic_load_explicit(avg, memory_order_relaxed);
 	/* Racing updates may lose one: it is an estimate. */
-	atomic_store_explicit(avg, old ? old - old / 8 + per / 8 : per, memory_order_relaxed);
+	atomic_store_explicit(avg, old ? old - old / 32 + per / 32 : per, memory_order_relaxed);
 }
 
 uint64_t cache_device_l2_small_read_ns(struct cache_device *d)
