@@ -47,6 +47,10 @@ must return.
      counted, every byte as the model says); then writes failing turn the
      level-2 cache off with a loud line, and reads go on from the
      backend; the daemon stops with status 0.
+  8  Power cuts: the device a file on faultfs; rounds of writes
+     FLUSHed, SIGKILL and a power cut of the device (back to its last
+     fsync), a start (warm: the map's claims are made durable in order)
+     and the whole working set read as the model says.
 """
 
 import os
@@ -473,6 +477,38 @@ def device_faults(r):
             r.dev = saved
 
 
+def power_cut(r):
+    """The device on faultfs: rounds of writes FLUSHed, SIGKILL and a power
+    cut of the device (every file back to its last fsync), a start: the
+    map's claims that survive are true, every byte as the model says."""
+    with faults.FaultFS(os.path.join(r.tmp, "faultfs-power")) as fs:
+        dev = fs.path("cache.dev")
+        with open(dev, "wb") as f:
+            f.truncate(DEVICE)
+            os.fsync(f.fileno())
+        saved, r.dev = r.dev, dev
+        loaded = []
+        try:
+            r.start(what="the device on faultfs, power cuts", warm_all=True)
+            for i in range(CRASH_ROUNDS):
+                r.read_all("power cut %d, before" % (i + 1))
+                map_settle(r)
+                one_round(r, 40 + i, settle=False)
+                r.d.kill()
+                r.d.logf.close()
+                fs.power_loss()
+                r.start(what="after power cut %d" % (i + 1), warm_all=True)
+                m = re.search(r"level-2 cache warm: (\d+) MiB", r.d.log_text())
+                log("  start after power cut %d: %s" % (i + 1, m.group(0) if m else "cold"))
+                _, l2 = r.stats()
+                loaded.append(l2["loaded_bytes"])
+                r.read_all("after power cut %d" % (i + 1))
+            r.d.stop()
+        finally:
+            r.dev = saved
+    expect(any(loaded), "no start after a power cut found the level-2 cache warm: %s" % loaded)
+
+
 def main():
     with nbdtest.tempdir() as tmp:
         r = Run(tmp)
@@ -483,6 +519,7 @@ def main():
         CHECKS.run("after SIGKILL", after_kill, r)
         CHECKS.run("cache-device-use", uses, r)
         CHECKS.run("device faults", device_faults, r)
+        CHECKS.run("power cut", power_cut, r)
         if r.d and r.d.alive():
             r.d.stop()
     CHECKS.finish("cache_device_l2")
