@@ -188,14 +188,16 @@ unit: $(UNIT_BIN)
 # budgets' --stall-timeout for its non-readers (5 s; resets are still due
 # 1 s early to 3 s late) and its backend read delay (1 s), hostile_reads'
 # flood of non-readers (6 s; the reply memory is full within 2, which the
-# test checks).
+# test checks). cache_device_l2's crash rounds (3 of each kind; 1) stay a
+# round of every kind: SIGKILL after writes, at once after a FLUSH, power
+# cuts.
 SHORT_REPEATS = CRASH_TRIALS=12 RUNS=5 RUNS9=1 CACHE_COMPACT_SECONDS=10 \
 	CACHE_RACES_WB_ITERATIONS=100 CACHE_RACES_MODEL_OPS=1000 UPGRADES=8 \
 	CACHE_PROPERTY_OPS=200 FIO_VERIFY_MIB=16 \
 	HOSTILE_DIRECT_RUN=1 HOSTILE_DIRECT_QUIET=1 \
 	FAULT_MATRIX_BACKEND_TIMEOUT=1 FAULT_MATRIX_WRITEBACK_SECONDS=1.6 \
 	QOS_SECONDS=2 BUDGETS_STALL_TIMEOUT=3 BUDGETS_READ_DELAY=0.5 \
-	HOSTILE_READS_SECONDS=3
+	HOSTILE_READS_SECONDS=3 L2_CRASH_ROUNDS=1
 
 # ... and leave out (TEST_EXCLUDE) the tests whose outcome does not depend
 # on the build under test, which make check runs: deps_mirror.py
@@ -216,7 +218,7 @@ TSAN_RUN = TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp halt_on_error=1 
 tsan: deps
 	$(MAKE) BUILD=build-tsan CC=gcc SANITIZE="-fsanitize=thread -fno-omit-frame-pointer" OPT="-O1 -g" all
 	$(TSAN_RUN) tests/run --unit-only
-	$(TSAN_RUN) CACHE_COMPACT_SECONDS=10 CRASH_TRIALS=8 tests/run --integration-only \
+	$(TSAN_RUN) CACHE_COMPACT_SECONDS=10 CRASH_TRIALS=8 L2_CRASH_ROUNDS=1 tests/run --integration-only \
 		'cache_compact|cache_races|durability|write_receive|upgrade|cache_device'
 
 i386: deps
