@@ -108,6 +108,11 @@ class Run:
         self.d = None
 
     def start(self, mode="writeback", use=None, what=None, backend=None, warm_all=False):
+        # A check that failed half way left its daemon running: it goes
+        # (SIGKILL), not to outlive the test.
+        if self.d and self.d.alive():
+            self.d.kill()
+            self.d.logf.close()
         work = os.path.join(self.tmp, "d%d" % len(os.listdir(self.tmp)))
         os.mkdir(work)
         extra = ["--cache-device", self.dev, "--cache-size", "16M", "--cache-mode", mode,
