@@ -279,6 +279,20 @@ static void fill_done(struct backend_io *io, int result)
 }
 
 /*
+ * A direct step registered over the range (direct.c): between its backend
+ * write and its last removal of the range from the level-2 cache, the
+ * area may hold the bytes from before it (an entry evicted meanwhile), so
+ * a fill there reads the backend.
+ */
+static bool direct_over(struct cache_export *ce, uint64_t offset, uint64_t length)
+{
+	pthread_mutex_lock(&ce->lock);
+	bool over = cache_direct_overlaps(ce, offset, length);
+	pthread_mutex_unlock(&ce->lock);
+	return over;
+}
+
+/*
  * Is the level-2 cache worth asking for this fill? Not for a small one
  * while the backend answers small fills more than twice as fast as the
  * device (a file in the page cache, a fast array; the margin and the
@@ -369,7 +383,8 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
 		return 0;
 	}
 	struct cache_device *d = ce->cache->device;
-	if (done == fill_done && d && cache_device_l2_on(d) && level2_worth(ce, d, length)) {
+	if (done == fill_done && d && cache_device_l2_on(d) && !direct_over(ce, offset, length) &&
+	    level2_worth(ce, d, length)) {
 		f->level2 = true;
 		f->io.done = level2_done;
 		f->io.worker = op->worker;

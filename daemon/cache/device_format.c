@@ -4,6 +4,7 @@
 #include "daemon/cache/device_format.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -18,7 +19,8 @@
  * a byte at a time (about 280 MiB/s here) was most of its time. */
 
 static uint32_t crc_table[8][256];
-static bool crc_ready, crc_hw;
+static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+static bool crc_hw;
 
 static void crc_init(void)
 {
@@ -36,7 +38,6 @@ static void crc_init(void)
 	__builtin_cpu_init();
 	crc_hw = __builtin_cpu_supports("sse4.2");
 #endif
-	__atomic_store_n(&crc_ready, true, __ATOMIC_RELEASE);
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -78,9 +79,7 @@ static uint32_t crc_slice8(uint32_t crc, const uint8_t *b, size_t n)
 
 uint32_t devfmt_crc32c(uint32_t crc, const void *p, size_t n)
 {
-	/* Two threads may build the tables at once: they write the same. */
-	if (!__atomic_load_n(&crc_ready, __ATOMIC_ACQUIRE))
-		crc_init();
+	pthread_once(&crc_once, crc_init);
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 	if (crc_hw)
 		return ~crc_sse42(~crc, p, n);
@@ -90,8 +89,7 @@ uint32_t devfmt_crc32c(uint32_t crc, const void *p, size_t n)
 
 uint32_t devfmt_crc32c_portable(uint32_t crc, const void *p, size_t n)
 {
-	if (!__atomic_load_n(&crc_ready, __ATOMIC_ACQUIRE))
-		crc_init();
+	pthread_once(&crc_once, crc_init);
 	return ~crc_slice8(~crc, p, n);
 }
 
@@ -416,7 +414,7 @@ int devfmt_l2m_block_decode(const uint8_t *buf, uint32_t index, uint32_t gen,
 			      nbd_get32(buf + 4), nbd_get32(buf + 24));
 	for (uint32_t i = 0; i < DEVFMT_L2M_PER_BLOCK; i++) {
 		keys[i] = nbd_get64(buf + DEVFMT_L2M_FIXED + 8 * i);
-		if (keys[i] && (keys[i] >> 48) > DEVFMT_MAX_EXPORTS)
+		if (keys[i] && ((keys[i] >> 48) == 0 || (keys[i] >> 48) > DEVFMT_MAX_EXPORTS))
 			return refuse(why, why_len, "map block %u: page %u names export slot %llu",
 				      index, i, (unsigned long long)(keys[i] >> 48) - 1);
 	}

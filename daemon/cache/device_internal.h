@@ -79,6 +79,8 @@ struct dev_l2_item {
 	struct dev_l2_item *next;
 };
 
+/* Map blocks rendered and written at a time (device_l2_map.c). */
+#define DEV_L2_MAP_CHUNK 64u
 /* A page's state for the level-2 map (dev_l2.pstate). */
 #define L2P_MAPPED 1u	/* the map claims it (or will, at its next write) */
 #define L2P_UNMAPPED 2u /* never claimed (dev_l2_item.unmapped) */
@@ -114,6 +116,7 @@ struct dev_l2 {
 	uint32_t mblocks;		/* its map blocks */
 	uint8_t *pstate;		/* per page: L2P_* */
 	uint8_t *mdirty;		/* per map block: to be written */
+	uint8_t *mbuf;			/* DEV_L2_MAP_CHUNK blocks rendered (map_lock) */
 	uint32_t clear_hi;		/* pages [head, clear_hi) are claimed by no map block */
 	uint32_t mark_from;		/* the head when the map last took new pages */
 	uint64_t since_mark;		/* bytes written to the ring since */

@@ -113,15 +113,15 @@ static void page_unmap(struct dev_l2 *l, uint32_t p)
 	if (l->pstate && (l->pstate[p] & L2P_MAPPED)) {
 		dev_l2_map_dirty(l, p);
 		atomic_fetch_add(&l->removals, 1);
+		l->pstate[p] &= (uint8_t)~L2P_MAPPED; /* L2P_UNMAPPED stays */
 	}
-	if (l->pstate)
-		l->pstate[p] = 0;
 }
 
 /* Page p no longer holds what its owner says (lock held). */
 static void page_free(struct dev_l2 *l, uint32_t p)
 {
 	page_unmap(l, p);
+	l->pstate[p] = 0;
 	if (l->owner[p]) {
 		table_remove(l, l->owner[p]);
 		l->owner[p] = 0;
@@ -138,6 +138,8 @@ static void table_free(struct dev_l2 *l)
 	free(l->hpages);
 	free(l->pstate);
 	free(l->mdirty);
+	free(l->mbuf);
+	l->mbuf = NULL;
 	l->owner = l->hkeys = NULL;
 	l->epoch = l->hpages = NULL;
 	l->pstate = l->mdirty = NULL;
@@ -196,7 +198,9 @@ int dev_l2_init(struct cache_device *d)
 	l->hpages = calloc((size_t)slots, sizeof(*l->hpages));
 	l->pstate = calloc((size_t)pages, 1);
 	l->mdirty = calloc((size_t)mblocks, 1);
-	if (!l->owner || !l->epoch || !l->hkeys || !l->hpages || !l->pstate || !l->mdirty) {
+	l->mbuf = dev_aligned(DEV_L2_MAP_CHUNK * DEVFMT_BLOCK);
+	if (!l->owner || !l->epoch || !l->hkeys || !l->hpages || !l->pstate || !l->mdirty ||
+	    !l->mbuf) {
 		log_warn("cache device %s: no memory for the table of a level-2 area of %llu "
 			 "pages (%llu MiB); no level-2 cache",
 			 d->path, (unsigned long long)pages,
@@ -340,6 +344,10 @@ void cache_device_l2_store(struct cache_device *d, struct cache_export *ce, uint
 		return;
 	}
 	l->staged_bytes += length;
+	/* Counted as held from here, before direct[] is read below: a direct
+	 * write's direct_begin either sees it (and takes the lock to cancel
+	 * it) or counted itself before this store reads direct[]. */
+	atomic_fetch_add(&l->held, 1);
 	pthread_mutex_unlock(&l->lock);
 	struct dev_l2_item *it = calloc(1, sizeof(*it));
 	uint8_t *buf = it ? dev_aligned(length) : NULL;
@@ -347,6 +355,9 @@ void cache_device_l2_store(struct cache_device *d, struct cache_export *ce, uint
 	if (!buf || !cache_device_l2_on(d)) {
 		l->staged_bytes -= length;
 		l->st.l2_dropped_bytes += buf ? 0 : length;
+		atomic_fetch_sub(&l->held, 1);
+		if (!l->staged)
+			pthread_cond_broadcast(&l->idle);
 		pthread_mutex_unlock(&l->lock);
 		free(buf);
 		free(it);
@@ -369,10 +380,11 @@ void cache_device_l2_store(struct cache_device *d, struct cache_export *ce, uint
 	else
 		l->staged = it;
 	l->staged_tail = it;
-	atomic_fetch_add(&l->held, 1);
 	pthread_cond_signal(&l->cond);
 	pthread_mutex_unlock(&l->lock);
 }
+
+static void mark_written(struct cache_device *d);
 
 /*
  * Before the ring writes over [start, start + pages): the map stops
@@ -407,7 +419,13 @@ static void write_item(struct cache_device *d, struct dev_l2_item *it)
 	struct dev_l2 *l = &d->l2;
 	l->writing = it;
 	if ((uint64_t)l->head + it->pages > l->pages) {
-		l->head = 0; /* the pages past it stay as they are, for a lap */
+		/* The map takes what was written up to here first: what it takes
+		 * never spans the wrap, nor the pages past the head it skips,
+		 * which stay as they are for a lap. */
+		if (l->since_mark)
+			mark_written(d);
+		l->head = 0;
+		l->mark_from = 0;
 		l->clear_hi = 0;
 	}
 	uint32_t start = l->head;
@@ -442,6 +460,7 @@ static void write_item(struct cache_device *d, struct dev_l2_item *it)
 		uint32_t old;
 		if (dev_l2_table_get(l, key, &old)) {
 			page_unmap(l, old);
+			l->pstate[old] = 0;
 			l->owner[old] = 0;
 		}
 		dev_l2_table_put(l, key, start + i);

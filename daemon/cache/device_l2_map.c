@@ -38,9 +38,6 @@
 
 #include "daemon/log.h"
 
-/* Map blocks rendered per hold of the level-2 lock. */
-#define MAP_CHUNK 64u
-
 /* A backend file's modification time (0: not a regular file). */
 static uint64_t backend_mtime(const struct devfmt_identity *id)
 {
@@ -57,13 +54,29 @@ void dev_l2_map_void(struct cache_device *d, bool sb_write)
 	d->sb.l2_map_gen++;
 	int rc = sb_write ? dev_sb_update(d, false) : 0;
 	pthread_mutex_unlock(&d->sb_lock);
+	if (rc < 0 && l->map_offset) {
+		/* A second chance: the map's header zeroed claims nothing. */
+		uint8_t *z = dev_aligned(DEVFMT_BLOCK);
+		int zrc = z ? 0 : -ENOMEM;
+		if (z) {
+			memset(z, 0, DEVFMT_BLOCK);
+			zrc = dev_pwrite_all(d->fd, z, DEVFMT_BLOCK, l->map_offset);
+			if (zrc == 0)
+				zrc = dev_sync(d);
+			free(z);
+		}
+		if (zrc == 0)
+			rc = 0;
+	}
 	atomic_store(&l->map_live, false);
 	atomic_store(&l->void_due, false);
 	l->header_ok = false;
 	if (rc < 0)
-		log_error("cache device %s: giving up its level-2 map: writing its superblock: %s; "
-			  "the map may claim pages whose backend bytes change from now on: do not "
-			  "use it again as it is (zero its first 128 KiB to have it formatted)",
+		log_error("cache device %s: giving up its level-2 map: writing its superblock "
+			  "and zeroing the map's header failed: %s; the map may claim pages whose "
+			  "backend bytes change from now on (as its log may hold records older "
+			  "than the backends' bytes): do not use it again as it is (zero its "
+			  "first 128 KiB to have it formatted)",
 			  d->path, strerror(-rc));
 }
 
@@ -110,14 +123,15 @@ static int write_locked(struct cache_device *d, bool all)
 		dev_l2_map_void(d, true);
 		return -EIO;
 	}
-	uint8_t *buf = dev_aligned((size_t)MAP_CHUNK * DEVFMT_BLOCK);
-	if (!buf)
-		return -ENOMEM;
+	uint8_t *buf = l->mbuf;
+	/* Live before the first block is written: a backend write waits for
+	 * this map from now on. */
+	atomic_store(&l->map_live, true);
 	uint64_t t0 = cache_now_ns(), removals = 0, blocks = 0;
 	int rc = 0;
 	bool first = true;
 	for (uint32_t next = 0; rc == 0;) {
-		uint32_t idx[MAP_CHUNK], n = 0;
+		uint32_t idx[DEV_L2_MAP_CHUNK], n = 0;
 		pthread_mutex_lock(&l->lock);
 		if (first) {
 			/* Every removal so far is in a block dirty now. */
@@ -130,7 +144,7 @@ static int write_locked(struct cache_device *d, bool all)
 					}
 			first = false;
 		}
-		for (; next < l->mblocks && n < MAP_CHUNK; next++)
+		for (; next < l->mblocks && n < DEV_L2_MAP_CHUNK; next++)
 			if (l->mdirty[next]) {
 				l->mdirty[next] = 0;
 				render(d, next, buf + (size_t)n * DEVFMT_BLOCK);
@@ -156,7 +170,6 @@ static int write_locked(struct cache_device *d, bool all)
 		devfmt_l2m_header_encode(&h, d->sb.uuid, buf);
 		rc = dev_pwrite_all(d->fd, buf, DEVFMT_BLOCK, l->map_offset);
 	}
-	free(buf);
 	if (rc == 0 && (blocks || header))
 		rc = dev_sync(d);
 	if (rc < 0) {
@@ -172,7 +185,6 @@ static int write_locked(struct cache_device *d, bool all)
 	}
 	if (removals > atomic_load(&l->persisted))
 		atomic_store(&l->persisted, removals);
-	atomic_store(&l->map_live, true);
 	pthread_mutex_lock(&l->lock);
 	l->st.l2_map_writes += blocks || header;
 	l->st.l2_map_ns += cache_now_ns() - t0;
@@ -271,7 +283,7 @@ void dev_l2_load(struct cache_device *d)
 	if (!l->pages || !l->map_offset)
 		return;
 	uint64_t t0 = cache_now_ns();
-	size_t chunk = (size_t)MAP_CHUNK * 4 * DEVFMT_BLOCK;
+	size_t chunk = (size_t)DEV_L2_MAP_CHUNK * 4 * DEVFMT_BLOCK;
 	uint8_t *buf = dev_aligned(chunk);
 	if (!buf) {
 		dev_l2_map_void(d, false);

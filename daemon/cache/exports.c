@@ -102,8 +102,10 @@ int cache_export_resize(struct cache_export *ce, uint64_t size, uint64_t *dirty_
 		rc = -EBUSY;
 	if (rc < 0)
 		atomic_store(&ce->size, old);
-	else if (ce->cache->device) /* the level-2 cache's pages past the end */
+	else if (ce->cache->device) { /* the level-2 cache's pages past the end */
 		cache_device_l2_invalidate(ce->cache->device, ce, from, UINT64_MAX - from);
+		cache_device_l2_before_write(ce->cache->device);
+	}
 	return rc;
 }
 
@@ -116,8 +118,10 @@ int cache_export_retire(struct cache_export *ce)
 	if (kept || cache_export_unflushed(ce))
 		return -EBUSY;
 	atomic_store(&ce->retired, true);
-	if (ce->cache->device) /* its level-2 pages: its slot may be another's */
+	if (ce->cache->device) { /* its level-2 pages: its slot may be another's */
 		cache_device_l2_invalidate(ce->cache->device, ce, 0, UINT64_MAX);
+		cache_device_l2_before_write(ce->cache->device);
+	}
 	return 0;
 }
 

@@ -388,9 +388,6 @@ static int submit_run(struct wb_op *op, unsigned i0, uint32_t b0, unsigned i1, u
 	}
 	atomic_fetch_add(&ce->counters.backend_writes, 1);
 	atomic_fetch_add(&ce->counters.backend_write_bytes, end - off);
-	/* The level-2 map no longer claims pages these bytes replace. */
-	if (ce->cache->device)
-		cache_device_l2_before_write(ce->cache->device);
 	cache_backend_submit(ce, &op->wb->thread, &w->io);
 	return 0;
 }
@@ -425,6 +422,10 @@ int writeback_entry(struct writeback *wb, struct cache_entry *e, struct flush_jo
 	wb->inflight_bytes += op->bytes;
 	if (job)
 		flush_write_started(job);
+	/* The level-2 map no longer claims pages these bytes replace (once
+	 * for the group, before any of its writes). */
+	if (wb->cache->device)
+		cache_device_l2_before_write(wb->cache->device);
 	/* Runs of dirty blocks over the group, as one block sequence. */
 	bool in_run = false;
 	unsigned ri = 0;

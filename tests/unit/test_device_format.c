@@ -279,6 +279,10 @@ static void test_l2(void **state)
 	devfmt_l2m_block_encode(9, 7, uuid, keys, 3, bbuf);
 	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, uuid, kb, why, sizeof(why)), -EINVAL);
 	assert_non_null(strstr(why, "names export slot"));
+	keys[2] = 5; /* a page number without a slot */
+	devfmt_l2m_block_encode(9, 7, uuid, keys, 3, bbuf);
+	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, uuid, kb, why, sizeof(why)), -EINVAL);
+	assert_non_null(strstr(why, "names export slot"));
 }
 
 static void make_batch(void)
