@@ -20,7 +20,9 @@
 
 static uint32_t crc_table[8][256];
 static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 static bool crc_hw;
+#endif
 
 static void crc_init(void)
 {

@@ -441,13 +441,18 @@ def uses(r):
     r.d.stop()
 
 
+def fault_device(fs):
+    """A fresh (zeroed: formatted at start) cache device file on faultfs."""
+    dev = fs.path("cache.dev")
+    with open(dev, "wb") as f:
+        f.truncate(DEVICE)
+        os.fsync(f.fileno())
+    return dev
+
+
 def device_faults(r):
     with faults.FaultFS(os.path.join(r.tmp, "faultfs")) as fs:
-        dev = fs.path("cache.dev")
-        with open(dev, "wb") as f:
-            f.truncate(DEVICE)
-            os.fsync(f.fileno())
-        saved, r.dev = r.dev, dev
+        saved, r.dev = r.dev, fault_device(fs)
         try:
             r.start(use="l2", what="the device on faultfs")
             r.read_all("faultfs, warming")
@@ -487,11 +492,7 @@ def power_cut(r):
     cut of the device (every file back to its last fsync), a start: the
     map's claims that survive are true, every byte as the model says."""
     with faults.FaultFS(os.path.join(r.tmp, "faultfs-power")) as fs:
-        dev = fs.path("cache.dev")
-        with open(dev, "wb") as f:
-            f.truncate(DEVICE)
-            os.fsync(f.fileno())
-        saved, r.dev = r.dev, dev
+        saved, r.dev = r.dev, fault_device(fs)
         loaded = []
         try:
             r.start(what="the device on faultfs, power cuts", warm_all=True)
