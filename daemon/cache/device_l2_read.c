@@ -1,0 +1,181 @@
+/*
+ * daemon/cache/device_l2_read.c: fills read back from the level-2 cache
+ * (device_l2.c has the cache itself): every page of a fill in the table,
+ * each page's epoch snapshotted, read through the worker's io_uring
+ * (contiguous pages in one read), then the epochs and owners checked
+ * again: a page rewritten meanwhile makes the fill fall back to the
+ * backend (-ESTALE). And what a small read from the area costs, for the
+ * weighing of small fills (cached.c, level2_worth).
+ */
+#include "daemon/cache/device_internal.h"
+
+#include <errno.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon/log.h"
+
+/* ---- reading ---- */
+
+struct l2_extent {
+	struct uring_op op;
+	struct l2_read *r;
+	uint8_t *buf;
+	uint64_t at; /* device offset */
+	uint32_t len, done;
+};
+
+struct l2_read {
+	struct cache_device *d;
+	uint64_t t0;
+	struct backend_io *io;
+	struct worker *worker;
+	unsigned slot;
+	uint64_t block;
+	uint32_t pages, pending;
+	int error;
+	uint32_t *page, *epoch; /* per page: where, and its epoch then */
+	unsigned nextents;
+	struct l2_extent ext[];
+};
+
+static void extent_prep(struct l2_extent *x)
+{
+	struct io_uring_sqe *sqe = uring_get_sqe(&x->r->worker->ring, &x->op);
+	io_uring_prep_read(sqe, x->r->d->fd, x->buf + x->done, x->len - x->done, x->at + x->done);
+}
+
+static void read_finish(struct l2_read *r)
+{
+	struct cache_device *d = r->d;
+	struct dev_l2 *l = &d->l2;
+	int result = r->error;
+	pthread_mutex_lock(&l->lock);
+	if (result == 0)
+		for (uint32_t i = 0; i < r->pages; i++)
+			if (l->epoch[r->page[i]] != r->epoch[i] ||
+			    l->owner[r->page[i]] != dev_l2_key(r->slot, r->block + i)) {
+				result = -ESTALE;
+				break;
+			}
+	if (result == 0) {
+		if ((uint64_t)r->pages * DEVFMT_BLOCK <= CACHE_DEVICE_SMALL_READ)
+			cache_device_cost_note(&l->small_read_ns, cache_now_ns() - r->t0);
+		l->st.l2_hits++;
+		l->st.l2_hit_bytes += (uint64_t)r->pages * DEVFMT_BLOCK;
+	} else if (result == -ESTALE) {
+		l->st.l2_stale++;
+	} else {
+		l->st.l2_read_errors++;
+	}
+	pthread_mutex_unlock(&l->lock);
+	if (result < 0 && result != -ESTALE)
+		log_warn("cache device %s: reading its level-2 area: %s; read from the backend",
+			 d->path, strerror(-result));
+	struct backend_io *io = r->io;
+	free(r);
+	io->done(io, result);
+}
+
+static void extent_complete(struct uring_op *op, int res)
+{
+	struct l2_extent *x = (struct l2_extent *)op;
+	struct l2_read *r = x->r;
+	if (res == -EINTR || res == -EAGAIN) {
+		extent_prep(x);
+		return;
+	}
+	if (res > 0) {
+		x->done += (uint32_t)res;
+		if (x->done < x->len) {
+			extent_prep(x);
+			return;
+		}
+	} else if (!r->error) {
+		r->error = res < 0 ? res : -EIO;
+	}
+	if (--r->pending == 0)
+		read_finish(r);
+}
+
+bool cache_device_l2_read(struct cache_device *d, struct cache_export *ce, struct worker *w,
+			  struct backend_io *io)
+{
+	struct dev_l2 *l = &d->l2;
+	int slot = ce->device_slot;
+	if (slot < 0 || !cache_device_l2_on(d) || io->offset % DEVFMT_BLOCK ||
+	    io->length % DEVFMT_BLOCK || !io->length ||
+	    (io->offset + io->length) / DEVFMT_BLOCK >= (1ull << DEV_L2_BLOCK_BITS))
+		return false;
+	if (!atomic_load_explicit(&l->valid_hint, memory_order_relaxed)) {
+		atomic_fetch_add_explicit(&l->misses, 1, memory_order_relaxed);
+		return false;
+	}
+	uint32_t pages = (uint32_t)(io->length / DEVFMT_BLOCK);
+	uint64_t block = io->offset / DEVFMT_BLOCK;
+	/* At most one extent per page. */
+	struct l2_read *r = malloc(sizeof(*r) + (size_t)pages * sizeof(struct l2_extent) +
+				   (size_t)pages * 2 * sizeof(uint32_t));
+	if (!r)
+		return false;
+	r->page = (uint32_t *)((char *)r + sizeof(*r) + (size_t)pages * sizeof(struct l2_extent));
+	r->epoch = r->page + pages;
+	pthread_mutex_lock(&l->lock);
+	for (uint32_t i = 0; i < pages; i++) {
+		if (!dev_l2_table_get(l, dev_l2_key((unsigned)slot, block + i), &r->page[i])) {
+			atomic_fetch_add_explicit(&l->misses, 1, memory_order_relaxed);
+			pthread_mutex_unlock(&l->lock);
+			free(r);
+			return false;
+		}
+		r->epoch[i] = l->epoch[r->page[i]];
+	}
+	pthread_mutex_unlock(&l->lock);
+	r->d = d;
+	r->t0 = cache_now_ns();
+	r->io = io;
+	r->worker = w;
+	r->slot = (unsigned)slot;
+	r->block = block;
+	r->pages = pages;
+	r->error = 0;
+	r->nextents = 0;
+	for (uint32_t i = 0; i < pages; i++) {
+		struct l2_extent *x = r->nextents ? &r->ext[r->nextents - 1] : NULL;
+		uint64_t at = l->offset + (uint64_t)r->page[i] * DEVFMT_BLOCK;
+		if (x && x->at + x->len == at) {
+			x->len += DEVFMT_BLOCK;
+			continue;
+		}
+		x = &r->ext[r->nextents++];
+		x->op.complete = extent_complete;
+		x->r = r;
+		x->buf = (uint8_t *)io->buf + (size_t)i * DEVFMT_BLOCK;
+		x->at = at;
+		x->len = DEVFMT_BLOCK;
+		x->done = 0;
+	}
+	r->pending = r->nextents;
+	for (unsigned k = 0; k < r->nextents; k++)
+		extent_prep(&r->ext[k]);
+	return true;
+}
+
+void cache_device_cost_note(atomic_uint_fast64_t *avg, uint64_t ns)
+{
+	uint64_t per = ns;
+	uint64_t old = atomic_load_explicit(avg, memory_order_relaxed);
+	/* Racing updates may lose one: it is an estimate. */
+	atomic_store_explicit(avg, old ? old - old / 32 + per / 32 : per, memory_order_relaxed);
+}
+
+uint64_t cache_device_l2_small_read_ns(struct cache_device *d)
+{
+	return atomic_load_explicit(&d->l2.small_read_ns, memory_order_relaxed);
+}
+
+void cache_device_l2_skipped(struct cache_device *d)
+{
+	atomic_fetch_add_explicit(&d->l2.skipped, 1, memory_order_relaxed);
+}
