@@ -77,6 +77,11 @@ expect = CHECKS.expect
 # Under ASan (make asan) the daemon is several times slower: the unlimited
 # client's comparison is loosened, the limits themselves are not.
 ASAN = "ASAN_OPTIONS" in os.environ
+# How far the unlimited client's rate beside a limited one may stray from
+# its rate alone: 15% here; make asan and make i386 (the chroot) set 0.5
+# (QOS_ISOLATION_TOLERANCE in SHORT_REPEATS): the CI rehearsal at 0a61a3f
+# saw the i386 pass swing 24%, 31% and 27% in three tries, both ways.
+ISOLATION = float(os.environ.get("QOS_ISOLATION_TOLERANCE", "0.5" if ASAN else "0.15"))
 
 
 def export_section(name, backend, limits):
@@ -262,13 +267,12 @@ def main():
                     log("unlimited alone %.0f, beside the limited one %.0f IOPS (medians); "
                         "limited %s" % (alone_rate, beside_rate,
                                         ["%.0f" % r for r in lim_rates]))
-                    if attempt < 2 and abs(beside_rate / alone_rate - 1) > (
-                            0.5 if ASAN else 0.15):
+                    if attempt < 2 and abs(beside_rate / alone_rate - 1) > ISOLATION:
                         log("retrying once: the machine is shared")
                         continue
                     break
                 within(sum(lim_rates) / len(lim_rates), 500, 0.10, "client-iops-limit=500")
-                within(beside_rate, alone_rate, 0.5 if ASAN else 0.15,
+                within(beside_rate, alone_rate, ISOLATION,
                        "the unlimited client beside it (vs alone)")
 
             def live():
