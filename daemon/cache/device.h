@@ -204,6 +204,10 @@ void cache_device_l2_invalidate(struct cache_device *d, struct cache_export *ce,
  * never claims what was stored in between).
  */
 void cache_device_l2_before_write(struct cache_device *d);
+/* ce's range leaves the level-2 cache (invalidate), and the map on the
+ * device no longer claims it (before_write): before the backend changes. */
+void cache_device_l2_remove(struct cache_device *d, struct cache_export *ce, uint64_t offset,
+			    uint64_t length);
 void cache_device_l2_direct_begin(struct cache_device *d, struct cache_export *ce, uint64_t offset,
 				  uint64_t length);
 void cache_device_l2_direct_end(struct cache_device *d, struct cache_export *ce, uint64_t offset,

@@ -620,14 +620,20 @@ void cache_device_l2_before_write(struct cache_device *d)
 	dev_l2_map_write(d, false);
 }
 
+void cache_device_l2_remove(struct cache_device *d, struct cache_export *ce, uint64_t offset,
+			    uint64_t length)
+{
+	cache_device_l2_invalidate(d, ce, offset, length);
+	cache_device_l2_before_write(d);
+}
+
 void cache_device_l2_direct_begin(struct cache_device *d, struct cache_export *ce, uint64_t offset,
 				  uint64_t length)
 {
 	if (ce->device_slot < 0 || !d->l2.pages)
 		return;
 	atomic_fetch_add(&d->l2.direct[ce->device_slot], 1);
-	cache_device_l2_invalidate(d, ce, offset, length);
-	cache_device_l2_before_write(d);
+	cache_device_l2_remove(d, ce, offset, length);
 }
 
 void cache_device_l2_direct_end(struct cache_device *d, struct cache_export *ce, uint64_t offset,

@@ -517,9 +517,7 @@ void passthrough_start(struct cache_op *op)
 	/* Mode none caches nothing, but the level-2 cache may hold pages from
 	 * before a reload set it. */
 	struct cache_device *d = op->ce->cache->device;
-	if (d && op->cmd == BACKEND_WRITE) {
-		cache_device_l2_invalidate(d, op->ce, op->offset, op->length);
-		cache_device_l2_before_write(d);
-	}
+	if (d && op->cmd == BACKEND_WRITE)
+		cache_device_l2_remove(d, op->ce, op->offset, op->length);
 	cache_backend_submit(op->ce, op->worker, io);
 }

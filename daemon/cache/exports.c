@@ -91,10 +91,8 @@ int cache_export_resize(struct cache_export *ce, uint64_t size, uint64_t *dirty_
 	/* The level-2 cache's pages from there on, before the size moves (a
 	 * fill past the old end must not find the zeros kept there) and
 	 * after (below). */
-	if (ce->cache->device) {
-		cache_device_l2_invalidate(ce->cache->device, ce, from, UINT64_MAX - from);
-		cache_device_l2_before_write(ce->cache->device);
-	}
+	if (ce->cache->device)
+		cache_device_l2_remove(ce->cache->device, ce, from, UINT64_MAX - from);
 	atomic_store(&ce->size, size);
 	uint64_t dropped, busy;
 	int rc = cache_export_drop_from(ce, from, &dropped, &busy, dirty_past);
@@ -102,10 +100,8 @@ int cache_export_resize(struct cache_export *ce, uint64_t size, uint64_t *dirty_
 		rc = -EBUSY;
 	if (rc < 0)
 		atomic_store(&ce->size, old);
-	else if (ce->cache->device) { /* the level-2 cache's pages past the end */
-		cache_device_l2_invalidate(ce->cache->device, ce, from, UINT64_MAX - from);
-		cache_device_l2_before_write(ce->cache->device);
-	}
+	else if (ce->cache->device) /* the level-2 cache's pages past the end */
+		cache_device_l2_remove(ce->cache->device, ce, from, UINT64_MAX - from);
 	return rc;
 }
 
@@ -118,10 +114,8 @@ int cache_export_retire(struct cache_export *ce)
 	if (kept || cache_export_unflushed(ce))
 		return -EBUSY;
 	atomic_store(&ce->retired, true);
-	if (ce->cache->device) { /* its level-2 pages: its slot may be another's */
-		cache_device_l2_invalidate(ce->cache->device, ce, 0, UINT64_MAX);
-		cache_device_l2_before_write(ce->cache->device);
-	}
+	if (ce->cache->device) /* its level-2 pages: its slot may be another's */
+		cache_device_l2_remove(ce->cache->device, ce, 0, UINT64_MAX);
 	return 0;
 }
 
