@@ -284,6 +284,8 @@ json_object *control_device_object(struct cache *cache)
 	control_add_u64(dev, "commit_max_ns", ds.commit_max_ns);
 	control_add_u64(dev, "records", ds.records);
 	control_add_u64(dev, "bytes_logged", ds.bytes_logged);
+	control_add_u64(dev, "log_rounds", ds.log_rounds);
+	control_add_u64(dev, "log_round_entries", ds.log_round_entries);
 	control_add_u64(dev, "checkpoints", ds.checkpoints);
 	control_add_u64(dev, "full_log_fallbacks", ds.fallbacks);
 	control_add_u64(dev, "replay_batches", ds.replay_batches);

@@ -566,6 +566,13 @@ int cache_entry_split(struct cache_export *ce, struct cache_entry *e)
 		if (!e_dirty)
 			cache_dirty_list_remove(ce, e);
 	}
+	/* The next log round copies what it would have of e (neither half is
+	 * unstable or being written: only their dirty blocks). */
+	nx->logged = x->logged;
+	if (n_dirty && x->on_unlogged_list)
+		cache_unlogged_add(ce, n);
+	if (!e_dirty)
+		cache_unlogged_remove(ce, e);
 	pthread_mutex_unlock(&ce->lock);
 	atomic_fetch_add(&c->counters.entries, 1);
 	atomic_fetch_add(&c->counters.entry_splits, 1);

@@ -293,6 +293,28 @@ static void dirty_list_take_over(struct cache_export *ce, struct cache_entry **o
 			cache_dirty_list_remove(ce, old[i]);
 }
 
+/*
+ * ne takes over the unlogged-list places of old[] (none is unstable or
+ * being written: only dirty blocks count): the next log round copies it
+ * if it would have copied any of them. Shard and export locks held.
+ */
+static void unlogged_take_over(struct cache_export *ce, struct cache_entry **old, size_t n,
+			       struct cache_entry *ne)
+{
+	bool unlogged = false;
+	for (size_t i = 0; i < n; i++) {
+		struct cache_entry_ext *x = cache_entry_ext(old[i]);
+		if (x && x->on_unlogged_list) {
+			unlogged = true;
+			cache_unlogged_remove(ce, old[i]);
+		}
+	}
+	if (unlogged)
+		cache_unlogged_add(ce, ne);
+	else
+		cache_entry_ext(ne)->logged = true;
+}
+
 /* Collapse the range node of index if it qualifies: 1 done, 0 not,
  * -ENOSPC no free 2 MiB block, -ENOMEM. */
 static int collapse_range(struct cache *c, struct cache_export *ce, uint64_t index,
@@ -357,6 +379,7 @@ static int collapse_range(struct cache *c, struct cache_export *ce, uint64_t ind
 		}
 	}
 	dirty_list_take_over(ce, old, count, ne);
+	unlogged_take_over(ce, old, count, ne);
 	pthread_mutex_unlock(&ce->lock);
 
 	cache_range_set_one(r, ne);

@@ -679,6 +679,14 @@ void cache_device_close(struct cache_device *d, bool clean)
 	free(d);
 }
 
+void cache_device_count_round(struct cache_device *d, uint64_t entries)
+{
+	pthread_mutex_lock(&d->lock);
+	d->st.log_rounds++;
+	d->st.log_round_entries += entries;
+	pthread_mutex_unlock(&d->lock);
+}
+
 void cache_device_get_stats(struct cache_device *d, struct cache_device_stats *out)
 {
 	pthread_mutex_lock(&d->lock);

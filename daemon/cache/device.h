@@ -98,6 +98,9 @@ struct cache_device_stats {
 	uint64_t l2_map_pending;
 	uint64_t device_bytes, log_bytes, log_used;
 	uint64_t commits, commit_ns, commit_max_ns, records, bytes_logged;
+	/* FLUSH rounds that went to the log, and the entries they visited
+	 * (those written since the round before). */
+	uint64_t log_rounds, log_round_entries;
 	uint64_t checkpoints, fallbacks;
 	uint64_t replay_batches, replay_records, replay_bytes, replay_ns;
 	uint64_t pending_bytes;
@@ -178,6 +181,8 @@ void cache_device_covered(struct cache_device *d, struct cache_export *ce, uint6
 /* The log is short of room: full rounds would let a checkpoint free it. */
 bool cache_device_wants_checkpoint(struct cache_device *d);
 void cache_device_get_stats(struct cache_device *d, struct cache_device_stats *out);
+/* A log round began, to visit entries entries (the stats). */
+void cache_device_count_round(struct cache_device *d, uint64_t entries);
 
 /*
  * The level-2 cache (device_l2.c): clean pages evicted from RAM, read back

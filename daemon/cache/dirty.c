@@ -43,10 +43,18 @@ void cache_mark_dirty(struct cache_entry *e, uint32_t first, uint32_t count)
 	}
 	x->ndirty += added;
 	cache_dirty_bytes_add(ce, (uint64_t)added << ce->block_shift);
-	if (x->on_dirty_list)
+	/* The next log round must copy it: it joins the unlogged list. */
+	bool unlogged = ce->device_slot >= 0 && !x->on_unlogged_list;
+	if (x->on_dirty_list && !unlogged)
 		return;
-	uint32_t i = cache_entry_index(e);
 	pthread_mutex_lock(&ce->lock);
+	if (unlogged)
+		cache_unlogged_add(ce, e);
+	if (x->on_dirty_list) {
+		pthread_mutex_unlock(&ce->lock);
+		return;
+	}
+	uint32_t i = cache_entry_index(e);
 	x->dirty_next = 0;
 	x->dirty_prev = ce->dirty_tail ? cache_entry_index(ce->dirty_tail) : 0;
 	if (ce->dirty_tail)
@@ -123,6 +131,43 @@ void cache_dirty_list_update(struct cache_entry *e)
 	pthread_mutex_unlock(&ce->lock);
 }
 
+/* ---- the unlogged list: what the next log round copies ---- */
+
+void cache_unlogged_add(struct cache_export *ce, struct cache_entry *e)
+{
+	struct cache *c = ce->cache;
+	struct cache_entry_ext *x = cache_entry_ext(e);
+	if (x->on_unlogged_list)
+		return;
+	uint32_t i = cache_entry_index(e);
+	x->unlogged_next = 0;
+	x->unlogged_prev = ce->unlogged_tail ? cache_entry_index(ce->unlogged_tail) : 0;
+	if (ce->unlogged_tail)
+		ext_of(c, x->unlogged_prev)->unlogged_next = i;
+	else
+		ce->unlogged_head = e;
+	ce->unlogged_tail = e;
+	x->on_unlogged_list = true;
+}
+
+void cache_unlogged_remove(struct cache_export *ce, struct cache_entry *e)
+{
+	struct cache *c = ce->cache;
+	struct cache_entry_ext *x = cache_entry_ext(e);
+	if (!x || !x->on_unlogged_list)
+		return;
+	if (x->unlogged_prev)
+		ext_of(c, x->unlogged_prev)->unlogged_next = x->unlogged_next;
+	else
+		ce->unlogged_head = cache_entry_at(c, x->unlogged_next);
+	if (x->unlogged_next)
+		ext_of(c, x->unlogged_next)->unlogged_prev = x->unlogged_prev;
+	else
+		ce->unlogged_tail = cache_entry_at(c, x->unlogged_prev);
+	x->unlogged_prev = x->unlogged_next = 0;
+	x->on_unlogged_list = false;
+}
+
 /* ---- unstable state: written back, not yet flushed ---- */
 
 /* Export lock held, e on the unstable list. */
@@ -165,6 +210,10 @@ void cache_mark_unstable(struct cache_entry *e, uint32_t blocks, uint64_t seq)
 	x->on_unstable_list = true;
 	if (seq > x->unstable_seq)
 		x->unstable_seq = seq;
+	/* Not durable on the backend yet: a log round copies it unless one
+	 * did since it was written (a direct write applied to it, say). */
+	if (ce->device_slot >= 0 && !x->logged)
+		cache_unlogged_add(ce, e);
 	pthread_mutex_unlock(&ce->lock);
 }
 
@@ -195,7 +244,20 @@ static struct cache_entry *list_next(const struct cache *c, const struct cache_e
 				     enum cache_list list)
 {
 	const struct cache_entry_ext *x = cache_entry_ext(e);
-	return cache_entry_at(c, list == CACHE_LIST_DIRTY ? x->dirty_next : x->unstable_next);
+	switch (list) {
+	case CACHE_LIST_DIRTY:
+		return cache_entry_at(c, x->dirty_next);
+	case CACHE_LIST_UNLOGGED:
+		return cache_entry_at(c, x->unlogged_next);
+	default:
+		return cache_entry_at(c, x->unstable_next);
+	}
+}
+
+/* Does e of list count (its unstable_seq at most seq on the unstable list)? */
+static bool list_takes(const struct cache_entry *e, enum cache_list list, uint64_t seq)
+{
+	return list != CACHE_LIST_UNSTABLE || cache_entry_unstable_seq(e) <= seq;
 }
 
 int cache_list_pin(struct cache_export *ce, enum cache_list list, uint64_t seq,
@@ -203,10 +265,12 @@ int cache_list_pin(struct cache_export *ce, enum cache_list list, uint64_t seq,
 {
 	struct cache *c = ce->cache;
 	pthread_mutex_lock(&ce->lock);
-	struct cache_entry *head = list == CACHE_LIST_DIRTY ? ce->dirty_head : ce->unstable_head;
+	struct cache_entry *head = list == CACHE_LIST_DIRTY	 ? ce->dirty_head
+				   : list == CACHE_LIST_UNLOGGED ? ce->unlogged_head
+								 : ce->unstable_head;
 	size_t n = 0;
 	for (struct cache_entry *e = head; e; e = list_next(c, e, list))
-		if (list == CACHE_LIST_DIRTY || cache_entry_unstable_seq(e) <= seq)
+		if (list_takes(e, list, seq))
 			n++;
 	struct cache_entry **v = malloc((n ? n : 1) * sizeof(*v));
 	if (!v) {
@@ -215,8 +279,9 @@ int cache_list_pin(struct cache_export *ce, enum cache_list list, uint64_t seq,
 	}
 	size_t i = 0;
 	for (struct cache_entry *e = head; e && i < n; e = list_next(c, e, list)) {
-		if (list == CACHE_LIST_DIRTY || cache_entry_unstable_seq(e) <= seq) {
-			/* On the list: it cannot be evicted (see cache.h). */
+		if (list_takes(e, list, seq)) {
+			/* On the list: it cannot be evicted (see cache.h; an
+			 * unlogged entry is dirty, unstable or being written). */
 			cache_entry_pin(e);
 			v[i++] = e;
 		}

@@ -62,6 +62,10 @@ static int log_entry(struct flush_job *job, struct cache_entry *e)
 	uint64_t base = cache_entry_offset(e);
 	pthread_mutex_lock(&ce->lock);
 	bool registered = cache_direct_overlaps(ce, base, cache_entry_bytes(e));
+	/* Copied now, with every write before this: a later one puts it
+	 * back on the list (cache_mark_dirty). */
+	if (!registered)
+		cache_unlogged_remove(ce, e);
 	pthread_mutex_unlock(&ce->lock);
 	if (registered) {
 		pthread_mutex_unlock(&sh->lock);
@@ -139,37 +143,25 @@ void flush_log_advance(struct flush_job *job)
 	cache_device_wait(dev, &job->dwait);
 }
 
-/* Every entry on the dirty and unstable lists, pinned (an entry may be
- * on both: it is copied twice, the same bytes). */
+/*
+ * Every entry on the unlogged list, pinned: those written since a round
+ * last copied them (cache_mark_dirty puts them there, log_entry takes
+ * them off). An entry a round copied and no one wrote since is durable
+ * in the log already, however long it stays dirty or unstable: a round
+ * costs what was written since the last one, not everything the backend
+ * has yet to flush.
+ */
 int flush_log_snapshot(struct flush_job *job)
 {
-	struct cache_entry **v1, **v2;
-	size_t n1, n2;
-	if (cache_list_pin(job->ce, CACHE_LIST_DIRTY, 0, &v1, &n1) < 0)
+	struct cache_entry **v;
+	size_t n;
+	if (cache_list_pin(job->ce, CACHE_LIST_UNLOGGED, 0, &v, &n) < 0)
 		return -ENOMEM;
-	if (cache_list_pin(job->ce, CACHE_LIST_UNSTABLE, UINT64_MAX, &v2, &n2) < 0) {
-		for (size_t i = 0; i < n1; i++)
-			cache_entry_unpin(v1[i]);
-		free(v1);
-		return -ENOMEM;
-	}
-	struct cache_entry **v = realloc(v1, (n1 + n2 + 1) * sizeof(*v));
-	if (!v) {
-		for (size_t i = 0; i < n1; i++)
-			cache_entry_unpin(v1[i]);
-		for (size_t i = 0; i < n2; i++)
-			cache_entry_unpin(v2[i]);
-		free(v1);
-		free(v2);
-		return -ENOMEM;
-	}
-	if (n2)
-		memcpy(v + n1, v2, n2 * sizeof(*v));
-	free(v2);
 	free(job->entries);
 	job->entries = v;
-	job->n = n1 + n2;
+	job->n = n;
 	job->cursor = job->nbusy = 0;
+	cache_device_count_round(job->ce->cache->device, n);
 	return 0;
 }
 

@@ -200,14 +200,19 @@ struct cache_entry_ext {
 	uint64_t unstable_seq;
 	uint32_t *maps; /* more than one block: uptodate, dirty, busy (words each) */
 	uint32_t dirty_prev, dirty_next, unstable_prev, unstable_next;
+	uint32_t unlogged_prev, unlogged_next;
 	uint32_t ndirty, nunstable; /* nunstable: written back since the last flush */
 	bool on_dirty_list;
 	bool on_unstable_list; /* written back, no backend flush since: see cache.h */
 	bool writeback;	       /* a writeback of this entry is in flight */
 	/* A cache device's log round copied it, and no block of it was
 	 * dirtied since (cache_mark_dirty): the next round need not copy it
-	 * again (flush.c, log_entry). */
+	 * again (flush_log.c, log_entry). */
 	bool logged;
+	/* On its export's unlogged list: not logged, and not durable on the
+	 * backend (dirty, unstable or being written back). Changed under
+	 * both the shard lock and the export lock, so either reads it. */
+	bool on_unlogged_list;
 };
 
 /* Range nodes: a slot of the ranges pool. The entries (pool indexes,
@@ -294,6 +299,10 @@ struct cache_export {
 	struct cache_entry *dirty_head, *dirty_tail; /* oldest first */
 	/* Written back, waiting for a backend flush; oldest write first. */
 	struct cache_entry *unstable_head, *unstable_tail;
+	/* With a cache device slot: the entries a log round must copy (not
+	 * logged since they were last written), in no particular order. A
+	 * round visits these alone, not every dirty and unstable entry. */
+	struct cache_entry *unlogged_head, *unlogged_tail;
 	uint32_t ranges; /* ranges pool index of the first range node */
 	uint64_t range_count;
 	struct cache_op *direct; /* direct operations in flight */
@@ -497,8 +506,9 @@ int cache_entry_split(struct cache_export *ce, struct cache_entry *e);
 /* Give back the slot (and side record) of an entry no longer in the index
  * nor a queue, its frames freed. Shard lock held. */
 void cache_entry_release(struct cache *c, struct cache_entry *e);
-/* Free e's side record if nothing needs it any more (clean, idle, one
- * block). Shard lock and export lock held. */
+/* e is clean and idle: it leaves the unlogged list, and its side record
+ * is freed if nothing needs it any more (one block). Shard lock and
+ * export lock held. */
 void cache_entry_ext_trim(struct cache_export *ce, struct cache_entry *e);
 /*
  * Make sure e has a side record, so that marking it dirty or unstable later
@@ -593,10 +603,14 @@ void cache_mark_unstable(struct cache_entry *e, uint32_t blocks, uint64_t seq);
  * export lock). redirty: the flush failed or the backend lost writes, so
  * every uptodate block of e is dirty again (written again) instead. */
 void cache_unstable_settle(struct cache_entry *e, bool redirty);
-/* Pin and collect the entries of the export's dirty list, or of its
- * unstable list those whose unstable_seq is at most seq (all of them:
- * UINT64_MAX); *out malloc'd. Takes the export lock. */
-enum cache_list { CACHE_LIST_DIRTY, CACHE_LIST_UNSTABLE };
+/* e joins its export's unlogged list unless it is on it; leaves it.
+ * Shard lock and export lock held. */
+void cache_unlogged_add(struct cache_export *ce, struct cache_entry *e);
+void cache_unlogged_remove(struct cache_export *ce, struct cache_entry *e);
+/* Pin and collect the entries of the export's dirty list, of its unlogged
+ * list, or of its unstable list those whose unstable_seq is at most seq
+ * (all of them: UINT64_MAX); *out malloc'd. Takes the export lock. */
+enum cache_list { CACHE_LIST_DIRTY, CACHE_LIST_UNSTABLE, CACHE_LIST_UNLOGGED };
 int cache_list_pin(struct cache_export *ce, enum cache_list list, uint64_t seq,
 		   struct cache_entry ***out, size_t *count);
 

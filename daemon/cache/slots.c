@@ -164,6 +164,11 @@ void cache_entry_ext_free(struct cache *c, struct cache_entry *e)
 	struct cache_entry_ext *x = cache_entry_ext(e);
 	if (!x)
 		return;
+	if (x->on_unlogged_list) {
+		/* It would stay linked from its neighbours: a bug. */
+		log_error("cache: an entry still on its export's unlogged list was freed");
+		abort();
+	}
 	if (x->maps) {
 		atomic_fetch_sub(&c->counters.metadata_bytes, arena_heap_bytes(x->maps));
 		free(x->maps);
@@ -207,8 +212,13 @@ struct cache_entry_ext *cache_entry_ext_get(struct cache_export *ce, struct cach
 void cache_entry_ext_trim(struct cache_export *ce, struct cache_entry *e)
 {
 	struct cache_entry_ext *x = cache_entry_ext(e);
-	if (x && !x->maps && !x->on_dirty_list && !x->on_unstable_list && !x->writeback &&
-	    x->ndirty == 0 && x->nunstable == 0)
+	if (!x || x->on_dirty_list || x->on_unstable_list || x->writeback || x->ndirty ||
+	    x->nunstable)
+		return;
+	/* Durable on the backend: no log round need copy it (and an entry
+	 * on that list must never be evictable, see cache_list_pin). */
+	cache_unlogged_remove(ce, e);
+	if (!x->maps)
 		cache_entry_ext_free(ce->cache, e);
 }
 

@@ -134,6 +134,7 @@ void cache_log_stats(struct cache *c)
 			 " device_failed=%d device_log_bytes=%llu device_log_used_bytes=%llu "
 			 "device_pending_bytes=%llu device_commits=%llu device_commit_ns=%llu "
 			 "device_commit_max_ns=%llu device_records=%llu device_bytes_logged=%llu "
+			 "device_log_rounds=%llu device_log_round_entries=%llu "
 			 "device_checkpoints=%llu device_full_log_fallbacks=%llu "
 			 "device_replay_batches=%llu device_replay_records=%llu "
 			 "device_replay_bytes=%llu device_replay_ns=%llu",
@@ -141,7 +142,8 @@ void cache_log_stats(struct cache *c)
 			 (unsigned long long)d.log_used, (unsigned long long)d.pending_bytes,
 			 (unsigned long long)d.commits, (unsigned long long)d.commit_ns,
 			 (unsigned long long)d.commit_max_ns, (unsigned long long)d.records,
-			 (unsigned long long)d.bytes_logged, (unsigned long long)d.checkpoints,
+			 (unsigned long long)d.bytes_logged, (unsigned long long)d.log_rounds,
+			 (unsigned long long)d.log_round_entries, (unsigned long long)d.checkpoints,
 			 (unsigned long long)d.fallbacks, (unsigned long long)d.replay_batches,
 			 (unsigned long long)d.replay_records, (unsigned long long)d.replay_bytes,
 			 (unsigned long long)d.replay_ns);

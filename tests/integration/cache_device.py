@@ -31,6 +31,14 @@
      logged and puts the data on the backend file), a second detach and
      an unknown action are refused with their messages, and a restart on
      the device finds nothing to replay.
+  5  A log round copies what was written since the round before, not
+     everything still dirty: 1024 blocks written apart and FLUSHed, then
+     rounds of two writes (one new block, one of the 1024 again) and a
+     FLUSH each: the stats count at most 4 entries visited per round
+     (device_log_round_entries), not the 1024 still dirty; a 2 MiB range
+     written block by block (a FLUSH half way) collapsed into one entry
+     (compact), then a FLUSH; SIGKILL, and the start replays every block
+     as last written.
 """
 
 import errno
@@ -396,13 +404,86 @@ def flush_and_detach(tmp):
         d.stop()
 
 
+def round_cost(tmp):
+    disk, dev = os.path.join(tmp, "disk.img"), os.path.join(tmp, "cache.dev")
+    nbdtest.sparse_file(disk, SIZE)
+    nbdtest.sparse_file(dev, DEVICE)
+    stride, blocks, rounds = 16384, 1024, 24
+    want = {}
+    d = daemon(tmp, disk, dev, extra=["--cache-device-use", "log"])
+    try:
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        for i in range(blocks):
+            want[i * stride] = os.urandom(4096)
+            h.pwrite(want[i * stride], i * stride)
+        h.flush()
+
+        def device_stats():
+            st = nbdtest.control_request(d.control, {"command": "stats"})
+            return st["cache"]["cache_device"]
+        before = device_stats()
+        for r in range(rounds):
+            new = (blocks + r) * stride
+            again = (r * 37 % blocks) * stride
+            for off in (new, again):
+                want[off] = os.urandom(4096)
+                h.pwrite(want[off], off)
+            h.flush()
+        after = device_stats()
+        n = after["log_rounds"] - before["log_rounds"]
+        visited = after["log_round_entries"] - before["log_round_entries"]
+        log("  %d FLUSHes: %d log rounds visited %d entries (%.1f a round)"
+            % (rounds, n, visited, visited / max(n, 1)))
+        expect(n >= rounds // 2, "only %d of %d FLUSHes were log rounds: %s"
+               % (n, rounds, after))
+        expect(visited <= 4 * n, "%d log rounds visited %d entries: each should visit what "
+               "was written since the one before (2 writes), not every dirty entry"
+               % (n, visited))
+        # A 2 MiB range written block by block, half of it FLUSHed before
+        # the rest: its entries collapse into one (compact), which takes
+        # their places on the unlogged list; then a write into it and a
+        # FLUSH (nothing written since the collapse: the round copies what
+        # it must only because the new entry took the old ones' places),
+        # and the replay below must find every block.
+        region = 48 * MIB
+        for b in range(512):
+            off = region + b * 4096
+            want[off] = os.urandom(4096)
+            h.pwrite(want[off], off)
+            if b == 255:
+                h.flush()
+        st = nbdtest.control_request(d.control, {"command": "compact"})
+        expect(st.get("ok"), "compact: %r" % st)
+        collapses = nbdtest.control_request(d.control, {"command": "stats"})[
+            "cache"]["arena"]["compact_collapses"]
+        log("  compact: %d collapse(s)" % collapses)
+        expect(collapses >= 1, "the 2 MiB range written block by block did not collapse: "
+               "the check below shows nothing about a collapse")
+        h.flush()  # the half not FLUSHed yet: the collapsed entry's to copy
+    finally:
+        d.kill()
+        d.logf.close()
+    d = daemon(tmp, disk, dev)
+    try:
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        bad = [off for off, data in sorted(want.items()) if h.pread(4096, off) != data]
+        expect(not bad, "after SIGKILL and the replay, %d of %d blocks differ from what was "
+               "last written and FLUSHed, first at %s" % (len(bad), len(want),
+                                                          bad[0] if bad else None))
+        check_data(disk, {off: want[off] for off in sorted(want)[:64]}, "after the replay")
+    finally:
+        d.stop()
+
+
 def main():
     with nbdtest.tempdir() as tmp:
         for name, fn in (("a FLUSH answered from the log, replayed after SIGKILL",
                           replay_after_kill),
                          ("refusals", refusals),
                          ("device faults", device_faults),
-                         ("cache-device flush and detach", flush_and_detach)):
+                         ("cache-device flush and detach", flush_and_detach),
+                         ("a log round costs what was written since the last",
+                          round_cost)):
             sub = os.path.join(tmp, fn.__name__)
             os.mkdir(sub)
             CHECKS.run(name, fn, sub)
