@@ -52,10 +52,14 @@ void control_flush_start(struct control *ctl, struct control_wait *w, struct cac
 	w->dirty_at_start = s.dirty_bytes;
 	w->started_ns = clock_now_ns();
 	w->seen_error = cache_export_error_seq(ce);
+	/* Written back, with a cache device too: each caller (flush, a
+	 * mode change, a removed export's reaping) promises the backend
+	 * has the data, which a round answered from the log would not. */
 	w->op = (struct cache_op){
 	    .ce = ce,
 	    .worker = &ctl->worker,
 	    .cmd = BACKEND_FLUSH,
+	    .flags = CACHE_FLUSH_WRITEBACK,
 	    .seen_error = &w->seen_error,
 	    .done = wait_done_task,
 	};

@@ -417,9 +417,23 @@ int cache_device_add_export(struct cache_device *d, struct cache_export *ce, con
 	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS && slot < 0; i++)
 		if (d->slots[i].used && strcmp(d->slots[i].id.name, name) == 0)
 			slot = (int)i;
-	if (slot >= 0 && d->slots[slot].ce) {
+	/* A retired export (removed by a reload, written back) gives its
+	 * slot to the one a later reload adds under its name. */
+	if (slot >= 0 && d->slots[slot].ce == ce) {
 		pthread_mutex_unlock(&d->lock);
-		return 0; /* a second window of the same cache export */
+		return 0;
+	}
+	if (slot >= 0 && d->slots[slot].ce && !atomic_load(&d->slots[slot].ce->retired)) {
+		pthread_mutex_unlock(&d->lock);
+		/* A reload gave the name another backend while the old one's
+		 * data is still being written back: the slot's records are the
+		 * old backend's, so this one is not logged (its FLUSHes go to
+		 * its backend) until a restart. */
+		log_warn("cache device %s: export \"%s\": its earlier backend is still being "
+			 "written back; until a restart its FLUSHes go to the backend, not the "
+			 "log",
+			 d->path, name);
+		return 0;
 	}
 	bool replace = slot >= 0 && d->started;
 	if (slot < 0)

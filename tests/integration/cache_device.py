@@ -39,6 +39,14 @@
      written block by block (a FLUSH half way) collapsed into one entry
      (compact), then a FLUSH; SIGKILL, and the start replays every block
      as last written.
+  6  What writes back writes back with a device too (a FLUSH from a
+     client is answered from the log; these are not): nbdcachectl flush
+     EXPORT puts the data on the backend file; a reload that removes an
+     export has its data written back and its backend closed within
+     seconds (not at --dirty-expire). An export a later reload adds
+     again is logged as before: a FLUSH after that is answered from the
+     log (commits counted, the backend file without the data), and a
+     start after SIGKILL replays it.
 """
 
 import errno
@@ -49,6 +57,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 
 sys.dont_write_bytecode = True
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -475,6 +484,109 @@ def round_cost(tmp):
         d.stop()
 
 
+def readded_export(tmp):
+    disk, other = os.path.join(tmp, "disk.img"), os.path.join(tmp, "other.img")
+    dev = os.path.join(tmp, "cache.dev")
+    nbdtest.sparse_file(disk, SIZE)
+    nbdtest.sparse_file(other, SIZE)
+    nbdtest.sparse_file(dev, DEVICE)
+    conf = os.path.join(tmp, "nbdcached.conf")
+    base = ("[generic]\ncache-size = 32M\ncache-device = %s\ndirty-expire = 3600\n"
+            "cache-mode = writeback\n\n[other]\nbackend = %s\n" % (dev, other))
+    with_disk = base + "\n[disk]\nbackend = %s\n" % disk
+
+    def write_config(text):
+        with open(conf + ".new", "w") as f:
+            f.write(text)
+        os.rename(conf + ".new", conf)
+
+    def reload(what):
+        r = nbdtest.control_request(d.control, {"command": "reload"})
+        expect(r.get("ok"), "reload %s: %r" % (what, r))
+
+    write_config(with_disk)
+    data = os.urandom(MIB)
+    work = os.path.join(tmp, "d1")
+    os.mkdir(work)
+    d = nbdtest.CheckedDaemon([], workdir=work, tcp=False, extra=["--config", conf])
+    try:
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        first = os.urandom(MIB)
+        h.pwrite(first, 0)
+        h.flush()
+        rc, out = ctl(d, "flush", "disk")
+        expect(rc == 0, "nbdcachectl flush disk: exit %d: %s" % (rc, out))
+        expect(nbdtest.read_at(disk, 0, MIB) == first, "nbdcachectl flush disk returned, "
+               "and the backend file does not have what was written")
+        h.pwrite(os.urandom(MIB), MIB)
+        h.flush()
+        h.shutdown()
+        write_config(base)
+        reload("removing disk")
+        closed = False
+        for _ in range(100):
+            if "removed backend %s: written back and closed" % disk in d.log_text():
+                closed = True
+                break
+            time.sleep(0.1)
+        require(closed, "the removed export's backend was not written back and closed "
+                "in 10 s; the log ends:\n%s" % "\n".join(d.log_text().splitlines()[-15:]))
+        write_config(with_disk)
+        reload("adding disk again")
+        commits = nbdtest.control_request(d.control, {"command": "stats"})[
+            "cache"]["cache_device"]["commits"]
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        h.pwrite(data, 4 * MIB)
+        h.flush()
+        after = nbdtest.control_request(d.control, {"command": "stats"})[
+            "cache"]["cache_device"]["commits"]
+        log("  the FLUSH after the export came back: device commits %d -> %d"
+            % (commits, after))
+        expect(after > commits, "the FLUSH after the reload added the export again did not go "
+               "to the log (device commits %d before, %d after)" % (commits, after))
+        expect(nbdtest.read_at(disk, 4 * MIB, MIB) != data, "the FLUSH after the reload "
+               "put the data on the backend file: the export is not on the log")
+    finally:
+        d.kill()
+        d.logf.close()
+    d = daemon(tmp, disk, dev)
+    try:
+        check_data(disk, {4 * MIB: data}, "after SIGKILL and the replay")
+    finally:
+        d.stop()
+    # The name given another backend by reloads while the old one cannot
+    # be written back and closed yet (a connection to it stays open): the
+    # new one is not logged, and the log says so.
+    other2 = os.path.join(tmp, "other2.img")
+    nbdtest.sparse_file(other2, SIZE)
+    write_config(with_disk)
+    work = os.path.join(tmp, "d9")
+    os.mkdir(work)
+    d = nbdtest.CheckedDaemon([], workdir=work, tcp=False, extra=["--config", conf])
+    try:
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        h.pwrite(os.urandom(MIB), 0)
+        h.flush()
+        write_config(base)
+        reload("removing disk")
+        write_config(base + "\n[disk]\nbackend = %s\n" % other2)
+        reload("adding disk over another backend")
+        text = d.log_text()
+        expect("its earlier backend is still being written back; until a restart its "
+               "FLUSHes go to the backend, not the log" in text,
+               "no warning that the export's new backend is not logged:\n%s" % text[-3000:])
+        h2 = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        more = os.urandom(MIB)
+        h2.pwrite(more, 2 * MIB)
+        h2.flush()
+        expect(nbdtest.read_at(other2, 2 * MIB, MIB) == more, "a FLUSH on the export's new "
+               "backend, which is not logged, did not put the data on it")
+        h2.shutdown()
+        h.shutdown()
+    finally:
+        d.stop()
+
+
 def main():
     with nbdtest.tempdir() as tmp:
         for name, fn in (("a FLUSH answered from the log, replayed after SIGKILL",
@@ -483,7 +595,9 @@ def main():
                          ("device faults", device_faults),
                          ("cache-device flush and detach", flush_and_detach),
                          ("a log round costs what was written since the last",
-                          round_cost)):
+                          round_cost),
+                         ("an export removed and added again by reloads is logged",
+                          readded_export)):
             sub = os.path.join(tmp, fn.__name__)
             os.mkdir(sub)
             CHECKS.run(name, fn, sub)
