@@ -559,6 +559,10 @@ int cache_device_bind(struct cache_device *d, char *err, size_t len)
 		log_info("cache device %s: %llu batch(es) to replay from the checkpoint; the log "
 			 "ends there: %s",
 			 d->path, (unsigned long long)w.batches, w.why);
+	else if (rc == 0 && w.torn)
+		log_warn("cache device %s: nothing to replay: the log ends at its checkpoint "
+			 "(offset %llu), %s",
+			 d->path, (unsigned long long)d->live_end, w.why);
 out:
 	free(w.data);
 	free(hdr);

@@ -295,6 +295,12 @@ int devfmt_batch_encode(const struct devfmt_batch *b, const uint8_t uuid[16], ui
 	return 0;
 }
 
+bool devfmt_batch_claims(const uint8_t *buf, const uint8_t uuid[16], uint64_t expect_seq)
+{
+	return nbd_get64(buf) == DEVFMT_BATCH_MAGIC && memcmp(buf + 8, uuid, 16) == 0 &&
+	       nbd_get64(buf + 24) == expect_seq;
+}
+
 int devfmt_batch_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t expect_seq,
 			struct devfmt_batch *out, char *why, size_t why_len)
 {

@@ -209,6 +209,10 @@ int devfmt_batch_encode(const struct devfmt_batch *b, const uint8_t uuid[16], ui
  */
 int devfmt_batch_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t expect_seq,
 			struct devfmt_batch *out, char *why, size_t why_len);
+/* Does the header block claim to be batch expect_seq of this device (its
+ * magic, UUID and sequence number), whether or not it decodes? A torn
+ * batch does; unwritten space and an older lap do not. */
+bool devfmt_batch_claims(const uint8_t *buf, const uint8_t uuid[16], uint64_t expect_seq);
 /* The bytes of data a batch's extents carry (the sum of DATA lengths). */
 uint64_t devfmt_batch_data_bytes(const struct devfmt_batch *b);
 

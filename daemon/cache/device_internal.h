@@ -187,6 +187,10 @@ struct walk {
 	uint8_t *data; /* data_blocks blocks */
 	char why[200];
 	uint64_t batches, bytes;
+	/* The walk ended at the batch it expected, torn or corrupt (its
+	 * header's magic, UUID and sequence number right, a CRC wrong), not
+	 * at an older lap or unwritten space. */
+	bool torn;
 };
 
 int dev_fail(char *err, size_t len, int rc, const char *fmt, ...)

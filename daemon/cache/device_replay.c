@@ -32,8 +32,11 @@ int dev_walk_next(struct cache_device *d, struct walk *w, uint8_t *hdr)
 		int rc = dev_pread_all(fd, hdr, DEVFMT_BLOCK, d->sb.log_offset + w->off);
 		if (rc < 0)
 			return rc;
-		if (devfmt_batch_decode(hdr, d->sb.uuid, w->seq, &w->b, w->why, sizeof(w->why)) < 0)
+		if (devfmt_batch_decode(hdr, d->sb.uuid, w->seq, &w->b, w->why, sizeof(w->why)) <
+		    0) {
+			w->torn = devfmt_batch_claims(hdr, d->sb.uuid, w->seq);
 			return 0;
+		}
 		if (w->b.flags & DEVFMT_BATCH_WRAP) {
 			w->bytes += d->sb.log_bytes - w->off;
 			w->off = 0;
@@ -58,6 +61,7 @@ int dev_walk_next(struct cache_device *d, struct walk *w, uint8_t *hdr)
 		}
 		uint32_t crc = devfmt_crc32c(0, w->data, (size_t)w->b.data_blocks * DEVFMT_BLOCK);
 		if (crc != w->b.data_crc) {
+			w->torn = true;
 			snprintf(
 			    w->why, sizeof(w->why),
 			    "batch %llu: data CRC32C 0x%08x, computed 0x%08x (torn or corrupt)",

@@ -39,6 +39,14 @@
      written block by block (a FLUSH half way) collapsed into one entry
      (compact), then a FLUSH; SIGKILL, and the start replays every block
      as last written.
+  7  A torn or corrupt batch ends the replay at the last good one: two
+     commits (1 MiB, FLUSH, 1 MiB, FLUSH), SIGKILL, then one byte of a
+     batch's data changed on the device. The last batch (a torn commit):
+     --check-config says 1 batch to replay; the start replays the first
+     alone, its log line saying where the log ended and why (the data
+     CRC), and the backend file has the first MiB, not the second. The
+     first batch: nothing is replayed, the log line says so, and neither
+     reaches the backend file.
   6  What writes back writes back with a device too (a FLUSH from a
      client is answered from the log; these are not): nbdcachectl flush
      EXPORT puts the data on the backend file; a reload that removes an
@@ -484,6 +492,98 @@ def round_cost(tmp):
         d.stop()
 
 
+def log_batches(dev):
+    """The live log's batches on a device file: (offset in the file,
+    seq, data blocks), oldest first."""
+    with open(dev, "rb") as f:
+        copies = []
+        for c in range(2):
+            f.seek(c * SB)
+            sb = f.read(SB)
+            if sb[:8] == struct.pack(">Q", 0x4E424443444556) and \
+                    struct.unpack(">I", sb[-4:])[0] == crc32c(sb[:-4]):
+                copies.append(sb)
+        require(copies, "no valid superblock copy on %s" % dev)
+        sb = max(copies, key=lambda b: struct.unpack_from(">Q", b, 32)[0])
+        log_offset, log_bytes, off, seq = struct.unpack_from(">QQQQ", sb, 48)
+        out = []
+        for _ in range(100000):
+            f.seek(log_offset + off)
+            hdr = f.read(4096)
+            if hdr[:8] != struct.pack(">Q", 0x4E4244434C4F47) or \
+                    struct.unpack_from(">Q", hdr, 24)[0] != seq or \
+                    struct.unpack(">I", hdr[-4:])[0] != crc32c(hdr[:-4]):
+                return out
+            flags, _, blocks = struct.unpack_from(">III", hdr, 32)
+            if flags & 1:
+                off, seq = 0, seq + 1
+                continue
+            out.append((log_offset + off, seq, blocks))
+            off, seq = off + (blocks + 1) * 4096, seq + 1
+        return out
+
+
+def flip_byte(path, at):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def torn_tail(tmp):
+    first, second = os.urandom(MIB), os.urandom(MIB)
+    for case in ("last", "first"):
+        disk = os.path.join(tmp, case + ".img")
+        dev = os.path.join(tmp, case + ".dev")
+        nbdtest.sparse_file(disk, SIZE)
+        nbdtest.sparse_file(dev, DEVICE)
+        d = daemon(tmp, disk, dev, extra=["--cache-device-use", "log"])
+        try:
+            h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+            h.pwrite(first, 0)
+            h.flush()
+            h.pwrite(second, 8 * MIB)
+            h.flush()
+        finally:
+            d.kill()
+            d.logf.close()
+        batches = log_batches(dev)
+        log("  %s: batches (file offset, seq, data blocks): %s" % (case, batches))
+        require(len(batches) == 2 and batches[0][2] >= 256 and batches[1][2] >= 256,
+                "expected two batches of 1 MiB of data each: %s" % (batches,))
+        bad = batches[1] if case == "last" else batches[0]
+        flip_byte(dev, bad[0] + 4096 + 12345)
+        replayed = 1 if case == "last" else 0
+        rc, out = check_config(disk, dev)
+        expect(rc == 0 and "%d batch(es) to replay" % replayed in out,
+               "--check-config with the %s batch torn: exit %d:\n%s" % (case, rc, out))
+        d = daemon(tmp, disk, dev)
+        try:
+            text = d.log_text()
+            why = (r"batch %d: data CRC32C 0x[0-9a-f]+, computed 0x[0-9a-f]+ \(torn or corrupt\)"
+                   % bad[1])
+            if replayed:
+                m = re.search(r"replayed 1 batch\(es\).*the log ended at offset \d+, batch "
+                              r"%d: %s" % (bad[1], why), text)
+            else:
+                m = re.search(why, text)
+                expect("replayed" not in text, "a batch was replayed from before a corrupt one "
+                       "that ends the log")
+            expect(m, "no log line saying the log ended at batch %d and why:\n%s"
+                   % (bad[1], text[-2000:]))
+            if m:
+                log("  %s: %s" % (case, m.group(0)))
+            if replayed:
+                check_data(disk, {0: first}, "after the replay of the first commit")
+            else:
+                expect(nbdtest.read_at(disk, 0, MIB) != first, "a corrupt batch was written back")
+            expect(nbdtest.read_at(disk, 8 * MIB, MIB) != second,
+                   "a batch after the end of the log was written back")
+        finally:
+            d.stop()
+
+
 def readded_export(tmp):
     disk, other = os.path.join(tmp, "disk.img"), os.path.join(tmp, "other.img")
     dev = os.path.join(tmp, "cache.dev")
@@ -597,7 +697,9 @@ def main():
                          ("a log round costs what was written since the last",
                           round_cost),
                          ("an export removed and added again by reloads is logged",
-                          readded_export)):
+                          readded_export),
+                         ("a torn or corrupt batch ends the replay at the last good one",
+                          torn_tail)):
             sub = os.path.join(tmp, fn.__name__)
             os.mkdir(sub)
             CHECKS.run(name, fn, sub)

@@ -326,10 +326,15 @@ static void test_batch(void **state)
 	assert_int_equal(devfmt_batch_decode(bbuf, other, 100, &bback, why, sizeof(why)), -EINVAL);
 	assert_non_null(strstr(why, "another format"));
 
-	/* Torn: the second half of the header block is from before. */
+	/* Torn: the second half of the header block is from before. It still
+	 * claims to be batch 100 of this device (not another's, nor 101). */
+	assert_true(devfmt_batch_claims(bbuf, uuid, 100));
 	memset(bbuf + 2048, 0x5a, 100);
 	assert_int_equal(b_decode(100), -EINVAL);
 	assert_non_null(strstr(why, "torn or corrupt"));
+	assert_true(devfmt_batch_claims(bbuf, uuid, 100));
+	assert_false(devfmt_batch_claims(bbuf, uuid, 101));
+	assert_false(devfmt_batch_claims(bbuf, other, 100));
 
 	make_batch();
 	batch.data_blocks = 2;
