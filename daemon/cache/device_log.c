@@ -378,6 +378,9 @@ static void commit_locked(struct cache_device *d)
 		b.data_crc = devfmt_crc32c(0, buf + DEVFMT_BLOCK, (size_t)(blocks * DEVFMT_BLOCK));
 		rc = devfmt_batch_encode(&b, d->sb.uuid, buf);
 		if (rc == 0)
+			/* pwrite and fdatasync here, not io_uring: through a ring
+			 * the fsync runs on a kernel worker, and a commit took
+			 * longer (docs/architecture.md, the intent log). */
 			rc = dev_pwrite_all(d->fd, buf, (size_t)size, d->sb.log_offset + head);
 		if (rc < 0)
 			break;
