@@ -527,8 +527,15 @@ int cache_entry_split(struct cache_export *ce, struct cache_entry *e)
 	}
 	uint32_t half_frames = 1u << (order - 1);
 	pthread_mutex_lock(&c->evict_lock);
-	int rc = arena_split_block(&c->arena, e->frame, order);
+	/* The export lock from here to the lists: a flush round pins the
+	 * entries of the export's lists under it alone (cache_list_pin), and
+	 * one that pinned e must not find half of it gone to an n it never
+	 * saw (it would copy or write back half of e's dirty blocks and
+	 * answer its FLUSHes). Looked at again now that no one can pin. */
+	pthread_mutex_lock(&ce->lock);
+	int rc = cache_entry_pinned(e) ? -EBUSY : arena_split_block(&c->arena, e->frame, order);
 	if (rc < 0) {
+		pthread_mutex_unlock(&ce->lock);
 		pthread_mutex_unlock(&c->evict_lock);
 		cache_entry_release(c, n);
 		free(maps);
@@ -538,7 +545,8 @@ int cache_entry_split(struct cache_export *ce, struct cache_entry *e)
 	n->frame = e->frame + half_frames;
 	atomic_fetch_or(&n->hot, atomic_load(&e->hot) & (CACHE_FREQ_MASK | CACHE_ZEROS_BIT));
 	/* The order is in the word with the pins: no one pins e meanwhile
-	 * (shard lock), but a subtraction leaves any count alone anyway. */
+	 * (shard and export locks), but a subtraction leaves any count alone
+	 * anyway. */
 	atomic_fetch_sub(&e->hot, 1u << CACHE_ORDER_SHIFT);
 	cache_queue_split(c, e, n);
 	pthread_mutex_unlock(&c->evict_lock);
@@ -559,7 +567,6 @@ int cache_entry_split(struct cache_export *ce, struct cache_entry *e)
 	v[i] = range_element(n);
 	r->count++;
 
-	pthread_mutex_lock(&ce->lock);
 	if (x->on_dirty_list) {
 		if (n_dirty)
 			cache_dirty_list_insert_after(ce, e, n);
