@@ -331,7 +331,9 @@ int cache_export_drop_from(struct cache_export *ce, uint64_t from, uint64_t *dro
 int cache_export_resize(struct cache_export *ce, uint64_t size, uint64_t *dirty_past);
 /* The export is gone and has no connection left: drop what it caches. Once
  * it holds nothing (0) its backend may be closed; -EBUSY while dirty or
- * pinned data remains (write it back first, then call again). */
+ * pinned data remains (write it back first, then call again), or while a
+ * cache device's record that all of it is on the backend is not durable
+ * yet (call again). */
 int cache_export_retire(struct cache_export *ce);
 /* Is anything of the export not durable yet: dirty, unstable, or a
  * backend write no backend flush covered? (The reaper flushes until not.) */

@@ -175,6 +175,15 @@ uint64_t cache_device_pending(struct cache_device *d);
 uint64_t cache_device_room(struct cache_device *d);
 /* Post w->task to w->worker once durable >= w->rec (at once if so). */
 void cache_device_wait(struct cache_device *d, struct cache_device_waiter *w);
+/*
+ * ce is being retired: everything of it is on its backend, flushed. A
+ * CLEAN record over its whole range, once durable, keeps a replay from
+ * putting any older record of it back over what the backend gets later
+ * (from other writers while it is not configured, or from another export
+ * given its slot). *rec: 0 the first time (the record's number is kept
+ * there). 0 done or nothing to do, 1 not durable yet (call again later).
+ */
+int cache_device_retire(struct cache_device *d, struct cache_export *ce, uint64_t *rec);
 /* A full flush round of ce succeeded: the records appended up to rec are
  * on its backend. Moves the tail once every export is covered. */
 void cache_device_covered(struct cache_device *d, struct cache_export *ce, uint64_t rec);

@@ -185,6 +185,32 @@ void cache_device_wait(struct cache_device *d, struct cache_device_waiter *w)
 	post_ready(ready);
 }
 
+int cache_device_retire(struct cache_device *d, struct cache_export *ce, uint64_t *rec)
+{
+	if (!(d->use & CACHE_DEVICE_USE_LOG) || ce->device_slot < 0)
+		return 0;
+	pthread_mutex_lock(&d->lock);
+	bool again = *rec == 0 || d->slots[ce->device_slot].last > *rec;
+	pthread_mutex_unlock(&d->lock);
+	if (again) {
+		/* Every byte of it is on its backend, flushed: a CLEAN record
+		 * over all of them keeps any older one of it from a replay. */
+		*rec = cache_device_append(d, ce, DEVFMT_EXTENT_CLEAN, 0, UINT64_MAX, NULL);
+		if (*rec == 0)
+			return 0; /* not logging (failed, detached): nothing to keep out */
+	}
+	pthread_mutex_lock(&d->lock);
+	int rc = 0;
+	if (!d->failed && !d->detached && *rec > d->durable) {
+		if (*rec > d->want)
+			d->want = *rec;
+		pthread_cond_signal(&d->cond);
+		rc = 1;
+	}
+	pthread_mutex_unlock(&d->lock);
+	return rc;
+}
+
 void cache_device_covered(struct cache_device *d, struct cache_export *ce, uint64_t rec)
 {
 	pthread_mutex_lock(&d->lock);

@@ -113,6 +113,11 @@ int cache_export_retire(struct cache_export *ce)
 		return rc;
 	if (kept || cache_export_unflushed(ce))
 		return -EBUSY;
+	if (ce->cache->device) {
+		rc = cache_device_retire(ce->cache->device, ce, &ce->retire_rec);
+		if (rc != 0)
+			return rc > 0 ? -EBUSY : rc;
+	}
 	atomic_store(&ce->retired, true);
 	if (ce->cache->device) /* its level-2 pages: its slot may be another's */
 		cache_device_l2_remove(ce->cache->device, ce, 0, UINT64_MAX);

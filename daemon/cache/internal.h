@@ -342,6 +342,9 @@ struct cache_export {
 	 * last log round began (what the next one may copy, at most). */
 	int device_slot;
 	atomic_uint_fast64_t log_unlogged_bytes;
+	/* cache_export_retire: the CLEAN record over all of it (device.h,
+	 * cache_device_retire); the reaper's thread only. */
+	uint64_t retire_rec;
 	/* What a small fill from the backend has cost lately, ns (a moving
 	 * average; 0: none yet), against which one from the level-2 cache is
 	 * weighed (cached.c), and the small fills that weighed them. */

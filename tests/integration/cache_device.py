@@ -54,7 +54,11 @@
      seconds (not at --dirty-expire). An export a later reload adds
      again is logged as before: a FLUSH after that is answered from the
      log (commits counted, the backend file without the data), and a
-     start after SIGKILL replays it.
+     start after SIGKILL replays it. A removed export's records are never
+     replayed over what its backend got since: a WRITE_ZEROES (a ZERO
+     record) FLUSHed, the export removed and its backend closed, new
+     bytes written into the backend file by another writer, SIGKILL, a
+     start with the export configured: the file keeps the new bytes.
 """
 
 import errno
@@ -652,6 +656,54 @@ def readded_export(tmp):
     d = daemon(tmp, disk, dev)
     try:
         check_data(disk, {4 * MIB: data}, "after SIGKILL and the replay")
+    finally:
+        d.stop()
+    # A removed export's records are not replayed over its backend's later
+    # bytes: a ZERO record FLUSHed, the export removed (written back and
+    # closed), another writer's bytes in the file, SIGKILL, a start.
+    # Writeback after a second: a background round flushes the backend
+    # (the direct WRITE_ZEROES too), so the reaper finds nothing unflushed
+    # and retires the export without a round of its own.
+    quick = base.replace("dirty-expire = 3600", "dirty-expire = 1")
+    write_config(quick + "\n[disk]\nbackend = %s\n" % disk)
+    work = os.path.join(tmp, "removed")
+    os.mkdir(work)
+    d = nbdtest.CheckedDaemon([], workdir=work, tcp=False, extra=["--config", conf])
+    outside = os.urandom(MIB)
+    try:
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        h.pwrite(os.urandom(65536), 20 * MIB)
+        h.zero(MIB, 12 * MIB)
+        h.flush()
+        h.shutdown()
+        for _ in range(100):
+            st = nbdtest.stats(d)
+            if st["dirty_bytes"] == 0 and st.get("unstable_bytes", 0) == 0:
+                break
+            time.sleep(0.1)
+        time.sleep(0.5)
+        write_config(quick)
+        reload("removing disk")
+        closed = False
+        for _ in range(100):
+            if d.log_text().count("removed backend %s: written back and closed" % disk):
+                closed = True
+                break
+            time.sleep(0.1)
+        require(closed, "the removed export's backend was not written back and closed")
+        with open(disk, "r+b") as f:
+            f.seek(12 * MIB)
+            f.write(outside)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        d.kill()
+        d.logf.close()
+    d = daemon(tmp, disk, dev)
+    try:
+        expect(nbdtest.read_at(disk, 12 * MIB, MIB) == outside, "a removed export's record "
+               "(a WRITE_ZEROES) was replayed over what another writer put in its backend "
+               "file after the export was written back and closed")
     finally:
         d.stop()
     # The name given another backend by reloads while the old one cannot
