@@ -281,13 +281,13 @@ static void dirty_list_take_over(struct cache_export *ce, struct cache_entry **o
 	uint32_t ni = cache_entry_index(ne);
 	nx->dirty_since = ox->dirty_since;
 	nx->on_dirty_list = true;
-	nx->dirty_next = cache_entry_index(oldest);
-	nx->dirty_prev = ox->dirty_prev;
-	if (ox->dirty_prev)
-		cache_entry_ext(cache_entry_at(c, ox->dirty_prev))->dirty_next = ni;
+	nx->dirty_link.next = cache_entry_index(oldest);
+	nx->dirty_link.prev = ox->dirty_link.prev;
+	if (ox->dirty_link.prev)
+		cache_entry_ext(cache_entry_at(c, ox->dirty_link.prev))->dirty_link.next = ni;
 	else
 		ce->dirty_head = ne;
-	ox->dirty_prev = ni;
+	ox->dirty_link.prev = ni;
 	for (size_t i = 0; i < n; i++)
 		if (cache_entry_on_dirty_list(old[i]))
 			cache_dirty_list_remove(ce, old[i]);

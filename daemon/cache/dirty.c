@@ -1,10 +1,11 @@
 /*
- * daemon/cache/dirty.c: per-block dirty state, and the export's dirty and
- * unstable lists that follow it (the index layer, internal.h; the
+ * daemon/cache/dirty.c: per-block dirty state, and the export's dirty,
+ * unstable and unlogged lists that follow it (the index layer, internal.h; the
  * durability model: cache.h). Every function here but cache_list_pin runs
  * under the entry's shard lock and takes the export lock for the lists.
  */
 #include <errno.h>
+#include <stddef.h>
 #include <stdlib.h>
 
 #include "daemon/cache/internal.h"
@@ -13,6 +14,45 @@
 static struct cache_entry_ext *ext_of(const struct cache *c, uint32_t i)
 {
 	return cache_entry_ext(cache_entry_at(c, i));
+}
+
+/* The three lists, each through one link of the side records: the link
+ * at off (LINK) in that of pool index i. Export lock held throughout. */
+#define LINK(field) offsetof(struct cache_entry_ext, field)
+static struct cache_link *link_of(const struct cache *c, uint32_t i, size_t off)
+{
+	return (struct cache_link *)((char *)ext_of(c, i) + off);
+}
+
+/* e to the tail of the list *head .. *tail linked at off. */
+static void list_append(struct cache *c, struct cache_entry **head, struct cache_entry **tail,
+			struct cache_entry *e, size_t off)
+{
+	uint32_t i = cache_entry_index(e);
+	struct cache_link *l = link_of(c, i, off);
+	l->next = 0;
+	l->prev = *tail ? cache_entry_index(*tail) : 0;
+	if (*tail)
+		link_of(c, l->prev, off)->next = i;
+	else
+		*head = e;
+	*tail = e;
+}
+
+/* e, on the list *head .. *tail linked at off, off it. */
+static void list_unlink(struct cache *c, struct cache_entry **head, struct cache_entry **tail,
+			struct cache_entry *e, size_t off)
+{
+	struct cache_link *l = link_of(c, cache_entry_index(e), off);
+	if (l->prev)
+		link_of(c, l->prev, off)->next = l->next;
+	else
+		*head = cache_entry_at(c, l->next);
+	if (l->next)
+		link_of(c, l->next, off)->prev = l->prev;
+	else
+		*tail = cache_entry_at(c, l->prev);
+	l->prev = l->next = 0;
 }
 
 void cache_mark_dirty(struct cache_entry *e, uint32_t first, uint32_t count)
@@ -54,14 +94,7 @@ void cache_mark_dirty(struct cache_entry *e, uint32_t first, uint32_t count)
 		pthread_mutex_unlock(&ce->lock);
 		return;
 	}
-	uint32_t i = cache_entry_index(e);
-	x->dirty_next = 0;
-	x->dirty_prev = ce->dirty_tail ? cache_entry_index(ce->dirty_tail) : 0;
-	if (ce->dirty_tail)
-		cache_entry_ext(ce->dirty_tail)->dirty_next = i;
-	else
-		ce->dirty_head = e;
-	ce->dirty_tail = e;
+	list_append(ce->cache, &ce->dirty_head, &ce->dirty_tail, e, LINK(dirty_link));
 	x->on_dirty_list = true;
 	x->dirty_since = cache_now_ns();
 	pthread_mutex_unlock(&ce->lock);
@@ -87,18 +120,8 @@ void cache_clear_dirty(struct cache_entry *e, uint32_t first, uint32_t count)
 
 void cache_dirty_list_remove(struct cache_export *ce, struct cache_entry *e)
 {
-	struct cache *c = ce->cache;
-	struct cache_entry_ext *x = cache_entry_ext(e);
-	if (x->dirty_prev)
-		ext_of(c, x->dirty_prev)->dirty_next = x->dirty_next;
-	else
-		ce->dirty_head = cache_entry_at(c, x->dirty_next);
-	if (x->dirty_next)
-		ext_of(c, x->dirty_next)->dirty_prev = x->dirty_prev;
-	else
-		ce->dirty_tail = cache_entry_at(c, x->dirty_prev);
-	x->dirty_prev = x->dirty_next = 0;
-	x->on_dirty_list = false;
+	list_unlink(ce->cache, &ce->dirty_head, &ce->dirty_tail, e, LINK(dirty_link));
+	cache_entry_ext(e)->on_dirty_list = false;
 }
 
 void cache_dirty_list_insert_after(struct cache_export *ce, struct cache_entry *e,
@@ -107,13 +130,13 @@ void cache_dirty_list_insert_after(struct cache_export *ce, struct cache_entry *
 	struct cache *c = ce->cache;
 	struct cache_entry_ext *x = cache_entry_ext(e), *nx = cache_entry_ext(n);
 	uint32_t ni = cache_entry_index(n);
-	nx->dirty_prev = cache_entry_index(e);
-	nx->dirty_next = x->dirty_next;
-	if (x->dirty_next)
-		ext_of(c, x->dirty_next)->dirty_prev = ni;
+	nx->dirty_link.prev = cache_entry_index(e);
+	nx->dirty_link.next = x->dirty_link.next;
+	if (x->dirty_link.next)
+		ext_of(c, x->dirty_link.next)->dirty_link.prev = ni;
 	else
 		ce->dirty_tail = n;
-	x->dirty_next = ni;
+	x->dirty_link.next = ni;
 	nx->on_dirty_list = true;
 	nx->dirty_since = x->dirty_since;
 }
@@ -135,36 +158,19 @@ void cache_dirty_list_update(struct cache_entry *e)
 
 void cache_unlogged_add(struct cache_export *ce, struct cache_entry *e)
 {
-	struct cache *c = ce->cache;
 	struct cache_entry_ext *x = cache_entry_ext(e);
 	if (x->on_unlogged_list)
 		return;
-	uint32_t i = cache_entry_index(e);
-	x->unlogged_next = 0;
-	x->unlogged_prev = ce->unlogged_tail ? cache_entry_index(ce->unlogged_tail) : 0;
-	if (ce->unlogged_tail)
-		ext_of(c, x->unlogged_prev)->unlogged_next = i;
-	else
-		ce->unlogged_head = e;
-	ce->unlogged_tail = e;
+	list_append(ce->cache, &ce->unlogged_head, &ce->unlogged_tail, e, LINK(unlogged_link));
 	x->on_unlogged_list = true;
 }
 
 void cache_unlogged_remove(struct cache_export *ce, struct cache_entry *e)
 {
-	struct cache *c = ce->cache;
 	struct cache_entry_ext *x = cache_entry_ext(e);
 	if (!x || !x->on_unlogged_list)
 		return;
-	if (x->unlogged_prev)
-		ext_of(c, x->unlogged_prev)->unlogged_next = x->unlogged_next;
-	else
-		ce->unlogged_head = cache_entry_at(c, x->unlogged_next);
-	if (x->unlogged_next)
-		ext_of(c, x->unlogged_next)->unlogged_prev = x->unlogged_prev;
-	else
-		ce->unlogged_tail = cache_entry_at(c, x->unlogged_prev);
-	x->unlogged_prev = x->unlogged_next = 0;
+	list_unlink(ce->cache, &ce->unlogged_head, &ce->unlogged_tail, e, LINK(unlogged_link));
 	x->on_unlogged_list = false;
 }
 
@@ -173,18 +179,8 @@ void cache_unlogged_remove(struct cache_export *ce, struct cache_entry *e)
 /* Export lock held, e on the unstable list. */
 static void unstable_list_unlink(struct cache_export *ce, struct cache_entry *e)
 {
-	struct cache *c = ce->cache;
-	struct cache_entry_ext *x = cache_entry_ext(e);
-	if (x->unstable_prev)
-		ext_of(c, x->unstable_prev)->unstable_next = x->unstable_next;
-	else
-		ce->unstable_head = cache_entry_at(c, x->unstable_next);
-	if (x->unstable_next)
-		ext_of(c, x->unstable_next)->unstable_prev = x->unstable_prev;
-	else
-		ce->unstable_tail = cache_entry_at(c, x->unstable_prev);
-	x->unstable_prev = x->unstable_next = 0;
-	x->on_unstable_list = false;
+	list_unlink(ce->cache, &ce->unstable_head, &ce->unstable_tail, e, LINK(unstable_link));
+	cache_entry_ext(e)->on_unstable_list = false;
 }
 
 void cache_mark_unstable(struct cache_entry *e, uint32_t blocks, uint64_t seq)
@@ -198,15 +194,9 @@ void cache_mark_unstable(struct cache_entry *e, uint32_t blocks, uint64_t seq)
 	atomic_fetch_add(&ce->counters.unstable_bytes, (uint64_t)added << ce->block_shift);
 	if (x->on_unstable_list) /* to the tail: the list stays in write order */
 		unstable_list_unlink(ce, e);
-	x->unstable_next = 0;
-	x->unstable_prev = ce->unstable_tail ? cache_entry_index(ce->unstable_tail) : 0;
 	if (!ce->unstable_head)
 		ce->unstable_since = cache_now_ns();
-	if (ce->unstable_tail)
-		cache_entry_ext(ce->unstable_tail)->unstable_next = cache_entry_index(e);
-	else
-		ce->unstable_head = e;
-	ce->unstable_tail = e;
+	list_append(ce->cache, &ce->unstable_head, &ce->unstable_tail, e, LINK(unstable_link));
 	x->on_unstable_list = true;
 	if (seq > x->unstable_seq)
 		x->unstable_seq = seq;
@@ -246,11 +236,11 @@ static struct cache_entry *list_next(const struct cache *c, const struct cache_e
 	const struct cache_entry_ext *x = cache_entry_ext(e);
 	switch (list) {
 	case CACHE_LIST_DIRTY:
-		return cache_entry_at(c, x->dirty_next);
+		return cache_entry_at(c, x->dirty_link.next);
 	case CACHE_LIST_UNLOGGED:
-		return cache_entry_at(c, x->unlogged_next);
+		return cache_entry_at(c, x->unlogged_link.next);
 	default:
-		return cache_entry_at(c, x->unstable_next);
+		return cache_entry_at(c, x->unstable_link.next);
 	}
 }
 

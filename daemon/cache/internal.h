@@ -187,6 +187,12 @@ _Static_assert((sizeof(struct cache_entry) + CACHE_ENTRY_TAIL) << CACHE_ENTRY_SH
 		       CACHE_POOL_CHUNK_BYTES,
 	       "an entries pool chunk is 2^CACHE_ENTRY_SHIFT slots and their tails");
 
+/* An entry's place on one of its export's lists (dirty.c): the pool
+ * indexes of its neighbours, 0 for none. */
+struct cache_link {
+	uint32_t prev, next;
+};
+
 /*
  * The side record of an entry that is dirty, unstable or under writeback,
  * or of more than one block (it holds their maps). Lists link entries by
@@ -199,8 +205,7 @@ struct cache_entry_ext {
 	 * once that many writes were done makes the entry clean. */
 	uint64_t unstable_seq;
 	uint32_t *maps; /* more than one block: uptodate, dirty, busy (words each) */
-	uint32_t dirty_prev, dirty_next, unstable_prev, unstable_next;
-	uint32_t unlogged_prev, unlogged_next;
+	struct cache_link dirty_link, unstable_link, unlogged_link;
 	uint32_t ndirty, nunstable; /* nunstable: written back since the last flush */
 	bool on_dirty_list;
 	bool on_unstable_list; /* written back, no backend flush since: see cache.h */
@@ -768,7 +773,7 @@ static inline uint64_t cache_entry_dirty_since(const struct cache_entry *e)
 /* The next entry on the export's dirty list. Export lock held. */
 static inline struct cache_entry *cache_dirty_next(const struct cache_entry *e)
 {
-	return cache_entry_at(cache_of_entry(e), cache_entry_ext(e)->dirty_next);
+	return cache_entry_at(cache_of_entry(e), cache_entry_ext(e)->dirty_link.next);
 }
 
 static inline uint64_t cache_entry_offset(const struct cache_entry *e)
