@@ -292,9 +292,10 @@ static int ranges_add(struct ranges *s, uint64_t a, uint64_t b)
 	return 0;
 }
 
-/* Apply the parts of x (data: its bytes) no later record decided. */
+/* Apply the parts of x (data: its bytes) no later record decided; *wrote
+ * set when some part went to the backend. */
 static int replay_part(struct cache_device *d, struct window *win, struct ranges *done,
-		       const struct devfmt_extent *x, uint8_t *data, struct rbuf *buf)
+		       const struct devfmt_extent *x, uint8_t *data, struct rbuf *buf, bool *wrote)
 {
 	uint64_t a = x->offset, end = x->offset + x->length;
 	size_t i = ranges_find(done, a);
@@ -305,9 +306,11 @@ static int replay_part(struct cache_device *d, struct window *win, struct ranges
 			struct devfmt_extent part = *x;
 			part.offset = a;
 			part.length = b - a;
-			if (x->type != DEVFMT_EXTENT_CLEAN)
+			if (x->type != DEVFMT_EXTENT_CLEAN) {
 				rc = replay_extent(d, win, &part,
 						   data ? data + (a - x->offset) : NULL, buf);
+				*wrote = true;
+			}
 			d->st.replay_bytes += x->type == DEVFMT_EXTENT_DATA ? b - a : 0;
 		}
 		if (i < done->n && done->r[i][0] < end)
@@ -371,10 +374,16 @@ int dev_replay(struct cache_device *d, struct worker *w, char *err, size_t len)
 					dev_l2_forget(d, x->slot, x->offset, x->length);
 				if (d->slots[x->slot].discard)
 					continue; /* cache-device-discard-dirty */
-				rc = replay_part(
-				    d, &win, &done[x->slot], x,
-				    x->type == DEVFMT_EXTENT_DATA ? buf->data + at[i] : NULL, buf);
-				if (x->type != DEVFMT_EXTENT_CLEAN)
+				/* Only a record some part of which is written
+				 * touches its export: a retired one's, under the
+				 * CLEAN record over all of it, has none (and may
+				 * have no export now). */
+				bool wrote = false;
+				rc = replay_part(d, &win, &done[x->slot], x,
+						 x->type == DEVFMT_EXTENT_DATA ? buf->data + at[i]
+									       : NULL,
+						 buf, &wrote);
+				if (wrote)
 					touched[x->slot] = true;
 				d->st.replay_records++;
 			}

@@ -57,8 +57,9 @@
      start after SIGKILL replays it. A removed export's records are never
      replayed over what its backend got since: a WRITE_ZEROES (a ZERO
      record) FLUSHed, the export removed and its backend closed, new
-     bytes written into the backend file by another writer, SIGKILL, a
-     start with the export configured: the file keeps the new bytes.
+     bytes written into the backend file by another writer, SIGKILL: a
+     start without the export is not refused for its records, and one with
+     the export configured leaves the file with the new bytes.
 """
 
 import errno
@@ -610,7 +611,7 @@ def readded_export(tmp):
 
     write_config(with_disk)
     data = os.urandom(MIB)
-    work = os.path.join(tmp, "d1")
+    work = os.path.join(tmp, "first")
     os.mkdir(work)
     d = nbdtest.CheckedDaemon([], workdir=work, tcp=False, extra=["--config", conf])
     try:
@@ -699,6 +700,13 @@ def readded_export(tmp):
     finally:
         d.kill()
         d.logf.close()
+    # Its records are no one's now: a start without the export is not
+    # refused for them (a copy of the device, as the crash left it).
+    dev2 = os.path.join(tmp, "removed.dev")
+    shutil.copyfile(dev, dev2)
+    d = daemon(tmp, other, dev2, name="other",
+               what="the device of a removed export, the export not configured")
+    d.stop()
     d = daemon(tmp, disk, dev)
     try:
         expect(nbdtest.read_at(disk, 12 * MIB, MIB) == outside, "a removed export's record "
@@ -712,7 +720,7 @@ def readded_export(tmp):
     other2 = os.path.join(tmp, "other2.img")
     nbdtest.sparse_file(other2, SIZE)
     write_config(with_disk)
-    work = os.path.join(tmp, "d9")
+    work = os.path.join(tmp, "otherbackend")
     os.mkdir(work)
     d = nbdtest.CheckedDaemon([], workdir=work, tcp=False, extra=["--config", conf])
     try:
