@@ -704,28 +704,6 @@ void cache_device_close(struct cache_device *d, bool clean)
 	free(d);
 }
 
-void cache_device_count_round(struct cache_device *d, uint64_t entries)
-{
-	pthread_mutex_lock(&d->lock);
-	d->st.log_rounds++;
-	d->st.log_round_entries += entries;
-	pthread_mutex_unlock(&d->lock);
-}
-
-void cache_device_get_stats(struct cache_device *d, struct cache_device_stats *out)
-{
-	pthread_mutex_lock(&d->lock);
-	*out = d->st;
-	out->attached = true;
-	out->device_bytes = d->device_bytes;
-	out->log_bytes = d->sb.log_bytes;
-	out->log_used = d->used;
-	out->pending_bytes = d->pdata_len;
-	out->use = d->use;
-	pthread_mutex_unlock(&d->lock);
-	dev_l2_stats(d, out);
-}
-
 /* --check-config: a configured export's identity, from its spec alone
  * (no backend opened): a file's or block device's size, device and inode;
  * for the others the size is not known here (0: not compared). */

@@ -1,7 +1,8 @@
 /*
  * daemon/cache/device_log.c: a cache device's intent log while it runs:
  * records appended, committed in batches by the log thread (group
- * commit), waiters answered, checkpoints (device.h, device_internal.h).
+ * commit), waiters answered, checkpoints, and the device's figures
+ * (device.h, device_internal.h).
  */
 #include "daemon/cache/device_internal.h"
 
@@ -560,6 +561,30 @@ void *dev_log_thread(void *arg)
 	pthread_mutex_unlock(&d->lock);
 	post_ready(ready);
 	return NULL;
+}
+
+/* ---- the figures ---- */
+
+void cache_device_count_round(struct cache_device *d, uint64_t entries)
+{
+	pthread_mutex_lock(&d->lock);
+	d->st.log_rounds++;
+	d->st.log_round_entries += entries;
+	pthread_mutex_unlock(&d->lock);
+}
+
+void cache_device_get_stats(struct cache_device *d, struct cache_device_stats *out)
+{
+	pthread_mutex_lock(&d->lock);
+	*out = d->st;
+	out->attached = true;
+	out->device_bytes = d->device_bytes;
+	out->log_bytes = d->sb.log_bytes;
+	out->log_used = d->used;
+	out->pending_bytes = d->pdata_len;
+	out->use = d->use;
+	pthread_mutex_unlock(&d->lock);
+	dev_l2_stats(d, out);
 }
 
 /* ---- detaching ---- */
