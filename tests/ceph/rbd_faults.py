@@ -120,20 +120,33 @@ def flush_succeeds(h, what, limit=60):
             time.sleep(0.5)
 
 
-def image_matches(c, m, checks, what):
+def image_matches(c, m, checks, what, h, d):
     out = os.path.join(c.root, "export.img")
     c.rbd("export", "--no-progress", "rbd/f1", out)
     with open(out, "rb") as f:
         got = f.read()
     os.unlink(out)
     with m.lock:
-        wrong = next((i for i in range(0, SIZE, 4096)
-                      if got[i:i + 4096] != m.data[i:i + 4096] and
-                      any(m.known[j] and got[j] != m.data[j]
-                          for j in range(i, i + 4096))), None)
-    checks.expect(wrong is None, "%s: rbd export differs from the model near byte %s" %
-                  (what, wrong))
-    log("%s: rbd export is the model (%d bytes)" % (what, len(got)))
+        wrong = [i for i in range(0, SIZE, 4096)
+                 if got[i:i + 4096] != m.data[i:i + 4096] and
+                 any(m.known[j] and got[j] != m.data[j] for j in range(i, i + 4096))]
+    if wrong:
+        # What the daemon holds there, and what it thinks is left to
+        # write: tells data lost in the cache from data it never sent.
+        cached = h.pread(4096, wrong[0])
+        st = nbdtest.stats(d)
+        log("%s: %d block(s) of 4 KiB differ, first at %s; the image there is %s, the "
+            "daemon reads %s; dirty_bytes %s, unstable_bytes %s, writeback_errors %s; the "
+            "daemon's log ends:\n%s"
+            % (what, len(wrong), wrong[:8],
+               "zeros" if not any(got[wrong[0]:wrong[0] + 4096]) else "other bytes",
+               "the model" if cached == bytes(m.data[wrong[0]:wrong[0] + 4096])
+               else "something else", st.get("dirty_bytes"), st.get("unstable_bytes"),
+               st.get("writeback_errors"), "\n".join(d.log_text().splitlines()[-40:])))
+    checks.expect(not wrong, "%s: rbd export differs from the model near byte %s" %
+                  (what, wrong[0] if wrong else None))
+    if not wrong:
+        log("%s: rbd export is the model (%d bytes)" % (what, len(got)))
 
 
 def main():
@@ -173,7 +186,7 @@ def main():
                     for t in threads:
                         t.join()
                     h.flush()
-                    image_matches(c, m, checks, "after the stop")
+                    image_matches(c, m, checks, "after the stop", h, d)
                     stop.clear()
                     threads = [threading.Thread(target=load, args=(uri, m, s, stop))
                                for s in (3, 4)]
@@ -192,7 +205,7 @@ def main():
                     for t in threads:
                         t.join()
                     h.flush()
-                    image_matches(c, m, checks, "after the kill")
+                    image_matches(c, m, checks, "after the kill", h, d)
                     ex = nbdtest.control_request(d.control, {"command": "exports"})["exports"]
                     checks.expect(not ex[0].get("fenced"), "the daemon fenced itself: %s" % ex)
                     checks.expect(not m.wrong, "; ".join(m.wrong[:3]))
