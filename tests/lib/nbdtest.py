@@ -78,10 +78,22 @@ def wait_until(cond, timeout, step=0.05):
     return cond()
 
 
+_PORTS_GIVEN = set()
+
+
 def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free now and that this process has
+    not handed out before: the kernel may give a port just released again,
+    and a test that asks twice before binding either (a daemon's --listen
+    and its --metrics, say) must not get the same one twice."""
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
+    raise Failed("no free TCP port on 127.0.0.1 not handed out before")
 
 
 def run(cmd, timeout=300, check_rc=True, **kw):
