@@ -492,10 +492,8 @@ int cache_device_bind(struct cache_device *d, char *err, size_t len)
 				    d->path, (unsigned long long)w.seq, x->slot);
 				goto out;
 			}
-			if (x->type == DEVFMT_EXTENT_CLEAN && x->offset == 0 &&
-			    x->length == UINT64_MAX) {
-				/* A removed export retired (cache_device_retire):
-				 * nothing of it before this is replayed. */
+			if (dev_extent_retired(x)) {
+				/* Nothing of it before this is replayed. */
 				d->slots[x->slot].live_records = 0;
 				d->slots[x->slot].live_bytes = 0;
 			}

@@ -180,6 +180,15 @@ struct cache_device {
 	struct dev_l2 l2;
 };
 
+/* The CLEAN record a retired export leaves (cache_device_retire): over
+ * all of it, so that none of its older records is replayed (bind counts
+ * its records from there on). Written and recognized by this shape. */
+#define DEV_RETIRED_LENGTH UINT64_MAX
+static inline bool dev_extent_retired(const struct devfmt_extent *x)
+{
+	return x->type == DEVFMT_EXTENT_CLEAN && x->offset == 0 && x->length == DEV_RETIRED_LENGTH;
+}
+
 /* One batch of the live log: its header, data read and checked. */
 struct walk {
 	uint64_t off, seq;

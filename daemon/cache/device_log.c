@@ -196,7 +196,7 @@ int cache_device_retire(struct cache_device *d, struct cache_export *ce, uint64_
 	if (again) {
 		/* Every byte of it is on its backend, flushed: a CLEAN record
 		 * over all of them keeps any older one of it from a replay. */
-		*rec = cache_device_append(d, ce, DEVFMT_EXTENT_CLEAN, 0, UINT64_MAX, NULL);
+		*rec = cache_device_append(d, ce, DEVFMT_EXTENT_CLEAN, 0, DEV_RETIRED_LENGTH, NULL);
 		if (*rec == 0)
 			return 0; /* not logging (failed, detached): nothing to keep out */
 	}
