@@ -292,6 +292,10 @@ json_object *control_device_object(struct cache *cache)
 	control_add_u64(dev, "replay_records", ds.replay_records);
 	control_add_u64(dev, "replay_bytes", ds.replay_bytes);
 	control_add_u64(dev, "replay_ns", ds.replay_ns);
+	control_add_u64(dev, "replay_pending_bytes", ds.replay_pending_bytes);
+	control_add_u64(dev, "replay_drained_bytes", ds.replay_drained_bytes);
+	control_add_u64(dev, "replay_drain_ns", ds.replay_drain_ns);
+	control_add_u64(dev, "replay_waits", ds.replay_waits);
 	json_object_object_add(dev, "last_commit_unix_ms",
 			       json_object_new_int64(ds.last_commit_unix_ms));
 	static const char *const uses[] = {"none", "log", "l2", "both"};

@@ -156,9 +156,16 @@ static void print_device(json_object *dev)
 	       (double)ctl_get_int(dev, "commit_max_ns") / 1e6,
 	       SIZE(ctl_get_int(dev, "bytes_logged")), ctl_get_int(dev, "checkpoints"),
 	       ctl_get_int(dev, "full_log_fallbacks"));
-	printf("replay       %" PRId64 " batches, %" PRId64 " records, %s in %.3f s at start\n",
+	printf("replay       %" PRId64 " batches, %" PRId64 " records, %s, planned in %.3f s at "
+	       "start; ",
 	       ctl_get_int(dev, "replay_batches"), ctl_get_int(dev, "replay_records"),
 	       SIZE(ctl_get_int(dev, "replay_bytes")), (double)ctl_get_int(dev, "replay_ns") / 1e9);
+	if (ctl_get_int(dev, "replay_drain_ns"))
+		printf("written back in %.3f s while served",
+		       (double)ctl_get_int(dev, "replay_drain_ns") / 1e9);
+	else
+		printf("%s not yet written back", SIZE(ctl_get_int(dev, "replay_pending_bytes")));
+	printf(", %" PRId64 " requests waited for it\n", ctl_get_int(dev, "replay_waits"));
 	json_object *l2 = ctl_field(dev, "l2");
 	if (!l2)
 		return;

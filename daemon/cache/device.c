@@ -160,8 +160,8 @@ static int format(struct cache_device *d, char *err, size_t len)
 }
 
 /*
- * The superblock copies of an earlier format (version 1, before the
- * level-2 area; version 2, before its map; their headers are what this
+ * The superblock copies of an earlier format not read any more (version
+ * 1, before the level-2 area; version 2, before its map; their headers are what this
  * one's begins with): 1 when the newest copy with a good CRC is such a one
  * and says closed clean (the device holds nothing: it may be formatted
  * again), 0 when it does not say so, -1 when neither copy is one; *version
@@ -174,7 +174,7 @@ static int earlier_format_clean(const uint8_t *buf, uint32_t *version)
 	for (unsigned i = 0; i < DEVFMT_SB_COPIES; i++) {
 		const uint8_t *p = buf + (size_t)i * DEVFMT_SB_BYTES;
 		uint32_t v = nbd_get32(p + 8);
-		if (nbd_get64(p) != DEVFMT_SB_MAGIC || v == 0 || v >= DEVFMT_VERSION ||
+		if (nbd_get64(p) != DEVFMT_SB_MAGIC || v == 0 || v >= DEVFMT_VERSION_OLDEST ||
 		    devfmt_crc32c(0, p, DEVFMT_SB_BYTES - 4) != nbd_get32(p + DEVFMT_SB_BYTES - 4))
 			continue;
 		if (best < 0 || nbd_get64(p + 32) > gen) {
@@ -473,35 +473,52 @@ int cache_device_add_export(struct cache_device *d, struct cache_export *ce, con
 	return rc;
 }
 
+/*
+ * The data of every batch of the live log after the highest committed
+ * mark its headers carry (those of the last commits, which a crash may
+ * have torn), checked; the log ends at the first that does not check.
+ * 0 or -errno.
+ */
+static int check_tail(struct cache_device *d, uint64_t committed, uint8_t *hdr)
+{
+	size_t k = 0;
+	while (k < d->nlive && d->live[k].seq <= committed)
+		k++;
+	for (; k < d->nlive; k++) {
+		struct walk b = {.off = d->live[k].off, .seq = d->live[k].seq};
+		int rc = dev_walk_next(d, &b, hdr);
+		free(b.data);
+		if (rc < 0)
+			return rc;
+		if (rc > 0)
+			continue;
+		/* The log ends here: what follows was never committed. */
+		d->live_end = d->live[k].off;
+		d->live_end_seq = d->live[k].seq;
+		d->live_torn = true;
+		snprintf(d->live_why, sizeof(d->live_why), "%s", b.why);
+		d->live_bytes =
+		    (d->live_end + d->sb.log_bytes - d->sb.checkpoint_offset) % d->sb.log_bytes;
+		if (k > 0 && d->live_bytes == 0)
+			d->live_bytes = d->sb.log_bytes;
+		d->nlive = k;
+		return 0;
+	}
+	return 0;
+}
+
 int cache_device_bind(struct cache_device *d, char *err, size_t len)
 {
 	uint8_t *hdr = dev_aligned(DEVFMT_BLOCK);
 	if (!hdr)
 		return dev_fail(err, len, -ENOMEM, "cache device %s: out of memory", d->path);
-	struct walk w = {.off = d->sb.checkpoint_offset, .seq = d->sb.checkpoint_seq};
+	/* The headers first: only a batch after every committed mark can be
+	 * torn, so only those have their data read now (the drain checks
+	 * the rest as it writes them back). */
+	struct walk w = {
+	    .off = d->sb.checkpoint_offset, .seq = d->sb.checkpoint_seq, .headers_only = true};
 	int rc;
 	while ((rc = dev_walk_next(d, &w, hdr)) > 0) {
-		for (uint32_t i = w.batches ? 0 : d->sb.checkpoint_skip; i < w.b.extent_count;
-		     i++) {
-			const struct devfmt_extent *x = &w.b.extents[i];
-			if (x->slot >= DEVFMT_MAX_EXPORTS || !d->slots[x->slot].used) {
-				rc = dev_fail(
-				    err, len, -EINVAL,
-				    "cache device %s: batch %llu holds a record of slot %u, "
-				    "which its superblock does not name: refused",
-				    d->path, (unsigned long long)w.seq, x->slot);
-				goto out;
-			}
-			if (dev_extent_retired(x)) {
-				/* Nothing of it before this is replayed. */
-				d->slots[x->slot].live_records = 0;
-				d->slots[x->slot].live_bytes = 0;
-			}
-			if (x->type == DEVFMT_EXTENT_CLEAN)
-				continue;
-			d->slots[x->slot].live_records++;
-			d->slots[x->slot].live_bytes += x->length;
-		}
 		if (d->nlive == d->caplive) {
 			size_t cap = d->caplive ? d->caplive * 2 : 64;
 			struct dev_pos *p = realloc(d->live, cap * sizeof(*p));
@@ -518,7 +535,41 @@ int cache_device_bind(struct cache_device *d, char *err, size_t len)
 	}
 	d->live_end = w.off % d->sb.log_bytes;
 	d->live_end_seq = w.seq;
+	d->live_bytes = w.bytes;
+	d->live_torn = w.torn;
 	snprintf(d->live_why, sizeof(d->live_why), "%s", w.why);
+	if (rc >= 0)
+		rc = check_tail(d, w.committed, hdr);
+	/* What each slot has in the live log, from its last whole-export
+	 * CLEAN record on. */
+	for (size_t k = 0; k < d->nlive && rc >= 0; k++) {
+		struct walk h = {
+		    .off = d->live[k].off, .seq = d->live[k].seq, .headers_only = true};
+		rc = dev_walk_next(d, &h, hdr);
+		if (rc == 0)
+			rc = -EIO; /* it read well a moment ago */
+		for (uint32_t i = k ? 0 : d->sb.checkpoint_skip; rc > 0 && i < h.b.extent_count;
+		     i++) {
+			const struct devfmt_extent *x = &h.b.extents[i];
+			if (x->slot >= DEVFMT_MAX_EXPORTS || !d->slots[x->slot].used) {
+				rc = dev_fail(
+				    err, len, -EINVAL,
+				    "cache device %s: batch %llu holds a record of slot %u, "
+				    "which its superblock does not name: refused",
+				    d->path, (unsigned long long)h.seq, x->slot);
+				goto out;
+			}
+			if (dev_extent_retired(x)) {
+				/* Nothing of it before this is replayed. */
+				d->slots[x->slot].live_records = 0;
+				d->slots[x->slot].live_bytes = 0;
+			}
+			if (x->type == DEVFMT_EXTENT_CLEAN)
+				continue;
+			d->slots[x->slot].live_records++;
+			d->slots[x->slot].live_bytes += x->length;
+		}
+	}
 	if (rc < 0) {
 		rc = dev_fail(err, len, rc, "cache device %s: reading its log: %s", d->path,
 			      strerror(-rc));
@@ -560,14 +611,14 @@ int cache_device_bind(struct cache_device *d, char *err, size_t len)
 			    d->path, (unsigned long long)s->live_bytes,
 			    (unsigned long long)s->live_records, s->id.name, diff);
 	}
-	if (rc == 0 && w.batches)
-		log_info("cache device %s: %llu batch(es) to replay from the checkpoint; the log "
+	if (rc == 0 && d->nlive)
+		log_info("cache device %s: %zu batch(es) to replay from the checkpoint; the log "
 			 "ends there: %s",
-			 d->path, (unsigned long long)w.batches, w.why);
-	else if (rc == 0 && w.torn)
+			 d->path, d->nlive, d->live_why);
+	else if (rc == 0 && d->live_torn)
 		log_warn("cache device %s: nothing to replay: the log ends at its checkpoint "
 			 "(offset %llu), %s",
-			 d->path, (unsigned long long)d->live_end, w.why);
+			 d->path, (unsigned long long)d->live_end, d->live_why);
 out:
 	free(w.data);
 	free(hdr);
@@ -590,7 +641,7 @@ int dev_sb_update(struct cache_device *d, bool clean)
 	return dev_sb_write_locked(d);
 }
 
-int cache_device_start(struct cache_device *d, struct worker *w, char *err, size_t len)
+int cache_device_start(struct cache_device *d, char *err, size_t len)
 {
 	int rc = dev_l2_init(d);
 	if (rc < 0)
@@ -604,7 +655,7 @@ int cache_device_start(struct cache_device *d, struct worker *w, char *err, size
 	/* Before the replay and before the table of exports is rewritten: the
 	 * level-2 map is read against the identities recorded. */
 	dev_l2_load(d);
-	rc = dev_replay(d, w, err, len);
+	rc = dev_plan(d, err, len);
 	if (rc < 0)
 		return rc;
 	/* The table now: what is configured (slots only on the device held
@@ -616,12 +667,66 @@ int cache_device_start(struct cache_device *d, struct worker *w, char *err, size
 		else
 			s->used = false;
 	}
+	/* Every sequence number from here on is past any batch on the device
+	 * (the floor: past those of a start that crashed before its first
+	 * batch was durable, though the live log ends before them). */
+	uint64_t floor = d->live_end_seq > d->sb.seq_floor ? d->live_end_seq : d->sb.seq_floor;
+	d->head = d->live_end;
+	d->head_seq = floor + DEV_SEQ_JUMP;
+	d->sb.seq_floor = d->head_seq;
+	struct dev_drain *g = d->drain;
+	if (g->npieces) {
+		/* The live log stays until the drain has put it on the
+		 * backends: one batch held, from the checkpoint to its end;
+		 * the first batch written after it says where it jumps from. */
+		d->tail = d->sb.checkpoint_offset;
+		d->tail_seq = d->sb.checkpoint_seq;
+		d->tail_skip = d->sb.checkpoint_skip;
+		d->batches = calloc(64, sizeof(*d->batches));
+		if (!d->batches)
+			return dev_fail(err, len, -ENOMEM, "cache device %s: out of memory",
+					d->path);
+		d->capbatches = 64;
+		d->nbatches = 1;
+		d->batches[0] = (struct dev_batch){.offset = d->tail,
+						   .bytes = d->live_bytes,
+						   .seq = d->tail_seq,
+						   .last_rec = DEV_HELD_REC};
+		d->used = d->live_bytes;
+		d->epoch_due = true;
+		d->epoch_prev = d->live_end_seq;
+	} else {
+		/* Nothing to write back: empty from here. */
+		d->tail = d->head;
+		d->tail_seq = d->head_seq;
+		d->tail_skip = 0;
+		if (d->nlive)
+			cache_device_l2_before_write(d);
+	}
+	/* The superblock (and with it, the device flushed: every batch of the
+	 * live log is durable before a later one's committed mark says so). */
 	pthread_mutex_lock(&d->sb_lock);
 	rc = dev_sb_update(d, false);
 	pthread_mutex_unlock(&d->sb_lock);
 	if (rc < 0)
 		return dev_fail(err, len, rc, "cache device %s: writing its superblock: %s",
 				d->path, strerror(-rc));
+	if (d->nlive)
+		log_info("cache device %s: %zu batch(es), %llu record(s), %llu bytes of data to "
+			 "write back, planned in %.3f s (served meanwhile); the log ended at "
+			 "offset %llu, batch %llu: %s",
+			 d->path, d->nlive, (unsigned long long)d->st.replay_records,
+			 (unsigned long long)d->st.replay_bytes, (double)d->st.replay_ns / 1e9,
+			 (unsigned long long)d->live_end, (unsigned long long)d->live_end_seq,
+			 d->live_why);
+	if (g->npieces) {
+		rc = dev_drain_start(d);
+		if (rc < 0)
+			return dev_fail(err, len, rc, "cache device %s: its drain: %s", d->path,
+					strerror(-rc));
+	} else {
+		dev_drain_free(d);
+	}
 	d->running = true;
 	rc = pthread_create(&d->thread, NULL, dev_log_thread, d);
 	if (rc) {
@@ -649,6 +754,10 @@ void cache_device_close(struct cache_device *d, bool clean)
 {
 	if (!d)
 		return;
+	/* Clean: everything was written back, so the drain ends (it flushes
+	 * the backends and lets the live log go); else it stops where it is
+	 * and the log keeps what it had not written back. */
+	dev_drain_stop(d, clean);
 	if (d->running) {
 		pthread_mutex_lock(&d->lock);
 		if (clean) {
@@ -688,6 +797,7 @@ void cache_device_close(struct cache_device *d, bool clean)
 			log_error("cache device %s: marking it clean: %s", d->path, strerror(-rc));
 	}
 	dev_l2_free(d);
+	dev_drain_free(d);
 	dev_walk_done(d);
 	close(d->fd);
 	free(d->pend);
@@ -767,6 +877,8 @@ int cache_device_check(const char *path, const struct options *opts, char *text,
 		}
 	}
 	rc = cache_device_bind(d, text, len);
+	if (rc == 0)
+		rc = dev_check_data(d, text, len);
 	if (rc == 0) {
 		size_t at = (size_t)snprintf(text, len,
 					     "cache device %s: %llu bytes of log, %zu "

@@ -28,12 +28,21 @@
  * a checkpoint, whichever comes first.
  *
  * At start (cache_device_bind, before anything is served): the live log
- * (from the checkpoint to its first bad batch) is read; every export it
- * holds records for must be configured with the same backend identity, or
- * the start is refused with the export and the bytes. cache_device_replay
- * then writes the records to the backends in order, flushes them, and
- * checkpoints: the log is empty, and every sequence number from here on
- * is far past any stale batch on the device.
+ * (from the checkpoint to its first bad batch) is found from the batch
+ * headers, reading the data only of the batches after the last committed
+ * mark (those a crash may have torn); every export it holds records for
+ * must be configured with the same backend identity, or the start is
+ * refused with the export and the bytes. cache_device_start then plans,
+ * from the headers alone, the newest record over every byte (the pieces),
+ * and serves at once: those bytes are dirty, held in the log, and a
+ * drain thread writes them to the backends in the background, in log
+ * order. Until a piece is on its backend, every backend request of the
+ * cache that touches it waits (cache_device_gate; the drain takes its
+ * batch first), and a backend FLUSH of its export waits for all of the
+ * export's. The live log stays in the ring (no checkpoint covers it)
+ * until the drain has flushed the backends; new batches follow it, the
+ * first marked as an epoch, with sequence numbers past any stale batch on
+ * the device.
  *
  * Failures: a write or flush of the device that fails answers every
  * waiter -EIO and turns the log off for good (cache_device_usable false:
@@ -102,7 +111,12 @@ struct cache_device_stats {
 	 * (those written since the round before). */
 	uint64_t log_rounds, log_round_entries;
 	uint64_t checkpoints, fallbacks;
+	/* The live log found at start: its batches, records and bytes of
+	 * data, the time to find and plan it (before serving); then the bytes
+	 * not yet written back, those written back, the time that took (0
+	 * until done) and the requests that waited for it. */
 	uint64_t replay_batches, replay_records, replay_bytes, replay_ns;
+	uint64_t replay_pending_bytes, replay_drained_bytes, replay_drain_ns, replay_waits;
 	uint64_t pending_bytes;
 	int64_t last_commit_unix_ms;
 };
@@ -142,9 +156,18 @@ int cache_device_add_export(struct cache_device *d, struct cache_export *ce, con
  * dirty bytes (not configured any more, another backend identity).
  */
 int cache_device_bind(struct cache_device *d, char *err, size_t len);
-/* Write the live log to the backends (from thread w, the caller
- * waiting), flush them, checkpoint, and start the log thread. */
-int cache_device_start(struct cache_device *d, struct worker *w, char *err, size_t len);
+/* Plan the live log's write-back and start the drain (it goes on while
+ * the exports are served), then the log thread. */
+int cache_device_start(struct cache_device *d, char *err, size_t len);
+/*
+ * Send io for ce from thread w now (false), or later (true: it touches
+ * bytes of the live log found at start not yet on the backend; it is
+ * sent from w once they are, or completed there with -EIO if they cannot
+ * be). Called by cache_backend_submit while ce->replay_gate is set.
+ */
+struct backend_io;
+bool cache_device_gate(struct cache_device *d, struct cache_export *ce, struct worker *w,
+		       struct backend_io *io);
 /* Stop the log thread; clean: everything was written back and flushed
  * (the log is checkpointed empty and the superblock says so). */
 void cache_device_close(struct cache_device *d, bool clean);

@@ -132,6 +132,7 @@ int devfmt_sb_encode(const struct devfmt_sb *sb, uint8_t *buf)
 	nbd_put64(buf + 96, sb->l2_bytes);
 	nbd_put64(buf + 104, sb->l2_map_offset);
 	nbd_put32(buf + 112, sb->l2_map_gen);
+	nbd_put64(buf + 116, sb->seq_floor);
 	for (uint32_t i = 0; i < sb->export_count; i++) {
 		const struct devfmt_identity *id = &sb->exports[i];
 		size_t nl = strnlen(id->name, sizeof(id->name));
@@ -169,10 +170,12 @@ int devfmt_sb_decode(const uint8_t *buf, struct devfmt_sb *out, char *why, size_
 		return refuse(why, why_len, "superblock CRC32C 0x%08x, computed 0x%08x (corrupt)",
 			      nbd_get32(buf + DEVFMT_SB_BYTES - 4), crc);
 	uint32_t version = nbd_get32(buf + 8);
-	if (version != DEVFMT_VERSION)
-		return refuse(why, why_len, "format version %u; this daemon reads version %u",
-			      version, DEVFMT_VERSION);
+	if (version < DEVFMT_VERSION_OLDEST || version > DEVFMT_VERSION)
+		return refuse(why, why_len,
+			      "format version %u; this daemon reads versions %u to %u", version,
+			      DEVFMT_VERSION_OLDEST, DEVFMT_VERSION);
 	memset(out, 0, sizeof(*out));
+	out->version = version;
 	out->flags = nbd_get32(buf + 12);
 	memcpy(out->uuid, buf + 16, 16);
 	out->generation = nbd_get64(buf + 32);
@@ -187,6 +190,7 @@ int devfmt_sb_decode(const uint8_t *buf, struct devfmt_sb *out, char *why, size_
 	out->l2_bytes = nbd_get64(buf + 96);
 	out->l2_map_offset = nbd_get64(buf + 104);
 	out->l2_map_gen = nbd_get32(buf + 112);
+	out->seq_floor = nbd_get64(buf + 116);
 	if (out->flags & ~DEVFMT_SB_CLEAN)
 		return refuse(why, why_len, "unknown flags 0x%x", out->flags);
 	if (out->log_offset < DEVFMT_LOG_OFFSET || out->log_offset % DEVFMT_BLOCK ||
@@ -274,7 +278,7 @@ uint64_t devfmt_batch_data_bytes(const struct devfmt_batch *b)
 
 int devfmt_batch_encode(const struct devfmt_batch *b, const uint8_t uuid[16], uint8_t *buf)
 {
-	if (b->extent_count > DEVFMT_MAX_EXTENTS)
+	if (b->extent_count > DEVFMT_WRITE_EXTENTS)
 		return -EINVAL;
 	memset(buf, 0, DEVFMT_BLOCK);
 	nbd_put64(buf, DEVFMT_BATCH_MAGIC);
@@ -291,14 +295,28 @@ int devfmt_batch_encode(const struct devfmt_batch *b, const uint8_t uuid[16], ui
 		nbd_put64(p + 8, b->extents[i].offset);
 		nbd_put64(p + 16, b->extents[i].length);
 	}
+	nbd_put64(buf + DEVFMT_BATCH_PREV, b->prev_seq);
+	nbd_put64(buf + DEVFMT_BATCH_COMMITTED, b->committed);
 	nbd_put32(buf + DEVFMT_BLOCK - 4, devfmt_crc32c(0, buf, DEVFMT_BLOCK - 4));
 	return 0;
+}
+
+/* The sequence number a header has in place of expect_seq: its own, or
+ * an epoch batch's jump from it. */
+static bool seq_fits(const uint8_t *buf, uint64_t expect_seq)
+{
+	uint64_t seq = nbd_get64(buf + 24);
+	if (seq == expect_seq)
+		return true;
+	return (nbd_get32(buf + 32) & DEVFMT_BATCH_EPOCH) &&
+	       nbd_get32(buf + 36) <= DEVFMT_WRITE_EXTENTS &&
+	       nbd_get64(buf + DEVFMT_BATCH_PREV) == expect_seq && seq > expect_seq;
 }
 
 bool devfmt_batch_claims(const uint8_t *buf, const uint8_t uuid[16], uint64_t expect_seq)
 {
 	return nbd_get64(buf) == DEVFMT_BATCH_MAGIC && memcmp(buf + 8, uuid, 16) == 0 &&
-	       nbd_get64(buf + 24) == expect_seq;
+	       seq_fits(buf, expect_seq);
 }
 
 int devfmt_batch_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t expect_seq,
@@ -316,15 +334,25 @@ int devfmt_batch_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t exp
 		return refuse(why, why_len, "a batch of another format of the device (UUID)");
 	memset(out, 0, sizeof(*out));
 	out->seq = nbd_get64(buf + 24);
-	if (out->seq != expect_seq)
+	if (!seq_fits(buf, expect_seq))
 		return refuse(why, why_len, "sequence number %llu, expected %llu (an older lap)",
 			      (unsigned long long)out->seq, (unsigned long long)expect_seq);
 	out->flags = nbd_get32(buf + 32);
 	out->extent_count = nbd_get32(buf + 36);
 	out->data_blocks = nbd_get32(buf + 40);
 	out->data_crc = nbd_get32(buf + 44);
-	if (out->flags & ~DEVFMT_BATCH_WRAP)
+	if (out->extent_count <= DEVFMT_WRITE_EXTENTS) {
+		out->prev_seq = nbd_get64(buf + DEVFMT_BATCH_PREV);
+		out->committed = nbd_get64(buf + DEVFMT_BATCH_COMMITTED);
+	}
+	if (out->flags & ~(DEVFMT_BATCH_WRAP | DEVFMT_BATCH_EPOCH))
 		return refuse(why, why_len, "unknown batch flags 0x%x", out->flags);
+	if (out->committed && out->committed >= out->seq)
+		return refuse(why, why_len, "says batch %llu was committed before it was written",
+			      (unsigned long long)out->committed);
+	if (!(out->flags & DEVFMT_BATCH_EPOCH) ? out->prev_seq != 0 : out->prev_seq >= out->seq)
+		return refuse(why, why_len, "previous sequence number %llu (flags 0x%x)",
+			      (unsigned long long)out->prev_seq, out->flags);
 	if (out->extent_count > DEVFMT_MAX_EXTENTS)
 		return refuse(why, why_len, "%u extents; at most %u", out->extent_count,
 			      (unsigned)DEVFMT_MAX_EXTENTS);

@@ -19,7 +19,10 @@
  * A superblock copy (DEVFMT_SB_BYTES):
  *
  *     0 u64 magic       DEVFMT_SB_MAGIC ("NBDCDEV\0")
- *     8 u32 version     DEVFMT_VERSION: equal, or the device is refused
+ *     8 u32 version     DEVFMT_VERSION; an older one from
+ *                       DEVFMT_VERSION_OLDEST on is read (its fields
+ *                       missing here read as 0) and written as this one
+ *                       at start; any other is refused
  *    12 u32 flags       DEVFMT_SB_CLEAN: written back and closed cleanly
  *    16 u8[16] uuid     chosen at format time; every batch carries it
  *    32 u64 generation  the newer valid copy wins; each write goes to the
@@ -40,7 +43,10 @@
  *   112 u32 l2_map_gen         a map block of another generation is not
  *                              read: bumped when the map could no longer
  *                              be kept true (the level-2 cache turned off)
- *   116 12 bytes of zeros
+ *   116 u64 seq_floor  every batch a start after this one writes has
+ *                      a sequence number past it: each start sets it to
+ *                      its first before writing any (0: none said)
+ *   124 4 bytes of zeros
  *   128 identities, DEVFMT_IDENTITY_BYTES each:
  *         u16 slot (the number batches use), u16 name length, u16 backend
  *         length, u16 reserved, u32 block size, u32 kind
@@ -57,8 +63,13 @@
  *                       the same device is not replayed
  *    24 u64 seq         one more than the batch before it
  *    32 u32 flags       DEVFMT_BATCH_WRAP: no extents; the next batch is
- *                       at the log's start
- *    36 u32 extent_count (at most DEVFMT_MAX_EXTENTS)
+ *                       at the log's start. DEVFMT_BATCH_EPOCH: the first
+ *                       batch a start wrote after the live log it found
+ *                       (kept, not emptied): its sequence number jumps
+ *                       from prev_seq, the one the walk expected there
+ *    36 u32 extent_count (at most DEVFMT_WRITE_EXTENTS; version 3 wrote
+ *                        up to DEVFMT_MAX_EXTENTS, and had no prev_seq
+ *                        and committed then)
  *    40 u32 data_blocks  DEVFMT_BLOCK blocks of data after the header
  *    44 u32 data_crc     CRC32C of those blocks
  *    48 extents, 24 bytes each: u8 type (DEVFMT_EXTENT_*), u8 0, u16
@@ -66,6 +77,13 @@
  *       DEVFMT_MAX_DATA_EXTENT); the DATA extents' bytes
  *       follow the header in extent order, packed, the last block zero
  *       padded
+ *  4056 u64 prev_seq    DEVFMT_BATCH_EPOCH: see flags (0 otherwise)
+ *  4064 u64 committed   every batch up to this sequence number was
+ *                       durable (a device flush had completed after it)
+ *                       when this one was written: only a batch after
+ *                       the highest such mark can be torn, so a start
+ *                       reads the data of those alone (0: not said)
+ *  4072 20 bytes of zeros
  *   last 4 bytes of the header block: u32 CRC32C of the block up to them
  *
  * The level-2 map (kept while the daemon runs, so that a start after a
@@ -107,7 +125,9 @@
 #define DEVFMT_SB_MAGIC 0x4e424443444556ull    /* "NBDCDEV" */
 #define DEVFMT_BATCH_MAGIC 0x4e4244434c4f47ull /* "NBDCLOG" */
 #define DEVFMT_L2M_MAGIC 0x4e4244434c324dull   /* "NBDCL2M" */
-#define DEVFMT_VERSION 3u
+#define DEVFMT_VERSION 4u
+/* The oldest version read (3: no seq_floor, prev_seq, committed). */
+#define DEVFMT_VERSION_OLDEST 3u
 #define DEVFMT_BLOCK 4096u
 #define DEVFMT_SB_BYTES (64u * 1024u)
 #define DEVFMT_SB_COPIES 2u
@@ -120,6 +140,14 @@
 #define DEVFMT_BATCH_HEADER 48u
 #define DEVFMT_EXTENT_BYTES 24u
 #define DEVFMT_MAX_EXTENTS ((DEVFMT_BLOCK - DEVFMT_BATCH_HEADER - 4u) / DEVFMT_EXTENT_BYTES)
+/* A version 4 batch carries one extent fewer than version 3 could: its
+ * prev_seq and committed fields take the room (a header with
+ * DEVFMT_MAX_EXTENTS extents is a version 3 one: they read as 0). */
+#define DEVFMT_WRITE_EXTENTS (DEVFMT_MAX_EXTENTS - 1u)
+#define DEVFMT_BATCH_PREV (DEVFMT_BATCH_HEADER + DEVFMT_WRITE_EXTENTS * DEVFMT_EXTENT_BYTES)
+#define DEVFMT_BATCH_COMMITTED (DEVFMT_BATCH_PREV + 8u)
+_Static_assert(DEVFMT_BATCH_COMMITTED + 8u <= DEVFMT_BLOCK - 4u,
+	       "a batch header's prev_seq and committed fields fit before its CRC");
 /* The log starts after both superblock copies. */
 #define DEVFMT_LOG_OFFSET ((uint64_t)DEVFMT_SB_BYTES * DEVFMT_SB_COPIES)
 /* The longest DATA extent: a batch's data then always adds up in 64 bits. */
@@ -133,6 +161,7 @@
 
 #define DEVFMT_SB_CLEAN 1u
 #define DEVFMT_BATCH_WRAP 1u
+#define DEVFMT_BATCH_EPOCH 2u
 
 enum devfmt_backend_kind {
 	DEVFMT_BACKEND_FILE = 1,  /* a file or block device: st_dev, st_ino */
@@ -168,6 +197,8 @@ struct devfmt_sb {
 	uint32_t checkpoint_skip;
 	uint64_t l2_offset, l2_bytes, l2_map_offset;
 	uint32_t l2_map_gen;
+	uint64_t seq_floor;
+	uint32_t version; /* as read (encode writes DEVFMT_VERSION) */
 	uint32_t export_count;
 	struct devfmt_identity exports[DEVFMT_MAX_EXPORTS];
 };
@@ -184,6 +215,8 @@ struct devfmt_batch {
 	uint32_t extent_count;
 	uint32_t data_blocks;
 	uint32_t data_crc;
+	uint64_t prev_seq;  /* DEVFMT_BATCH_EPOCH */
+	uint64_t committed; /* see the layout above; 0: not said */
 	struct devfmt_extent extents[DEVFMT_MAX_EXTENTS];
 };
 
@@ -203,15 +236,18 @@ int devfmt_sb_decode(const uint8_t *buf, struct devfmt_sb *out, char *why, size_
 int devfmt_batch_encode(const struct devfmt_batch *b, const uint8_t uuid[16], uint8_t *buf);
 /*
  * A header block: 0, or -EINVAL with why (not a batch, another device's,
- * a sequence number other than expect_seq, a corrupt header, extents that
- * do not add up to data_blocks). The data's CRC is the caller's to check
+ * a sequence number other than expect_seq, unless an epoch batch's that
+ * jumps from prev_seq == expect_seq; a corrupt header, extents that do
+ * not add up to data_blocks, a committed mark not before its own
+ * sequence number). The data's CRC is the caller's to check
  * (devfmt_crc32c over data_blocks blocks against b->data_crc).
  */
 int devfmt_batch_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t expect_seq,
 			struct devfmt_batch *out, char *why, size_t why_len);
 /* Does the header block claim to be batch expect_seq of this device (its
- * magic, UUID and sequence number), whether or not it decodes? A torn
- * batch does; unwritten space and an older lap do not. */
+ * magic, UUID and sequence number, or an epoch batch jumping from it),
+ * whether or not it decodes? A torn batch does; unwritten space and an
+ * older lap do not. */
 bool devfmt_batch_claims(const uint8_t *buf, const uint8_t uuid[16], uint64_t expect_seq);
 /* The bytes of data a batch's extents carry (the sum of DATA lengths). */
 uint64_t devfmt_batch_data_bytes(const struct devfmt_batch *b);

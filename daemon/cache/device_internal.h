@@ -12,7 +12,9 @@
  *
  * Committed batches are remembered (offset, bytes, seq, their records)
  * until a checkpoint pops them; `used` is their bytes, including the end
- * of the ring a wrap skipped. Only the log thread writes the ring and the
+ * of the ring a wrap skipped. The live log a start found stays in the
+ * ring, as one batch held (DEV_HELD_REC) until the drain has written it
+ * to the backends and flushed them (device_drain.c). Only the log thread writes the ring and the
  * superblock's checkpoint; records are appended under the device lock by
  * any thread.
  */
@@ -65,6 +67,74 @@ struct dev_pos {
 struct dev_batch {
 	uint64_t offset, bytes, seq, first_rec, last_rec;
 	uint32_t extents;
+};
+/* The last_rec of the batch standing for the live log a start found,
+ * while it is not all on the backends: no checkpoint covers it. */
+#define DEV_HELD_REC UINT64_MAX
+
+/*
+ * What the live log a start found still has to put on the backends
+ * (device_replay.c plans it, device_drain.c writes it): for every byte,
+ * the newest record over it, as pieces. A piece lies in one batch of the
+ * live log (d->live[batch]); a batch's pieces are contiguous in the
+ * array. Until a piece is on its backend, every backend request of the
+ * cache that touches its bytes waits (cache_device_gate).
+ */
+struct dev_piece {
+	uint64_t offset, length;
+	uint64_t data;	/* DATA: where its bytes are in its batch's data */
+	uint32_t batch; /* index into d->live */
+	uint16_t slot;
+	uint8_t type; /* DEVFMT_EXTENT_DATA, _ZERO, _TRIM */
+	bool done;    /* on its backend (written, not yet flushed) */
+};
+
+/* A batch of the live log as the drain sees it. */
+#define DEV_DRAIN_TODO 0u
+#define DEV_DRAIN_WANTED 1u /* a request waits for it: first */
+#define DEV_DRAIN_DONE 2u
+#define DEV_DRAIN_BAD 3u /* its data no longer checks: never written */
+struct dev_drain_batch {
+	size_t first, count; /* its pieces */
+	uint8_t state;
+};
+
+/* A backend request waiting for pieces (cache_device_gate). */
+struct dev_parked {
+	struct worker_task task;
+	struct backend_io *io;
+	struct worker *worker;
+	struct cache_export *ce;
+	int result; /* when posted: 0 send it, else complete it with this */
+	struct dev_parked *next;
+};
+
+struct dev_drain {
+	pthread_mutex_t lock; /* a leaf: everything below */
+	pthread_cond_t cond;
+	pthread_t thread;
+	bool inited, running, stop, finished;
+	bool closing;	      /* dev_drain_stop(wait): end once nothing can be done */
+	struct worker worker; /* the drain's backend requests */
+	bool worker_started;
+	struct dev_piece *pieces;
+	size_t npieces, cappieces;
+	/* Per slot: its pieces' indices by offset (they never overlap),
+	 * those not done, and whether the drain wrote to its backend. */
+	uint32_t *by_offset[DEVFMT_MAX_EXPORTS];
+	size_t nby_offset[DEVFMT_MAX_EXPORTS];
+	uint64_t undone[DEVFMT_MAX_EXPORTS];
+	uint64_t bad[DEVFMT_MAX_EXPORTS]; /* undone, in a DEV_DRAIN_BAD batch */
+	bool touched[DEVFMT_MAX_EXPORTS];
+	struct dev_drain_batch *batches; /* d->nlive of them */
+	size_t next;			 /* the next batch in log order */
+	uint64_t wanted;		 /* batches DEV_DRAIN_WANTED */
+	struct dev_parked *parked;
+	uint64_t retry_ns; /* a batch failed: not before then again */
+	uint64_t t0_ns;
+	/* The figures: bytes not on the backends yet, written, the time it
+	 * took (0 until done), requests that waited. */
+	uint64_t pending_bytes, drained_bytes, drain_ns, waits;
 };
 
 /* A clean range staged for the level-2 area (device_l2.c). */
@@ -171,7 +241,16 @@ struct cache_device {
 	struct dev_pos *live;
 	size_t nlive, caplive;
 	uint64_t live_end, live_end_seq;
+	uint64_t live_bytes; /* of the ring, from the checkpoint to live_end */
+	bool live_torn;	     /* it ended at a torn or corrupt batch */
 	char live_why[200];
+	/* The live log found at start, kept until drained (device_drain.c). */
+	struct dev_drain *drain;
+	bool held_release; /* the drain is done: the next checkpoint pops it */
+	/* The first batch written after the start carries DEVFMT_BATCH_EPOCH
+	 * and epoch_prev (the sequence number the live log ended at). */
+	bool epoch_due;
+	uint64_t epoch_prev;
 	uint64_t checkpointed; /* the rec the last checkpoint covered */
 	unsigned checkpoint_waiters;
 	struct dev_batch *batches;
@@ -189,13 +268,17 @@ static inline bool dev_extent_retired(const struct devfmt_extent *x)
 	return x->type == DEVFMT_EXTENT_CLEAN && x->offset == 0 && x->length == DEV_RETIRED_LENGTH;
 }
 
-/* One batch of the live log: its header, data read and checked. */
+/* One batch of the live log: its header, data read and checked (unless
+ * headers_only). committed: the highest committed mark of the headers
+ * read (devfmt_batch): no batch up to it can be torn. */
 struct walk {
 	uint64_t off, seq;
 	struct devfmt_batch b;
 	uint8_t *data; /* data_blocks blocks */
 	char why[200];
 	uint64_t batches, bytes;
+	bool headers_only;
+	uint64_t committed;
 	/* The walk ended at the batch it expected, torn or corrupt (its
 	 * header's magic, UUID and sequence number right, a CRC wrong), not
 	 * at an older lap or unwritten space. */
@@ -219,8 +302,18 @@ int dev_walk_next(struct cache_device *d, struct walk *w, uint8_t *hdr);
 void dev_walk_advance(struct cache_device *d, struct walk *w);
 /* No more walks: the log's pages dropped from the page cache, rfd closed. */
 void dev_walk_done(struct cache_device *d);
-/* device_replay.c: the live log onto the backends, then empty. */
-int dev_replay(struct cache_device *d, struct worker *w, char *err, size_t len);
+/* device_replay.c: the pieces of the live log (d->drain), its ranges out
+ * of the level-2 cache. 0 or -errno. */
+int dev_plan(struct cache_device *d, char *err, size_t len);
+/* device_drain.c: the drain started (d->drain planned), stopped (wait:
+ * until it is done), freed. */
+int dev_drain_start(struct cache_device *d);
+void dev_drain_stop(struct cache_device *d, bool wait);
+void dev_drain_free(struct cache_device *d);
+void dev_drain_stats(struct cache_device *d, struct cache_device_stats *out);
+/* --check-config: the data of every batch of the live log read and
+ * checked (a start checks the committed ones as it writes them back). */
+int dev_check_data(struct cache_device *d, char *err, size_t len);
 /* Keys: the export slot + 1 above a block number of 48 bits (an export of
  * up to 2^60 bytes); 0 is a free page. */
 #define DEV_L2_BLOCK_BITS 48

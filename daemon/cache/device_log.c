@@ -288,7 +288,7 @@ static int push_batch(struct cache_device *d, const struct dev_batch *nb)
 
 /*
  * Commit every pending record (lock held on entry and exit, dropped for
- * the I/O): batches of at most DEVFMT_MAX_EXTENTS extents and
+ * the I/O): batches of at most DEVFMT_WRITE_EXTENTS extents and
  * DEV_BATCH_DATA bytes, each one write at the head, then one flush.
  */
 static void commit_locked(struct cache_device *d)
@@ -300,7 +300,7 @@ static void commit_locked(struct cache_device *d)
 	for (size_t i = 0; i < n;) {
 		size_t j = i;
 		uint64_t data = 0;
-		while (j < n && j - i < DEVFMT_MAX_EXTENTS &&
+		while (j < n && j - i < DEVFMT_WRITE_EXTENTS &&
 		       (d->pend[j].type != DEVFMT_EXTENT_DATA || j == i ||
 			data + d->pend[j].length <= DEV_BATCH_DATA)) {
 			if (d->pend[j].type == DEVFMT_EXTENT_DATA)
@@ -334,6 +334,10 @@ static void commit_locked(struct cache_device *d)
 	d->pdata_len = d->pdata_cap = 0;
 	uint64_t last = recs[n - 1].rec;
 	d->committing = true; /* records neither pending nor in a batch */
+	/* The first batch after the live log a start kept says where the
+	 * sequence numbers jump from. */
+	bool epoch = d->epoch_due;
+	uint64_t epoch_prev = d->epoch_prev;
 	pthread_mutex_unlock(&d->lock);
 
 	uint64_t t0 = clock_now_ns();
@@ -342,6 +346,11 @@ static void commit_locked(struct cache_device *d)
 	struct dev_batch *done = calloc(2 * nb + 1, sizeof(*done));
 	size_t ndone = 0;
 	uint64_t seq = d->head_seq;
+	/* Every batch before this commit's is durable (each commit ended with
+	 * a device flush, and a start flushed the device before its first):
+	 * each batch says so, so that a start reads the data of this commit's
+	 * batches alone. */
+	uint64_t committed = seq - 1;
 	head = d->head;
 	uint8_t *buf = NULL;
 	if (!done)
@@ -349,7 +358,7 @@ static void commit_locked(struct cache_device *d)
 	for (size_t i = 0; i < n && rc == 0;) {
 		size_t j = i;
 		uint64_t data = 0;
-		while (j < n && j - i < DEVFMT_MAX_EXTENTS &&
+		while (j < n && j - i < DEVFMT_WRITE_EXTENTS &&
 		       (recs[j].type != DEVFMT_EXTENT_DATA || j == i ||
 			data + recs[j].length <= DEV_BATCH_DATA)) {
 			if (recs[j].type == DEVFMT_EXTENT_DATA)
@@ -366,6 +375,12 @@ static void commit_locked(struct cache_device *d)
 				memset(&wb, 0, sizeof(wb));
 				wb.seq = seq;
 				wb.flags = DEVFMT_BATCH_WRAP;
+				wb.committed = committed;
+				if (epoch) {
+					wb.flags |= DEVFMT_BATCH_EPOCH;
+					wb.prev_seq = epoch_prev;
+					epoch = false;
+				}
 				uint8_t *hb = dev_aligned(DEVFMT_BLOCK);
 				rc = hb ? devfmt_batch_encode(&wb, d->sb.uuid, hb) : -ENOMEM;
 				if (rc == 0)
@@ -390,6 +405,12 @@ static void commit_locked(struct cache_device *d)
 		struct devfmt_batch b;
 		memset(&b, 0, sizeof(b));
 		b.seq = seq;
+		b.committed = committed;
+		if (epoch) {
+			b.flags = DEVFMT_BATCH_EPOCH;
+			b.prev_seq = epoch_prev;
+			epoch = false;
+		}
 		b.extent_count = (uint32_t)(j - i);
 		b.data_blocks = (uint32_t)blocks;
 		uint64_t pos = 0;
@@ -436,6 +457,7 @@ static void commit_locked(struct cache_device *d)
 			dev_fail_locked(d, rc, "keeping track of its log");
 		d->head = head % d->sb.log_bytes;
 		d->head_seq = seq;
+		d->epoch_due = false;
 		if (last > d->durable)
 			d->durable = last;
 		d->st.commits++;
@@ -464,7 +486,12 @@ static void checkpoint_locked(struct cache_device *d)
 	}
 	if (covered == UINT64_MAX)
 		covered = d->appended;
-	if (covered <= d->checkpointed)
+	/* The drain has put the live log found at start on the backends. */
+	bool release = d->held_release;
+	d->held_release = false;
+	if (release && d->nbatches && d->batches[0].last_rec == DEV_HELD_REC)
+		d->batches[0].last_rec = 0;
+	if (covered <= d->checkpointed && !release)
 		return;
 	/* Records not committed yet that the backends cover: never written. */
 	size_t drop = 0;
@@ -531,7 +558,8 @@ static void checkpoint_locked(struct cache_device *d)
 				 "backends); it stays off until a restart",
 				 d->path);
 	}
-	d->checkpointed = covered;
+	if (covered > d->checkpointed)
+		d->checkpointed = covered;
 	if (covered > d->durable)
 		d->durable = covered > d->appended ? d->appended : covered;
 	d->no_room = false;
@@ -585,6 +613,7 @@ void cache_device_get_stats(struct cache_device *d, struct cache_device_stats *o
 	out->use = d->use;
 	pthread_mutex_unlock(&d->lock);
 	dev_l2_stats(d, out);
+	dev_drain_stats(d, out);
 }
 
 /* ---- detaching ---- */

@@ -76,6 +76,7 @@
 #include "daemon/cache/arena.h"
 #include "daemon/clock.h"
 #include "daemon/cache/cache.h"
+#include "daemon/cache/device.h"
 
 struct flush_job;
 
@@ -347,6 +348,9 @@ struct cache_export {
 	 * last log round began (what the next one may copy, at most). */
 	int device_slot;
 	atomic_uint_fast64_t log_unlogged_bytes;
+	/* Bytes of the cache device's live log found at start are not all on
+	 * its backend yet: backend requests go through cache_device_gate. */
+	atomic_bool replay_gate;
 	/* cache_export_retire: the CLEAN record over all of it (device.h,
 	 * cache_device_retire); the reaper's thread only. */
 	uint64_t retire_rec;
@@ -440,12 +444,17 @@ struct cache_latency_slot {
 /*
  * Send io to the export's backend from thread w, timed: its done callback
  * calls cache_backend_timed() (the latency of CACHE_LATENCY_BACKEND, on
- * the thread the callback runs on, w).
+ * the thread the callback runs on, w). While bytes of the cache device's
+ * live log found at start are not all on the backend, an io touching
+ * them is sent once they are (cache_device_gate).
  */
 static inline void cache_backend_submit(struct cache_export *ce, struct worker *w,
 					struct backend_io *io)
 {
 	io->submit_ns = clock_now_ns();
+	if (atomic_load_explicit(&ce->replay_gate, memory_order_acquire) &&
+	    cache_device_gate(ce->cache->device, ce, w, io))
+		return;
 	backend_submit(ce->backend, w, io);
 }
 /* (An io never sent, worker NULL, is not timed.) */

@@ -78,11 +78,11 @@ int cache_start(struct cache *c)
 	int rc = writeback_start(c);
 	if (rc == 0 && c->device) {
 		/* Before anything is served: the log is checked against the
-		 * exports, then replayed onto their backends. */
+		 * exports and its write-back planned (it drains meanwhile). */
 		char err[1024];
 		rc = cache_device_bind(c->device, err, sizeof(err));
 		if (rc == 0)
-			rc = cache_device_start(c->device, &c->writeback->thread, err, sizeof(err));
+			rc = cache_device_start(c->device, err, sizeof(err));
 		if (rc < 0)
 			log_error("%s", err);
 	}

@@ -137,7 +137,9 @@ void cache_log_stats(struct cache *c)
 			 "device_log_rounds=%llu device_log_round_entries=%llu "
 			 "device_checkpoints=%llu device_full_log_fallbacks=%llu "
 			 "device_replay_batches=%llu device_replay_records=%llu "
-			 "device_replay_bytes=%llu device_replay_ns=%llu",
+			 "device_replay_bytes=%llu device_replay_ns=%llu "
+			 "device_replay_pending_bytes=%llu device_replay_drained_bytes=%llu "
+			 "device_replay_drain_ns=%llu device_replay_waits=%llu",
 			 d.failed ? 1 : 0, (unsigned long long)d.log_bytes,
 			 (unsigned long long)d.log_used, (unsigned long long)d.pending_bytes,
 			 (unsigned long long)d.commits, (unsigned long long)d.commit_ns,
@@ -146,7 +148,10 @@ void cache_log_stats(struct cache *c)
 			 (unsigned long long)d.log_round_entries, (unsigned long long)d.checkpoints,
 			 (unsigned long long)d.fallbacks, (unsigned long long)d.replay_batches,
 			 (unsigned long long)d.replay_records, (unsigned long long)d.replay_bytes,
-			 (unsigned long long)d.replay_ns);
+			 (unsigned long long)d.replay_ns,
+			 (unsigned long long)d.replay_pending_bytes,
+			 (unsigned long long)d.replay_drained_bytes,
+			 (unsigned long long)d.replay_drain_ns, (unsigned long long)d.replay_waits);
 		size_t n = strlen(dev);
 		snprintf(
 		    dev + n, sizeof(dev) - n,

@@ -161,6 +161,25 @@ def earlier_device(path, clean, version=1):
         f.truncate(DEVICE)
 
 
+def drained(d, what, timeout=60):
+    """Wait until the live log the daemon found at start is all on the
+    backends (its drain done): its device stats then."""
+    st = None
+    for _ in range(int(timeout * 10)):
+        st = nbdtest.control_request(d.control, {"command": "stats"})["cache"]["cache_device"]
+        # (nothing drained: the live log had no bytes to write back)
+        if st["replay_pending_bytes"] == 0 and (st["replay_drain_ns"] or
+                                                not st["replay_drained_bytes"]):
+            return st
+        time.sleep(0.1)
+    raise Failed("%s: the log found at start was not written back in %d s: %s"
+                 % (what, timeout, st))
+
+
+START_LINE = (r"(\d+) batch\(es\), (\d+) record\(s\), (\d+) bytes of data to write back, "
+              r"planned in ([0-9.]+) s")
+
+
 def check_data(disk, want, what):
     for off, data in want.items():
         nbdtest.require_same(nbdtest.read_at(disk, off, len(data)), data,
@@ -174,13 +193,13 @@ def replay_after_kill(tmp):
     want = write_and_kill(tmp, disk, dev)
     d = daemon(tmp, disk, dev)
     try:
-        check_data(disk, want, "after the replay")
         h = nbdtest.libnbd_handle(d.unix_uri("disk"))
         got = h.pread(4 * MIB, 8 * MIB)
         nbdtest.require_same(got, want[8 * MIB], "read after the replay", base=8 * MIB)
+        drained(d, "after SIGKILL")
+        check_data(disk, want, "after the replay")
         text = d.log_text()
-        m = re.search(r"replayed (\d+) batch\(es\), (\d+) record\(s\), (\d+) bytes of data in "
-                      r"([0-9.]+) s", text)
+        m = re.search(START_LINE, text)
         require(m, "no replay line in the log")
         log("  %s" % m.group(0))
         expect(int(m.group(3)) >= 4 * MIB, "replayed %s bytes, 4 MiB were FLUSHed" % m.group(3))
@@ -295,6 +314,7 @@ def refusals(tmp):
                % "AB"[older])
         log("  corrupt copy %s (generations %s): %s" % ("AB"[older], gens,
                                                         m.group(0) if m else "-"))
+        drained(d, "after the refusals")
         check_data(disk, want, "replayed after the refusals")
     finally:
         d.stop()
@@ -361,6 +381,7 @@ def device_faults(tmp):
             expect(rc == 0, "%s: the daemon exited %d" % (fault, rc))
             d2 = daemon(work, disk, dev, what="the healed device")
             try:
+                drained(d2, "the healed device")
                 check_data(disk, {0: a, MIB: b, 2 * MIB: c}, "after a restart on the healed "
                            "device")
             finally:
@@ -417,8 +438,7 @@ def flush_and_detach(tmp):
     d = daemon(tmp, disk, dev, what="after the detach")
     try:
         text = d.log_text()
-        expect("replayed" not in text or "replayed 0 batch" in text, "a start after the "
-               "detach replayed something")
+        expect("to write back" not in text, "a start after the detach replayed something")
         h = nbdtest.libnbd_handle(d.unix_uri("disk"))
         for off, data in ((2 * MIB, a), (4 * MIB, b), (6 * MIB, c)):
             nbdtest.require_same(h.pread(MIB, off), data, "read after the restart", base=off)
@@ -492,6 +512,7 @@ def round_cost(tmp):
         expect(not bad, "after SIGKILL and the replay, %d of %d blocks differ from what was "
                "last written and FLUSHed, first at %s" % (len(bad), len(want),
                                                           bad[0] if bad else None))
+        drained(d, "after the collapse")
         check_data(disk, {off: want[off] for off in sorted(want)[:64]}, "after the replay")
     finally:
         d.stop()
@@ -536,9 +557,29 @@ def flip_byte(path, at):
         f.write(bytes([b[0] ^ 0xFF]))
 
 
+def uncommit(dev, batch):
+    """Rewrite a batch header on the device file as if it had been written
+    in one commit with the batch before it: its committed mark 0."""
+    with open(dev, "r+b") as f:
+        f.seek(batch[0])
+        hdr = bytearray(f.read(4096))
+        struct.pack_into(">Q", hdr, COMMITTED, 0)
+        struct.pack_into(">I", hdr, 4092, crc32c(bytes(hdr[:4092])))
+        f.seek(batch[0])
+        f.write(hdr)
+
+
+# Where a batch header's committed mark is (device_format.h).
+COMMITTED = 48 + 167 * 24 + 8
+
+
 def torn_tail(tmp):
+    """A torn batch ends the log: "last", the last commit's; "first", the
+    first of a commit of two (the second's header says nothing was
+    committed before them). A committed batch corrupt on the device:
+    the drain writes the rest back and fails reads of its bytes."""
     first, second = os.urandom(MIB), os.urandom(MIB)
-    for case in ("last", "first"):
+    for case in ("last", "first", "committed"):
         disk = os.path.join(tmp, case + ".img")
         dev = os.path.join(tmp, case + ".dev")
         nbdtest.sparse_file(disk, SIZE)
@@ -559,22 +600,31 @@ def torn_tail(tmp):
                 "expected two batches of 1 MiB of data each: %s" % (batches,))
         bad = batches[1] if case == "last" else batches[0]
         flip_byte(dev, bad[0] + 4096 + 12345)
+        if case == "first":
+            uncommit(dev, batches[1])
+        why = (r"batch %d: data CRC32C 0x[0-9a-f]+, computed 0x[0-9a-f]+ \(torn or corrupt\)"
+               % bad[1])
+        if case == "committed":
+            corrupt_committed(tmp, disk, dev, bad, why, second)
+            continue
         replayed = 1 if case == "last" else 0
         rc, out = check_config(disk, dev)
         expect(rc == 0 and "%d batch(es) to replay" % replayed in out,
                "--check-config with the %s batch torn: exit %d:\n%s" % (case, rc, out))
         d = daemon(tmp, disk, dev)
         try:
-            text = d.log_text()
-            why = (r"batch %d: data CRC32C 0x[0-9a-f]+, computed 0x[0-9a-f]+ \(torn or corrupt\)"
-                   % bad[1])
             if replayed:
-                m = re.search(r"replayed 1 batch\(es\).*the log ended at offset \d+, batch "
-                              r"%d: %s" % (bad[1], why), text)
+                drained(d, "the first commit")
+            text = d.log_text()
+            if replayed:
+                m = re.search(START_LINE + r".*the log ended at offset \d+, batch %d: %s"
+                              % (bad[1], why), text)
+                expect(m and m.group(1) == "1", "the start did not say it writes back the "
+                       "first batch alone")
             else:
-                m = re.search(why, text)
-                expect("replayed" not in text, "a batch was replayed from before a corrupt one "
-                       "that ends the log")
+                m = re.search(r"nothing to replay: the log ends at its checkpoint.*" + why, text)
+                expect("to write back" not in text, "a batch was replayed from before a "
+                       "torn one that ends the log")
             expect(m, "no log line saying the log ended at batch %d and why:\n%s"
                    % (bad[1], text[-2000:]))
             if m:
@@ -582,11 +632,139 @@ def torn_tail(tmp):
             if replayed:
                 check_data(disk, {0: first}, "after the replay of the first commit")
             else:
-                expect(nbdtest.read_at(disk, 0, MIB) != first, "a corrupt batch was written back")
+                expect(nbdtest.read_at(disk, 0, MIB) != first, "a torn batch was written back")
             expect(nbdtest.read_at(disk, 8 * MIB, MIB) != second,
                    "a batch after the end of the log was written back")
         finally:
             d.stop()
+
+
+def corrupt_committed(tmp, disk, dev, bad, why, second):
+    rc, out = check_config(disk, dev)
+    expect(rc != 0 and "was committed, but now" in out and re.search(why, out),
+           "--check-config with a committed batch corrupt: exit %d:\n%s" % (rc, out))
+    d = daemon(tmp, disk, dev, what="a committed batch corrupt")
+    try:
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        nbdtest.require_same(h.pread(MIB, 8 * MIB), second, "the batch after the corrupt one, "
+                             "read", base=8 * MIB)
+        try:
+            h.pread(4096, 0)
+            expect(False, "a read of the corrupt batch's bytes succeeded")
+        except nbd.Error as e:
+            expect(e.errnum == errno.EIO, "a read of the corrupt batch's bytes: %s" % e)
+        st = None
+        for _ in range(100):
+            st = nbdtest.control_request(d.control, {"command": "stats"})["cache"][
+                "cache_device"]
+            if st["replay_drained_bytes"] >= MIB:
+                break
+            time.sleep(0.1)
+        expect(st["replay_drained_bytes"] == MIB and st["replay_pending_bytes"] == MIB and
+               not st["replay_drain_ns"], "stats with a corrupt committed batch: %s" % st)
+        check_data(disk, {8 * MIB: second}, "the batch after the corrupt one")
+        text = d.log_text()
+        m = re.search(r"batch %d of its log \(at offset \d+\) was committed, but now %s: the "
+                      r"device corrupted it" % (bad[1], why), text)
+        expect(m, "no log line saying batch %d is corrupt:\n%s" % (bad[1], text[-2000:]))
+        if m:
+            log("  committed: %s" % m.group(0))
+    finally:
+        d.kill()
+        d.logf.close()
+    d = daemon(tmp, disk, dev, extra=["--cache-device-discard-dirty", "disk"],
+               what="a committed batch corrupt, thrown away")
+    try:
+        expect(re.search(r"throwing away \d+ bytes in 2 record\(s\)", d.log_text()),
+               "the corrupt batch's export was not said to be thrown away")
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        expect(h.pread(4096, 0) == b"\0" * 4096, "after cache-device-discard-dirty, the "
+               "corrupt batch's bytes are not the backend's")
+        nbdtest.require_same(h.pread(MIB, 8 * MIB), second, "after cache-device-discard-dirty",
+                             base=8 * MIB)
+    finally:
+        d.stop()
+
+
+def lazy_replay(tmp):
+    """After SIGKILL, the live log is served at once: its bytes stay dirty
+    in the log and a drain writes them back in the background (over a
+    backend whose writes take 300 ms each, it takes seconds). A read of
+    bytes not written back yet waits for their batch alone; a write over
+    them wins; a SIGKILL in the middle of the drain loses nothing (the
+    next start finds the old log and the batches written after it, an
+    epoch apart)."""
+    disk, dev = os.path.join(tmp, "disk.img"), os.path.join(tmp, "cache.dev")
+    nbdtest.sparse_file(disk, SIZE)
+    nbdtest.sparse_file(dev, DEVICE)
+    backend = "nbdkit:--filter=delay file %s wdelay=300ms" % disk
+    want = {}
+    d = daemon(tmp, backend, dev)
+    try:
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        for i in range(12):
+            want[i * 2 * MIB] = os.urandom(MIB)
+            h.pwrite(want[i * 2 * MIB], i * 2 * MIB)
+            h.flush()
+    finally:
+        d.kill()
+        d.logf.close()
+    on_file = [off for off, data in want.items() if nbdtest.read_at(disk, off, MIB) == data]
+    require(len(on_file) <= 2, "%d of 12 MiB reached the backend file before the kill: the "
+            "test does not show the log at work" % len(on_file))
+    t0 = time.monotonic()
+    d = daemon(tmp, backend, dev, what="served while the log drains")
+    started = time.monotonic() - t0
+    try:
+        st = nbdtest.control_request(d.control, {"command": "stats"})["cache"]["cache_device"]
+        log("  served %.2f s after the start (the log planned in %.3f s), %d bytes not on the "
+            "backend yet" % (started, st["replay_ns"] / 1e9, st["replay_pending_bytes"]))
+        expect(st["replay_pending_bytes"] >= 6 * MIB, "the start waited for the log to be "
+               "written back: %d bytes left" % st["replay_pending_bytes"])
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        last = max(want)
+        t1 = time.monotonic()
+        got = h.pread(MIB, last)
+        took = time.monotonic() - t1
+        nbdtest.require_same(got, want[last], "a read of the last batch while the log drains",
+                             base=last)
+        st = nbdtest.control_request(d.control, {"command": "stats"})["cache"]["cache_device"]
+        log("  the last batch read in %.3f s; then %d bytes left, %d request(s) waited"
+            % (took, st["replay_pending_bytes"], st["replay_waits"]))
+        expect(st["replay_pending_bytes"] > 0 and st["replay_waits"] >= 1, "the read of the "
+               "last batch did not wait for it alone: %s" % st)
+        # A write over bytes still in the log, FLUSHed (answered from it).
+        off = sorted(want)[-2]
+        patch = os.urandom(8192)
+        h.pwrite(patch, off + 4096)
+        h.flush()
+        want[off] = want[off][:4096] + patch + want[off][4096 + 8192:]
+        nbdtest.require_same(h.pread(MIB, off), want[off], "a write over the log's bytes",
+                             base=off)
+        st = nbdtest.control_request(d.control, {"command": "stats"})["cache"]["cache_device"]
+        require(st["replay_pending_bytes"] > 0, "the drain was over before the kill: nothing "
+                "shows a crash in the middle of it")
+        log("  SIGKILL with %d bytes not written back" % st["replay_pending_bytes"])
+    finally:
+        d.kill()
+        d.logf.close()
+    d = daemon(tmp, backend, dev, what="after a SIGKILL during the drain")
+    try:
+        st = nbdtest.control_request(d.control, {"command": "stats"})["cache"]["cache_device"]
+        expect(st["replay_batches"] >= 13, "the start after the SIGKILL found %d batch(es): "
+               "not the old log and the write after it" % st["replay_batches"])
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        for o in sorted(want):
+            nbdtest.require_same(h.pread(MIB, o), want[o], "read after a SIGKILL during the "
+                                 "drain", base=o)
+        st = drained(d, "after a SIGKILL during the drain")
+        log("  then: %d batch(es) found, %d bytes written back in %.2f s while served"
+            % (st["replay_batches"], st["replay_drained_bytes"], st["replay_drain_ns"] / 1e9))
+        expect("the live log found at start is on the backends" in d.log_text(), "no line "
+               "saying the drain is done")
+    finally:
+        d.stop()
+    check_data(disk, want, "after the drain")
 
 
 def readded_export(tmp):
@@ -656,6 +834,7 @@ def readded_export(tmp):
         d.logf.close()
     d = daemon(tmp, disk, dev)
     try:
+        drained(d, "after SIGKILL")
         check_data(disk, {4 * MIB: data}, "after SIGKILL and the replay")
     finally:
         d.stop()
@@ -709,6 +888,7 @@ def readded_export(tmp):
     d.stop()
     d = daemon(tmp, disk, dev)
     try:
+        drained(d, "the removed export's device")
         expect(nbdtest.read_at(disk, 12 * MIB, MIB) == outside, "a removed export's record "
                "(a WRITE_ZEROES) was replayed over what another writer put in its backend "
                "file after the export was written back and closed")
@@ -759,7 +939,9 @@ def main():
                          ("an export removed and added again by reloads is logged",
                           readded_export),
                          ("a torn or corrupt batch ends the replay at the last good one",
-                          torn_tail)):
+                          torn_tail),
+                         ("the log is served at once and drains in the background",
+                          lazy_replay)):
             sub = os.path.join(tmp, fn.__name__)
             os.mkdir(sub)
             CHECKS.run(name, fn, sub)

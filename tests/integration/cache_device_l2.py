@@ -376,7 +376,7 @@ def after_kill(r):
         m = re.search(r"level-2 cache warm: (\d+) MiB", text)
         log("  start %d after SIGKILL: %s; %s" % (
             i + 1, m.group(0) if m else "cold",
-            "replayed" if "replayed" in text else "nothing replayed"))
+            "log found" if "to write back" in text else "nothing replayed"))
         r.read_all("after SIGKILL %d" % (i + 1))
     # Writethrough: the writes go direct to the backend, each after the map
     # stopped claiming what it replaces.

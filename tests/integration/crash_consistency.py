@@ -623,11 +623,11 @@ class Trial:
             with open(d.logpath) as f:
                 text = f.read()
             replayed = [ln.split("info: ", 1)[-1] for ln in text.splitlines()
-                        if "replayed" in ln]
+                        if "to write back" in ln or "on the backends:" in ln]
             self.power_note = "; %s; %s" % (
                 "device power loss (%d fsyncs before)" % c.get("fsyncs_ok", -1)
                 if self.device_power_loss else "no power loss",
-                replayed[0] if replayed else "nothing to replay")
+                "; ".join(replayed) if replayed else "nothing to replay")
         return self.verify(path, "after the replay")
 
     def prepare(self, path):

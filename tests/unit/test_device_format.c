@@ -374,11 +374,104 @@ static void test_batch(void **state)
 	assert_non_null(strstr(why, "no batch header"));
 }
 
+/* Version 4's fields: the committed mark, epoch batches, a version 3
+ * device and header read as they are. */
+static void test_v4(void **state)
+{
+	(void)state;
+	make_batch();
+	batch.committed = 99;
+	assert_int_equal(devfmt_batch_encode(&batch, uuid, bbuf), 0);
+	assert_int_equal(b_decode(100), 0);
+	assert_int_equal(bback.committed, 99);
+	assert_int_equal(bback.prev_seq, 0);
+	batch.committed = 100; /* not before itself */
+	devfmt_batch_encode(&batch, uuid, bbuf);
+	assert_int_equal(b_decode(100), -EINVAL);
+	assert_non_null(strstr(why, "committed before it was written"));
+
+	/* An epoch batch: where 40 was expected, 1 << 33 jumping from 40. */
+	make_batch();
+	batch.seq = 1ull << 33;
+	batch.flags = DEVFMT_BATCH_EPOCH;
+	batch.prev_seq = 40;
+	devfmt_batch_encode(&batch, uuid, bbuf);
+	assert_int_equal(b_decode(40), 0);
+	assert_int_equal(bback.seq, 1ull << 33);
+	assert_int_equal(b_decode(1ull << 33), 0); /* its own number (a checkpoint there) */
+	assert_true(devfmt_batch_claims(bbuf, uuid, 40));
+	assert_int_equal(b_decode(41), -EINVAL); /* not where 41 is expected */
+	assert_non_null(strstr(why, "expected 41"));
+	assert_false(devfmt_batch_claims(bbuf, uuid, 41));
+	/* The same jump without the flag is an older lap's; a jump back is
+	 * refused. */
+	batch.flags = 0;
+	devfmt_batch_encode(&batch, uuid, bbuf);
+	assert_int_equal(b_decode(40), -EINVAL);
+	assert_int_equal(b_decode(1ull << 33), -EINVAL);
+	assert_non_null(strstr(why, "previous sequence number 40"));
+	batch.flags = DEVFMT_BATCH_EPOCH | DEVFMT_BATCH_WRAP;
+	batch.extent_count = 0;
+	batch.data_blocks = 0;
+	devfmt_batch_encode(&batch, uuid, bbuf);
+	assert_int_equal(b_decode(40), 0);
+	batch.seq = 30; /* "jumping" backwards */
+	devfmt_batch_encode(&batch, uuid, bbuf);
+	assert_int_equal(b_decode(40), -EINVAL);
+
+	/* A version 3 header of DEVFMT_MAX_EXTENTS extents: the last one lies
+	 * where version 4 has prev_seq and committed, which read as 0. */
+	memset(&batch, 0, sizeof(batch));
+	batch.seq = 7;
+	assert_int_equal(devfmt_batch_encode(&batch, uuid, bbuf), 0);
+	nbd_put32(bbuf + 36, DEVFMT_MAX_EXTENTS);
+	for (uint32_t i = 0; i < DEVFMT_MAX_EXTENTS; i++) {
+		uint8_t *p = bbuf + DEVFMT_BATCH_HEADER + (size_t)i * DEVFMT_EXTENT_BYTES;
+		p[0] = DEVFMT_EXTENT_ZERO;
+		nbd_put64(p + 8, 0xffffull << 20);
+		nbd_put64(p + 16, 4096);
+	}
+	nbd_put32(bbuf + 32, DEVFMT_BATCH_EPOCH);
+	nbd_put32(bbuf + DEVFMT_BLOCK - 4, devfmt_crc32c(0, bbuf, DEVFMT_BLOCK - 4));
+	assert_int_equal(b_decode(6), -EINVAL); /* no epoch with so many */
+	nbd_put32(bbuf + 32, 0);
+	nbd_put32(bbuf + DEVFMT_BLOCK - 4, devfmt_crc32c(0, bbuf, DEVFMT_BLOCK - 4));
+	assert_int_equal(b_decode(7), 0);
+	assert_int_equal(bback.extent_count, DEVFMT_MAX_EXTENTS);
+	assert_int_equal(bback.committed, 0);
+	assert_int_equal(bback.prev_seq, 0);
+	assert_int_equal(bback.extents[DEVFMT_MAX_EXTENTS - 1].offset, 0xffffull << 20);
+	make_batch();
+	batch.extent_count = DEVFMT_WRITE_EXTENTS + 1; /* version 4 writes fewer */
+	assert_int_equal(devfmt_batch_encode(&batch, uuid, bbuf), -EINVAL);
+
+	/* The superblock: seq_floor kept; version 3 read, written as 4. */
+	make_sb();
+	sb.seq_floor = 12345ull << 32;
+	devfmt_sb_encode(&sb, sbuf);
+	assert_int_equal(sb_decode(), 0);
+	assert_int_equal(back.seq_floor, 12345ull << 32);
+	assert_int_equal(back.version, DEVFMT_VERSION);
+	nbd_put32(sbuf + 8, 3);
+	memset(sbuf + 116, 0, 8);
+	nbd_put32(sbuf + DEVFMT_SB_BYTES - 4, devfmt_crc32c(0, sbuf, DEVFMT_SB_BYTES - 4));
+	assert_int_equal(sb_decode(), 0);
+	assert_int_equal(back.version, 3);
+	assert_int_equal(back.seq_floor, 0);
+	nbd_put32(sbuf + 8, DEVFMT_VERSION + 1);
+	nbd_put32(sbuf + DEVFMT_SB_BYTES - 4, devfmt_crc32c(0, sbuf, DEVFMT_SB_BYTES - 4));
+	assert_int_equal(sb_decode(), -EINVAL);
+	assert_non_null(strstr(why, "versions 3 to 4"));
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-	    cmocka_unit_test(test_crc32c),	cmocka_unit_test(test_sb_round_trip),
-	    cmocka_unit_test(test_sb_refusals), cmocka_unit_test(test_l2),
+	    cmocka_unit_test(test_v4),
+	    cmocka_unit_test(test_crc32c),
+	    cmocka_unit_test(test_sb_round_trip),
+	    cmocka_unit_test(test_sb_refusals),
+	    cmocka_unit_test(test_l2),
 	    cmocka_unit_test(test_batch),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
