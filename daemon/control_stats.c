@@ -294,6 +294,7 @@ json_object *control_device_object(struct cache *cache)
 	control_add_u64(dev, "replay_ns", ds.replay_ns);
 	control_add_u64(dev, "replay_pending_bytes", ds.replay_pending_bytes);
 	control_add_u64(dev, "replay_drained_bytes", ds.replay_drained_bytes);
+	control_add_u64(dev, "replay_lost_bytes", ds.replay_lost_bytes);
 	control_add_u64(dev, "replay_drain_ns", ds.replay_drain_ns);
 	control_add_u64(dev, "replay_waits", ds.replay_waits);
 	json_object_object_add(dev, "last_commit_unix_ms",

@@ -199,6 +199,11 @@ static int backing_resize(struct export_table *t, struct export_backing *b, uint
 			atomic_store(&be->size, end);
 	}
 	out->dirty_past = dirty;
+	if (rc == -EAGAIN)
+		return fail(out, rc,
+			    "the cache device's log found at start still holds bytes of it that "
+			    "are not on the backend yet: resize again once they are "
+			    "(nbdcachectl cache-device status)");
 	if (rc == -EBUSY)
 		return fail(out, rc,
 			    "%llu dirty bytes past the new end at %llu, or blocks there unstable "

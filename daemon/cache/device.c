@@ -494,7 +494,7 @@ static int check_tail(struct cache_device *d, uint64_t committed, uint8_t *hdr)
 			continue;
 		/* The log ends here: what follows was never committed. */
 		d->live_end = d->live[k].off;
-		d->live_end_seq = d->live[k].seq;
+		d->live_end_seq = d->live[k].expect;
 		d->live_torn = true;
 		snprintf(d->live_why, sizeof(d->live_why), "%s", b.why);
 		d->live_bytes =
@@ -530,7 +530,7 @@ int cache_device_bind(struct cache_device *d, char *err, size_t len)
 			d->live = p;
 			d->caplive = cap;
 		}
-		d->live[d->nlive++] = (struct dev_pos){w.off, w.seq};
+		d->live[d->nlive++] = (struct dev_pos){w.off, w.seq, w.expected};
 		dev_walk_advance(d, &w);
 	}
 	d->live_end = w.off % d->sb.log_bytes;

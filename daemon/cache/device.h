@@ -39,10 +39,10 @@
  * order. Until a piece is on its backend, every backend request of the
  * cache that touches it waits (cache_device_gate; the drain takes its
  * batch first), and a backend FLUSH of its export waits for all of the
- * export's. The live log stays in the ring (no checkpoint covers it)
- * until the drain has flushed the backends; new batches follow it, the
- * first marked as an epoch, with sequence numbers past any stale batch on
- * the device.
+ * export's. The live log stays in the ring until the drain is done (no
+ * checkpoint covers anything meanwhile: a checkpoint waiter waits for
+ * the drain); new batches follow it, the first marked as an epoch, with
+ * sequence numbers past any stale batch on the device.
  *
  * Failures: a write or flush of the device that fails answers every
  * waiter -EIO and turns the log off for good (cache_device_usable false:
@@ -113,10 +113,12 @@ struct cache_device_stats {
 	uint64_t checkpoints, fallbacks;
 	/* The live log found at start: its batches, records and bytes of
 	 * data, the time to find and plan it (before serving); then the bytes
-	 * not yet written back, those written back, the time that took (0
-	 * until done) and the requests that waited for it. */
+	 * (data, zeros, trims) not yet written back, those written back,
+	 * those lost (a committed batch whose data no longer checks), the
+	 * time that took (0 until done) and the requests that waited for it. */
 	uint64_t replay_batches, replay_records, replay_bytes, replay_ns;
-	uint64_t replay_pending_bytes, replay_drained_bytes, replay_drain_ns, replay_waits;
+	uint64_t replay_pending_bytes, replay_drained_bytes, replay_lost_bytes, replay_drain_ns;
+	uint64_t replay_waits;
 	uint64_t pending_bytes;
 	int64_t last_commit_unix_ms;
 };

@@ -13,17 +13,19 @@
  * of its pieces, so that whatever a flush promises (a full round, a
  * retire, a detach, a clean stop) covers them too.
  *
- * The drain thread writes batch by batch, in log order, taking first a
- * batch a waiting request needs; each batch's data is read whole and
- * checked against its CRC (bind read only the headers of the committed
- * ones), its pieces written through a window of requests on the drain's
- * own worker, and marked done once every write completed. A batch whose
- * data no longer checks is never written: the requests that need it fail
- * with EIO, the log keeps it, and an error says so. A backend that fails
- * a write fails the requests waiting for that batch; it is tried again a
- * second later. When every piece is done, the backends are flushed, the
- * level-2 map is brought up to date, and the batch holding the live log
- * in the ring is released to the next checkpoint.
+ * The drain thread writes in log order, taking first a batch a waiting
+ * request needs, in groups of at most DRAIN_GROUP_BYTES: each batch's
+ * data read whole and checked against its CRC (bind read only the
+ * headers of the committed ones), its pieces written through a window of
+ * requests on the drain's own worker while the next batch is read, then
+ * the group's backends flushed; its pieces are done only then, and only
+ * if no backend lost its connection meanwhile (else written again). A
+ * batch whose data no longer checks is never written: an error names
+ * what it held, which is lost. A backend that fails a write fails the
+ * requests waiting for that export; the group is tried again a second
+ * later. When every piece is done, the level-2 map is brought up to date
+ * and the batch holding the live log in the ring is released to the next
+ * checkpoint (until then no checkpoint covers anything: device_log.c).
  */
 #include "daemon/cache/device_internal.h"
 
@@ -122,11 +124,10 @@ static int window_drain(struct window *win)
 	return error;
 }
 
-/* Piece p onto its backend (data: its bytes, for DATA). */
-static int send_piece(struct cache_device *d, struct window *win, const struct dev_piece *p,
+/* Piece p onto its backend be (data: its bytes, for DATA). */
+static int send_piece(struct window *win, struct backend *be, const struct dev_piece *p,
 		      uint8_t *data)
 {
-	struct backend *be = d->slots[p->slot].ce->backend;
 	if (p->type == DEVFMT_EXTENT_DATA) {
 		for (uint64_t done = 0; done < p->length;) {
 			uint64_t n =
@@ -154,13 +155,30 @@ static int send_piece(struct cache_device *d, struct window *win, const struct d
 
 /* ---- waiting requests ---- */
 
-/* Must io of slot s wait (1), fail (-EIO: it needs a batch that no
- * longer checks), or go (0)? mark: the batches it needs are wanted first
- * (else the answer is all that is asked). g->lock held. */
-static int blocked_locked(struct dev_drain *g, unsigned s, const struct backend_io *io, bool mark)
+/* Batch k goes first (queued): false when out of memory (it then comes
+ * in log order). g->lock held. */
+static bool want_push(struct dev_drain *g, size_t k)
+{
+	if (g->want_head == g->nwant)
+		g->want_head = g->nwant = 0;
+	if (g->nwant == g->capwant) {
+		size_t cap = g->capwant ? g->capwant * 2 : 64;
+		size_t *w = realloc(g->want, cap * sizeof(*w));
+		if (!w)
+			return false;
+		g->want = w;
+		g->capwant = cap;
+	}
+	g->want[g->nwant++] = k;
+	return true;
+}
+
+/* Must io of slot s wait (true) or go? mark: the batches it needs are
+ * wanted first (else the answer is all that is asked). g->lock held. */
+static bool blocked_locked(struct dev_drain *g, unsigned s, const struct backend_io *io, bool mark)
 {
 	if (io->cmd == BACKEND_FLUSH)
-		return !g->undone[s] ? 0 : g->undone[s] > g->bad[s] ? 1 : -EIO;
+		return g->undone[s] > 0;
 	uint64_t a = io->offset, b = io->offset + (io->length ? io->length : 1);
 	/* The first piece ending after a (they never overlap: sorted by
 	 * their ends too). */
@@ -173,31 +191,27 @@ static int blocked_locked(struct dev_drain *g, unsigned s, const struct backend_
 		else
 			hi = mid;
 	}
-	int r = 0;
+	bool r = false;
 	for (size_t i = lo; i < g->nby_offset[s]; i++) {
 		const struct dev_piece *p = &g->pieces[g->by_offset[s][i]];
 		if (p->offset >= b)
 			break;
 		if (p->done)
 			continue;
-		struct dev_drain_batch *bt = &g->batches[p->batch];
-		if (bt->state == DEV_DRAIN_BAD)
-			return -EIO;
 		if (!mark)
-			return 1;
-		if (bt->state == DEV_DRAIN_TODO) {
+			return true;
+		struct dev_drain_batch *bt = &g->batches[p->batch];
+		if (bt->state == DEV_DRAIN_TODO && want_push(g, p->batch))
 			bt->state = DEV_DRAIN_WANTED;
-			g->wanted++;
-		}
-		r = 1;
+		r = true;
 	}
 	return r;
 }
 
-static unsigned slot_of(struct cache_device *d, const struct cache_export *ce)
+static unsigned slot_of(const struct dev_drain *g, const struct cache_export *ce)
 {
 	for (unsigned s = 0; s < DEVFMT_MAX_EXPORTS; s++)
-		if (d->slots[s].ce == ce)
+		if (g->ce[s] == ce)
 			return s;
 	return DEVFMT_MAX_EXPORTS;
 }
@@ -223,12 +237,11 @@ bool cache_device_gate(struct cache_device *d, struct cache_export *ce, struct w
 		       struct backend_io *io)
 {
 	struct dev_drain *g = d ? d->drain : NULL;
-	unsigned s = g ? slot_of(d, ce) : DEVFMT_MAX_EXPORTS;
+	unsigned s = g ? slot_of(g, ce) : DEVFMT_MAX_EXPORTS;
 	if (s == DEVFMT_MAX_EXPORTS)
 		return false;
 	pthread_mutex_lock(&g->lock);
-	int r = blocked_locked(g, s, io, true);
-	if (r == 0) {
+	if (!blocked_locked(g, s, io, true)) {
 		pthread_mutex_unlock(&g->lock);
 		return false;
 	}
@@ -239,13 +252,8 @@ bool cache_device_gate(struct cache_device *d, struct cache_export *ce, struct w
 		io->done(io, -ENOMEM);
 		return true;
 	}
-	*p = (struct dev_parked){.io = io, .worker = w, .ce = ce, .result = r < 0 ? r : 0};
+	*p = (struct dev_parked){.io = io, .worker = w, .ce = ce};
 	p->task.run = parked_run;
-	if (r < 0) {
-		pthread_mutex_unlock(&g->lock);
-		worker_post(w, &p->task);
-		return true;
-	}
 	p->next = g->parked;
 	g->parked = p;
 	g->waits++;
@@ -255,16 +263,16 @@ bool cache_device_gate(struct cache_device *d, struct cache_export *ce, struct w
 }
 
 /* Send on every parked request that may go now; fail those of the slots
- * in fail (a write of the batch they wait for failed) with error. g->lock
- * held. */
-static void release_locked(struct cache_device *d, struct dev_drain *g, const bool *fail, int error)
+ * in fail (a write of a batch they may wait for failed) with error.
+ * g->lock held. */
+static void release_locked(struct dev_drain *g, const bool *fail, int error)
 {
 	struct dev_parked **pp = &g->parked;
 	while (*pp) {
 		struct dev_parked *p = *pp;
-		unsigned s = slot_of(d, p->ce);
-		int r = s == DEVFMT_MAX_EXPORTS ? 0 : blocked_locked(g, s, p->io, false);
-		if (r > 0 && fail && s < DEVFMT_MAX_EXPORTS && fail[s])
+		unsigned s = slot_of(g, p->ce);
+		int r = s < DEVFMT_MAX_EXPORTS && blocked_locked(g, s, p->io, false) ? 1 : 0;
+		if (r > 0 && fail && fail[s])
 			r = error;
 		if (r > 0) {
 			pp = &p->next;
@@ -277,77 +285,6 @@ static void release_locked(struct cache_device *d, struct dev_drain *g, const bo
 }
 
 /* ---- the drain thread ---- */
-
-/* The next batch to write: one a request waits for, else the next in log
- * order; SIZE_MAX: none. g->lock held. */
-static size_t pick_locked(struct cache_device *d, struct dev_drain *g)
-{
-	if (g->wanted)
-		for (size_t k = 0; k < d->nlive; k++)
-			if (g->batches[k].state == DEV_DRAIN_WANTED)
-				return k;
-	while (g->next < d->nlive && g->batches[g->next].state != DEV_DRAIN_TODO)
-		g->next++;
-	return g->next < d->nlive ? g->next : SIZE_MAX;
-}
-
-/* Batch k onto the backends: 0, 1 (its data no longer checks), -errno. */
-static int drain_batch(struct cache_device *d, struct dev_drain *g, struct window *win, size_t k,
-		       uint8_t *hdr)
-{
-	struct walk b = {.off = d->live[k].off, .seq = d->live[k].seq};
-	int rc = dev_walk_next(d, &b, hdr);
-	if (rc == 0) {
-		/* Its header read well at bind, and a later batch says it was
-		 * committed (or bind checked its data): the device corrupted
-		 * it. */
-		log_error("cache device %s: batch %llu of its log (at offset %llu) was committed, "
-			  "but now %s: the device corrupted it. Its records are not written back; "
-			  "requests that need them fail with EIO, and the log keeps them. Start "
-			  "with cache-device-discard-dirty naming the exports on the device to "
-			  "throw them away",
-			  d->path, (unsigned long long)d->live[k].seq,
-			  (unsigned long long)d->live[k].off, b.why);
-		free(b.data);
-		return 1;
-	}
-	if (rc < 0) {
-		free(b.data);
-		return rc;
-	}
-	pthread_mutex_lock(&g->lock);
-	size_t first = g->batches[k].first, count = g->batches[k].count;
-	pthread_mutex_unlock(&g->lock);
-	rc = 0;
-	for (size_t i = first; i < first + count && rc == 0; i++) {
-		/* (pieces are written by this thread alone: read unlocked) */
-		const struct dev_piece *p = &g->pieces[i];
-		rc = send_piece(d, win, p, b.data ? b.data + p->data : NULL);
-	}
-	int werr = window_drain(win);
-	free(b.data);
-	return rc < 0 ? rc : werr;
-}
-
-/* Every backend the drain wrote to, flushed: 0 or -errno. */
-static int flush_touched(struct cache_device *d, struct dev_drain *g, struct window *win)
-{
-	for (unsigned s = 0; s < DEVFMT_MAX_EXPORTS; s++) {
-		if (!g->touched[s])
-			continue;
-		int rc = rio_send(win, d->slots[s].ce->backend, BACKEND_FLUSH, 0, 0, NULL);
-		int werr = window_drain(win);
-		if (rc == 0)
-			rc = werr;
-		if (rc < 0) {
-			log_error("cache device %s: flushing export \"%s\" after writing back its "
-				  "log: %s; tried again in a second",
-				  d->path, d->slots[s].id.name, strerror(-rc));
-			return rc;
-		}
-	}
-	return 0;
-}
 
 static void wait_until_locked(struct dev_drain *g, uint64_t until_ns)
 {
@@ -362,6 +299,112 @@ static void wait_until_locked(struct dev_drain *g, uint64_t until_ns)
 	pthread_cond_timedwait(&g->cond, &g->lock, &ts);
 }
 
+/* The most a group of batches writes before its backends are flushed
+ * (sooner when a request waits): reads of the next batch overlap the
+ * writes of the last, and a request that comes meanwhile waits for at
+ * most this much before its batch. */
+#define DRAIN_GROUP_BYTES (8ull << 20)
+
+/* The next batch to write: one a request waits for, else the next in log
+ * order; SIZE_MAX: none. g->lock held. */
+static size_t pick_locked(struct cache_device *d, struct dev_drain *g)
+{
+	while (g->want_head < g->nwant) {
+		size_t k = g->want[g->want_head++];
+		if (g->batches[k].state == DEV_DRAIN_WANTED)
+			return k;
+	}
+	while (g->next < d->nlive && g->batches[g->next].state != DEV_DRAIN_TODO)
+		g->next++;
+	return g->next < d->nlive ? g->next : SIZE_MAX;
+}
+
+/* Batch k's data no longer checks: its pieces are lost, said. g->lock
+ * held. */
+static void lose_batch_locked(struct cache_device *d, struct dev_drain *g, size_t k,
+			      const char *why)
+{
+	struct dev_drain_batch *bt = &g->batches[k];
+	bt->state = DEV_DRAIN_BAD;
+	for (size_t i = bt->first; i < bt->first + bt->count; i++) {
+		struct dev_piece *p = &g->pieces[i];
+		log_error(
+		    "cache device %s: batch %llu of its log (at offset %llu) was committed, "
+		    "but now %s: the device corrupted it. %llu bytes of export \"%s\" at %llu "
+		    "that it held are lost: the backend keeps what it had there",
+		    d->path, (unsigned long long)d->live[k].seq, (unsigned long long)d->live[k].off,
+		    why, (unsigned long long)p->length, d->slots[p->slot].id.name,
+		    (unsigned long long)p->offset);
+		p->done = true;
+		g->pending_bytes -= p->length;
+		g->lost_bytes += p->length;
+		if (--g->undone[p->slot] == 0)
+			atomic_store(&g->ce[p->slot]->replay_gate, false);
+	}
+}
+
+/* A group of batches being written: their data until the writes are
+ * done, the slots they touch and those backends' loss_seq before. */
+struct group {
+	size_t *k;
+	uint8_t **data;
+	size_t n;
+	uint64_t bytes;
+	bool slot[DEVFMT_MAX_EXPORTS];
+	uint64_t loss[DEVFMT_MAX_EXPORTS];
+};
+
+/* Batch k read, checked and its pieces sent (not waited for): 0, 1 (its
+ * data no longer checks: why says why), -errno. */
+static int send_batch(struct cache_device *d, struct dev_drain *g, struct window *win,
+		      struct group *grp, size_t k, uint8_t *hdr, char *why, size_t why_len)
+{
+	struct walk b = {.off = d->live[k].off, .seq = d->live[k].seq};
+	int rc = dev_walk_next(d, &b, hdr);
+	if (rc <= 0) {
+		snprintf(why, why_len, "%s", b.why);
+		free(b.data);
+		return rc < 0 ? rc : 1;
+	}
+	/* (pieces are written by this thread alone, and only done changes:
+	 * read unlocked) */
+	size_t first = g->batches[k].first, count = g->batches[k].count;
+	for (size_t i = first; i < first + count; i++) {
+		const struct dev_piece *p = &g->pieces[i];
+		if (!grp->slot[p->slot]) {
+			grp->slot[p->slot] = true;
+			grp->loss[p->slot] = atomic_load(&g->ce[p->slot]->backend->loss_seq);
+		}
+	}
+	grp->k[grp->n] = k;
+	grp->data[grp->n++] = b.data;
+	for (size_t i = first; i < first + count && rc >= 0; i++) {
+		const struct dev_piece *p = &g->pieces[i];
+		rc = send_piece(win, g->ce[p->slot]->backend, p, b.data ? b.data + p->data : NULL);
+		grp->bytes += p->length;
+	}
+	return rc < 0 ? rc : 0;
+}
+
+/* The group's writes done, its backends flushed, none of them lost a
+ * connection meanwhile (an NBD backend may drop writes it acknowledged
+ * but did not flush): 0, 1 (lost one: write it again), -errno. */
+static int settle_group(struct dev_drain *g, struct window *win, struct group *grp)
+{
+	int rc = window_drain(win);
+	for (unsigned s = 0; s < DEVFMT_MAX_EXPORTS && rc == 0; s++) {
+		if (!grp->slot[s])
+			continue;
+		rc = rio_send(win, g->ce[s]->backend, BACKEND_FLUSH, 0, 0, NULL);
+		int werr = window_drain(win);
+		if (rc == 0)
+			rc = werr;
+		if (rc == 0 && atomic_load(&g->ce[s]->backend->loss_seq) != grp->loss[s])
+			rc = 1;
+	}
+	return rc;
+}
+
 static void *drain_thread(void *arg)
 {
 	struct cache_device *d = arg;
@@ -370,79 +413,98 @@ static void *drain_thread(void *arg)
 	pthread_mutex_init(&win.lock, NULL);
 	pthread_cond_init(&win.cond, NULL);
 	uint8_t *hdr = dev_aligned(DEVFMT_BLOCK);
-	bool bad_said = false;
+	struct group grp = {0};
+	grp.k = calloc(d->nlive ? d->nlive : 1, sizeof(*grp.k));
+	grp.data = calloc(d->nlive ? d->nlive : 1, sizeof(*grp.data));
+	char why[200];
 	pthread_mutex_lock(&g->lock);
-	while (!g->stop && hdr) {
+	while (!g->stop && hdr && grp.k && grp.data) {
 		if (g->retry_ns > clock_now_ns()) {
+			if (g->closing)
+				break;
 			wait_until_locked(g, g->retry_ns);
 			continue;
 		}
-		size_t k = pick_locked(d, g);
-		if (k == SIZE_MAX) {
-			bool bad = false;
-			for (unsigned s = 0; s < DEVFMT_MAX_EXPORTS; s++)
-				bad |= g->undone[s] > 0;
-			if (bad) {
-				/* Only batches that no longer check are left: the
-				 * log keeps them (said for each). */
-				if (g->closing)
-					break;
-				if (!bad_said)
-					log_error(
-					    "cache device %s: its log is kept as it is: some of "
-					    "what it held at start could not be written back",
-					    d->path);
-				bad_said = true;
-				pthread_cond_wait(&g->cond, &g->lock);
-				continue;
-			}
+		/* A group: batches read and written until enough is, or a
+		 * request waits; then the backends flushed. */
+		int rc = 0;
+		size_t k;
+		while (rc == 0 && grp.bytes < DRAIN_GROUP_BYTES && (!g->parked || !grp.n) &&
+		       (k = pick_locked(d, g)) != SIZE_MAX) {
+			g->batches[k].state = DEV_DRAIN_WRITING;
 			pthread_mutex_unlock(&g->lock);
-			int rc = flush_touched(d, g, &win);
+			rc = send_batch(d, g, &win, &grp, k, hdr, why, sizeof(why));
 			pthread_mutex_lock(&g->lock);
-			if (rc < 0) {
-				g->retry_ns = clock_now_ns() + DRAIN_RETRY_NS;
-				continue;
+			if (rc > 0) {
+				lose_batch_locked(d, g, k, why);
+				release_locked(g, NULL, 0);
+				rc = 0;
 			}
+			if (rc < 0 && (!grp.n || grp.k[grp.n - 1] != k))
+				g->batches[k].state = DEV_DRAIN_TODO; /* not read */
+		}
+		if (!grp.n && rc == 0) {
+			/* Nothing left: every piece is on the backends, flushed. */
 			g->finished = true;
 			g->drain_ns = clock_now_ns() - g->t0_ns;
 			break;
 		}
 		pthread_mutex_unlock(&g->lock);
-		int rc = drain_batch(d, g, &win, k, hdr);
+		int src = settle_group(g, &win, &grp);
+		if (rc == 0)
+			rc = src;
+		else
+			(void)window_drain(&win);
 		pthread_mutex_lock(&g->lock);
-		struct dev_drain_batch *bt = &g->batches[k];
-		if (bt->state == DEV_DRAIN_WANTED)
-			g->wanted--;
+		bool fail[DEVFMT_MAX_EXPORTS] = {false};
+		for (size_t j = 0; j < grp.n; j++) {
+			struct dev_drain_batch *bt = &g->batches[grp.k[j]];
+			for (size_t i = bt->first; i < bt->first + bt->count; i++) {
+				struct dev_piece *p = &g->pieces[i];
+				fail[p->slot] = true;
+				if (rc != 0)
+					continue;
+				p->done = true;
+				g->pending_bytes -= p->length;
+				g->drained_bytes += p->length;
+				if (--g->undone[p->slot] == 0)
+					atomic_store(&g->ce[p->slot]->replay_gate, false);
+			}
+			/* Written again later (in log order, or first once a
+			 * request waits for it again). */
+			bt->state = rc == 0 ? DEV_DRAIN_DONE : DEV_DRAIN_TODO;
+			if (rc != 0 && grp.k[j] < g->next)
+				g->next = grp.k[j];
+			free(grp.data[j]);
+		}
 		if (rc < 0) {
-			log_error("cache device %s: writing back batch %llu of its log: %s; the "
-				  "requests waiting for it fail, and it is tried again in a second",
-				  d->path, (unsigned long long)d->live[k].seq, strerror(-rc));
-			bool fail[DEVFMT_MAX_EXPORTS] = {false};
-			for (size_t i = bt->first; i < bt->first + bt->count; i++)
-				fail[g->pieces[i].slot] = true;
-			bt->state = DEV_DRAIN_TODO;
+			log_error(
+			    "cache device %s: writing back its log: %s; the requests waiting "
+			    "for what it holds of the exports concerned fail, and it is tried "
+			    "again in a second",
+			    d->path, strerror(-rc));
+			if (!grp.n)
+				memset(fail, 1, sizeof(fail));
 			g->retry_ns = clock_now_ns() + DRAIN_RETRY_NS;
-			release_locked(d, g, fail, rc);
-			continue;
+			release_locked(g, fail, rc);
+		} else if (rc > 0) {
+			log_warn(
+			    "cache device %s: a backend lost its connection while %zu batch(es) "
+			    "of the log were written back to it: written again",
+			    d->path, grp.n);
+		} else {
+			release_locked(g, NULL, 0);
 		}
-		bt->state = rc > 0 ? DEV_DRAIN_BAD : DEV_DRAIN_DONE;
-		for (size_t i = bt->first; i < bt->first + bt->count && rc > 0; i++)
-			g->bad[g->pieces[i].slot]++;
-		for (size_t i = bt->first; i < bt->first + bt->count && rc == 0; i++) {
-			struct dev_piece *p = &g->pieces[i];
-			p->done = true;
-			g->touched[p->slot] = true;
-			g->pending_bytes -= p->length;
-			g->drained_bytes += p->length;
-			if (--g->undone[p->slot] == 0)
-				atomic_store(&d->slots[p->slot].ce->replay_gate, false);
-		}
-		release_locked(d, g, NULL, 0);
+		memset(grp.slot, 0, sizeof(grp.slot));
+		grp.n = 0;
+		grp.bytes = 0;
 	}
 	pthread_mutex_unlock(&g->lock);
 	pthread_mutex_destroy(&win.lock);
 	pthread_cond_destroy(&win.cond);
 	free(hdr);
+	free(grp.k);
+	free(grp.data);
 	if (!g->finished)
 		return NULL;
 	/* The replayed ranges out of the level-2 map before the log that names
@@ -455,9 +517,9 @@ static void *drain_thread(void *arg)
 	pthread_mutex_unlock(&d->lock);
 	log_info("cache device %s: the live log found at start is on the backends: %zu "
 		 "batch(es), %llu bytes written back in %.3f s while served (%llu requests "
-		 "waited for it)",
+		 "waited for it)%s",
 		 d->path, d->nlive, (unsigned long long)g->drained_bytes, (double)g->drain_ns / 1e9,
-		 (unsigned long long)g->waits);
+		 (unsigned long long)g->waits, g->lost_bytes ? "; some were lost (see above)" : "");
 	return NULL;
 }
 
@@ -476,7 +538,7 @@ int dev_drain_start(struct cache_device *d)
 	/* Before anything is served. */
 	for (unsigned s = 0; s < DEVFMT_MAX_EXPORTS; s++)
 		if (g->undone[s])
-			atomic_store(&d->slots[s].ce->replay_gate, true);
+			atomic_store(&g->ce[s]->replay_gate, true);
 	g->t0_ns = clock_now_ns();
 	rc = pthread_create(&g->thread, NULL, drain_thread, d);
 	if (rc)
@@ -533,6 +595,7 @@ void dev_drain_free(struct cache_device *d)
 		free(g->by_offset[s]);
 	free(g->pieces);
 	free(g->batches);
+	free(g->want);
 	free(g);
 	d->drain = NULL;
 }
@@ -545,6 +608,7 @@ void dev_drain_stats(struct cache_device *d, struct cache_device_stats *out)
 	pthread_mutex_lock(&g->lock);
 	out->replay_pending_bytes = g->pending_bytes;
 	out->replay_drained_bytes = g->drained_bytes;
+	out->replay_lost_bytes = g->lost_bytes;
 	out->replay_drain_ns = g->drain_ns;
 	out->replay_waits = g->waits;
 	pthread_mutex_unlock(&g->lock);

@@ -62,6 +62,8 @@ struct dev_rec {
  * (a wrap marker: none, first_rec is the next one's). */
 struct dev_pos {
 	uint64_t off, seq;
+	uint64_t expect; /* the number the walk expected there (an epoch
+			  * batch's differs: it jumps from this one) */
 };
 
 struct dev_batch {
@@ -93,7 +95,8 @@ struct dev_piece {
 #define DEV_DRAIN_TODO 0u
 #define DEV_DRAIN_WANTED 1u /* a request waits for it: first */
 #define DEV_DRAIN_DONE 2u
-#define DEV_DRAIN_BAD 3u /* its data no longer checks: never written */
+#define DEV_DRAIN_WRITING 4u /* in the group being written */
+#define DEV_DRAIN_BAD 3u     /* its data no longer checks: never written (lost) */
 struct dev_drain_batch {
 	size_t first, count; /* its pieces */
 	uint8_t state;
@@ -124,17 +127,22 @@ struct dev_drain {
 	uint32_t *by_offset[DEVFMT_MAX_EXPORTS];
 	size_t nby_offset[DEVFMT_MAX_EXPORTS];
 	uint64_t undone[DEVFMT_MAX_EXPORTS];
-	uint64_t bad[DEVFMT_MAX_EXPORTS]; /* undone, in a DEV_DRAIN_BAD batch */
 	bool touched[DEVFMT_MAX_EXPORTS];
+	/* Each slot's export as planned (a slot is given to another export
+	 * only once its pieces are all done: cache_export_unflushed). */
+	struct cache_export *ce[DEVFMT_MAX_EXPORTS];
 	struct dev_drain_batch *batches; /* d->nlive of them */
 	size_t next;			 /* the next batch in log order */
-	uint64_t wanted;		 /* batches DEV_DRAIN_WANTED */
+	/* Batches made DEV_DRAIN_WANTED, in that order (some may be done
+	 * since): [want_head, nwant). */
+	size_t *want, nwant, capwant, want_head;
 	struct dev_parked *parked;
 	uint64_t retry_ns; /* a batch failed: not before then again */
 	uint64_t t0_ns;
-	/* The figures: bytes not on the backends yet, written, the time it
-	 * took (0 until done), requests that waited. */
-	uint64_t pending_bytes, drained_bytes, drain_ns, waits;
+	/* The figures: bytes (data, zeros, trims) not on the backends yet,
+	 * written, lost (a batch that no longer checks), the time it took (0
+	 * until done), requests that waited. */
+	uint64_t pending_bytes, drained_bytes, lost_bytes, drain_ns, waits;
 };
 
 /* A clean range staged for the level-2 area (device_l2.c). */
@@ -279,6 +287,7 @@ struct walk {
 	uint64_t batches, bytes;
 	bool headers_only;
 	uint64_t committed;
+	uint64_t expected; /* the number expected where the batch read is */
 	/* The walk ended at the batch it expected, torn or corrupt (its
 	 * header's magic, UUID and sequence number right, a CRC wrong), not
 	 * at an older lap or unwritten space. */

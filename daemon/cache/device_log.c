@@ -127,6 +127,13 @@ uint64_t cache_device_room(struct cache_device *d)
 	return r;
 }
 
+/* The live log found at start is still held (device_drain.c): no
+ * checkpoint covers anything until it is let go. Lock held. */
+static bool held_locked(const struct cache_device *d)
+{
+	return d->nbatches && d->batches[0].last_rec == DEV_HELD_REC;
+}
+
 /* Take the waiters that can be answered now off the list. Lock held. */
 static struct cache_device_waiter *ready_locked(struct cache_device *d)
 {
@@ -142,7 +149,8 @@ static struct cache_device_waiter *ready_locked(struct cache_device *d)
 			/* A log round while a detach began: some of its entries
 			 * may not have been appended; it writes back instead. */
 			result = -ENOSPC;
-		else if (w->rec <= (w->checkpoint ? d->checkpointed : d->durable))
+		else if (w->checkpoint ? !held_locked(d) && w->rec <= d->checkpointed
+				       : w->rec <= d->durable)
 			result = 0;
 		else if (w->fallback && d->no_room)
 			result = -ENOSPC;
@@ -491,6 +499,11 @@ static void checkpoint_locked(struct cache_device *d)
 	d->held_release = false;
 	if (release && d->nbatches && d->batches[0].last_rec == DEV_HELD_REC)
 		d->batches[0].last_rec = 0;
+	/* Until then nothing is covered: its records (and those after it,
+	 * which cannot be popped before it) would be replayed over what the
+	 * backends got since. A full round's FLUSH waits for the drain. */
+	if (held_locked(d))
+		return;
 	if (covered <= d->checkpointed && !release)
 		return;
 	/* Records not committed yet that the backends cover: never written. */

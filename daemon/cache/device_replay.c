@@ -35,6 +35,7 @@ int dev_walk_next(struct cache_device *d, struct walk *w, uint8_t *hdr)
 		int rc = dev_pread_all(fd, hdr, DEVFMT_BLOCK, d->sb.log_offset + w->off);
 		if (rc < 0)
 			return rc;
+		w->expected = w->seq;
 		if (devfmt_batch_decode(hdr, d->sb.uuid, w->seq, &w->b, w->why, sizeof(w->why)) <
 		    0) {
 			w->torn = devfmt_batch_claims(hdr, d->sb.uuid, w->seq);
@@ -104,62 +105,69 @@ void dev_walk_done(struct cache_device *d)
 
 /* ---- the plan: the newest record over each byte ---- */
 
-/* Byte ranges [start, end) of one export already decided by a later
- * record (the replay goes backwards): sorted, disjoint. */
-struct ranges {
-	uint64_t (*r)[2];
-	size_t n, cap;
+/* A record of the live log as the plan sees it: order is its place in
+ * the log (higher: newer). */
+struct prec {
+	uint64_t offset, end, data, order;
+	uint32_t batch;
+	uint16_t slot;
+	uint8_t type;
 };
 
-/* The first range ending after a. */
-static size_t ranges_find(const struct ranges *s, uint64_t a)
+static int prec_cmp(const void *a, const void *b)
 {
-	size_t lo = 0, hi = s->n;
-	while (lo < hi) {
-		size_t mid = (lo + hi) / 2;
-		if (s->r[mid][1] <= a)
-			lo = mid + 1;
-		else
-			hi = mid;
-	}
-	return lo;
+	const struct prec *x = a, *y = b;
+	if (x->slot != y->slot)
+		return x->slot < y->slot ? -1 : 1;
+	return x->offset < y->offset ? -1 : x->offset > y->offset;
 }
 
-static int ranges_add(struct ranges *s, uint64_t a, uint64_t b)
+/* A max-heap of record indices by order (the newest on top). */
+struct heap {
+	size_t *v, n;
+};
+
+static void heap_push(struct heap *h, const struct prec *r, size_t i)
 {
-	size_t i = ranges_find(s, a);
-	size_t j = i;
-	while (j < s->n && s->r[j][0] <= b) {
-		if (s->r[j][0] < a)
-			a = s->r[j][0];
-		if (s->r[j][1] > b)
-			b = s->r[j][1];
-		j++;
+	size_t at = h->n++;
+	while (at > 0 && r[h->v[(at - 1) / 2]].order < r[i].order) {
+		h->v[at] = h->v[(at - 1) / 2];
+		at = (at - 1) / 2;
 	}
-	/* [i, j) merge into one */
-	if (i == j) {
-		if (s->n == s->cap) {
-			size_t cap = s->cap ? s->cap * 2 : 64;
-			uint64_t(*r)[2] = realloc(s->r, cap * sizeof(*r));
-			if (!r)
-				return -ENOMEM;
-			s->r = r;
-			s->cap = cap;
+	h->v[at] = i;
+}
+
+static void heap_pop(struct heap *h, const struct prec *r)
+{
+	size_t last = h->v[--h->n], at = 0;
+	for (;;) {
+		size_t c = 2 * at + 1;
+		if (c >= h->n)
+			break;
+		if (c + 1 < h->n && r[h->v[c + 1]].order > r[h->v[c]].order)
+			c++;
+		if (r[h->v[c]].order <= r[last].order)
+			break;
+		h->v[at] = h->v[c];
+		at = c;
+	}
+	if (h->n)
+		h->v[at] = last;
+}
+
+static int add_piece(struct dev_drain *g, const struct prec *r, uint64_t a, uint64_t b)
+{
+	/* The same record going on: one piece. */
+	if (g->npieces) {
+		struct dev_piece *p = &g->pieces[g->npieces - 1];
+		if (p->slot == r->slot && p->batch == r->batch && p->offset + p->length == a &&
+		    p->type == r->type &&
+		    (r->type != DEVFMT_EXTENT_DATA ||
+		     p->data + p->length == r->data + (a - r->offset))) {
+			p->length += b - a;
+			return 0;
 		}
-		memmove(s->r + i + 1, s->r + i, (s->n - i) * sizeof(*s->r));
-		s->n++;
-	} else if (j > i + 1) {
-		memmove(s->r + i + 1, s->r + j, (s->n - j) * sizeof(*s->r));
-		s->n -= j - i - 1;
 	}
-	s->r[i][0] = a;
-	s->r[i][1] = b;
-	return 0;
-}
-
-static int add_piece(struct dev_drain *g, const struct devfmt_extent *x, uint64_t offset,
-		     uint64_t length, uint64_t data, uint32_t batch)
-{
 	if (g->npieces == g->cappieces) {
 		size_t cap = g->cappieces ? g->cappieces * 2 : 256;
 		struct dev_piece *p = realloc(g->pieces, cap * sizeof(*p));
@@ -168,36 +176,57 @@ static int add_piece(struct dev_drain *g, const struct devfmt_extent *x, uint64_
 		g->pieces = p;
 		g->cappieces = cap;
 	}
-	g->pieces[g->npieces++] = (struct dev_piece){.offset = offset,
-						     .length = length,
-						     .data = data,
-						     .batch = batch,
-						     .slot = x->slot,
-						     .type = x->type};
-	g->undone[x->slot]++;
+	g->pieces[g->npieces++] = (struct dev_piece){.offset = a,
+						     .length = b - a,
+						     .data = r->data + (a - r->offset),
+						     .batch = r->batch,
+						     .slot = r->slot,
+						     .type = r->type};
 	return 0;
 }
 
-/* The parts of x no later record decided become pieces (x's data at data
- * in its batch's); x's range is decided from here back. */
-static int plan_extent(struct cache_device *d, struct dev_drain *g, struct ranges *done,
-		       const struct devfmt_extent *x, uint64_t data, uint32_t batch)
+/*
+ * The pieces of one slot's records r[0 .. n) (sorted by offset): a sweep
+ * over their starts and ends, the newest record over each stretch on top
+ * of a heap (those ended taken off as they come up); its stretch becomes
+ * a piece unless it is a CLEAN record's. O(n log n).
+ */
+static int sweep(struct dev_drain *g, const struct prec *r, size_t n, struct heap *h)
 {
-	uint64_t a = x->offset, end = x->offset + x->length;
-	size_t i = ranges_find(done, a);
-	int rc = 0;
-	while (a < end && rc == 0) {
-		uint64_t b = i < done->n && done->r[i][0] < end ? done->r[i][0] : end;
-		if (b > a && x->type != DEVFMT_EXTENT_CLEAN) {
-			rc = add_piece(g, x, a, b - a, data + (a - x->offset), batch);
-			d->st.replay_bytes += x->type == DEVFMT_EXTENT_DATA ? b - a : 0;
+	size_t i = 0;
+	uint64_t x = 0;
+	h->n = 0;
+	while (i < n || h->n) {
+		if (!h->n && r[i].offset > x)
+			x = r[i].offset;
+		while (i < n && r[i].offset <= x)
+			heap_push(h, r, i++);
+		while (h->n && r[h->v[0]].end <= x)
+			heap_pop(h, r);
+		if (!h->n)
+			continue;
+		const struct prec *top = &r[h->v[0]];
+		uint64_t y = top->end;
+		if (i < n && r[i].offset < y)
+			y = r[i].offset;
+		if (top->type != DEVFMT_EXTENT_CLEAN) {
+			int rc = add_piece(g, top, x, y);
+			if (rc < 0)
+				return rc;
 		}
-		if (i < done->n && done->r[i][0] < end)
-			a = done->r[i++][1];
-		else
-			a = end;
+		x = y;
 	}
-	return rc < 0 ? rc : ranges_add(done, x->offset, end);
+	return 0;
+}
+
+static int piece_batch_cmp(const void *a, const void *b)
+{
+	const struct dev_piece *x = a, *y = b;
+	if (x->batch != y->batch)
+		return x->batch < y->batch ? -1 : 1;
+	if (x->slot != y->slot)
+		return x->slot < y->slot ? -1 : 1;
+	return x->offset < y->offset ? -1 : x->offset > y->offset;
 }
 
 struct keyed {
@@ -211,9 +240,22 @@ static int keyed_cmp(const void *a, const void *b)
 	return x < y ? -1 : x > y;
 }
 
-/* Each slot's pieces by offset. */
-static int index_pieces(struct dev_drain *g)
+/* Each slot's pieces by offset; each batch's pieces (contiguous). */
+static int index_pieces(struct cache_device *d, struct dev_drain *g)
 {
+	if (g->npieces)
+		qsort(g->pieces, g->npieces, sizeof(*g->pieces), piece_batch_cmp);
+	for (size_t k = 0; k < d->nlive; k++)
+		g->batches[k].state = DEV_DRAIN_DONE;
+	for (size_t i = 0; i < g->npieces; i++) {
+		struct dev_drain_batch *b = &g->batches[g->pieces[i].batch];
+		if (b->state == DEV_DRAIN_DONE)
+			*b = (struct dev_drain_batch){.first = i, .state = DEV_DRAIN_TODO};
+		b->count++;
+		g->undone[g->pieces[i].slot]++;
+		if (g->pieces[i].type == DEVFMT_EXTENT_DATA)
+			d->st.replay_bytes += g->pieces[i].length;
+	}
 	struct keyed *k = malloc((g->npieces ? g->npieces : 1) * sizeof(*k));
 	if (!k)
 		return -ENOMEM;
@@ -224,8 +266,6 @@ static int index_pieces(struct dev_drain *g)
 		for (size_t i = 0; i < g->npieces; i++)
 			if (g->pieces[i].slot == s)
 				k[n++] = (struct keyed){g->pieces[i].offset, (uint32_t)i};
-		if (!n)
-			continue;
 		qsort(k, n, sizeof(*k), keyed_cmp);
 		g->by_offset[s] = malloc(n * sizeof(uint32_t));
 		if (!g->by_offset[s]) {
@@ -240,26 +280,17 @@ static int index_pieces(struct dev_drain *g)
 	return 0;
 }
 
-/*
- * Backward over the live log's headers (each batch's extents last to
- * first): the parts of each record no later one decided become pieces; a
- * CLEAN record's parts leave the backend's bytes. Every range a record
- * names leaves the level-2 cache (its map is written before the log that
- * names them is emptied: device_drain.c).
- */
-int dev_plan(struct cache_device *d, char *err, size_t len)
+/* The live log's records from its headers (every range a record names
+ * leaves the level-2 cache: its map is written before the log that names
+ * them is let go, device_drain.c). */
+static int gather(struct cache_device *d, struct prec **out, size_t *nout)
 {
-	uint64_t t0 = clock_now_ns();
-	struct dev_drain *g = calloc(1, sizeof(*g));
 	uint8_t *hdr = dev_aligned(DEVFMT_BLOCK);
-	struct ranges done[DEVFMT_MAX_EXPORTS] = {{0}};
-	int rc = g && hdr ? 0 : -ENOMEM;
-	if (g) {
-		g->batches = calloc(d->nlive ? d->nlive : 1, sizeof(*g->batches));
-		if (!g->batches)
-			rc = -ENOMEM;
-	}
-	for (size_t k = d->nlive; k-- > 0 && rc >= 0;) {
+	struct prec *r = NULL;
+	size_t n = 0, cap = 0;
+	uint64_t order = 0;
+	int rc = hdr ? 0 : -ENOMEM;
+	for (size_t k = 0; k < d->nlive && rc >= 0; k++) {
 		struct walk b = {
 		    .off = d->live[k].off, .seq = d->live[k].seq, .headers_only = true};
 		rc = dev_walk_next(d, &b, hdr);
@@ -267,24 +298,24 @@ int dev_plan(struct cache_device *d, char *err, size_t len)
 			rc = -EIO; /* it read well a moment ago */
 		if (rc < 0)
 			break;
-		g->batches[k].first = g->npieces;
-		uint64_t at[DEVFMT_MAX_EXTENTS], p = 0;
-		for (uint32_t i = 0; i < b.b.extent_count; i++) {
-			at[i] = p;
-			if (b.b.extents[i].type == DEVFMT_EXTENT_DATA)
-				p += b.b.extents[i].length;
-		}
+		uint64_t at = 0;
 		/* The checkpoint's batch: its first extents are covered. */
 		uint32_t first = k == 0 ? d->sb.checkpoint_skip : 0;
-		for (uint32_t i = b.b.extent_count; i-- > first && rc >= 0;) {
+		for (uint32_t i = 0; i < b.b.extent_count; i++) {
 			const struct devfmt_extent *x = &b.b.extents[i];
+			uint64_t data = at;
+			if (x->type == DEVFMT_EXTENT_DATA)
+				at += x->length;
+			if (i < first)
+				continue;
+			order++;
 			if (x->type != DEVFMT_EXTENT_CLEAN)
 				dev_l2_forget(d, x->slot, x->offset, x->length);
 			d->st.replay_records++;
 			if (d->slots[x->slot].discard)
 				continue; /* cache-device-discard-dirty */
-			/* A retired export's, under the CLEAN record over all
-			 * of it, has no part left (and may have no export). */
+			/* (A retired export's lie under the CLEAN record over all
+			 * of it, and may have no export.) */
 			struct backend *be =
 			    d->slots[x->slot].ce ? d->slots[x->slot].ce->backend : NULL;
 			uint64_t size = be ? atomic_load(&be->size) : UINT64_MAX;
@@ -298,19 +329,74 @@ int dev_plan(struct cache_device *d, char *err, size_t len)
 				    (unsigned long long)size);
 				continue;
 			}
-			rc = plan_extent(d, g, &done[x->slot], x, at[i], (uint32_t)k);
+			if (n == cap) {
+				cap = cap ? cap * 2 : 1024;
+				struct prec *p = realloc(r, cap * sizeof(*p));
+				if (!p) {
+					rc = -ENOMEM;
+					break;
+				}
+				r = p;
+			}
+			r[n++] = (struct prec){.offset = x->offset,
+					       .end = x->offset + x->length,
+					       .data = data,
+					       .order = order,
+					       .batch = (uint32_t)k,
+					       .slot = x->slot,
+					       .type = x->type};
 		}
-		g->batches[k].count = g->npieces - g->batches[k].first;
-		if (!g->batches[k].count)
-			g->batches[k].state = DEV_DRAIN_DONE;
 	}
-	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
-		free(done[i].r);
 	free(hdr);
+	if (rc < 0) {
+		free(r);
+		return rc;
+	}
+	*out = r;
+	*nout = n;
+	return 0;
+}
+
+/*
+ * The live log's records (from the headers), sorted by export and
+ * offset, swept: the newest record over each byte becomes a piece (a
+ * CLEAN one's leaves the backend's bytes); the pieces grouped by batch
+ * for the drain, and by offset for the gate.
+ */
+int dev_plan(struct cache_device *d, char *err, size_t len)
+{
+	uint64_t t0 = clock_now_ns();
+	struct dev_drain *g = calloc(1, sizeof(*g));
+	struct prec *r = NULL;
+	size_t n = 0;
+	struct heap h = {0};
+	int rc = g ? 0 : -ENOMEM;
+	if (g) {
+		g->batches = calloc(d->nlive ? d->nlive : 1, sizeof(*g->batches));
+		if (!g->batches)
+			rc = -ENOMEM;
+	}
+	if (rc >= 0)
+		rc = gather(d, &r, &n);
+	if (rc >= 0 && n) {
+		qsort(r, n, sizeof(*r), prec_cmp);
+		h.v = malloc(n * sizeof(*h.v));
+		if (!h.v)
+			rc = -ENOMEM;
+	}
+	for (size_t i = 0; i < n && rc >= 0;) {
+		size_t j = i;
+		while (j < n && r[j].slot == r[i].slot)
+			j++;
+		rc = sweep(g, r + i, j - i, &h);
+		i = j;
+	}
+	free(h.v);
+	free(r);
 	if (rc >= 0 && g->npieces > UINT32_MAX)
 		rc = -ENOMEM;
 	if (rc >= 0)
-		rc = index_pieces(g);
+		rc = index_pieces(d, g);
 	d->drain = g;
 	if (rc < 0) {
 		dev_drain_free(d);
@@ -318,11 +404,14 @@ int dev_plan(struct cache_device *d, char *err, size_t len)
 		return dev_fail(err, len, rc, "cache device %s: reading its log: %s", d->path,
 				strerror(-rc));
 	}
-	for (unsigned s = 0; s < DEVFMT_MAX_EXPORTS; s++)
+	for (unsigned s = 0; s < DEVFMT_MAX_EXPORTS; s++) {
 		if (g->undone[s] && !d->slots[s].ce)
 			return dev_fail(err, len, -EINVAL,
 					"cache device %s: records of slot %u, which has no export",
 					d->path, s); /* bind refused that already */
+		if (g->undone[s])
+			g->ce[s] = d->slots[s].ce;
+	}
 	d->st.replay_ns = clock_now_ns() - t0;
 	d->st.replay_batches = d->nlive;
 	dev_walk_done(d);
@@ -355,7 +444,7 @@ int dev_check_data(struct cache_device *d, char *err, size_t len)
 			rc = dev_fail(err, len, -EIO,
 				      "cache device %s: batch %llu of its log (at offset %llu) was "
 				      "committed, but now %s: the device corrupted it; a start "
-				      "would not write it back",
+				      "would lose what it holds (said for each export)",
 				      d->path, (unsigned long long)d->live[k].seq,
 				      (unsigned long long)d->live[k].off, b.why);
 		else if (rc < 0)

@@ -86,6 +86,10 @@ void cache_set_writeback_policy(struct cache *c, unsigned high_pct, unsigned low
  */
 int cache_export_resize(struct cache_export *ce, uint64_t size, uint64_t *dirty_past)
 {
+	/* Bytes the cache device's log found at start holds for it are not
+	 * all on the backend yet (the drain writes them where they were). */
+	if (atomic_load(&ce->replay_gate))
+		return -EAGAIN;
 	uint64_t old = atomic_load(&ce->size);
 	uint64_t from = (old < size ? old : size) & ~(uint64_t)(ce->block_size - 1);
 	/* The level-2 cache's pages from there on, before the size moves (a
@@ -137,7 +141,9 @@ void cache_export_note_direct_write(struct cache_export *ce)
 
 bool cache_export_unflushed(struct cache_export *ce)
 {
-	return atomic_load(&ce->counters.dirty_bytes) ||
+	/* (the cache device's live log found at start holds bytes of it not
+	 * on the backend yet: a backend FLUSH waits for them) */
+	return atomic_load(&ce->replay_gate) || atomic_load(&ce->counters.dirty_bytes) ||
 	       atomic_load(&ce->counters.unstable_bytes) ||
 	       atomic_load(&ce->backend_writes_done) != atomic_load(&ce->backend_writes_flushed);
 }

@@ -139,7 +139,8 @@ void cache_log_stats(struct cache *c)
 			 "device_replay_batches=%llu device_replay_records=%llu "
 			 "device_replay_bytes=%llu device_replay_ns=%llu "
 			 "device_replay_pending_bytes=%llu device_replay_drained_bytes=%llu "
-			 "device_replay_drain_ns=%llu device_replay_waits=%llu",
+			 "device_replay_lost_bytes=%llu device_replay_drain_ns=%llu "
+			 "device_replay_waits=%llu",
 			 d.failed ? 1 : 0, (unsigned long long)d.log_bytes,
 			 (unsigned long long)d.log_used, (unsigned long long)d.pending_bytes,
 			 (unsigned long long)d.commits, (unsigned long long)d.commit_ns,
@@ -151,6 +152,7 @@ void cache_log_stats(struct cache *c)
 			 (unsigned long long)d.replay_ns,
 			 (unsigned long long)d.replay_pending_bytes,
 			 (unsigned long long)d.replay_drained_bytes,
+			 (unsigned long long)d.replay_lost_bytes,
 			 (unsigned long long)d.replay_drain_ns, (unsigned long long)d.replay_waits);
 		size_t n = strlen(dev);
 		snprintf(

@@ -640,6 +640,9 @@ def torn_tail(tmp):
 
 
 def corrupt_committed(tmp, disk, dev, bad, why, second):
+    """A committed batch the device corrupted: --check-config refuses it; a
+    start writes back the batch after it, says what the corrupt one held
+    is lost (the backend keeps its bytes there), and lets the log go."""
     rc, out = check_config(disk, dev)
     expect(rc != 0 and "was committed, but now" in out and re.search(why, out),
            "--check-config with a committed batch corrupt: exit %d:\n%s" % (rc, out))
@@ -648,40 +651,27 @@ def corrupt_committed(tmp, disk, dev, bad, why, second):
         h = nbdtest.libnbd_handle(d.unix_uri("disk"))
         nbdtest.require_same(h.pread(MIB, 8 * MIB), second, "the batch after the corrupt one, "
                              "read", base=8 * MIB)
-        try:
-            h.pread(4096, 0)
-            expect(False, "a read of the corrupt batch's bytes succeeded")
-        except nbd.Error as e:
-            expect(e.errnum == errno.EIO, "a read of the corrupt batch's bytes: %s" % e)
-        st = None
-        for _ in range(100):
-            st = nbdtest.control_request(d.control, {"command": "stats"})["cache"][
-                "cache_device"]
-            if st["replay_drained_bytes"] >= MIB:
-                break
-            time.sleep(0.1)
-        expect(st["replay_drained_bytes"] == MIB and st["replay_pending_bytes"] == MIB and
-               not st["replay_drain_ns"], "stats with a corrupt committed batch: %s" % st)
+        st = drained(d, "a committed batch corrupt")
+        expect(st["replay_drained_bytes"] == MIB and st["replay_lost_bytes"] == MIB,
+               "stats with a corrupt committed batch: %s" % st)
+        expect(h.pread(4096, 0) == b"\0" * 4096, "the corrupt batch's bytes are not the "
+               "backend's")
         check_data(disk, {8 * MIB: second}, "the batch after the corrupt one")
         text = d.log_text()
         m = re.search(r"batch %d of its log \(at offset \d+\) was committed, but now %s: the "
-                      r"device corrupted it" % (bad[1], why), text)
-        expect(m, "no log line saying batch %d is corrupt:\n%s" % (bad[1], text[-2000:]))
+                      r"device corrupted it. 1048576 bytes of export \"disk\" at 0 that it "
+                      r"held are lost" % (bad[1], why), text)
+        expect(m, "no log line saying what batch %d held is lost:\n%s" % (bad[1], text[-2000:]))
         if m:
             log("  committed: %s" % m.group(0))
     finally:
         d.kill()
         d.logf.close()
-    d = daemon(tmp, disk, dev, extra=["--cache-device-discard-dirty", "disk"],
-               what="a committed batch corrupt, thrown away")
+    d = daemon(tmp, disk, dev, what="after the corrupt batch was said lost")
     try:
-        expect(re.search(r"throwing away \d+ bytes in 2 record\(s\)", d.log_text()),
-               "the corrupt batch's export was not said to be thrown away")
-        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
-        expect(h.pread(4096, 0) == b"\0" * 4096, "after cache-device-discard-dirty, the "
-               "corrupt batch's bytes are not the backend's")
-        nbdtest.require_same(h.pread(MIB, 8 * MIB), second, "after cache-device-discard-dirty",
-                             base=8 * MIB)
+        expect("to write back" not in d.log_text(), "the log was found again after the drain")
+        nbdtest.require_same(nbdtest.libnbd_handle(d.unix_uri("disk")).pread(MIB, 8 * MIB),
+                             second, "after a restart", base=8 * MIB)
     finally:
         d.stop()
 
@@ -689,20 +679,22 @@ def corrupt_committed(tmp, disk, dev, bad, why, second):
 def lazy_replay(tmp):
     """After SIGKILL, the live log is served at once: its bytes stay dirty
     in the log and a drain writes them back in the background (over a
-    backend whose writes take 300 ms each, it takes seconds). A read of
-    bytes not written back yet waits for their batch alone; a write over
-    them wins; a SIGKILL in the middle of the drain loses nothing (the
-    next start finds the old log and the batches written after it, an
-    epoch apart)."""
+    backend that takes 300 ms for each write, one at a time, it takes
+    seconds). A read of bytes not written back yet waits for their batch
+    (and at most the group of 8 MiB being written), not for the whole
+    log; a write over them wins; a SIGKILL in the middle of the drain
+    loses nothing (the next start finds the old log and the batches
+    written after it, an epoch apart)."""
     disk, dev = os.path.join(tmp, "disk.img"), os.path.join(tmp, "cache.dev")
     nbdtest.sparse_file(disk, SIZE)
     nbdtest.sparse_file(dev, DEVICE)
-    backend = "nbdkit:--filter=delay file %s wdelay=300ms" % disk
+    backend = "nbdkit:--threads=1 --filter=delay file %s wdelay=300ms" % disk
+    big = ["--cache-size", "128M"]  # 20 MiB dirty stays under the dirty limits
     want = {}
-    d = daemon(tmp, backend, dev)
+    d = daemon(tmp, backend, dev, extra=big)
     try:
         h = nbdtest.libnbd_handle(d.unix_uri("disk"))
-        for i in range(12):
+        for i in range(20):
             want[i * 2 * MIB] = os.urandom(MIB)
             h.pwrite(want[i * 2 * MIB], i * 2 * MIB)
             h.flush()
@@ -710,16 +702,16 @@ def lazy_replay(tmp):
         d.kill()
         d.logf.close()
     on_file = [off for off, data in want.items() if nbdtest.read_at(disk, off, MIB) == data]
-    require(len(on_file) <= 2, "%d of 12 MiB reached the backend file before the kill: the "
+    require(len(on_file) <= 2, "%d of 20 MiB reached the backend file before the kill: the "
             "test does not show the log at work" % len(on_file))
     t0 = time.monotonic()
-    d = daemon(tmp, backend, dev, what="served while the log drains")
+    d = daemon(tmp, backend, dev, extra=big, what="served while the log drains")
     started = time.monotonic() - t0
     try:
         st = nbdtest.control_request(d.control, {"command": "stats"})["cache"]["cache_device"]
         log("  served %.2f s after the start (the log planned in %.3f s), %d bytes not on the "
             "backend yet" % (started, st["replay_ns"] / 1e9, st["replay_pending_bytes"]))
-        expect(st["replay_pending_bytes"] >= 6 * MIB, "the start waited for the log to be "
+        expect(st["replay_pending_bytes"] >= 12 * MIB, "the start waited for the log to be "
                "written back: %d bytes left" % st["replay_pending_bytes"])
         h = nbdtest.libnbd_handle(d.unix_uri("disk"))
         last = max(want)
@@ -748,10 +740,10 @@ def lazy_replay(tmp):
     finally:
         d.kill()
         d.logf.close()
-    d = daemon(tmp, backend, dev, what="after a SIGKILL during the drain")
+    d = daemon(tmp, backend, dev, extra=big, what="after a SIGKILL during the drain")
     try:
         st = nbdtest.control_request(d.control, {"command": "stats"})["cache"]["cache_device"]
-        expect(st["replay_batches"] >= 13, "the start after the SIGKILL found %d batch(es): "
+        expect(st["replay_batches"] >= 21, "the start after the SIGKILL found %d batch(es): "
                "not the old log and the write after it" % st["replay_batches"])
         h = nbdtest.libnbd_handle(d.unix_uri("disk"))
         for o in sorted(want):
@@ -765,6 +757,102 @@ def lazy_replay(tmp):
     finally:
         d.stop()
     check_data(disk, want, "after the drain")
+
+
+def held_log(tmp):
+    """While the log found at start is not all on the backends, it stays:
+    a full round's FLUSH (nbdcachectl flush) of one export is answered only
+    once the drain of every export let it go, else a SIGKILL then would
+    have the next start write that export's older records over what the
+    round wrote. And a reload that removes an export whose bytes the log
+    still holds writes them back before it closes the backend."""
+    disk, slow_img = os.path.join(tmp, "disk.img"), os.path.join(tmp, "slow.img")
+    dev = os.path.join(tmp, "cache.dev")
+    for f in (disk, slow_img):
+        nbdtest.sparse_file(f, SIZE)
+    nbdtest.sparse_file(dev, DEVICE)
+    slow = "nbdkit:--threads=1 --filter=delay file %s wdelay=300ms" % slow_img
+    conf = os.path.join(tmp, "nbdcached.conf")
+    base = ("[generic]\ncache-size = 128M\ncache-device = %s\ndirty-expire = 3600\n"
+            "cache-mode = writeback\n\n[disk]\nbackend = %s\n" % (dev, disk))
+
+    def start(text, name):
+        with open(conf, "w") as f:
+            f.write(text)
+        work = os.path.join(tmp, name)
+        os.mkdir(work)
+        return nbdtest.CheckedDaemon([], workdir=work, tcp=False, extra=["--config", conf],
+                                     what=name)
+
+    both = base + "\n[slow]\nbackend = %s\n" % slow
+    old, new = os.urandom(MIB), os.urandom(MIB)
+    slow_data = {i * MIB: os.urandom(MIB) for i in range(12)}
+    d = start(both, "first")
+    try:
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        h.pwrite(old, 0)
+        h.flush()
+        hs = nbdtest.libnbd_handle(d.unix_uri("slow"))
+        for off, data in sorted(slow_data.items()):
+            hs.pwrite(data, off)
+            hs.flush()
+    finally:
+        d.kill()
+        d.logf.close()
+    d = start(both, "second")
+    try:
+        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+        h.pwrite(new, 0)
+        t0 = time.monotonic()
+        rc, out = ctl(d, "flush", "disk")
+        took = time.monotonic() - t0
+        st = nbdtest.control_request(d.control, {"command": "stats"})["cache"]["cache_device"]
+        log("  nbdcachectl flush disk while the log drains: exit %d in %.2f s; then %d bytes "
+            "not written back" % (rc, took, st["replay_pending_bytes"]))
+        expect(rc == 0, "nbdcachectl flush disk: exit %d: %s" % (rc, out))
+    finally:
+        d.kill()
+        d.logf.close()
+    d = start(both, "third")
+    try:
+        got = nbdtest.libnbd_handle(d.unix_uri("disk")).pread(MIB, 0)
+        nbdtest.require_same(got, new, "what nbdcachectl flush answered for, after SIGKILL and "
+                             "a start (the older record from the log found at the start "
+                             "before was written over it)")
+    finally:
+        d.stop()
+    # A reload removes "slow" while the log still holds bytes of it.
+    slow_data = {i * MIB: os.urandom(MIB) for i in range(12)}
+    d = start(both, "fourth")
+    try:
+        hs = nbdtest.libnbd_handle(d.unix_uri("slow"))
+        for off, data in sorted(slow_data.items()):
+            hs.pwrite(data, off)
+            hs.flush()
+    finally:
+        d.kill()
+        d.logf.close()
+    d = start(both, "fifth")
+    try:
+        st = nbdtest.control_request(d.control, {"command": "stats"})["cache"]["cache_device"]
+        with open(conf, "w") as f:
+            f.write(base)
+        r = nbdtest.control_request(d.control, {"command": "reload"})
+        expect(r.get("ok"), "reload removing slow: %r" % r)
+        closed = False
+        for _ in range(300):
+            if "removed backend %s: written back and closed" % slow in d.log_text():
+                closed = True
+                break
+            time.sleep(0.1)
+        log("  reload removing an export with %d bytes in the log not written back: %s"
+            % (st["replay_pending_bytes"], "written back and closed" if closed else
+               "not closed in 30 s"))
+        expect(closed, "the removed export was not written back and closed in 30 s")
+    finally:
+        d.stop()
+    check_data(slow_img, slow_data, "the removed export's backend")
+    check_data(disk, {0: new}, "after the drain")
 
 
 def readded_export(tmp):
@@ -941,7 +1029,8 @@ def main():
                          ("a torn or corrupt batch ends the replay at the last good one",
                           torn_tail),
                          ("the log is served at once and drains in the background",
-                          lazy_replay)):
+                          lazy_replay),
+                         ("the log found at start stays until it is drained", held_log)):
             sub = os.path.join(tmp, fn.__name__)
             os.mkdir(sub)
             CHECKS.run(name, fn, sub)
