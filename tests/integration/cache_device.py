@@ -785,20 +785,28 @@ def held_log(tmp):
                                      what=name)
 
     both = base + "\n[slow]\nbackend = %s\n" % slow
+
+    def write_and_kill(name, disk_data=None):
+        """12 MiB into "slow" (and disk_data at 0 of "disk"), each FLUSHed
+        (logged), then SIGKILL: what "slow" was given."""
+        data = {i * MIB: os.urandom(MIB) for i in range(12)}
+        d = start(both, name)
+        try:
+            if disk_data:
+                h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+                h.pwrite(disk_data, 0)
+                h.flush()
+            hs = nbdtest.libnbd_handle(d.unix_uri("slow"))
+            for off, b in sorted(data.items()):
+                hs.pwrite(b, off)
+                hs.flush()
+        finally:
+            d.kill()
+            d.logf.close()
+        return data
+
     old, new = os.urandom(MIB), os.urandom(MIB)
-    slow_data = {i * MIB: os.urandom(MIB) for i in range(12)}
-    d = start(both, "first")
-    try:
-        h = nbdtest.libnbd_handle(d.unix_uri("disk"))
-        h.pwrite(old, 0)
-        h.flush()
-        hs = nbdtest.libnbd_handle(d.unix_uri("slow"))
-        for off, data in sorted(slow_data.items()):
-            hs.pwrite(data, off)
-            hs.flush()
-    finally:
-        d.kill()
-        d.logf.close()
+    write_and_kill("first", old)
     d = start(both, "second")
     try:
         h = nbdtest.libnbd_handle(d.unix_uri("disk"))
@@ -822,16 +830,7 @@ def held_log(tmp):
     finally:
         d.stop()
     # A reload removes "slow" while the log still holds bytes of it.
-    slow_data = {i * MIB: os.urandom(MIB) for i in range(12)}
-    d = start(both, "fourth")
-    try:
-        hs = nbdtest.libnbd_handle(d.unix_uri("slow"))
-        for off, data in sorted(slow_data.items()):
-            hs.pwrite(data, off)
-            hs.flush()
-    finally:
-        d.kill()
-        d.logf.close()
+    slow_data = write_and_kill("fourth")
     d = start(both, "fifth")
     try:
         st = nbdtest.control_request(d.control, {"command": "stats"})["cache"]["cache_device"]
