@@ -18,8 +18,11 @@
  * data read whole and checked against its CRC (bind read only the
  * headers of the committed ones), its pieces written through a window of
  * requests on the drain's own worker while the next batch is read, then
- * the group's backends flushed; its pieces are done only then, and only
- * if no backend lost its connection meanwhile (else written again). A
+ * the group's backends that may lose completed writes (NBD servers)
+ * flushed; its pieces are done only then, and only if no such backend
+ * lost its connection meanwhile (else written again). File and block
+ * device backends are flushed once, when every piece is done, before the
+ * log is let go. A
  * batch whose data no longer checks is never written: an error names
  * what it held, which is lost. A backend that fails a write fails the
  * requests waiting for that export; the group is tried again a second
@@ -304,6 +307,10 @@ static void wait_until_locked(struct dev_drain *g, uint64_t until_ns)
  * writes of the last, and a request that comes meanwhile waits for at
  * most this much before its batch. */
 #define DRAIN_GROUP_BYTES (8ull << 20)
+/* A group of file and block device backends only: they never lose a
+ * write they completed (loss_seq), so they are flushed once, at the end,
+ * and a group ends only to let a waiting request in. */
+#define DRAIN_GROUP_BYTES_FILE (64ull << 20)
 
 /* The next batch to write: one a request waits for, else the next in log
  * order; SIZE_MAX: none. g->lock held. */
@@ -352,7 +359,15 @@ struct group {
 	uint64_t bytes;
 	bool slot[DEVFMT_MAX_EXPORTS];
 	uint64_t loss[DEVFMT_MAX_EXPORTS];
+	bool may_lose; /* a backend of it may lose completed writes */
 };
+
+/* A backend that may lose writes it completed before a flush covered
+ * them (an NBD server's connection lost): flushed with each group. */
+static bool may_lose(const struct backend *be)
+{
+	return !be->ident_file;
+}
 
 /* Batch k read, checked and its pieces sent (not waited for): 0, 1 (its
  * data no longer checks: why says why), -errno. */
@@ -374,6 +389,7 @@ static int send_batch(struct cache_device *d, struct dev_drain *g, struct window
 		if (!grp->slot[p->slot]) {
 			grp->slot[p->slot] = true;
 			grp->loss[p->slot] = atomic_load(&g->ce[p->slot]->backend->loss_seq);
+			grp->may_lose |= may_lose(g->ce[p->slot]->backend);
 		}
 	}
 	grp->k[grp->n] = k;
@@ -386,14 +402,15 @@ static int send_batch(struct cache_device *d, struct dev_drain *g, struct window
 	return rc < 0 ? rc : 0;
 }
 
-/* The group's writes done, its backends flushed, none of them lost a
- * connection meanwhile (an NBD backend may drop writes it acknowledged
- * but did not flush): 0, 1 (lost one: write it again), -errno. */
+/* The group's writes done; those of its backends that may lose them
+ * flushed, none of which lost a connection meanwhile (the others are
+ * flushed once, at the end: flush_rest): 0, 1 (one lost some: write the
+ * group again), -errno. */
 static int settle_group(struct dev_drain *g, struct window *win, struct group *grp)
 {
 	int rc = window_drain(win);
 	for (unsigned s = 0; s < DEVFMT_MAX_EXPORTS && rc == 0; s++) {
-		if (!grp->slot[s])
+		if (!grp->slot[s] || !may_lose(g->ce[s]->backend))
 			continue;
 		rc = rio_send(win, g->ce[s]->backend, BACKEND_FLUSH, 0, 0, NULL);
 		int werr = window_drain(win);
@@ -403,6 +420,28 @@ static int settle_group(struct dev_drain *g, struct window *win, struct group *g
 			rc = 1;
 	}
 	return rc;
+}
+
+/* Every backend written and not flushed since (touched), flushed: 0 or
+ * -errno. */
+static int flush_rest(struct cache_device *d, struct dev_drain *g, struct window *win)
+{
+	for (unsigned s = 0; s < DEVFMT_MAX_EXPORTS; s++) {
+		if (!g->touched[s])
+			continue;
+		int rc = rio_send(win, g->ce[s]->backend, BACKEND_FLUSH, 0, 0, NULL);
+		int werr = window_drain(win);
+		if (rc == 0)
+			rc = werr;
+		if (rc < 0) {
+			log_error("cache device %s: flushing export \"%s\" after writing back its "
+				  "log: %s; tried again in a second",
+				  d->path, d->slots[s].id.name, strerror(-rc));
+			return rc;
+		}
+		g->touched[s] = false;
+	}
+	return 0;
 }
 
 static void *drain_thread(void *arg)
@@ -429,8 +468,9 @@ static void *drain_thread(void *arg)
 		 * request waits; then the backends flushed. */
 		int rc = 0;
 		size_t k;
-		while (rc == 0 && grp.bytes < DRAIN_GROUP_BYTES && (!g->parked || !grp.n) &&
-		       (k = pick_locked(d, g)) != SIZE_MAX) {
+		while (rc == 0 &&
+		       grp.bytes < (grp.may_lose ? DRAIN_GROUP_BYTES : DRAIN_GROUP_BYTES_FILE) &&
+		       (!g->parked || !grp.n) && (k = pick_locked(d, g)) != SIZE_MAX) {
 			g->batches[k].state = DEV_DRAIN_WRITING;
 			pthread_mutex_unlock(&g->lock);
 			rc = send_batch(d, g, &win, &grp, k, hdr, why, sizeof(why));
@@ -444,7 +484,15 @@ static void *drain_thread(void *arg)
 				g->batches[k].state = DEV_DRAIN_TODO; /* not read */
 		}
 		if (!grp.n && rc == 0) {
-			/* Nothing left: every piece is on the backends, flushed. */
+			/* Nothing left: every piece is on the backends; the
+			 * backends not flushed with their groups now. */
+			pthread_mutex_unlock(&g->lock);
+			rc = flush_rest(d, g, &win);
+			pthread_mutex_lock(&g->lock);
+			if (rc < 0) {
+				g->retry_ns = clock_now_ns() + DRAIN_RETRY_NS;
+				continue;
+			}
 			g->finished = true;
 			g->drain_ns = clock_now_ns() - g->t0_ns;
 			break;
@@ -465,6 +513,7 @@ static void *drain_thread(void *arg)
 				if (rc != 0)
 					continue;
 				p->done = true;
+				g->touched[p->slot] |= !may_lose(g->ce[p->slot]->backend);
 				g->pending_bytes -= p->length;
 				g->drained_bytes += p->length;
 				if (--g->undone[p->slot] == 0)
@@ -498,6 +547,7 @@ static void *drain_thread(void *arg)
 		memset(grp.slot, 0, sizeof(grp.slot));
 		grp.n = 0;
 		grp.bytes = 0;
+		grp.may_lose = false;
 	}
 	pthread_mutex_unlock(&g->lock);
 	pthread_mutex_destroy(&win.lock);

@@ -127,7 +127,7 @@ struct dev_drain {
 	uint32_t *by_offset[DEVFMT_MAX_EXPORTS];
 	size_t nby_offset[DEVFMT_MAX_EXPORTS];
 	uint64_t undone[DEVFMT_MAX_EXPORTS];
-	bool touched[DEVFMT_MAX_EXPORTS];
+	bool touched[DEVFMT_MAX_EXPORTS]; /* written, flushed only at the end */
 	/* Each slot's export as planned (a slot is given to another export
 	 * only once its pieces are all done: cache_export_unflushed). */
 	struct cache_export *ce[DEVFMT_MAX_EXPORTS];
