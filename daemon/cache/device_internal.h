@@ -1,8 +1,9 @@
 /*
  * daemon/cache/device_internal.h: what the cache device's files share
- * (device.h is the interface): device.c opens, binds and closes it,
- * device_replay.c writes its live log to the backends at start,
- * device_log.c appends, commits and checkpoints while it runs.
+ * (device.h is the interface): device.c opens, starts and closes it,
+ * device_replay.c reads its live log, binds it to the exports and plans
+ * its write-back at start, device_drain.c writes it back while the
+ * exports are served, device_log.c appends, commits and checkpoints.
  *
  * The log is a ring of batches in [log_offset, log_offset + log_bytes):
  *

@@ -1,9 +1,11 @@
 /*
  * daemon/cache/device_replay.c: a cache device's live log read (batch by
- * batch, checked: for cache_device_bind, --check-config and the drain)
- * and planned at start, before anything is served: for every byte, the
- * newest record over it, as the pieces the drain then writes to the
- * exports' backends (device_drain.c, device_internal.h).
+ * batch, checked: for --check-config and the drain), bound to the
+ * exports (cache_device_bind: found from its headers, each export's
+ * records against its identity) and planned at start, before anything is
+ * served: for every byte, the newest record over it, as the pieces the
+ * drain then writes to the exports' backends (device_drain.c,
+ * device_internal.h).
  */
 #include "daemon/cache/device_internal.h"
 
@@ -101,6 +103,174 @@ void dev_walk_done(struct cache_device *d)
 	posix_fadvise(d->rfd, (off_t)d->sb.log_offset, (off_t)d->sb.log_bytes, POSIX_FADV_DONTNEED);
 	close(d->rfd);
 	d->rfd = -1;
+}
+
+/* ---- bind: the live log against the exports ---- */
+
+/* Is name in d's discard list? */
+static bool discarded(const struct cache_device *d, const char *name)
+{
+	size_t n = strlen(name);
+	for (const char *p = d->discard; p && *p;) {
+		const char *comma = strchr(p, ',');
+		size_t len = comma ? (size_t)(comma - p) : strlen(p);
+		if (len == n && memcmp(p, name, n) == 0)
+			return true;
+		p = comma ? comma + 1 : p + len;
+	}
+	return false;
+}
+
+/*
+ * The data of every batch of the live log after the highest committed
+ * mark its headers carry (those of the last commits, which a crash may
+ * have torn), checked; the log ends at the first that does not check.
+ * 0 or -errno.
+ */
+static int check_tail(struct cache_device *d, uint64_t committed, uint8_t *hdr)
+{
+	size_t k = 0;
+	while (k < d->nlive && d->live[k].seq <= committed)
+		k++;
+	for (; k < d->nlive; k++) {
+		struct walk b = {.off = d->live[k].off, .seq = d->live[k].seq};
+		int rc = dev_walk_next(d, &b, hdr);
+		free(b.data);
+		if (rc < 0)
+			return rc;
+		if (rc > 0)
+			continue;
+		/* The log ends here: what follows was never committed. */
+		d->live_end = d->live[k].off;
+		d->live_end_seq = d->live[k].expect;
+		d->live_torn = true;
+		snprintf(d->live_why, sizeof(d->live_why), "%s", b.why);
+		d->live_bytes =
+		    (d->live_end + d->sb.log_bytes - d->sb.checkpoint_offset) % d->sb.log_bytes;
+		if (k > 0 && d->live_bytes == 0)
+			d->live_bytes = d->sb.log_bytes;
+		d->nlive = k;
+		return 0;
+	}
+	return 0;
+}
+
+int cache_device_bind(struct cache_device *d, char *err, size_t len)
+{
+	uint8_t *hdr = dev_aligned(DEVFMT_BLOCK);
+	if (!hdr)
+		return dev_fail(err, len, -ENOMEM, "cache device %s: out of memory", d->path);
+	/* The headers first: only a batch after every committed mark can be
+	 * torn, so only those have their data read now (the drain checks
+	 * the rest as it writes them back). */
+	struct walk w = {
+	    .off = d->sb.checkpoint_offset, .seq = d->sb.checkpoint_seq, .headers_only = true};
+	int rc;
+	while ((rc = dev_walk_next(d, &w, hdr)) > 0) {
+		if (d->nlive == d->caplive) {
+			size_t cap = d->caplive ? d->caplive * 2 : 64;
+			struct dev_pos *p = realloc(d->live, cap * sizeof(*p));
+			if (!p) {
+				rc = dev_fail(err, len, -ENOMEM, "cache device %s: out of memory",
+					      d->path);
+				goto out;
+			}
+			d->live = p;
+			d->caplive = cap;
+		}
+		d->live[d->nlive++] = (struct dev_pos){w.off, w.seq, w.expected};
+		dev_walk_advance(d, &w);
+	}
+	d->live_end = w.off % d->sb.log_bytes;
+	d->live_end_seq = w.seq;
+	d->live_bytes = w.bytes;
+	d->live_torn = w.torn;
+	snprintf(d->live_why, sizeof(d->live_why), "%s", w.why);
+	if (rc >= 0)
+		rc = check_tail(d, w.committed, hdr);
+	/* What each slot has in the live log, from its last whole-export
+	 * CLEAN record on. */
+	for (size_t k = 0; k < d->nlive && rc >= 0; k++) {
+		struct walk h = {
+		    .off = d->live[k].off, .seq = d->live[k].seq, .headers_only = true};
+		rc = dev_walk_next(d, &h, hdr);
+		if (rc == 0)
+			rc = -EIO; /* it read well a moment ago */
+		for (uint32_t i = k ? 0 : d->sb.checkpoint_skip; rc > 0 && i < h.b.extent_count;
+		     i++) {
+			const struct devfmt_extent *x = &h.b.extents[i];
+			if (x->slot >= DEVFMT_MAX_EXPORTS || !d->slots[x->slot].used) {
+				rc = dev_fail(
+				    err, len, -EINVAL,
+				    "cache device %s: batch %llu holds a record of slot %u, "
+				    "which its superblock does not name: refused",
+				    d->path, (unsigned long long)h.seq, x->slot);
+				goto out;
+			}
+			if (dev_extent_retired(x)) {
+				/* Nothing of it before this is replayed. */
+				d->slots[x->slot].live_records = 0;
+				d->slots[x->slot].live_bytes = 0;
+			}
+			if (x->type == DEVFMT_EXTENT_CLEAN)
+				continue;
+			d->slots[x->slot].live_records++;
+			d->slots[x->slot].live_bytes += x->length;
+		}
+	}
+	if (rc < 0) {
+		rc = dev_fail(err, len, rc, "cache device %s: reading its log: %s", d->path,
+			      strerror(-rc));
+		goto out;
+	}
+	rc = 0;
+	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS && rc == 0; i++) {
+		struct dev_slot *s = &d->slots[i];
+		if (!s->used || !s->live_records)
+			continue;
+		if (discarded(d, s->id.name)) {
+			s->discard = true;
+			log_warn(
+			    "cache device %s: throwing away %llu bytes in %llu record(s) not yet "
+			    "written back for export \"%s\" (backend %s), as "
+			    "cache-device-discard-dirty says: they are not written back",
+			    d->path, (unsigned long long)s->live_bytes,
+			    (unsigned long long)s->live_records, s->id.name, s->id.backend);
+			continue;
+		}
+		if (!s->configured) {
+			rc = dev_fail(
+			    err, len, -EINVAL,
+			    "cache device %s holds %llu bytes in %llu record(s) not yet "
+			    "written back for export \"%s\" (backend %s), which is not "
+			    "configured: refused; configure it again to have them written back",
+			    d->path, (unsigned long long)s->live_bytes,
+			    (unsigned long long)s->live_records, s->id.name, s->id.backend);
+			break;
+		}
+		char why[600];
+		const char *diff = dev_identity_differs(&s->id, &s->cfg, why, sizeof(why));
+		if (diff)
+			rc = dev_fail(
+			    err, len, -EINVAL,
+			    "cache device %s holds %llu bytes in %llu record(s) not yet "
+			    "written back for export \"%s\", whose backend is not the one they "
+			    "were recorded for (%s): refused",
+			    d->path, (unsigned long long)s->live_bytes,
+			    (unsigned long long)s->live_records, s->id.name, diff);
+	}
+	if (rc == 0 && d->nlive)
+		log_info("cache device %s: %zu batch(es) to replay from the checkpoint; the log "
+			 "ends there: %s",
+			 d->path, d->nlive, d->live_why);
+	else if (rc == 0 && d->live_torn)
+		log_warn("cache device %s: nothing to replay: the log ends at its checkpoint "
+			 "(offset %llu), %s",
+			 d->path, (unsigned long long)d->live_end, d->live_why);
+out:
+	free(w.data);
+	free(hdr);
+	return rc;
 }
 
 /* ---- the plan: the newest record over each byte ---- */
