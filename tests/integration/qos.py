@@ -12,7 +12,7 @@ over one 16 MiB backend (they share its cache; reads are cache hits):
 Checks (rates are measured from 1 s after the start, once the first
 second's burst is spent; clients are forked processes, aio at QD 8):
   isolation  a client flooding c gets 500 IOPS +-10% while a client of u
-             keeps its IOPS within 15% of what it gets alone (medians of
+             keeps at least 85% of the IOPS it gets alone (medians of
              0.25 s windows; alone and beside alternate every 1.5 s)
   live       on c: 500, then `nbdcachectl limit c client-iops-limit=200`
              -> 200, then SIGHUP with c's limit edited to 800 -> 800, each
@@ -267,13 +267,22 @@ def main():
                     log("unlimited alone %.0f, beside the limited one %.0f IOPS (medians); "
                         "limited %s" % (alone_rate, beside_rate,
                                         ["%.0f" % r for r in lim_rates]))
-                    if attempt < 2 and abs(beside_rate / alone_rate - 1) > ISOLATION:
+                    # A limit that leaked into another's bucket could only
+                    # slow the unlimited client: faster beside the limited
+                    # one is not a fault. The CI rehearsal at 398343e saw
+                    # it faster in all three tries (alone 32144, 43284,
+                    # 30872; beside 48668, 51508, 43928 IOPS): the daemon's
+                    # threads kept busy by a second client answer sooner.
+                    if attempt < 2 and beside_rate < alone_rate * (1 - ISOLATION):
                         log("retrying once: the machine is shared")
                         continue
                     break
                 within(sum(lim_rates) / len(lim_rates), 500, 0.10, "client-iops-limit=500")
-                within(beside_rate, alone_rate, ISOLATION,
-                       "the unlimited client beside it (vs alone)")
+                ok = beside_rate >= alone_rate * (1 - ISOLATION)
+                log("the unlimited client beside it: %.0f, alone %.0f (want at least -%d%%)%s"
+                    % (beside_rate, alone_rate, ISOLATION * 100, "" if ok else "  <-- FAIL"))
+                expect(ok, "the unlimited client beside it (vs alone): %.0f, below %.0f -%d%%"
+                       % (beside_rate, alone_rate, ISOLATION * 100))
 
             def live():
                 # Each limit measured over 1.5, 1.5 and 2 s (QOS_SECONDS 3),
