@@ -204,7 +204,7 @@ static bool blocked_locked(struct dev_drain *g, unsigned s, const struct backend
 		if (!mark)
 			return true;
 		struct dev_drain_batch *bt = &g->batches[p->batch];
-		if (bt->state == DEV_DRAIN_TODO && want_push(g, p->batch))
+		if (bt->state == DEV_DRAIN_PENDING && want_push(g, p->batch))
 			bt->state = DEV_DRAIN_WANTED;
 		r = true;
 	}
@@ -321,7 +321,7 @@ static size_t pick_locked(struct cache_device *d, struct dev_drain *g)
 		if (g->batches[k].state == DEV_DRAIN_WANTED)
 			return k;
 	}
-	while (g->next < d->nlive && g->batches[g->next].state != DEV_DRAIN_TODO)
+	while (g->next < d->nlive && g->batches[g->next].state != DEV_DRAIN_PENDING)
 		g->next++;
 	return g->next < d->nlive ? g->next : SIZE_MAX;
 }
@@ -374,8 +374,8 @@ static bool may_lose(const struct backend *be)
 static int send_batch(struct cache_device *d, struct dev_drain *g, struct window *win,
 		      struct group *grp, size_t k, uint8_t *hdr, char *why, size_t why_len)
 {
-	struct walk b = {.off = d->live[k].off, .seq = d->live[k].seq};
-	int rc = dev_walk_next(d, &b, hdr);
+	struct walk b;
+	int rc = dev_live_read(d, k, false, &b, hdr);
 	if (rc <= 0) {
 		snprintf(why, why_len, "%s", b.why);
 		free(b.data);
@@ -481,7 +481,7 @@ static void *drain_thread(void *arg)
 				rc = 0;
 			}
 			if (rc < 0 && (!grp.n || grp.k[grp.n - 1] != k))
-				g->batches[k].state = DEV_DRAIN_TODO; /* not read */
+				g->batches[k].state = DEV_DRAIN_PENDING; /* not read */
 		}
 		if (!grp.n && rc == 0) {
 			/* Nothing left: every piece is on the backends; the
@@ -521,7 +521,7 @@ static void *drain_thread(void *arg)
 			}
 			/* Written again later (in log order, or first once a
 			 * request waits for it again). */
-			bt->state = rc == 0 ? DEV_DRAIN_DONE : DEV_DRAIN_TODO;
+			bt->state = rc == 0 ? DEV_DRAIN_DONE : DEV_DRAIN_PENDING;
 			if (rc != 0 && grp.k[j] < g->next)
 				g->next = grp.k[j];
 			free(grp.data[j]);

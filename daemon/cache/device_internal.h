@@ -93,7 +93,7 @@ struct dev_piece {
 };
 
 /* A batch of the live log as the drain sees it. */
-#define DEV_DRAIN_TODO 0u
+#define DEV_DRAIN_PENDING 0u
 #define DEV_DRAIN_WANTED 1u /* a request waits for it: first */
 #define DEV_DRAIN_DONE 2u
 #define DEV_DRAIN_WRITING 4u /* in the group being written */
@@ -310,6 +310,10 @@ int dev_sb_update(struct cache_device *d, bool clean);
  * end (w->why says why), or -errno. hdr: a DEVFMT_BLOCK buffer. */
 int dev_walk_next(struct cache_device *d, struct walk *w, uint8_t *hdr);
 void dev_walk_advance(struct cache_device *d, struct walk *w);
+/* Batch k of the live log read again (data checked unless headers_only):
+ * 1, 0 when it no longer reads as it did (w->why), or -errno. */
+int dev_live_read(struct cache_device *d, size_t k, bool headers_only, struct walk *w,
+		  uint8_t *hdr);
 /* No more walks: the log's pages dropped from the page cache, rfd closed. */
 void dev_walk_done(struct cache_device *d);
 /* device_replay.c: the pieces of the live log (d->drain), its ranges out

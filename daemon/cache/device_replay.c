@@ -105,6 +105,22 @@ void dev_walk_done(struct cache_device *d)
 	d->rfd = -1;
 }
 
+/* Batch k of the live log read again (data checked unless headers_only):
+ * 1, 0 when it no longer reads as it did (w->why), or -errno. */
+int dev_live_read(struct cache_device *d, size_t k, bool headers_only, struct walk *w, uint8_t *hdr)
+{
+	*w = (struct walk){
+	    .off = d->live[k].off, .seq = d->live[k].seq, .headers_only = headers_only};
+	return dev_walk_next(d, w, hdr);
+}
+
+/* Its header alone, which read well at bind: 1 or -errno. */
+static int live_header(struct cache_device *d, size_t k, struct walk *w, uint8_t *hdr)
+{
+	int rc = dev_live_read(d, k, true, w, hdr);
+	return rc == 0 ? -EIO : rc;
+}
+
 /* ---- bind: the live log against the exports ---- */
 
 /* Is name in d's discard list? */
@@ -133,8 +149,8 @@ static int check_tail(struct cache_device *d, uint64_t committed, uint8_t *hdr)
 	while (k < d->nlive && d->live[k].seq <= committed)
 		k++;
 	for (; k < d->nlive; k++) {
-		struct walk b = {.off = d->live[k].off, .seq = d->live[k].seq};
-		int rc = dev_walk_next(d, &b, hdr);
+		struct walk b;
+		int rc = dev_live_read(d, k, false, &b, hdr);
 		free(b.data);
 		if (rc < 0)
 			return rc;
@@ -191,11 +207,8 @@ int cache_device_bind(struct cache_device *d, char *err, size_t len)
 	/* What each slot has in the live log, from its last whole-export
 	 * CLEAN record on. */
 	for (size_t k = 0; k < d->nlive && rc >= 0; k++) {
-		struct walk h = {
-		    .off = d->live[k].off, .seq = d->live[k].seq, .headers_only = true};
-		rc = dev_walk_next(d, &h, hdr);
-		if (rc == 0)
-			rc = -EIO; /* it read well a moment ago */
+		struct walk h;
+		rc = live_header(d, k, &h, hdr);
 		for (uint32_t i = k ? 0 : d->sb.checkpoint_skip; rc > 0 && i < h.b.extent_count;
 		     i++) {
 			const struct devfmt_extent *x = &h.b.extents[i];
@@ -420,7 +433,7 @@ static int index_pieces(struct cache_device *d, struct dev_drain *g)
 	for (size_t i = 0; i < g->npieces; i++) {
 		struct dev_drain_batch *b = &g->batches[g->pieces[i].batch];
 		if (b->state == DEV_DRAIN_DONE)
-			*b = (struct dev_drain_batch){.first = i, .state = DEV_DRAIN_TODO};
+			*b = (struct dev_drain_batch){.first = i, .state = DEV_DRAIN_PENDING};
 		b->count++;
 		g->undone[g->pieces[i].slot]++;
 		if (g->pieces[i].type == DEVFMT_EXTENT_DATA)
@@ -461,11 +474,8 @@ static int gather(struct cache_device *d, struct prec **out, size_t *nout)
 	uint64_t order = 0;
 	int rc = hdr ? 0 : -ENOMEM;
 	for (size_t k = 0; k < d->nlive && rc >= 0; k++) {
-		struct walk b = {
-		    .off = d->live[k].off, .seq = d->live[k].seq, .headers_only = true};
-		rc = dev_walk_next(d, &b, hdr);
-		if (rc == 0)
-			rc = -EIO; /* it read well a moment ago */
+		struct walk b;
+		rc = live_header(d, k, &b, hdr);
 		if (rc < 0)
 			break;
 		uint64_t at = 0;
@@ -598,8 +608,8 @@ int dev_check_data(struct cache_device *d, char *err, size_t len)
 		return dev_fail(err, len, -ENOMEM, "cache device %s: out of memory", d->path);
 	int rc = 0;
 	for (size_t k = 0; k < d->nlive && rc == 0; k++) {
-		struct walk b = {.off = d->live[k].off, .seq = d->live[k].seq};
-		rc = dev_walk_next(d, &b, hdr);
+		struct walk b;
+		rc = dev_live_read(d, k, false, &b, hdr);
 		free(b.data);
 		/* Its records all thrown away (cache-device-discard-dirty):
 		 * its data is not needed. */
