@@ -17,6 +17,7 @@
  *   ok | fail-read | fail-write | fail-fsync | fail-fsync-once |
  *   fail-all | stall            the fault mode (ok also sets delay-ms 0)
  *   delay-ms N                  every data operation sleeps N ms first
+ *   fail-write-after N          the next N writes pass, then fail-write
  *   lose-on-fsync-error on|off  a failed fsync rolls the file back to its
  *                               last successful fsync (default on)
  *   power-loss                  roll every file back to its last

@@ -47,6 +47,9 @@ static pthread_cond_t mode_changed;
 static pthread_once_t cond_once = PTHREAD_ONCE_INIT;
 static enum fault_mode mode = MODE_OK;
 static unsigned delay_ms;
+/* fail-write-after N: writes pass until N more have, then fail (mode
+ * fail-write from then on); 0: not armed. */
+static uint64_t writes_left;
 static bool lose_on_fsync_error = true;
 static uint64_t counters[FAULT_COUNTERS];
 static uint64_t ops_failed;
@@ -122,6 +125,8 @@ int fault_gate(enum fault_op op)
 	}
 	pthread_mutex_lock(&lock);
 	int rc = 0;
+	if (op == FAULT_OP_WRITE && writes_left && --writes_left == 0)
+		set_mode(MODE_FAIL_WRITE); /* the N that were to pass have */
 	if (!wait_out_stall() || fails(op))
 		rc = -EIO;
 	if (rc < 0) {
@@ -163,6 +168,7 @@ static int one_command(char *line, bool *power_loss)
 			if (arg)
 				return -EINVAL;
 			set_mode((enum fault_mode)m);
+			writes_left = 0;
 			if (m == MODE_OK)
 				delay_ms = 0;
 			return 0;
@@ -177,6 +183,19 @@ static int one_command(char *line, bool *power_loss)
 		if (errno || *end || end == arg || v > 60000)
 			return -EINVAL;
 		delay_ms = (unsigned)v;
+		return 0;
+	}
+	if (strcmp(word, "fail-write-after") == 0) {
+		char *end;
+		if (!arg)
+			return -EINVAL;
+		errno = 0;
+		unsigned long long v = strtoull(arg, &end, 10);
+		if (errno || *end || end == arg)
+			return -EINVAL;
+		/* the next v writes pass, the one after fails, and every write
+		 * after it (fail-write) */
+		writes_left = v + 1;
 		return 0;
 	}
 	if (strcmp(word, "lose-on-fsync-error") == 0) {

@@ -12,6 +12,8 @@ WORKDIR/mnt whose data operations fail, stall or are undone on command:
         fs.set("fail-fsync")              # ok fail-read fail-write fail-fsync
                                           # fail-fsync-once fail-all stall
                                           # "delay-ms N"
+                                          # "fail-write-after N": N more
+                                          # writes pass, then fail-write
         fs.lose_on_fsync_error(False)     # default on
         fs.power_loss()                   # every file back to its last fsync
         fs.counters()                     # dict: writes, bytes_written,
@@ -195,7 +197,8 @@ class FaultFS:
 
     def set(self, mode):
         """The fault mode: ok, fail-read, fail-write, fail-fsync,
-        fail-fsync-once, fail-all, stall, or "delay-ms N"."""
+        fail-fsync-once, fail-all, stall, "delay-ms N", or
+        "fail-write-after N" (N more writes pass, then fail-write)."""
         log("  faultfs: %s" % mode)
         self.command(mode)
 
