@@ -568,7 +568,7 @@ int server_run(const struct options *opts, int argc, char **argv, int *upgrade_f
 		goto out_base;
 	rc = cache_start(s.cache);
 	if (rc < 0) {
-		log_error("cache: cannot start the writeback thread: %s", strerror(-rc));
+		log_error("cache: not started (%s): nothing is served", strerror(-rc));
 		goto out_base;
 	}
 	conn_set_stall_timeout(opts->stall_timeout);

@@ -543,6 +543,7 @@ int cache_entry_split(struct cache_export *ce, struct cache_entry *e)
 	}
 	cache_entry_set_place(n, e->range, cache_entry_pos(e) + half_frames, order - 1);
 	n->frame = e->frame + half_frames;
+	n->unproven = e->unproven;
 	atomic_fetch_or(&n->hot, atomic_load(&e->hot) & (CACHE_FREQ_MASK | CACHE_ZEROS_BIT));
 	/* The order is in the word with the pins: no one pins e meanwhile
 	 * (shard and export locks), but a subtraction leaves any count alone

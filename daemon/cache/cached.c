@@ -49,6 +49,7 @@ struct cache_fill {
 	uint32_t invalidations;
 	bool ahead; /* reads ahead of the request: a failure retries without */
 	bool level2; /* read from the cache device's level-2 cache, not the backend */
+	bool unproven; /* sent while cache_fill_unproven (struct cache_entry) */
 };
 
 static struct cache_piece *piece_add(struct cache_op *op)
@@ -254,6 +255,8 @@ static void fill_done(struct backend_io *io, int result)
 	bool keep = result >= 0 && e->invalidations == f->invalidations;
 	if (keep && zeros)
 		cache_entry_set_may_hold_zeros(e);
+	if (keep && f->unproven)
+		e->unproven = 1;
 	for (uint32_t b = f->first; b < f->first + f->count; b++) {
 		map_clear(busy, b);
 		if (keep)
@@ -262,7 +265,7 @@ static void fill_done(struct backend_io *io, int result)
 	/* What the backend gave goes to the level-2 cache now, not only when
 	 * evicted: a crash loses RAM, not the device (under the shard lock, so
 	 * a write's invalidation comes after it). */
-	if (keep && !f->level2 && ce->cache->device)
+	if (keep && !f->level2 && !f->unproven && ce->cache->device)
 		offer_fill(ce, e, f->first, f->count, io->buf);
 	pthread_mutex_unlock(&sh->lock);
 	cache_waitq_wake(ce->cache);
@@ -325,6 +328,7 @@ static void level2_done(struct backend_io *io, int result)
 		struct cache_export *ce = f->op->ce;
 		f->level2 = false;
 		f->io.done = fill_done;
+		f->unproven = cache_fill_unproven(ce);
 		atomic_fetch_add(&ce->counters.backend_reads, 1);
 		atomic_fetch_add(&ce->counters.backend_read_bytes, f->io.length);
 		cache_backend_submit(ce, f->op->worker, &f->io);
@@ -393,6 +397,7 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
 		f->level2 = false;
 		f->io.done = done;
 	}
+	f->unproven = cache_fill_unproven(ce);
 	atomic_fetch_add(&ce->counters.backend_reads, 1);
 	atomic_fetch_add(&ce->counters.backend_read_bytes, length);
 	cache_backend_submit(ce, op->worker, &f->io);

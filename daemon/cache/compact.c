@@ -259,6 +259,8 @@ static void merge_bits(struct cache_entry *ne, struct cache_entry *e, uint64_t b
 	cache_entry_ext(ne)->ndirty += cache_entry_ndirty(e);
 	if (cache_entry_may_hold_zeros(e))
 		cache_entry_set_may_hold_zeros(ne);
+	if (e->unproven)
+		ne->unproven = 1;
 }
 
 /*

@@ -356,11 +356,11 @@ static void identity_of(struct devfmt_identity *id, const struct cache_export *c
 
 /* Why two identities differ, or NULL. */
 const char *dev_identity_differs(const struct devfmt_identity *a, const struct devfmt_identity *b,
-				 char *buf, size_t len)
+				 bool size, char *buf, size_t len)
 {
 	if (strcmp(a->backend, b->backend) != 0)
 		snprintf(buf, len, "backend %s, recorded %s", b->backend, a->backend);
-	else if (a->size != b->size)
+	else if (size && a->size != b->size)
 		snprintf(buf, len, "size %llu, recorded %llu", (unsigned long long)b->size,
 			 (unsigned long long)a->size);
 	else if (a->block_size != b->block_size)

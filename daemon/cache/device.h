@@ -188,6 +188,10 @@ int cache_device_detach_end(struct cache_device *d);
 
 /* Can the log take records now (attached, started, not failed)? */
 bool cache_device_usable(struct cache_device *d);
+/* Failed, and its log not yet emptied on the device (voided): until it
+ * is, nothing is answered through the backends (cache_device_wait), and
+ * full rounds of every export on it put its records there. */
+bool cache_device_voiding(struct cache_device *d);
 /* Append a record for ce (DEVFMT_EXTENT_*; data: length bytes of DATA),
  * copying the data. Its rec, or 0 when the log is off. */
 uint64_t cache_device_append(struct cache_device *d, struct cache_export *ce, unsigned type,
@@ -209,6 +213,15 @@ void cache_device_wait(struct cache_device *d, struct cache_device_waiter *w);
  * there). 0 done or nothing to do, 1 not durable yet (call again later).
  */
 int cache_device_retire(struct cache_device *d, struct cache_export *ce, uint64_t *rec);
+/*
+ * ce's size moves from old to size (cache_export_resize, before the
+ * resize is answered; a shrink before its backend is cut): a shrink
+ * logs a CLEAN record from the new end on and waits until it is durable
+ * (no record past the end can come back, even once it grows again); the
+ * size recorded for it is written to the superblock. 0 or -errno.
+ */
+int cache_device_resize(struct cache_device *d, struct cache_export *ce, uint64_t old,
+			uint64_t size);
 /* A full flush round of ce succeeded: the records appended up to rec are
  * on its backend. Moves the tail once every export is covered. */
 void cache_device_covered(struct cache_device *d, struct cache_export *ce, uint64_t rec);

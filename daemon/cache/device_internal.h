@@ -234,6 +234,14 @@ struct cache_device {
 	pthread_t thread;
 	bool running, stop, started, failed, no_room, checkpoint_due;
 	bool detaching, detached; /* cache_device_detach_begin, _end */
+	/* After a failure: the log was emptied on the device (a checkpoint
+	 * past every batch, its sequence numbers past every batch a commit
+	 * attempted), so nothing on it can be replayed over what the backends
+	 * got since; or why that superblock could not be written (-errno). A
+	 * FLUSH or FUA answered through the backend after the failure waits
+	 * for it (device_log.c, ready_locked). */
+	bool voided, void_said;
+	int void_error;
 	bool committing;	  /* the log thread writes records taken from pend */
 	struct dev_rec *pend;
 	size_t npend, cappend;
@@ -359,9 +367,11 @@ static inline void dev_l2_map_dirty(struct dev_l2 *l, uint32_t p)
  * (lock not held). */
 void dev_l2_forget(struct cache_device *d, unsigned slot, uint64_t offset, uint64_t length);
 
-/* Why two identities differ (buf), or NULL. */
+/* Why two identities differ (buf), or NULL; their sizes compared too
+ * when size (the level-2 cache: a page past the end must not come back),
+ * not for the log (a resize is no other backend: device_replay.c). */
 const char *dev_identity_differs(const struct devfmt_identity *a, const struct devfmt_identity *b,
-				 char *buf, size_t len);
+				 bool size, char *buf, size_t len);
 /* device_l2.c: set up (before the map is read), the thread started,
  * stopped, everything freed. */
 int dev_l2_init(struct cache_device *d);

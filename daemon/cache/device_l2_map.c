@@ -211,7 +211,7 @@ static void slots_ok(struct cache_device *d, const struct devfmt_l2m_header *h, 
 		const struct dev_slot *s = &d->slots[i];
 		char diff[300];
 		ok[i] = s->used && s->ce && s->configured &&
-			dev_identity_differs(&s->id, &s->cfg, diff, sizeof(diff)) == NULL;
+			dev_identity_differs(&s->id, &s->cfg, true, diff, sizeof(diff)) == NULL;
 		if (ok[i] && h->mtime_ns[i] && backend_mtime(&s->cfg) != h->mtime_ns[i]) {
 			log_warn(
 			    "cache device %s: export \"%s\": its backend file was modified "

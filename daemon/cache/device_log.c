@@ -26,6 +26,14 @@ bool cache_device_usable(struct cache_device *d)
 	return ok;
 }
 
+bool cache_device_voiding(struct cache_device *d)
+{
+	pthread_mutex_lock(&d->lock);
+	bool r = d->failed && !d->voided;
+	pthread_mutex_unlock(&d->lock);
+	return r;
+}
+
 static int pend_reserve(struct cache_device *d, size_t data)
 {
 	if (d->npend == d->cappend) {
@@ -56,6 +64,12 @@ void dev_fail_locked(struct cache_device *d, int error, const char *what)
 		return;
 	d->failed = true;
 	d->st.failed = true;
+	/* The log must be emptied on the device before anything is answered
+	 * through the backends (ready_locked): a checkpoint writes the
+	 * superblock even if the tail does not move. */
+	d->sb_stale = true;
+	d->checkpoint_due = true;
+	pthread_cond_signal(&d->cond);
 	log_error("cache device %s: %s: %s; the intent log is off from now on: FLUSH goes to "
 		  "the backends again (each export is switched to writethrough)",
 		  d->path, what, strerror(-error));
@@ -143,8 +157,21 @@ static struct cache_device_waiter *ready_locked(struct cache_device *d)
 		int result = 1;
 		if (d->detached) /* every record is on the backends: nothing to wait for */
 			result = 0;
+		else if (!w->checkpoint && w->rec && w->rec <= d->durable)
+			/* its records are durable (committed before a failure, or
+			 * covered by a checkpoint) */
+			result = 0;
 		else if (d->failed)
-			result = -EIO;
+			/* A log round's commit that cannot happen now fails (its
+			 * FLUSHes get EIO, the exports go writethrough). Anything
+			 * else is answered through the backends, which may hold
+			 * newer bytes than the log's records by then: only once the
+			 * log is emptied on the device (voided), or -EIO when that
+			 * cannot be written. */
+			result = w->fallback ? -EIO
+				 : d->voided ? 0
+				 : d->void_error ? d->void_error
+						 : 1;
 		else if (w->fallback && d->detaching)
 			/* A log round while a detach began: some of its entries
 			 * may not have been appended; it writes back instead. */
@@ -188,6 +215,11 @@ void cache_device_wait(struct cache_device *d, struct cache_device_waiter *w)
 	} else if (w->rec > d->want) {
 		d->want = w->rec;
 	}
+	if (d->failed && !d->voided) {
+		/* The void is tried again for it (answered by that attempt). */
+		d->void_error = 0;
+		d->checkpoint_due = true;
+	}
 	struct cache_device_waiter *ready = ready_locked(d);
 	pthread_cond_signal(&d->cond);
 	pthread_mutex_unlock(&d->lock);
@@ -220,6 +252,65 @@ int cache_device_retire(struct cache_device *d, struct cache_export *ce, uint64_
 	return rc;
 }
 
+/* Wait (blocking, bounded) until rec is durable: 0, or -errno. */
+static int wait_durable(struct cache_device *d, uint64_t rec)
+{
+	for (unsigned ms = 0; ms < 60000; ms++) {
+		pthread_mutex_lock(&d->lock);
+		int rc = d->detached || rec <= d->durable ? 0 : d->failed ? -EIO : 1;
+		if (rc > 0 && rec > d->want) {
+			d->want = rec;
+			pthread_cond_signal(&d->cond);
+		}
+		pthread_mutex_unlock(&d->lock);
+		if (rc <= 0)
+			return rc;
+		struct timespec ts = {0, 1000000};
+		nanosleep(&ts, NULL);
+	}
+	return -ETIMEDOUT;
+}
+
+int cache_device_resize(struct cache_device *d, struct cache_export *ce, uint64_t old,
+			uint64_t size)
+{
+	if (ce->device_slot < 0)
+		return 0;
+	if (size < old && (d->use & CACHE_DEVICE_USE_LOG)) {
+		/* Nothing past the new end is dirty or unstable (the resize
+		 * refuses that): its bytes are the backend's, and none of its
+		 * older records may come back there, even after the export
+		 * grows again. */
+		uint64_t rec = cache_device_append(d, ce, DEVFMT_EXTENT_CLEAN, size,
+						   DEV_RETIRED_LENGTH - size, NULL);
+		int rc = rec ? wait_durable(d, rec) : 0;
+		if (rc < 0) {
+			log_error("cache device %s: export \"%s\": the record of its new end could "
+				  "not be made durable: %s; the resize is refused",
+				  d->path, d->slots[ce->device_slot].cfg.name, strerror(-rc));
+			return rc;
+		}
+	}
+	pthread_mutex_lock(&d->lock);
+	struct dev_slot *s = &d->slots[ce->device_slot];
+	bool own = s->ce == ce;
+	if (own)
+		s->id.size = s->cfg.size = size;
+	pthread_mutex_unlock(&d->lock);
+	if (!own)
+		return 0;
+	/* Recorded before the resize is answered: a start after a crash
+	 * finds the size the backend has (a crash before this: a size that
+	 * differs is replayed all the same, device_replay.c). */
+	pthread_mutex_lock(&d->sb_lock);
+	int rc = dev_sb_update(d, false);
+	pthread_mutex_unlock(&d->sb_lock);
+	if (rc < 0)
+		log_error("cache device %s: export \"%s\": recording its new size: %s", d->path,
+			  s->cfg.name, strerror(-rc));
+	return rc;
+}
+
 void cache_device_covered(struct cache_device *d, struct cache_export *ce, uint64_t rec)
 {
 	pthread_mutex_lock(&d->lock);
@@ -234,9 +325,12 @@ void cache_device_covered(struct cache_device *d, struct cache_export *ce, uint6
 bool cache_device_wants_checkpoint(struct cache_device *d)
 {
 	pthread_mutex_lock(&d->lock);
-	bool r = d->started && !d->failed && !d->detached &&
-		 (d->no_room || d->checkpoint_waiters || d->used > d->sb.log_bytes / 2 ||
-		  d->pdata_len > d->sb.log_bytes / 4);
+	/* A failed device is emptied (voided) once every export's full round
+	 * has put its records on the backend: those rounds run at once. */
+	bool r = d->started && !d->detached &&
+		 (d->failed ? !d->voided
+			    : d->no_room || d->checkpoint_waiters || d->used > d->sb.log_bytes / 2 ||
+				  d->pdata_len > d->sb.log_bytes / 4);
 	pthread_mutex_unlock(&d->lock);
 	return r;
 }
@@ -457,6 +551,14 @@ static void commit_locked(struct cache_device *d)
 	pthread_mutex_lock(&d->lock);
 	d->committing = false;
 	if (rc < 0) {
+		/* Batches before the one that failed may be on the device with
+		 * good CRCs and the next sequence numbers: the void's checkpoint
+		 * (dev_fail_locked) must name a number past every one of them,
+		 * or a start would replay them over what the backends got
+		 * since. */
+		d->head_seq = seq + 1;
+		if (d->sb.seq_floor < d->head_seq)
+			d->sb.seq_floor = d->head_seq;
 		dev_fail_locked(d, rc, "writing its log");
 	} else {
 		for (size_t k = 0; k < ndone && rc == 0; k++)
@@ -504,7 +606,7 @@ static void checkpoint_locked(struct cache_device *d)
 	 * backends got since. A full round's FLUSH waits for the drain. */
 	if (held_locked(d))
 		return;
-	if (covered <= d->checkpointed && !release)
+	if (covered <= d->checkpointed && !release && !d->sb_stale)
 		return;
 	/* Records not committed yet that the backends cover: never written. */
 	size_t drop = 0;
@@ -540,6 +642,13 @@ static void checkpoint_locked(struct cache_device *d)
 		memmove(d->batches, d->batches + pop, (d->nbatches - pop) * sizeof(*d->batches));
 		d->nbatches -= pop;
 	}
+	if (d->nbatches == 0) {
+		/* Empty: the tail is the head (after a failed commit, past
+		 * the numbers of every batch it attempted). */
+		tail = d->head;
+		tail_seq = d->head_seq;
+		skip = 0;
+	}
 	/* The batch now at the tail may begin with covered records: they
 	 * must not be replayed either (they may be older than what the
 	 * backend has now). */
@@ -562,14 +671,28 @@ static void checkpoint_locked(struct cache_device *d)
 		 * backends now hold). */
 		d->sb_stale = rc < 0;
 		if (rc < 0) {
+			if (d->failed && !d->void_said)
+				log_error("cache device %s: its log cannot be emptied after its failure "
+					  "(writing its superblock: %s): FLUSH and FUA fail with EIO "
+					  "until it can be (a start could replay its records over "
+					  "what they acknowledge); tried again at each",
+					  d->path, strerror(-rc));
+			if (d->failed)
+				d->void_error = rc;
+			d->void_said |= d->failed;
 			dev_fail_locked(d, rc, "writing its checkpoint");
 			return;
 		}
 		d->st.checkpoints++;
-		if (d->failed && d->nbatches == 0)
+		if (d->failed && d->nbatches == 0 && d->npend == 0 && !d->committing &&
+		    !d->voided) {
+			d->voided = true;
+			d->void_error = 0;
 			log_warn("cache device %s: its log is empty again (everything is on the "
-				 "backends); it stays off until a restart",
+				 "backends, and its superblock says so); it stays off until a "
+				 "restart",
 				 d->path);
+		}
 	}
 	if (covered > d->checkpointed)
 		d->checkpointed = covered;

@@ -262,7 +262,17 @@ int cache_device_bind(struct cache_device *d, char *err, size_t len)
 			break;
 		}
 		char why[600];
-		const char *diff = dev_identity_differs(&s->id, &s->cfg, why, sizeof(why));
+		/* Another size is no other backend (a resize, by the daemon or
+		 * by hand, that a crash caught): its records are replayed, up
+		 * to its end now (dev_plan). */
+		const char *diff = dev_identity_differs(&s->id, &s->cfg, false, why, sizeof(why));
+		if (!diff && s->id.size != s->cfg.size && s->cfg.size)
+			log_info("cache device %s: export \"%s\": its backend has %llu bytes now, "
+				 "%llu when its %llu bytes in %llu record(s) were logged (resized): "
+				 "they are written back",
+				 d->path, s->id.name, (unsigned long long)s->cfg.size,
+				 (unsigned long long)s->id.size, (unsigned long long)s->live_bytes,
+				 (unsigned long long)s->live_records);
 		if (diff)
 			rc = dev_fail(
 			    err, len, -EINVAL,
@@ -374,7 +384,8 @@ static int add_piece(struct dev_drain *g, const struct prec *r, uint64_t a, uint
  * of a heap (those ended taken off as they come up); its stretch becomes
  * a piece unless it is a CLEAN record's. O(n log n).
  */
-static int sweep(struct dev_drain *g, const struct prec *r, size_t n, struct heap *h)
+static int sweep(struct dev_drain *g, const struct prec *r, size_t n, struct heap *h,
+		 uint64_t end, uint64_t *past)
 {
 	size_t i = 0;
 	uint64_t x = 0;
@@ -393,7 +404,13 @@ static int sweep(struct dev_drain *g, const struct prec *r, size_t n, struct hea
 		if (i < n && r[i].offset < y)
 			y = r[i].offset;
 		if (top->type != DEVFMT_EXTENT_CLEAN) {
-			int rc = add_piece(g, top, x, y);
+			/* Past the backend's end now (it was cut while the daemon
+			 * was down, or before the resize that would have said so
+			 * was recorded): those bytes are gone with it. */
+			uint64_t b = y < end ? y : end;
+			if (b < y)
+				*past += y - (x > end ? x : end);
+			int rc = x < b ? add_piece(g, top, x, b) : 0;
 			if (rc < 0)
 				return rc;
 		}
@@ -568,7 +585,19 @@ int dev_plan(struct cache_device *d, char *err, size_t len)
 		size_t j = i;
 		while (j < n && r[j].slot == r[i].slot)
 			j++;
-		rc = sweep(g, r + i, j - i, &h);
+		const struct dev_slot *sl = &d->slots[r[i].slot];
+		/* (--check-config knows no size but a file's: 0, not cut) */
+		uint64_t end = sl->configured && sl->cfg.size ? sl->cfg.size : UINT64_MAX;
+		uint64_t past = 0;
+		rc = sweep(g, r + i, j - i, &h, end, &past);
+		if (rc >= 0 && past) {
+			log_error("cache device %s: export \"%s\": %llu bytes of its records lie past "
+				  "its backend's end (%llu bytes now, %llu when recorded: cut while "
+				  "the daemon was down?): they are not written back",
+				  d->path, sl->cfg.name, (unsigned long long)past,
+				  (unsigned long long)sl->cfg.size, (unsigned long long)sl->id.size);
+			g->lost_bytes += past;
+		}
 		i = j;
 	}
 	free(h.v);

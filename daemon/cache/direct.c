@@ -255,6 +255,7 @@ static void direct_done(struct backend_io *io, int result)
 		/* Done on the backend, not durable until a backend flush
 		 * (cache.h). */
 		op->write_seq = atomic_fetch_add(&ce->backend_writes_done, 1) + 1;
+		cache_note_direct_seq(ce, op->write_seq);
 		/* A connection was lost meanwhile: the server may have lost
 		 * this step, and a flush round may have acted on the loss
 		 * before it was counted. What the cache holds of it is written
@@ -294,9 +295,9 @@ static void device_wait_done(struct worker_task *task)
 {
 	struct cache_op *op =
 	    (struct cache_op *)((char *)task - offsetof(struct cache_op, device_wait.task));
-	/* -EIO: the device failed; the operation's data is on the backend
-	 * (FUA) all the same, and the log is off from now on. */
-	op_finish(op, op->error);
+	/* An error: the device failed and could not be emptied (voided): a
+	 * start may replay older records over what this wrote. */
+	op_finish(op, op->device_wait.result < 0 ? op->device_wait.result : op->error);
 }
 
 /*
@@ -317,8 +318,10 @@ static void direct_end(struct cache_op *op)
 		}
 	}
 	/* FUA: durable on the backend, and its records on the cache device
-	 * (a replay must not put older data back over it). */
-	if (!op->error && (op->flags & BACKEND_FUA) && op->device_rec) {
+	 * (a replay must not put older data back over it); with no record
+	 * (the device failed), once the log is emptied on the device. */
+	if (!op->error && (op->flags & BACKEND_FUA) && ce->cache->device &&
+	    ce->device_slot >= 0) {
 		op->device_wait.rec = op->device_rec;
 		op->device_wait.fallback = false;
 		op->device_wait.checkpoint = false;

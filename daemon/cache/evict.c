@@ -169,6 +169,9 @@ static void offer_level2(struct cache *c, struct cache_export *ce, struct cache_
 {
 	if (!c->device || ce->device_slot < 0 || !cache_device_l2_on(c->device))
 		return;
+	/* Bytes the backend may still lose: never claimed by the level-2 map. */
+	if (e->unproven)
+		return;
 	struct cache_map up = cache_uptodate_map(e);
 	uint64_t bytes = cache_entry_bytes(e), offset = cache_entry_offset(e);
 	uint64_t size = atomic_load(&ce->size);

@@ -102,10 +102,15 @@ int cache_export_resize(struct cache_export *ce, uint64_t size, uint64_t *dirty_
 	int rc = cache_export_drop_from(ce, from, &dropped, &busy, dirty_past);
 	if (rc == 0 && busy)
 		rc = -EBUSY;
+	if (rc == 0 && ce->cache->device) {
+		/* the level-2 cache's pages past the end */
+		cache_device_l2_remove(ce->cache->device, ce, from, UINT64_MAX - from);
+		/* the size the device records for it, durably, before the
+		 * resize is answered */
+		rc = cache_device_resize(ce->cache->device, ce, old, size);
+	}
 	if (rc < 0)
 		atomic_store(&ce->size, old);
-	else if (ce->cache->device) /* the level-2 cache's pages past the end */
-		cache_device_l2_remove(ce->cache->device, ce, from, UINT64_MAX - from);
 	return rc;
 }
 
@@ -135,7 +140,7 @@ bool cache_export_on_device(const struct cache_export *ce)
 
 void cache_export_note_direct_write(struct cache_export *ce)
 {
-	atomic_fetch_add(&ce->backend_writes_done, 1);
+	cache_note_direct_seq(ce, atomic_fetch_add(&ce->backend_writes_done, 1) + 1);
 	atomic_fetch_add(&ce->direct_writes_done, 1);
 }
 

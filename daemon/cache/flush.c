@@ -199,6 +199,29 @@ void flush_job_end(struct flush_job *job)
 	struct writeback *wb = job->wb;
 	struct cache_export *ce = job->ce;
 	struct cache_device *dev = wb->cache->device;
+	if (job->side_pending) {
+		/* Ended by the side flush's completion (flush_side_done). */
+		job->end_due = true;
+		job->waiting = true; /* see below: left alone meanwhile */
+		return;
+	}
+	if (dev && ce->device_slot >= 0 && !job->logged && !job->background && !job->error &&
+	    !job->device_done && job->device_rec < cache_device_last(dev) &&
+	    cache_device_voiding(dev) && !job->device_again) {
+		/* The device failed while the round ran: records appended
+		 * after it began are not covered by it, and the log can only
+		 * be emptied (voided, which its FLUSHes wait for) once they
+		 * are. None is appended any more: one more round covers all. */
+		job->device_again = true;
+		job->device_rec = cache_device_last(dev);
+		round_unpin(job);
+		if (round_snapshot(job) == 0) {
+			job->stage = 0;
+			flush_advance(job);
+			return;
+		}
+		job->error = -ENOMEM;
+	}
 	if (dev && ce->device_slot >= 0 && !job->logged && !job->background && !job->error &&
 	    !job->device_done) {
 		/* Everything appended before the round began is on the backend
@@ -245,9 +268,77 @@ static void device_round_done(struct worker_task *task)
 {
 	struct flush_job *job =
 	    (struct flush_job *)((char *)task - offsetof(struct flush_job, dwait.task));
-	/* -EIO: the device failed; the data is on the backend all the same. */
+	/* An error: the device failed and could not be emptied (voided), so
+	 * a start may replay records older than what the backend holds now:
+	 * the FLUSH is not answered as a success. */
 	job->waiting = false;
+	if (job->dwait.result < 0 && !job->error)
+		job->error = job->dwait.result;
 	flush_job_end(job);
+}
+
+static void flush_side_done(struct backend_io *io, int result)
+{
+	struct flush_job *job = (struct flush_job *)((char *)io - offsetof(struct flush_job, side_io));
+	struct cache_export *ce = job->ce;
+	cache_backend_timed(ce, io);
+	uint64_t loss = atomic_load(&ce->backend->loss_seq);
+	if (result >= 0 && loss == job->side_loss) {
+		if (job->side_covered > atomic_load(&ce->backend_writes_flushed))
+			atomic_store(&ce->backend_writes_flushed, job->side_covered);
+		if (job->side_direct > atomic_load(&ce->direct_writes_flushed))
+			atomic_store(&ce->direct_writes_flushed, job->side_direct);
+		unstable_settle_all(ce, job->side_covered, false);
+		writeback_note_success(ce);
+	} else {
+		if (result < 0) {
+			atomic_fetch_add(&ce->counters.backend_flush_errors, 1);
+			pthread_mutex_lock(&ce->lock);
+			writeback_note_failure_locked(ce, result, "a backend flush");
+			pthread_mutex_unlock(&ce->lock);
+		}
+		/* The direct writes the FLUSHes cover may be gone from the
+		 * backend: they fail (and every connection's next FLUSH says so,
+		 * lost_unflushed), whatever the log holds. */
+		if (loss != ce->loss_seen) {
+			ce->loss_seen = loss;
+			lost_unflushed(job->wb, ce);
+		}
+		if (!job->error)
+			job->error = result < 0 ? result : -EIO;
+	}
+	job->side_pending = false;
+	if (job->end_due) {
+		job->end_due = false;
+		job->waiting = false;
+		flush_job_end(job);
+	}
+}
+
+/*
+ * A log round's FLUSHes promise every write acknowledged before them,
+ * direct writes too: those went to the backend, and the log's record of
+ * one may be the only other copy. A backend flush beside the commit makes
+ * them durable there before the FLUSHes are answered, so that no later
+ * loss (a connection, an fdatasync) can take what a FLUSH acknowledged:
+ * only rounds with direct writes not yet flushed pay for it.
+ */
+void flush_side_start(struct flush_job *job)
+{
+	struct cache_export *ce = job->ce;
+	uint64_t direct = atomic_load(&ce->direct_writes_done);
+	if (direct == atomic_load(&ce->direct_writes_flushed))
+		return;
+	job->side_covered = atomic_load(&ce->backend_writes_done);
+	job->side_direct = direct;
+	job->side_loss = atomic_load(&ce->backend->loss_seq);
+	job->side_pending = true;
+	atomic_fetch_add(&ce->counters.backend_flushes, 1);
+	memset(&job->side_io, 0, sizeof(job->side_io));
+	job->side_io.cmd = BACKEND_FLUSH;
+	job->side_io.done = flush_side_done;
+	cache_backend_submit(ce, &job->wb->thread, &job->side_io);
+	uring_submit(&job->wb->thread.ring);
 }
 
 /* Go back to writing: a loss turned unstable data dirty again. */
@@ -483,6 +574,7 @@ void flush_round_start(struct writeback *wb, struct cache_export *ce, bool backg
 				flush_job_end(job);
 				return;
 			}
+			flush_side_start(job);
 			flush_advance(job);
 			return;
 		}

@@ -48,6 +48,18 @@ struct flush_job {
 	 * only once they are durable or checkpointed (device_done).
 	 */
 	bool logged, device_done;
+	bool device_again; /* a second full round: the device failed during the first */
+	/*
+	 * A log round whose FLUSHes cover direct writes (they went to the
+	 * backend, not through the cache: often the only copy outside the
+	 * log is the backend's, which a lost connection or a failed
+	 * fdatasync can take) flushes the backend too, beside its commit
+	 * (side_io): the round ends once both have (end_due: it was due
+	 * while the flush was out).
+	 */
+	bool side_pending, end_due;
+	uint64_t side_covered, side_direct, side_loss;
+	struct backend_io side_io;
 	uint64_t device_rec;
 	struct cache_device_waiter dwait;
 	struct flush_job *next;
@@ -61,6 +73,9 @@ void round_unpin(struct flush_job *job);
 void flush_advance(struct flush_job *job);
 /* The round is over: answer its FLUSHes, start the next. */
 void flush_job_end(struct flush_job *job);
+
+/* Send the side flush of a log round (flush_internal.h, side_io). */
+void flush_side_start(struct flush_job *job);
 
 /* flush_log.c */
 /* e's blocks a backend flush just made durable: a CLEAN record (shard

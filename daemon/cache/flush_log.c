@@ -29,15 +29,23 @@ void flush_log_clean(struct cache_export *ce, struct cache_entry *e)
 			 busy = cache_busy_map(e);
 	uint64_t base = cache_entry_offset(e);
 	uint32_t nblocks = cache_entry_nblocks(e), run = UINT32_MAX;
+	/* A fill put bytes in it that a direct write had put on the backend
+	 * after this flush was sent, maybe (struct cache_entry: unproven):
+	 * the flush does not cover them, so a CLEAN could let the backend's
+	 * loss of them stand over the log's record of that write. Their
+	 * bytes as the cache holds them go into the log instead. */
+	bool data = e->unproven;
+	const uint8_t *mem = data ? arena_address(&ce->cache->arena, e->frame) : NULL;
 	for (uint32_t b = 0; b <= nblocks; b++) {
 		bool take = b < nblocks && map_test(uptodate, b) && !map_test(dirty, b) &&
 			    !map_test(busy, b);
 		if (take && run == UINT32_MAX)
 			run = b;
 		if (!take && run != UINT32_MAX) {
-			cache_device_append(dev, ce, DEVFMT_EXTENT_CLEAN,
-					    base + ((uint64_t)run << ce->block_shift),
-					    (uint64_t)(b - run) << ce->block_shift, NULL);
+			uint64_t off = (uint64_t)run << ce->block_shift;
+			cache_device_append(dev, ce, data ? DEVFMT_EXTENT_DATA : DEVFMT_EXTENT_CLEAN,
+					    base + off, (uint64_t)(b - run) << ce->block_shift,
+					    data ? mem + off : NULL);
 			run = UINT32_MAX;
 		}
 	}

@@ -147,8 +147,15 @@ struct cache_entry {
 		struct {
 			/* uptodate, dirty, busy of a one-block entry (bits 0..2) */
 			uint32_t inline_maps : 3;
-			/* bumped to discard fills in flight (29 bits, wraps) */
-			uint32_t invalidations : 29;
+			/* A fill put bytes in it while a direct write of its
+			 * export was on the backend unflushed (cache_fill_unproven):
+			 * its clean blocks may hold bytes the backend can still
+			 * lose, so they never go to the level-2 cache, and a
+			 * backend flush settling it logs them as DATA, not CLEAN
+			 * (flush_log.c). For its life. */
+			uint32_t unproven : 1;
+			/* bumped to discard fills in flight (28 bits, wraps) */
+			uint32_t invalidations : 28;
 		};
 	};
 	/*
@@ -328,6 +335,11 @@ struct cache_export {
 	 * which the cache cannot write again. */
 	atomic_uint_fast64_t backend_writes_done, backend_writes_flushed;
 	atomic_uint_fast64_t direct_writes_done, direct_writes_flushed;
+	/* backend_writes_done after the latest write that went to the
+	 * backend directly (a direct step, a passthrough write): while it is
+	 * past backend_writes_flushed, a fill may read bytes the backend can
+	 * still lose (cache_fill_unproven). */
+	atomic_uint_fast64_t direct_write_seq;
 	/* direct.c: the step length the export's last TRIM or WRITE_ZEROES
 	 * step settled on, where the next one starts (0: none yet). */
 	atomic_uint_fast64_t direct_step_bytes;
@@ -704,6 +716,22 @@ static inline bool cache_entry_may_hold_zeros(const struct cache_entry *e)
 static inline void cache_entry_set_may_hold_zeros(struct cache_entry *e)
 {
 	atomic_fetch_or_explicit(&e->hot, CACHE_ZEROS_BIT, memory_order_relaxed);
+}
+
+/* May a fill sent now read bytes that a direct write put on the backend
+ * and no backend flush has covered yet (struct cache_entry: unproven)? */
+static inline bool cache_fill_unproven(struct cache_export *ce)
+{
+	return atomic_load(&ce->direct_write_seq) > atomic_load(&ce->backend_writes_flushed);
+}
+
+/* A write went to the backend directly: backend_writes_done was seq
+ * after it (cache_fill_unproven). */
+static inline void cache_note_direct_seq(struct cache_export *ce, uint64_t seq)
+{
+	uint64_t cur = atomic_load(&ce->direct_write_seq);
+	while (cur < seq && !atomic_compare_exchange_weak(&ce->direct_write_seq, &cur, seq))
+		;
 }
 
 static inline struct cache_entry *cache_entry_at(const struct cache *c, uint32_t i)

@@ -75,17 +75,22 @@ bool cache_get_device_stats(struct cache *c, struct cache_device_stats *out)
 
 int cache_start(struct cache *c)
 {
-	int rc = writeback_start(c);
-	if (rc == 0 && c->device) {
-		/* Before anything is served: the log is checked against the
-		 * exports and its write-back planned (it drains meanwhile). */
+	int rc = 0;
+	if (c->device) {
+		/* Before anything is served, and before the writeback thread
+		 * (a start refused here has written nothing back, and says
+		 * nothing of the kind): the log is checked against the exports
+		 * and its write-back planned (it drains meanwhile). */
 		char err[1024];
 		rc = cache_device_bind(c->device, err, sizeof(err));
 		if (rc == 0)
 			rc = cache_device_start(c->device, err, sizeof(err));
-		if (rc < 0)
+		if (rc < 0) {
 			log_error("%s", err);
+			return rc;
+		}
 	}
+	rc = writeback_start(c);
 	if (rc == 0)
 		rc = compactor_start(c);
 	return rc;
