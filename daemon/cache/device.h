@@ -31,7 +31,8 @@
  * (from the checkpoint to its first bad batch) is found from the batch
  * headers, reading the data only of the batches after the last committed
  * mark (those a crash may have torn); every export it holds records for
- * must be configured with the same backend identity, or the start is
+ * must be configured with the same backend identity (not its size: a
+ * resize is replayed up to the end the backend has now), or the start is
  * refused with the export and the bytes. cache_device_start then plans,
  * from the headers alone, the newest record over every byte (the pieces),
  * and serves at once: those bytes are dirty, held in the log, and a
@@ -44,9 +45,13 @@
  * the drain); new batches follow it, the first marked as an epoch, with
  * sequence numbers past any stale batch on the device.
  *
- * Failures: a write or flush of the device that fails answers every
- * waiter -EIO and turns the log off for good (cache_device_usable false:
- * FLUSH goes to the backend again); a log without room answers waiters
+ * Failures: a write or flush of the device that fails answers the log
+ * rounds' waiters -EIO and turns the log off for good
+ * (cache_device_usable false: FLUSH goes to the backend again); every
+ * other waiter (a full round's, a FUA operation's) waits until the log
+ * is emptied on the device (voided: full rounds of every export, then a
+ * checkpoint past every batch a failed commit attempted), or gets -EIO
+ * while that superblock cannot be written. A log without room answers waiters
  * that can go another way -ENOSPC (a FLUSH round writes back instead) and
  * asks for a checkpoint (cache_device_wants_checkpoint).
  *
