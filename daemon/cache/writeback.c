@@ -513,8 +513,12 @@ static void background_pass_once(struct writeback *wb)
 				batch[n++] = e;
 			}
 		}
-		bool flush_due = ce->unstable_head && !flush_round_running(ce) &&
-				 (drain || now - ce->unstable_since >= WB_UNSTABLE_NS) &&
+		/* With a cache device, direct writes not flushed yet keep what a
+		 * fill reads out of the level-2 cache (cache_fill_unproven): a
+		 * background flush covers them soon, as unstable data. */
+		bool direct_due = c->device && ce->device_slot >= 0 && cache_fill_unproven(ce);
+		bool flush_due = (ce->unstable_head || direct_due) && !flush_round_running(ce) &&
+				 (drain || direct_due || now - ce->unstable_since >= WB_UNSTABLE_NS) &&
 				 (!ce->writeback_failing || now >= ce->retry_at);
 		pthread_mutex_unlock(&ce->lock);
 		for (size_t i = 0; i < n; i++) {
