@@ -102,6 +102,10 @@ class Proc:
         if os.path.exists(sock):
             os.unlink(sock)
         self.logf = open(log, "w")
+        # A cache device must be readable by its owner alone.
+        for i, a in enumerate(argv[:-1]):
+            if a == "--cache-device" and os.path.isfile(argv[i + 1]):
+                os.chmod(argv[i + 1], 0o600)
         self.p = subprocess.Popen(argv, stdout=self.logf, stderr=subprocess.STDOUT)
         wait_socket(sock, self.p)
         # nbdcached listens before its replay: "ready" says it is done.

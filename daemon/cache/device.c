@@ -204,11 +204,18 @@ static int load(const char *path, unsigned use, bool readonly, struct cache_devi
 	pthread_cond_init(&d->cond, NULL);
 	int rc;
 	d->odirect = true;
-	int mode = readonly ? O_RDONLY : O_RDWR;
-	d->fd = open(path, mode | O_CLOEXEC | O_DIRECT);
+	int flags = dev_open_flags(path, readonly);
+	d->fd = open(path, flags | O_DIRECT);
 	if (d->fd < 0 && errno == EINVAL) {
 		d->odirect = false; /* tmpfs, some FUSE file systems */
-		d->fd = open(path, mode | O_CLOEXEC);
+		d->fd = open(path, flags);
+	}
+	if (d->fd < 0 && errno == EBUSY) {
+		rc = dev_fail(err, len, -EBUSY,
+			      "cache device %s: in use (mounted, or opened exclusively by another "
+			      "program or daemon): refused",
+			      path);
+		goto out;
 	}
 	if (d->fd < 0) {
 		rc = dev_fail(err, len, -errno, "cache device %s: %s", path, strerror(errno));
@@ -224,6 +231,10 @@ static int load(const char *path, unsigned use, bool readonly, struct cache_devi
 			      path);
 		goto out;
 	}
+	/* Its mode, and one daemon's at a time (device_claim.c). */
+	rc = dev_claim(d, &st, readonly, err, len);
+	if (rc < 0)
+		goto out;
 	d->device_bytes = device_size(d->fd, &st);
 	if (d->device_bytes < DEVFMT_MIN_DEVICE) {
 		rc = dev_fail(

@@ -1,9 +1,12 @@
 /*
  * daemon/cache/device_internal.h: what the cache device's files share
- * (device.h is the interface): device.c opens, starts and closes it,
+ * (device.h is the interface): device.c opens, starts and closes it
+ * (device_claim.c: its lock and mode),
  * device_replay.c reads its live log, binds it to the exports and plans
  * its write-back at start, device_drain.c writes it back while the
- * exports are served, device_log.c appends, commits and checkpoints.
+ * exports are served, device_log.c appends, commits and checkpoints;
+ * device_l2.c, device_l2_map.c and device_l2_read.c keep the level-2
+ * cache, its map on the device and its reads.
  *
  * The log is a ring of batches in [log_offset, log_offset + log_bytes):
  *
@@ -303,6 +306,13 @@ struct walk {
 	bool torn;
 };
 
+/* device_claim.c: the flags a device is opened with (O_EXCL for a block
+ * device); then its mode checked and its lock taken, for as long as it is
+ * open: 0, or -errno with err saying why (naming the holder). */
+struct stat;
+int dev_open_flags(const char *path, bool readonly);
+int dev_claim(struct cache_device *d, const struct stat *st, bool readonly, char *err,
+	      size_t len);
 int dev_fail(char *err, size_t len, int rc, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 /* A buffer of n bytes aligned for O_DIRECT (free() it). */

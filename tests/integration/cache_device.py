@@ -106,6 +106,7 @@ def refused(disk, dev, name="disk"):
     args = [nbdtest.NBDCACHED, "--foreground", "--control", "none", "--unix",
             os.path.join(os.path.dirname(dev), "refused.sock"), "--export",
             "%s=%s" % (name, disk), "--cache-size", "32M", "--cache-device", dev]
+    nbdtest.own_device(args)
     p = subprocess.run(args, capture_output=True, text=True, timeout=120)
     return p.returncode, p.stdout + p.stderr
 
@@ -114,6 +115,7 @@ def check_config(disk, dev, name="disk"):
     """nbdcached --check-config with the device: its exit status and output."""
     args = [nbdtest.NBDCACHED, "--check-config", "--export", "%s=%s" % (name, disk),
             "--cache-device", dev]
+    nbdtest.own_device(args)
     p = subprocess.run(args, capture_output=True, text=True, timeout=120)
     return p.returncode, p.stdout + p.stderr
 
@@ -667,6 +669,14 @@ def corrupt_committed(tmp, disk, dev, bad, why, second):
         st = drained(d, "a committed batch corrupt")
         expect(st["replay_drained_bytes"] == MIB and st["replay_lost_bytes"] == MIB,
                "stats with a corrupt committed batch: %s" % st)
+        # The drain lets the log go at the checkpoint after it: wait for
+        # that before the SIGKILL (else the next start finds it again,
+        # rightly).
+        for _ in range(300):
+            if nbdtest.control_request(d.control, {"command": "stats"})[
+                    "cache"]["cache_device"]["log_used_bytes"] == 0:
+                break
+            time.sleep(0.05)
         expect(h.pread(4096, 0) == b"\0" * 4096, "the corrupt batch's bytes are not the "
                "backend's")
         check_data(disk, {8 * MIB: second}, "the batch after the corrupt one")
@@ -783,7 +793,7 @@ def held_log(tmp):
     dev = os.path.join(tmp, "cache.dev")
     for f in (disk, slow_img):
         nbdtest.sparse_file(f, SIZE)
-    nbdtest.sparse_file(dev, DEVICE)
+    nbdtest.own_device(nbdtest.sparse_file(dev, DEVICE))
     slow = "nbdkit:--threads=1 --filter=delay file %s wdelay=300ms" % slow_img
     conf = os.path.join(tmp, "nbdcached.conf")
     base = ("[generic]\ncache-size = 128M\ncache-device = %s\ndirty-expire = 3600\n"
@@ -872,7 +882,7 @@ def readded_export(tmp):
     dev = os.path.join(tmp, "cache.dev")
     nbdtest.sparse_file(disk, SIZE)
     nbdtest.sparse_file(other, SIZE)
-    nbdtest.sparse_file(dev, DEVICE)
+    nbdtest.own_device(nbdtest.sparse_file(dev, DEVICE))
     conf = os.path.join(tmp, "nbdcached.conf")
     base = ("[generic]\ncache-size = 32M\ncache-device = %s\ndirty-expire = 3600\n"
             "cache-mode = writeback\n\n[other]\nbackend = %s\n" % (dev, other))

@@ -276,6 +276,7 @@ def warm_restart(r):
     m = re.search(r"level-2 map of (\d+) pages", text)
     require(m, "the clean close did not say it kept the level-2 map")
     log("  %s" % m.group(0))
+    nbdtest.own_device(r.dev)
     p = subprocess.run([nbdtest.NBDCACHED, "--check-config", "--export",
                         "disk=nbdkit:--filter=delay file %s rdelay=2ms" % r.disk,
                         "--cache-device", r.dev], capture_output=True, text=True, timeout=60)

@@ -178,6 +178,7 @@ def refused(disk, dev, name="disk"):
     args = [nbdtest.NBDCACHED, "--foreground", "--control", "none", "--unix",
             os.path.join(os.path.dirname(os.path.abspath(disk)), "refused.sock"), "--export",
             "%s=%s" % (name, disk), "--cache-size", "32M", "--cache-device", dev]
+    nbdtest.own_device(args)
     p = subprocess.run(args, capture_output=True, text=True, timeout=120)
     return p.returncode, p.stdout + p.stderr
 

@@ -25,6 +25,7 @@ import random
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -153,6 +154,23 @@ def sparse_file(path, size):
     with open(path, "wb") as f:
         f.truncate(size)
     return path
+
+
+def own_device(args_or_path):
+    """A cache device file (the path after --cache-device in args, or a
+    path) made readable by its owner alone, as the daemon requires (a
+    file others can read is refused: cache_device_claim.py checks that)."""
+    if isinstance(args_or_path, str):
+        paths = [args_or_path]
+    else:
+        a = list(args_or_path)
+        paths = [a[i + 1] for i, x in enumerate(a[:-1]) if x == "--cache-device"]
+    for p in paths:
+        try:
+            if stat.S_ISREG(os.stat(p).st_mode):
+                os.chmod(p, 0o600)
+        except OSError:
+            pass                        # not there (yet): the daemon says so
 
 
 def random_file(path, size, seed=1):
@@ -477,6 +495,7 @@ class Daemon:
                 spec += "," + opts
             args += ["--export", spec]
         args += list(extra)
+        own_device(args)
         self.args = args
         self.logf = open(self.logpath, "w")
         log("+ " + " ".join(args))
