@@ -396,6 +396,22 @@ struct export *export_get(struct export_table *t, const char *name, size_t len)
 	return found;
 }
 
+struct export *export_current(struct export_table *t, const struct export *e)
+{
+	struct export *found = NULL;
+	pthread_mutex_lock(&t->lock);
+	for (size_t i = 0; i < t->count && !found; i++) {
+		struct export *x = t->exports[i];
+		if (x->counter == e->counter && x->backing == e->backing &&
+		    strcmp(x->name, e->name) == 0)
+			found = x;
+	}
+	if (found)
+		export_ref(found);
+	pthread_mutex_unlock(&t->lock);
+	return found;
+}
+
 int export_list(struct export_table *t, struct export ***out, size_t *count)
 {
 	pthread_mutex_lock(&t->lock);

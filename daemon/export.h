@@ -43,7 +43,10 @@
  * negotiated, but every request is also checked against the backend's
  * size now (export_past_end). Resizes run on the control thread only
  * (the control socket's resize, reload, and NBD_CMD_RESIZE through
- * export_resize_post), so they are serial.
+ * export_resize_post), so they are serial. The control socket names its
+ * export; NBD_CMD_RESIZE acts on the current version of the export its
+ * connection negotiated (export_current), with that version's
+ * allow-resize, and fails when a reload removed that export.
  *
  * Locking: the table lock guards the published array and the backings list.
  * It is taken before any cache lock: export_table_reap holds it while it
@@ -90,7 +93,8 @@ struct export_backing {
 /* Connections of one export name and its split windows, carried across
  * their versions (for max_connections), and their QoS limiter (qos.h:
  * its buckets survive reloads; export_table_reload sets its limits in
- * place). */
+ * place). It is also the export's identity across versions: a new export
+ * of a removed one's name gets a counter of its own (export_current). */
 struct export_counter {
 	atomic_uint refs;
 	atomic_uint connections;
@@ -157,6 +161,13 @@ void export_table_close(struct export_table *table);
 /* The export of that name, referenced; "" is the first export (the
  * default). NULL when there is none. Any thread. */
 struct export *export_get(struct export_table *table, const char *name, size_t len);
+/* The published version of e's export, referenced: the same name, the
+ * same counter (its versions share it; an export added under a removed
+ * one's name does not) and so the same backing. NULL when a reload removed
+ * the export, or removed it and added another of that name: what a
+ * connection uses to act on the export it negotiated as it is now, never
+ * on one found again by name. Any thread. */
+struct export *export_current(struct export_table *table, const struct export *e);
 /* A snapshot of the published exports, each referenced; put each, free the
  * array. */
 int export_list(struct export_table *table, struct export ***out, size_t *count);
@@ -215,7 +226,12 @@ int export_table_refresh(struct export_table *t, struct export_reload *r);
 
 /* NBD_CMD_RESIZE from a connection's worker, run on the control thread:
  * fill the first fields, then export_resize_post(); done(job) runs on
- * reply_to with result and res set. */
+ * reply_to with result and res set. It resizes export_current(export):
+ * -ESHUTDOWN when there is none (a reload removed the connection's
+ * export, whatever now has its name), -EPERM when that version does not
+ * let clients resize (export_client_may_resize: allow-resize turned off
+ * by a reload, say) or the size is smaller while other connections use
+ * the backing; else as export_resize(). */
 struct export_resize_job {
 	struct export_table *table;
 	struct export *export; /* the connection's version (referenced by it) */

@@ -19,7 +19,10 @@
  *
  * Everything here runs on the control thread, one resize at a time:
  * export_resize() for the control socket, export_table_refresh() for a
- * reload, and NBD_CMD_RESIZE posted there by export_resize_post().
+ * reload, and NBD_CMD_RESIZE posted there by export_resize_post(). The
+ * control socket finds its export by name; NBD_CMD_RESIZE never does: it
+ * resizes the current version of the export its connection negotiated
+ * (export_current), under that version's rights, or nothing.
  */
 #include <errno.h>
 #include <stdarg.h>
@@ -221,13 +224,11 @@ static int backing_resize(struct export_table *t, struct export_backing *b, uint
 	return 0;
 }
 
-int export_resize(struct export_table *t, const char *name, bool has_size, uint64_t size,
-		  struct export_resize_result *out)
+/* export_resize() of published version e (referenced by the caller). */
+static int resize_version(struct export_table *t, struct export *e, bool has_size, uint64_t size,
+			  struct export_resize_result *out)
 {
 	memset(out, 0, sizeof(*out));
-	struct export *e = name[0] ? export_get(t, name, strlen(name)) : NULL;
-	if (!e)
-		return fail(out, -ENOENT, "no such export '%s'", name);
 	int rc;
 	struct export_backing *b = e->backing;
 	out->old_size = out->new_size = e->size;
@@ -280,11 +281,23 @@ int export_resize(struct export_table *t, const char *name, bool has_size, uint6
 		/* A backend that kept more than the size set (not cut) would
 		 * bring it back at the next reload: the size stays as set. */
 		b->pinned_end = has_size && have > end ? end : 0;
-		struct export *now = export_get(t, e->name, strlen(e->name));
+		struct export *now = export_current(t, e);
 		out->new_size = now ? now->size : end - e->offset;
 		export_put(now);
 	}
 out:
+	return rc;
+}
+
+int export_resize(struct export_table *t, const char *name, bool has_size, uint64_t size,
+		  struct export_resize_result *out)
+{
+	struct export *e = name[0] ? export_get(t, name, strlen(name)) : NULL;
+	if (!e) {
+		memset(out, 0, sizeof(*out));
+		return fail(out, -ENOENT, "no such export '%s'", name);
+	}
+	int rc = resize_version(t, e, has_size, size, out);
 	export_put(e);
 	return rc;
 }
@@ -335,11 +348,25 @@ static void resize_run_task(struct worker_task *task)
 	struct export *e = job->export;
 	memset(&job->res, 0, sizeof(job->res));
 	job->res.old_size = e->size;
-	if (job->size < e->size && atomic_load(&e->backing->connections) > 1)
+	/* The export the connection negotiated, as it is now: its version
+	 * may have changed (a reload, a resize), but never into another
+	 * export that took its name after a reload removed it. Its rights are
+	 * the current version's. */
+	struct export *now = export_current(job->table, e);
+	if (!now)
+		job->result = fail(&job->res, -ESHUTDOWN,
+				   "a reload removed the export this connection negotiated "
+				   "(an export of that name now is another one)");
+	else if (!export_client_may_resize(now))
+		job->result = fail(&job->res, -EPERM,
+				   "clients may not resize the export now (allow-resize off, "
+				   "read-only, or a backend that cannot be resized)");
+	else if (job->size < now->size && atomic_load(&now->backing->connections) > 1)
 		job->result = fail(&job->res, -EPERM,
 				   "other connections use the export: a smaller size is refused");
 	else
-		job->result = export_resize(job->table, e->name, true, job->size, &job->res);
+		job->result = resize_version(job->table, now, true, job->size, &job->res);
+	export_put(now);
 	if (job->result < 0)
 		log_warn("export '%s': NBD_CMD_RESIZE to %llu bytes refused: %s", e->name,
 			 (unsigned long long)job->size, job->res.message);

@@ -6,7 +6,9 @@
  * The command is rare, and it may cut or extend a file and walk the cache,
  * so it runs on the control thread (export_resize_post, serial with every
  * other resize and reload) and is answered on the connection's worker when
- * done. The request holds its connection meanwhile.
+ * done. The request holds its connection meanwhile. It carries the
+ * connection's version of its export, not its name: the control thread
+ * resizes that export as it is then, or refuses.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -28,8 +30,11 @@ static void resize_done(struct export_resize_job *job)
 	struct request *r = rr->r;
 	int result = job->result;
 	/* The extension's errors: a refusal is EPERM (a shrink over dirty
-	 * data, another connection, a window), ENOSPC and ESHUTDOWN as they
-	 * are, EINVAL for a size the export cannot have; the rest EIO. */
+	 * data, another connection, a window, allow-resize turned off by a
+	 * reload), ENOSPC as it is, ESHUTDOWN while stopping or when a reload
+	 * removed the connection's export (export_current: an export of that
+	 * name now is another, never resized from here), EINVAL for a size
+	 * the export cannot have; the rest EIO. */
 	if (result == -EBUSY || result == -ENOTSUP)
 		result = -EPERM;
 	else if (result == -EFBIG)
