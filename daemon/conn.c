@@ -159,7 +159,8 @@ void conn_unref(struct conn *c)
 	if (c->throttle_timer)
 		event_free(c->throttle_timer);
 	if (c->export) {
-		qos_client_put(c->export->counter->qos, c->qos_client);
+		if (c->qos_client)
+			qos_client_put(c->export->counter->qos, c->qos_client, clock_now_ns());
 		export_detach(c->export);
 		export_put(c->export);
 	}

@@ -463,6 +463,7 @@ void control_cmd_stats(struct control_client *cl, const char *only)
 		control_add_u64(x, "throttled_requests", q.throttled_requests);
 		control_add_u64(x, "throttled_ns", q.throttled_ns);
 		control_add_u64(x, "qos_clients", q.clients);
+		control_add_u64(x, "qos_idle_clients", q.idle_clients);
 		json_object_array_add(a, x);
 	}
 	json_object_object_add(o, "exports", a);

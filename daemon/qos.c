@@ -15,6 +15,14 @@
  * takes from all of them, or from none and is told how long the slowest
  * needs. Without a lock: two workers that find the last tokens at once
  * both take them, and the buckets carry the difference as a debt.
+ *
+ * A client's buckets are not its connection's: a client that empties them,
+ * disconnects and connects again must find them as it left them, or a
+ * limit of 50 a second gives thousands to a loop of connect, burst,
+ * disconnect. So the last connection's put leaves the client idle on the
+ * list, and it is freed only once its buckets would be full again (their
+ * tat is past), when it is the same as a new one. The list is swept at
+ * each get, put and set of limits, under the lock it already takes.
  */
 #include "daemon/qos.h"
 
@@ -220,8 +228,8 @@ void qos_limiter_free(struct qos_limiter *q)
 {
 	if (!q)
 		return;
-	/* Connections hold the limiter's export counter, so no client is left:
-	 * any still listed is a leak of a reference. */
+	/* Connections hold the limiter's export counter, so the clients left
+	 * are idle ones (any other is a leak of a reference). */
 	while (q->clients) {
 		struct qos_client *cl = q->clients;
 		q->clients = cl->next;
@@ -237,6 +245,49 @@ static void client_set(struct qos_client *cl, const struct qos_limits *l, uint64
 	qos_bucket_set(&cl->bytes, l->client_bytes.rate, l->client_bytes.burst, now);
 }
 
+/* When both of cl's buckets are full again (ns of the clock): from then
+ * on it holds what a new client's would. */
+static double client_full_at(struct qos_client *cl)
+{
+	double iops = tat_of(&cl->iops), bytes = tat_of(&cl->bytes);
+	return iops > bytes ? iops : bytes;
+}
+
+/* Unlink and free the idle client *link points to. Under the lock. */
+static void client_drop(struct qos_limiter *q, struct qos_client **link)
+{
+	struct qos_client *cl = *link;
+	*link = cl->next;
+	q->idle_clients--;
+	free(cl);
+}
+
+/*
+ * Free the idle clients whose buckets are full at now; then, while more
+ * than QOS_IDLE_CLIENTS_MAX are left (one more than that at most: a put
+ * adds one), the one that will be full soonest. Under the lock; one walk
+ * of the list, which a get walks anyway.
+ */
+static void clients_sweep(struct qos_limiter *q, uint64_t now)
+{
+	if (!q->idle_clients)
+		return;
+	for (struct qos_client **p = &q->clients; *p;) {
+		if (!(*p)->refs && client_full_at(*p) <= (double)now)
+			client_drop(q, p);
+		else
+			p = &(*p)->next;
+	}
+	while (q->idle_clients > QOS_IDLE_CLIENTS_MAX) {
+		struct qos_client **soonest = NULL;
+		for (struct qos_client **p = &q->clients; *p; p = &(*p)->next)
+			if (!(*p)->refs &&
+			    (!soonest || client_full_at(*p) < client_full_at(*soonest)))
+				soonest = p;
+		client_drop(q, soonest);
+	}
+}
+
 void qos_limiter_set(struct qos_limiter *q, const struct qos_limits *l, uint64_t now)
 {
 	pthread_mutex_lock(&q->lock);
@@ -245,6 +296,7 @@ void qos_limiter_set(struct qos_limiter *q, const struct qos_limits *l, uint64_t
 	qos_bucket_set(&q->bytes, l->bytes.rate, l->bytes.burst, now);
 	for (struct qos_client *cl = q->clients; cl; cl = cl->next)
 		client_set(cl, l, now);
+	clients_sweep(q, now); /* a limit removed: its idle buckets are full */
 	atomic_store(&q->active, qos_limits_any(l));
 	pthread_mutex_unlock(&q->lock);
 }
@@ -256,6 +308,7 @@ void qos_limiter_get(struct qos_limiter *q, struct qos_stats *out)
 	out->limits = q->limits;
 	for (struct qos_client *cl = q->clients; cl; cl = cl->next)
 		out->clients++;
+	out->idle_clients = q->idle_clients;
 	pthread_mutex_unlock(&q->lock);
 	out->throttled_requests = atomic_load(&q->throttled_requests);
 	out->throttled_ns = atomic_load(&q->throttled_ns);
@@ -284,9 +337,12 @@ void qos_client_key(const struct access_peer *p, char *buf, size_t len)
 struct qos_client *qos_client_get(struct qos_limiter *q, const char *key, uint64_t now)
 {
 	pthread_mutex_lock(&q->lock);
+	clients_sweep(q, now);
 	struct qos_client *cl = q->clients;
 	while (cl && strcmp(cl->key, key) != 0)
 		cl = cl->next;
+	if (cl && cl->refs == 0)
+		q->idle_clients--; /* back, to its buckets as it left them */
 	if (!cl && (cl = calloc(1, sizeof(*cl)))) {
 		snprintf(cl->key, sizeof(cl->key), "%s", key);
 		client_set(cl, &q->limits, now);
@@ -299,18 +355,14 @@ struct qos_client *qos_client_get(struct qos_limiter *q, const char *key, uint64
 	return cl;
 }
 
-void qos_client_put(struct qos_limiter *q, struct qos_client *cl)
+void qos_client_put(struct qos_limiter *q, struct qos_client *cl, uint64_t now)
 {
 	if (!cl)
 		return;
 	pthread_mutex_lock(&q->lock);
-	if (--cl->refs == 0) {
-		struct qos_client **p = &q->clients;
-		while (*p != cl)
-			p = &(*p)->next;
-		*p = cl->next;
-		free(cl);
-	}
+	if (--cl->refs == 0)
+		q->idle_clients++; /* kept until full (freed at once if it is) */
+	clients_sweep(q, now);
 	pthread_mutex_unlock(&q->lock);
 }
 

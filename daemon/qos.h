@@ -16,6 +16,15 @@
  *     lock ----------->  limits, iops + bytes buckets,
  *                        clients: [key "tls:NAME" | "uid:N" | "ip:ADDR"]
  *                                  refs, iops + bytes buckets  -> ...
+ *                        idle_clients: how many of them have refs 0
+ *
+ * A client's buckets outlive its connections: when its last one goes
+ * (refs 0, idle) they are kept until they would be full again, as a new
+ * client's are, so that reconnecting gives nothing back; they are freed
+ * then, by the next qos_client_get(), qos_client_put() or
+ * qos_limiter_set() of the limiter (no timer). At most
+ * QOS_IDLE_CLIENTS_MAX are kept; past that the one that will be full
+ * soonest goes first (it has the least left to refill).
  *
  * Locking: the limiter's mutex guards its limits, its list of clients and
  * the setting of buckets; admitting a request takes no lock (the buckets
@@ -113,7 +122,7 @@ double qos_bucket_tokens(struct qos_bucket *b, uint64_t now_ns);
 
 struct qos_client {
 	struct qos_client *next;
-	unsigned refs; /* connections using it (the limiter's lock) */
+	unsigned refs; /* connections using it (the limiter's lock); 0: idle */
 	struct qos_bucket iops, bytes;
 	char key[288]; /* "tls:IDENTITY", "uid:N" or "ip:ADDRESS" */
 };
@@ -124,6 +133,7 @@ struct qos_limiter {
 	struct qos_limits limits;
 	struct qos_bucket iops, bytes;
 	struct qos_client *clients;
+	unsigned idle_clients;		     /* of clients, those with refs 0 */
 	_Atomic uint64_t throttled_requests; /* requests that had to wait */
 	_Atomic uint64_t throttled_ns;	     /* the time they waited, summed */
 };
@@ -132,8 +142,19 @@ struct qos_limiter {
 struct qos_stats {
 	struct qos_limits limits;
 	uint64_t throttled_requests, throttled_ns;
-	uint64_t clients; /* client buckets in use */
+	uint64_t clients;      /* client buckets kept, idle ones too */
+	uint64_t idle_clients; /* of them, those of clients with no connection */
 };
+
+/*
+ * The most idle clients' buckets one limiter keeps: each is a struct
+ * qos_client (some 350 bytes), so at most about 1.5 MiB an export. Only a
+ * client that emptied its buckets and left within the last burst / rate
+ * seconds (one, by default) is still idle, so the cap is reached only by
+ * thousands of distinct clients an export a second; a client that has
+ * that many identities gets new buckets from new identities anyway.
+ */
+#define QOS_IDLE_CLIENTS_MAX 4096
 
 /* NULL when out of memory. */
 struct qos_limiter *qos_limiter_new(void);
@@ -151,11 +172,13 @@ static inline bool qos_limiter_active(struct qos_limiter *q)
 /* The client key of a peer: its TLS identity, else its Unix uid, else its
  * IP address (not its port). */
 void qos_client_key(const struct access_peer *p, char *buf, size_t len);
-/* The bucket of client key, shared by its connections (referenced); NULL
- * when out of memory (then only the export's limits apply to it). */
+/* The bucket of client key, shared by its connections (referenced): the
+ * one its last connection left, if it is not full yet; NULL when out of
+ * memory (then only the export's limits apply to it). */
 struct qos_client *qos_client_get(struct qos_limiter *q, const char *key, uint64_t now_ns);
-/* Give back a reference; the last one frees the client's buckets. */
-void qos_client_put(struct qos_limiter *q, struct qos_client *cl);
+/* Give back a reference at now_ns; after the last one the client's
+ * buckets are kept, idle, until they would be full again. */
+void qos_client_put(struct qos_limiter *q, struct qos_client *cl, uint64_t now_ns);
 
 /*
  * Admit a request of ios requests and bytes bytes for client cl (NULL:

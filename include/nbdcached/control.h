@@ -121,8 +121,10 @@
  *             throttled_requests (requests its QoS limits held back),
  *             throttled_ns (the time they waited, summed: a request
  *             counts when it starts waiting, its time when it stops),
- *             qos_clients (client buckets in use: clients connected since
- *             a limit was set); an export and its split windows count
+ *             qos_clients (client buckets kept: clients connected since
+ *             a limit was set, and those gone whose buckets are not full
+ *             again yet), qos_idle_clients (of them, the gone ones: at
+ *             most 4096); an export and its split windows count
  *             together}
  *             (only the named export when "export" is given)
  *     Durability (cache and each export): unstable_bytes (written back,

@@ -3,8 +3,10 @@
  * as pure arithmetic on an injected clock (rate, burst, a request above
  * the burst taken when full and paid back as debt, limits changed in
  * place), the limiter's admission of export and client buckets together,
- * client buckets shared by key and freed with their last reference, the
- * client key of a peer, and the limits' key=value syntax.
+ * client buckets shared by key and kept after their last reference until
+ * they are full again (at most QOS_IDLE_CLIENTS_MAX of them, the soonest
+ * full dropped first), the client key of a peer, and the limits' key=value
+ * syntax.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -154,13 +156,128 @@ static void test_limiter(void **state)
 	assert_int_equal(st.throttled_requests, 1);
 	assert_int_equal(st.throttled_ns, 5 * MS);
 	assert_int_equal(st.clients, 3);
-	qos_client_put(q, a1);
-	qos_client_put(q, a2);
-	qos_client_put(q, b);
-	qos_client_put(q, c);
+	assert_int_equal(st.idle_clients, 0);
+	/* Unlimited now: their buckets are full, freed with their last put. */
+	qos_client_put(q, a1, t + S);
+	qos_client_put(q, a2, t + S);
+	qos_client_put(q, b, t + S);
+	qos_client_put(q, c, t + S);
 	qos_limiter_get(q, &st);
 	assert_int_equal(st.clients, 0);
+	assert_int_equal(st.idle_clients, 0);
 	qos_limiter_free(q);
+}
+
+/* A client that empties its bucket and reconnects finds it empty: its
+ * buckets outlive its last connection until they are full again. */
+static void test_client_idle(void **state)
+{
+	(void)state;
+	struct qos_limiter *q = qos_limiter_new();
+	assert_non_null(q);
+	uint64_t t = S;
+	struct qos_limits l = {0};
+	char err[256];
+	assert_int_equal(qos_limits_set(&l, "client-iops-limit", "10", err, sizeof(err)), 1);
+	assert_int_equal(qos_limits_set(&l, "client-bytes-limit", "4K", err, sizeof(err)), 1);
+	qos_limiter_set(q, &l, t);
+	struct qos_client *a = qos_client_get(q, "uid:0", t);
+	for (int i = 0; i < 10; i++)
+		assert_int_equal(qos_admit(q, a, 1, 0, t), 0);
+	assert_true(qos_admit(q, a, 1, 0, t) > 0);
+	/* Gone and back within the second: the same bucket, still empty. */
+	qos_client_put(q, a, t);
+	struct qos_stats st;
+	qos_limiter_get(q, &st);
+	assert_int_equal(st.clients, 1);
+	assert_int_equal(st.idle_clients, 1);
+	struct qos_client *a2 = qos_client_get(q, "uid:0", t + 100 * MS);
+	qos_limiter_get(q, &st);
+	assert_int_equal(st.idle_clients, 0);
+	assert_int_equal(qos_admit(q, a2, 1, 0, t + 100 * MS), 0); /* one earned */
+	uint64_t w = qos_admit(q, a2, 1, 0, t + 100 * MS);
+	assert_true(w >= 100 * MS && w <= 100 * MS + 2);
+	/* 100 connections of connect, burst, disconnect in 1 s: the rate, not
+	 * 100 bursts. */
+	unsigned got = 0;
+	qos_client_put(q, a2, t + 100 * MS);
+	for (uint64_t now = t + 110 * MS; now < t + 1110 * MS; now += 10 * MS) {
+		struct qos_client *x = qos_client_get(q, "uid:0", now);
+		while (qos_admit(q, x, 1, 0, now) == 0)
+			got++;
+		qos_client_put(q, x, now);
+	}
+	assert_true(got >= 9 && got <= 11);
+	/* The bytes bucket keeps it too: 8 KiB taken (4 KiB into debt) at
+	 * t + 2 s make it full at t + 4 s (its requests' one is sooner). */
+	uint64_t t2 = t + 2 * S;
+	struct qos_client *y = qos_client_get(q, "uid:0", t2);
+	assert_int_equal(qos_admit(q, y, 1, 8192, t2), 0);
+	qos_client_put(q, y, t2);
+	struct qos_client *other = qos_client_get(q, "uid:1", t2 + S);
+	qos_limiter_get(q, &st);
+	assert_int_equal(st.clients, 2); /* uid:0 still refilling */
+	assert_int_equal(st.idle_clients, 1);
+	qos_client_put(q, other, t2 + S); /* full: freed at once */
+	qos_limiter_get(q, &st);
+	assert_int_equal(st.clients, 1);
+	/* Full again at t + 4 s: the next get or put frees it. */
+	struct qos_client *z = qos_client_get(q, "uid:2", t + 4 * S);
+	qos_limiter_get(q, &st);
+	assert_int_equal(st.clients, 1);
+	assert_int_equal(st.idle_clients, 0);
+	qos_client_put(q, z, t + 4 * S);
+	qos_limiter_get(q, &st);
+	assert_int_equal(st.clients, 0);
+	/* A limit removed: idle buckets are full, and go. */
+	y = qos_client_get(q, "uid:0", t + 5 * S);
+	qos_admit(q, y, 5, 0, t + 5 * S);
+	qos_client_put(q, y, t + 5 * S);
+	qos_limiter_get(q, &st);
+	assert_int_equal(st.idle_clients, 1);
+	struct qos_limits off = {0};
+	qos_limiter_set(q, &off, t + 5 * S);
+	qos_limiter_get(q, &st);
+	assert_int_equal(st.clients, 0);
+	assert_int_equal(st.idle_clients, 0);
+	qos_limiter_free(q);
+}
+
+/* At most QOS_IDLE_CLIENTS_MAX idle clients; past that the one full
+ * soonest (the smallest debt) goes. The limiter frees the rest. */
+static void test_client_idle_cap(void **state)
+{
+	(void)state;
+	struct qos_limiter *q = qos_limiter_new();
+	assert_non_null(q);
+	uint64_t t = S;
+	struct qos_limits l = {0};
+	char err[256];
+	assert_int_equal(qos_limits_set(&l, "client-iops-limit", "1", err, sizeof(err)), 1);
+	assert_int_equal(qos_limits_set(&l, "client-iops-burst", "1000", err, sizeof(err)), 1);
+	qos_limiter_set(q, &l, t);
+	char key[32];
+	/* Client k takes (k % 900) + 1 tokens: full again that many s on. */
+	for (unsigned k = 0; k < QOS_IDLE_CLIENTS_MAX + 10; k++) {
+		snprintf(key, sizeof(key), "uid:%u", k);
+		struct qos_client *cl = qos_client_get(q, key, t);
+		assert_non_null(cl);
+		assert_int_equal(qos_admit(q, cl, (k % 900) + 1, 0, t), 0);
+		qos_client_put(q, cl, t);
+	}
+	struct qos_stats st;
+	qos_limiter_get(q, &st);
+	assert_int_equal(st.idle_clients, QOS_IDLE_CLIENTS_MAX);
+	assert_int_equal(st.clients, QOS_IDLE_CLIENTS_MAX);
+	/* The 10 full soonest went (one or two tokens taken: k = 0, 1, 900,
+	 * 901, ...); one that took 900 is kept, as it left its bucket. */
+	struct qos_client *kept = qos_client_get(q, "uid:899", t);
+	assert_true(qos_bucket_tokens(&kept->iops, t) < 101.0);
+	qos_client_put(q, kept, t);
+	struct qos_client *fresh = qos_client_get(q, "uid:0", t);
+	assert_true(qos_bucket_tokens(&fresh->iops, t) > 999.0);
+	qos_client_put(q, fresh, t);
+	qos_limiter_free(q); /* idle ones included: no leak under ASan */
 }
 
 static void test_keys(void **state)
@@ -207,6 +324,7 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 	    cmocka_unit_test(test_bucket_rate),	  cmocka_unit_test(test_bucket_debt),
 	    cmocka_unit_test(test_bucket_change), cmocka_unit_test(test_limiter),
+	    cmocka_unit_test(test_client_idle),	  cmocka_unit_test(test_client_idle_cap),
 	    cmocka_unit_test(test_keys),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
