@@ -397,7 +397,7 @@ void devfmt_l2m_header_encode(const struct devfmt_l2m_header *h, const uint8_t u
 	memcpy(buf + 8, uuid, 16);
 	nbd_put32(buf + 24, h->gen);
 	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
-		nbd_put64(buf + DEVFMT_L2M_FIXED + 8 * i, h->mtime_ns[i]);
+		nbd_put64(buf + DEVFMT_L2M_FIXED + 8 * i, h->stamp[i]);
 	nbd_put32(buf + DEVFMT_BLOCK - 4, devfmt_crc32c(0, buf, DEVFMT_BLOCK - 4));
 }
 
@@ -420,7 +420,7 @@ int devfmt_l2m_header_decode(const uint8_t *buf, const uint8_t uuid[16], uint32_
 			      "a level-2 map of generation %u; the superblock says %u", out->gen,
 			      gen);
 	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
-		out->mtime_ns[i] = nbd_get64(buf + DEVFMT_L2M_FIXED + 8 * i);
+		out->stamp[i] = nbd_get64(buf + DEVFMT_L2M_FIXED + 8 * i);
 	return 0;
 }
 

@@ -94,10 +94,14 @@
  *     8 u8[16] uuid     the superblock's
  *    24 u32 gen         the superblock's l2_map_gen
  *    28 u32 0
- *    32 u64 mtime_ns[DEVFMT_MAX_EXPORTS]  by export slot: a backend file's
- *                       modification time when the map was last written
- *                       (0: not a regular file); a later one at start means
- *                       it was written since, and its pages are not used
+ *    32 u64 stamp[DEVFMT_MAX_EXPORTS]  by export slot: a backend file's
+ *                       modification and change times when the map was
+ *                       last written, folded into 64 bits (0: not a
+ *                       regular file; DEVFMT_L2M_STAMP_RACY: one of them
+ *                       within the file system's timestamp granularity of
+ *                       that moment, which proves nothing); another one at
+ *                       start means it was changed since, and its pages
+ *                       are not used (device_l2_map.c)
  *     last 4 bytes: u32 CRC32C of the block up to them
  *   then one map block per DEVFMT_L2M_PER_BLOCK pages, in page order:
  *     0 u32 CRC32C of the block's bytes after these four
@@ -257,7 +261,8 @@ uint64_t devfmt_l2m_bytes(uint64_t pages);
 /* The map's header block (DEVFMT_BLOCK bytes). */
 struct devfmt_l2m_header {
 	uint32_t gen;
-	uint64_t mtime_ns[DEVFMT_MAX_EXPORTS];
+	uint64_t stamp[DEVFMT_MAX_EXPORTS];
+#define DEVFMT_L2M_STAMP_RACY 1ull
 };
 void devfmt_l2m_header_encode(const struct devfmt_l2m_header *h, const uint8_t uuid[16],
 			      uint8_t *buf);

@@ -208,7 +208,7 @@ struct dev_l2 {
 	atomic_bool void_due;		/* the table was cleared: the map must go */
 	uint64_t mark_due;		/* when the map takes new pages, idle or not */
 	atomic_uint direct[DEVFMT_MAX_EXPORTS]; /* direct writes being made */
-	uint64_t mtime_ns[DEVFMT_MAX_EXPORTS];	/* as the map's header has them */
+	uint64_t stamp[DEVFMT_MAX_EXPORTS];	/* as the map's header has them */
 	bool header_ok;				/* that header is on the device */
 	struct {
 		uint64_t l2_hits, l2_hit_bytes, l2_stale, l2_read_errors;

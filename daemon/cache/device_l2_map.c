@@ -22,10 +22,12 @@
  *   of another generation claim nothing.
  *
  * At start, the map's claims are used only for exports whose recorded
- * identity is the configured one, and, for a backend file, whose
- * modification time is the one the map's header recorded when it was
- * last written (cache-device-warm files; a backend that is not a regular
- * file only with cache-device-warm all). Claims not used are removed from
+ * identity is the configured one, and, for a backend file, whose stamp
+ * (its modification and change times, backend_stamp: never one recorded
+ * within the file system's timestamp granularity of a change) is the one
+ * the map's header recorded when it was last written (cache-device-warm
+ * files; a backend that is not a regular file only with cache-device-warm
+ * all). Claims not used are removed from
  * the map before anything else writes a backend.
  */
 #include "daemon/cache/device_internal.h"
@@ -35,16 +37,53 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 
 #include "daemon/log.h"
 
-/* A backend file's modification time (0: not a regular file). */
-static uint64_t backend_mtime(const struct devfmt_identity *id)
+static uint64_t ts_ns(const struct timespec *t)
+{
+	return (uint64_t)t->tv_sec * 1000000000ull + (uint64_t)t->tv_nsec;
+}
+
+/*
+ * A backend file's stamp (device_format.h): what the level-2 map trusts to
+ * tell that nobody changed the file while the daemon was down. Its
+ * modification time alone is not enough: touch -d, rsync -t and cp -p put
+ * an old one back after rewriting a file; its change time cannot be set
+ * so (only by the clock), and both are folded in. And neither proves
+ * anything within the file system's timestamp granularity of the moment
+ * it is recorded (git's "racily clean" rule): a change in the same tick
+ * leaves both as they are. A file system with whole-second times (ext4
+ * with 128-byte inodes, ext3, FAT with its 2 s, many NFS servers) shows no
+ * nanoseconds: 2 s then, else 20 ms (a few clock ticks). Such a stamp is
+ * DEVFMT_L2M_STAMP_RACY, which no start trusts; 0: not a regular file.
+ */
+#define STAMP_GRAIN_COARSE_NS 2000000000ull
+#define STAMP_GRAIN_FINE_NS 20000000ull
+static uint64_t backend_stamp(const struct devfmt_identity *id)
 {
 	struct stat st;
 	if (id->kind != DEVFMT_BACKEND_FILE || stat(id->backend, &st) < 0 || !S_ISREG(st.st_mode))
 		return 0;
-	return (uint64_t)st.st_mtim.tv_sec * 1000000000ull + (uint64_t)st.st_mtim.tv_nsec;
+	uint64_t m = ts_ns(&st.st_mtim), c = ts_ns(&st.st_ctim);
+	uint64_t grain = st.st_mtim.tv_nsec == 0 && st.st_ctim.tv_nsec == 0 ? STAMP_GRAIN_COARSE_NS
+									    : STAMP_GRAIN_FINE_NS;
+	struct timespec now;
+	clock_gettime(CLOCK_REALTIME, &now);
+	if (ts_ns(&now) < (m > c ? m : c) + grain)
+		return DEVFMT_L2M_STAMP_RACY;
+	uint64_t h = m * 0x9e3779b97f4a7c15ull ^ (c << 29 | c >> 35) ^ c * 0xc2b2ae3d27d4eb4full;
+	return h > DEVFMT_L2M_STAMP_RACY ? h : h + 2;
+}
+
+/* The header written last has a racy stamp for a slot in use. */
+static bool header_racy(const struct dev_l2 *l)
+{
+	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
+		if (l->stamp[i] == DEVFMT_L2M_STAMP_RACY)
+			return true;
+	return false;
 }
 
 void dev_l2_map_void(struct cache_device *d, bool sb_write)
@@ -110,8 +149,8 @@ static bool header_now(struct cache_device *d, struct devfmt_l2m_header *h)
 	}
 	pthread_mutex_unlock(&d->lock);
 	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
-		h->mtime_ns[i] = used[i] ? backend_mtime(&ids[i]) : 0;
-	return !l->header_ok || memcmp(h->mtime_ns, l->mtime_ns, sizeof(l->mtime_ns)) != 0;
+		h->stamp[i] = used[i] ? backend_stamp(&ids[i]) : 0;
+	return !l->header_ok || memcmp(h->stamp, l->stamp, sizeof(l->stamp)) != 0;
 }
 
 /* Write the dirty map blocks, then the header if it changed, then flush
@@ -180,7 +219,7 @@ static int write_locked(struct cache_device *d, bool all)
 		return rc;
 	}
 	if (header) {
-		memcpy(l->mtime_ns, h.mtime_ns, sizeof(l->mtime_ns));
+		memcpy(l->stamp, h.stamp, sizeof(l->stamp));
 		l->header_ok = true;
 	}
 	if (removals > atomic_load(&l->persisted))
@@ -212,14 +251,21 @@ static void slots_ok(struct cache_device *d, const struct devfmt_l2m_header *h, 
 		char diff[300];
 		ok[i] = s->used && s->ce && s->configured &&
 			dev_identity_differs(&s->id, &s->cfg, true, diff, sizeof(diff)) == NULL;
-		if (ok[i] && h->mtime_ns[i] && backend_mtime(&s->cfg) != h->mtime_ns[i]) {
-			log_warn(
-			    "cache device %s: export \"%s\": its backend file was modified "
-			    "since the level-2 map was last written; its level-2 pages are not "
-			    "used",
+		if (ok[i] && h->stamp[i] == DEVFMT_L2M_STAMP_RACY) {
+			log_info(
+			    "cache device %s: export \"%s\": its backend file was changed within "
+			    "its timestamp granularity of the level-2 map's last write (a later "
+			    "change could not be told): its level-2 pages are not used",
 			    d->path, s->cfg.name);
 			ok[i] = false;
-		} else if (ok[i] && !h->mtime_ns[i] && !d->warm_all) {
+		} else if (ok[i] && h->stamp[i] && backend_stamp(&s->cfg) != h->stamp[i]) {
+			log_warn(
+			    "cache device %s: export \"%s\": its backend file was changed (its "
+			    "modification or change time) since the level-2 map was last "
+			    "written; its level-2 pages are not used",
+			    d->path, s->cfg.name);
+			ok[i] = false;
+		} else if (ok[i] && !h->stamp[i] && !d->warm_all) {
 			log_info(
 			    "cache device %s: export \"%s\": a write made to its backend while "
 			    "the daemon was down could not be told (not a regular file): its "
@@ -347,7 +393,7 @@ void dev_l2_load(struct cache_device *d)
 		dev_l2_map_void(d, false);
 		return;
 	}
-	memcpy(l->mtime_ns, h.mtime_ns, sizeof(l->mtime_ns));
+	memcpy(l->stamp, h.stamp, sizeof(l->stamp));
 	l->header_ok = true;
 	atomic_store(&l->map_live, true);
 	/* The claims not used leave the map before anything writes a backend
@@ -384,6 +430,16 @@ void dev_l2_map_close(struct cache_device *d)
 	int rc = dev_sync(d);
 	if (rc == 0)
 		rc = dev_l2_map_write(d, true);
+	/* A backend file written within its timestamp granularity of now
+	 * (this stop's own writeback, most often) has a stamp that proves
+	 * nothing: wait that long (2 s at most, on a file system of whole
+	 * seconds) and write the header again, so that the next start is
+	 * warm. */
+	for (unsigned i = 0; rc == 0 && i < 25 && header_racy(l); i++) {
+		struct timespec ts = {0, 100000000};
+		nanosleep(&ts, NULL);
+		rc = dev_l2_map_write(d, false);
+	}
 	if (rc < 0)
 		log_error("cache device %s: writing its level-2 map: %s; the next start begins "
 			  "with it cold",

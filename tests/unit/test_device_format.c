@@ -237,13 +237,13 @@ static void test_l2(void **state)
 	static struct devfmt_l2m_header h, hb;
 	memset(&h, 0, sizeof(h));
 	h.gen = 7;
-	h.mtime_ns[0] = 1700000000123456789ull;
-	h.mtime_ns[DEVFMT_MAX_EXPORTS - 1] = 5;
+	h.stamp[0] = 1700000000123456789ull;
+	h.stamp[DEVFMT_MAX_EXPORTS - 1] = 5;
 	devfmt_l2m_header_encode(&h, uuid, bbuf);
 	assert_int_equal(devfmt_l2m_header_decode(bbuf, uuid, 7, &hb, why, sizeof(why)), 0);
 	assert_int_equal(hb.gen, 7);
-	assert_int_equal(hb.mtime_ns[0], 1700000000123456789ull);
-	assert_int_equal(hb.mtime_ns[DEVFMT_MAX_EXPORTS - 1], 5);
+	assert_int_equal(hb.stamp[0], 1700000000123456789ull);
+	assert_int_equal(hb.stamp[DEVFMT_MAX_EXPORTS - 1], 5);
 	assert_int_equal(devfmt_l2m_header_decode(bbuf, uuid, 8, &hb, why, sizeof(why)), -EINVAL);
 	assert_non_null(strstr(why, "generation 7; the superblock says 8"));
 	static const uint8_t other[16] = {9};
