@@ -152,6 +152,15 @@ struct backend {
 	 * dirty data it holds; ident_file is false for the other backends. */
 	bool ident_file;
 	uint64_t ident_dev, ident_ino;
+	/*
+	 * Another node may take the backend over (an rbd: image, one owner at
+	 * a time): what a FLUSH or FUA acknowledges must be on the backend
+	 * itself, where that node finds it, never only in a local cache
+	 * device's log; and a local copy of its blocks (the level-2 cache)
+	 * is not trusted after a restart, since another node may have
+	 * written it meanwhile (device.h).
+	 */
+	bool shared;
 };
 
 /* Open a regular file or block device. readonly opens it O_RDONLY. */

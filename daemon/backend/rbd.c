@@ -531,6 +531,7 @@ int backend_rbd_open(const char *spec, bool readonly, unsigned timeout_seconds, 
 	rb->base.min_block = 512;
 	rb->base.takes_iovec = true;
 	rb->base.max_range = RBD_MAX_RANGE;
+	rb->base.shared = true;
 	log_info("backend %s: %" PRIu64 " bytes%s, features 0x%" PRIx64 "%s", spec, size,
 		 ro ? ", read-only" : "", features,
 		 (features & RBD_FEATURE_FAST_DIFF) ? ", fast-diff (block status)" : "");

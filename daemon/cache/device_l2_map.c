@@ -251,7 +251,14 @@ static void slots_ok(struct cache_device *d, const struct devfmt_l2m_header *h, 
 		char diff[300];
 		ok[i] = s->used && s->ce && s->configured &&
 			dev_identity_differs(&s->id, &s->cfg, true, diff, sizeof(diff)) == NULL;
-		if (ok[i] && h->stamp[i] == DEVFMT_L2M_STAMP_RACY) {
+		if (ok[i] && s->ce->backend->shared) {
+			log_info(
+			    "cache device %s: export \"%s\": another node may have written its "
+			    "backend (%s) since this daemon last had it: its level-2 pages are "
+			    "not used after a restart",
+			    d->path, s->cfg.name, s->cfg.backend);
+			ok[i] = false;
+		} else if (ok[i] && h->stamp[i] == DEVFMT_L2M_STAMP_RACY) {
 			log_info(
 			    "cache device %s: export \"%s\": its backend file was changed within "
 			    "its timestamp granularity of the level-2 map's last write (a later "

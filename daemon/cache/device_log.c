@@ -78,7 +78,9 @@ void dev_fail_locked(struct cache_device *d, int error, const char *what)
 uint64_t cache_device_append(struct cache_device *d, struct cache_export *ce, unsigned type,
 			     uint64_t offset, uint64_t length, const void *data)
 {
-	if (!(d->use & CACHE_DEVICE_USE_LOG))
+	/* A backend another node may take over gets no record: what is
+	 * acknowledged of it is on it (backend.h: shared). */
+	if (!(d->use & CACHE_DEVICE_USE_LOG) || ce->backend->shared)
 		return 0;
 	pthread_mutex_lock(&d->lock);
 	/* While detaching, direct steps still append (the log stays a whole

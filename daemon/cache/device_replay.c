@@ -261,6 +261,21 @@ int cache_device_bind(struct cache_device *d, char *err, size_t len)
 			    (unsigned long long)s->live_records, s->id.name, s->id.backend);
 			break;
 		}
+		if (s->ce && s->ce->backend->shared) {
+			/* Logged by a version that answered its FLUSHes from the
+			 * log: another node may have owned the image since, and
+			 * written over what the records hold. */
+			rc = dev_fail(
+			    err, len, -EINVAL,
+			    "cache device %s holds %llu bytes in %llu record(s) not yet written "
+			    "back for export \"%s\" (%s), which another node may have owned and "
+			    "written since: refused; if no other node has had the image since, "
+			    "start the version that wrote them once and stop it with SIGTERM; "
+			    "else name the export in cache-device-discard-dirty",
+			    d->path, (unsigned long long)s->live_bytes,
+			    (unsigned long long)s->live_records, s->id.name, s->id.backend);
+			break;
+		}
 		char why[600];
 		/* Another size is no other backend (a resize, by the daemon or
 		 * by hand, that a crash caught): its records are replayed, up

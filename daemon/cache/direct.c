@@ -321,7 +321,7 @@ static void direct_end(struct cache_op *op)
 	 * (a replay must not put older data back over it); with no record
 	 * (the device failed), once the log is emptied on the device. */
 	if (!op->error && (op->flags & BACKEND_FUA) && ce->cache->device &&
-	    ce->device_slot >= 0) {
+	    ce->device_slot >= 0 && !ce->backend->shared) {
 		op->device_wait.rec = op->device_rec;
 		op->device_wait.fallback = false;
 		op->device_wait.checkpoint = false;

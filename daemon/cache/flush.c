@@ -206,7 +206,7 @@ void flush_job_end(struct flush_job *job)
 		return;
 	}
 	if (dev && ce->device_slot >= 0 && !job->logged && !job->background && !job->error &&
-	    !job->device_done && job->device_rec < cache_device_last(dev) &&
+	    !job->device_done && !ce->backend->shared && job->device_rec < cache_device_last(dev) &&
 	    cache_device_voiding(dev) && !job->device_again) {
 		/* The device failed while the round ran: records appended
 		 * after it began are not covered by it, and the log can only
@@ -223,8 +223,9 @@ void flush_job_end(struct flush_job *job)
 		job->error = -ENOMEM;
 	}
 	if (dev && ce->device_slot >= 0 && !job->logged && !job->background && !job->error &&
-	    !job->device_done) {
-		/* Everything appended before the round began is on the backend
+	    !job->device_done && !ce->backend->shared) {
+		/* (A shared backend has no records to keep from a replay.)
+		 * Everything appended before the round began is on the backend
 		 * now; a replay must not put any of it back over what came
 		 * later: the FLUSHes are answered once the log holds, or a
 		 * checkpoint dropped, every record up to there. */

@@ -178,8 +178,10 @@ bool flush_log_possible(struct flush_job *job)
 {
 	struct cache_export *ce = job->ce;
 	struct cache_device *dev = ce->cache->device;
+	/* (a backend another node may take over: its FLUSHes go to it, where
+	 * that node finds what they acknowledge; backend.h, shared) */
 	if (!dev || ce->device_slot < 0 || !job->members || job->shutdown ||
-	    !cache_device_usable(dev))
+	    ce->backend->shared || !cache_device_usable(dev))
 		return false;
 	/* A loss is acted on by a round that writes back (round_flush). */
 	if (atomic_load(&ce->backend->loss_seq) != ce->loss_seen)
