@@ -1093,13 +1093,14 @@ def in_child_as(uid, gid, groups, fn):
 # ---- A client that must stay served while a hostile one misbehaves. ----
 
 class ServedProbe:
-    """Another client, served within `limit` seconds throughout a hostile
-    test: in a thread, round after round, a new libnbd connection to `uri`
-    (negotiation included), a 4 KiB WRITE of a fresh pattern at `offset`,
-    FLUSH, and a READ that must return the pattern. Each round's time is
-    kept; check() fails with the slowest rounds when any took longer than
-    the limit, or when a round failed, or when fewer than `min_rounds`
-    rounds ended (a probe that hangs in its first round must not pass).
+    """Another client, served throughout a hostile test: in a thread,
+    round after round, a new libnbd connection to `uri` (negotiation
+    included), a 4 KiB WRITE of a fresh pattern at `offset`, FLUSH, and a
+    READ that must return the pattern. Each round's time is kept; check()
+    fails with the slowest rounds when any took longer than a quarter of
+    the time the probe ran (or `limit`, if longer: PHASE_SHARE), or when
+    a round failed, or when fewer than `min_rounds` rounds ended (a probe
+    that hangs in its first round must not pass).
 
         with nbdtest.ServedProbe(d.unix_uri("probe")) as probe:
             ... the hostile client ...
@@ -1145,6 +1146,8 @@ class ServedProbe:
             self._stop.wait(self.interval)
 
     def __enter__(self):
+        self._began = time.monotonic()
+        self.ran = 0.0
         self._thread.start()
         return self
 
@@ -1153,22 +1156,39 @@ class ServedProbe:
 
     def stop(self, timeout=60):
         """Ends the rounds; waits for the one in flight (bounded)."""
+        if not self._stop.is_set():
+            self.ran = time.monotonic() - self._began
         self._stop.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
             self.errors.append("a round was still running %d s after the stop" % timeout)
 
+    # A round may take at most this share of the time the probe ran (the
+    # hostile phase), or `limit`, whichever is longer: a worker taken away
+    # from everyone else makes a round as long as the whole flood (32 s
+    # of a 32 s flood, before the fixes these tests guard), while a busy
+    # 2-core machine stalls a round now and then for a few hundred ms. A
+    # ratio of the phase, not a wall-clock bound.
+    PHASE_SHARE = 0.25
+
+    def bound(self):
+        return max(self.limit, self.ran * self.PHASE_SHARE)
+
     def slow(self):
-        return [t for t in self.times if t > self.limit]
+        return [t for t in self.times if t > self.bound()]
 
     def check(self, what):
-        """Raises Failed (see Checks) unless every round was served in time."""
+        """Raises Failed (see Checks) unless every round was served within
+        its bound (above), and enough of them ended."""
         self.stop()
         worst = sorted(self.times, reverse=True)[:5] or [0.0]
-        log("probe %s: %d rounds, slowest %s s" % (
-            what, len(self.times), ", ".join("%.3f" % t for t in worst)))
+        log("probe %s: %d rounds in %.1f s, slowest %s s (bound %.3f s)" % (
+            what, len(self.times), self.ran, ", ".join("%.3f" % t for t in worst),
+            self.bound()))
         require(not self.errors, "probe %s: %s" % (what, "; ".join(self.errors)))
         require(len(self.times) >= self.min_rounds,
                 "probe %s: only %d rounds ended" % (what, len(self.times)))
-        require(not self.slow(), "probe %s: %d of %d rounds took over %.0f ms (slowest %.3f s)" % (
-            what, len(self.slow()), len(self.times), self.limit * 1000, worst[0]))
+        require(not self.slow(), "probe %s: %d of %d rounds took over %.0f ms, a quarter of "
+                "the %.1f s the probe ran (slowest %.3f s)" % (
+                    what, len(self.slow()), len(self.times), self.bound() * 1000, self.ran,
+                    worst[0]))
