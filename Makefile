@@ -16,8 +16,9 @@
 #                   tests run there and the integration suite run against
 #                   the i386 daemon (scripts/i386-chroot)
 #   make fuzz       libFuzzer targets, each for FUZZ_SECONDS
-#   make soak       the crash-consistency tests (and their cache device mode)
-#                   at length: CRASH_TRIALS trials each (default 300), from
+#   make soak       the crash-consistency tests (and their cache device
+#                   modes: device, device-fault, backend-loss, resize) at
+#                   length: CRASH_TRIALS trials each (default 300), from
 #                   CRASH_SEED (default: the clock)
 #   make run        the daemon on the embedded default (see README.md), after
 #                   building it and the client programs beside it
@@ -192,8 +193,10 @@ unit: $(UNIT_BIN)
 # a limited one 50% from its rate alone (15% in make check: the i386 chroot
 # swung 24-31% both ways in three tries). cache_device_l2's crash rounds (3 of each kind; 1) stay a
 # round of every kind: SIGKILL after writes, at once after a FLUSH, power
-# cuts.
-SHORT_REPEATS = CRASH_TRIALS=12 RUNS=5 RUNS9=1 CACHE_COMPACT_SECONDS=10 \
+# cuts. The cache device crash families (cache_device_crash_fault,
+# _backend, _resize: 5 trials each in make check) run 3 each
+# (CRASH_FAMILY_TRIALS), 2 under TSan.
+SHORT_REPEATS = CRASH_TRIALS=12 CRASH_FAMILY_TRIALS=3 RUNS=5 RUNS9=1 CACHE_COMPACT_SECONDS=10 \
 	CACHE_RACES_WB_ITERATIONS=100 CACHE_RACES_MODEL_OPS=1000 UPGRADES=8 \
 	CACHE_PROPERTY_OPS=200 FIO_VERIFY_MIB=16 \
 	HOSTILE_DIRECT_RUN=1 HOSTILE_DIRECT_QUIET=1 \
@@ -220,7 +223,7 @@ TSAN_RUN = TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp halt_on_error=1 
 tsan: deps
 	$(MAKE) BUILD=build-tsan CC=gcc SANITIZE="-fsanitize=thread -fno-omit-frame-pointer" OPT="-O1 -g" all
 	$(TSAN_RUN) tests/run --unit-only
-	$(TSAN_RUN) CACHE_COMPACT_SECONDS=10 CRASH_TRIALS=8 L2_CRASH_ROUNDS=1 tests/run --integration-only \
+	$(TSAN_RUN) CACHE_COMPACT_SECONDS=10 CRASH_TRIALS=8 CRASH_FAMILY_TRIALS=2 L2_CRASH_ROUNDS=1 tests/run --integration-only \
 		'cache_compact|cache_races|durability|write_receive|upgrade|cache_device'
 
 i386: deps
@@ -263,10 +266,12 @@ fuzz: deps $(FUZZ_BIN)
 soak: deps
 	$(MAKE) all
 	seed=$${CRASH_SEED:-$$(date +%s)}; rc=0; \
-	for t in crash_consistency cache_device_crash; do \
+	for t in crash_consistency cache_device_crash cache_device_crash_fault \
+			cache_device_crash_backend cache_device_crash_resize; do \
 		CRASH_TRIALS=$${CRASH_TRIALS:-300} CRASH_SEED=$$seed \
-			TEST_TIMEOUT=$${TEST_TIMEOUT:-7200} BUILD=$(BUILD) tests/run --integration-only $$t || rc=1; \
-		grep -E '^(crash_consistency:|[0-9]+ (kill|cache device) trial)' $(BUILD)/test-logs/integration_$$t.py.log; \
+			TEST_TIMEOUT=$${TEST_TIMEOUT:-7200} BUILD=$(BUILD) tests/run --integration-only $$t.py || rc=1; \
+		grep -E '^(crash_consistency:|[0-9]+ (kill|cache device|device-fault|backend-loss|resize) trial)' \
+			$(BUILD)/test-logs/integration_$$t.py.log; \
 	done; exit $$rc
 
 run: deps $(BUILD)/nbdcached $(CLIENT_BIN)

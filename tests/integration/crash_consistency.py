@@ -68,28 +68,92 @@ equal one allowed source as a whole, else each 512-byte piece, else each
 byte, must match one of them. Every byte of the file is checked. A
 self-test makes sure the checker flags a byte outside the allowed set.
 
-Environment: CRASH_TRIALS (default 30, or 40 when both modes run),
-CRASH_SEED (seed of the first
+Environment: CRASH_TRIALS (default 30, or 40 when both modes run, 5 in
+the families below), CRASH_SEED (seed of the first
 trial; trial i uses CRASH_SEED + i; rerun one trial with CRASH_SEED=S
 CRASH_TRIALS=1, which repeats its configuration and operation sequence,
 not the exact interleaving with the kill), CRASH_MODE (kill, power or
 both; default both when tests/lib/faults.py exists and /dev/fuse too,
-else kill; with both, odd seeds use power), CRASH_SECONDS (time budget; past it no new trial
-starts), CRASH_TRIM (1 default, 0: no TRIM).
+else kill; with both, odd seeds use power; or device or one of the
+families below), CRASH_SECONDS (time budget, default 60 + 4 s a trial,
+10 s in the families; past it no new trial starts), CRASH_TRIM (1
+default, 0: no TRIM).
 
 Mode "device" (tests/integration/cache_device_crash.py runs it): the
-backend is a plain file, and --cache-device a 64 MiB file on faultfs, so
+backend is a plain file, and --cache-device a 96 MiB file on faultfs, so
 FLUSH and FUA are answered from its intent log. After the SIGKILL (and,
 in half the trials, a power loss of the device: back to its last fsync)
 a new daemon replays the log onto the backend and stops, writing
 everything back; then the backend file is checked against the same
 model: nothing FLUSH or FUA acknowledged may be missing.
+
+The families (issue 46): the device mode with an event during the load,
+on a thread of its own beside it; each trial draws the event's
+parameters after everything the modes above draw. In device-fault and
+backend-loss a request answered EIO after the (first) event guarantees
+nothing (a FLUSH so answered raises no flush mark) and is counted, not
+a failure; any other error, or one before the event, is; in resize
+every error before the kill is. The replay's daemon listens on its Unix
+socket only and gets SIGTERM once its drain is done (the device mode
+stops it during the drain). The log lists the events with their time
+into the load and the daemon's warnings and errors; a violation also
+names, for the write whose value was required, when it was acknowledged,
+what guaranteed it (FUA, or the first successful FLUSH after it) and how
+many FLUSHes were answered with an error in between.
+
+  "device-fault" (cache_device_crash_fault.py): at fault_at (0.05 to
+  1 s into the load) faultfs on the device is set to "fail-write-after
+  N" (N 0 to 3): N more writes land, every one after fails, so a commit
+  lands in part and the daemon turns the intent log off (its exports
+  writethrough); the load goes on 0.05 to 1 s more, then SIGKILL; the
+  restart is on the healed device (faultfs "ok"). The log says whether
+  the daemon's log says the intent log is off (when no device write
+  came after the fault, the trial is a plain device trial), and how many
+  FLUSHes issued after the fault succeeded.
+
+  "backend-loss" (cache_device_crash_backend.py): the backend is
+  nbdkit (faults.NbdkitFault: the file plugin through the fault filter,
+  no faults set) over the image file, which lies on a faultfs of its
+  own, reached as nbd+unix; the cache is 2 or 4 MiB and 8% of the writes
+  are 1 to 3 MiB, so that writes go around it besides WRITE_ZEROES, TRIM
+  and FUA. A backend power cut: SIGKILL of nbdkit by PID, then (faultfs
+  settled) its power loss: the file back to its last fsync (nbdkit's
+  flush, and FUA), so every write nbdkit acknowledged and did not flush
+  is lost. (Not the filter's drop-unflushed: that drops at a failed
+  flush only, not at a kill, and a flush of the daemon that passed the
+  filter's gate before the drop could still succeed after it.) 0 to 3
+  cuts during the load (each at its moment or, in half the trials, at
+  the first reply to a direct operation after it, within 0.5 s), each
+  followed by a new nbdkit on the same socket, started through one
+  long-lived thread (nbdkit sets PR_SET_PDEATHSIG: one whose starting
+  thread ends exits with it); then SIGKILL of the daemon, a last cut, a
+  new nbdkit, the replay on the device (power loss of the device in
+  half the trials) and nbdkit's SIGTERM; the image file is checked. The
+  log says how many 4 KiB blocks each cut changed.
+
+  "resize" (cache_device_crash_resize.py): at resize_at the export
+  grows by 1, 4 or 16 MiB: os.truncate of the file then `nbdcachectl
+  resize disk`, or `nbdcachectl resize disk NEWSIZE` (the daemon grows
+  the file); once it answered, a fifth connection (Unix) sees the new
+  size and joins the load, half its requests in the grown part (never
+  across the old end), the four others go on over the old size. The
+  kill: at a random moment (before, during or after the resize), or
+  right after the truncate, a few ms after nbdcachectl started, right
+  after it answered, or at the first acknowledged write on the new
+  connection. The file must then have the new size if it was grown or
+  the resize answered, else the old or the new one; the grown part is
+  checked as initially zero (the same model: zeros or what was written
+  there), and a file of the old size is checked without the requests
+  past the old end. A failure names the resize's stage at the kill.
 """
 
+import errno
 import os
+import queue
 import random
 import select
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -113,13 +177,21 @@ CONNS = 4
 BASE_SEED = int(os.environ.get("CRASH_SEED", "20240917"))
 MODE = os.environ.get("CRASH_MODE", "") or (
     "both" if faults and os.path.exists("/dev/fuse") else "kill")
-TRIALS = int(os.environ.get("CRASH_TRIALS", "30" if MODE == "kill" else "40"))
-SECONDS = float(os.environ.get("CRASH_SECONDS", str(60 + 4 * TRIALS)))
+# The families of cache device trials with an event during the load (see
+# the docstring): each a mode of its own, run by its own entry file.
+FAMILIES = ("device-fault", "backend-loss", "resize")
+DEVICE_MODES = ("device",) + FAMILIES
+TRIALS = int(os.environ.get("CRASH_TRIALS", "5" if MODE in FAMILIES else
+                            "30" if MODE == "kill" else "40"))
+SECONDS = float(os.environ.get("CRASH_SECONDS", str(60 + (10 if MODE in FAMILIES else 4)
+                                                    * TRIALS)))
 WITH_TRIM = os.environ.get("CRASH_TRIM", "1") != "0"
 WRITE_BUDGET = 96 * MIB      # bytes of write data per trial (kept for the check)
 DRAIN_SECONDS = 3.0          # reading replies after the kill
 PIECE = 512                  # the check's second granularity
 DEVICE_SIZE = 96 * MIB       # device mode: the cache device (log and level-2 area)
+EVENTS_JOIN = 90             # seconds an event thread may take to end after the kill
+SMALL_PROFILES = ("default", "eager", "tight")   # backend-loss: caches of 2 or 4 MiB
 MAX_RSS = 2 << 30            # this process's memory: a leak ends the run
 INF = float("inf")
 
@@ -357,6 +429,44 @@ def settle(fs):
     return c
 
 
+class Spawner:
+    """Runs calls on one thread that lives until close(). nbdkit sets
+    PR_SET_PDEATHSIG (SIGTERM), and the parent it watches is the thread
+    that forked it: an nbdkit started by a thread that then ends exits
+    with it. So the backend-loss events start nbdkit through this."""
+
+    def __init__(self):
+        self.q = queue.Queue()
+        self.t = threading.Thread(target=self.loop, name="spawner", daemon=True)
+        self.t.start()
+
+    def loop(self):
+        for _ in range(10 ** 6):
+            item = self.q.get()
+            if item is None:
+                return
+            fn, box, done = item
+            try:
+                box.append(("ok", fn()))
+            except Exception as e:      # noqa: BLE001 - raised again by call()
+                box.append(("error", e))
+            done.set()
+
+    def call(self, fn, timeout=60):
+        box, done = [], threading.Event()
+        self.q.put((fn, box, done))
+        if not done.wait(timeout):
+            raise Failed("%s did not return within %ds" % (fn, timeout))
+        how, value = box[0]
+        if how == "error":
+            raise value
+        return value
+
+    def close(self):
+        self.q.put(None)
+        self.t.join(30)
+
+
 class Trial:
     def __init__(self, k, seed, mode, initial):
         self.k, self.seed, self.mode, self.initial = k, seed, mode, initial
@@ -394,6 +504,70 @@ class Trial:
         self.checked = 0
         self.scratch = memoryview(bytearray(MIB))
         self.stats_note = ""
+        # The families (FAMILIES): an event during the load, on a thread
+        # of its own (events()); their parameters are drawn here, after
+        # everything the other modes draw, so those modes are unchanged.
+        self.errors_ok = False          # errors (EIO) allowed from now on: the event happened
+        self.allowed_errors = {}        # kind -> errors allowed so far
+        self.stop_events = threading.Event()   # set at the kill: an event thread ends
+        self.event_error = None         # what an event thread raised
+        self.event_notes = []           # what the events did, for the log
+        self.t0 = None                  # monotonic time the load began
+        self.image = None               # the backend file
+        self.fs = None                  # the device's faultfs
+        self.kit = None                 # backend-loss: the nbdkit
+        self.bfs = None                 # backend-loss: the faultfs the image is on
+        self.spawner = None             # backend-loss: starts it during the load
+        self.kit_died = 0               # backend-loss: nbdkit found dead at a cut
+        self.cut_blocks = []            # backend-loss: 4 KiB blocks each cut changed
+        self.handles_lock = threading.Lock()
+        self.pending_handles = []       # resize: a connection made after the grow
+        self.grown = False              # resize: the backend file was grown
+        self.resize_stage = "not begun"
+        self.resized = False            # resize: nbdcachectl said it was done
+        self.family_note = ""
+        self.loss_armed = False
+        self.loss_go = threading.Event()
+        if mode in FAMILIES:
+            self.init_family(r)
+
+    def init_family(self, r):
+        if self.mode == "device-fault":
+            # fail-write-after N: the device fails part way through a commit
+            self.fault_at = r.uniform(0.05, 1.0)
+            self.fault_writes = r.randint(0, 3)
+            self.kill_after = self.fault_at + r.uniform(0.05, 1.0)
+        elif self.mode == "backend-loss":
+            # a small cache, and writes of 1 to 3 MiB, so that writes go around it
+            self.profile = r.choice(SMALL_PROFILES)
+            self.losses = sorted(r.uniform(0.02, 1.2) for _ in range(r.choice((0, 1, 1, 2, 3))))
+            # the loss at the first reply to a direct operation (WRITE_ZEROES,
+            # TRIM, FUA, a write of 1 MiB or more) after its moment
+            self.loss_after_direct = r.random() < 0.5
+            self.kill_after = (self.losses[-1] if self.losses else 0) + r.uniform(0.05, 0.8)
+        elif self.mode == "resize":
+            self.grow = r.choice((1, 4, 16)) * MIB
+            self.new_size = SIZE + self.grow
+            # "truncate": os.truncate, then `nbdcachectl resize disk`;
+            # "size": `nbdcachectl resize disk NEWSIZE` (the daemon grows the file)
+            self.resize_how = r.choice(("truncate", "size"))
+            self.resize_at = r.uniform(0.05, 1.0)
+            # when the kill comes: "timer" (kill_after, before, during or after
+            # the resize), "truncated" (right after os.truncate), "during"
+            # (this long after nbdcachectl started), "resized" (right after
+            # its reply), "new-ack" (at the first acknowledged write on the
+            # connection made after the grow)
+            self.kill_phase = r.choice(("timer", "timer", "truncated", "during", "resized",
+                                        "new-ack"))
+            if self.kill_phase == "truncated" and self.resize_how != "truncate":
+                self.kill_phase = "during"
+            self.during_delay = r.uniform(0, 0.02)
+            if self.kill_phase == "timer":
+                self.kill_after = max(0.03, self.resize_at + r.uniform(-0.3, 1.0))
+            else:
+                self.kill_after = self.resize_at + 1.5    # if the phase never comes
+                self.kill_at_once = True
+            self.inflight.append(0)     # the connection made after the grow
 
     def name(self):
         return "trial %d (seed %d, %s%s, bs %d, %s, depth %d, flush %d%%, fua %d%%, kill %s%.3fs)" % (
@@ -402,7 +576,26 @@ class Trial:
             self.bs, self.profile, self.depth,
             self.flush_weight * 100 // (len(self.kinds)), self.fua_rate * 100,
             "" if self.kill_at_once else "at the first FLUSH/FUA reply after ", self.kill_after) + (
-            ", device power loss" if self.mode == "device" and self.device_power_loss else "")
+            self.family_name() +
+            (", device power loss" if self.mode in DEVICE_MODES and self.device_power_loss
+             else ""))
+
+    def family_name(self):
+        if self.mode == "device-fault":
+            return ", fail-write-after %d at %.3fs" % (self.fault_writes, self.fault_at)
+        if self.mode == "backend-loss":
+            return ", %s backend loss(es)%s%s" % (
+                len(self.losses), " at " + "/".join("%.3fs" % t for t in self.losses)
+                if self.losses else "", " (at a direct reply)" if self.loss_after_direct and
+                self.losses else "")
+        if self.mode == "resize":
+            return ", grow +%d MiB by %s at %.3fs, kill %s" % (
+                self.grow // MIB, "os.truncate + resize" if self.resize_how == "truncate"
+                else "resize NEWSIZE", self.resize_at,
+                "by the timer" if self.kill_phase == "timer" else
+                "%.3fs into nbdcachectl" % self.during_delay if self.kill_phase == "during"
+                else "when " + self.kill_phase)
+        return ""
 
     def tick(self):
         self.tick_no += 1
@@ -419,6 +612,12 @@ class Trial:
             self.stats_note = ("; before the kill: dirty %d, evictions %d, written back %d, "
                                "direct writes %d" % (c["dirty_bytes"], c["evictions"],
                                                      c["writeback_bytes"], c["direct_writes"]))
+            dev = c.get("cache_device")
+            if self.mode in FAMILIES and dev:
+                self.stats_note += ("; the device: %d commits, %d full rounds for want of log "
+                                    "room, %s" % (dev.get("commits", -1),
+                                                 dev.get("full_log_fallbacks", -1),
+                                                 "failed" if dev.get("failed") else "not failed"))
         except (OSError, ValueError, KeyError, Failed) as e:
             self.stats_note = "; no stats before the kill (%s)" % e
 
@@ -434,11 +633,166 @@ class Trial:
             if self.killed is not None:
                 return
             self.killed = time.monotonic()
+            self.stop_events.set()
             p = self.daemon.proc
             if p.poll() is not None:
                 self.died_early = True
                 return
             p.send_signal(signal.SIGKILL)
+
+    # ---- the families' events (a thread of their own beside the load) ----
+
+    def start_events(self):
+        fn = {"device-fault": self.fault_events, "backend-loss": self.loss_events,
+              "resize": self.resize_events}.get(self.mode)
+        if fn is None:
+            return None
+        t = threading.Thread(target=self.run_events, args=(fn,), name=self.mode, daemon=True)
+        t.start()
+        return t
+
+    def run_events(self, fn):
+        try:
+            fn()
+        except Exception as e:      # noqa: BLE001 - reported by drive()
+            self.event_error = "%s: %s" % (type(e).__name__, e)
+            self.kill_now()
+
+    def wait_for(self, at):
+        """Sleep until `at` seconds into the load; False once the kill came."""
+        for _ in range(10 ** 5):
+            left = self.t0 + at - time.monotonic()
+            if self.killed is not None or self.stop_events.is_set():
+                return False
+            if left <= 0:
+                return True
+            self.stop_events.wait(min(left, 0.1))
+        return False
+
+    def note(self, text):
+        text = "%.3fs: %s" % (time.monotonic() - self.t0, text)
+        self.event_notes.append(text)
+        log("  event at " + text)
+
+    def fault_events(self):
+        """device-fault: from fault_at on, the device takes fault_writes
+        more writes and fails every one after."""
+        if not self.wait_for(self.fault_at):
+            return
+        self.errors_ok = True
+        self.fs.set("fail-write-after %d" % self.fault_writes)
+        self.note("the cache device fails after %d more write(s)" % self.fault_writes)
+
+    def loss_events(self):
+        """backend-loss: at each moment of `losses` (or at the first reply
+        to a direct operation after it, within 0.5 s), a power cut of the
+        backend: its unflushed writes dropped, nbdkit killed and started
+        again on the same socket."""
+        for at in self.losses:
+            if not self.wait_for(at):
+                return
+            how = "at its moment"
+            if self.loss_after_direct:
+                self.loss_go.clear()
+                self.loss_armed = True
+                fired = self.loss_go.wait(0.5)
+                self.loss_armed = False
+                how = "after a direct operation's reply" if fired else "(no direct reply in 0.5 s)"
+            if self.killed is not None:
+                return                  # the last cut follows the kill
+            self.errors_ok = True
+            self.backend_power_cut("the load " + how)
+            if self.killed is not None:
+                return                  # nbdkit stays down until the last cut
+            self.spawner.call(self.kit.start)
+            self.note("nbdkit started again")
+
+    def backend_power_cut(self, why):
+        """A power cut of the backend: nbdkit SIGKILLed by PID (no reply
+        can follow), then the image's faultfs, once settled, rolls it
+        back to its last successful fsync (nbdkit's flush and FUA)."""
+        kit = self.kit
+        if kit.alive():
+            kit.kill(signal.SIGKILL)
+            died = ""
+        else:
+            # (nbdkit 1.32 may abort when a client hangs up with replies
+            # pending, RHBZ#2173054)
+            self.kit_died += 1
+            died = "; it had exited on its own (status %s: %s)" % (
+                kit.proc.returncode, kit.log_tail()[-300:].replace("\n", " | "))
+        settle(self.bfs)
+        with open(self.bfs.source("disk.img"), "rb") as f:
+            before = f.read()
+        self.bfs.power_loss()
+        with open(self.bfs.source("disk.img"), "rb") as f:
+            after = f.read()
+        n = max(len(before), len(after))
+        changed = sum(1 for a in range(0, n, 4096) if before[a:a + 4096] != after[a:a + 4096])
+        self.cut_blocks.append(changed)
+        self.note("backend power cut (%s): nbdkit killed, its file back to its last fsync "
+                  "(%d 4 KiB blocks changed)%s" % (why, changed, died))
+
+    def resize_events(self):
+        """resize: the backend grows by `grow` bytes at resize_at; a new
+        connection then writes in the grown part too."""
+        if not self.wait_for(self.resize_at):
+            return
+        args = ["resize", "disk"]
+        if self.resize_how == "truncate":
+            os.truncate(self.image, self.new_size)
+            self.grown = True
+            self.resize_stage = "file grown, nbdcachectl not yet run"
+            self.note("backend file grown to %d bytes" % self.new_size)
+            if self.kill_phase == "truncated":
+                self.kill_now()
+                return
+        else:
+            args.append(str(self.new_size))
+        cmd = [nbdtest.NBDCACHECTL, "--control", self.daemon.control] + args
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             stdin=subprocess.DEVNULL)
+        self.resize_stage = "nbdcachectl %s running" % " ".join(args)
+        if self.kill_phase == "during":
+            time.sleep(self.during_delay)
+            self.kill_now()
+        try:
+            out, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()                    # by PID: the nbdcachectl started here
+            p.communicate()
+            raise Failed("nbdcachectl %s did not end within 60 s" % " ".join(args))
+        self.note("nbdcachectl %s -> %d: %s%s" % (" ".join(args), p.returncode, out.strip(),
+                                                   err.strip()))
+        if self.resize_how == "size" and os.path.getsize(self.image) == self.new_size:
+            self.grown = True
+        if p.returncode != 0:
+            if self.killed is not None:
+                self.resize_stage = "nbdcachectl %s cut by the kill" % " ".join(args)
+                return
+            raise Failed("nbdcachectl %s failed before the kill: %s%s"
+                         % (" ".join(args), out, err))
+        self.resize_stage = "resized (nbdcachectl answered)"
+        self.resized = True
+        if self.kill_phase == "resized":
+            self.kill_now()
+            return
+        if self.killed is not None:
+            return
+        try:
+            h = nbdtest.libnbd_handle(self.daemon.unix_uri("disk"))
+            size = h.get_size()
+        except nbd.Error as e:
+            if self.killed is not None:
+                return
+            raise Failed("a connection after the grow: %s" % e)
+        require(size == self.new_size, "a connection after the grow sees %d bytes, not %d"
+                % (size, self.new_size))
+        with self.handles_lock:
+            if self.killed is None:
+                self.pending_handles.append(h)
+                self.resize_stage = "resized, a new connection writing"
+        self.note("a new connection (%d bytes) joins the load" % size)
 
     # ---- the workload ----
 
@@ -453,10 +807,22 @@ class Trial:
                 self.flush_mark = max(self.flush_mark, op.issue)
             if self.armed and (op.kind == "flush" or (op.fua and op.kind != "trim")):
                 self.kill_now()
+            if self.loss_armed and (op.kind in ("zero", "trim") or op.fua or
+                                    (op.kind == "write" and op.n >= MIB)):
+                self.loss_armed = False
+                self.loss_go.set()      # backend-loss: the loss follows this reply
+            if (op.conn >= CONNS and op.kind == "write" and self.mode == "resize" and
+                    self.kill_phase == "new-ack"):
+                self.resize_stage = "a write on the new connection acknowledged"
+                self.kill_now()
         else:
             op.err = e
             if self.killed is None:
-                self.unexpected.append("%s: errno %d" % (op.describe(), e))
+                if self.errors_ok and e == errno.EIO:
+                    # a family's event happened: an EIO guarantees nothing
+                    self.allowed_errors[op.kind] = self.allowed_errors.get(op.kind, 0) + 1
+                else:
+                    self.unexpected.append("%s: errno %d" % (op.describe(), e))
         return 1
 
     def issue(self, c, h):
@@ -466,8 +832,20 @@ class Trial:
             kind = "read"
         op = Op(len(self.ops), kind, c)
         if kind != "flush":
-            op.n = pick_len(r)
-            op.off = pick_off(r, op.n)
+            if kind == "write" and self.mode == "backend-loss" and r.random() < 0.08:
+                op.n = r.randint(MIB, 3 * MIB)     # more than a small cache takes
+            else:
+                op.n = pick_len(r)
+            if c >= CONNS and r.random() < 0.5:
+                # resize: the new connection, in the grown part (never across
+                # the old end, so the check can leave out what a crash before
+                # the grow never wrote)
+                op.n = min(op.n, self.grow)
+                op.off = SIZE + r.randrange(self.grow - op.n + 1)
+                if r.random() < 0.5:
+                    op.off = max(SIZE, op.off - op.off % 4096)
+            else:
+                op.off = pick_off(r, op.n)
         if kind == "write":
             op.data = r.randbytes(op.n)
             op.fua = r.random() < self.fua_rate
@@ -509,12 +887,17 @@ class Trial:
     def drive(self, handles):
         """Keep `depth` requests in flight on each connection until the kill,
         then read what replies there are (at most DRAIN_SECONDS)."""
-        t0 = time.monotonic()
+        t0 = self.t0 = time.monotonic()
         timer = threading.Timer(self.kill_after, self.timer_fired)
         timer.start()
+        events = self.start_events()
         limit = self.kill_after + 2
         try:
             for _ in range(10 ** 7):
+                if self.pending_handles:
+                    with self.handles_lock:
+                        handles.extend(self.pending_handles)
+                        del self.pending_handles[:]
                 now = time.monotonic()
                 if self.killed is not None:
                     live = [h for h in handles if not (h.aio_is_dead() or h.aio_is_closed())]
@@ -534,6 +917,15 @@ class Trial:
                 raise Failed("the workload loop did not end")
         finally:
             timer.cancel()
+            self.stop_events.set()
+            if events is not None:
+                events.join(EVENTS_JOIN)
+                if events.is_alive():
+                    self.kill_now()
+                    raise Failed("the %s event thread did not end within %ds of the kill"
+                                 % (self.mode, EVENTS_JOIN))
+        if self.event_error is not None:
+            raise Failed("%s event: %s" % (self.mode, self.event_error))
         return time.monotonic() - t0
 
     def poll(self, handles):
@@ -564,7 +956,7 @@ class Trial:
 
     def run(self, tmp):
         """The trial; returns the stats of the last check and the file it saw."""
-        if self.mode == "device":
+        if self.mode in DEVICE_MODES:
             return self.run_device(tmp)
         if self.mode == "kill":
             path = os.path.join(tmp, "disk.img")
@@ -593,33 +985,76 @@ class Trial:
             return self.verify(fs.source("disk.img"), "after the power loss")
 
     def run_device(self, tmp):
-        """The backend a plain file, the cache device (the intent log) a
-        file on faultfs: SIGKILL, in half the trials a power loss of the
-        device too (back to its last fsync), then a new daemon replays
-        the log onto the backend and stops (writing everything back): the
-        backend file must hold everything FLUSH or FUA acknowledged."""
-        path = os.path.join(tmp, "disk.img")
-        self.prepare(path)
+        """The backend a plain file (backend-loss: nbdkit over one), the
+        cache device (the intent log) a file on faultfs: the load (and a
+        family's event), SIGKILL, in half the trials a power loss of the
+        device too (back to its last fsync; backend-loss: and always of
+        the backend), then a new daemon replays the log onto the backend
+        and stops (writing everything back): the backend file must hold
+        everything FLUSH or FUA acknowledged."""
+        path = self.image = os.path.join(tmp, "disk.img")
+        if self.mode == "backend-loss":
+            # the image on a faultfs of its own: a cut rolls it back alone
+            self.bfs = faults.FaultFS(os.path.join(tmp, "backendfs"))
+            path = self.image = self.bfs.source("disk.img")
+        else:
+            self.prepare(path)
         with faults.FaultFS(os.path.join(tmp, "faultfs")) as fs:
+            self.fs = fs
             with open(fs.path("cache.dev"), "wb") as f:
                 f.truncate(DEVICE_SIZE)
                 os.fsync(f.fileno())
             extra = ["--cache-device", fs.path("cache.dev")]
             if self.fs_delay_ms:
                 fs.set("delay-ms %d" % self.fs_delay_ms)
-            self.crash(path, tmp, extra)
-            c = settle(fs)
-            fs.set("ok")
-            if self.device_power_loss:
-                fs.power_loss()
-            cache, args = PROFILES[self.profile]
-            workdir = os.path.join(tmp, "replay")
-            os.mkdir(workdir)
-            d = nbdtest.CheckedDaemon([("disk", path, "")], threads=2, workdir=workdir,
-                                      extra=["--cache-mode", "writeback", "--cache-size", cache,
-                                             "--block-size", str(self.bs)] + args + extra,
-                                      what="the cache device after the crash")
-            d.stop()
+            serve = path
+            try:
+                if self.mode == "backend-loss":
+                    self.bfs.start()
+                    self.prepare(path)
+                    self.kit = faults.NbdkitFault(tmp, self.bfs.path("disk.img"), name="backend")
+                    self.spawner = Spawner()
+                    serve = self.kit.uri()
+                self.crash(serve, tmp, extra)
+                c = settle(fs)
+                fs.set("ok")
+                if self.mode == "backend-loss":
+                    self.backend_power_cut("after the daemon's SIGKILL")
+                    self.kit.start()
+                if self.device_power_loss:
+                    fs.power_loss()
+                cache, args = PROFILES[self.profile]
+                workdir = os.path.join(tmp, "replay")
+                os.mkdir(workdir)
+                t1 = time.monotonic()
+                try:
+                    # (the families' replay without TCP: a port taken meanwhile by
+                    # a test beside this one cannot fail it)
+                    d = nbdtest.CheckedDaemon([("disk", serve, "")], threads=2, workdir=workdir,
+                                              extra=["--cache-mode", "writeback", "--cache-size",
+                                                     cache, "--block-size", str(self.bs)] +
+                                              args + extra, tcp=self.mode not in FAMILIES,
+                                              what="the cache device after the crash")
+                except Failed as e:
+                    raise Failed("%s%s" % (e, self.event_summary()))
+                t2 = time.monotonic()
+                if self.mode in FAMILIES:
+                    # SIGTERM once the drain is done (during it the stop
+                    # waits 5 s and retries; the device mode covers that)
+                    for _ in range(300):
+                        text = d.log_text()
+                        if "to write back" not in text or "on the backends:" in text:
+                            break
+                        time.sleep(0.1)
+                d.stop()
+                t3 = time.monotonic()
+            finally:
+                if self.kit is not None:
+                    self.kit.stop()     # SIGTERM by PID (its writes went through faultfs)
+                if self.spawner is not None:
+                    self.spawner.close()
+                if self.bfs is not None:
+                    self.bfs.stop()
             with open(d.logpath) as f:
                 text = f.read()
             replayed = [ln.split("info: ", 1)[-1] for ln in text.splitlines()
@@ -628,7 +1063,18 @@ class Trial:
                 "device power loss (%d fsyncs before)" % c.get("fsyncs_ok", -1)
                 if self.device_power_loss else "no power loss",
                 "; ".join(replayed) if replayed else "nothing to replay")
+            if self.mode in FAMILIES:
+                self.power_note += "; the replay's daemon started in %.2fs, stopped in %.2fs" % (
+                    t2 - t1, t3 - t2)
         return self.verify(path, "after the replay")
+
+    def event_summary(self):
+        """The family's events, for a failure message."""
+        if self.mode == "resize":
+            return " (resize at the kill: %s)" % self.resize_stage
+        if self.event_notes:
+            return " (events: %s)" % "; ".join(self.event_notes)
+        return " (no event before the kill)" if self.mode in FAMILIES else ""
 
     def prepare(self, path):
         with open(path, "wb") as f:
@@ -672,17 +1118,48 @@ class Trial:
         if "Sanitizer" in text or "runtime error:" in text:
             log(text[-8000:])
             raise Failed("sanitizer report in the daemon log")
-        require(not self.unexpected, "requests failed before the kill: %s"
-                % "; ".join(self.unexpected[:5]))
+        if self.mode in FAMILIES:
+            warned = [ln for ln in text.splitlines() if "warn" in ln or "error" in ln]
+            for ln in warned[:8]:
+                log("    daemon: %s" % ln[:300])
+            if len(warned) > 8:
+                log("    daemon: ... %d more warnings and errors" % (len(warned) - 8))
+        if self.mode == "device-fault":
+            self.family_note = "; the daemon's log %s" % (
+                "says the intent log is off (writethrough)"
+                if "intent log is off" in text or "writethrough from now on" in text
+                else "does not say the intent log is off")
+        require(not self.unexpected, "requests failed before the kill%s: %s"
+                % (" (not EIO, or before the event)" if self.mode in FAMILIES else "",
+                   "; ".join(self.unexpected[:5])))
+
+    def sizes(self):
+        """The sizes the backend file may have at the check."""
+        if self.mode != "resize" or self.resize_stage == "not begun":
+            return (SIZE,)
+        if self.grown or self.resized:
+            return (self.new_size,)
+        return (SIZE, self.new_size)    # the kill came while the daemon grew it
+
+    def model_for(self, got):
+        """(the initial content, the requests) that `got` is checked
+        against: resize: a grown part starts as zeros; a file not grown
+        (a crash before the grow) is checked without the requests past the
+        old end, which only a connection made after the grow sent."""
+        if len(got) <= SIZE:
+            return self.initial, [op for op in self.ops if op.off < SIZE]
+        return self.initial + bytes(len(got) - SIZE), self.ops
 
     def verify(self, source, stage):
         """Check every byte of the file `source` against the model."""
-        require(os.path.getsize(source) == SIZE, "%s: the backend file has %d bytes"
-                % (stage, os.path.getsize(source)))
+        require(os.path.getsize(source) in self.sizes(), "%s: the backend file has %d bytes, "
+                "not %s%s" % (stage, os.path.getsize(source),
+                              " or ".join(map(str, self.sizes())), self.event_summary()))
         with open(source, "rb") as f:
             got = f.read()
+        initial, ops = self.model_for(got)
         t1 = time.monotonic()
-        violations, nbad, st = check_file(got, self.initial, self.ops, self.flush_mark)
+        violations, nbad, st = check_file(got, initial, ops, self.flush_mark)
         check_time = time.monotonic() - t1
         with open(source, "rb") as f:
             again = f.read()
@@ -698,12 +1175,12 @@ class Trial:
                else ""))
         self.checked += st["bytes"]
         if violations:
-            self.report(violations, stage)
+            self.report(violations, stage, initial)
             raise Failed("%s: %s%d byte(s) in %d segment(s) of the backend file hold data the "
                          "model does not allow (rerun: CRASH_SEED=%d CRASH_TRIALS=1 "
-                         "CRASH_MODE=%s)"
+                         "CRASH_MODE=%s)%s"
                          % (stage, "at least " if st["bad_scanned"] >= BAD_BYTES_SCAN else "",
-                            st["bad"], nbad, self.seed, self.mode))
+                            st["bad"], nbad, self.seed, self.mode, self.event_summary()))
         return st, got
 
     def summarize(self):
@@ -725,34 +1202,86 @@ class Trial:
         log("    latency ms (mean/max): %s" % " ".join(
             "%s=%.1f/%.1f" % (k, 1000 * sum(v) / len(v), 1000 * max(v))
             for k, v in sorted(lat.items())))
+        if self.mode in FAMILIES:
+            flushed_after = 0
+            if self.mode == "resize":
+                what = "resize at the kill: %s" % self.resize_stage
+                new = [op for op in self.ops if op.conn >= CONNS]
+                what += "; %d requests on the new connection (%d acknowledged, %d past the old " \
+                    "end)" % (len(new), sum(1 for op in new if op.ack is not None),
+                              sum(1 for op in new if op.off >= SIZE))
+            else:
+                what = "events: %s" % ("; ".join(self.event_notes) or "none before the kill")
+                flushed_after = sum(1 for op in self.ops if op.kind == "flush" and
+                                    op.ack is not None and op.err is None and
+                                    op.t_issue >= self.t0 + (self.first_event_at() or INF))
+                what += "; %d FLUSH(es) issued after the first event succeeded" % flushed_after
+                if self.cut_blocks:
+                    what += "; 4 KiB blocks each backend cut changed: %s" % "/".join(
+                        map(str, self.cut_blocks))
+                if self.kit_died:
+                    what += "; nbdkit had exited on its own at %d cut(s)" % self.kit_died
+            log("    %s; EIO allowed after the event: %s%s"
+                % (what, " ".join("%s=%d" % kv for kv in sorted(self.allowed_errors.items()))
+                   or "none", self.family_note))
 
-    def report(self, violations, stage):
+    def first_event_at(self):
+        """Seconds into the load of the first event noted, or None."""
+        if not self.event_notes:
+            return None
+        return float(self.event_notes[0].split("s:", 1)[0])
+
+    def report(self, violations, stage, initial):
         for v in violations:
             req = "none (no guaranteed write)" if v.required is None else "0x%02x" % v.required
             log("  VIOLATION trial %d seed %d %s: offset %d: found 0x%02x, required %s, allowed {%s}"
                 % (self.k, self.seed, stage, v.offset, v.found, req,
                    ", ".join("0x%02x" % a for a in v.allowed)))
             log("    initial byte 0x%02x; flush mark @%d; writes covering it, by issue:"
-                % (self.initial[v.offset], self.flush_mark))
+                % (initial[v.offset], self.flush_mark))
             for op in v.ops[-12:]:
                 log("      %s: byte 0x%02x" % (op.describe(self.flush_mark),
                                                op.value(v.offset, v.offset + 1)[0]))
+            if self.mode in FAMILIES:
+                self.report_promise(v)
+
+    def report_promise(self, v):
+        """The families: when the required write was acknowledged and what
+        made it guaranteed, against the events' times."""
+        g = [op for op in v.ops if op.guaranteed(self.flush_mark)]
+        if not g:
+            return
+        w = max(g, key=lambda o: o.issue)
+        flushes = [op for op in self.ops if op.kind == "flush" and op.issue > w.ack]
+        ok = [op for op in flushes if op.ack is not None]
+        failed = [op for op in flushes if op.err is not None and
+                  (not ok or op.issue < ok[0].issue)]
+        log("    the required write #%d: acknowledged %.3fs into the load; %s; FLUSHes answered "
+            "with an error between its reply and that: %d%s"
+            % (w.no, w.t_ack - self.t0,
+               "FUA" if w.fua else "first successful FLUSH after it: #%d conn %d, issued %.3fs "
+               "into the load" % (ok[0].no, ok[0].conn, ok[0].t_issue - self.t0) if ok else "?",
+               len(failed), " (conn %s)" % ",".join(str(op.conn) for op in failed[:8])
+               if failed else ""))
 
 
 def trial_mode(seed):
-    if MODE == "device":
-        return "device"
+    if MODE in DEVICE_MODES:
+        return MODE
     if MODE == "both":
         return "power" if seed % 2 else "kill"
     return MODE
 
 
 def main():
-    require_mode = MODE in ("kill", "power", "both", "device")
-    nbdtest.check(require_mode, "CRASH_MODE must be kill, power, both or device, not %r" % MODE)
-    if MODE == "device" and not os.path.exists("/dev/fuse"):
+    require_mode = MODE in ("kill", "power", "both") + DEVICE_MODES
+    nbdtest.check(require_mode, "CRASH_MODE must be kill, power, both, device, %s, not %r"
+                  % (", ".join(FAMILIES), MODE))
+    if MODE in DEVICE_MODES and not os.path.exists("/dev/fuse"):
         nbdtest.skip("no /dev/fuse: the cache device lives on faultfs (FUSE)")
-    if MODE in ("power", "both", "device") and faults is None:
+    if MODE == "backend-loss" and not nbdtest.shutil.which(faults.NBDKIT if faults else "nbdkit"):
+        nbdtest.fail("CRASH_MODE=backend-loss needs nbdkit")
+    if MODE in ("power", "both") + DEVICE_MODES and faults is None:
         nbdtest.fail("CRASH_MODE=%s needs tests/lib/faults.py" % MODE)
     why = ("" if MODE != "kill" else " (no tests/lib/faults.py: no power loss)" if not faults
            else " (no /dev/fuse: no power loss)" if not os.path.exists("/dev/fuse") else "")
@@ -761,7 +1290,7 @@ def main():
     initial = random.Random(BASE_SEED ^ 0x5eed).randbytes(SIZE)
     checks = nbdtest.Checks(catch=(Failed, nbd.Error))
     t0 = time.monotonic()
-    done = {"kill": 0, "power": 0, "device": 0}
+    done = dict.fromkeys(("kill", "power") + DEVICE_MODES, 0)
     checked = 0
     power_changed = 0
     self_tested = False
@@ -782,7 +1311,7 @@ def main():
             st, got = result[0]
             checked += trial.checked
             power_changed += trial.power_changed
-            if not self_tested and self_test(got, initial, trial.ops, trial.flush_mark):
+            if not self_tested and self_test(got, *trial.model_for(got), trial.flush_mark):
                 self_tested = True
                 log("  checker self-test passed (a byte outside the allowed set is flagged)")
         # A trial keeps everything it wrote: let it go before the next one,
@@ -797,6 +1326,14 @@ def main():
         log("%d cache device trial(s) passed (kill, then replay; half with a power loss of the "
             "device), %d bytes checked, %.1fs" % (done["device"], checked,
                                                    time.monotonic() - t0))
+    elif MODE in FAMILIES:
+        log("%d %s trial(s) passed (%s, kill, then replay; half with a power loss of the "
+            "device%s), %d bytes checked, %.1fs"
+            % (done[MODE], MODE, {"device-fault": "the device failing part way through a commit",
+                                  "backend-loss": "backend power cuts during the load",
+                                  "resize": "the export grown during the load"}[MODE],
+               ", always of the backend" if MODE == "backend-loss" else "", checked,
+               time.monotonic() - t0))
     else:
         log("%d kill trial(s) and %d power-loss trial(s) passed, %d bytes checked, power "
             "losses changed %d 4 KiB blocks, %.1fs" % (done["kill"], done["power"], checked,
