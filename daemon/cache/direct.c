@@ -311,7 +311,9 @@ static void direct_end(struct cache_op *op)
 	struct cache_export *ce = op->ce;
 	if (!op->error && !(op->flags & BACKEND_FUA)) {
 		atomic_fetch_add(&ce->direct_writes_done, 1);
-		if (atomic_load(&ce->backend->loss_seq) != op->loss_at_start) {
+		/* (kept steps are written again instead: direct_shadow.c) */
+		if (atomic_load(&ce->backend->loss_seq) != op->loss_at_start &&
+		    !cache_shadow_kept(ce)) {
 			pthread_mutex_lock(&ce->lock);
 			ce->error_seq++;
 			pthread_mutex_unlock(&ce->lock);
@@ -454,6 +456,17 @@ void direct_step(struct cache_op *op)
 	case 3: /* apply the step to the cache */
 		if (op->step_length && !op->error)
 			step_log(op);
+		/* Kept until a backend flush covers it, written again after a
+		 * loss (direct_shadow.c); before it is applied and unregistered,
+		 * so that steps over one range are kept in the order they
+		 * changed the backend. */
+		if (op->step_length && !op->error && op->write_seq && cache_shadow_kept(ce))
+			cache_shadow_add(ce, op->cmd, op->flags, op->step_offset, op->step_length,
+					 op->cmd == BACKEND_WRITE
+					     ? op->payload + (op->step_offset - op->offset)
+					     : NULL,
+					 op->write_seq,
+					 atomic_load(&ce->backend->loss_seq) != op->loss_at_submit);
 		/* The level-2 cache's copies (and those an eviction staged while
 		 * the backend wrote) are older than the backend's bytes now. */
 		if (op->step_length && c->device)

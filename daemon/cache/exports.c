@@ -140,7 +140,9 @@ bool cache_export_on_device(const struct cache_export *ce)
 
 void cache_export_note_direct_write(struct cache_export *ce)
 {
-	cache_note_direct_seq(ce, atomic_fetch_add(&ce->backend_writes_done, 1) + 1);
+	uint64_t seq = atomic_fetch_add(&ce->backend_writes_done, 1) + 1;
+	cache_note_direct_seq(ce, seq);
+	cache_note_unshadowed(ce, seq); /* (mode none's: no copy kept) */
 	atomic_fetch_add(&ce->direct_writes_done, 1);
 }
 

@@ -155,7 +155,13 @@ static void lost_unflushed(struct writeback *wb, struct cache_export *ce)
 	atomic_fetch_add(&ce->counters.losses, 1);
 	unstable_settle_all(ce, UINT64_MAX, true);
 	uint64_t direct = atomic_load(&ce->direct_writes_done);
-	if (direct != atomic_load(&ce->direct_writes_flushed)) {
+	/* With a cache device the direct steps are kept: written again
+	 * before the next flush (direct_shadow.c), not lost. */
+	bool kept = cache_shadow_kept(ce) &&
+		    atomic_load(&ce->unshadowed_seq) <= atomic_load(&ce->backend_writes_flushed);
+	if (kept)
+		cache_shadow_redo(ce);
+	if (!kept && direct != atomic_load(&ce->direct_writes_flushed)) {
 		atomic_store(&ce->direct_writes_flushed, direct);
 		pthread_mutex_lock(&ce->lock);
 		ce->error_seq++;
@@ -290,6 +296,7 @@ static void flush_side_done(struct backend_io *io, int result)
 		if (job->side_direct > atomic_load(&ce->direct_writes_flushed))
 			atomic_store(&ce->direct_writes_flushed, job->side_direct);
 		unstable_settle_all(ce, job->side_covered, false);
+		cache_shadow_trim(ce, job->side_covered);
 		writeback_note_success(ce);
 	} else {
 		if (result < 0) {
@@ -369,6 +376,7 @@ static void flush_backend_done(struct backend_io *io, int result)
 		if (job->direct_covered > atomic_load(&ce->direct_writes_flushed))
 			atomic_store(&ce->direct_writes_flushed, job->direct_covered);
 		unstable_settle_all(ce, job->writes_covered, false);
+		cache_shadow_trim(ce, job->writes_covered);
 		writeback_note_success(ce);
 	} else {
 		if (result < 0) {
@@ -404,6 +412,39 @@ static void round_flush(struct flush_job *job)
 		}
 		return;
 	}
+	/* Direct steps the backend may have lost are written again first,
+	 * so that this flush covers them (direct_shadow.c). */
+	uint64_t wseq = cache_waitq_seq(job->wb->cache);
+	int busy = cache_shadow_busy(ce, &job->wb->thread);
+	if (busy > 0) {
+		if (cache_waitq_wait(job->wb->cache, &job->waiter, wseq))
+			job->waiting = true;
+		else
+			job->again = true;
+		return;
+	}
+	if (busy < 0) {
+		job->error = job->background ? 0 : busy;
+		job->stage = 2;
+		return;
+	}
+	/* A pass wrote steps again meanwhile and made what the cache holds
+	 * over them dirty again (newer, or the same): the FLUSHes covered
+	 * that data, so it is written back before the flush. */
+	pthread_mutex_lock(&ce->lock);
+	uint64_t rewritten = ce->shadow_rewritten;
+	pthread_mutex_unlock(&ce->lock);
+	if (rewritten != job->shadow_seen && !job->background) {
+		job->shadow_seen = rewritten;
+		round_unpin(job);
+		if (round_snapshot(job) < 0) {
+			job->error = -ENOMEM;
+			job->stage = 2;
+			return;
+		}
+		job->again = true;
+		return;
+	}
 	job->stage = 1;
 	job->writes_covered = atomic_load(&ce->backend_writes_done);
 	job->direct_covered = atomic_load(&ce->direct_writes_done);
@@ -414,6 +455,7 @@ static void round_flush(struct flush_job *job)
 		 * that flush was sent and applied to the cache (marked
 		 * unstable) after it settled. The flush covered it. */
 		unstable_settle_all(ce, job->writes_covered, false);
+		cache_shadow_trim(ce, job->writes_covered);
 		job->stage = 2;
 		return;
 	}
@@ -560,6 +602,9 @@ void flush_round_start(struct writeback *wb, struct cache_export *ce, bool backg
 	job->waiter.worker = &wb->thread;
 	job->waiter.task.run = flush_waiter_task;
 	job->errors_at_start = atomic_load(&ce->counters.writeback_errors);
+	pthread_mutex_lock(&ce->lock);
+	job->shadow_seen = ce->shadow_rewritten;
+	pthread_mutex_unlock(&ce->lock);
 	ce->round = job;
 	job->next = wb->jobs;
 	wb->jobs = job;

@@ -58,6 +58,7 @@ struct flush_job {
 	 * while the flush was out).
 	 */
 	bool side_pending, end_due;
+	uint64_t shadow_seen; /* the export's shadow_rewritten when it last looked */
 	uint64_t side_covered, side_direct, side_loss;
 	struct backend_io side_io;
 	uint64_t device_rec;

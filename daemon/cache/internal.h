@@ -340,6 +340,15 @@ struct cache_export {
 	 * past backend_writes_flushed, a fill may read bytes the backend can
 	 * still lose (cache_fill_unproven). */
 	atomic_uint_fast64_t direct_write_seq;
+	/* The same, of direct writes not kept (ops.h, direct_shadow.c): a
+	 * loss can only report them. */
+	atomic_uint_fast64_t unshadowed_seq;
+	/* direct_shadow.c: the direct steps kept until a flush covers them,
+	 * oldest first, and the pass writing them again (export lock). */
+	struct direct_shadow *shadow_head, *shadow_tail;
+	uint64_t shadow_bytes, shadow_rewritten;
+	bool shadow_redo;
+	struct shadow_pass *shadow_pass;
 	/* direct.c: the step length the export's last TRIM or WRITE_ZEROES
 	 * step settled on, where the next one starts (0: none yet). */
 	atomic_uint_fast64_t direct_step_bytes;
@@ -723,6 +732,14 @@ static inline void cache_entry_set_may_hold_zeros(struct cache_entry *e)
 static inline bool cache_fill_unproven(struct cache_export *ce)
 {
 	return atomic_load(&ce->direct_write_seq) > atomic_load(&ce->backend_writes_flushed);
+}
+
+/* A direct write the cache does not keep a copy of (direct_shadow.c). */
+static inline void cache_note_unshadowed(struct cache_export *ce, uint64_t seq)
+{
+	uint64_t cur = atomic_load(&ce->unshadowed_seq);
+	while (cur < seq && !atomic_compare_exchange_weak(&ce->unshadowed_seq, &cur, seq))
+		;
 }
 
 /* A write went to the backend directly: backend_writes_done was seq

@@ -131,6 +131,8 @@ void cache_destroy(struct cache *c)
 	compactor_destroy(c);
 	writeback_destroy(c);
 	cache_device_close(c->device, false);
+	for (struct cache_export *ce = c->exports; ce; ce = ce->next)
+		cache_shadow_free(ce);
 	cache_index_destroy(c);
 	free(c);
 }

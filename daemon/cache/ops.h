@@ -36,6 +36,33 @@ void op_submit(struct cache_op *op);
 /* direct.c: is a direct operation in flight over [offset, offset+length)?
  * Export lock held. */
 bool cache_direct_overlaps(struct cache_export *ce, uint64_t offset, uint64_t length);
+/* direct_shadow.c (below), for the flush rounds. */
+
+/* ---- direct_shadow.c: direct steps kept until a backend flush covers
+ * them, written again after a loss (with a cache device) ---- */
+
+struct direct_shadow;
+struct shadow_pass;
+/* Are ce's direct steps kept (an export on a cache device, not a shared
+ * backend)? */
+bool cache_shadow_kept(const struct cache_export *ce);
+/* A direct step done on the backend (seq: its write_seq; maybe_lost: a
+ * loss since it was sent), kept; not kept without memory (then
+ * cache_note_unshadowed). Any worker. */
+void cache_shadow_add(struct cache_export *ce, enum backend_cmd cmd, uint32_t flags,
+		      uint64_t offset, uint64_t length, const void *data, uint64_t seq,
+		      bool maybe_lost);
+/* A backend flush covered every write up to covered: those steps go. */
+void cache_shadow_trim(struct cache_export *ce, uint64_t covered);
+/* A loss: every step kept is to be written again; false when none is. */
+bool cache_shadow_redo(struct cache_export *ce);
+/* Before a round sends its flush (writeback thread w): 0 nothing to
+ * write again, 1 a pass is writing steps again (wait on the waitq),
+ * -errno it failed (the round fails; the next tries again). */
+int cache_shadow_busy(struct cache_export *ce, struct worker *w);
+/* Steps to write again, or a pass at it (a log round waits: full round). */
+bool cache_shadow_pending(struct cache_export *ce);
+void cache_shadow_free(struct cache_export *ce);
 
 /* ---- op.c ---- */
 
