@@ -37,16 +37,17 @@ class Node:
     """An nbdcached started by Popen (a waiting one is not ready, so not
     nbdtest.Daemon), stopped by its PID."""
 
-    def __init__(self, root, name, backend, takeover="refuse"):
+    def __init__(self, root, name, backend, takeover="refuse", binary=None, extra=()):
         self.dir = os.path.join(root, name)
         os.makedirs(self.dir, exist_ok=True)
         self.sock = os.path.join(self.dir, "nbd.sock")
         self.control = os.path.join(self.dir, "control.sock")
         self.logpath = os.path.join(self.dir, "log")
         self.name = name
-        cmd = [nbdtest.NBDCACHED, "--foreground", "--unix", self.sock, "--control",
+        cmd = [binary or nbdtest.NBDCACHED, "--foreground", "--unix", self.sock, "--control",
                self.control, "--rbd-takeover", takeover, "--dirty-expire", "3600",
-               "--export", "img=" + backend]
+               "--export", "img=" + backend] + list(extra)
+        nbdtest.own_device(cmd)
         log("+ %s: %s" % (name, " ".join(cmd)))
         with open(self.logpath, "w") as lf:
             self.proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT)
