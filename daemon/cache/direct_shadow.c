@@ -196,8 +196,15 @@ static void redirty(struct cache_entry *e, void *arg)
 {
 	struct redirty_arg *a = arg;
 	const struct direct_shadow *s = a->s;
+	/* (the part of the step within e) */
+	uint64_t base = cache_entry_offset(e), from = s->offset > base ? s->offset : base;
+	uint64_t to = s->offset + s->length, end = base + cache_entry_bytes(e);
+	if (to > end)
+		to = end;
+	if (from >= to)
+		return;
 	uint32_t first, last;
-	piece_blocks(e, s->offset, s->length, &first, &last);
+	piece_blocks(e, from, to - from, &first, &last);
 	struct cache_map uptodate = cache_uptodate_map(e), dirty = cache_dirty_map(e);
 	bool any = false;
 	for (uint32_t b = first; b <= last; b++)
