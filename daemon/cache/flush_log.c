@@ -183,8 +183,9 @@ bool flush_log_possible(struct flush_job *job)
 	if (!dev || ce->device_slot < 0 || !job->members || job->shutdown ||
 	    ce->backend->shared || !cache_device_usable(dev))
 		return false;
-	/* A loss is acted on by a round that writes back (round_flush). */
-	if (atomic_load(&ce->backend->loss_seq) != ce->loss_seen)
+	/* A loss is acted on by a round that writes back (round_flush), and
+	 * so are direct steps to write again (direct_shadow.c). */
+	if (atomic_load(&ce->backend->loss_seq) != ce->loss_seen || cache_shadow_pending(ce))
 		return false;
 	/* Entries copied by an earlier round and not written since are not
 	 * copied again: what was written since is what it copies. */
