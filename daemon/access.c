@@ -566,6 +566,7 @@ int access_policy_build(const struct options *opts, struct access_policy **out, 
 		return fail(err, errlen, -ENOMEM, "out of memory");
 	atomic_init(&p->refs, 1);
 	p->max_per_client = opts->max_connections_per_client;
+	p->metrics_export_names_all = opts->metrics_export_names_all;
 	int rc = access_rules_parse(&opts->access, &p->global, err, errlen);
 	if (rc < 0)
 		goto error;
@@ -638,4 +639,9 @@ const struct access_rules *access_policy_export(const struct access_policy *p, c
 		if (strcmp(p->exports[i].name, name) == 0)
 			return &p->exports[i].rules;
 	return NULL;
+}
+
+bool access_export_listed(const struct access_policy *p, const char *name, bool tls_require)
+{
+	return !tls_require && !access_policy_export(p, name);
 }

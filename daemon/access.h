@@ -165,6 +165,9 @@ struct access_policy {
 	unsigned max_per_client; /* 0: unlimited */
 	/* Who may fetch /metrics (metrics-allow, metrics-deny; daemon/metrics.h). */
 	struct access_rules metrics;
+	/* metrics-export-names all: the page names every export; else only
+	 * those access_export_listed() says LIST shows to every client. */
+	bool metrics_export_names_all;
 };
 
 struct options;
@@ -178,5 +181,13 @@ struct access_policy *access_policy_get(void);
 void access_policy_put(struct access_policy *p);
 /* An export's rules in p, or NULL when it has none. */
 const struct access_rules *access_policy_export(const struct access_policy *p, const char *name);
+/*
+ * Does LIST show the export of this name (its rules' name: a split window
+ * is its export's) to every client that the global rules admit? Not when
+ * it has rules of its own (any list: LIST hides it from whom they refuse)
+ * or tls = require (hidden until STARTTLS). The /metrics page names only
+ * such exports unless metrics-export-names is all (daemon/metrics.h).
+ */
+bool access_export_listed(const struct access_policy *p, const char *name, bool tls_require);
 
 #endif

@@ -180,6 +180,7 @@ static int merge(struct config_ctx *x)
 	TAKE_STRING(OPT_GIVEN_METRICS, metrics);
 	TAKE_STRING(OPT_GIVEN_METRICS_ALLOW, metrics_access.allow);
 	TAKE_STRING(OPT_GIVEN_METRICS_DENY, metrics_access.deny);
+	TAKE(OPT_GIVEN_METRICS_EXPORT_NAMES, metrics_export_names_all);
 	TAKE(OPT_GIVEN_TLS, tls);
 	TAKE(OPT_GIVEN_TLS_VERIFY_PEER, tls_verify_peer);
 	TAKE_STRING(OPT_GIVEN_TLS_CERTIFICATES, tls_certificates);

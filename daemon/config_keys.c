@@ -158,20 +158,27 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		return 1;
 	}
 	if (key_is(name, "metrics") || key_is(name, "metrics-allow") ||
-	    key_is(name, "metrics-deny")) {
-		/* metrics once; the rule lists add up, as allow and deny do. */
-		bool address = key_is(name, "metrics");
-		uint64_t bit = address			       ? OPT_GIVEN_METRICS
-			       : key_is(name, "metrics-allow") ? OPT_GIVEN_METRICS_ALLOW
-							       : OPT_GIVEN_METRICS_DENY;
-		if (address && (x->set & bit))
+	    key_is(name, "metrics-deny") || key_is(name, "metrics-export-names")) {
+		/* metrics and metrics-export-names once; the rule lists add
+		 * up, as allow and deny do. */
+		static const struct {
+			const char *key;
+			uint64_t bit;
+			bool once;
+		} keys[] = {
+		    {"metrics", OPT_GIVEN_METRICS, true},
+		    {"metrics-allow", OPT_GIVEN_METRICS_ALLOW, false},
+		    {"metrics-deny", OPT_GIVEN_METRICS_DENY, false},
+		    {"metrics-export-names", OPT_GIVEN_METRICS_EXPORT_NAMES, true},
+		};
+		size_t k = 0;
+		while (!key_is(name, keys[k].key))
+			k++;
+		uint64_t bit = keys[k].bit;
+		if (keys[k].once && (x->set & bit))
 			return config_fail(x, "'%s' given twice", name);
 		char why[300];
-		int rc = options_metrics_value(f,
-					       address				? "metrics"
-					       : bit == OPT_GIVEN_METRICS_ALLOW ? "metrics-allow"
-										: "metrics-deny",
-					       v, why, sizeof(why));
+		int rc = options_metrics_value(f, keys[k].key, v, why, sizeof(why));
 		if (rc == -ENOMEM)
 			return out_of_memory(x);
 		if (rc < 0)

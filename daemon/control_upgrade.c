@@ -7,7 +7,8 @@
  *
  * The client is not read while it runs (cl->wait, as a flush). The reply
  * comes from the upgrade thread's end, posted here: {"ok": true, "pid",
- * "moved", "closed", "pause_ms"} once the new daemon serves (and then
+ * "moved", "closed", "refused", "refused_why", "pause_ms"} once the new
+ * daemon serves (and then
  * this daemon writes it out and exits: the connections are no longer
  * its own), or the reason it failed and this daemon serves on.
  */
@@ -68,6 +69,9 @@ static void reply_task(struct worker_task *task)
 			control_add_u64(o, "pid", (uint64_t)u->r.pid);
 			control_add_u64(o, "moved", u->r.moved);
 			control_add_u64(o, "closed", u->r.closed);
+			control_add_u64(o, "refused", u->r.refused);
+			control_add_string(o, "refused_why",
+					   u->r.refused ? u->r.refused_why : NULL);
 			control_add_u64(o, "pause_ms", u->r.pause_ms);
 			control_send(cl, o);
 			write_out(cl);

@@ -277,9 +277,20 @@ static bool backend_readonly(const struct options *opts, size_t i)
 		return opts->exports[i].readonly;
 	for (size_t j = 0; j < opts->export_count; j++)
 		if (!opts->exports[j].readonly &&
-		    strcmp(opts->exports[j].backend, opts->exports[i].backend) == 0)
+		    options_same_backend(&opts->exports[j], &opts->exports[i]))
 			return false;
 	return true;
+}
+
+/* The line that says spec names backing b's file by another path (of
+ * export first): one backing, one cache. Nothing when it names it alike. */
+static void log_same_file(const struct export_spec *spec, const struct export_backing *b,
+			  const char *first)
+{
+	if (strcmp(spec->backend, b->spec) != 0)
+		log_info("export '%s': %s is the same file as %s (export '%s'): one backend, one "
+			 "cache",
+			 spec->name, spec->backend, b->spec, first);
 }
 
 int export_table_open(struct export_table *t, const struct options *opts, struct cache *cache)
@@ -307,6 +318,7 @@ int export_table_open(struct export_table *t, const struct options *opts, struct
 			t->backings = by_spec[i];
 		} else {
 			by_spec[i] = by_spec[first];
+			log_same_file(spec, by_spec[i], opts->exports[first].name);
 		}
 		struct export policy;
 		struct version_place at;
@@ -336,7 +348,8 @@ int export_table_start(struct export_table *t)
 	for (struct export_backing *b = t->backings; b; b = b->next) {
 		int rc = backend_start(b->backend);
 		if (rc < 0) {
-			log_error("backend %s: cannot start: %s", b->spec, strerror(-rc));
+			if (rc != -EINTR) /* -EINTR: a stop during the start (its line said) */
+				log_error("backend %s: cannot start: %s", b->spec, strerror(-rc));
 			return rc;
 		}
 	}
@@ -475,7 +488,7 @@ static bool same_string(const char *a, const char *b)
 /* Why spec cannot replace the live version old, or NULL when it can. */
 static const char *refusal(const struct export *old, const struct export_spec *spec)
 {
-	if (strcmp(old->backing->spec, spec->backend) != 0)
+	if (!backing_is(old->backing, spec))
 		return "its backend changed (remove the export and add it under a new name, or "
 		       "restart)";
 	return backing_refusal(old->backing, spec);
@@ -500,7 +513,7 @@ static struct export *reload_add(struct export_table *t, const struct options *o
 				 int *rc)
 {
 	const struct export_spec *spec = &opts->exports[i];
-	struct export_backing *b = backing_find(t, spec->backend);
+	struct export_backing *b = backing_find(t, spec);
 	bool opened = false;
 	if (b && b->removed) {
 		log_warn("reload: export '%s' not added: backend %s is still open for a removed "
@@ -510,12 +523,24 @@ static struct export *reload_add(struct export_table *t, const struct options *o
 	}
 	if (b) {
 		const char *why = backing_refusal(b, spec);
+		bool renamed = strcmp(b->spec, spec->backend) != 0;
 		if (why) {
 			log_warn("reload: export '%s' not added: backend %s is open for other "
-				 "exports, and %s",
-				 spec->name, spec->backend, why);
+				 "exports%s%s%s, and %s",
+				 spec->name, spec->backend, renamed ? " (as " : "",
+				 renamed ? b->spec : "", renamed ? ": the same file)" : "", why);
 			return NULL;
 		}
+		/* Another path of its file: the log names the export on it. */
+		char first[256] = "?";
+		pthread_mutex_lock(&t->lock);
+		for (size_t k = 0; k < t->count && renamed; k++)
+			if (t->exports[k]->backing == b && !t->exports[k]->window_of) {
+				snprintf(first, sizeof(first), "%s", t->exports[k]->name);
+				break;
+			}
+		pthread_mutex_unlock(&t->lock);
+		log_same_file(spec, b, first);
 	} else {
 		struct export_spec opening = *spec;
 		opening.readonly = backend_readonly(opts, i);

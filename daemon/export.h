@@ -21,7 +21,9 @@
  *
  * Windows: an export may serve a window of its backend, bytes [offset,
  * offset + size). Every export over one backend (the same backend string,
- * whole or windowed) shares one backing and so one cache export: a write
+ * or the same file or block device under another path: its device and
+ * inode, options_same_backend(); whole or windowed) shares one backing
+ * and so one cache export: a write
  * through one is seen at once through every overlapping one, and a FLUSH on
  * any makes the backend durable. A split export (split=W) publishes its
  * windows NAME/0, NAME/1, ... of W bytes (the last one shorter) right after

@@ -1,8 +1,14 @@
 /*
  * daemon/export_backing.c: an export table's backings, one per backend
- * string (export_internal.h): opening a backend (file, NBD, RBD) and giving
- * it its place in the cache, finding the live one a new export shares, and
- * what a reload cannot change about it.
+ * (export_internal.h): opening a backend (file, NBD, RBD) and giving it its
+ * place in the cache, finding the live one a new export shares, and what a
+ * reload cannot change about it.
+ *
+ * One backend is one backend string, or one file or block device whatever
+ * the path that names it (options_same_backend(): its device and inode).
+ * Two backings over one file would be two caches, each serving what it
+ * holds after the other changed the file: backing_open() refuses to open
+ * a file that a backing holds already.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -25,6 +31,25 @@ static uint32_t fitted_block_size(uint32_t block_size, const struct backend *be)
 	while (block_size < be->min_block && block_size < 65536)
 		block_size *= 2;
 	return block_size;
+}
+
+/* Is the backend ident (a file backend's identity, backend.h) the file of
+ * backing b? */
+static bool same_file(const struct export_backing *b, const struct backend *ident)
+{
+	return ident->ident_file && b->backend->ident_file &&
+	       b->backend->ident_dev == ident->ident_dev && b->backend->ident_ino == ident->ident_ino;
+}
+
+/* A backing of t that holds the file that be opened, or NULL. */
+static struct export_backing *backing_of_file(struct export_table *t, const struct backend *be)
+{
+	pthread_mutex_lock(&t->lock);
+	struct export_backing *b = t->backings;
+	while (b && !same_file(b, be))
+		b = b->next;
+	pthread_mutex_unlock(&t->lock);
+	return b;
 }
 
 /* Open a backend for spec and give it its place in the cache. */
@@ -51,10 +76,23 @@ int backing_open(struct export_table *t, const struct export_spec *spec,
 	else
 		rc = backend_file_open(spec->backend, spec->readonly, &b->backend);
 	if (rc < 0) {
-		log_error("export '%s': cannot open %s: %s", spec->name, spec->backend,
-			  strerror(-rc));
+		if (rc == -EINTR) /* a stop asked during the start (stop_signals.h) */
+			log_info("export '%s': not opened: the daemon is stopping", spec->name);
+		else
+			log_error("export '%s': cannot open %s: %s", spec->name, spec->backend,
+				  strerror(-rc));
 		backing_free(b);
 		return rc;
+	}
+	/* The configuration was read with the file's identity then: a path
+	 * renamed or replaced since could name a file open already. */
+	struct export_backing *twin = backing_of_file(t, b->backend);
+	if (twin) {
+		log_error("export '%s': %s is the same file as %s, which is open already (it "
+			  "changed since the configuration was read): not opened twice",
+			  spec->name, spec->backend, twin->spec);
+		rc = -EEXIST;
+		goto fail;
 	}
 	struct export_spec fitted = *spec;
 	fitted.block_size = fitted_block_size(spec->block_size, b->backend);
@@ -88,15 +126,23 @@ const char *backing_refusal(const struct export_backing *b, const struct export_
 	return NULL;
 }
 
-/* The backing open for a backend string, or NULL. Exports over one backend
- * share it (and its cache). */
-struct export_backing *backing_find(struct export_table *t, const char *spec)
+bool backing_is(const struct export_backing *b, const struct export_spec *spec)
 {
-	if (!options_backend_shared(spec))
+	if (strcmp(b->spec, spec->backend) == 0)
+		return true;
+	return spec->has_file_id && b->backend->ident_file &&
+	       b->backend->ident_dev == spec->file_dev && b->backend->ident_ino == spec->file_ino;
+}
+
+/* The backing open for spec's backend, or NULL. Exports over one backend
+ * share it (and its cache). */
+struct export_backing *backing_find(struct export_table *t, const struct export_spec *spec)
+{
+	if (!options_backend_shared(spec->backend))
 		return NULL;
 	pthread_mutex_lock(&t->lock);
 	struct export_backing *b = t->backings;
-	while (b && strcmp(b->spec, spec) != 0)
+	while (b && !backing_is(b, spec))
 		b = b->next;
 	pthread_mutex_unlock(&t->lock);
 	return b;

@@ -4,7 +4,8 @@
  *
  *   export.c          the table: opening, versions, windows, reload, reap
  *   export_backing.c  backings: a backend opened and placed in the cache,
- *                     shared by exports over one backend string
+ *                     shared by exports over one backend (one backend
+ *                     string, or one file under any of its paths)
  *   export_resize.c   online resize: a backing's new size, new versions
  *
  * export_resize.c builds versions with export.c's functions below; the
@@ -55,7 +56,10 @@ int backing_open(struct export_table *t, const struct export_spec *spec,
 void backing_free(struct export_backing *b);
 /* Why spec cannot be served on the live backing b, or NULL when it can. */
 const char *backing_refusal(const struct export_backing *b, const struct export_spec *spec);
-/* The backing open for a backend string, or NULL (table lock taken). */
-struct export_backing *backing_find(struct export_table *t, const char *spec);
+/* Is b the backend spec names: its backend string, or the same file or
+ * block device under another path (options_same_backend())? */
+bool backing_is(const struct export_backing *b, const struct export_spec *spec);
+/* The backing open for spec's backend, or NULL (table lock taken). */
+struct export_backing *backing_find(struct export_table *t, const struct export_spec *spec);
 
 #endif

@@ -79,12 +79,6 @@ static void option_reply_prefixed(struct conn *c, uint32_t option, uint32_t type
 		conn_add(c, b, b_len);
 }
 
-/* SELECTIVETLS: an export with tls = require, and no TLS yet. */
-static bool export_needs_tls(const struct conn *c, const struct export *e)
-{
-	return e->tls_require && !tls_conn_secure(c);
-}
-
 /* What a client may know of an export (export_view). */
 enum export_view {
 	EXPORT_OPEN,	  /* it may open it */
@@ -93,43 +87,52 @@ enum export_view {
 };
 
 /*
- * The one place that decides what client c may know of e, for LIST, INFO,
- * GO, the meta context options and EXPORT_NAME alike, by the access rules
- * in force now (a reload changes them for the negotiations that follow).
- * The rules of a split window are its export's (export_rules_name): its
- * address, user, group and identity rules, as its tls and its connection
- * limit are. The global rules were checked at accept; they are checked
- * again here, in case a reload tightened them meanwhile. Address and user
- * rules come before TLS (a refused client does not learn that an export
- * wants TLS); identity rules after it (without TLS there is no identity).
- * When hidden, why and *scope say which rule.
+ * The one place that decides what a client may know of e, for LIST, INFO,
+ * GO, the meta context options and EXPORT_NAME alike (export_view), and
+ * for a connection a live upgrade hands over (handshake_resume_export), by
+ * the access rules in force now (a reload changes them for the
+ * negotiations that follow; a new daemon's are its configuration's). The
+ * client is peer, with TLS or not (secure). The rules of a split window
+ * are its export's (export_rules_name): its address, user, group and
+ * identity rules, as its tls and its connection limit are. The global
+ * rules were checked at accept; they are checked again here, in case a
+ * reload tightened them meanwhile. Address and user rules come before TLS
+ * (a refused client does not learn that an export wants TLS); identity
+ * rules after it (without TLS there is no identity). When hidden, why and
+ * *scope say which rule.
  */
-static enum export_view export_view(const struct conn *c, const struct export *e, char *why,
-				    size_t len, const char **scope)
+static enum export_view peer_view(const struct access_peer *peer, bool secure,
+				  const struct export *e, char *why, size_t len, const char **scope)
 {
 	struct access_policy *p = access_policy_get();
 	const struct access_rules *r = access_policy_export(p, export_rules_name(e));
 	enum export_view v = EXPORT_HIDDEN;
 	*scope = "global access rules";
-	if (p && !access_rules_allow(&p->global, &c->peer, why, len))
+	if (p && !access_rules_allow(&p->global, peer, why, len))
 		goto out;
 	*scope = "the export's access rules";
-	if (r && !access_rules_allow(r, &c->peer, why, len))
+	if (r && !access_rules_allow(r, peer, why, len))
 		goto out;
-	v = EXPORT_NEEDS_TLS;
-	if (export_needs_tls(c, e))
+	v = EXPORT_NEEDS_TLS; /* SELECTIVETLS: tls = require, and no TLS yet */
+	if (e->tls_require && !secure)
 		goto out;
 	v = EXPORT_HIDDEN;
 	*scope = "global access rules";
-	if (p && !access_identity_allow(&p->global, &c->peer, why, len))
+	if (p && !access_identity_allow(&p->global, peer, why, len))
 		goto out;
 	*scope = "the export's access rules";
-	if (r && !access_identity_allow(r, &c->peer, why, len))
+	if (r && !access_identity_allow(r, peer, why, len))
 		goto out;
 	v = EXPORT_OPEN;
 out:
 	access_policy_put(p);
 	return v;
+}
+
+static enum export_view export_view(const struct conn *c, const struct export *e, char *why,
+				    size_t len, const char **scope)
+{
+	return peer_view(&c->peer, tls_conn_secure(c), e, why, len, scope);
 }
 
 LOG_LIMIT(refused_export_log, "refused exports");
@@ -192,30 +195,125 @@ static void enter_transmission(struct conn *c, struct export *e)
 		    c->session.block_status);
 }
 
-bool handshake_resume(struct conn *c, const struct upgrade_conn_state *st)
+/* A backend as the log names it: its string, and a file's identity. */
+static void describe_backend(char *out, size_t len, const char *spec, bool file, uint64_t dev,
+			     uint64_t ino)
 {
-	struct export *e = export_get(c->set->exports, st->name, strlen(st->name));
-	if (!e) {
-		conn_kill(c, "upgrade: its export is not in the new configuration");
+	if (!file)
+		snprintf(out, len, "%s", spec);
+	else if (ino == 0)
+		snprintf(out, len, "%s (block device 0x%llx)", spec, (unsigned long long)dev);
+	else
+		snprintf(out, len, "%s (device 0x%llx, inode %llu)", spec, (unsigned long long)dev,
+			 (unsigned long long)ino);
+}
+
+/*
+ * Is e the object that the connection st describes read and wrote: the
+ * same backend at the same offset? A file or block device is the same by
+ * its device and inode, whatever path names it now (a file replaced under
+ * the old path is not); another backend by its string, which is all that
+ * names it (an NBD server's URI, an RBD image's spec). false: why says
+ * what each is.
+ */
+static bool same_object(const struct export *e, const struct upgrade_conn_state *st, char *why,
+			size_t len)
+{
+	const struct backend *be = e->backend;
+	if (!(st->flags & UPGRADE_CONN_IDENTITY)) {
+		snprintf(
+		    why, len,
+		    "upgrade: handed over without its backend's identity (by an older "
+		    "nbdcached): whether export \"%s\" is still on the object it was on cannot "
+		    "be checked",
+		    st->name);
 		return false;
 	}
-	c->structured = (st->flags & UPGRADE_CONN_STRUCTURED) != 0;
-	c->extended = (st->flags & UPGRADE_CONN_EXTENDED) != 0;
-	uint16_t eflags = export_eflags(e, c->structured);
+	bool same = st->backend_kind == UPGRADE_BACKEND_FILE
+			? be->ident_file && be->ident_dev == st->backend_dev &&
+			      be->ident_ino == st->backend_ino
+			: !be->ident_file && strcmp(e->backing->spec, st->backend) == 0;
+	if (!same) {
+		char now[512], was[512];
+		describe_backend(now, sizeof(now), e->backing->spec, be->ident_file, be->ident_dev,
+				 be->ident_ino);
+		describe_backend(was, sizeof(was), st->backend,
+				 st->backend_kind == UPGRADE_BACKEND_FILE, st->backend_dev,
+				 st->backend_ino);
+		snprintf(why, len,
+			 "upgrade: export \"%s\" is on another backend now: %s; the connection was "
+			 "on %s",
+			 e->name, now, was);
+		return false;
+	}
+	if (e->offset != st->offset) {
+		snprintf(why, len,
+			 "upgrade: export \"%s\" is another window of %s now: from byte %llu; the "
+			 "connection's began at byte %llu",
+			 e->name, e->backing->spec, (unsigned long long)e->offset,
+			 (unsigned long long)st->offset);
+		return false;
+	}
+	return true;
+}
+
+struct export *handshake_resume_export(struct export_table *t, const struct upgrade_conn_state *st,
+				       const struct access_peer *peer, char *why, size_t len)
+{
+	char rule[320] = "";
+	const char *scope;
+	struct export *e = export_get(t, st->name, strlen(st->name));
+	if (!e) {
+		snprintf(why, len, "upgrade: export \"%s\" is not in the new configuration",
+			 st->name);
+		return NULL;
+	}
+	if (!same_object(e, st, why, len))
+		goto refused;
+	/* Handed over in plaintext: a TLS session is never moved. */
+	enum export_view v = peer_view(peer, false, e, rule, sizeof(rule), &scope);
+	if (v == EXPORT_NEEDS_TLS) {
+		snprintf(why, len,
+			 "upgrade: export \"%s\" requires TLS now (tls = require), which this "
+			 "connection does not use",
+			 e->name);
+		goto refused;
+	}
+	if (v == EXPORT_HIDDEN) {
+		snprintf(why, len, "upgrade: %s is no longer admitted to export \"%s\": %s (%s)",
+			 peer->text, e->name, rule, scope);
+		goto refused;
+	}
+	uint16_t eflags = export_eflags(e, (st->flags & UPGRADE_CONN_STRUCTURED) != 0);
 	if (export_size(e) != st->size || eflags != st->tx_flags ||
 	    e->backend->min_block != st->min_block || e->block_size != st->pref_block ||
 	    e->max_payload != st->max_payload) {
-		char why[256];
-		snprintf(why, sizeof(why),
+		snprintf(why, len,
 			 "upgrade: export \"%s\" changed (size %llu, flags 0x%x, block sizes "
 			 "%u/%u/%u; the client has %llu, 0x%x, %u/%u/%u)",
 			 e->name, (unsigned long long)export_size(e), eflags, e->backend->min_block,
 			 e->block_size, e->max_payload, (unsigned long long)st->size, st->tx_flags,
 			 st->min_block, st->pref_block, st->max_payload);
-		export_put(e);
+		goto refused;
+	}
+	return e;
+refused:
+	export_put(e);
+	return NULL;
+}
+
+bool handshake_resume(struct conn *c, const struct upgrade_conn_state *st)
+{
+	/* The new daemon checked it before it confirmed the hand-over
+	 * (adopt_connections); a reload since could have changed the answer. */
+	char why[1024];
+	struct export *e = handshake_resume_export(c->set->exports, st, &c->peer, why, sizeof(why));
+	if (!e) {
 		conn_kill(c, why);
 		return false;
 	}
+	c->structured = (st->flags & UPGRADE_CONN_STRUCTURED) != 0;
+	c->extended = (st->flags & UPGRADE_CONN_EXTENDED) != 0;
 	if (!attach(c, e)) {
 		export_put(e);
 		conn_kill(c, "upgrade: the export is at its connection limit");

@@ -7,10 +7,13 @@
 #include <event2/buffer.h>
 #include <event2/event.h>
 #include <fcntl.h>
+#include <linux/sockios.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "daemon/access.h"
@@ -25,6 +28,8 @@ static struct host *host_of(struct worker *w)
 	return (struct host *)((char *)w - offsetof(struct host, loop));
 }
 
+static void refused_end(struct refused_close *r, bool reset, const char *how);
+
 /* The host's events go before the loop ends (worker_join frees the
  * base they belong to), on the worker thread. */
 static void host_finish(struct host *h)
@@ -35,6 +40,8 @@ static void host_finish(struct host *h)
 	if (h->park_timer)
 		event_free(h->park_timer);
 	h->park_timer = NULL;
+	while (h->refused)
+		refused_end(h->refused, false, "the daemon stops");
 	conn_set_free(&h->set);
 	worker_exit(&h->loop);
 }
@@ -261,7 +268,23 @@ static const char *cannot_move(struct conn *c)
 	if (evbuffer_get_length(conn_input(c)) > UPGRADE_MAX_PENDING ||
 	    strlen(c->export->name) > UPGRADE_MAX_NAME)
 		return "upgrade: too much unparsed input to hand over";
+	if (strlen(c->export->backing->spec) > UPGRADE_MAX_BACKEND)
+		return "upgrade: its backend's name is too long to hand over";
 	return NULL;
+}
+
+/* What c reads and writes, for the new daemon to check against the export
+ * of that name it opened (upgrade_record.h: the export's name proves
+ * nothing, a new configuration may put it on another file). */
+static void collect_identity(const struct conn *c, struct upgrade_conn_state *s)
+{
+	const struct export *e = c->export;
+	s->flags |= UPGRADE_CONN_IDENTITY;
+	s->offset = e->offset;
+	s->backend_kind = e->backend->ident_file ? UPGRADE_BACKEND_FILE : UPGRADE_BACKEND_NAMED;
+	s->backend_dev = e->backend->ident_file ? e->backend->ident_dev : 0;
+	s->backend_ino = e->backend->ident_file ? e->backend->ident_ino : 0;
+	snprintf(s->backend, sizeof(s->backend), "%s", e->backing->spec);
 }
 
 /* The state of a parked plaintext connection in transmission; false
@@ -306,6 +329,7 @@ static bool collect_one(struct conn *c, struct host_moved *m, const char **why)
 			     (c->session.extended ? UPGRADE_CONN_EXTENDED : 0) |
 			     (c->session.block_status ? UPGRADE_CONN_META : 0));
 	snprintf(s->name, sizeof(s->name), "%s", c->export->name);
+	collect_identity(c, s);
 	s->pending = copy;
 	s->pending_len = (uint32_t)pending;
 	return true;
@@ -427,4 +451,111 @@ void host_adopt(struct host *h, int fd, const struct access_peer *peer,
 		memcpy(pending, st->pending, st->pending_len);
 	a->st.pending = pending;
 	worker_post(&h->loop, &a->task);
+}
+
+/* ---- A connection handed over and not resumed (host.h) ---- */
+
+struct refused_close {
+	struct worker_task task; /* first: its start on the host's thread */
+	struct host *host;
+	int fd;
+	uint64_t id;
+	uint64_t deadline_ns;
+	struct event *ev; /* readable, or the deadline */
+	struct refused_close *prev, *next;
+};
+
+/* Close it now: a reset when its client has not taken every byte yet
+ * (the deadline), a plain close otherwise. */
+static void refused_end(struct refused_close *r, bool reset, const char *how)
+{
+	struct host *h = r->host;
+	if (r->prev)
+		r->prev->next = r->next;
+	else if (h->refused == r)
+		h->refused = r->next;
+	if (r->next)
+		r->next->prev = r->prev;
+	if (r->ev)
+		event_free(r->ev);
+	if (reset) {
+		struct linger now = {.l_onoff = 1, .l_linger = 0};
+		setsockopt(r->fd, SOL_SOCKET, SO_LINGER, &now, sizeof(now));
+	}
+	close(r->fd);
+	log_debug("conn %llu: closed after the upgrade: %s", (unsigned long long)r->id, how);
+	free(r);
+}
+
+/* What the socket holds that its client's end has not acknowledged (TCP;
+ * a Unix socket's bytes are in the client's queue once written). */
+static int refused_unacked(int fd)
+{
+	int unacked = 0;
+	if (ioctl(fd, SIOCOUTQ, &unacked) < 0)
+		return 0;
+	return unacked;
+}
+
+/* Readable, or the deadline: drop what came, end at EOF or the deadline. */
+static void refused_event(evutil_socket_t fd, short what, void *arg)
+{
+	struct refused_close *r = arg;
+	char scratch[16384];
+	for (int i = 0; i < 64 && (what & EV_READ); i++) {
+		ssize_t n = recv((int)fd, scratch, sizeof(scratch), MSG_DONTWAIT);
+		if (n > 0)
+			continue;
+		if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+			break;
+		if (n < 0 && errno == EINTR)
+			continue;
+		refused_end(r, false, n == 0 ? "the client closed its end" : strerror(errno));
+		return;
+	}
+	if (clock_now_ns() >= r->deadline_ns) {
+		bool unread = refused_unacked((int)fd) > 0;
+		refused_end(r, unread,
+			    unread ? "the client did not take its last replies in time (reset)"
+				   : "the client did not close its end in time");
+	}
+}
+
+static void refused_start(struct worker_task *task)
+{
+	struct refused_close *r = (struct refused_close *)task;
+	struct host *h = r->host;
+	r->next = h->refused;
+	if (r->next)
+		r->next->prev = r;
+	h->refused = r;
+	if (h->set.stopping) {
+		refused_end(r, false, "the daemon stops");
+		return;
+	}
+	/* The FIN goes after the replies the old daemon wrote. */
+	if (shutdown(r->fd, SHUT_WR) < 0) {
+		refused_end(r, false, strerror(errno));
+		return;
+	}
+	r->deadline_ns = clock_now_ns() + (uint64_t)CONN_CLOSE_TIMEOUT * 1000000000u;
+	struct timeval tv = {CONN_CLOSE_TIMEOUT, 0};
+	r->ev = event_new(h->loop.base, r->fd, EV_READ | EV_PERSIST, refused_event, r);
+	if (!r->ev || event_add(r->ev, &tv) < 0)
+		refused_end(r, false, "out of memory");
+}
+
+void host_close_refused(struct host *h, int fd, uint64_t id)
+{
+	struct refused_close *r = calloc(1, sizeof(*r));
+	if (r) {
+		r->task.run = refused_start;
+		r->host = h;
+		r->fd = fd;
+		r->id = id;
+		if (worker_post_if_running(&h->loop, &r->task))
+			return;
+		free(r);
+	}
+	close(fd);
 }

@@ -29,6 +29,7 @@
 
 struct access_peer;
 struct export_table;
+struct refused_close;
 
 #define HOST_STOP_GRACE_SECONDS 10
 
@@ -58,6 +59,9 @@ struct host {
 	bool negotiation_ended; /* worker thread: negotiating ones stopped too */
 	uint64_t park_ns;	/* worker thread: when the park began */
 	struct worker_task park_task, collect_task, finish_task;
+	/* The new daemon: connections handed over that it closes
+	 * (host_close_refused), until their clients have their replies. */
+	struct refused_close *refused;
 };
 
 /* Main thread: start worker thread index with its (empty) set. */
@@ -102,5 +106,16 @@ void host_collected_free(struct host *h);
  */
 void host_adopt(struct host *h, int fd, const struct access_peer *peer,
 		const struct upgrade_conn_state *st);
+/*
+ * The new daemon: close connection id, handed over and not resumed
+ * (handshake_resume_export() refused it), on h's thread, without losing
+ * the replies the old daemon sent it: the socket is shut for writing (its
+ * FIN goes after them), what the client sends is read and dropped, never
+ * executed, and it is closed once the client closes its end, or after
+ * CONN_CLOSE_TIMEOUT seconds (reset then, as a stalled connection is),
+ * or at the host's end. A close() with input unread would reset it at
+ * once, and a reset drops what the socket has not delivered yet. Takes fd.
+ */
+void host_close_refused(struct host *h, int fd, uint64_t id);
 
 #endif

@@ -14,6 +14,7 @@
 #include "daemon/log.h"
 #include "daemon/options.h"
 #include "daemon/server.h"
+#include "daemon/stop_signals.h"
 #include "daemon/tls.h"
 #include "daemon/upgrade.h"
 
@@ -57,10 +58,7 @@ static int check_config(const struct options *opts)
 	for (size_t i = 0; i < opts->export_count; i++) {
 		const struct export_spec *e = &opts->exports[i];
 		struct stat st;
-		bool file = strstr(e->backend, "://") == NULL &&
-			    strncmp(e->backend, "nbdkit:", 7) != 0 &&
-			    strncmp(e->backend, "rbd:", 4) != 0;
-		if (file && stat(e->backend, &st) < 0)
+		if (options_backend_is_path(e->backend) && stat(e->backend, &st) < 0)
 			fprintf(stderr, "nbdcached: warning: export '%s': %s: %m\n", e->name,
 				e->backend);
 		printf("export '%s': %s, cache %s, block size %u%s", e->name, e->backend,
@@ -77,6 +75,8 @@ static int check_config(const struct options *opts)
 		size_t first = options_backend_first(opts, i);
 		if (first != i)
 			printf(", one cache with export '%s'", opts->exports[first].name);
+		if (first != i && strcmp(opts->exports[first].backend, e->backend) != 0)
+			printf(" (the same file as %s)", opts->exports[first].backend);
 		putchar('\n');
 		if (qos_limits_any(&e->qos)) {
 			char limits[512];
@@ -111,6 +111,10 @@ static int check_config(const struct options *opts)
 
 int main(int argc, char **argv)
 {
+	/* Before anything else: a SIGTERM from here on is a clean stop, taken
+	 * between the start's steps (stop_signals.h), never the default
+	 * action's end with sockets and pidfile left behind. */
+	stop_signals_block();
 	struct options opts;
 	char err[1024];
 	/* A live upgrade's new daemon: the old one waits on this (upgrade.h). */
@@ -124,6 +128,8 @@ int main(int argc, char **argv)
 			fputs(options_usage(), stderr);
 		return 2;
 	}
+	if (opts.help || opts.version || opts.check_config)
+		stop_signals_restore(); /* nothing to stop cleanly */
 	if (opts.help) {
 		fputs(options_usage(), stdout);
 		options_free(&opts);

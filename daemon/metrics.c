@@ -41,9 +41,20 @@
 #include "daemon/qos.h"
 
 #define METRICS_CONTENT_TYPE "text/plain; version=0.0.4; charset=utf-8"
-#define METRICS_CONNECTION_LIMIT 8
-#define METRICS_PER_IP_LIMIT 4
-#define METRICS_TIMEOUT_SECONDS 10
+/*
+ * What HTTP clients may hold. A connection that sends nothing keeps its
+ * slot until the idle timeout. With every slot taken, libmicrohttpd stops
+ * accepting: a new scraper waits in the listen backlog, first in line, and
+ * is served once the idle ones are closed, within the timeout, inside
+ * Prometheus' default scrape timeout (10 s). One address may hold a
+ * quarter of the slots (past that it is closed at once), so no one host
+ * delays the others' scrapers, and a scraper beside a few stuck clients on
+ * its own host (all of loopback's, by default) is served at once. A page
+ * is malloc'd per GET and freed once sent: at most this many pages.
+ */
+#define METRICS_CONNECTION_LIMIT 64
+#define METRICS_PER_IP_LIMIT 16
+#define METRICS_TIMEOUT_SECONDS 5
 
 struct metrics {
 	struct MHD_Daemon *daemon;
@@ -292,6 +303,21 @@ static void client_metrics(FILE *f)
 		b.refused_access);
 }
 
+/*
+ * Is e on the page? Not a split window (its export's series are its own).
+ * Not an export that LIST hides from some clients (access_export_listed),
+ * unless the config says metrics-export-names = all: its name, and that it
+ * exists, are for the clients its rules admit, and a scraper is not one.
+ * The policy in force is read per page, so a reload applies to the next.
+ */
+static bool export_shown(const struct access_policy *p, const struct export *e)
+{
+	if (e->window_of)
+		return false;
+	return (p && p->metrics_export_names_all) ||
+	       access_export_listed(p, e->name, e->tls_require);
+}
+
 /* The page, malloc'd, in *text (*len bytes): 0 or -ENOMEM. */
 static int metrics_page(struct metrics *m, char **text, size_t *len)
 {
@@ -300,6 +326,7 @@ static int metrics_page(struct metrics *m, char **text, size_t *len)
 	if (export_list(m->exports, &list, &n) < 0)
 		return -ENOMEM;
 	int rc = -ENOMEM;
+	struct access_policy *p = access_policy_get();
 	struct export_sample *x = calloc(n ? n : 1, sizeof(*x));
 	struct histogram *h = malloc(sizeof(*h));
 	FILE *f = open_memstream(text, len);
@@ -308,8 +335,8 @@ static int metrics_page(struct metrics *m, char **text, size_t *len)
 	size_t shown = 0;
 	for (size_t i = 0; i < n; i++) {
 		struct export *e = list[i];
-		if (e->window_of)
-			continue; /* its export's series are its own */
+		if (!export_shown(p, e))
+			continue;
 		struct export_sample *s = &x[shown++];
 		s->name = e->name;
 		s->ce = e->cache;
@@ -332,6 +359,7 @@ out:
 	}
 	free(h);
 	free(x);
+	access_policy_put(p);
 	for (size_t i = 0; i < n; i++)
 		export_put(list[i]);
 	free(list);
@@ -397,15 +425,35 @@ static enum MHD_Result on_accept(void *cls, const struct sockaddr *addr, socklen
 	return allowed ? MHD_YES : MHD_NO;
 }
 
+/* libmicrohttpd's messages: a client can cause them (one per connection
+ * past a limit, or reset), so they are rate-limited as our own are. */
 static void on_mhd_log(void *cls, const char *fmt, va_list ap)
 {
 	(void)cls;
+	LOG_LIMIT(mhd_log, "metrics server messages");
 	char line[512];
 	vsnprintf(line, sizeof(line), fmt, ap);
 	size_t n = strlen(line);
 	while (n && line[n - 1] == '\n')
 		line[--n] = '\0';
-	log_warn("metrics: %s", line);
+	log_limited(&mhd_log, LOG_WARN, "metrics: %s", line);
+}
+
+/*
+ * libmicrohttpd with its own thread polling with epoll (poll where the
+ * library was built without it), never select(): select() cannot watch a
+ * descriptor past FD_SETSIZE (1024), and a daemon with a thousand clients
+ * has every new one past it, so every scrape would be refused.
+ */
+static struct MHD_Daemon *start_daemon(unsigned flags, int fd, struct metrics *m)
+{
+	/* The logger first: options before it would log to stderr. */
+	return MHD_start_daemon(
+	    flags | MHD_USE_ERROR_LOG, 0, on_accept, NULL, on_request, m,
+	    MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, NULL, MHD_OPTION_LISTEN_SOCKET, (MHD_socket)fd,
+	    MHD_OPTION_CONNECTION_LIMIT, (unsigned)METRICS_CONNECTION_LIMIT,
+	    MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)METRICS_PER_IP_LIMIT,
+	    MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)METRICS_TIMEOUT_SECONDS, MHD_OPTION_END);
 }
 
 int metrics_start(int fd, struct cache *cache, struct export_table *exports, struct metrics **out)
@@ -420,14 +468,12 @@ int metrics_start(int fd, struct cache *cache, struct export_table *exports, str
 	}
 	m->cache = cache;
 	m->exports = exports;
-	m->daemon =
-	    /* The logger first: options before it would log to stderr. */
-	    MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG, 0, on_accept,
-			     NULL, on_request, m, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, NULL,
-			     MHD_OPTION_LISTEN_SOCKET, (MHD_socket)fd, MHD_OPTION_CONNECTION_LIMIT,
-			     (unsigned)METRICS_CONNECTION_LIMIT, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
-			     (unsigned)METRICS_PER_IP_LIMIT, MHD_OPTION_CONNECTION_TIMEOUT,
-			     (unsigned)METRICS_TIMEOUT_SECONDS, MHD_OPTION_END);
+	if (MHD_is_feature_supported(MHD_FEATURE_EPOLL) == MHD_YES)
+		m->daemon = start_daemon(MHD_USE_EPOLL_INTERNAL_THREAD, fd, m);
+	else if (MHD_is_feature_supported(MHD_FEATURE_POLL) == MHD_YES)
+		m->daemon = start_daemon(MHD_USE_POLL_INTERNAL_THREAD, fd, m);
+	else
+		log_error("metrics: libmicrohttpd has neither epoll nor poll (select() only)");
 	if (!m->daemon) {
 		free(m);
 		close(fd);

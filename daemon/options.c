@@ -4,7 +4,8 @@
  * getopt_long does the flag syntax; this file checks each value with the
  * parsers of option_values.c, hands each --export to export_spec.c, and
  * checks the whole (per-export defaults, windows, exports that share a
- * backend, TLS).
+ * backend, TLS). The one thing it asks of the system is stat(2) of file
+ * backends: two paths of one file are one backend.
  */
 #include "daemon/options.h"
 
@@ -15,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "daemon/rbd_spec.h"
 
@@ -51,6 +53,7 @@ const char *options_usage(void)
 	       "                 [--max-connections-per-client N]\n"
 	       "                 [--metrics HOST:PORT] [--metrics-allow LIST] [--metrics-deny "
 	       "LIST]\n"
+	       "                 [--metrics-export-names listed|all]\n"
 	       "                 [--tls off|on|require] [--tls-certificates DIR] [--tls-psk FILE]\n"
 	       "                 [--tls-verify-peer[=true|false]] [--tls-priority STRING]\n"
 	       "An --export also takes allow=LIST, deny=LIST, allow-users=LIST,\n"
@@ -174,6 +177,7 @@ enum {
 	OPT_METRICS,
 	OPT_METRICS_ALLOW,
 	OPT_METRICS_DENY,
+	OPT_METRICS_EXPORT_NAMES,
 	OPT_RBD_TAKEOVER,
 	OPT_CACHE_DEVICE,
 	OPT_CACHE_DEVICE_DISCARD,
@@ -182,24 +186,31 @@ enum {
 };
 
 /*
- * --metrics HOST:PORT, --metrics-allow LIST and --metrics-deny LIST (the
- * last two add to their lists, as --allow and --deny do). Shared with the
- * config file's keys (options_metrics_value).
+ * --metrics HOST:PORT, --metrics-allow LIST, --metrics-deny LIST (the
+ * two lists grow, as --allow and --deny do) and --metrics-export-names.
+ * Shared with the config file's keys (options_metrics_value).
  */
 static int options_metrics_arg(int c, const char *arg, struct options *out, char *err,
 			       size_t errlen)
 {
+	static const struct {
+		int option;
+		const char *key;
+		uint64_t given;
+	} keys[] = {
+	    {OPT_METRICS, "metrics", OPT_GIVEN_METRICS},
+	    {OPT_METRICS_ALLOW, "metrics-allow", OPT_GIVEN_METRICS_ALLOW},
+	    {OPT_METRICS_DENY, "metrics-deny", OPT_GIVEN_METRICS_DENY},
+	    {OPT_METRICS_EXPORT_NAMES, "metrics-export-names", OPT_GIVEN_METRICS_EXPORT_NAMES},
+	};
+	size_t k = 0;
+	while (keys[k].option != c)
+		k++;
 	char why[300];
-	int rc = options_metrics_value(out,
-				       c == OPT_METRICS		? "metrics"
-				       : c == OPT_METRICS_ALLOW ? "metrics-allow"
-								: "metrics-deny",
-				       arg, why, sizeof(why));
+	int rc = options_metrics_value(out, keys[k].key, arg, why, sizeof(why));
 	if (rc < 0)
 		return fail(err, errlen, rc, "--%s", why);
-	out->given |= c == OPT_METRICS	       ? OPT_GIVEN_METRICS
-		      : c == OPT_METRICS_ALLOW ? OPT_GIVEN_METRICS_ALLOW
-					       : OPT_GIVEN_METRICS_DENY;
+	out->given |= keys[k].given;
 	return 0;
 }
 
@@ -211,7 +222,20 @@ int options_metrics_value(struct options *out, const char *key, const char *valu
 		if (options_split_host_port(value, host, sizeof(host), port, sizeof(port)) < 0)
 			return fail(err, errlen, -EINVAL,
 				    "metrics %s: expected HOST:PORT or [IPV6]:PORT", value);
-		return set_string(&out->metrics, value);
+		if (host[0])
+			return set_string(&out->metrics, value);
+		/* ":PORT" is loopback, not every address (nbdcached(8)): stored
+		 * so, the address the server binds, logs and compares at reload. */
+		char loopback[sizeof(OPTIONS_METRICS_DEFAULT_HOST) + sizeof(port)];
+		snprintf(loopback, sizeof(loopback), "%s:%s", OPTIONS_METRICS_DEFAULT_HOST, port);
+		return set_string(&out->metrics, loopback);
+	}
+	if (strcmp(key, "metrics-export-names") == 0) {
+		if (strcmp(value, "all") != 0 && strcmp(value, "listed") != 0)
+			return fail(err, errlen, -EINVAL,
+				    "metrics-export-names %s: expected listed or all", value);
+		out->metrics_export_names_all = strcmp(value, "all") == 0;
+		return 0;
 	}
 	/* access_lists[0] is allow, [1] deny: the same syntax, other lists. */
 	const struct access_list *l = &access_lists[strcmp(key, "metrics-allow") == 0 ? 0 : 1];
@@ -287,6 +311,7 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 	    {"metrics", required_argument, NULL, OPT_METRICS},
 	    {"metrics-allow", required_argument, NULL, OPT_METRICS_ALLOW},
 	    {"metrics-deny", required_argument, NULL, OPT_METRICS_DENY},
+	    {"metrics-export-names", required_argument, NULL, OPT_METRICS_EXPORT_NAMES},
 	    {"rbd-takeover", required_argument, NULL, OPT_RBD_TAKEOVER},
 	    {"cache-device", required_argument, NULL, OPT_CACHE_DEVICE},
 	    {"cache-device-discard-dirty", required_argument, NULL, OPT_CACHE_DEVICE_DISCARD},
@@ -565,6 +590,7 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 		case OPT_METRICS:
 		case OPT_METRICS_ALLOW:
 		case OPT_METRICS_DENY:
+		case OPT_METRICS_EXPORT_NAMES:
 			if ((rc = options_metrics_arg(c, optarg, out, err, errlen)) < 0)
 				goto error;
 			break;
@@ -689,14 +715,58 @@ bool options_backend_shared(const char *backend)
 	return strncmp(backend, "nbdkit:", 7) != 0;
 }
 
+bool options_backend_is_path(const char *backend)
+{
+	return strstr(backend, "://") == NULL && strncmp(backend, "nbdkit:", 7) != 0 &&
+	       !rbd_spec_handles(backend);
+}
+
+bool options_same_backend(const struct export_spec *a, const struct export_spec *b)
+{
+	if (!options_backend_shared(a->backend) || !options_backend_shared(b->backend))
+		return false;
+	if (strcmp(a->backend, b->backend) == 0)
+		return true;
+	return a->has_file_id && b->has_file_id && a->file_dev == b->file_dev &&
+	       a->file_ino == b->file_ino;
+}
+
 size_t options_backend_first(const struct options *opts, size_t i)
 {
 	if (!options_backend_shared(opts->exports[i].backend))
 		return i;
 	for (size_t j = 0; j < i; j++)
-		if (strcmp(opts->exports[j].backend, opts->exports[i].backend) == 0)
+		if (options_same_backend(&opts->exports[j], &opts->exports[i]))
 			return j;
 	return i;
+}
+
+/*
+ * Who each file or block device backend is, as the file backend will see it
+ * (its device and inode; a block device's device number), so that exports
+ * naming one file by two paths get one backing and one cache rather than
+ * two caches that each serve what they hold. A path not there now is left
+ * to the open, which says why.
+ */
+static void identify_backends(struct options *opts)
+{
+	for (size_t i = 0; i < opts->export_count; i++) {
+		struct export_spec *e = &opts->exports[i];
+		struct stat st;
+		e->has_file_id = false;
+		if (!options_backend_is_path(e->backend) || stat(e->backend, &st) < 0)
+			continue;
+		if (S_ISBLK(st.st_mode)) {
+			e->file_dev = (uint64_t)st.st_rdev;
+			e->file_ino = 0;
+		} else if (S_ISREG(st.st_mode)) {
+			e->file_dev = (uint64_t)st.st_dev;
+			e->file_ino = (uint64_t)st.st_ino;
+		} else {
+			continue;
+		}
+		e->has_file_id = true;
+	}
 }
 
 /* What exports over one backend must agree on: they share its cache export,
@@ -806,6 +876,7 @@ int options_finish(struct options *out, char *err, size_t errlen)
 				    e->origin ? " at " : "", e->origin ? e->origin : "",
 				    e->dirty_low, e->dirty_high);
 	}
+	identify_backends(out);
 	for (size_t i = 0; i < out->export_count; i++) {
 		struct export_spec *e = &out->exports[i];
 		int rc = check_window(out, e, err, errlen);
@@ -820,12 +891,16 @@ int options_finish(struct options *out, char *err, size_t errlen)
 					    why);
 		}
 		size_t first = options_backend_first(out, i);
-		const char *what = backend_disagreement(&out->exports[first], e);
+		const struct export_spec *f = &out->exports[first];
+		const char *what = backend_disagreement(f, e);
+		bool renamed = strcmp(f->backend, e->backend) != 0;
 		if (what)
 			return fail(err, errlen, -EINVAL,
-				    "exports '%s' and '%s' share the backend %s, and so one cache: "
-				    "their %s must be the same",
-				    out->exports[first].name, e->name, e->backend, what);
+				    "exports '%s' and '%s' share the backend %s%s%s%s, and so one "
+				    "cache: their %s must be the same",
+				    f->name, e->name, f->backend, renamed ? " (as " : "",
+				    renamed ? e->backend : "", renamed ? ": the same file)" : "",
+				    what);
 	}
 	if (out->max_connections_per_client && out->max_clients &&
 	    out->max_connections_per_client >= out->max_clients)

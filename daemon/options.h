@@ -15,6 +15,7 @@
  *                       [,offset=SIZE][,size=SIZE][,split=SIZE|32bit][,allow-resize]]...
  *             [--threads N] [--pidfile FILE] [--log-level LEVEL]
  *             [--metrics HOST:PORT] [--metrics-allow LIST] [--metrics-deny LIST]
+ *             [--metrics-export-names listed|all]
  *             [--cache-size SIZE] [--hugepages auto|require|off]
  *             [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]
  *             [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]
@@ -56,6 +57,8 @@
 #include "daemon/option_values.h"
 
 #define OPTIONS_DEFAULT_LISTEN "127.0.0.1:10809"
+/* The host of --metrics :PORT (loopback: every address must be asked for). */
+#define OPTIONS_METRICS_DEFAULT_HOST "127.0.0.1"
 #define OPTIONS_DEFAULT_BLOCK_SIZE 4096u
 #define OPTIONS_MAX_THREADS 256
 #define OPTIONS_DEFAULT_CACHE_SIZE (1ull << 30)
@@ -119,6 +122,13 @@ struct export_spec {
 	struct access_spec access;
 	/* QoS limits (qos.h): iops-limit, bytes-limit, client-... ; all 0: none. */
 	struct qos_limits qos;
+	/* A file or block device backend as options_finish() found it: its
+	 * identity (st_dev and st_ino; a block device's st_rdev and 0, as
+	 * backend.h's ident_dev and ident_ino), so that two paths of one file
+	 * are one backend (options_same_backend()). has_file_id is false for
+	 * the other backends and for a path that stat(2) does not find. */
+	bool has_file_id;
+	uint64_t file_dev, file_ino;
 };
 
 /* Bits of options.given: global settings the command line gave. */
@@ -166,6 +176,7 @@ struct export_spec {
 #define OPT_GIVEN_CACHE_DEVICE_DISCARD (UINT64_C(1) << 41)
 #define OPT_GIVEN_CACHE_DEVICE_USE (UINT64_C(1) << 42)
 #define OPT_GIVEN_CACHE_DEVICE_WARM (UINT64_C(1) << 43)
+#define OPT_GIVEN_METRICS_EXPORT_NAMES (UINT64_C(1) << 44)
 
 struct options {
 	bool foreground;
@@ -235,11 +246,14 @@ struct options {
 	 * client address (Unix: per uid), negotiating ones too (0: unlimited). */
 	struct access_spec access;
 	unsigned max_connections_per_client;
-	/* Prometheus /metrics over HTTP (daemon/metrics.h): HOST:PORT, NULL
-	 * (the default): off; who may fetch it (allow and deny only, as the
-	 * global rules' syntax and meaning). */
+	/* Prometheus /metrics over HTTP (daemon/metrics.h): HOST:PORT (":PORT"
+	 * is stored as 127.0.0.1:PORT, loopback), NULL (the default): off; who
+	 * may fetch it (allow and deny only, as the global rules' syntax and
+	 * meaning); whether exports that LIST hides from some clients are on
+	 * the page by name (metrics-export-names all; default listed: not). */
 	char *metrics;
 	struct access_spec metrics_access;
+	bool metrics_export_names_all;
 	/* TLS (daemon/tls.h): off (STARTTLS refused), on (SELECTIVETLS: at the
 	 * client's choice, required by exports with tls = require) or require
 	 * (FORCEDTLS); the credentials (certificate directory with
@@ -265,7 +279,8 @@ int options_parse(int argc, char **argv, struct options *out, char *err, size_t 
  * decides about the default config file once it knows whether the command
  * line gave an export. */
 int options_parse_args(int argc, char **argv, struct options *out, char *err, size_t errlen);
-/* Resolve per-export defaults, check the whole, add the default listen
+/* Resolve per-export defaults, identify file backends (stat(2): two paths
+ * of one file are one backend), check the whole, add the default listen
  * address. Called by options_parse() unless a config file is named. */
 int options_finish(struct options *opts, char *err, size_t errlen);
 /* The first export (index) with the same backend as export i (i itself when
@@ -277,6 +292,14 @@ size_t options_backend_first(const struct options *opts, size_t i);
 /* Can exports share this backend? Not an "nbdkit:" one: each such export
  * starts an nbdkit of its own (its split windows share it). */
 bool options_backend_shared(const char *backend);
+/* Is this backend a path (a file or a block device), not an NBD URI,
+ * "nbdkit:" or "rbd:"? */
+bool options_backend_is_path(const char *backend);
+/* Are a and b one backend: the same backend string, or two paths of one
+ * file or block device (the same identity when options_finish() looked:
+ * "x.img", "./x.img", a link to it)? Never for "nbdkit:" backends. An NBD
+ * server or an RBD image named two ways is not recognised. */
+bool options_same_backend(const struct export_spec *a, const struct export_spec *b);
 /* Set every global default (what options_parse() starts from). */
 void options_defaults(struct options *opts);
 /* The pinned-reply limit in force: as given, or 1/8 of cache_size. */
@@ -289,8 +312,9 @@ void options_export_spec_free(struct export_spec *e);
 /* Parse one --export value (exposed for tests). */
 int options_parse_export(const char *text, struct export_spec *out, char *err, size_t errlen);
 void options_free(struct options *opts);
-/* key "metrics" (HOST:PORT), "metrics-allow" or "metrics-deny" (added to
- * the list) set in opts: 0, -EINVAL (why in err) or -ENOMEM. */
+/* key "metrics" (HOST:PORT; an empty HOST is 127.0.0.1), "metrics-allow"
+ * or "metrics-deny" (added to the list), or "metrics-export-names" (listed
+ * or all) set in opts: 0, -EINVAL (why in err) or -ENOMEM. */
 int options_metrics_value(struct options *opts, const char *key, const char *value, char *err,
 			  size_t errlen);
 const char *options_usage(void);

@@ -5,6 +5,12 @@
  * mistake fails before the daemon detaches; the process forks (unless
  * --foreground) before any event base or thread exists, because neither
  * survives fork(); the pidfile is written last, when the daemon is ready.
+ *
+ * A stop may come at any moment of that: the signals are blocked from
+ * main()'s first line (stop_signals.h), the start asks for a pending
+ * SIGTERM or SIGINT after each step that can take long (stopped_at()) and
+ * ends there as a clean stop (exit 0, what it made removed, "stopped"),
+ * and the main thread takes the signals once the loop's handlers are in.
  */
 #include "daemon/server.h"
 
@@ -39,6 +45,7 @@
 #include "daemon/metrics.h"
 #include "daemon/tls.h"
 #include "daemon/server_internal.h"
+#include "daemon/stop_signals.h"
 #include "daemon/upgrade.h"
 #include "include/nbdcached/control.h"
 
@@ -439,6 +446,67 @@ static void on_stats_signal(evutil_socket_t sig, short what, void *arg)
 	cache_log_stats(s->cache);
 }
 
+/*
+ * A SIGTERM or SIGINT sent during the start (blocked until the loop takes
+ * it: stop_signals.h), asked for after step: the start stops there, as a
+ * clean stop before serving (true, *status 0; said and taken). The main
+ * thread takes signals from then on: a second one is absorbed, or, while
+ * the cache writes back, gives up as it does in any stop.
+ */
+static bool stopped_at(const char *step, int *status)
+{
+	int sig = stop_signal_take();
+	if (!sig)
+		return false;
+	*status = 0;
+	log_info("signal %d during the start (%s): stopping before serving", sig, step);
+	sd_notify(0, "STOPPING=1\nSTATUS=stopping: a signal came during the start");
+	stop_signals_unblock();
+	return true;
+}
+
+/*
+ * daemon(3), except that the process that was started (the one a shell or
+ * a service manager knows) stays until its child serves, and passes on
+ * every signal sent to it meanwhile (stop_signals_relay()): a SIGTERM to
+ * it stops the start wherever it is, never lost with a parent that has
+ * gone. It exits 0 once the child serves, else with the child's status.
+ * In the child: 0, *ready_fd the pipe to write one byte to when it
+ * serves; -errno when it cannot detach.
+ */
+static int detach(int *ready_fd)
+{
+	int ready[2];
+	if (pipe2(ready, O_CLOEXEC) < 0)
+		return -errno;
+	stop_signals_keep_in_child(true);
+	pid_t pid = fork();
+	stop_signals_keep_in_child(false);
+	if (pid < 0) {
+		int rc = -errno;
+		close(ready[0]);
+		close(ready[1]);
+		return rc;
+	}
+	if (pid > 0) {
+		close(ready[1]);
+		_exit(stop_signals_relay(pid, ready[0]));
+	}
+	close(ready[0]);
+	*ready_fd = ready[1];
+	if (setsid() < 0)
+		return -errno;
+	int fd = open("/dev/null", O_RDWR | O_CLOEXEC);
+	if (fd < 0)
+		return -errno;
+	for (int i = 0; i < 3; i++)
+		if (fd != i && dup2(fd, i) < 0)
+			return -errno;
+	if (fd > 2)
+		close(fd);
+	return 0;
+}
+
 /* The pidfile is opened before privileges are dropped and written (through
  * the open descriptor) when the daemon is ready. */
 static int write_pidfile(int fd)
@@ -461,6 +529,11 @@ int server_run(const struct options *opts, int argc, char **argv, int *upgrade_f
 		     *sigusr2 = NULL, *watchdog = NULL;
 	bool upgrading = *upgrade_fd >= 0;
 	int control_fd = -1, pidfile_fd = -1, metrics_fd = -1;
+	/* What this start made, to remove when it ends before serving: the
+	 * pidfile (not one that was there) and the control socket it bound. */
+	bool pidfile_made = false, pidfile_written = false, control_bound = false;
+	bool stopped = false; /* a signal during the start (stopped_at()) */
+	int ready_fd = -1;    /* detached: the parent waits for a byte (detach()) */
 	int *listen_fds = NULL;
 	struct worker **loops = NULL; /* the budget's view of the workers */
 	int status = 1;
@@ -490,8 +563,17 @@ int server_run(const struct options *opts, int argc, char **argv, int *upgrade_f
 		tls_creds_uninstall();
 		return 1;
 	}
-	if (export_table_open(&s.exports, opts, s.cache) < 0)
+	if ((stopped = stopped_at("setting up the cache", &status)))
 		goto out_cache;
+	/* -EINTR: a backend gave up waiting for a stop (its first
+	 * connection), closed again. */
+	rc = export_table_open(&s.exports, opts, s.cache);
+	if (rc == 0 || rc == -EINTR)
+		stopped = stopped_at("opening the exports", &status);
+	if (rc < 0) /* the table closed itself */
+		goto out_cache;
+	if (stopped)
+		goto out_exports;
 	if (*upgrade_fd >= 0) {
 		/* A live upgrade: everything this daemon needs is open; take the
 		 * old one's sockets (it parks its connections meanwhile). */
@@ -536,10 +618,16 @@ int server_run(const struct options *opts, int argc, char **argv, int *upgrade_f
 	    opts->control_path ? opts->control_path : NBDCACHED_CONTROL_DEFAULT;
 	if (!no_control && s.taken)
 		control_fd = upgrade_take_listener(s.taken, UPGRADE_LISTEN_CONTROL, control_path);
-	if (!no_control && control_fd < 0 && control_listen(opts->control_path, &control_fd) < 0)
-		goto out_listeners;
+	if (!no_control && control_fd < 0) {
+		if (control_listen(opts->control_path, &control_fd) < 0)
+			goto out_listeners;
+		control_bound = control_fd >= 0;
+	}
 	if (opts->pidfile) {
-		pidfile_fd = open(opts->pidfile, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+		pidfile_fd = open(opts->pidfile, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+		pidfile_made = pidfile_fd >= 0;
+		if (pidfile_fd < 0 && errno == EEXIST)
+			pidfile_fd = open(opts->pidfile, O_WRONLY | O_CLOEXEC);
 		if (pidfile_fd < 0) {
 			log_error("--pidfile %s: %s", opts->pidfile, strerror(errno));
 			goto out_listeners;
@@ -547,11 +635,13 @@ int server_run(const struct options *opts, int argc, char **argv, int *upgrade_f
 	}
 	if (drop_privileges(opts) < 0)
 		goto out_listeners;
+	if ((stopped = stopped_at("binding its sockets", &status)))
+		goto out_listeners;
 
 	/* A new daemon of a live upgrade stays the child its predecessor
 	 * started (whose PID it tells systemd). */
-	if (!opts->foreground && !s.taken && daemon(1, 0) < 0) {
-		log_error("daemon: %s", strerror(errno));
+	if (!opts->foreground && !s.taken && (rc = detach(&ready_fd)) < 0) {
+		log_error("detaching: %s", strerror(-rc));
 		goto out_listeners;
 	}
 	if (evthread_use_pthreads() < 0) {
@@ -564,13 +654,20 @@ int server_run(const struct options *opts, int argc, char **argv, int *upgrade_f
 	s.accept_resume = evtimer_new(s.base, on_accept_resume, &s);
 	if (!s.accept_resume)
 		goto out_base;
-	if (export_table_start(&s.exports) < 0)
+	/* -EINTR: a backend gave up waiting for a stop (an RBD image's lock). */
+	rc = export_table_start(&s.exports);
+	if (rc == 0 || rc == -EINTR)
+		stopped = stopped_at("starting the backends", &status);
+	if (rc < 0 || stopped)
 		goto out_base;
 	rc = cache_start(s.cache);
 	if (rc < 0) {
 		log_error("cache: not started (%s): nothing is served", strerror(-rc));
 		goto out_base;
 	}
+	/* Started: a stop from here writes back what the cache holds. */
+	if ((stopped = stopped_at("starting the cache", &status)))
+		goto out_workers;
 	conn_set_stall_timeout(opts->stall_timeout);
 	conn_set_negotiation_timeout(opts->negotiation_timeout);
 	{
@@ -605,7 +702,7 @@ int server_run(const struct options *opts, int argc, char **argv, int *upgrade_f
 		/* Everything is ready: confirm, and serve once the old daemon
 		 * says it is gone (before that, nothing here accepts or reads:
 		 * the old one may still roll back). */
-		rc = upgrade_child_commit(*upgrade_fd, (unsigned)taken.conn_count);
+		rc = commit_upgrade(&s, *upgrade_fd);
 		*upgrade_fd = -1;
 		if (rc < 0) {
 			log_error("upgrade: not committed (%s); the old daemon serves on",
@@ -680,14 +777,27 @@ int server_run(const struct options *opts, int argc, char **argv, int *upgrade_f
 		log_error("cannot install signal handlers");
 		goto out_signals;
 	}
+	/* The last moment before serving; then the loop takes the signals. */
+	if ((stopped = stopped_at("installing its signal handlers", &status)))
+		goto out_signals;
+	stop_signals_unblock();
 	if (opts->pidfile) {
 		rc = write_pidfile(pidfile_fd);
 		if (rc < 0) {
 			log_error("--pidfile %s: %s", opts->pidfile, strerror(-rc));
 			goto out_signals;
 		}
+		pidfile_written = true;
 	}
 	log_info("ready: %zu export(s), %u worker thread(s)", s.exports.count, s.worker_count);
+	if (ready_fd >= 0) {
+		/* The parent exits 0 now; if it cannot be told, it learns our
+		 * status when we exit. */
+		if (write(ready_fd, "r", 1) != 1)
+			log_debug("detaching: cannot tell the parent: %s", strerror(errno));
+		close(ready_fd);
+		ready_fd = -1;
+	}
 	sd_notifyf(0, "READY=1\nMAINPID=%d\nSTATUS=serving %zu export(s)", (int)getpid(),
 		   s.exports.count);
 	uint64_t watchdog_usec = 0;
@@ -744,15 +854,18 @@ out_workers:
 	uint64_t stop_left = UINT64_MAX;
 	if (cache_stop(s.cache, on_stop_progress, &stop_left) < 0)
 		status = 1;
-	if (opts->pidfile && status == 0 && unlink(opts->pidfile) < 0)
+	if (pidfile_written && status == 0 && unlink(opts->pidfile) < 0)
 		log_debug("--pidfile %s: cannot remove it: %s", opts->pidfile, strerror(errno));
 out_base:
 	if (s.accept_resume)
 		event_free(s.accept_resume);
 	event_base_free(s.base);
 out_listeners:
-	if (pidfile_fd >= 0)
+	if (pidfile_fd >= 0) {
 		close(pidfile_fd);
+		if (pidfile_made && !pidfile_written)
+			unlink(opts->pidfile);
+	}
 	if (upgrading && !committed)
 		forget_unix_paths(&s);
 	close_listeners(&s);
@@ -761,8 +874,11 @@ out_listeners:
 	up.listeners = NULL;
 	free(s.listeners);
 	free(listen_fds);
-	if (control_fd >= 0)
-		close(control_fd);
+	if (control_fd >= 0) {
+		close(control_fd); /* not the control thread's yet */
+		if (control_bound)
+			unlink(control_path);
+	}
 	if (metrics_fd >= 0)
 		close(metrics_fd);
 out_exports:
@@ -770,6 +886,13 @@ out_exports:
 	export_table_close(&s.exports);
 out_cache:
 	cache_destroy(s.cache);
+	if (ready_fd >= 0)
+		close(ready_fd); /* the parent waits for our exit status */
+	if (stopped && *upgrade_fd >= 0) {
+		/* A new daemon of a live upgrade: the old one serves on. */
+		upgrade_child_fail(*upgrade_fd, "stopped by a signal during its start");
+		*upgrade_fd = -1;
+	}
 	if (status == 0)
 		log_info("stopped");
 	tls_creds_uninstall();

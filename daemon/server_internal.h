@@ -55,7 +55,11 @@ int upgrade_setup(struct upgrade_server *up, struct server *s, char **argv, int 
 		  const char *control_path, int metrics_fd, const char *metrics);
 /* SIGUSR2: arg is the struct upgrade_server. */
 void on_upgrade_signal(evutil_socket_t sig, short what, void *arg);
-/* The new daemon, committed: serve every connection it was handed. */
+/* The new daemon, ready: which connections handed over it will serve,
+ * then TAKEN and the wait for COMMIT: 0 (serve), or -errno. Closes fd. */
+int commit_upgrade(struct server *s, int fd);
+/* The new daemon, committed: serve every connection it was handed (but
+ * those commit_upgrade() refused: closed, saying why). */
 void adopt_connections(struct server *s);
 /* A new daemon that did not take over leaves the Unix socket paths. */
 void forget_unix_paths(struct server *s);

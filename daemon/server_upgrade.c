@@ -1,8 +1,9 @@
 /*
  * daemon/server_upgrade.c: the process's part in a live upgrade
  * (daemon/upgrade.h): what it hands over (upgrade_setup), SIGUSR2, pausing
- * its listeners for the upgrade thread, and, in the new daemon, the
- * connections it was handed dealt to its workers (adopt_connections).
+ * its listeners for the upgrade thread, and, in the new daemon, which of
+ * the connections it was handed it serves (commit_upgrade) and those
+ * dealt to its workers (adopt_connections).
  */
 #include <errno.h>
 #include <event2/listener.h>
@@ -15,6 +16,7 @@
 #include "daemon/access.h"
 #include "daemon/budget.h"
 #include "daemon/control.h"
+#include "daemon/handshake.h"
 #include "daemon/host.h"
 #include "daemon/log.h"
 #include "daemon/server_internal.h"
@@ -98,18 +100,69 @@ void on_upgrade_signal(evutil_socket_t sig, short what, void *arg)
 			  rc == -EBUSY ? "an upgrade is in progress already" : strerror(-rc));
 }
 
+/* Who a connection handed over comes from: its socket's peer. */
+static void taken_peer(int fd, struct access_peer *peer)
+{
+	struct sockaddr_storage sa;
+	socklen_t len = sizeof(sa);
+	if (getpeername(fd, (struct sockaddr *)&sa, &len) < 0)
+		len = 0;
+	access_peer_from_socket(peer, fd, &sa, len);
+}
+
+/*
+ * The new daemon of a live upgrade, everything open and its threads
+ * started: which of the connections handed over will it serve? Those
+ * that resume on the object they were on, for a client the access rules
+ * in force admit (handshake_resume_export()); the others are marked with
+ * the reason, which TAKEN tells the old daemon (its reply says it) and
+ * adopt_connections() logs as it closes them. Nothing is done to their
+ * sockets before COMMIT: the old daemon may still roll back and resume
+ * them. Then TAKEN and the wait for COMMIT (upgrade_child_commit()).
+ */
+int commit_upgrade(struct server *s, int fd)
+{
+	struct upgrade_taken *t = s->taken;
+	for (size_t i = 0; i < t->conn_count; i++) {
+		struct upgrade_taken_conn *c = &t->conns[i];
+		struct access_peer peer;
+		taken_peer(c->fd, &peer);
+		char why[1024];
+		struct export *e =
+		    handshake_resume_export(&s->exports, &c->st, &peer, why, sizeof(why));
+		access_peer_release(&peer);
+		if (e) {
+			export_put(e);
+			continue;
+		}
+		c->refused = strdup(why);
+		if (!c->refused) {
+			close(fd); /* the old daemon rolls back */
+			return -ENOMEM;
+		}
+	}
+	return upgrade_child_commit(fd, t);
+}
+
 /* The new daemon of a live upgrade, committed: serve every connection
- * handed over, dealt round robin to the workers like accepted ones. */
+ * handed over, dealt round robin to the workers like accepted ones, but
+ * those commit_upgrade() refused, which are closed there. */
 void adopt_connections(struct server *s)
 {
 	for (size_t i = 0; i < s->taken->conn_count; i++) {
 		struct upgrade_taken_conn *t = &s->taken->conns[i];
-		struct sockaddr_storage sa;
-		socklen_t len = sizeof(sa);
-		if (getpeername(t->fd, (struct sockaddr *)&sa, &len) < 0)
-			len = 0;
+		struct host *h = &s->workers[s->next_worker++ % s->worker_count];
+		if (t->st.id > s->next_conn_id)
+			s->next_conn_id = t->st.id;
+		if (t->refused) {
+			log_warn("conn %llu: closed by the new daemon: %s",
+				 (unsigned long long)t->st.id, t->refused);
+			host_close_refused(h, t->fd, t->st.id);
+			t->fd = -1;
+			continue;
+		}
 		struct access_peer peer;
-		access_peer_from_socket(&peer, t->fd, &sa, len);
+		taken_peer(t->fd, &peer);
 		if (!budget_client_add()) {
 			log_warn("conn %llu: over --max-clients after the upgrade; closed",
 				 (unsigned long long)t->st.id);
@@ -117,9 +170,7 @@ void adopt_connections(struct server *s)
 			continue;
 		}
 		budget_peer_add(&peer, 0); /* counted; the limit was checked at accept */
-		if (t->st.id > s->next_conn_id)
-			s->next_conn_id = t->st.id;
-		host_adopt(&s->workers[s->next_worker++ % s->worker_count], t->fd, &peer, &t->st);
+		host_adopt(h, t->fd, &peer, &t->st);
 		t->fd = -1;
 	}
 }

@@ -465,6 +465,19 @@ static void *upgrade_main(void *arg)
 		goto out;
 	if (!expect_record(run, UPGRADE_TAKEN, &rec, "take the connections"))
 		goto out;
+	/* Those it will close rather than serve (another object, the access
+	 * rules): closed, not moved, with its reasons. */
+	if (rec.closed > run->r.moved || rec.connections != run->r.moved) {
+		fail(run,
+		     "the new daemon says it took %u connection(s) and closes %u of them, "
+		     "%u were sent",
+		     rec.connections, rec.closed, run->r.moved);
+		goto out;
+	}
+	run->r.refused = rec.closed;
+	run->r.moved -= rec.closed;
+	run->r.closed += rec.closed;
+	snprintf(run->r.refused_why, sizeof(run->r.refused_why), "%s", rec.text);
 	rc = upgrade_send_record(run->sock, run->buf, upgrade_record_commit(run->buf), -1);
 	if (rc < 0) {
 		fail(run, "sending COMMIT: %s", strerror(-rc));
@@ -480,6 +493,9 @@ static void *upgrade_main(void *arg)
 	log_info("upgrade: handed over to pid %d: %u connection(s) moved, %u closed, clients "
 		 "paused %llu ms",
 		 (int)run->pid, run->r.moved, run->r.closed, (unsigned long long)run->r.pause_ms);
+	if (run->r.refused)
+		log_warn("upgrade: pid %d closes %u of the connections handed over: %s",
+			 (int)run->pid, run->r.refused, run->r.refused_why);
 out:
 	if (!run->r.committed) {
 		if (run->pid > 0)

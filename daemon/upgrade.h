@@ -20,17 +20,29 @@
  *   boundary (host_park); the rest
  *   written back and flushed
  *   LISTENER x n, CONNECTION x m, END -->  binds what it was not given,
- *                                         starts its threads
- *                              <-------   TAKEN
- *   COMMIT, MAINPID= to systemd -->       serves every connection from
- *   closes what was not moved (still      its next request
- *   negotiating, TLS), exits
+ *                                         starts its threads, checks each
+ *                                         connection (its export's object,
+ *                                         the access rules)
+ *                              <-------   TAKEN (and how many it will
+ *                                         close, and why)
+ *   COMMIT, MAINPID= to systemd -->       serves every connection it
+ *   closes what was not moved (still      admitted from its next request;
+ *   negotiating, TLS), exits              closes the others
  *
  * Any failure before COMMIT rolls back: the new daemon is killed (by its
  * PID), every connection resumes, accepting resumes, and the reason is
  * the result's. Nothing a client sent is lost either way: a parked
  * connection has no request in flight, and the input read but not parsed
  * travels in its record (or stays, on a roll-back).
+ *
+ * A connection resumes on the object it was on, not on whatever the new
+ * configuration gives its export's name: the record carries its backend's
+ * identity, and the new daemon closes it (handshake_resume_export() says
+ * why) if that export is now another file, device, server or window, if
+ * the access rules no longer admit the client, or if the record has no
+ * identity (an older daemon). Its replies were all sent by the old daemon
+ * (it was parked), and the close waits for them to reach the client
+ * (host_close_refused()); what it sent after them is never executed.
  *
  * Not handed over (and refused up front, since the new daemon cannot
  * open them while this one holds them): exports on an nbdkit: backend
@@ -80,7 +92,11 @@ struct upgrade_server {
 struct upgrade_result {
 	bool committed; /* the new daemon serves: the caller must exit now */
 	pid_t pid;	/* the new daemon's */
-	unsigned moved, closed;
+	/* Connections the new daemon serves; closed: by this daemon (not
+	 * parked, negotiating, TLS) and by the new one; refused: of those
+	 * closed, by the new one (another object, the access rules), and why. */
+	unsigned moved, closed, refused;
+	char refused_why[UPGRADE_MAX_TEXT + 1];
 	uint64_t pause_ms; /* from parking to COMMIT */
 	char why[1100];	   /* failed: why (the new daemon's own error if it said one) */
 };
@@ -102,6 +118,9 @@ const char *upgrade_refusal(struct export_table *exports, char *buf, size_t len)
 struct upgrade_taken_conn {
 	int fd;
 	struct upgrade_conn_state st; /* st.pending: malloc'd */
+	/* Set before upgrade_child_commit(): why this daemon will close it
+	 * rather than serve it (malloc'd), or NULL. */
+	char *refused;
 };
 
 /* What the old daemon handed over. */
@@ -121,9 +140,10 @@ int upgrade_child_receive(int fd, struct upgrade_taken *t, char *why, size_t why
 /* The listener handed over for (kind, spec), now the caller's, or -1. */
 int upgrade_take_listener(struct upgrade_taken *t, enum upgrade_listener_kind kind,
 			  const char *spec);
-/* Say TAKEN and wait for COMMIT: 0 (serve), or -errno (exit: the old
- * daemon serves on). Closes fd. */
-int upgrade_child_commit(int fd, unsigned conns);
+/* Say TAKEN (with how many of t's connections are refused, and why, to
+ * an old daemon that reads it) and wait for COMMIT: 0 (serve), or -errno
+ * (exit: the old daemon serves on). Closes fd. */
+int upgrade_child_commit(int fd, const struct upgrade_taken *t);
 /* Tell the old daemon why this one cannot take over (ERROR). */
 void upgrade_child_fail(int fd, const char *why);
 /* Close the listeners not taken, free the rest. */

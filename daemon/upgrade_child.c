@@ -214,6 +214,7 @@ int upgrade_child_receive(int fd, struct upgrade_taken *t, char *why, size_t why
 			t->conns = more;
 			struct upgrade_taken_conn *c = &t->conns[t->conn_count++];
 			c->fd = rfd;
+			c->refused = NULL;
 			c->st = r.conn;
 			c->st.pending = NULL;
 			if (r.conn.pending_len) {
@@ -256,10 +257,51 @@ int upgrade_take_listener(struct upgrade_taken *t, enum upgrade_listener_kind ki
 	return -1;
 }
 
-int upgrade_child_commit(int fd, unsigned conns)
+/*
+ * Why t's refused connections will be closed, for the old daemon's reply:
+ * "conn ID: REASON; ..." within len bytes, the first ones, and how many
+ * more the log names. How many are refused.
+ */
+static unsigned refusals(const struct upgrade_taken *t, char *out, size_t len)
 {
-	uint8_t buf[UPGRADE_RECORD_HEADER + 8];
-	int rc = upgrade_send_record(fd, buf, upgrade_record_taken(buf, conns), -1);
+	unsigned refused = 0, said = 0;
+	size_t at = 0;
+	out[0] = '\0';
+	for (size_t i = 0; i < t->conn_count; i++) {
+		const char *why = t->conns[i].refused;
+		if (!why)
+			continue;
+		refused++;
+		if (strncmp(why, "upgrade: ", 9) == 0)
+			why += 9; /* it is all about the upgrade */
+		char one[UPGRADE_MAX_TEXT + 1];
+		int n = snprintf(one, sizeof(one), "%sconn %llu: %s", said ? "; " : "",
+				 (unsigned long long)t->conns[i].st.id, why);
+		if (n > 0 && at + (size_t)n + 64 < len) { /* room left for the "more" */
+			memcpy(out + at, one, (size_t)n + 1);
+			at += (size_t)n;
+			said++;
+		}
+	}
+	if (said < refused)
+		snprintf(out + at, len - at, "%s%u more (the new daemon's log says why)",
+			 said ? "; and " : "", refused - said);
+	return refused;
+}
+
+int upgrade_child_commit(int fd, const struct upgrade_taken *t)
+{
+	/* An old daemon that sent identities reads what TAKEN says it closes;
+	 * an older one reads its first field only, and refuses more. */
+	bool identities = false;
+	for (size_t i = 0; i < t->conn_count; i++)
+		identities |= (t->conns[i].st.flags & UPGRADE_CONN_IDENTITY) != 0;
+	char closing[UPGRADE_MAX_TEXT + 1];
+	unsigned refused = refusals(t, closing, sizeof(closing));
+	uint8_t buf[UPGRADE_TAKEN_MAX];
+	size_t n =
+	    upgrade_record_taken(buf, (uint32_t)t->conn_count, identities ? refused : 0, closing);
+	int rc = upgrade_send_record(fd, buf, n, -1);
 	if (rc == 0) {
 		uint8_t *in = malloc(UPGRADE_RECORD_MAX);
 		struct upgrade_record r;
@@ -292,6 +334,7 @@ void upgrade_taken_free(struct upgrade_taken *t)
 		if (t->conns[i].fd >= 0)
 			close(t->conns[i].fd);
 		free((void *)t->conns[i].st.pending);
+		free(t->conns[i].refused);
 	}
 	free(t->conns);
 	memset(t, 0, sizeof(*t));

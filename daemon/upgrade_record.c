@@ -191,15 +191,52 @@ int upgrade_record_decode(const uint8_t *buf, size_t len, unsigned nfds, struct 
 				      (unsigned long long)s->id, m, UPGRADE_MAX_PENDING);
 		s->pending = take(&c, m);
 		s->pending_len = s->pending ? m : 0;
+		if (c.short_read || !(s->flags & UPGRADE_CONN_IDENTITY))
+			break;
+		s->offset = get64(&c);
+		unsigned kind = get8(&c);
+		s->backend_dev = get64(&c);
+		s->backend_ino = get64(&c);
+		uint16_t b = get16(&c);
+		if (c.short_read)
+			break;
+		if (kind > UPGRADE_BACKEND_FILE ||
+		    (kind == UPGRADE_BACKEND_NAMED && (s->backend_dev || s->backend_ino)))
+			return refuse(why, why_len,
+				      "CONNECTION record %llu: a backend of unknown kind %u, or "
+				      "named with a device and inode",
+				      (unsigned long long)s->id, kind);
+		s->backend_kind = (enum upgrade_backend_kind)kind;
+		if (b == 0 || b > UPGRADE_MAX_BACKEND)
+			return refuse(why, why_len,
+				      "CONNECTION record %llu: a backend string of %u bytes",
+				      (unsigned long long)s->id, b);
+		if (!get_text(&c, b, s->backend, sizeof(s->backend)) && !c.short_read)
+			return refuse(why, why_len,
+				      "CONNECTION record %llu: a NUL in the backend string",
+				      (unsigned long long)s->id);
 		break;
 	}
 	case UPGRADE_END:
 		out->connections = get32(&c);
 		out->listeners = get32(&c);
 		break;
-	case UPGRADE_TAKEN:
+	case UPGRADE_TAKEN: {
 		out->connections = get32(&c);
+		if (c.short_read || c.left == 0)
+			break; /* the plain one: it closes none */
+		out->closed = get32(&c);
+		uint16_t n = get16(&c);
+		if (c.short_read)
+			break;
+		if (out->closed == 0 || out->closed > out->connections)
+			return refuse(why, why_len, "TAKEN record: closes %u of %u connections",
+				      out->closed, out->connections);
+		if (!get_text(&c, n, out->text, sizeof(out->text)) && !c.short_read)
+			return refuse(why, why_len, "TAKEN record: %u bytes of text, or with a NUL",
+				      n);
 		break;
+	}
 	case UPGRADE_COMMIT:
 		break;
 	case UPGRADE_ERROR:
@@ -252,7 +289,14 @@ size_t upgrade_record_connection(uint8_t *buf, const struct upgrade_conn_state *
 	if (n == 0 || n > UPGRADE_MAX_NAME || s->pending_len > UPGRADE_MAX_PENDING ||
 	    (s->flags & ~UPGRADE_CONN_FLAGS))
 		return 0;
-	size_t length = 7 * 8 + 2 + 1 + 4 * 4 + 2 + n + 4 + s->pending_len;
+	bool identity = (s->flags & UPGRADE_CONN_IDENTITY) != 0;
+	size_t b = identity ? strnlen(s->backend, sizeof(s->backend)) : 0;
+	if (identity &&
+	    (b == 0 || b > UPGRADE_MAX_BACKEND || s->backend_kind > UPGRADE_BACKEND_FILE ||
+	     (s->backend_kind == UPGRADE_BACKEND_NAMED && (s->backend_dev || s->backend_ino))))
+		return 0;
+	size_t length = 7 * 8 + 2 + 1 + 4 * 4 + 2 + n + 4 + s->pending_len +
+			(identity ? 8 + 1 + 8 + 8 + 2 + b : 0);
 	uint8_t *p = header(buf, UPGRADE_CONNECTION, length, 1);
 	const uint64_t v[7] = {s->id,	      s->age_ms,	s->requests,
 			       s->bytes_read, s->bytes_written, s->payload_copied,
@@ -271,6 +315,15 @@ size_t upgrade_record_connection(uint8_t *buf, const struct upgrade_conn_state *
 	nbd_put32(p, s->pending_len);
 	if (s->pending_len)
 		memcpy(p + 4, s->pending, s->pending_len);
+	p += 4 + s->pending_len;
+	if (identity) {
+		nbd_put64(p, s->offset);
+		p[8] = (uint8_t)s->backend_kind;
+		nbd_put64(p + 9, s->backend_dev);
+		nbd_put64(p + 17, s->backend_ino);
+		nbd_put16(p + 25, (uint16_t)b);
+		memcpy(p + 27, s->backend, b);
+	}
 	return UPGRADE_RECORD_HEADER + length;
 }
 
@@ -282,11 +335,21 @@ size_t upgrade_record_end(uint8_t *buf, uint32_t connections, uint32_t listeners
 	return UPGRADE_RECORD_HEADER + 8;
 }
 
-size_t upgrade_record_taken(uint8_t *buf, uint32_t connections)
+size_t upgrade_record_taken(uint8_t *buf, uint32_t connections, uint32_t closed, const char *why)
 {
-	uint8_t *p = header(buf, UPGRADE_TAKEN, 4, 0);
+	if (closed > connections)
+		return 0;
+	size_t n = closed ? strnlen(why ? why : "", UPGRADE_MAX_TEXT) : 0;
+	size_t length = closed ? 4 + 4 + 2 + n : 4;
+	uint8_t *p = header(buf, UPGRADE_TAKEN, length, 0);
 	nbd_put32(p, connections);
-	return UPGRADE_RECORD_HEADER + 4;
+	if (closed) {
+		nbd_put32(p + 4, closed);
+		nbd_put16(p + 8, (uint16_t)n);
+		if (n)
+			memcpy(p + 10, why, n);
+	}
+	return UPGRADE_RECORD_HEADER + length;
 }
 
 size_t upgrade_record_commit(uint8_t *buf)

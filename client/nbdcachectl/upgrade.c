@@ -1,8 +1,9 @@
 /*
  * client/nbdcachectl/upgrade.c: upgrade [--binary PATH] [--timeout S]: the
  * daemon starts a new one (its own binary by default) and hands it every
- * connection; the reply comes once the new one serves, or with the reason
- * it did not (then the old one serves on, and the exit status is 1).
+ * connection; the reply comes once the new one serves (with those it
+ * closed instead, and why), or with the reason it did not (then the old
+ * one serves on, and the exit status is 1).
  */
 #include <stdio.h>
 
@@ -23,6 +24,12 @@ static void print_upgrade(json_object *reply, const struct options *o)
 	       "paused %lld ms\n",
 	       field(reply, "pid"), field(reply, "moved"), field(reply, "closed"),
 	       field(reply, "pause_ms"));
+	/* Those the new daemon would not resume: another object under the
+	 * export's name, a client the access rules no longer admit. */
+	json_object *why;
+	if (field(reply, "refused") > 0 && json_object_object_get_ex(reply, "refused_why", &why))
+		printf("closed by the new daemon: %lld: %s\n", field(reply, "refused"),
+		       json_object_get_string(why));
 }
 
 int run_upgrade(const struct options *o)

@@ -94,6 +94,7 @@
 #include <libnbd.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -102,14 +103,17 @@
 #include "daemon/backend/nbd_internal.h"
 #include "daemon/clock.h"
 #include "daemon/log.h"
+#include "daemon/stop_signals.h"
 
 /*
  * A connection waited for (at most timeout_ms): the first one, whose
  * handshake gives the export's size and capabilities, and a resize's
- * probe. The backend thread's loop drives the others.
+ * probe. The backend thread's loop drives the others. A stop asked during
+ * the daemon's start (stop_signals.h) ends the wait: NULL with *stopped
+ * set, and an nbdkit started for it is told to go.
  */
 static struct nbd_handle *connect_wait(struct nbd_backend *nb, unsigned timeout_ms, char *err,
-				       size_t errlen)
+				       size_t errlen, bool *stopped)
 {
 	struct nbd_handle *h = nbd_pool_handle_begin(nb, err, errlen);
 	if (!h)
@@ -124,6 +128,14 @@ static struct nbd_handle *connect_wait(struct nbd_backend *nb, unsigned timeout_
 		uint64_t now = clock_now_ns();
 		if (now >= deadline) {
 			snprintf(err, errlen, "no answer within %u ms", timeout_ms);
+			nbd_close(h);
+			return NULL;
+		}
+		if (stop_signal_pending()) {
+			snprintf(err, errlen, "the daemon is stopping");
+			*stopped = true;
+			if (nb->argv)
+				nbd_kill_subprocess(h, SIGTERM);
 			nbd_close(h);
 			return NULL;
 		}
@@ -165,7 +177,8 @@ static struct nbd_handle *connect_wait(struct nbd_backend *nb, unsigned timeout_
 static int server_size(struct nbd_backend *nb, uint64_t *size)
 {
 	char err[256];
-	struct nbd_handle *h = connect_wait(nb, NBD_PROBE_TIMEOUT_MS, err, sizeof(err));
+	bool stopped = false;
+	struct nbd_handle *h = connect_wait(nb, NBD_PROBE_TIMEOUT_MS, err, sizeof(err), &stopped);
 	if (!h) {
 		log_warn("backend %s: cannot ask the server its size: %s", nb->name, err);
 		return -EIO;
@@ -279,7 +292,13 @@ int backend_nbd_open(const char *spec, bool readonly, unsigned timeout_seconds,
 			goto err;
 	}
 	char err[256];
-	struct nbd_handle *h = connect_wait(nb, NBD_CONNECT_TIMEOUT_MS, err, sizeof(err));
+	bool stopped = false;
+	struct nbd_handle *h = connect_wait(nb, NBD_CONNECT_TIMEOUT_MS, err, sizeof(err), &stopped);
+	if (!h && stopped) {
+		log_info("backend %s: no longer waited for: %s", spec, err);
+		rc = -EINTR;
+		goto err;
+	}
 	if (!h) {
 		log_error("backend %s: %s", spec, err);
 		rc = -EIO;

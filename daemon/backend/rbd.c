@@ -80,6 +80,7 @@
 #include "daemon/backend/rbd_internal.h"
 #include "daemon/clock.h"
 #include "daemon/log.h"
+#include "daemon/stop_signals.h"
 
 /* ---- connecting ---- */
 
@@ -255,7 +256,17 @@ static int take_lock(struct rbd_backend *rb)
 			   "STATUS=waiting for the exclusive lock of %s, held by %s\n"
 			   "EXTEND_TIMEOUT_USEC=%u",
 			   rb->name, owners, (RBD_TAKEOVER_RETRY_S + 10) * 1000000u);
-		sleep(RBD_TAKEOVER_RETRY_S);
+		/* In slices: a stop asked meanwhile (stop_signals.h) ends the
+		 * wait, and with it the start. */
+		for (unsigned i = 0; i < RBD_TAKEOVER_RETRY_S * 10u; i++) {
+			if (stop_signal_pending()) {
+				log_info("backend %s: no longer waiting for the image's exclusive "
+					 "lock: the daemon is stopping",
+					 rb->name);
+				return -EINTR;
+			}
+			usleep(100000);
+		}
 	}
 }
 

@@ -199,8 +199,13 @@
  *     Starts a new daemon (PATH, by default the binary this one was started
  *     from) and hands it every listener and every connection in
  *     transmission (nbdcached(8), LIVE UPGRADE). Answered once it serves:
- *     pid (the new daemon's), moved, closed (connections), pause_ms (from
- *     parking the connections to the hand-over); this daemon then exits.
+ *     pid (the new daemon's), moved (connections it serves), closed (by
+ *     this daemon: negotiating, TLS, not parked in time; and by the new
+ *     one), refused (of those closed, by the new daemon: their export is
+ *     another object in its configuration, or its access rules refuse
+ *     the client) and refused_why (string: "conn ID: REASON; ...", the
+ *     first ones; null when none), pause_ms (from parking the
+ *     connections to the hand-over); this daemon then exits.
  *     "EAGAIN": it failed, and this daemon serves on (the message says
  *     why: the new daemon's error, its exit status, or the step it did
  *     not take within timeout seconds, default 30); "ENOTSUP": an

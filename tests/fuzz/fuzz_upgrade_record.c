@@ -5,8 +5,10 @@
  * (0..2), the rest the message. Whatever is accepted keeps the promises
  * the new daemon relies on: every string is NUL-terminated within its
  * buffer, a connection's export name is not empty, its pending input lies
- * within the message and within UPGRADE_MAX_PENDING, and re-encoding it
- * gives back the same bytes; a refusal always says why.
+ * within the message and within UPGRADE_MAX_PENDING, its backend's
+ * identity has a backend string when it has one at all, a TAKEN closes no
+ * more connections than it took, and re-encoding it gives back the same
+ * bytes; a refusal always says why.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -49,6 +51,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 			CHECK(r.conn.pending >= msg);
 			CHECK(r.conn.pending + r.conn.pending_len <= msg + len);
 		}
+		/* An identity has a backend string; a named backend no device. */
+		size_t backend = strnlen(r.conn.backend, sizeof(r.conn.backend));
+		CHECK(backend < sizeof(r.conn.backend));
+		CHECK((backend > 0) == ((r.conn.flags & UPGRADE_CONN_IDENTITY) != 0));
+		CHECK(r.conn.backend_kind == UPGRADE_BACKEND_FILE ||
+		      (r.conn.backend_dev == 0 && r.conn.backend_ino == 0));
 		n = upgrade_record_connection(again, &r.conn);
 		break;
 	}
@@ -56,7 +64,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		n = upgrade_record_end(again, r.connections, r.listeners);
 		break;
 	case UPGRADE_TAKEN:
-		n = upgrade_record_taken(again, r.connections);
+		CHECK(r.closed <= r.connections);
+		CHECK(strnlen(r.text, sizeof(r.text)) < sizeof(r.text));
+		n = upgrade_record_taken(again, r.connections, r.closed, r.text);
 		break;
 	case UPGRADE_COMMIT:
 		n = upgrade_record_commit(again);

@@ -88,6 +88,12 @@ BAD = [
      "negotiation-timeout 1m: expected 1..3600 seconds"),
     ("[generic]\nnegotiation-timeout = 5\nnegotiation-timeout = 6\n[a]\nbackend = /tmp/x\n", 3,
      "'negotiation-timeout' given twice"),
+    ("[generic]\nmetrics = 9109\n[a]\nbackend = /tmp/x\n", 2,
+     "metrics 9109: expected HOST:PORT"),
+    ("[generic]\nmetrics-export-names = some\n[a]\nbackend = /tmp/x\n", 2,
+     "metrics-export-names some: expected listed or all"),
+    ("[generic]\nmetrics-export-names = all\nmetrics-export-names = listed\n"
+     "[a]\nbackend = /tmp/x\n", 3, "'metrics-export-names' given twice"),
 ]
 
 

@@ -738,11 +738,16 @@ class Nbdkit(NbdServer):
 
 @contextlib.contextmanager
 def tempdir(prefix="nbdcached-test-", base=None):
+    """A directory removed afterwards (kept, and said, with
+    NBDTEST_KEEP=1: to read the daemons' logs of a failure)."""
     d = tempfile.mkdtemp(prefix=prefix, dir=base)
     try:
         yield d
     finally:
-        shutil.rmtree(d, ignore_errors=True)
+        if os.environ.get("NBDTEST_KEEP"):
+            log("kept: %s" % d)
+        else:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def shm_dir():

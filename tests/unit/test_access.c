@@ -285,6 +285,13 @@ static void test_options(void **state)
 	assert_int_equal(ra->allow_count, 2);
 	assert_int_equal(ra->deny_count, 1);
 	assert_null(access_policy_export(p, "c"));
+	/* LIST shows c (no rules of its own) to every client, a and b not;
+	 * c with tls = require neither (metrics-export-names listed). */
+	assert_false(access_export_listed(p, "a", false));
+	assert_false(access_export_listed(p, "b", false));
+	assert_true(access_export_listed(p, "c", false));
+	assert_false(access_export_listed(p, "c", true));
+	assert_false(p->metrics_export_names_all);
 	access_policy_set(p);
 	struct access_policy *q = access_policy_get();
 	assert_ptr_equal(p, q);

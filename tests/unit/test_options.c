@@ -8,7 +8,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 #include <errno.h>
@@ -491,6 +493,61 @@ static void test_windows(void **state)
 	}
 }
 
+/* One file under several paths is one backend (its device and inode):
+ * a hard link, "/./", a symbolic link; another file is not, and neither is
+ * a path that is not there (compared as a string). */
+static void test_same_file(void **state)
+{
+	(void)state;
+	char dir[] = "/tmp/test_options.XXXXXX";
+	assert_non_null(mkdtemp(dir));
+	char file[64], dotted[64], hard[64], sym[64], other[64], gone[64];
+	snprintf(file, sizeof(file), "%s/x.img", dir);
+	snprintf(dotted, sizeof(dotted), "%s/./x.img", dir);
+	snprintf(hard, sizeof(hard), "%s/hard.img", dir);
+	snprintf(sym, sizeof(sym), "%s/sym.img", dir);
+	snprintf(other, sizeof(other), "%s/other.img", dir);
+	snprintf(gone, sizeof(gone), "%s/gone.img", dir);
+	FILE *f = fopen(file, "w");
+	assert_non_null(f);
+	fclose(f);
+	f = fopen(other, "w");
+	assert_non_null(f);
+	fclose(f);
+	assert_int_equal(link(file, hard), 0);
+	assert_int_equal(symlink(file, sym), 0);
+	char specs[6][96];
+	const char *paths[6] = {file, dotted, hard, sym, other, gone};
+	char *argv[14] = {"nbdcached"};
+	for (int i = 0; i < 6; i++) {
+		snprintf(specs[i], sizeof(specs[i]), "%c=%s", 'a' + i, paths[i]);
+		argv[1 + 2 * i] = "--export";
+		argv[2 + 2 * i] = specs[i];
+	}
+	struct options o;
+	char err[256] = "";
+	assert_int_equal(parse(argv, 13, &o, err, sizeof(err)), 0);
+	assert_int_equal(options_backend_first(&o, 1), 0);
+	assert_int_equal(options_backend_first(&o, 2), 0);
+	assert_int_equal(options_backend_first(&o, 3), 0);
+	assert_int_equal(options_backend_first(&o, 4), 4);
+	assert_int_equal(options_backend_first(&o, 5), 5);
+	assert_true(o.exports[0].has_file_id);
+	assert_false(o.exports[5].has_file_id);
+	options_free(&o);
+	/* Two block sizes on two names of one file: refused, both named. */
+	snprintf(specs[1], sizeof(specs[1]), "b=%s,block-size=65536", hard);
+	assert_int_equal(parse(argv, 5, &o, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, "exports 'a' and 'b' share the backend"));
+	assert_non_null(strstr(err, hard));
+	assert_non_null(strstr(err, "the same file"));
+	unlink(file);
+	unlink(hard);
+	unlink(sym);
+	unlink(other);
+	rmdir(dir);
+}
+
 /* allow-resize: off by default, a bare key after a comma, and not a
  * prefix of anything else. */
 static void test_allow_resize(void **state)
@@ -612,6 +669,31 @@ static void test_split_host_port(void **state)
 			 -EINVAL);
 }
 
+/* --metrics :PORT is loopback (stored so: what is bound, logged and compared
+ * at reload); an address given stays as written; --metrics-export-names
+ * takes listed or all, default listed. */
+static void test_metrics(void **state)
+{
+	(void)state;
+	struct options o;
+	char err[256] = "";
+	char *argv[] = {"nbdcached", "--metrics", ":9109", "--export", "a=/x", NULL};
+	assert_int_equal(parse(argv, 5, &o, err, sizeof(err)), 0);
+	assert_string_equal(o.metrics, "127.0.0.1:9109");
+	assert_false(o.metrics_export_names_all);
+	options_free(&o);
+	char *every[] = {"nbdcached", "--metrics", "0.0.0.0:9109", "--metrics-export-names",
+			 "all",	      "--export",  "a=/x",	   NULL};
+	assert_int_equal(parse(every, 7, &o, err, sizeof(err)), 0);
+	assert_string_equal(o.metrics, "0.0.0.0:9109");
+	assert_true(o.metrics_export_names_all);
+	assert_true(o.given & OPT_GIVEN_METRICS_EXPORT_NAMES);
+	options_free(&o);
+	char *bad[] = {"nbdcached", "--metrics-export-names", "some", "--export", "a=/x", NULL};
+	assert_int_equal(parse(bad, 5, &o, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, "--metrics-export-names some: expected listed or all"));
+}
+
 static void test_help_and_version(void **state)
 {
 	(void)state;
@@ -643,10 +725,12 @@ int main(void)
 		cmocka_unit_test(test_tls),
 		cmocka_unit_test(test_no_export_and_duplicates),
 		cmocka_unit_test(test_windows),
+		cmocka_unit_test(test_same_file),
 		cmocka_unit_test(test_allow_resize),
 		cmocka_unit_test(test_rbd),
 		cmocka_unit_test(test_unix_listen),
 		cmocka_unit_test(test_split_host_port),
+		cmocka_unit_test(test_metrics),
 		cmocka_unit_test(test_help_and_version),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,9 +1,11 @@
 /*
  * tests/unit/test_upgrade_record.c: the state record of a live upgrade
- * (daemon/upgrade_record.h): every type round-trips, and a record from
- * another version, with another magic, cut short, longer than its fields,
- * with a descriptor missing or one too many, or with a field out of its
- * bounds is refused with a message saying which.
+ * (daemon/upgrade_record.h): every type round-trips (CONNECTION with and
+ * without its backend's identity, TAKEN plain and saying what it
+ * closes), and a record from another version, with another magic, cut
+ * short, longer than its fields, with a descriptor missing or one too
+ * many, or with a field out of its bounds is refused with a message
+ * saying which.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -82,14 +84,50 @@ static void test_round_trips(void **state)
 	assert_string_equal(r.conn.name, "vol1");
 	assert_int_equal(r.conn.pending_len, 5);
 	assert_memory_equal(r.conn.pending, pending, 5);
+	/* Without UPGRADE_CONN_IDENTITY (an older daemon's): none. */
+	assert_int_equal(r.conn.backend_kind, UPGRADE_BACKEND_NAMED);
+	assert_string_equal(r.conn.backend, "");
+
+	/* With the backend's identity: a file's, then a named backend's. */
+	c.flags |= UPGRADE_CONN_IDENTITY;
+	c.offset = 1ull << 33;
+	c.backend_kind = UPGRADE_BACKEND_FILE;
+	c.backend_dev = 0x803;
+	c.backend_ino = 1ull << 50;
+	strcpy(c.backend, "/srv/vol1.img");
+	n = upgrade_record_connection(buf, &c);
+	assert_int_equal(decode(n, 1), 0);
+	assert_int_equal(r.conn.flags,
+			 UPGRADE_CONN_STRUCTURED | UPGRADE_CONN_META | UPGRADE_CONN_IDENTITY);
+	assert_true(r.conn.offset == 1ull << 33);
+	assert_int_equal(r.conn.backend_kind, UPGRADE_BACKEND_FILE);
+	assert_int_equal(r.conn.backend_dev, 0x803);
+	assert_true(r.conn.backend_ino == 1ull << 50);
+	assert_string_equal(r.conn.backend, "/srv/vol1.img");
+	assert_memory_equal(r.conn.pending, pending, 5); /* still before it */
+	c.backend_kind = UPGRADE_BACKEND_NAMED;
+	c.backend_dev = c.backend_ino = 0;
+	strcpy(c.backend, "nbd+unix:///disk?socket=/run/server.sock");
+	n = upgrade_record_connection(buf, &c);
+	assert_int_equal(decode(n, 1), 0);
+	assert_int_equal(r.conn.backend_kind, UPGRADE_BACKEND_NAMED);
+	assert_string_equal(r.conn.backend, "nbd+unix:///disk?socket=/run/server.sock");
 
 	n = upgrade_record_end(buf, 1000, 3);
 	assert_int_equal(decode(n, 0), 0);
 	assert_int_equal(r.connections, 1000);
 	assert_int_equal(r.listeners, 3);
-	n = upgrade_record_taken(buf, 999);
+	n = upgrade_record_taken(buf, 999, 0, "unused");
+	assert_int_equal(n, UPGRADE_RECORD_HEADER + 4); /* what an older daemon reads */
 	assert_int_equal(decode(n, 0), 0);
 	assert_int_equal(r.connections, 999);
+	assert_int_equal(r.closed, 0);
+	assert_string_equal(r.text, "");
+	n = upgrade_record_taken(buf, 5, 2, "conn 3: export \"x\" is on another backend now");
+	assert_int_equal(decode(n, 0), 0);
+	assert_int_equal(r.connections, 5);
+	assert_int_equal(r.closed, 2);
+	assert_string_equal(r.text, "conn 3: export \"x\" is on another backend now");
 	n = upgrade_record_commit(buf);
 	assert_int_equal(decode(n, 0), 0);
 	assert_int_equal(r.type, UPGRADE_COMMIT);
@@ -138,11 +176,31 @@ static void test_truncated(void **state)
 	assert_int_equal(decode(n - 1, 1), -EPROTO);
 	assert_non_null(strstr(why, "CONNECTION record cut short"));
 	/* One byte too many, announced. */
-	n = upgrade_record_taken(buf, 1);
+	n = upgrade_record_end(buf, 1, 1);
 	buf[n] = 0;
-	nbd_put32(buf + 8, 5);
+	nbd_put32(buf + 8, 9);
 	assert_int_equal(decode(n + 1, 0), -EPROTO);
 	assert_non_null(strstr(why, "1 bytes more than its fields"));
+	/* An identity cut anywhere; one without its flag is bytes too many. */
+	c.flags = UPGRADE_CONN_IDENTITY;
+	c.backend_kind = UPGRADE_BACKEND_FILE;
+	c.backend_dev = 1;
+	c.backend_ino = 2;
+	strcpy(c.backend, "/a.img");
+	n = upgrade_record_connection(buf, &c);
+	for (size_t cut = 0; cut < n; cut++)
+		assert_int_equal(decode(cut, 1), -EPROTO);
+	assert_int_equal(decode(n, 1), 0);
+	buf[UPGRADE_RECORD_HEADER + 58] = 0;
+	assert_int_equal(decode(n, 1), -EPROTO);
+	assert_non_null(strstr(why, "33 bytes more than its fields"));
+	/* A TAKEN cut in its closing part. */
+	n = upgrade_record_taken(buf, 2, 1, "why");
+	for (size_t cut = UPGRADE_RECORD_HEADER + 5; cut < n; cut++) {
+		nbd_put32(buf + 8, (uint32_t)(cut - UPGRADE_RECORD_HEADER));
+		assert_int_equal(decode(cut, 0), -EPROTO);
+		assert_non_null(strstr(why, "TAKEN record cut short"));
+	}
 }
 
 static void test_descriptors(void **state)
@@ -193,6 +251,46 @@ static void test_bounds(void **state)
 	nbd_put32(buf + UPGRADE_RECORD_HEADER + 78, UPGRADE_MAX_PENDING + 1);
 	assert_int_equal(decode(n, 1), -EPROTO);
 	assert_non_null(strstr(why, "pending input, at most"));
+	/* The identity: after the empty pending input (4 bytes at 78), u64
+	 * offset at 82, u8 kind at 90, u64 dev at 91, u64 ino at 99, u16 at 107
+	 * and the backend string at 109. */
+	c.flags = UPGRADE_CONN_IDENTITY;
+	c.backend_kind = UPGRADE_BACKEND_NAMED;
+	assert_int_equal(upgrade_record_connection(buf, &c), 0); /* no backend string */
+	c.backend_dev = 3;
+	strcpy(c.backend, "nbd://server/x");
+	assert_int_equal(upgrade_record_connection(buf, &c), 0); /* named, with a device */
+	c.backend_dev = 0;
+	n = upgrade_record_connection(buf, &c);
+	assert_int_equal(decode(n, 1), 0);
+	buf[UPGRADE_RECORD_HEADER + 90] = 2;
+	assert_int_equal(decode(n, 1), -EPROTO);
+	assert_non_null(strstr(why, "a backend of unknown kind 2"));
+	n = upgrade_record_connection(buf, &c);
+	nbd_put64(buf + UPGRADE_RECORD_HEADER + 99, 7);
+	assert_int_equal(decode(n, 1), -EPROTO);
+	assert_non_null(strstr(why, "named with a device and inode"));
+	n = upgrade_record_connection(buf, &c);
+	nbd_put16(buf + UPGRADE_RECORD_HEADER + 107, 0);
+	assert_int_equal(decode(n, 1), -EPROTO);
+	assert_non_null(strstr(why, "a backend string of 0 bytes"));
+	n = upgrade_record_connection(buf, &c);
+	buf[UPGRADE_RECORD_HEADER + 112] = '\0';
+	assert_int_equal(decode(n, 1), -EPROTO);
+	assert_non_null(strstr(why, "a NUL in the backend string"));
+	/* TAKEN: closes at least one, at most what it took. */
+	assert_int_equal(upgrade_record_taken(buf, 2, 3, "x"), 0);
+	n = upgrade_record_taken(buf, 2, 2, "x");
+	nbd_put32(buf + UPGRADE_RECORD_HEADER + 4, 3);
+	assert_int_equal(decode(n, 0), -EPROTO);
+	assert_non_null(strstr(why, "closes 3 of 2 connections"));
+	nbd_put32(buf + UPGRADE_RECORD_HEADER + 4, 0);
+	assert_int_equal(decode(n, 0), -EPROTO);
+	assert_non_null(strstr(why, "closes 0 of 2 connections"));
+	n = upgrade_record_taken(buf, 2, 2, "xy");
+	buf[n - 1] = '\0';
+	assert_int_equal(decode(n, 0), -EPROTO);
+	assert_non_null(strstr(why, "TAKEN record: 2 bytes of text, or with a NUL"));
 	n = upgrade_record_listener(buf, UPGRADE_LISTEN_TCP, "127.0.0.1:10809");
 	buf[UPGRADE_RECORD_HEADER] = 9;
 	assert_int_equal(decode(n, 1), -EPROTO);
