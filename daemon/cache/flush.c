@@ -284,37 +284,50 @@ static void device_round_done(struct worker_task *task)
 	flush_job_end(job);
 }
 
+/*
+ * A backend flush of ce came back with result: sent once `covered`
+ * writes (`direct` of them direct) were done, while loss_seq was
+ * loss_at_send. True: it made them durable (unstable entries clean,
+ * direct steps let go). False: it failed, or a connection was lost
+ * meanwhile: what no flush covered is written again (lost_unflushed).
+ */
+static bool flush_settled(struct writeback *wb, struct cache_export *ce, int result,
+			  uint64_t loss_at_send, uint64_t covered, uint64_t direct)
+{
+	uint64_t loss = atomic_load(&ce->backend->loss_seq);
+	if (result >= 0 && loss == loss_at_send) {
+		if (covered > atomic_load(&ce->backend_writes_flushed))
+			atomic_store(&ce->backend_writes_flushed, covered);
+		if (direct > atomic_load(&ce->direct_writes_flushed))
+			atomic_store(&ce->direct_writes_flushed, direct);
+		unstable_settle_all(ce, covered, false);
+		cache_shadow_trim(ce, covered);
+		writeback_note_success(ce);
+		return true;
+	}
+	if (result < 0) {
+		atomic_fetch_add(&ce->counters.backend_flush_errors, 1);
+		pthread_mutex_lock(&ce->lock);
+		writeback_note_failure_locked(ce, result, "a backend flush");
+		pthread_mutex_unlock(&ce->lock);
+	}
+	ce->loss_seen = loss;
+	lost_unflushed(wb, ce);
+	return false;
+}
+
 static void flush_side_done(struct backend_io *io, int result)
 {
 	struct flush_job *job = (struct flush_job *)((char *)io - offsetof(struct flush_job, side_io));
 	struct cache_export *ce = job->ce;
 	cache_backend_timed(ce, io);
-	uint64_t loss = atomic_load(&ce->backend->loss_seq);
-	if (result >= 0 && loss == job->side_loss) {
-		if (job->side_covered > atomic_load(&ce->backend_writes_flushed))
-			atomic_store(&ce->backend_writes_flushed, job->side_covered);
-		if (job->side_direct > atomic_load(&ce->direct_writes_flushed))
-			atomic_store(&ce->direct_writes_flushed, job->side_direct);
-		unstable_settle_all(ce, job->side_covered, false);
-		cache_shadow_trim(ce, job->side_covered);
-		writeback_note_success(ce);
-	} else {
-		if (result < 0) {
-			atomic_fetch_add(&ce->counters.backend_flush_errors, 1);
-			pthread_mutex_lock(&ce->lock);
-			writeback_note_failure_locked(ce, result, "a backend flush");
-			pthread_mutex_unlock(&ce->lock);
-		}
+	if (!flush_settled(job->wb, ce, result, job->side_loss, job->side_covered,
+			   job->side_direct) &&
+	    !job->error)
 		/* The direct writes the FLUSHes cover may be gone from the
-		 * backend: they fail (and every connection's next FLUSH says so,
-		 * lost_unflushed), whatever the log holds. */
-		if (loss != ce->loss_seen) {
-			ce->loss_seen = loss;
-			lost_unflushed(job->wb, ce);
-		}
-		if (!job->error)
-			job->error = result < 0 ? result : -EIO;
-	}
+		 * backend: written again (or reported) before the next flush
+		 * (lost_unflushed); these FLUSHes fail. */
+		job->error = result < 0 ? result : -EIO;
 	job->side_pending = false;
 	if (job->end_due) {
 		job->end_due = false;
@@ -367,29 +380,11 @@ static void flush_backend_done(struct backend_io *io, int result)
 	struct flush_job *job = (struct flush_job *)((char *)io - offsetof(struct flush_job, flush_io));
 	struct cache_export *ce = job->ce;
 	cache_backend_timed(ce, io);
-	uint64_t loss = atomic_load(&ce->backend->loss_seq);
 	job->stage = 2;
-	if (result >= 0 && loss == job->loss_at_send) {
-		uint64_t flushed = atomic_load(&ce->backend_writes_flushed);
-		if (job->writes_covered > flushed)
-			atomic_store(&ce->backend_writes_flushed, job->writes_covered);
-		if (job->direct_covered > atomic_load(&ce->direct_writes_flushed))
-			atomic_store(&ce->direct_writes_flushed, job->direct_covered);
-		unstable_settle_all(ce, job->writes_covered, false);
-		cache_shadow_trim(ce, job->writes_covered);
-		writeback_note_success(ce);
-	} else {
-		if (result < 0) {
-			atomic_fetch_add(&ce->counters.backend_flush_errors, 1);
-			pthread_mutex_lock(&ce->lock);
-			writeback_note_failure_locked(ce, result, "a backend flush");
-			pthread_mutex_unlock(&ce->lock);
-		}
-		ce->loss_seen = loss;
-		lost_unflushed(job->wb, ce);
-		if (result < 0 || !round_retry(job))
-			job->error = result < 0 ? result : -EIO;
-	}
+	if (!flush_settled(job->wb, ce, result, job->loss_at_send, job->writes_covered,
+			   job->direct_covered) &&
+	    (result < 0 || !round_retry(job)))
+		job->error = result < 0 ? result : -EIO;
 	if (!job->advancing) {
 		if (job->stage == 2)
 			flush_job_end(job);
