@@ -790,7 +790,7 @@ def l2_unflushed(tmp, use):
             h = nbdtest.libnbd_handle(d.unix_uri("disk"))
             got = h.pread(MIB, y)
             l2 = device_stats(d)["l2"]
-            if got == bytes(MIB):
+            if got == bytes(MIB) and r != bytes(MIB):
                 CHECKS.add("cache-device-use %s: a read after the backend lost the "
                            "WRITE_ZEROES returns its zeros (level-2 hits %d, %d bytes; %d "
                            "bytes loaded at start): the level-2 map claimed bytes the "
