@@ -194,7 +194,7 @@ unit: $(UNIT_BIN)
 # a limited one 50% from its rate alone (15% in make check: the i386 chroot
 # swung 24-31% both ways in three tries). cache_device_l2's crash rounds (3 of each kind; 1) stay a
 # round of every kind: SIGKILL after writes, at once after a FLUSH, power
-# cuts. The cache device crash families (cache_device_crash_fault,
+# cuts. The cache device crash families (cache_device_crash_fault, _drain,
 # _backend, _resize: 5 trials each in make check) run 3 each
 # (CRASH_FAMILY_TRIALS), 2 under TSan.
 SHORT_REPEATS = CRASH_TRIALS=12 CRASH_FAMILY_TRIALS=3 RUNS=5 RUNS9=1 CACHE_COMPACT_SECONDS=10 \

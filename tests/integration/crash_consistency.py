@@ -145,12 +145,38 @@ many FLUSHes were answered with an error in between.
   checked as initially zero (the same model: zeros or what was written
   there), and a file of the old size is checked without the requests
   past the old end. A failure names the resize's stage at the kill.
+
+  "drain" (cache_device_crash_drain.py; issue 40): no event during the
+  load, a crash in the replay instead. The backend file lies on a
+  faultfs of its own (the daemons all name it by the same path, so the
+  device's record of the backend's identity holds), the profile is lazy
+  in half the trials (so that the load leaves the log more to drain), a
+  trial with neither FLUSH nor FUA gets FLUSHes (FLUSH_WEIGHTS 1, 2 or
+  5), and the kill is 0.3 to 1.5 s into the load. After the SIGKILL (and the
+  device's power loss in half the trials), the first replay's daemon
+  runs over a slow backend: every operation of the backend's faultfs
+  sleeps 5, 10 or 20 ms first ("delay-ms"), so the drain of the live log
+  takes a while. Once its stats show the drain under way
+  (replay_pending_bytes > 0; a file backend's drain is one group, of up
+  to 64 MiB: replay_drained_bytes moves only at its end, so the point is
+  measured by the bytes of WRITEs the backend's faultfs took since the
+  start, against the "N bytes of data to write back" of the daemon's
+  log) it gets SIGKILL at drain_frac (0.02 to 1) of them written (at
+  once when the log holds only zeros and trims), and in half the trials
+  the device a power loss right after (both
+  faultfs settled first). Then the second replay's daemon, the backend's
+  delay off, drains the log (its stats: pending 0, the drain's time
+  set) and gets SIGTERM, and the backend file is checked. The log says
+  how many bytes were pending at the drain's SIGKILL and how many the
+  backend had taken; a log with nothing to drain is said, and the trial
+  goes on.
 """
 
 import errno
 import os
 import queue
 import random
+import re
 import select
 import signal
 import subprocess
@@ -179,7 +205,7 @@ MODE = os.environ.get("CRASH_MODE", "") or (
     "both" if faults and os.path.exists("/dev/fuse") else "kill")
 # The families of cache device trials with an event during the load (see
 # the docstring): each a mode of its own, run by its own entry file.
-FAMILIES = ("device-fault", "backend-loss", "resize")
+FAMILIES = ("device-fault", "backend-loss", "resize", "drain")
 DEVICE_MODES = ("device",) + FAMILIES
 TRIALS = int(os.environ.get("CRASH_TRIALS", "5" if MODE in FAMILIES else
                             "30" if MODE == "kill" else "40"))
@@ -193,6 +219,7 @@ DEVICE_SIZE = 96 * MIB       # device mode: the cache device (log and level-2 ar
 EVENTS_JOIN = 90             # seconds an event thread may take to end after the kill
 SMALL_PROFILES = ("default", "eager", "tight")   # backend-loss: caches of 2 or 4 MiB
 MAX_RSS = 2 << 30            # this process's memory: a leak ends the run
+DRAIN_WAIT = 30              # drain: seconds the first replay's drain may take to reach its kill
 INF = float("inf")
 
 # name -> (cache size, daemon options)
@@ -415,17 +442,43 @@ def self_test(got, initial, ops, flush_mark):
     return False
 
 
-def settle(fs):
+# the drain's plan at the start of a daemon (its log)
+START_LINE = (r"(\d+) batch\(es\), (\d+) record\(s\), (\d+) bytes of data to write back")
+
+
+def device_stats(d):
+    """The cache device's stats of daemon `d` (its control socket)."""
+    return nbdtest.control_request(d.control, {"command": "stats"},
+                                   timeout=10)["cache"]["cache_device"]
+
+
+def drained(d, what, timeout=60):
+    """Wait until the live log daemon `d` found at start is all on the
+    backends (as tests/integration/cache_device.py's): its device stats."""
+    st = None
+    for _ in range(int(timeout * 10)):
+        st = device_stats(d)
+        if st["replay_pending_bytes"] == 0 and (st["replay_drain_ns"] or
+                                                not st["replay_drained_bytes"]):
+            return st
+        time.sleep(0.1)
+    raise Failed("%s: the log found at start was not written back in %d s: %s"
+                 % (what, timeout, st))
+
+
+def settle(fs, step=0.02, undo=True):
     """A request of the dead daemon that faultfs had already taken may
-    still be carried out: wait until its counters stop moving, so that
-    nothing lands after the check or the power loss. The counters."""
+    still be carried out: wait until its counters stop moving (for `step`
+    seconds: more than an operation's delay-ms), so that nothing lands
+    after the check or the power loss. The counters. undo: its undo log
+    (for a power loss) must not have overflowed."""
     c = fs.counters()
     for _ in range(100):
-        time.sleep(0.02)
+        time.sleep(step)
         c, before = fs.counters(), c
         if c == before:
             break
-    require(not c.get("undo_overflow"), "faultfs's undo log overflowed: %r" % c)
+    require(not undo or not c.get("undo_overflow"), "faultfs's undo log overflowed: %r" % c)
     return c
 
 
@@ -528,6 +581,8 @@ class Trial:
         self.family_note = ""
         self.loss_armed = False
         self.loss_go = threading.Event()
+        self.drain_note = ""            # drain: what the first replay's kill found
+        self.drain_pending = None       # drain: replay_pending_bytes at its kill
         if mode in FAMILIES:
             self.init_family(r)
 
@@ -568,6 +623,23 @@ class Trial:
                 self.kill_after = self.resize_at + 1.5    # if the phase never comes
                 self.kill_at_once = True
             self.inflight.append(0)     # the connection made after the grow
+        elif self.mode == "drain":
+            # a lazy profile in half the trials, and a load of 0.3 s or more,
+            # so that the log has something to drain
+            if r.random() < 0.5:
+                self.profile = "lazy"
+            self.kill_after = r.uniform(0.3, 1.5)
+            # neither FLUSH nor FUA leaves the log nothing to drain
+            if self.flush_weight == 0 and self.fua_rate == 0:
+                self.flush_weight = r.choice((1, 2, 5))
+                self.kinds = [kd for kd, w in WEIGHTS + (("flush", self.flush_weight),)
+                              for _ in range(w)]
+            # the first replay: the backend's operations slowed by this much
+            # each, SIGKILL at this fraction of its pending bytes written, a
+            # power loss of the device right after
+            self.drain_delay_ms = r.choice((5, 10, 20))
+            self.drain_frac = r.uniform(0.02, 1.0)
+            self.drain_power_loss = r.random() < 0.5
 
     def name(self):
         return "trial %d (seed %d, %s%s, bs %d, %s, depth %d, flush %d%%, fua %d%%, kill %s%.3fs)" % (
@@ -595,6 +667,10 @@ class Trial:
                 "by the timer" if self.kill_phase == "timer" else
                 "%.3fs into nbdcachectl" % self.during_delay if self.kill_phase == "during"
                 else "when " + self.kill_phase)
+        if self.mode == "drain":
+            return ", replay over a backend delayed %d ms, killed at %d%% of its drain%s" % (
+                self.drain_delay_ms, round(self.drain_frac * 100),
+                " then a device power loss" if self.drain_power_loss else "")
         return ""
 
     def tick(self):
@@ -997,6 +1073,11 @@ class Trial:
             # the image on a faultfs of its own: a cut rolls it back alone
             self.bfs = faults.FaultFS(os.path.join(tmp, "backendfs"))
             path = self.image = self.bfs.source("disk.img")
+        elif self.mode == "drain":
+            # the image on a faultfs of its own: delay-ms slows the first
+            # replay's drain (every daemon names it by the same path)
+            self.bfs = faults.FaultFS(os.path.join(tmp, "backendfs"))
+            path = self.image = self.bfs.source("disk.img")
         else:
             self.prepare(path)
         with faults.FaultFS(os.path.join(tmp, "faultfs")) as fs:
@@ -1015,14 +1096,22 @@ class Trial:
                     self.kit = faults.NbdkitFault(tmp, self.bfs.path("disk.img"), name="backend")
                     self.spawner = Spawner()
                     serve = self.kit.uri()
+                elif self.mode == "drain":
+                    self.bfs.start()
+                    self.prepare(path)
+                    serve = self.bfs.path("disk.img")
                 self.crash(serve, tmp, extra)
                 c = settle(fs)
                 fs.set("ok")
                 if self.mode == "backend-loss":
                     self.backend_power_cut("after the daemon's SIGKILL")
                     self.kit.start()
+                if self.mode == "drain":
+                    settle(self.bfs, undo=False)    # the killed daemon's backend writes
                 if self.device_power_loss:
                     fs.power_loss()
+                if self.mode == "drain":
+                    self.drain_crash(tmp, serve, extra)
                 cache, args = PROFILES[self.profile]
                 workdir = os.path.join(tmp, "replay")
                 os.mkdir(workdir)
@@ -1038,7 +1127,11 @@ class Trial:
                 except Failed as e:
                     raise Failed("%s%s" % (e, self.event_summary()))
                 t2 = time.monotonic()
-                if self.mode in FAMILIES:
+                if self.mode == "drain":
+                    st = drained(d, "the second replay")
+                    self.drain_note += "; the second replay drained %d bytes in %.2fs" % (
+                        st["replay_drained_bytes"], st["replay_drain_ns"] / 1e9)
+                elif self.mode in FAMILIES:
                     # SIGTERM once the drain is done (during it the stop
                     # waits 5 s and retries; the device mode covers that)
                     for _ in range(300):
@@ -1068,10 +1161,104 @@ class Trial:
                     t2 - t1, t3 - t2)
         return self.verify(path, "after the replay")
 
+    def drain_crash(self, tmp, serve, extra):
+        """drain: the first replay's daemon over the backend's faultfs with
+        every operation delayed drain_delay_ms, SIGKILLed once drain_frac of
+        the bytes pending at its start went to the backend (or its drain
+        ended, or DRAIN_WAIT passed); both faultfs settled, then in half the
+        trials a power loss of the device. The device's faultfs counters
+        (for the power note)."""
+        fs, bfs = self.fs, self.bfs
+        cache, args = PROFILES[self.profile]
+        workdir = os.path.join(tmp, "drain")
+        os.mkdir(workdir)
+        bfs.set("delay-ms %d" % self.drain_delay_ms)
+        base = bfs.counters().get("bytes_written", 0)
+        t1 = time.monotonic()
+        try:
+            d = nbdtest.CheckedDaemon([("disk", serve, "")], threads=2, workdir=workdir,
+                                      extra=["--cache-mode", "writeback", "--cache-size", cache,
+                                             "--block-size", str(self.bs)] + args + extra,
+                                      tcp=False, what="the cache device after the crash "
+                                      "(the first replay, a slow backend)")
+        except Failed as e:
+            raise Failed("%s%s" % (e, self.event_summary()))
+        started = time.monotonic() - t1
+        st = None
+        wrote = 0
+        try:
+            st = first = device_stats(d)
+            how = None
+            if first["replay_pending_bytes"] == 0:
+                how = ("nothing to drain" if not first["replay_drained_bytes"] else
+                       "its drain over before the first stats (%d bytes drained)"
+                       % first["replay_drained_bytes"])
+            # The point of the drain: the bytes of WRITEs the backend's faultfs
+            # took, of the log's "N bytes of data to write back" (a file
+            # backend's drain is one group: replay_drained_bytes moves at its
+            # end only; its WRITE_ZEROES and TRIM pieces are no writes there).
+            data = None
+            for _ in range(DRAIN_WAIT * 200):
+                if how is not None:
+                    break
+                if data is None:
+                    m = re.search(START_LINE, d.log_text())
+                    data = int(m.group(3)) if m else None
+                st = device_stats(d)
+                wrote = bfs.counters().get("bytes_written", 0) - base
+                if st["replay_pending_bytes"] == 0:
+                    how = "its drain over before the kill (%d bytes drained)" % (
+                        st["replay_drained_bytes"])
+                elif data == 0:
+                    how = "no data to write back, %d bytes of zeros and trims" % (
+                        st["replay_pending_bytes"])
+                elif data is not None and wrote >= self.drain_frac * data:
+                    how = "%d%% of the drain's data written" % min(100, wrote * 100 // data)
+                elif time.monotonic() - t1 > DRAIN_WAIT:
+                    how = "its drain not at %d%% after %ds" % (round(self.drain_frac * 100),
+                                                               DRAIN_WAIT)
+                else:
+                    time.sleep(0.005)
+            t_kill = time.monotonic() - t1
+            d.kill()                    # SIGKILL by PID, reaped
+        finally:
+            d.kill()
+            text = d.log_text()
+            d.logf.close()
+        if "Sanitizer" in text or "runtime error:" in text:
+            log(text[-8000:])
+            raise Failed("sanitizer report in the first replay's daemon log")
+        bfs.set("ok")                   # (also its delay off)
+        settle(bfs, step=max(0.02, 0.003 * self.drain_delay_ms), undo=False)
+        took = bfs.counters().get("bytes_written", 0) - base
+        c = settle(fs)
+        if self.drain_power_loss:
+            fs.power_loss()
+        self.drain_pending = st["replay_pending_bytes"] if st else None
+        planned = [ln.split("info: ", 1)[-1] for ln in text.splitlines()
+                   if "to write back" in ln or "on the backends:" in ln]
+        warned = [ln for ln in text.splitlines() if "warn" in ln or "error" in ln]
+        self.drain_note = (
+            "started in %.2fs with %d bytes pending; SIGKILL %.2fs after its start (%s) with "
+            "%d bytes pending, %d drained (stats); the backend took %d bytes from it "
+            "(%d by the kill's poll); %s; %s%s"
+            % (started, first["replay_pending_bytes"] if st else -1, t_kill, how,
+               self.drain_pending if st else -1, st["replay_drained_bytes"] if st else -1,
+               took, wrote, "then a device power loss (%d fsyncs before)" % c.get(
+                   "fsyncs_ok", -1) if self.drain_power_loss else "no device power loss",
+               "; ".join(planned) if planned else "its log says nothing to write back",
+               "; %d warning(s)/error(s), the first: %s" % (len(warned), warned[0][:300])
+               if warned else ""))
+        log("  drain kill: %d bytes pending at the SIGKILL (%s)" % (
+            self.drain_pending if st else -1, how))
+        return c
+
     def event_summary(self):
         """The family's events, for a failure message."""
         if self.mode == "resize":
             return " (resize at the kill: %s)" % self.resize_stage
+        if self.mode == "drain":
+            return " (the first replay: %s)" % (self.drain_note or "not run")
         if self.event_notes:
             return " (events: %s)" % "; ".join(self.event_notes)
         return " (no event before the kill)" if self.mode in FAMILIES else ""
@@ -1204,6 +1391,9 @@ class Trial:
             for k, v in sorted(lat.items())))
         if self.mode in FAMILIES:
             flushed_after = 0
+            if self.mode == "drain":
+                log("    the first replay: %s" % (self.drain_note or "not run"))
+                return
             if self.mode == "resize":
                 what = "resize at the kill: %s" % self.resize_stage
                 new = [op for op in self.ops if op.conn >= CONNS]
@@ -1331,7 +1521,9 @@ def main():
             "device%s), %d bytes checked, %.1fs"
             % (done[MODE], MODE, {"device-fault": "the device failing part way through a commit",
                                   "backend-loss": "backend power cuts during the load",
-                                  "resize": "the export grown during the load"}[MODE],
+                                  "resize": "the export grown during the load",
+                                  "drain": "SIGKILL of the replay during its drain, half of them "
+                                           "with a power loss of the device then"}[MODE],
                ", always of the backend" if MODE == "backend-loss" else "", checked,
                time.monotonic() - t0))
     else:
