@@ -105,6 +105,16 @@ def inherited(d, img):
         time.sleep(0.05)
     expect(len(fresh) == 1, "no new nbdkit child after the old one was killed: %r" % fresh)
     new = fresh.pop()
+    # Until it has exec'd nbdkit, the child is the daemon's fork and holds
+    # all it holds (close-on-exec has not acted yet): wait for the exec.
+    mine = os.readlink("/proc/%d/exe" % d.pid)
+    for _ in range(500):
+        try:
+            if os.readlink("/proc/%d/exe" % new) != mine:
+                break
+        except OSError:
+            break
+        time.sleep(0.01)
     shared = held(new) & held(d.pid)
     expect(not shared, "the new nbdkit (pid %d) holds what the daemon has open: %r"
            % (new, sorted(shared)))

@@ -246,11 +246,15 @@ def detached(tmp):
         if r % 2 and appeared:
             spin(0.0002)
         # Only while the process that started is there: a signal after it
-        # handed over to its child and exited stops nothing, by design.
+        # handed over to its child and exited stops nothing, by design. It
+        # hands over once the child serves, which writes the pidfile just
+        # before: a signal sent after that may come too late (the process
+        # may exit before it takes it), and is not counted.
+        ready = os.path.exists(s.pidfile) and open(s.pidfile).read().strip()
         if s.proc.poll() is None:
             s.term()
-            sent += 1
-            was_sent = True
+            was_sent = not ready
+            sent += was_sent
         else:
             was_sent = False
         rc = s.wait()
