@@ -120,6 +120,10 @@ def main():
                 try:
                     require(nbdtest.wait_until(lambda: os.path.exists(b), 10),
                             "no socket %s from the config file" % b)
+                    # The socket is bound, then given its mode (0 until then,
+                    # as tight as it gets): wait for the mode, not the name.
+                    nbdtest.wait_until(
+                        lambda: stat.S_IMODE(os.stat(b).st_mode) == 0o600, 10)
                     sb = os.stat(b)
                     log("  %s: %o" % (b, stat.S_IMODE(sb.st_mode)))
                     require(stat.S_ISSOCK(sb.st_mode) and stat.S_IMODE(sb.st_mode) == 0o600,
