@@ -131,7 +131,20 @@ class Service:
         return reply
 
     def stop(self):
-        rc = nbdtest.stop_pid(self.pid())
+        pid = self.pid()
+
+        def adopted():
+            # The new daemon is this process's (a subreaper's) child only
+            # once the old one has exited, which a slow build (TSan) takes
+            # a while over after handing over.
+            nbdtest.reap_children()
+            try:
+                with open("/proc/%d/stat" % pid) as f:
+                    return int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+            except (OSError, ValueError, IndexError):
+                return True
+        nbdtest.wait_until(adopted, 30)
+        rc = nbdtest.stop_pid(pid)
         nbdtest.reap_children()
         text = self.log_text()
         expect("Sanitizer" not in text and "runtime error:" not in text,
