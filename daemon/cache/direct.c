@@ -119,6 +119,23 @@ static void find_writeback(struct cache_entry *e, void *arg)
 		*(bool *)arg = true;
 }
 
+int cache_range_writing(struct cache_export *ce, uint64_t offset, uint64_t length, bool *writing)
+{
+	*writing = false;
+	return length ? cache_for_each_entry(ce, offset, length, find_writeback, writing) : 0;
+}
+
+void cache_direct_unlink(struct cache_export *ce, struct cache_op *op)
+{
+	pthread_mutex_lock(&ce->lock);
+	struct cache_op **pp = &ce->direct;
+	while (*pp != op)
+		pp = &(*pp)->direct_next;
+	*pp = op->direct_next;
+	pthread_mutex_unlock(&ce->lock);
+	cache_waitq_wake(ce->cache);
+}
+
 /* Apply a finished step of a direct operation to one entry (shard lock
  * held). */
 static void direct_apply(struct cache_entry *e, void *arg)
@@ -231,15 +248,8 @@ static void direct_populate(struct cache_op *op)
 
 static void direct_unregister(struct cache_op *op)
 {
-	struct cache_export *ce = op->ce;
-	pthread_mutex_lock(&ce->lock);
-	struct cache_op **pp = &ce->direct;
-	while (*pp != op)
-		pp = &(*pp)->direct_next;
-	*pp = op->direct_next;
-	pthread_mutex_unlock(&ce->lock);
+	cache_direct_unlink(op->ce, op);
 	op->registered = false;
-	cache_waitq_wake(ce->cache);
 }
 
 static void direct_done(struct backend_io *io, int result)
@@ -416,11 +426,8 @@ void direct_step(struct cache_op *op)
 		op->stage = 1;
 		/* fall through */
 	case 1: { /* no writeback in flight over the step */
-		bool writing = false;
-		int rc = op->step_length
-			     ? cache_for_each_entry(ce, op->step_offset, op->step_length,
-						    find_writeback, &writing)
-			     : 0;
+		bool writing;
+		int rc = cache_range_writing(ce, op->step_offset, op->step_length, &writing);
 		if (rc < 0) {
 			direct_unregister(op);
 			op_finish(op, rc);

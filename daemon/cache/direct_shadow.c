@@ -156,15 +156,9 @@ static void pass_waiter_task(struct worker_task *task)
 
 static void unregister(struct shadow_pass *p)
 {
-	struct cache_export *ce = p->ce;
 	if (!p->registered)
 		return;
-	pthread_mutex_lock(&ce->lock);
-	struct cache_op **pp = &ce->direct;
-	while (*pp != &p->reg)
-		pp = &(*pp)->direct_next;
-	*pp = p->reg.direct_next;
-	pthread_mutex_unlock(&ce->lock);
+	cache_direct_unlink(p->ce, &p->reg);
 	p->registered = false;
 }
 
@@ -254,15 +248,8 @@ static void pass_done(struct backend_io *io, int result)
 			t->redo = true;
 	ce->shadow_rewritten++;
 	pthread_mutex_unlock(&ce->lock);
-	unregister(p);
-	cache_waitq_wake(ce->cache);
+	unregister(p); /* (wakes the waiters) */
 	pass_advance(p);
-}
-
-static void find_writeback(struct cache_entry *e, void *arg)
-{
-	if (cache_entry_writeback(e))
-		*(bool *)arg = true;
 }
 
 static void pass_advance(struct shadow_pass *p)
@@ -295,8 +282,8 @@ static void pass_advance(struct shadow_pass *p)
 		ce->direct = &p->reg;
 		p->registered = true;
 		pthread_mutex_unlock(&ce->lock);
-		bool writing = false;
-		if (cache_for_each_entry(ce, s->offset, s->length, find_writeback, &writing) < 0)
+		bool writing;
+		if (cache_range_writing(ce, s->offset, s->length, &writing) < 0)
 			writing = true; /* (no memory to look: again in a while) */
 		if (writing) {
 			unregister(p);

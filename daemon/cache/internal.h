@@ -734,21 +734,25 @@ static inline bool cache_fill_unproven(struct cache_export *ce)
 	return atomic_load(&ce->direct_write_seq) > atomic_load(&ce->backend_writes_flushed);
 }
 
+/* *a = max(*a, v), without a lock. */
+static inline void cache_atomic_max(atomic_uint_fast64_t *a, uint64_t v)
+{
+	uint64_t cur = atomic_load(a);
+	while (cur < v && !atomic_compare_exchange_weak(a, &cur, v))
+		;
+}
+
 /* A direct write the cache does not keep a copy of (direct_shadow.c). */
 static inline void cache_note_unshadowed(struct cache_export *ce, uint64_t seq)
 {
-	uint64_t cur = atomic_load(&ce->unshadowed_seq);
-	while (cur < seq && !atomic_compare_exchange_weak(&ce->unshadowed_seq, &cur, seq))
-		;
+	cache_atomic_max(&ce->unshadowed_seq, seq);
 }
 
 /* A write went to the backend directly: backend_writes_done was seq
  * after it (cache_fill_unproven). */
 static inline void cache_note_direct_seq(struct cache_export *ce, uint64_t seq)
 {
-	uint64_t cur = atomic_load(&ce->direct_write_seq);
-	while (cur < seq && !atomic_compare_exchange_weak(&ce->direct_write_seq, &cur, seq))
-		;
+	cache_atomic_max(&ce->direct_write_seq, seq);
 }
 
 static inline struct cache_entry *cache_entry_at(const struct cache *c, uint32_t i)

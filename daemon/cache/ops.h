@@ -36,6 +36,11 @@ void op_submit(struct cache_op *op);
 /* direct.c: is a direct operation in flight over [offset, offset+length)?
  * Export lock held. */
 bool cache_direct_overlaps(struct cache_export *ce, uint64_t offset, uint64_t length);
+/* direct.c, for direct_shadow.c: is a writeback in flight over the range
+ * (-ENOMEM: no memory to look)? op (a registered range) leaves the export's
+ * list, and the waiters are woken. */
+int cache_range_writing(struct cache_export *ce, uint64_t offset, uint64_t length, bool *writing);
+void cache_direct_unlink(struct cache_export *ce, struct cache_op *op);
 /* direct_shadow.c (below), for the flush rounds. */
 
 /* ---- direct_shadow.c: direct steps kept until a backend flush covers
