@@ -268,6 +268,17 @@ static void pass_advance(struct shadow_pass *p)
 			pass_end(p, 0);
 			return;
 		}
+		/* A shrink since cut it off (a resize refuses only dirty and
+		 * unstable blocks past the end): nothing of it past the end is
+		 * written again, which would grow a file back. */
+		uint64_t size = atomic_load(&ce->size);
+		if (s->offset >= size) {
+			s->redo = false;
+			pthread_mutex_unlock(&ce->lock);
+			continue;
+		}
+		if (s->length > size - s->offset)
+			s->length = size - s->offset;
 		/* A direct step over it in flight: its own step is newer, and
 		 * is written again after this one (pass_done). */
 		if (cache_direct_overlaps(ce, s->offset, s->length)) {
