@@ -277,8 +277,11 @@ static void pass_advance(struct shadow_pass *p)
 			pthread_mutex_unlock(&ce->lock);
 			continue;
 		}
-		if (s->length > size - s->offset)
+		if (s->length > size - s->offset) {
+			if (s->cmd == BACKEND_WRITE)
+				ce->shadow_bytes -= s->length - (size - s->offset);
 			s->length = size - s->offset;
+		}
 		/* A direct step over it in flight: its own step is newer, and
 		 * is written again after this one (pass_done). */
 		if (cache_direct_overlaps(ce, s->offset, s->length)) {
