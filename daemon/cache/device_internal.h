@@ -1,7 +1,8 @@
 /*
  * daemon/cache/device_internal.h: what the cache device's files share
  * (device.h is the interface): device.c opens, starts and closes it
- * (device_claim.c: its lock and mode),
+ * (device_claim.c: its lock and mode; device_resize.c: its part in a
+ * resize),
  * device_replay.c reads its live log, binds it to the exports and plans
  * its write-back at start, device_drain.c writes it back while the
  * exports are served, device_log.c appends, commits and checkpoints;

@@ -254,65 +254,6 @@ int cache_device_retire(struct cache_device *d, struct cache_export *ce, uint64_
 	return rc;
 }
 
-/* Wait (blocking, bounded) until rec is durable: 0, or -errno. */
-static int wait_durable(struct cache_device *d, uint64_t rec)
-{
-	for (unsigned ms = 0; ms < 60000; ms++) {
-		pthread_mutex_lock(&d->lock);
-		int rc = d->detached || rec <= d->durable ? 0 : d->failed ? -EIO : 1;
-		if (rc > 0 && rec > d->want) {
-			d->want = rec;
-			pthread_cond_signal(&d->cond);
-		}
-		pthread_mutex_unlock(&d->lock);
-		if (rc <= 0)
-			return rc;
-		struct timespec ts = {0, 1000000};
-		nanosleep(&ts, NULL);
-	}
-	return -ETIMEDOUT;
-}
-
-int cache_device_resize(struct cache_device *d, struct cache_export *ce, uint64_t old,
-			uint64_t size)
-{
-	if (ce->device_slot < 0)
-		return 0;
-	if (size < old && (d->use & CACHE_DEVICE_USE_LOG)) {
-		/* Nothing past the new end is dirty or unstable (the resize
-		 * refuses that): its bytes are the backend's, and none of its
-		 * older records may come back there, even after the export
-		 * grows again. */
-		uint64_t rec = cache_device_append(d, ce, DEVFMT_EXTENT_CLEAN, size,
-						   DEV_RETIRED_LENGTH - size, NULL);
-		int rc = rec ? wait_durable(d, rec) : 0;
-		if (rc < 0) {
-			log_error("cache device %s: export \"%s\": the record of its new end could "
-				  "not be made durable: %s; the resize is refused",
-				  d->path, d->slots[ce->device_slot].cfg.name, strerror(-rc));
-			return rc;
-		}
-	}
-	pthread_mutex_lock(&d->lock);
-	struct dev_slot *s = &d->slots[ce->device_slot];
-	bool own = s->ce == ce;
-	if (own)
-		s->id.size = s->cfg.size = size;
-	pthread_mutex_unlock(&d->lock);
-	if (!own)
-		return 0;
-	/* Recorded before the resize is answered: a start after a crash
-	 * finds the size the backend has (a crash before this: a size that
-	 * differs is replayed all the same, device_replay.c). */
-	pthread_mutex_lock(&d->sb_lock);
-	int rc = dev_sb_update(d, false);
-	pthread_mutex_unlock(&d->sb_lock);
-	if (rc < 0)
-		log_error("cache device %s: export \"%s\": recording its new size: %s", d->path,
-			  s->cfg.name, strerror(-rc));
-	return rc;
-}
-
 void cache_device_covered(struct cache_device *d, struct cache_export *ce, uint64_t rec)
 {
 	pthread_mutex_lock(&d->lock);
