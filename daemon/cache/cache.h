@@ -26,6 +26,8 @@
  *   evict lock  ->  arena lock    (cache_alloc_evicting,
  *                                  cache_entry_destroy)
  *   evict lock  ->  another shard's lock: try-lock only (evict_one)
+ *   export lock ->  cache device lock (flush_log_clean appends its
+ *                   records under the export lock: device.h)
  *
  *   Never the reverse: the evict lock is not taken under an export lock,
  *   nor a shard lock under an export or evict lock (but by try-lock); the
@@ -157,6 +159,9 @@ struct cache_op {
 	int stage;
 	size_t pieces_cap;
 	bool registered; /* direct op: its range is in the export's list */
+	/* Direct step, export lock: its record is in the cache device's
+	 * log, or about to be (direct.c: step_log). */
+	bool step_logged;
 	bool counted;	 /* hit / miss already counted */
 	bool some_cached; /* a piece was all uptodate when it was pinned */
 	bool swapped;	  /* cache_write_end: fresh frames became an entry's */

@@ -113,6 +113,18 @@ bool cache_direct_overlaps(struct cache_export *ce, uint64_t offset, uint64_t le
 	return false;
 }
 
+const struct cache_op *cache_direct_logged_first(struct cache_export *ce, uint64_t offset,
+						  uint64_t length)
+{
+	const struct cache_op *first = NULL;
+	for (const struct cache_op *d = ce->direct; d; d = d->direct_next)
+		if (d->step_logged && d->step_offset < offset + length &&
+		    offset < d->step_offset + d->step_length &&
+		    (!first || d->step_offset < first->step_offset))
+			first = d;
+	return first;
+}
+
 static void find_writeback(struct cache_entry *e, void *arg)
 {
 	if (cache_entry_writeback(e))
@@ -283,7 +295,10 @@ static void direct_done(struct backend_io *io, int result)
  * it is applied and while its range is registered, so that the log has
  * it in the order the cache changed: a FLUSH round copies the blocks it
  * touched only once it is applied (it waits for a registered range), a
- * record of them copied before is older than this one.
+ * record of them copied before is older than this one. Until it is
+ * applied the cache holds the bytes from before it there: step_logged
+ * (set first) keeps a flush's records of them (flush_log_clean) from
+ * landing after this one, where a replay would put them back over it.
  */
 static void step_log(struct cache_op *op)
 {
@@ -291,6 +306,9 @@ static void step_log(struct cache_op *op)
 	struct cache_device *d = ce->cache->device;
 	if (!d || ce->device_slot < 0)
 		return;
+	pthread_mutex_lock(&ce->lock);
+	op->step_logged = true;
+	pthread_mutex_unlock(&ce->lock);
 	unsigned type = op->cmd == BACKEND_WRITE  ? DEVFMT_EXTENT_DATA
 			: op->cmd == BACKEND_TRIM ? DEVFMT_EXTENT_TRIM
 						  : DEVFMT_EXTENT_ZERO;
@@ -419,6 +437,7 @@ void direct_step(struct cache_op *op)
 			op_wait(op, seq);
 			return;
 		}
+		op->step_logged = false;
 		op->direct_next = ce->direct;
 		ce->direct = op;
 		pthread_mutex_unlock(&ce->lock);

@@ -14,11 +14,38 @@
 #include "daemon/log.h"
 
 /*
+ * Append a record of [offset, +length) (data: the cache's bytes there, or
+ * NULL for CLEAN) but for the bytes under a direct step whose record is
+ * in the log already (cache_direct_logged_first): until the step is
+ * applied, the cache holds the bytes from before it there, and a record
+ * of them appended after the step's would put them back over what the
+ * step wrote at a replay (a FUA write's, acknowledged). The step's record
+ * covers those bytes. Export lock held, across the appends: a step not
+ * logged yet when they are checked logs after them.
+ */
+static void append_outside_steps(struct cache_device *dev, struct cache_export *ce, uint64_t offset,
+				 uint64_t length, const uint8_t *data)
+{
+	uint64_t end = offset + length;
+	while (offset < end) {
+		const struct cache_op *s = cache_direct_logged_first(ce, offset, end - offset);
+		uint64_t stop = s && s->step_offset > offset ? s->step_offset : s ? offset : end;
+		if (stop > offset)
+			cache_device_append(dev, ce, data ? DEVFMT_EXTENT_DATA : DEVFMT_EXTENT_CLEAN,
+					    offset, stop - offset, data);
+		if (data)
+			data += (s ? s->step_offset + s->step_length : end) - offset;
+		offset = s ? s->step_offset + s->step_length : end;
+	}
+}
+
+/*
  * With a cache device: e's blocks that a backend flush just made durable
  * (up to date, neither dirty nor being written) are on the backend as the
  * cache holds them, and a record of them in the log, older than this, must
  * not be replayed over them: a CLEAN record says so (device.h). Shard
- * lock held, so that a later write of them is logged after it.
+ * lock held, so that a later write of them is logged after it; the
+ * export lock taken for the appends (append_outside_steps).
  */
 void flush_log_clean(struct cache_export *ce, struct cache_entry *e)
 {
@@ -36,6 +63,7 @@ void flush_log_clean(struct cache_export *ce, struct cache_entry *e)
 	 * bytes as the cache holds them go into the log instead. */
 	bool data = e->unproven;
 	const uint8_t *mem = data ? arena_address(&ce->cache->arena, e->frame) : NULL;
+	pthread_mutex_lock(&ce->lock);
 	for (uint32_t b = 0; b <= nblocks; b++) {
 		bool take = b < nblocks && map_test(uptodate, b) && !map_test(dirty, b) &&
 			    !map_test(busy, b);
@@ -43,12 +71,12 @@ void flush_log_clean(struct cache_export *ce, struct cache_entry *e)
 			run = b;
 		if (!take && run != UINT32_MAX) {
 			uint64_t off = (uint64_t)run << ce->block_shift;
-			cache_device_append(dev, ce, data ? DEVFMT_EXTENT_DATA : DEVFMT_EXTENT_CLEAN,
-					    base + off, (uint64_t)(b - run) << ce->block_shift,
-					    data ? mem + off : NULL);
+			append_outside_steps(dev, ce, base + off, (uint64_t)(b - run) << ce->block_shift,
+					     data ? mem + off : NULL);
 			run = UINT32_MAX;
 		}
 	}
+	pthread_mutex_unlock(&ce->lock);
 }
 
 /* The most a log round copies: more goes to the backend as before. */

@@ -36,6 +36,11 @@ void op_submit(struct cache_op *op);
 /* direct.c: is a direct operation in flight over [offset, offset+length)?
  * Export lock held. */
 bool cache_direct_overlaps(struct cache_export *ce, uint64_t offset, uint64_t length);
+/* direct.c, for flush_log.c: the registered step over the range starting
+ * first whose record is in the cache device's log, or about to be
+ * (step_log), or NULL. Export lock held. */
+const struct cache_op *cache_direct_logged_first(struct cache_export *ce, uint64_t offset,
+						  uint64_t length);
 /* direct.c, for direct_shadow.c: is a writeback in flight over the range
  * (-ENOMEM: no memory to look)? op (a registered range) leaves the export's
  * list, and the waiters are woken. */
