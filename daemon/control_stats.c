@@ -314,6 +314,7 @@ json_object *control_device_object(struct cache *cache)
 	control_add_u64(l2, "small_read_ns", ds.l2_small_read_ns);
 	control_add_u64(l2, "stale_reads", ds.l2_stale);
 	control_add_u64(l2, "read_errors", ds.l2_read_errors);
+	control_add_u64(l2, "checksum_errors", ds.l2_checksum_errors);
 	control_add_u64(l2, "stored_bytes", ds.l2_stored_bytes);
 	control_add_u64(l2, "dropped_bytes", ds.l2_dropped_bytes);
 	control_add_u64(l2, "invalidated_bytes", ds.l2_invalidated_bytes);

@@ -131,16 +131,12 @@ static int format(struct cache_device *d, char *err, size_t len)
 		uint64_t log = avail / 8;
 		log = log < (16u << 20) ? (16u << 20) : log > (1ull << 30) ? (1ull << 30) : log;
 		log = (log + (1u << 20) - 1) & ~(uint64_t)((1u << 20) - 1);
-		uint64_t rest = avail - log;
-		uint64_t pages =
-		    (rest / DEVFMT_BLOCK - 1) * DEVFMT_L2M_PER_BLOCK / (DEVFMT_L2M_PER_BLOCK + 1);
-		while (pages && devfmt_l2m_bytes(pages) + pages * DEVFMT_BLOCK > rest)
-			pages--;
+		uint64_t pages = devfmt_l2_pages_fit(avail - log);
 		if (pages > UINT32_MAX)
 			pages = UINT32_MAX;
 		d->sb.log_bytes = log;
 		d->sb.l2_map_offset = DEVFMT_LOG_OFFSET + log;
-		d->sb.l2_offset = d->sb.l2_map_offset + devfmt_l2m_bytes(pages);
+		d->sb.l2_offset = d->sb.l2_map_offset + devfmt_l2m_bytes(pages, DEVFMT_VERSION);
 		d->sb.l2_bytes = pages * DEVFMT_BLOCK;
 	}
 	d->sb.checkpoint_offset = 0;
@@ -157,6 +153,26 @@ static int format(struct cache_device *d, char *err, size_t len)
 	log_info("cache device %s: formatted: %llu bytes of log, %llu of level-2 area", d->path,
 		 (unsigned long long)d->sb.log_bytes, (unsigned long long)d->sb.l2_bytes);
 	return 0;
+}
+
+/*
+ * A superblock of a version before the level-2 map's page checksums: its
+ * map (keys alone) cannot prove a page's bytes, and a map of checksums
+ * takes twice its room. The map and the area are laid out again in the
+ * same bytes (devfmt_sb_l2_relayout): the level-2 cache starts cold,
+ * once. The log is left as it is. Written as this version with the
+ * superblock at start, before the level-2 thread writes a page.
+ */
+static void l2_relayout(struct cache_device *d)
+{
+	uint32_t version = d->sb.version;
+	uint64_t was = d->sb.l2_bytes / DEVFMT_BLOCK;
+	if (devfmt_sb_l2_relayout(&d->sb))
+		log_info("cache device %s: format %u: its level-2 map has no page checksums; the "
+			 "map and area are laid out again for them (%llu pages, were %llu) and "
+			 "the level-2 cache starts cold",
+			 d->path, version, (unsigned long long)(d->sb.l2_bytes / DEVFMT_BLOCK),
+			 (unsigned long long)was);
 }
 
 /*
@@ -307,6 +323,7 @@ static int load(const char *path, unsigned use, bool readonly, struct cache_devi
 				      (unsigned long long)d->device_bytes);
 			goto out;
 		}
+		l2_relayout(d);
 	}
 	for (uint32_t i = 0; i < d->sb.export_count; i++) {
 		const struct devfmt_identity *id = &d->sb.exports[i];

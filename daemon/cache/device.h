@@ -99,7 +99,7 @@ struct cache_device_stats {
 	 * (staging full), written over by clients, read back at start. */
 	bool l2_on, l2_failed;
 	uint64_t l2_bytes, l2_used, l2_staged;
-	uint64_t l2_hits, l2_hit_bytes, l2_misses, l2_stale, l2_read_errors;
+	uint64_t l2_hits, l2_hit_bytes, l2_misses, l2_stale, l2_read_errors, l2_checksum_errors;
 	/* Fills sent to the backend as it answers faster; the average cost of
 	 * a small read from the area, ns. */
 	uint64_t l2_skipped, l2_small_read_ns;

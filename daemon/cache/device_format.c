@@ -221,7 +221,7 @@ int devfmt_sb_decode(const uint8_t *buf, struct devfmt_sb *out, char *why, size_
 	if (out->l2_bytes
 		? out->l2_map_offset < out->log_offset + out->log_bytes ||
 		      out->l2_map_offset % DEVFMT_BLOCK || out->l2_map_offset > out->l2_offset ||
-		      devfmt_l2m_bytes(out->l2_bytes / DEVFMT_BLOCK) >
+		      devfmt_l2m_bytes(out->l2_bytes / DEVFMT_BLOCK, out->version) >
 			  out->l2_offset - out->l2_map_offset
 		: out->l2_map_offset != 0)
 		return refuse(why, why_len,
@@ -384,9 +384,37 @@ int devfmt_batch_decode(const uint8_t *buf, const uint8_t uuid[16], uint64_t exp
 
 /* ---- the level-2 map ---- */
 
-uint64_t devfmt_l2m_bytes(uint64_t pages)
+uint64_t devfmt_l2m_bytes(uint64_t pages, uint32_t version)
 {
-	return DEVFMT_BLOCK * (1 + (pages + DEVFMT_L2M_PER_BLOCK - 1) / DEVFMT_L2M_PER_BLOCK);
+	uint64_t per = version < DEVFMT_VERSION_L2_CRC ? DEVFMT_L2M_PER_BLOCK_V4 : DEVFMT_L2M_PER_BLOCK;
+	return DEVFMT_BLOCK * (1 + (pages + per - 1) / per);
+}
+
+uint64_t devfmt_l2_pages_fit(uint64_t bytes)
+{
+	if (bytes < 2 * DEVFMT_BLOCK)
+		return 0;
+	/* Each map block describes DEVFMT_L2M_PER_BLOCK pages: a first guess
+	 * from the ratio, then down to what fits. */
+	uint64_t pages =
+	    (bytes / DEVFMT_BLOCK - 1) * DEVFMT_L2M_PER_BLOCK / (DEVFMT_L2M_PER_BLOCK + 1);
+	while (pages && devfmt_l2m_bytes(pages, DEVFMT_VERSION) + pages * DEVFMT_BLOCK > bytes)
+		pages--;
+	return pages;
+}
+
+bool devfmt_sb_l2_relayout(struct devfmt_sb *sb)
+{
+	if (sb->version >= DEVFMT_VERSION_L2_CRC || !sb->l2_bytes)
+		return false;
+	uint64_t pages = devfmt_l2_pages_fit(sb->l2_offset + sb->l2_bytes - sb->l2_map_offset);
+	if (pages > UINT32_MAX)
+		pages = UINT32_MAX;
+	sb->l2_offset = sb->l2_map_offset + devfmt_l2m_bytes(pages, DEVFMT_VERSION);
+	sb->l2_bytes = pages * DEVFMT_BLOCK;
+	sb->l2_map_gen++;
+	sb->version = DEVFMT_VERSION;
+	return true;
 }
 
 void devfmt_l2m_header_encode(const struct devfmt_l2m_header *h, const uint8_t uuid[16],
@@ -425,19 +453,23 @@ int devfmt_l2m_header_decode(const uint8_t *buf, const uint8_t uuid[16], uint32_
 }
 
 void devfmt_l2m_block_encode(uint32_t index, uint32_t gen, const uint8_t uuid[16],
-			     const uint64_t *keys, uint32_t n, uint8_t *buf)
+			     const uint64_t *keys, const uint32_t *crcs, uint32_t n, uint8_t *buf)
 {
 	memset(buf, 0, DEVFMT_BLOCK);
 	nbd_put32(buf + 4, index);
 	memcpy(buf + 8, uuid, 16);
 	nbd_put32(buf + 24, gen);
 	for (uint32_t i = 0; i < n && i < DEVFMT_L2M_PER_BLOCK; i++)
-		nbd_put64(buf + DEVFMT_L2M_FIXED + 8 * i, keys[i]);
+		if (keys[i]) {
+			nbd_put64(buf + DEVFMT_L2M_FIXED + DEVFMT_L2M_ENTRY * i, keys[i]);
+			nbd_put32(buf + DEVFMT_L2M_FIXED + DEVFMT_L2M_ENTRY * i + 8, crcs[i]);
+		}
 	nbd_put32(buf, devfmt_crc32c(0, buf + 4, DEVFMT_BLOCK - 4));
 }
 
 int devfmt_l2m_block_decode(const uint8_t *buf, uint32_t index, uint32_t gen,
-			    const uint8_t uuid[16], uint64_t *keys, char *why, size_t why_len)
+			    const uint8_t uuid[16], uint64_t *keys, uint32_t *crcs, char *why,
+			    size_t why_len)
 {
 	uint32_t crc = devfmt_crc32c(0, buf + 4, DEVFMT_BLOCK - 4);
 	if (crc != nbd_get32(buf))
@@ -448,11 +480,19 @@ int devfmt_l2m_block_decode(const uint8_t *buf, uint32_t index, uint32_t gen,
 		return refuse(why, why_len,
 			      "map block %u: of block %u, another device or generation %u", index,
 			      nbd_get32(buf + 4), nbd_get32(buf + 24));
+	if (nbd_get32(buf + 28))
+		return refuse(why, why_len, "map block %u: its reserved bytes are set", index);
 	for (uint32_t i = 0; i < DEVFMT_L2M_PER_BLOCK; i++) {
-		keys[i] = nbd_get64(buf + DEVFMT_L2M_FIXED + 8 * i);
+		const uint8_t *e = buf + DEVFMT_L2M_FIXED + DEVFMT_L2M_ENTRY * i;
+		keys[i] = nbd_get64(e);
+		crcs[i] = nbd_get32(e + 8);
 		if (keys[i] && ((keys[i] >> 48) == 0 || (keys[i] >> 48) > DEVFMT_MAX_EXPORTS))
 			return refuse(why, why_len, "map block %u: page %u names export slot %llu",
 				      index, i, (unsigned long long)(keys[i] >> 48) - 1);
+		if (nbd_get32(e + 12) || (!keys[i] && crcs[i]))
+			return refuse(why, why_len,
+				      "map block %u: page %u has bytes set where none may be", index,
+				      i);
 	}
 	return 0;
 }

@@ -22,7 +22,9 @@
  *     8 u32 version     DEVFMT_VERSION; an older one from
  *                       DEVFMT_VERSION_OLDEST on is read (its fields
  *                       missing here read as 0) and written as this one
- *                       at start; any other is refused
+ *                       at start (before version 5 the level-2 map had
+ *                       no page checksums: its area is laid out again
+ *                       then, and starts cold); any other is refused
  *    12 u32 flags       DEVFMT_SB_CLEAN: written back and closed cleanly
  *    16 u8[16] uuid     chosen at format time; every batch carries it
  *    32 u64 generation  the newer valid copy wins; each write goes to the
@@ -108,8 +110,11 @@
  *     4 u32 index       of the block (0 for pages 0..507)
  *     8 u8[16] uuid, 24 u32 gen  as the header's
  *    28 u32 0
- *    32 u64 key per page: 0 free, else (export slot + 1) << 48 | the
- *       export's offset / DEVFMT_BLOCK
+ *    32 per page, DEVFMT_L2M_ENTRY bytes: u64 key, 0 free, else
+ *       (export slot + 1) << 48 | the export's offset / DEVFMT_BLOCK;
+ *       u32 CRC32C of the page's bytes (checked on every read: a page
+ *       that does not match is a miss, never served); u32 0. (Version 4
+ *       had the keys alone, 8 bytes a page.)
  *   A map block claims a page only once the page's bytes are durable, and
  *   stops claiming it (durably) before the page is written over or the
  *   backend's bytes there change: a block that does not decode claims
@@ -129,7 +134,7 @@
 #define DEVFMT_SB_MAGIC 0x4e424443444556ull    /* "NBDCDEV" */
 #define DEVFMT_BATCH_MAGIC 0x4e4244434c4f47ull /* "NBDCLOG" */
 #define DEVFMT_L2M_MAGIC 0x4e4244434c324dull   /* "NBDCL2M" */
-#define DEVFMT_VERSION 4u
+#define DEVFMT_VERSION 5u
 /* The oldest version read (3: no seq_floor, prev_seq, committed). */
 #define DEVFMT_VERSION_OLDEST 3u
 #define DEVFMT_BLOCK 4096u
@@ -159,9 +164,16 @@ _Static_assert(DEVFMT_BATCH_COMMITTED + 8u <= DEVFMT_BLOCK - 4u,
 /* The smallest device: the superblocks and a log of 16 MiB (a few
  * batches of the largest size). */
 #define DEVFMT_MIN_DEVICE (DEVFMT_LOG_OFFSET + (16u << 20))
-/* The level-2 map: the fixed part of its blocks, pages per block. */
+/* The level-2 map: the fixed part of its blocks, a page's entry, pages
+ * per block (a version 4 map's: keys alone). */
 #define DEVFMT_L2M_FIXED 32u
-#define DEVFMT_L2M_PER_BLOCK ((DEVFMT_BLOCK - DEVFMT_L2M_FIXED) / 8u)
+#define DEVFMT_L2M_ENTRY 16u
+#define DEVFMT_L2M_PER_BLOCK ((DEVFMT_BLOCK - DEVFMT_L2M_FIXED) / DEVFMT_L2M_ENTRY)
+#define DEVFMT_L2M_PER_BLOCK_V4 ((DEVFMT_BLOCK - DEVFMT_L2M_FIXED) / 8u)
+/* The first version whose map has page checksums. */
+#define DEVFMT_VERSION_L2_CRC 5u
+_Static_assert(DEVFMT_L2M_FIXED + DEVFMT_L2M_PER_BLOCK * DEVFMT_L2M_ENTRY == DEVFMT_BLOCK,
+	       "a map block's entries fill it");
 
 #define DEVFMT_SB_CLEAN 1u
 #define DEVFMT_BATCH_WRAP 1u
@@ -256,8 +268,17 @@ bool devfmt_batch_claims(const uint8_t *buf, const uint8_t uuid[16], uint64_t ex
 /* The bytes of data a batch's extents carry (the sum of DATA lengths). */
 uint64_t devfmt_batch_data_bytes(const struct devfmt_batch *b);
 
-/* The level-2 map's bytes for an area of pages: its header and blocks. */
-uint64_t devfmt_l2m_bytes(uint64_t pages);
+/* The level-2 map's bytes for an area of pages: its header and blocks,
+ * as a superblock of this version lays them out. */
+uint64_t devfmt_l2m_bytes(uint64_t pages, uint32_t version);
+/* The most pages an area and its map (of this version) fit in bytes. */
+uint64_t devfmt_l2_pages_fit(uint64_t bytes);
+/* A superblock read of a version before DEVFMT_VERSION_L2_CRC, with a
+ * level-2 area: its map and area laid out again for this version's map
+ * in the same bytes, under the next map generation (no map block of the
+ * old layout is read as one of the new), and its version this one's: true
+ * then. False, and sb unchanged, for any other. */
+bool devfmt_sb_l2_relayout(struct devfmt_sb *sb);
 /* The map's header block (DEVFMT_BLOCK bytes). */
 struct devfmt_l2m_header {
 	uint32_t gen;
@@ -270,14 +291,17 @@ void devfmt_l2m_header_encode(const struct devfmt_l2m_header *h, const uint8_t u
  * generation than gen, corrupt). */
 int devfmt_l2m_header_decode(const uint8_t *buf, const uint8_t uuid[16], uint32_t gen,
 			     struct devfmt_l2m_header *out, char *why, size_t why_len);
-/* Map block index: keys[0 .. n) (n at most DEVFMT_L2M_PER_BLOCK, the rest
- * free) into buf (DEVFMT_BLOCK bytes). */
+/* Map block index: keys[0 .. n) and their pages' checksums crcs[0 .. n)
+ * (n at most DEVFMT_L2M_PER_BLOCK, the rest free) into buf (DEVFMT_BLOCK
+ * bytes). */
 void devfmt_l2m_block_encode(uint32_t index, uint32_t gen, const uint8_t uuid[16],
-			     const uint64_t *keys, uint32_t n, uint8_t *buf);
-/* A map block: 0 with its DEVFMT_L2M_PER_BLOCK keys, or -EINVAL with why
- * (another index, device or generation, corrupt, a key naming no export
- * slot). */
+			     const uint64_t *keys, const uint32_t *crcs, uint32_t n, uint8_t *buf);
+/* A map block: 0 with its DEVFMT_L2M_PER_BLOCK keys and checksums, or
+ * -EINVAL with why (another index, device or generation, corrupt, a key
+ * naming no export slot, a free page with a checksum or reserved bytes
+ * set). */
 int devfmt_l2m_block_decode(const uint8_t *buf, uint32_t index, uint32_t gen,
-			    const uint8_t uuid[16], uint64_t *keys, char *why, size_t why_len);
+			    const uint8_t uuid[16], uint64_t *keys, uint32_t *crcs, char *why,
+			    size_t why_len);
 
 #endif

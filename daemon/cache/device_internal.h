@@ -160,6 +160,7 @@ struct dev_l2_item {
 			 * made: never claimed by the map */
 	uint8_t *data;	/* pages * DEVFMT_BLOCK, aligned */
 	struct dev_l2_item *next;
+	uint32_t crc[]; /* per page: CRC32C of its bytes (taken as it is written) */
 };
 
 /* Map blocks rendered and written at a time (device_l2_map.c). */
@@ -181,6 +182,7 @@ struct dev_l2 {
 	pthread_t thread;
 	uint64_t *owner; /* per page: its key, 0 free */
 	uint32_t *epoch; /* per page: bumped when it is rewritten */
+	uint32_t *crc;	 /* per page: CRC32C of its bytes, checked on every read */
 	uint64_t *hkeys; /* key -> page: 0 empty */
 	uint32_t *hpages;
 	size_t hmask;
@@ -212,7 +214,7 @@ struct dev_l2 {
 	uint64_t stamp[DEVFMT_MAX_EXPORTS];	/* as the map's header has them */
 	bool header_ok;				/* that header is on the device */
 	struct {
-		uint64_t l2_hits, l2_hit_bytes, l2_stale, l2_read_errors;
+		uint64_t l2_hits, l2_hit_bytes, l2_stale, l2_read_errors, l2_checksum_errors;
 		uint64_t l2_stored_bytes, l2_dropped_bytes, l2_invalidated_bytes;
 		uint64_t l2_loaded_bytes, l2_load_ns, l2_write_ns;
 		uint64_t l2_map_writes, l2_map_ns, l2_map_waits;
@@ -369,6 +371,9 @@ static inline uint64_t dev_l2_key_block(uint64_t key)
 /* The level-2 table (device_l2.c): key -> page (lock held). */
 bool dev_l2_table_get(const struct dev_l2 *l, uint64_t key, uint32_t *page);
 void dev_l2_table_put(struct dev_l2 *l, uint64_t key, uint32_t page);
+/* Page p does not hold what was written there: it leaves the table and
+ * the map (device_l2_read.c, lock held). */
+void dev_l2_page_forget_locked(struct dev_l2 *l, uint32_t p);
 /* Page p's map block is to be written (lock held). */
 static inline void dev_l2_map_dirty(struct dev_l2 *l, uint32_t p)
 {

@@ -27,6 +27,13 @@
  * data is in checks both again: a page rewritten meanwhile makes the read
  * fall back to the backend.
  *
+ * Never corrupt: each page's CRC32C is taken from the bytes written (in
+ * memory, and in the map on the device), and checked on every read: a
+ * page whose bytes do not match (the device flipped them, or something
+ * wrote the area) is a miss, counted, said (rate-limited) and forgotten;
+ * the fill reads the backend, so the bytes are never served nor merged
+ * into a write.
+ *
  * Lock: l2.lock, a leaf (taken under a shard lock and the evict lock).
  * Reading pages back on a miss: device_l2_read.c.
  */
@@ -129,12 +136,18 @@ static void page_free(struct dev_l2 *l, uint32_t p)
 	}
 }
 
+void dev_l2_page_forget_locked(struct dev_l2 *l, uint32_t p)
+{
+	page_free(l, p);
+}
+
 /* ---- set up and tear down ---- */
 
 static void table_free(struct dev_l2 *l)
 {
 	free(l->owner);
 	free(l->epoch);
+	free(l->crc);
 	free(l->hkeys);
 	free(l->hpages);
 	free(l->pstate);
@@ -142,7 +155,7 @@ static void table_free(struct dev_l2 *l)
 	free(l->mbuf);
 	l->mbuf = NULL;
 	l->owner = l->hkeys = NULL;
-	l->epoch = l->hpages = NULL;
+	l->epoch = l->hpages = l->crc = NULL;
 	l->pstate = l->mdirty = NULL;
 }
 
@@ -180,7 +193,7 @@ int dev_l2_init(struct cache_device *d)
 			dev_l2_map_void(d, false);
 		return 0;
 	}
-	/* Its table in memory: about 36 bytes per page. Where it cannot be
+	/* Its table in memory: about 40 bytes per page. Where it cannot be
 	 * had (a huge area on a 32-bit machine), no level-2 cache, said. */
 	uint64_t pages = d->sb.l2_bytes / DEVFMT_BLOCK, slots = 1;
 	while (slots < pages * 2)
@@ -195,17 +208,18 @@ int dev_l2_init(struct cache_device *d)
 	uint64_t mblocks = (pages + DEVFMT_L2M_PER_BLOCK - 1) / DEVFMT_L2M_PER_BLOCK;
 	l->owner = calloc((size_t)pages, sizeof(*l->owner));
 	l->epoch = calloc((size_t)pages, sizeof(*l->epoch));
+	l->crc = calloc((size_t)pages, sizeof(*l->crc));
 	l->hkeys = calloc((size_t)slots, sizeof(*l->hkeys));
 	l->hpages = calloc((size_t)slots, sizeof(*l->hpages));
 	l->pstate = calloc((size_t)pages, 1);
 	l->mdirty = calloc((size_t)mblocks, 1);
 	l->mbuf = dev_aligned(DEV_L2_MAP_CHUNK * DEVFMT_BLOCK);
-	if (!l->owner || !l->epoch || !l->hkeys || !l->hpages || !l->pstate || !l->mdirty ||
-	    !l->mbuf) {
+	if (!l->owner || !l->epoch || !l->crc || !l->hkeys || !l->hpages || !l->pstate ||
+	    !l->mdirty || !l->mbuf) {
 		log_warn("cache device %s: no memory for the table of a level-2 area of %llu "
 			 "pages (%llu MiB); no level-2 cache",
 			 d->path, (unsigned long long)pages,
-			 (unsigned long long)((pages * 13 + slots * 12) >> 20));
+			 (unsigned long long)((pages * 17 + slots * 12) >> 20));
 		table_free(l);
 		dev_l2_map_void(d, false);
 		return 0;
@@ -350,7 +364,7 @@ void cache_device_l2_store(struct cache_device *d, struct cache_export *ce, uint
 	 * it) or counted itself before this store reads direct[]. */
 	atomic_fetch_add(&l->held, 1);
 	pthread_mutex_unlock(&l->lock);
-	struct dev_l2_item *it = calloc(1, sizeof(*it));
+	struct dev_l2_item *it = calloc(1, sizeof(*it) + (size_t)pages * sizeof(it->crc[0]));
 	uint8_t *buf = it ? dev_aligned(length) : NULL;
 	pthread_mutex_lock(&l->lock);
 	if (!buf || !cache_device_l2_on(d)) {
@@ -440,6 +454,8 @@ static void write_item(struct cache_device *d, struct dev_l2_item *it)
 	}
 	l->head = (uint64_t)start + it->pages == l->pages ? 0 : start + it->pages;
 	pthread_mutex_unlock(&l->lock);
+	for (uint32_t i = 0; i < it->pages; i++)
+		it->crc[i] = devfmt_crc32c(0, it->data + (size_t)i * DEVFMT_BLOCK, DEVFMT_BLOCK);
 	uint64_t t0 = cache_now_ns();
 	int rc = dev_pwrite_all(d->fd, it->data, (size_t)it->pages * DEVFMT_BLOCK,
 				l->offset + (uint64_t)start * DEVFMT_BLOCK);
@@ -466,6 +482,7 @@ static void write_item(struct cache_device *d, struct dev_l2_item *it)
 		}
 		dev_l2_table_put(l, key, start + i);
 		l->owner[start + i] = key;
+		l->crc[start + i] = it->crc[i];
 		l->pstate[start + i] = it->unmapped ? L2P_UNMAPPED : 0;
 	}
 	l->st.l2_stored_bytes += (uint64_t)it->pages * DEVFMT_BLOCK;
@@ -665,6 +682,7 @@ void dev_l2_stats(struct cache_device *d, struct cache_device_stats *out)
 	out->l2_small_read_ns = atomic_load_explicit(&l->small_read_ns, memory_order_relaxed);
 	out->l2_stale = l->st.l2_stale;
 	out->l2_read_errors = l->st.l2_read_errors;
+	out->l2_checksum_errors = l->st.l2_checksum_errors;
 	out->l2_stored_bytes = l->st.l2_stored_bytes;
 	out->l2_dropped_bytes = l->st.l2_dropped_bytes;
 	out->l2_invalidated_bytes = l->st.l2_invalidated_bytes;

@@ -124,12 +124,15 @@ static void render(struct cache_device *d, uint32_t b, uint8_t *buf)
 {
 	struct dev_l2 *l = &d->l2;
 	uint64_t keys[DEVFMT_L2M_PER_BLOCK];
+	uint32_t crcs[DEVFMT_L2M_PER_BLOCK];
 	uint32_t first = b * DEVFMT_L2M_PER_BLOCK, n = DEVFMT_L2M_PER_BLOCK;
 	if (n > l->pages - first)
 		n = l->pages - first;
-	for (uint32_t i = 0; i < n; i++)
+	for (uint32_t i = 0; i < n; i++) {
 		keys[i] = (l->pstate[first + i] & L2P_MAPPED) ? l->owner[first + i] : 0;
-	devfmt_l2m_block_encode(b, d->sb.l2_map_gen, d->sb.uuid, keys, n, buf);
+		crcs[i] = keys[i] ? l->crc[first + i] : 0;
+	}
+	devfmt_l2m_block_encode(b, d->sb.l2_map_gen, d->sb.uuid, keys, crcs, n, buf);
 }
 
 /* The map's header as it is now (map_lock held): true if the device's
@@ -293,11 +296,12 @@ static uint64_t enter_blocks(struct cache_device *d, const uint8_t *buf, uint32_
 	for (uint32_t k = 0; k < n; k++) {
 		uint32_t b = b0 + k;
 		uint64_t keys[DEVFMT_L2M_PER_BLOCK];
+		uint32_t crcs[DEVFMT_L2M_PER_BLOCK];
 		char why[200];
 		const uint8_t *blk = buf + (size_t)k * DEVFMT_BLOCK;
 		if (blk[0] == 0 && memcmp(blk, blk + 1, DEVFMT_BLOCK - 1) == 0)
 			continue; /* never written since the format: claims nothing */
-		if (devfmt_l2m_block_decode(blk, b, d->sb.l2_map_gen, d->sb.uuid, keys, why,
+		if (devfmt_l2m_block_decode(blk, b, d->sb.l2_map_gen, d->sb.uuid, keys, crcs, why,
 					    sizeof(why)) < 0) {
 			/* Claims nothing; written again before the ring reaches it. */
 			if (!*bad_blocks)
@@ -323,6 +327,7 @@ static uint64_t enter_blocks(struct cache_device *d, const uint8_t *buf, uint32_
 			}
 			dev_l2_table_put(l, key, (uint32_t)p);
 			l->owner[p] = key;
+			l->crc[p] = crcs[i];
 			l->pstate[p] = L2P_MAPPED;
 			loaded++;
 		}

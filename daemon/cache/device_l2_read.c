@@ -1,10 +1,13 @@
 /*
  * daemon/cache/device_l2_read.c: fills read back from the level-2 cache
  * (device_l2.c has the cache itself): every page of a fill in the table,
- * each page's epoch snapshotted, read through the worker's io_uring
- * (contiguous pages in one read), then the epochs and owners checked
- * again: a page rewritten meanwhile makes the fill fall back to the
- * backend (-ESTALE). And what a small read from the area costs, for the
+ * each page's epoch and checksum snapshotted, read through the worker's
+ * io_uring (contiguous pages in one read), then the epochs and owners
+ * checked again: a page rewritten meanwhile makes the fill fall back to
+ * the backend (-ESTALE); and each page's bytes against its checksum: a
+ * page that does not match is forgotten and the fill falls back to the
+ * backend too (-EBADMSG), so that its bytes are never served nor merged
+ * into a write. And what a small read from the area costs, for the
  * weighing of small fills (cached.c, level2_worth).
  */
 #include "daemon/cache/device_internal.h"
@@ -35,7 +38,7 @@ struct l2_read {
 	uint64_t block;
 	uint32_t pages, pending;
 	int error;
-	uint32_t *page, *epoch; /* per page: where, and its epoch then */
+	uint32_t *page, *epoch, *crc; /* per page: where, its epoch and checksum then */
 	unsigned nextents;
 	struct l2_extent ext[];
 };
@@ -46,11 +49,24 @@ static void extent_prep(struct l2_extent *x)
 	io_uring_prep_read(sqe, x->r->d->fd, x->buf + x->done, x->len - x->done, x->at + x->done);
 }
 
+LOG_LIMIT(checksum_limit, "level-2 pages that did not match their checksum");
+
 static void read_finish(struct l2_read *r)
 {
 	struct cache_device *d = r->d;
 	struct dev_l2 *l = &d->l2;
 	int result = r->error;
+	/* Each page's bytes against the checksum they were written with: the
+	 * first that does not match, and how many (0 if none). */
+	uint32_t bad = 0, first_bad = 0, found = 0;
+	const uint8_t *buf = r->io->buf;
+	for (uint32_t i = 0; result == 0 && i < r->pages; i++) {
+		uint32_t c = devfmt_crc32c(0, buf + (size_t)i * DEVFMT_BLOCK, DEVFMT_BLOCK);
+		if (c != r->crc[i] && !bad++) {
+			first_bad = i;
+			found = c;
+		}
+	}
 	pthread_mutex_lock(&l->lock);
 	if (result == 0)
 		for (uint32_t i = 0; i < r->pages; i++)
@@ -59,6 +75,17 @@ static void read_finish(struct l2_read *r)
 				result = -ESTALE;
 				break;
 			}
+	if (result == 0 && bad) {
+		/* Not rewritten meanwhile: the bytes the device gave are not the
+		 * ones written. Every such page is forgotten (and leaves the
+		 * map); the fill reads the backend. */
+		result = -EBADMSG;
+		l->st.l2_checksum_errors += bad;
+		for (uint32_t i = 0; i < r->pages; i++)
+			if (devfmt_crc32c(0, buf + (size_t)i * DEVFMT_BLOCK, DEVFMT_BLOCK) !=
+			    r->crc[i])
+				dev_l2_page_forget_locked(l, r->page[i]);
+	}
 	if (result == 0) {
 		if ((uint64_t)r->pages * DEVFMT_BLOCK <= CACHE_DEVICE_SMALL_READ)
 			cache_device_cost_note(&l->small_read_ns, cache_now_ns() - r->t0);
@@ -70,7 +97,15 @@ static void read_finish(struct l2_read *r)
 		l->st.l2_read_errors++;
 	}
 	pthread_mutex_unlock(&l->lock);
-	if (result < 0 && result != -ESTALE)
+	if (result == -EBADMSG)
+		log_limited(&checksum_limit, LOG_WARN,
+			    "cache device %s: level-2 page %u (export slot %u, offset %llu) does "
+			    "not match its checksum (CRC32C 0x%08x, written with 0x%08x)%s: not "
+			    "served, forgotten; read from the backend",
+			    d->path, r->page[first_bad], r->slot,
+			    (unsigned long long)((r->block + first_bad) * DEVFMT_BLOCK), found,
+			    r->crc[first_bad], bad > 1 ? ", and more pages of the same read" : "");
+	else if (result < 0 && result != -ESTALE)
 		log_warn("cache device %s: reading its level-2 area: %s; read from the backend",
 			 d->path, strerror(-result));
 	struct backend_io *io = r->io;
@@ -116,11 +151,12 @@ bool cache_device_l2_read(struct cache_device *d, struct cache_export *ce, struc
 	uint64_t block = io->offset / DEVFMT_BLOCK;
 	/* At most one extent per page. */
 	struct l2_read *r = malloc(sizeof(*r) + (size_t)pages * sizeof(struct l2_extent) +
-				   (size_t)pages * 2 * sizeof(uint32_t));
+				   (size_t)pages * 3 * sizeof(uint32_t));
 	if (!r)
 		return false;
 	r->page = (uint32_t *)((char *)r + sizeof(*r) + (size_t)pages * sizeof(struct l2_extent));
 	r->epoch = r->page + pages;
+	r->crc = r->epoch + pages;
 	pthread_mutex_lock(&l->lock);
 	for (uint32_t i = 0; i < pages; i++) {
 		if (!dev_l2_table_get(l, dev_l2_key((unsigned)slot, block + i), &r->page[i])) {
@@ -130,6 +166,7 @@ bool cache_device_l2_read(struct cache_device *d, struct cache_export *ce, struc
 			return false;
 		}
 		r->epoch[i] = l->epoch[r->page[i]];
+		r->crc[i] = l->crc[r->page[i]];
 	}
 	pthread_mutex_unlock(&l->lock);
 	r->d = d;

@@ -159,11 +159,12 @@ void cache_log_stats(struct cache *c)
 		    dev + n, sizeof(dev) - n,
 		    " device_l2_bytes=%llu device_l2_used_bytes=%llu device_l2_hits=%llu "
 		    "device_l2_hit_bytes=%llu device_l2_misses=%llu device_l2_stale_reads=%llu "
-		    "device_l2_stored_bytes=%llu device_l2_dropped_bytes=%llu "
-		    "device_l2_loaded_bytes=%llu",
+		    "device_l2_checksum_errors=%llu device_l2_stored_bytes=%llu "
+		    "device_l2_dropped_bytes=%llu device_l2_loaded_bytes=%llu",
 		    (unsigned long long)d.l2_bytes, (unsigned long long)d.l2_used,
 		    (unsigned long long)d.l2_hits, (unsigned long long)d.l2_hit_bytes,
 		    (unsigned long long)d.l2_misses, (unsigned long long)d.l2_stale,
+		    (unsigned long long)d.l2_checksum_errors,
 		    (unsigned long long)d.l2_stored_bytes, (unsigned long long)d.l2_dropped_bytes,
 		    (unsigned long long)d.l2_loaded_bytes);
 	}

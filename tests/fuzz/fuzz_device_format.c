@@ -53,8 +53,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 				       sb.l2_offset + sb.l2_bytes <= sb.device_bytes));
 		CHECK(!sb.l2_bytes ||
 		      (sb.l2_map_offset >= sb.log_offset + sb.log_bytes &&
-		       sb.l2_map_offset + devfmt_l2m_bytes(sb.l2_bytes / DEVFMT_BLOCK) <=
+		       sb.l2_map_offset + devfmt_l2m_bytes(sb.l2_bytes / DEVFMT_BLOCK, sb.version) <=
 			   sb.l2_offset));
+		/* An older version's level-2 geometry is laid out again before
+		 * it is written as this version's (device.c), within its bytes. */
+		uint64_t l2_end = sb.l2_offset + sb.l2_bytes;
+		if (devfmt_sb_l2_relayout(&sb))
+			CHECK(sb.l2_offset + sb.l2_bytes <= l2_end &&
+			      sb.l2_map_offset + devfmt_l2m_bytes(sb.l2_bytes / DEVFMT_BLOCK,
+								  DEVFMT_VERSION) <=
+				  sb.l2_offset);
 		for (uint32_t i = 0; i < sb.export_count; i++) {
 			CHECK(memchr(sb.exports[i].name, 0, sizeof(sb.exports[i].name)));
 			CHECK(memchr(sb.exports[i].backend, 0, sizeof(sb.exports[i].backend)));
@@ -97,15 +105,19 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 			nbd_put32(block, devfmt_crc32c(0, block + 4, DEVFMT_BLOCK - 4));
 		}
 		static uint64_t keys[DEVFMT_L2M_PER_BLOCK], keys2[DEVFMT_L2M_PER_BLOCK];
-		if (devfmt_l2m_block_decode(block, 3, 7, uuid, keys, why, sizeof(why)) < 0) {
+		static uint32_t crcs[DEVFMT_L2M_PER_BLOCK], crcs2[DEVFMT_L2M_PER_BLOCK];
+		if (devfmt_l2m_block_decode(block, 3, 7, uuid, keys, crcs, why, sizeof(why)) < 0) {
 			CHECK(why[0] != '\0');
 			return 0;
 		}
 		for (unsigned i = 0; i < DEVFMT_L2M_PER_BLOCK; i++)
-			CHECK(keys[i] >> 48 <= DEVFMT_MAX_EXPORTS);
-		devfmt_l2m_block_encode(3, 7, uuid, keys, DEVFMT_L2M_PER_BLOCK, again);
-		CHECK(devfmt_l2m_block_decode(again, 3, 7, uuid, keys2, why, sizeof(why)) == 0);
+			CHECK(keys[i] >> 48 <= DEVFMT_MAX_EXPORTS && (keys[i] || !crcs[i]));
+		devfmt_l2m_block_encode(3, 7, uuid, keys, crcs, DEVFMT_L2M_PER_BLOCK, again);
+		CHECK(devfmt_l2m_block_decode(again, 3, 7, uuid, keys2, crcs2, why, sizeof(why)) ==
+		      0);
 		CHECK(memcmp(keys, keys2, sizeof(keys)) == 0);
+		CHECK(memcmp(crcs, crcs2, sizeof(crcs)) == 0);
+		CHECK(memcmp(block, again, DEVFMT_BLOCK) == 0);
 		return 0;
 	}
 	if (size < 9)

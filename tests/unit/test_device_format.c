@@ -166,7 +166,7 @@ static void test_sb_refusals(void **state)
 	devfmt_sb_encode(&sb, sbuf);
 	assert_int_equal(sb_decode(), -EINVAL);
 	assert_non_null(strstr(why, "level-2 map at"));
-	sb.l2_map_offset = sb.l2_offset - devfmt_l2m_bytes(sb.l2_bytes / DEVFMT_BLOCK);
+	sb.l2_map_offset = sb.l2_offset - devfmt_l2m_bytes(sb.l2_bytes / DEVFMT_BLOCK, DEVFMT_VERSION);
 	sb.log_bytes = sb.l2_map_offset - DEVFMT_LOG_OFFSET;
 	devfmt_sb_encode(&sb, sbuf);
 	assert_int_equal(sb_decode(), 0);
@@ -213,10 +213,10 @@ static void test_l2(void **state)
 	(void)state;
 	/* The geometry round-trips. */
 	make_sb();
-	uint64_t pages = ((1ull << 32) - DEVFMT_LOG_OFFSET - (1u << 29)) / DEVFMT_BLOCK - 2000;
+	uint64_t pages = ((1ull << 32) - DEVFMT_LOG_OFFSET - (1u << 29)) / DEVFMT_BLOCK - 4000;
 	sb.log_bytes = 1u << 29;
 	sb.l2_map_offset = DEVFMT_LOG_OFFSET + (1u << 29);
-	sb.l2_offset = sb.l2_map_offset + devfmt_l2m_bytes(pages);
+	sb.l2_offset = sb.l2_map_offset + devfmt_l2m_bytes(pages, DEVFMT_VERSION);
 	sb.l2_bytes = pages * DEVFMT_BLOCK;
 	sb.l2_map_gen = 0x12345678;
 	sb.flags = DEVFMT_SB_CLEAN;
@@ -227,11 +227,54 @@ static void test_l2(void **state)
 	assert_int_equal(back.l2_map_offset, sb.l2_map_offset);
 	assert_int_equal(back.l2_map_gen, 0x12345678);
 	assert_int_equal(back.exports[1].slot, 3); /* identities after the longer header */
-	/* The map: a header block and a block per 508 pages. */
-	assert_int_equal(DEVFMT_L2M_PER_BLOCK, 508);
-	assert_int_equal(devfmt_l2m_bytes(1), 2 * DEVFMT_BLOCK);
-	assert_int_equal(devfmt_l2m_bytes(508), 2 * DEVFMT_BLOCK);
-	assert_int_equal(devfmt_l2m_bytes(509), 3 * DEVFMT_BLOCK);
+	/* The map: a header block and a block per 254 pages (a key and a
+	 * checksum each); version 4's, per 508 (keys alone). */
+	assert_int_equal(DEVFMT_L2M_PER_BLOCK, 254);
+	assert_int_equal(devfmt_l2m_bytes(1, DEVFMT_VERSION), 2 * DEVFMT_BLOCK);
+	assert_int_equal(devfmt_l2m_bytes(254, DEVFMT_VERSION), 2 * DEVFMT_BLOCK);
+	assert_int_equal(devfmt_l2m_bytes(255, DEVFMT_VERSION), 3 * DEVFMT_BLOCK);
+	assert_int_equal(devfmt_l2m_bytes(508, 4), 2 * DEVFMT_BLOCK);
+	assert_int_equal(devfmt_l2m_bytes(509, 4), 3 * DEVFMT_BLOCK);
+	/* What fits: the map and the pages, and one page more would not. */
+	for (uint64_t bytes = 2 * DEVFMT_BLOCK; bytes < 3000 * DEVFMT_BLOCK; bytes += 4093) {
+		uint64_t p = devfmt_l2_pages_fit(bytes);
+		assert_true(devfmt_l2m_bytes(p, DEVFMT_VERSION) + p * DEVFMT_BLOCK <= bytes);
+		assert_true(devfmt_l2m_bytes(p + 1, DEVFMT_VERSION) + (p + 1) * DEVFMT_BLOCK > bytes);
+	}
+
+	/* A version 4 superblock's geometry is read as version 4 laid it out
+	 * (its map half the size), and laid out again for this version in
+	 * the same bytes, under the next map generation. */
+	uint64_t v4pages = pages + 2000;
+	sb.l2_offset = sb.l2_map_offset + devfmt_l2m_bytes(v4pages, 4);
+	sb.l2_bytes = v4pages * DEVFMT_BLOCK;
+	assert_int_equal(devfmt_sb_encode(&sb, sbuf), 0);
+	nbd_put32(sbuf + 8, 4);
+	nbd_put32(sbuf + DEVFMT_SB_BYTES - 4, devfmt_crc32c(0, sbuf, DEVFMT_SB_BYTES - 4));
+	assert_int_equal(sb_decode(), 0);
+	assert_int_equal(back.version, 4);
+	uint64_t end = back.l2_offset + back.l2_bytes;
+	assert_true(devfmt_sb_l2_relayout(&back));
+	assert_int_equal(back.version, DEVFMT_VERSION);
+	assert_int_equal(back.l2_map_gen, 0x12345679);
+	assert_int_equal(back.l2_map_offset, sb.l2_map_offset);
+	assert_true(back.l2_offset + back.l2_bytes <= end);
+	assert_true(back.l2_bytes / DEVFMT_BLOCK < v4pages);
+	assert_int_equal(back.l2_offset,
+			 back.l2_map_offset +
+			     devfmt_l2m_bytes(back.l2_bytes / DEVFMT_BLOCK, DEVFMT_VERSION));
+	assert_false(devfmt_sb_l2_relayout(&back)); /* once */
+	/* ... and this version's encoding of it decodes. */
+	assert_int_equal(devfmt_sb_encode(&back, sbuf), 0);
+	static struct devfmt_sb again;
+	assert_int_equal(devfmt_sb_decode(sbuf, &again, why, sizeof(why)), 0);
+	/* A version 4 geometry written as this version does not fit: refused. */
+	sb.l2_bytes = v4pages * DEVFMT_BLOCK;
+	assert_int_equal(devfmt_sb_encode(&sb, sbuf), 0);
+	assert_int_equal(sb_decode(), -EINVAL);
+	assert_non_null(strstr(why, "level-2 map at"));
+	sb.l2_offset = sb.l2_map_offset + devfmt_l2m_bytes(pages, DEVFMT_VERSION);
+	sb.l2_bytes = pages * DEVFMT_BLOCK;
 
 	/* The map's header. */
 	static struct devfmt_l2m_header h, hb;
@@ -256,32 +299,52 @@ static void test_l2(void **state)
 	assert_int_equal(devfmt_l2m_header_decode(bbuf, uuid, 7, &hb, why, sizeof(why)), -EINVAL);
 	assert_non_null(strstr(why, "no level-2 map"));
 
-	/* A map block: keys round-trip, the rest free; each refusal says why. */
+	/* A map block: keys and checksums round-trip, the rest free; each
+	 * refusal says why. */
 	uint64_t keys[DEVFMT_L2M_PER_BLOCK], kb[DEVFMT_L2M_PER_BLOCK];
+	uint32_t crcs[DEVFMT_L2M_PER_BLOCK], cb[DEVFMT_L2M_PER_BLOCK];
 	keys[0] = (1ull << 48) | 12345;
+	crcs[0] = 0xdeadbeef;
 	keys[1] = 0;
+	crcs[1] = 0x1234; /* a free page's is not written */
 	keys[2] = ((uint64_t)DEVFMT_MAX_EXPORTS << 48) | ((1ull << 48) - 1);
-	devfmt_l2m_block_encode(9, 7, uuid, keys, 3, bbuf);
-	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, uuid, kb, why, sizeof(why)), 0);
+	crcs[2] = 0;
+	devfmt_l2m_block_encode(9, 7, uuid, keys, crcs, 3, bbuf);
+	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, uuid, kb, cb, why, sizeof(why)), 0);
 	assert_int_equal(kb[0], keys[0]);
+	assert_int_equal(cb[0], 0xdeadbeef);
 	assert_int_equal(kb[1], 0);
+	assert_int_equal(cb[1], 0);
 	assert_int_equal(kb[2], keys[2]);
+	assert_int_equal(cb[2], 0);
 	for (unsigned i = 3; i < DEVFMT_L2M_PER_BLOCK; i++)
 		assert_int_equal(kb[i], 0);
-	assert_int_equal(devfmt_l2m_block_decode(bbuf, 10, 7, uuid, kb, why, sizeof(why)), -EINVAL);
+	/* A free page with a checksum, reserved bytes set: refused (a version
+	 * 4 block read as this version's is). */
+	nbd_put32(bbuf + DEVFMT_L2M_FIXED + DEVFMT_L2M_ENTRY * 1 + 8, 1);
+	nbd_put32(bbuf, devfmt_crc32c(0, bbuf + 4, DEVFMT_BLOCK - 4));
+	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, uuid, kb, cb, why, sizeof(why)), -EINVAL);
+	assert_non_null(strstr(why, "page 1 has bytes set"));
+	devfmt_l2m_block_encode(9, 7, uuid, keys, crcs, 3, bbuf);
+	bbuf[DEVFMT_L2M_FIXED + DEVFMT_L2M_ENTRY * 0 + 12] = 1;
+	nbd_put32(bbuf, devfmt_crc32c(0, bbuf + 4, DEVFMT_BLOCK - 4));
+	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, uuid, kb, cb, why, sizeof(why)), -EINVAL);
+	assert_non_null(strstr(why, "page 0 has bytes set"));
+	devfmt_l2m_block_encode(9, 7, uuid, keys, crcs, 3, bbuf);
+	assert_int_equal(devfmt_l2m_block_decode(bbuf, 10, 7, uuid, kb, cb, why, sizeof(why)), -EINVAL);
 	assert_non_null(strstr(why, "map block 10: of block 9"));
-	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 6, uuid, kb, why, sizeof(why)), -EINVAL);
-	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, other, kb, why, sizeof(why)), -EINVAL);
+	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 6, uuid, kb, cb, why, sizeof(why)), -EINVAL);
+	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, other, kb, cb, why, sizeof(why)), -EINVAL);
 	bbuf[DEVFMT_BLOCK - 1] ^= 0x80;
-	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, uuid, kb, why, sizeof(why)), -EINVAL);
+	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, uuid, kb, cb, why, sizeof(why)), -EINVAL);
 	assert_non_null(strstr(why, "CRC32C"));
 	keys[2] = (uint64_t)(DEVFMT_MAX_EXPORTS + 1) << 48;
-	devfmt_l2m_block_encode(9, 7, uuid, keys, 3, bbuf);
-	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, uuid, kb, why, sizeof(why)), -EINVAL);
+	devfmt_l2m_block_encode(9, 7, uuid, keys, crcs, 3, bbuf);
+	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, uuid, kb, cb, why, sizeof(why)), -EINVAL);
 	assert_non_null(strstr(why, "names export slot"));
 	keys[2] = 5; /* a page number without a slot */
-	devfmt_l2m_block_encode(9, 7, uuid, keys, 3, bbuf);
-	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, uuid, kb, why, sizeof(why)), -EINVAL);
+	devfmt_l2m_block_encode(9, 7, uuid, keys, crcs, 3, bbuf);
+	assert_int_equal(devfmt_l2m_block_decode(bbuf, 9, 7, uuid, kb, cb, why, sizeof(why)), -EINVAL);
 	assert_non_null(strstr(why, "names export slot"));
 }
 
@@ -445,7 +508,8 @@ static void test_v4(void **state)
 	batch.extent_count = DEVFMT_WRITE_EXTENTS + 1; /* version 4 writes fewer */
 	assert_int_equal(devfmt_batch_encode(&batch, uuid, bbuf), -EINVAL);
 
-	/* The superblock: seq_floor kept; version 3 read, written as 4. */
+	/* The superblock: seq_floor kept; version 3 read, written as this
+	 * version. */
 	make_sb();
 	sb.seq_floor = 12345ull << 32;
 	devfmt_sb_encode(&sb, sbuf);
@@ -461,7 +525,7 @@ static void test_v4(void **state)
 	nbd_put32(sbuf + 8, DEVFMT_VERSION + 1);
 	nbd_put32(sbuf + DEVFMT_SB_BYTES - 4, devfmt_crc32c(0, sbuf, DEVFMT_SB_BYTES - 4));
 	assert_int_equal(sb_decode(), -EINVAL);
-	assert_non_null(strstr(why, "versions 3 to 4"));
+	assert_non_null(strstr(why, "versions 3 to 5"));
 }
 
 int main(void)
