@@ -74,6 +74,7 @@ enum {
 	K_DIRTY_HIGH = 1u << 7,
 	K_DIRTY_LOW = 1u << 8,
 	K_FLAGS = 1u << 9,
+	K_WARM = 1u << 10,
 	K_OFFSET = 1u << 12,
 	K_SIZE = 1u << 13,
 	K_SPLIT = 1u << 14,
@@ -567,6 +568,14 @@ static int export_key(struct config_ctx *x, const char *name, const char *v)
 			e->tls_require = true;
 		else if (strcmp(v, "on") != 0)
 			return config_fail(x, "tls %s: expected require (or on) in an export", v);
+		return 1;
+	}
+	if (key_is(name, "cache-device-warm")) {
+		if (!once(x, &x->spec_keys, K_WARM, name))
+			return 0;
+		if (options_parse_cache_device_warm(v, &e->cache_device_warm_all) < 0)
+			return config_fail(x, "cache-device-warm %s: expected files or all", v);
+		e->has_cache_device_warm = true;
 		return 1;
 	}
 	/* nbd-server's flush, fua and trim: nbdcached always honours them. */

@@ -76,7 +76,8 @@ static bool is_known_key(const char *s, size_t n)
 	       starts_with(s, n, "max-connections=") || starts_with(s, n, "dirty-high=") ||
 	       starts_with(s, n, "dirty-low=") || starts_with(s, n, "offset=") ||
 	       starts_with(s, n, "size=") || starts_with(s, n, "split=") ||
-	       starts_with(s, n, "tls=") || is_qos_key(s, n);
+	       starts_with(s, n, "tls=") || starts_with(s, n, "cache-device-warm=") ||
+	       is_qos_key(s, n);
 }
 
 /* Copy the value of "key=value" (n bytes at p) into buf; -EINVAL if too long. */
@@ -257,6 +258,17 @@ int options_parse_export(const char *text, struct export_spec *out, char *err, s
 					  "--export: bad %.*s (a size, or 32bit)", (int)n, p);
 				goto error;
 			}
+		} else if (starts_with(p, n, "cache-device-warm=")) {
+			char buf[32];
+			if (key_value(p, n, "cache-device-warm=", buf, sizeof(buf)) < 0 ||
+			    options_parse_cache_device_warm(buf, &out->cache_device_warm_all) < 0) {
+				rc = fail(err, errlen, -EINVAL,
+					  "--export: %.*s: expected cache-device-warm=files or "
+					  "cache-device-warm=all",
+					  (int)n, p);
+				goto error;
+			}
+			out->has_cache_device_warm = true;
 		} else if (starts_with(p, n, "tls=")) {
 			/* Only require: on and off are the global setting's. */
 			if (n == 11 && memcmp(p, "tls=require", 11) == 0) {

@@ -868,6 +868,8 @@ int options_finish(struct options *out, char *err, size_t errlen)
 			e->max_connections = out->max_connections;
 		if (!e->has_dirty_high)
 			e->dirty_high = out->dirty_high;
+		if (!e->has_cache_device_warm)
+			e->cache_device_warm_all = out->cache_device_warm_all;
 		if (!e->has_dirty_low)
 			e->dirty_low = e->dirty_high < out->dirty_low ? e->dirty_high : out->dirty_low;
 		if (e->dirty_low > e->dirty_high)

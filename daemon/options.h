@@ -114,6 +114,11 @@ struct export_spec {
 	/* allow-resize: clients may send NBD_CMD_RESIZE (advertised with
 	 * NBD_FLAG_SEND_RESIZE on a writable export; export_resize.c). */
 	bool allow_resize;
+	/* cache-device-warm for this export: all says nothing else writes its
+	 * backend, so a restart may use its level-2 pages even where no
+	 * timestamp can prove it unchanged (the global setting when not
+	 * given). Read at start. */
+	bool cache_device_warm_all, has_cache_device_warm;
 	/* Which of the above were given (the rest come from struct options). */
 	bool has_block_size, has_seq_cutoff, has_max_connections, has_dirty_high, has_dirty_low;
 	/* Where it was defined: "FILE:LINE" or NULL (command line). */

@@ -403,11 +403,6 @@ const char *dev_identity_differs(const struct devfmt_identity *a, const struct d
 	return buf;
 }
 
-void cache_device_set_warm_all(struct cache_device *d, bool all)
-{
-	d->warm_all = all;
-}
-
 int cache_device_discard(struct cache_device *d, const char *names)
 {
 	free(d->discard);
@@ -416,7 +411,7 @@ int cache_device_discard(struct cache_device *d, const char *names)
 }
 
 int cache_device_add_export(struct cache_device *d, struct cache_export *ce, const char *name,
-			    const char *backend_spec)
+			    const char *backend_spec, bool warm_all)
 {
 	struct devfmt_identity id;
 	if (strlen(name) > DEVFMT_MAX_NAME || strlen(backend_spec) > DEVFMT_MAX_BACKEND) {
@@ -464,6 +459,7 @@ int cache_device_add_export(struct cache_device *d, struct cache_export *ce, con
 	bool known = s->used;
 	s->ce = ce;
 	s->configured = true;
+	s->warm_all = warm_all;
 	ce->device_slot = slot;
 	id.slot = (uint16_t)slot;
 	s->cfg = id;

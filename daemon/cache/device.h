@@ -139,9 +139,6 @@ struct cache_device_stats {
  */
 int cache_device_open(const char *path, unsigned use, struct cache_device **out, char *err,
 		      size_t len);
-/* A clean restart keeps the level-2 pages of every backend (true), or only
- * of regular files, checked by their modification time (default). */
-void cache_device_set_warm_all(struct cache_device *d, bool all);
 /* Exports (names, commas between) whose records are thrown away at bind,
  * logged, rather than refused (cache-device-discard-dirty); NULL: none. */
 int cache_device_discard(struct cache_device *d, const char *names);
@@ -154,9 +151,13 @@ int cache_device_discard(struct cache_device *d, const char *names);
  */
 struct options;
 int cache_device_check(const char *path, const struct options *opts, char *text, size_t len);
-/* The export joins the device (cache_export_add): its slot and identity. */
+/* The export joins the device (cache_export_add): its slot and identity;
+ * warm_all (its cache-device-warm all): a start may use its level-2
+ * pages though no timestamp can prove its backend unchanged (a backend
+ * that is not a regular file), else only a regular file's, proven by its
+ * stamp (device_l2_map.c). */
 int cache_device_add_export(struct cache_device *d, struct cache_export *ce, const char *name,
-			    const char *backend_spec);
+			    const char *backend_spec, bool warm_all);
 /*
  * After every export is added, before anything is served: the live log
  * against the exports. 0, or -EINVAL with err naming the export and its

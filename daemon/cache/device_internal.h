@@ -53,6 +53,7 @@ struct dev_slot {
 	uint64_t live_bytes, live_records; /* in the live log at start */
 	bool discard; /* its records are thrown away (cache-device-discard-dirty) */
 	bool configured; /* an export configured now has it (cfg set) */
+	bool warm_all;	 /* its cache-device-warm is all (cache_device_add_export) */
 };
 
 struct dev_rec {
@@ -224,7 +225,6 @@ struct dev_l2 {
 struct cache_device {
 	char *path;
 	unsigned use;  /* CACHE_DEVICE_USE_* */
-	bool warm_all; /* cache_device_set_warm_all */
 	int fd;
 	int rfd; /* the log's walks at start: buffered, read twice (-1: none) */
 	bool odirect;

@@ -27,7 +27,7 @@
  * within the file system's timestamp granularity of a change) is the one
  * the map's header recorded when it was last written (cache-device-warm
  * files; a backend that is not a regular file only with cache-device-warm
- * all). Claims not used are removed from
+ * all, the export's or the global one). Claims not used are removed from
  * the map before anything else writes a backend.
  */
 #include "daemon/cache/device_internal.h"
@@ -275,11 +275,12 @@ static void slots_ok(struct cache_device *d, const struct devfmt_l2m_header *h, 
 			    "written; its level-2 pages are not used",
 			    d->path, s->cfg.name);
 			ok[i] = false;
-		} else if (ok[i] && !h->stamp[i] && !d->warm_all) {
+		} else if (ok[i] && !h->stamp[i] && !s->warm_all) {
 			log_info(
 			    "cache device %s: export \"%s\": a write made to its backend while "
 			    "the daemon was down could not be told (not a regular file): its "
-			    "level-2 pages are not used (cache-device-warm all keeps them)",
+			    "level-2 pages are not used (cache-device-warm = all in its section, "
+			    "or for every export, keeps them where nothing else writes it)",
 			    d->path, s->cfg.name);
 			ok[i] = false;
 		}

@@ -32,7 +32,8 @@ int cache_export_add(struct cache *c, struct backend *be, const struct export_sp
 	ce->device_slot = -1;
 	/* Mode none caches nothing and logs nothing (it never leaves it). */
 	if (c->device && spec->cache_mode != CACHE_MODE_NONE) {
-		int rc = cache_device_add_export(c->device, ce, spec->name, spec->backend);
+		int rc = cache_device_add_export(c->device, ce, spec->name, spec->backend,
+						 spec->cache_device_warm_all);
 		if (rc < 0) {
 			free(ce->latency);
 			free(ce);

@@ -32,8 +32,6 @@ int cache_create(const struct options *opts, unsigned workers, struct cache **ou
 		char err[1024];
 		rc = cache_device_open(opts->cache_device, opts->cache_device_use, &c->device, err,
 				       sizeof(err));
-		if (rc == 0)
-			cache_device_set_warm_all(c->device, opts->cache_device_warm_all);
 		if (rc == 0 &&
 		    (rc = cache_device_discard(c->device, opts->cache_device_discard)) < 0)
 			snprintf(err, sizeof(err), "cache device: out of memory");

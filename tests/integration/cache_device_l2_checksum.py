@@ -28,7 +28,8 @@ level-2 cache), a RAM cache of 16 MiB and a cache device of 96 MiB.
      start says the area is laid out again for checksums and starts cold,
      every byte reads as the model says, and after SIGTERM the device is
      of format 5 with a map whose sampled claims hold; the next start is
-     warm.
+     warm (the export's cache-device-warm = all: nbdkit's backend cannot
+     be proven unchanged), a start without that key is not.
 
 On a daemon without page checksums (format 4, whose map is read here
 too) step 3 returns the flipped bytes.
@@ -130,15 +131,16 @@ class Run:
         self.model = bytearray(SIZE)
         self.d = None
 
-    def start(self, what=None):
+    def start(self, what=None, warm="cache-device-warm=all"):
         if self.d and self.d.alive():
             self.d.kill()
         work = os.path.join(self.tmp, "d%d" % len(os.listdir(self.tmp)))
         os.mkdir(work)
         extra = ["--cache-device", self.dev, "--cache-size", "16M", "--cache-mode", "writeback",
-                 "--hugepages", "off", "--cache-device-warm", "all"]
+                 "--hugepages", "off"]
         backend = "nbdkit:--filter=delay file %s rdelay=2ms" % self.disk
-        self.d = nbdtest.CheckedDaemon([("disk", backend, "")], workdir=work, tcp=False,
+        # (the export's own key: nothing else writes its backend)
+        self.d = nbdtest.CheckedDaemon([("disk", backend, warm)], workdir=work, tcp=False,
                                        extra=extra, what=what)
         self.h = nbdtest.libnbd_handle(self.d.unix_uri("disk"))
 
@@ -310,6 +312,14 @@ def older_format(r):
     r.start(what="the next start")
     expect("level-2 cache warm" in r.d.log_text(), "the next start was not warm")
     r.read_check(BASE, MIB, "the first MiB of the working set")
+    r.d.stop()
+    # Without the export's cache-device-warm = all (nor the global one),
+    # an nbdkit backend's pages are not used: nothing proves it unchanged.
+    r.start(what="a start without cache-device-warm", warm="")
+    text = r.d.log_text()
+    expect("could not be told (not a regular file)" in text and "level-2 cache warm" not in text,
+           "without cache-device-warm all the pages of an nbdkit backend were used:\n%s"
+           % text[-1500:])
     r.d.stop()
 
 

@@ -566,6 +566,35 @@ static void test_allow_resize(void **state)
 	assert_int_equal(parse(bad, 3, &o, err, sizeof(err)), -EINVAL);
 }
 
+/* cache-device-warm in an export: its own, else the global one. */
+static void test_export_warm(void **state)
+{
+	(void)state;
+	struct options o;
+	char err[256] = "";
+	char *argv[] = {"nbdcached",
+			"--cache-device-warm",
+			"all",
+			"--export",
+			"a=/x",
+			"--export",
+			"b=/y,cache-device-warm=files",
+			NULL};
+	assert_int_equal(parse(argv, 7, &o, err, sizeof(err)), 0);
+	assert_true(o.exports[0].cache_device_warm_all);
+	assert_false(o.exports[1].cache_device_warm_all);
+	options_free(&o);
+	char *argv2[] = {"nbdcached", "--export", "a=/x", "--export", "b=/y,cache-device-warm=all",
+			 NULL};
+	assert_int_equal(parse(argv2, 5, &o, err, sizeof(err)), 0);
+	assert_false(o.exports[0].cache_device_warm_all);
+	assert_true(o.exports[1].cache_device_warm_all);
+	options_free(&o);
+	char *bad[] = {"nbdcached", "--export", "a=/x,cache-device-warm=often", NULL};
+	assert_int_equal(parse(bad, 3, &o, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, "expected cache-device-warm=files or cache-device-warm=all"));
+}
+
 static void test_rbd(void **state)
 {
 	(void)state;
@@ -727,6 +756,7 @@ int main(void)
 		cmocka_unit_test(test_windows),
 		cmocka_unit_test(test_same_file),
 		cmocka_unit_test(test_allow_resize),
+		cmocka_unit_test(test_export_warm),
 		cmocka_unit_test(test_rbd),
 		cmocka_unit_test(test_unix_listen),
 		cmocka_unit_test(test_split_host_port),
