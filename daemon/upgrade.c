@@ -401,7 +401,7 @@ static void *upgrade_main(void *arg)
 	struct upgrade_run *run = arg;
 	struct upgrade_server *u = run->u;
 	struct upgrade_record rec;
-	bool paused = false, parked = false, collected = false;
+	bool paused = false, parked = false, collected = false, announced = false;
 	uint64_t pause_start = 0;
 	log_info("upgrade: starting %s", run->binary);
 	sd_notify(0, "RELOADING=1\nSTATUS=upgrading: starting the new daemon");
@@ -478,6 +478,12 @@ static void *upgrade_main(void *arg)
 	run->r.moved -= rec.closed;
 	run->r.closed += rec.closed;
 	snprintf(run->r.refused_why, sizeof(run->r.refused_why), "%s", rec.text);
+	/* systemd learns the new main PID before COMMIT is sent: the new
+	 * daemon says READY=1 as soon as it has COMMIT, and a READY=1 from a
+	 * process that is not the main one yet would come first whenever this
+	 * thread is slow (on a busy machine one upgrade in five did so). */
+	sd_notifyf(0, "MAINPID=%d\nSTATUS=handing over to pid %d", (int)run->pid, (int)run->pid);
+	announced = true;
 	rc = upgrade_send_record(run->sock, run->buf, upgrade_record_commit(run->buf), -1);
 	if (rc < 0) {
 		fail(run, "sending COMMIT: %s", strerror(-rc));
@@ -485,7 +491,7 @@ static void *upgrade_main(void *arg)
 	}
 	/* From here on the connections are the new daemon's. */
 	run->r.committed = true;
-	sd_notifyf(0, "MAINPID=%d\nSTATUS=handed over to pid %d", (int)run->pid, (int)run->pid);
+	sd_notifyf(0, "STATUS=handed over to pid %d", (int)run->pid);
 	for (unsigned i = 0; i < u->host_count; i++)
 		host_finish_upgrade(&u->hosts[i]);
 	wait_flag(u, offsetof(struct host, finished));
@@ -498,6 +504,13 @@ static void *upgrade_main(void *arg)
 			 (int)run->pid, run->r.refused, run->r.refused_why);
 out:
 	if (!run->r.committed) {
+		/* The main PID back before the new daemon is ended (systemd must
+		 * not see its main process exit); a process of the service's
+		 * cgroup may name it. */
+		if (announced) {
+			sd_notifyf(0, "MAINPID=%d", (int)getpid());
+			sd_notify_barrier(0, 1000000);
+		}
 		if (run->pid > 0)
 			reap(run, true, NULL, 0);
 		if (parked)
