@@ -716,10 +716,46 @@ static bool anything_unflushed(struct cache *c)
 	return false;
 }
 
+/*
+ * Is all that is left the cache device's live log found at start, which
+ * its drain is still writing to the backends (replay_gate)? Its pieces
+ * are written by the drain's thread, not by these rounds: nothing failed
+ * and nothing is dirty, the stop only waits for it.
+ */
+static bool only_start_log_left(struct cache *c)
+{
+	bool gated = false;
+	for (struct cache_export *ce = writeback_exports(c); ce; ce = ce->next) {
+		if (atomic_load(&ce->retired) || atomic_load(&ce->backend->fenced) ||
+		    !cache_export_unflushed(ce))
+			continue;
+		if (!atomic_load(&ce->replay_gate) || atomic_load(&ce->counters.dirty_bytes) ||
+		    atomic_load(&ce->counters.unstable_bytes) ||
+		    atomic_load(&ce->backend_writes_done) !=
+			atomic_load(&ce->backend_writes_flushed))
+			return false;
+		gated = true;
+	}
+	return gated;
+}
+
 /* Every shutdown round has ended: done, or say so and try again later. */
 static void shutdown_pass(struct writeback *wb)
 {
 	struct cache *c = wb->cache;
+	if (!wb->shutdown_error && only_start_log_left(c)) {
+		/* Looked at again shortly: a round after the drain flushes. */
+		if (!wb->shutdown_drain_said)
+			log_info("cache: the live log found at start is still being written to "
+				 "the backends; the stop waits for it");
+		wb->shutdown_drain_said = true;
+		if (!wb->retry)
+			wb->retry = evtimer_new(wb->thread.base, on_retry, wb);
+		struct timeval tv = {0, 100000};
+		if (wb->retry)
+			evtimer_add(wb->retry, &tv);
+		return;
+	}
 	if (!anything_unflushed(c)) {
 		log_info("cache: every dirty block is written back and flushed");
 		event_free(wb->tick);

@@ -32,6 +32,7 @@ struct writeback {
 	struct event *retry;
 	unsigned shutdown_jobs;
 	int shutdown_error;
+	bool shutdown_drain_said; /* "waits for the log found at start", said once */
 	uint64_t shutdown_lost; /* direct writes lost while stopping (no client to tell) */
 	bool stopping;
 	pthread_mutex_t lock;

@@ -1132,8 +1132,8 @@ class Trial:
                     self.drain_note += "; the second replay drained %d bytes in %.2fs" % (
                         st["replay_drained_bytes"], st["replay_drain_ns"] / 1e9)
                 elif self.mode in FAMILIES:
-                    # SIGTERM once the drain is done (during it the stop
-                    # waits 5 s and retries; the device mode covers that)
+                    # SIGTERM once the drain is done (a stop during it
+                    # waits for it; the device mode covers that)
                     for _ in range(300):
                         text = d.log_text()
                         if "to write back" not in text or "on the backends:" in text:
@@ -1150,6 +1150,12 @@ class Trial:
                     self.bfs.stop()
             with open(d.logpath) as f:
                 text = f.read()
+            # Nothing fails during the replay's daemon: a stop during its
+            # drain waits for it, and says no error of bytes not durable.
+            if "are not durable yet" in text:
+                raise Failed("the replay's daemon, stopped, said bytes were not durable "
+                             "though nothing failed: %s" % next(
+                                 ln for ln in text.splitlines() if "not durable yet" in ln))
             replayed = [ln.split("info: ", 1)[-1] for ln in text.splitlines()
                         if "to write back" in ln or "on the backends:" in ln]
             self.power_note = "; %s; %s" % (
