@@ -17,13 +17,6 @@
 #include "daemon/cache/internal.h"
 #include "daemon/log.h"
 
-uint64_t cache_now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 bool cache_all_zero(const uint8_t *p, size_t n)
 {
 	static const uint8_t zero16[16];

@@ -83,7 +83,7 @@ struct compactor {
 
 static uint64_t elapsed_since(uint64_t t0)
 {
-	return cache_now_ns() - t0;
+	return clock_now_ns() - t0;
 }
 
 unsigned cache_fragmentation(struct cache *c)
@@ -439,7 +439,7 @@ static void run_pass(struct compactor *k, unsigned target, bool evict,
 	struct cache *c = k->cache;
 	memset(res, 0, sizeof(*res));
 	pthread_mutex_lock(&k->pass_lock);
-	uint64_t t0 = cache_now_ns();
+	uint64_t t0 = clock_now_ns();
 	res->fragmentation_before = cache_fragmentation(c);
 	if (evict) {
 		uint64_t reserve = c->arena.nframes / RESERVE_DIVISOR;

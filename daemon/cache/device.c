@@ -1,8 +1,10 @@
 /*
  * daemon/cache/device.c: a cache device opened (its superblock read, or
- * the device formatted), bound to the exports (the live log checked
- * against their identities), started and closed (device.h; the ring:
- * device_internal.h).
+ * the device formatted, an older format's level-2 area laid out again),
+ * its exports' slots and identities, started and closed, and
+ * --check-config's look at it (device.h; the ring: device_internal.h;
+ * binding the live log to the exports and planning its replay:
+ * device_replay.c).
  */
 #include "daemon/cache/device_internal.h"
 

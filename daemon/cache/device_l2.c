@@ -456,10 +456,10 @@ static void write_item(struct cache_device *d, struct dev_l2_item *it)
 	pthread_mutex_unlock(&l->lock);
 	for (uint32_t i = 0; i < it->pages; i++)
 		it->crc[i] = devfmt_crc32c(0, it->data + (size_t)i * DEVFMT_BLOCK, DEVFMT_BLOCK);
-	uint64_t t0 = cache_now_ns();
+	uint64_t t0 = clock_now_ns();
 	int rc = dev_pwrite_all(d->fd, it->data, (size_t)it->pages * DEVFMT_BLOCK,
 				l->offset + (uint64_t)start * DEVFMT_BLOCK);
-	uint64_t t1 = cache_now_ns();
+	uint64_t t1 = clock_now_ns();
 	pthread_mutex_lock(&l->lock);
 	l->writing = NULL;
 	if (rc < 0) {
@@ -535,7 +535,7 @@ static void *l2_thread(void *arg)
 	while (!l->stop) {
 		struct dev_l2_item *it = l->staged;
 		if (l->since_mark && cache_device_l2_on(d) &&
-		    (l->since_mark >= mark_bytes || cache_now_ns() >= l->mark_due)) {
+		    (l->since_mark >= mark_bytes || clock_now_ns() >= l->mark_due)) {
 			mark_written(d);
 			continue;
 		}

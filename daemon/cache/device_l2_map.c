@@ -169,7 +169,7 @@ static int write_locked(struct cache_device *d, bool all)
 	/* Live before the first block is written: a backend write waits for
 	 * this map from now on. */
 	atomic_store(&l->map_live, true);
-	uint64_t t0 = cache_now_ns(), removals = 0, blocks = 0;
+	uint64_t t0 = clock_now_ns(), removals = 0, blocks = 0;
 	int rc = 0;
 	bool first = true;
 	for (uint32_t next = 0; rc == 0;) {
@@ -229,7 +229,7 @@ static int write_locked(struct cache_device *d, bool all)
 		atomic_store(&l->persisted, removals);
 	pthread_mutex_lock(&l->lock);
 	l->st.l2_map_writes += blocks || header;
-	l->st.l2_map_ns += cache_now_ns() - t0;
+	l->st.l2_map_ns += clock_now_ns() - t0;
 	pthread_mutex_unlock(&l->lock);
 	return 0;
 }
@@ -341,7 +341,7 @@ void dev_l2_load(struct cache_device *d)
 	struct dev_l2 *l = &d->l2;
 	if (!l->pages || !l->map_offset)
 		return;
-	uint64_t t0 = cache_now_ns();
+	uint64_t t0 = clock_now_ns();
 	size_t chunk = (size_t)DEV_L2_MAP_CHUNK * 4 * DEVFMT_BLOCK;
 	uint8_t *buf = dev_aligned(chunk);
 	if (!buf) {
@@ -412,7 +412,7 @@ void dev_l2_load(struct cache_device *d)
 	/* The claims not used leave the map before anything writes a backend
 	 * (the replay included). */
 	rc = dev_l2_map_write(d, false);
-	l->st.l2_load_ns = cache_now_ns() - t0;
+	l->st.l2_load_ns = clock_now_ns() - t0;
 	if (rc < 0)
 		log_warn("cache device %s: writing its level-2 map: %s; the level-2 cache is off",
 			 d->path, strerror(-rc));

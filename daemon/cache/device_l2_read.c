@@ -88,7 +88,7 @@ static void read_finish(struct l2_read *r)
 	}
 	if (result == 0) {
 		if ((uint64_t)r->pages * DEVFMT_BLOCK <= CACHE_DEVICE_SMALL_READ)
-			cache_device_cost_note(&l->small_read_ns, cache_now_ns() - r->t0);
+			cache_device_cost_note(&l->small_read_ns, clock_now_ns() - r->t0);
 		l->st.l2_hits++;
 		l->st.l2_hit_bytes += (uint64_t)r->pages * DEVFMT_BLOCK;
 	} else if (result == -ESTALE) {
@@ -170,7 +170,7 @@ bool cache_device_l2_read(struct cache_device *d, struct cache_export *ce, struc
 	}
 	pthread_mutex_unlock(&l->lock);
 	r->d = d;
-	r->t0 = cache_now_ns();
+	r->t0 = clock_now_ns();
 	r->io = io;
 	r->worker = w;
 	r->slot = (unsigned)slot;

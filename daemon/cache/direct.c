@@ -378,7 +378,7 @@ static void step_choose(struct cache_op *op)
 /* The step is applied and unregistered: the next one, or the end. */
 static void step_next(struct cache_op *op)
 {
-	uint64_t took = cache_now_ns() - op->step_sent_ns;
+	uint64_t took = clock_now_ns() - op->step_sent_ns;
 	if (op->cmd != BACKEND_WRITE && op->step_length == op->step_bytes) {
 		/* A whole step: what it took says what the next may cover. */
 		if (took < DIRECT_STEP_TARGET_NS / 2 && op->step_bytes < step_max(op->ce))
@@ -465,7 +465,7 @@ void direct_step(struct cache_op *op)
 		op->io.flags = op->flags;
 		op->pending = 1;
 		op->loss_at_submit = atomic_load(&ce->backend->loss_seq);
-		op->step_sent_ns = cache_now_ns();
+		op->step_sent_ns = clock_now_ns();
 		if (op->cmd == BACKEND_WRITE) {
 			atomic_fetch_add(&ce->counters.backend_writes, 1);
 			atomic_fetch_add(&ce->counters.backend_write_bytes, op->length);

@@ -96,7 +96,7 @@ void cache_mark_dirty(struct cache_entry *e, uint32_t first, uint32_t count)
 	}
 	list_append(ce->cache, &ce->dirty_head, &ce->dirty_tail, e, LINK(dirty_link));
 	x->on_dirty_list = true;
-	x->dirty_since = cache_now_ns();
+	x->dirty_since = clock_now_ns();
 	pthread_mutex_unlock(&ce->lock);
 }
 
@@ -195,7 +195,7 @@ void cache_mark_unstable(struct cache_entry *e, uint32_t blocks, uint64_t seq)
 	if (x->on_unstable_list) /* to the tail: the list stays in write order */
 		unstable_list_unlink(ce, e);
 	if (!ce->unstable_head)
-		ce->unstable_since = cache_now_ns();
+		ce->unstable_since = clock_now_ns();
 	list_append(ce->cache, &ce->unstable_head, &ce->unstable_tail, e, LINK(unstable_link));
 	x->on_unstable_list = true;
 	if (seq > x->unstable_seq)

@@ -943,7 +943,6 @@ void cache_kick_writeback(struct cache *c);
 void cache_nudge_compactor(struct cache *c);
 
 /* cache.c */
-uint64_t cache_now_ns(void);
 /* The index's part of cache_create (the arena, the ghost table, the locks,
  * the writeback policy; 0 or -errno, nothing to undo on failure) and of
  * cache_destroy (every range, entry and export, then the rest). */

@@ -77,7 +77,7 @@ static bool may_pass(struct cache_op *op)
 	struct cache *c = ce->cache;
 	if (!throttle_over_high(ce) || !c->kick.worker || ce->writeback_failing) /* racy peeks: hints */
 		return true;
-	uint64_t done = atomic_load(&c->writebacks_done), now = cache_now_ns();
+	uint64_t done = atomic_load(&c->writebacks_done), now = clock_now_ns();
 	if (done != op->throttle_seen) {
 		op->throttle_seen = done;
 		op->throttle_seen_ns = now;
@@ -91,7 +91,7 @@ bool throttle_write(struct cache_op *op)
 	if (!throttle_over_high(ce) || !ce->cache->kick.worker || ce->writeback_failing)
 		return false;
 	op->throttle_seen = atomic_load(&ce->cache->writebacks_done);
-	op->throttle_seen_ns = cache_now_ns();
+	op->throttle_seen_ns = clock_now_ns();
 	op->stage = OP_STAGE_THROTTLED;
 	atomic_fetch_add(&ce->cache->throttled, 1);
 	atomic_fetch_add(&ce->counters.throttled_writes, 1);

@@ -99,7 +99,7 @@ static void background_pass(struct writeback *wb);
  */
 void writeback_note_failure_locked(struct cache_export *ce, int error, const char *what)
 {
-	uint64_t now = cache_now_ns();
+	uint64_t now = clock_now_ns();
 	ce->writeback_failing = true;
 	ce->last_error = error;
 	ce->retry_at = now + WB_RETRY_NS;
@@ -126,7 +126,7 @@ void writeback_note_failure_locked(struct cache_export *ce, int error, const cha
 /* A backend write or flush of ce succeeded: the failing spell is over. */
 void writeback_note_success(struct cache_export *ce)
 {
-	uint64_t now = cache_now_ns();
+	uint64_t now = clock_now_ns();
 	pthread_mutex_lock(&ce->lock);
 	bool say = ce->writeback_failing && ce->failure_logged &&
 		   (!ce->recovery_log_ns || now - ce->recovery_log_ns >= WB_LOG_INTERVAL_NS);
@@ -482,7 +482,7 @@ static void background_pass_once(struct writeback *wb)
 		wb->draining = true;
 	if (dirty <= c->dirty_low)
 		wb->draining = false;
-	uint64_t now = cache_now_ns();
+	uint64_t now = clock_now_ns();
 	/* The cache device's log is short of room: full rounds (no FLUSH to
 	 * answer) let a checkpoint free it (device.h). */
 	bool checkpoint = c->device && cache_device_wants_checkpoint(c->device);

@@ -12,6 +12,8 @@
              header, the cache's operations including it, the client
              including a daemon header
   unplaced   a copy with a new file in no layer: exit 1, named
+  stale      a copy without daemon/host.c and host.h, which a layer and no
+             other file names: exit 1, the stale rule named
 """
 
 import os
@@ -93,12 +95,33 @@ def unplaced(tmp):
             "check-layers accepted a file in no layer (exit %d):\n%s" % (rc, out))
 
 
+def stale(tmp):
+    root = os.path.join(tmp, "stale")
+    copy_tree(root)
+    for f in ("host.c", "host.h"):
+        os.unlink(os.path.join(root, "daemon", f))
+    # (its includers go too, or they would name a missing file instead)
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            if f.endswith((".c", ".h")):
+                with open(p, errors="replace") as fh:
+                    text = fh.read()
+                if '#include "daemon/host.h"' in text:
+                    os.unlink(p)
+    rc, out = run(root)
+    log("  without daemon/host.[ch]: exit %d, %s" % (rc, out.strip().split("\n")[0]))
+    require(rc == 1 and "daemon/host.[ch] names no file" in out,
+            "check-layers kept a rule for files that do not exist (exit %d):\n%s" % (rc, out))
+
+
 def main():
     checks = nbdtest.Checks()
     with nbdtest.tempdir(prefix="check-layers-") as tmp:
         checks.run("tree", tree)
         checks.run("upward", upward, tmp)
         checks.run("unplaced", unplaced, tmp)
+        checks.run("stale", stale, tmp)
     checks.finish("layer")
 
 
