@@ -81,6 +81,9 @@ struct cache_device_waiter {
 	 * round's FLUSH (no record up to rec may be replayed any more). */
 	bool checkpoint;
 	int result;	       /* 0, -EIO (device failed), -ENOSPC (fallback only) */
+	/* A failed device: the attempts to empty its log begun before this
+	 * waiter came (their failure does not answer it; device_log.c). */
+	uint64_t void_after;
 	struct worker *worker; /* task posted there with the result */
 	struct worker_task task;
 	struct cache_device_waiter *next;

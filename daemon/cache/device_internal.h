@@ -248,6 +248,10 @@ struct cache_device {
 	 * for it (device_log.c, ready_locked). */
 	bool voided, void_said;
 	int void_error;
+	/* Attempts to write the superblock of a failed device begun, and the
+	 * one whose failure void_error is (a waiter is answered only by one
+	 * begun after it came: cache_device_waiter.void_after). */
+	uint64_t void_attempts, void_error_at;
 	bool committing;	  /* the log thread writes records taken from pend */
 	struct dev_rec *pend;
 	size_t npend, cappend;

@@ -172,8 +172,8 @@ static struct cache_device_waiter *ready_locked(struct cache_device *d)
 			 * cannot be written. */
 			result = w->fallback ? -EIO
 				 : d->voided ? 0
-				 : d->void_error ? d->void_error
-						 : 1;
+				 : d->void_error && d->void_error_at > w->void_after ? d->void_error
+										      : 1;
 		else if (w->fallback && d->detaching)
 			/* A log round while a detach began: some of its entries
 			 * may not have been appended; it writes back instead. */
@@ -211,6 +211,7 @@ void cache_device_wait(struct cache_device *d, struct cache_device_waiter *w)
 	pthread_mutex_lock(&d->lock);
 	w->next = d->waiters;
 	d->waiters = w;
+	w->void_after = d->void_attempts;
 	if (w->checkpoint) {
 		d->checkpoint_waiters++;
 		d->checkpoint_due = true;
@@ -218,8 +219,10 @@ void cache_device_wait(struct cache_device *d, struct cache_device_waiter *w)
 		d->want = w->rec;
 	}
 	if (d->failed && !d->voided) {
-		/* The void is tried again for it (answered by that attempt). */
-		d->void_error = 0;
+		/* The void is tried again for it, and it is answered by that
+		 * attempt or a later one (void_after): not by the failure of
+		 * one already under way when it came (the device may have
+		 * healed since). */
 		d->checkpoint_due = true;
 	}
 	struct cache_device_waiter *ready = ready_locked(d);
@@ -604,6 +607,7 @@ static void checkpoint_locked(struct cache_device *d)
 		d->tail = tail;
 		d->tail_seq = tail_seq;
 		d->tail_skip = skip;
+		uint64_t attempt = d->failed ? ++d->void_attempts : 0;
 		pthread_mutex_unlock(&d->lock);
 		pthread_mutex_lock(&d->sb_lock);
 		int rc = dev_sb_update(d, false);
@@ -620,8 +624,11 @@ static void checkpoint_locked(struct cache_device *d)
 					  "until it can be (a start could replay its records over "
 					  "what they acknowledge); tried again at each",
 					  d->path, strerror(-rc));
-			if (d->failed)
+			if (d->failed) {
 				d->void_error = rc;
+				/* (a device that failed here: this attempt counts) */
+				d->void_error_at = attempt ? attempt : ++d->void_attempts;
+			}
 			d->void_said |= d->failed;
 			dev_fail_locked(d, rc, "writing its checkpoint");
 			return;

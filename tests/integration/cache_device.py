@@ -403,6 +403,63 @@ def device_faults(tmp):
                 d2.stop()
 
 
+def healed_during_attempt(tmp):
+    """After a failure, a FLUSH is answered by an attempt to empty the log
+    begun after it came, not by the failure of one already under way:
+    the device heals while an attempt runs (each operation on it slowed
+    to 400 ms; its next fsync fails once, then it is healthy). A FLUSH of
+    export "disk" starts that attempt (and gets EIO from it); a FLUSH of
+    export "other" (a round of its own) comes during it, and must be
+    answered by the next attempt: success."""
+    disk = os.path.join(tmp, "disk.img")
+    other = os.path.join(tmp, "other.img")
+    nbdtest.sparse_file(disk, SIZE)
+    nbdtest.sparse_file(other, SIZE)
+    with faults.FaultFS(os.path.join(tmp, "faultfs")) as fs:
+        dev = fs.path("cache.dev")
+        with open(dev, "wb") as f:
+            f.truncate(DEVICE)
+        fs.lose_on_fsync_error(False)
+        d = daemon(tmp, disk, dev, extra=["--export", "other=" + other])
+        try:
+            h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+            h2 = nbdtest.libnbd_handle(d.unix_uri("other"))
+            a, b = os.urandom(MIB), os.urandom(MIB)
+            h.pwrite(a, 0)
+            h.flush()
+            fs.set("fail-write")
+            h.pwrite(b, MIB)
+            nbdtest.expect_nbd_error(h.flush, errno.EIO, "a FLUSH whose commit failed")
+            fs.set("fail-fsync-once")
+            fs.set("delay-ms 400")
+            first = h.aio_flush()
+            time.sleep(0.2)  # the attempt it started is in its first write now
+            t0 = time.monotonic()
+            h2.flush()
+            log("  the FLUSH sent during the attempt: answered in %.2f s"
+                % (time.monotonic() - t0))
+            how = "still in flight"
+            for _ in range(600):
+                try:
+                    if h.aio_command_completed(first):
+                        how = "answered 0"
+                        break
+                except nbd.Error as e:
+                    how = "answered %s" % e
+                    break
+                h.poll(100)
+            log("  the FLUSH sent before it: %s" % how)
+            check_data(disk, {0: a, MIB: b}, "after the FLUSH answered by the next attempt")
+            fs.set("ok")
+            nbdtest.shutdown_all([h, h2])
+        except nbd.Error as e:
+            fs.set("ok")
+            raise Failed("a FLUSH sent while an attempt to empty the log ran, after the "
+                         "device healed: %s" % e)
+        finally:
+            d.stop(expect_rc=None)
+
+
 def ctl(d, *args):
     r = nbdtest.run([nbdtest.NBDCACHECTL, "--control", d.control] + list(args),
                     check_rc=False)
@@ -1043,6 +1100,8 @@ def main():
                           replay_after_kill),
                          ("refusals", refusals),
                          ("device faults", device_faults),
+                         ("a FLUSH is answered by an attempt begun after it",
+                          healed_during_attempt),
                          ("cache-device flush and detach", flush_and_detach),
                          ("a log round costs what was written since the last",
                           round_cost),
