@@ -140,18 +140,7 @@ def write_and_kill(tmp, disk, dev):
     return {8 * MIB: data, 20 * MIB: fua}
 
 
-def crc32c(data):
-    """CRC32C (Castagnoli), as the device format has it."""
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    crc = 0xFFFFFFFF
-    for b in data:
-        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
+crc32c = nbdtest.crc32c
 
 
 def earlier_device(path, clean, version=1):

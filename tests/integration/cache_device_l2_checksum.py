@@ -60,19 +60,7 @@ CHECKS = nbdtest.Checks(catch=(Failed, nbd.Error))
 expect = CHECKS.expect
 SEED = int(os.environ.get("L2_SEED", "20261207"))
 
-_CRC32C = []
-for _n in range(256):
-    _c = _n
-    for _ in range(8):
-        _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1
-    _CRC32C.append(_c)
-
-
-def crc32c(data):
-    c = 0xFFFFFFFF
-    for b in data:
-        c = _CRC32C[(c ^ b) & 0xFF] ^ (c >> 8)
-    return c ^ 0xFFFFFFFF
+crc32c = nbdtest.crc32c
 
 
 def superblock(dev):

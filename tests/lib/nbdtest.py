@@ -859,6 +859,22 @@ def describe_diff(got, want, base=0):
             "%d bytes read, %d expected" % (base + first, g, w, base + last, len(got), len(want)))
 
 
+_CRC32C_TABLE = []
+for _n in range(256):
+    _c = _n
+    for _ in range(8):
+        _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1
+    _CRC32C_TABLE.append(_c)
+
+
+def crc32c(data):
+    """CRC32C (Castagnoli), as the cache device's format has it."""
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc = _CRC32C_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
 def require_same(got, want, what, base=0):
     """Raise Failed (naming the offset of the first difference) unless the
     bytes got equal want; `base` is the offset of got[0]."""
