@@ -307,6 +307,8 @@ install: programs
 	for m in man/*.5; do [ -e "$$m" ] && install -m 0644 $$m $(DESTDIR)$(PREFIX)/share/man/man5/; done; true
 	install -m 0644 include/nbdcached/control.h $(DESTDIR)$(PREFIX)/include/nbdcached/control.h
 	install -m 0644 configs/*.conf $(DESTDIR)$(PREFIX)/share/doc/nbdcached/
+	install -d $(DESTDIR)$(PREFIX)/share/doc/nbdcached/prometheus
+	install -m 0644 configs/prometheus/* $(DESTDIR)$(PREFIX)/share/doc/nbdcached/prometheus/
 	install -m 0644 configs/nbdcached.conf $(DESTDIR)/etc/nbdcached/nbdcached.conf.example
 	# The operator's config is never overwritten.
 	[ -e $(DESTDIR)/etc/nbdcached/nbdcached.conf ] || \

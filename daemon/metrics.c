@@ -17,8 +17,13 @@
  * below are walked family by family, each over every export. A split
  * export's windows share their export's cache export and connection
  * counter, so only the export itself has series (its name is the label).
- * The level-2 cache gauges the issue names have nothing to report here:
- * this cache has one level (the arena).
+ *   the cache device      device_metrics(): its state (failed, detached),
+ *                         the intent log (size, use, commits, the live log
+ *                         found at start still to write back or lost) and
+ *                         the level-2 cache (hits, misses, stale reads,
+ *                         read and checksum errors); only with one
+ *
+ * configs/prometheus/ has alert rules over these and a dashboard.
  */
 #include "daemon/metrics.h"
 
@@ -70,6 +75,7 @@ struct export_sample {
 	struct cache_reply_stats r;
 	struct qos_stats q;
 	uint64_t connections;
+	uint64_t fenced; /* 1: another node owns its backend (backend.h: fenced) */
 };
 
 /* A label value with \, " and newline escaped (the text format's rule). */
@@ -182,6 +188,9 @@ static const struct export_series export_series[] = {
      SAMPLE(s.unstable_bytes)},
     {"nbdcached_export_cached_bytes", "gauge", "Cache bytes the export's entries hold.", NULL, NULL,
      SAMPLE(s.cached_bytes)},
+    {"nbdcached_export_fenced", "gauge",
+     "1 while another node owns the export's backend (its writes fail).", NULL, NULL,
+     SAMPLE(fenced)},
 };
 
 static void export_counters(FILE *f, const struct export_sample *x, size_t n)
@@ -288,6 +297,47 @@ static void cache_gauges(FILE *f, struct cache *c)
 	      s.metadata_bytes + s.arena_metadata_bytes);
 }
 
+static void counter(FILE *f, const char *name, const char *help, uint64_t v)
+{
+	family(f, name, "counter", help);
+	fprintf(f, "%s %" PRIu64 "\n", name, v);
+}
+
+static void device_metrics(FILE *f, struct cache *c)
+{
+	struct cache_device_stats d;
+	if (!cache_get_device_stats(c, &d) || !d.attached)
+		return;
+	gauge(f, "nbdcached_cache_device_failed",
+	      "1 once the cache device failed: its log is off, the exports write through.",
+	      d.failed);
+	gauge(f, "nbdcached_cache_device_detached", "1 once the cache device was detached.",
+	      d.detached);
+	gauge(f, "nbdcached_cache_device_log_bytes", "Size of the intent log.", d.log_bytes);
+	gauge(f, "nbdcached_cache_device_log_used_bytes", "Intent log bytes in use.", d.log_used);
+	counter(f, "nbdcached_cache_device_commits_total", "Intent log commits.", d.commits);
+	counter(f, "nbdcached_cache_device_logged_bytes_total", "Bytes of data logged.",
+		d.bytes_logged);
+	counter(f, "nbdcached_cache_device_full_log_fallbacks_total",
+		"FLUSH rounds written back because the log was full.", d.fallbacks);
+	gauge(f, "nbdcached_cache_device_replay_pending_bytes",
+	      "Bytes of the log found at start not on the backends yet.", d.replay_pending_bytes);
+	counter(f, "nbdcached_cache_device_replay_lost_bytes_total",
+		"Bytes of the log found at start that the device corrupted (lost).",
+		d.replay_lost_bytes);
+	gauge(f, "nbdcached_cache_device_l2_on", "1 while the level-2 cache is on.", d.l2_on);
+	gauge(f, "nbdcached_cache_device_l2_used_bytes", "Level-2 cache bytes in use.", d.l2_used);
+	counter(f, "nbdcached_cache_device_l2_hits_total", "Fills served by the level-2 cache.",
+		d.l2_hits);
+	counter(f, "nbdcached_cache_device_l2_misses_total",
+		"Fills the level-2 cache could not serve.", d.l2_misses);
+	counter(f, "nbdcached_cache_device_l2_read_errors_total",
+		"Level-2 reads that failed (read from the backend).", d.l2_read_errors);
+	counter(f, "nbdcached_cache_device_l2_checksum_errors_total",
+		"Level-2 pages whose bytes did not match their checksum (never served).",
+		d.l2_checksum_errors);
+}
+
 static void client_metrics(FILE *f)
 {
 	struct budget_stats b;
@@ -344,8 +394,10 @@ static int metrics_page(struct metrics *m, char **text, size_t *len)
 		cache_export_get_reply_stats(e->cache, &s->r);
 		qos_limiter_get(e->counter->qos, &s->q);
 		s->connections = atomic_load(&e->counter->connections);
+		s->fenced = atomic_load(&e->backend->fenced);
 	}
 	cache_gauges(f, m->cache);
+	device_metrics(f, m->cache);
 	client_metrics(f);
 	export_counters(f, x, shown);
 	histograms(f, x, shown, h);

@@ -28,6 +28,9 @@ WANT = [
     "lib/systemd/system/nbdcached.socket",
     "usr/lib/sysusers.d/nbdcached.conf",
     "usr/share/doc/nbdcached/nbdcached.service.d/block-device.conf",
+    "usr/share/doc/nbdcached/prometheus/nbdcached-alerts.yml",
+    "usr/share/doc/nbdcached/prometheus/nbdcached-alerts.test.yml",
+    "usr/share/doc/nbdcached/prometheus/grafana-nbdcached.json",
     "etc/nbdcached/nbdcached.conf",
     "etc/nbdcached/nbdcached.conf.example",
 ]

@@ -23,6 +23,12 @@
              applies them to the next connection; one that changes the
              address is refused (refused_settings: metrics) and the old
              address keeps serving
+  device     a daemon with a cache device: the page has the device's
+             series (failed 0, level 2 on, ...) and promtool check metrics
+             passes; the alert rules in configs/prometheus/ pass `promtool
+             check rules` and their unit tests (`promtool test rules`),
+             and every series the rules and the Grafana dashboard name is
+             on such a page
 
 Prometheus is started and stopped by its PID; every wait is bounded.
 """
@@ -30,6 +36,7 @@ Prometheus is started and stopped by its PID; every wait is bounded.
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -242,6 +249,55 @@ def reload(tmp, backend):
         expect(not refused(port, "127.0.0.1"), "the old address stopped serving")
 
 
+RULES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs",
+                         "prometheus")
+
+
+def device(tmp, backend):
+    dev = os.path.join(tmp, "cache.dev")
+    nbdtest.sparse_file(dev, 96 * MIB)
+    nbdtest.own_device(dev)
+    workdir = os.path.join(tmp, "device")
+    os.makedirs(workdir)
+    port = nbdtest.free_port()
+    with nbdtest.Daemon([("m", backend, "")], workdir=workdir,
+                        extra=["--metrics", "127.0.0.1:%d" % port, "--cache-device", dev]):
+        status, _, body = fetch(port)
+    expect(status == 200, "GET /metrics: HTTP %d" % status)
+    page = body.decode()
+    for want in ("nbdcached_cache_device_failed 0", "nbdcached_cache_device_l2_on 1",
+                 "nbdcached_cache_device_replay_pending_bytes 0",
+                 "nbdcached_cache_device_l2_checksum_errors_total 0",
+                 'nbdcached_export_fenced{export="m"} 0'):
+        expect(want in page, "the page lacks %r" % want)
+    p = subprocess.run([PROMTOOL, "check", "metrics"], input=body, capture_output=True,
+                       timeout=60)
+    said = (p.stdout + p.stderr).decode(errors="replace").strip()
+    expect(p.returncode == 0 and not said, "promtool check metrics (a cache device): exit %d, %r"
+           % (p.returncode, said))
+    families = set(re.findall(r"^# TYPE (\S+) ", page, re.M))
+    rules = os.path.join(RULES_DIR, "nbdcached-alerts.yml")
+    for args in (["check", "rules", rules],
+                 ["test", "rules", os.path.join(RULES_DIR, "nbdcached-alerts.test.yml")]):
+        p = subprocess.run([PROMTOOL] + args, capture_output=True, text=True, timeout=120)
+        log("  promtool %s: exit %d" % (" ".join(args[:2]), p.returncode))
+        expect(p.returncode == 0, "promtool %s: exit %d\n%s" % (" ".join(args[:2]), p.returncode,
+                                                                (p.stdout + p.stderr)[-2000:]))
+    named = set()
+    with open(rules) as f:
+        named |= set(re.findall(r"nbdcached_[a-z0-9_]+", f.read()))
+    with open(os.path.join(RULES_DIR, "grafana-nbdcached.json")) as f:
+        dash = json.load(f)
+    exprs = [t["expr"] for panel in dash["panels"] for t in panel["targets"]]
+    exprs += [v.get("query", "") for v in dash["templating"]["list"]]
+    for e in exprs:
+        named |= set(re.findall(r"nbdcached_[a-z0-9_]+", e))
+    base = {re.sub(r"_(bucket|count|sum)$", "", n) if n not in families else n for n in named}
+    missing = sorted(n for n in base if n not in families)
+    log("  the rules and the dashboard name %d series, %d panels" % (len(base), len(dash["panels"])))
+    expect(not missing, "named by the rules or the dashboard, not on the page: %s" % missing)
+
+
 def main():
     for tool in (PROMETHEUS, PROMTOOL):
         if not os.access(tool, os.X_OK):
@@ -274,6 +330,7 @@ def main():
             checks.dump_log(d)
         checks.run("allow", allow, backend)
         checks.run("reload", reload, tmp, backend)
+        checks.run("device", device, tmp, backend)
     checks.finish("metrics_prometheus")
 
 
