@@ -68,7 +68,7 @@ CTL_LIBS := $(shell pkg-config --libs json-c 2>/dev/null || echo -ljson-c)
 # The codec: pure, no dependency.
 PROTO_SRC := $(wildcard proto/*.c)
 # The daemon's dependency-free core: builds on i386 and is unit tested there.
-CORE_SRC := daemon/options.c daemon/export_spec.c daemon/option_values.c daemon/access.c daemon/qos.c daemon/log.c daemon/cache/arena.c \
+CORE_SRC := daemon/options.c daemon/export_spec.c daemon/option_values.c daemon/access.c daemon/qos.c daemon/log.c daemon/check.c daemon/cache/arena.c \
 	daemon/histogram.c daemon/rbd_spec.c daemon/upgrade_record.c daemon/cache/device_format.c
 # Everything else in the daemon needs libevent / liburing.
 DAEMON_SRC := $(filter-out $(CORE_SRC) $(RBD_OUT),$(wildcard daemon/*.c daemon/backend/*.c daemon/cache/*.c))
@@ -214,7 +214,7 @@ SHORT_REPEATS = CRASH_TRIALS=12 CRASH_FAMILY_TRIALS=3 RUNS=5 RUNS9=1 CACHE_COMPA
 SAME_IN_EVERY_BUILD = deps_mirror.py
 
 asan: deps
-	$(MAKE) BUILD=build-asan CC=gcc SANITIZE="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" OPT="-O1 -g" all
+	$(MAKE) BUILD=build-asan CC=gcc SANITIZE="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -DNBDCACHED_CHECKS" OPT="-O1 -g" all
 	$(SHORT_REPEATS) TEST_EXCLUDE="$(SAME_IN_EVERY_BUILD)" ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:quarantine_size_mb=16 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 		BUILD=build-asan tests/run
 

@@ -235,6 +235,8 @@ static void dispatch(struct control_client *cl, const char *line, size_t len)
 		control_cmd_upgrade(cl, req);
 	else if (strcmp(cmd, "cache-device") == 0)
 		control_cmd_cache_device(cl, req);
+	else if (strcmp(cmd, "debug-unpin") == 0 && control_debug_hooks())
+		control_cmd_debug_unpin(cl, req);
 	else
 		control_send_error(
 		    cl, EINVAL,

@@ -21,6 +21,7 @@
 #include <event2/bufferevent.h>
 #include <event2/event.h>
 
+#include "daemon/check.h"
 #include "daemon/clock.h"
 #include "daemon/control_internal.h"
 #include "daemon/log.h"
@@ -346,6 +347,35 @@ void control_cmd_drop_clean(struct control_client *cl, json_object *req)
 		control_add_u64(o, "kept_bytes", kept);
 		control_send(cl, o);
 	}
+	export_put(e);
+}
+
+bool control_debug_hooks(void)
+{
+	static int on = -1; /* read once (the control thread) */
+	if (on < 0) {
+		const char *v = getenv("NBDCACHED_DEBUG_HOOKS");
+		on = v && strcmp(v, "1") == 0;
+	}
+	return on;
+}
+
+void control_cmd_debug_unpin(struct control_client *cl, json_object *req)
+{
+	struct export *e = find_export(cl, req);
+	if (!e)
+		return;
+	json_object *v;
+	uint64_t offset = 0;
+	if (json_object_object_get_ex(req, "offset", &v))
+		offset = (uint64_t)json_object_get_int64(v);
+	bool unpinned = offset < e->backend->size && cache_debug_unpin(e->cache, offset);
+	log_warn("export '%s': debug-unpin at %llu (control socket, a debug hook): %s", e->name,
+		 (unsigned long long)offset, unpinned ? "done" : "no idle entry there");
+	json_object *o = control_reply_ok();
+	json_object_object_add(o, "unpinned", json_object_new_boolean(unpinned));
+	control_add_u64(o, "invariant_violations", check_violations());
+	control_send(cl, o);
 	export_put(e);
 }
 

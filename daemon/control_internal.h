@@ -140,6 +140,12 @@ void control_sample_rates(struct control *ctl);
 /* flush, or set-mode when set_mode: replies when the cache is done. */
 void control_cmd_flush(struct control_client *cl, json_object *req, bool set_mode);
 void control_cmd_drop_clean(struct control_client *cl, json_object *req);
+/* Debug hooks (tests break an invariant on purpose with them; check.h):
+ * only when the daemon started with NBDCACHED_DEBUG_HOOKS=1 in its
+ * environment; otherwise the command is unknown. */
+bool control_debug_hooks(void);
+/* {"command":"debug-unpin","export":NAME,"offset":N}: cache_debug_unpin. */
+void control_cmd_debug_unpin(struct control_client *cl, json_object *req);
 void control_cmd_compact(struct control_client *cl);
 /* Flush w's cache export through the cache; w (calloc'd, with client,
  * export or reap set) is answered and freed when it completes. */

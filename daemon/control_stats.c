@@ -18,6 +18,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "daemon/check.h"
 #include "daemon/budget.h"
 #include "daemon/clock.h"
 #include "daemon/control_internal.h"
@@ -384,6 +385,7 @@ void control_cmd_stats(struct control_client *cl, const char *only)
 	cache_get_stats(ctl->cfg.cache, &s);
 	json_object *o = control_reply_ok();
 	control_add_u64(o, "time_ms", clock_now_ns() / 1000000u);
+	control_add_u64(o, "invariant_violations", check_violations());
 	json_object *c = json_object_new_object();
 	control_add_u64(c, "cache_bytes", s.cache_bytes);
 	control_add_u64(c, "used_bytes", s.used_bytes);

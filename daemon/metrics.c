@@ -41,6 +41,7 @@
 #include "daemon/access.h"
 #include "daemon/budget.h"
 #include "daemon/cache/cache.h"
+#include "daemon/check.h"
 #include "daemon/export.h"
 #include "daemon/log.h"
 #include "daemon/qos.h"
@@ -340,6 +341,9 @@ static void device_metrics(FILE *f, struct cache *c)
 
 static void client_metrics(FILE *f)
 {
+	counter(f, "nbdcached_invariant_violations_total",
+		"Internal invariants found broken (the daemon went on; each is logged).",
+		check_violations());
 	struct budget_stats b;
 	budget_get_stats(&b);
 	gauge(f, "nbdcached_clients", "Client connections, negotiating ones too.", b.clients);

@@ -292,7 +292,23 @@ void cache_entry_pin(struct cache_entry *e)
 
 void cache_entry_unpin(struct cache_entry *e)
 {
-	atomic_fetch_sub_explicit(&e->hot, 1, memory_order_release);
+	unsigned old = atomic_fetch_sub_explicit(&e->hot, 1, memory_order_release);
+	/* An unpin with no pin: it borrowed from the frequency bits (put
+	 * back), and whoever holds the entry now is not protected by it. */
+	if (NEVER((old & CACHE_PINS_MASK) == 0))
+		atomic_fetch_add_explicit(&e->hot, 1, memory_order_relaxed);
+}
+
+bool cache_debug_unpin(struct cache_export *ce, uint64_t offset)
+{
+	struct cache_shard *sh = cache_shard_for(ce->cache, ce, offset >> CACHE_RANGE_SHIFT);
+	pthread_mutex_lock(&sh->lock);
+	struct cache_entry *e = cache_lookup(ce, sh, offset >> ARENA_FRAME_SHIFT);
+	bool idle = e && !cache_entry_pinned(e);
+	if (idle)
+		cache_entry_unpin(e);
+	pthread_mutex_unlock(&sh->lock);
+	return idle;
 }
 
 /* Count a hit, up to 3. The word also holds the pins, which other threads

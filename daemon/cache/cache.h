@@ -305,6 +305,11 @@ struct cache_device *cache_get_device(struct cache *c);
 /* Is ce's data logged on the cache device (it has a slot there)? */
 bool cache_export_on_device(const struct cache_export *ce);
 /* Its figures; false when there is none. */
+/* A debug hook (control.c, only with NBDCACHED_DEBUG_HOOKS set at start):
+ * the idle entry holding ce's byte at offset is unpinned without a pin, so
+ * that the pin invariant's NEVER fires (counted, logged, undone). True if
+ * there was such an entry. */
+bool cache_debug_unpin(struct cache_export *ce, uint64_t offset);
 bool cache_get_device_stats(struct cache *c, struct cache_device_stats *out);
 
 int cache_export_add(struct cache *c, struct backend *be, const struct export_spec *spec,

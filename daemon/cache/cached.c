@@ -277,6 +277,7 @@ static void fill_done(struct backend_io *io, int result)
 		op->error = result;
 	}
 	free(f);
+	DCHECK(op->pending > 0);
 	if (--op->pending == 0)
 		op_run(op);
 }
@@ -349,6 +350,7 @@ static void bypass_done(struct backend_io *io, int result)
 		f->piece->ready = true;
 	}
 	free(f);
+	DCHECK(op->pending > 0);
 	if (--op->pending == 0)
 		op_run(op);
 }

@@ -648,6 +648,10 @@ static void checkpoint_locked(struct cache_device *d)
 		d->checkpointed = covered;
 	if (covered > d->durable)
 		d->durable = covered > d->appended ? d->appended : covered;
+	/* The log's positions: nothing durable that was not appended, the
+	 * tail not past the head. */
+	DCHECK(d->durable <= d->appended);
+	DCHECK(d->tail_seq <= d->head_seq);
 	d->no_room = false;
 }
 

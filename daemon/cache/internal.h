@@ -74,6 +74,7 @@
 #include <stdatomic.h>
 
 #include "daemon/cache/arena.h"
+#include "daemon/check.h"
 #include "daemon/clock.h"
 #include "daemon/cache/cache.h"
 #include "daemon/cache/device.h"

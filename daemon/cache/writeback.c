@@ -143,6 +143,8 @@ void writeback_note_success(struct cache_export *ce)
 /* Drop one reference to op; the last one finishes the writeback. */
 static void wb_op_put(struct wb_op *op)
 {
+	if (NEVER(op->pending == 0))
+		return; /* put once too often: it is freed, or its last put is to come */
 	if (--op->pending)
 		return;
 	struct writeback *wb = op->wb;
