@@ -47,8 +47,8 @@ def same_block(d):
     log("  two reads of one cold range: %.2f s, %d backend read(s)" % (secs, reads))
     expect(reads == 1, "two concurrent misses on one range made %d backend reads" % reads)
     expect(all(g == bytes(64 * KIB) for g in got), "wrong bytes for the cold range")
-    expect(secs < 1.8 * DELAY, "took %.2f s, about two delays: the reads were serialized"
-           % secs)
+    # (one backend read for both proves they were not serialized; their
+    # time is logged above, not asserted: a busy machine adds to it)
     secs, got = timed_reads(d, hs, [8 * MIB, 8 * MIB], 64 * KIB)
     expect(all(g == data for g in got), "the written range reads back wrong")
     nbdtest.shutdown_all(hs)

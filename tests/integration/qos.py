@@ -406,7 +406,8 @@ def main():
                 h.flush()
                 took = time.monotonic() - f0
                 log("FLUSH took %.3f s with reads held back" % took)
-                expect(took < 0.5, "FLUSH waited %.3f s behind held reads" % took)
+                # (that it did not wait behind them: reads still held once
+                # it is answered, below; its time is not asserted)
                 # (aio_command_completed retires a command that completed)
                 left = [c for c in reads if not h.aio_command_completed(c)]
                 expect(len(left) >= 2, "%d of 4 reads done at once at 1 a second"
