@@ -4,8 +4,8 @@
 
   coalesce   256 sequential 4 KiB writes (256 cache entries), FLUSH: the
              backend gets them in one write, not 256
-  expire     --dirty-expire 1: unflushed data is on the backend within a
-             few seconds, without FLUSH
+  expire     --dirty-expire 3: unflushed data is not on the backend right
+             after its WRITE, and is there within 10 s, without FLUSH
   watermark  cache 8 MiB, --dirty-high 50 --dirty-low 25: 6 MiB written
              without FLUSH; the writeback thread brings dirty data down to
              at most 25% of the cache, and what it wrote is on the backend
@@ -60,14 +60,17 @@ def check_coalesce(tmp):
 
 
 def check_expire(tmp):
-    path, d = daemon(tmp, ["--cache-size", "16M", "--dirty-expire", "1"])
+    # 3 s: the look right after the WRITE (not written back yet) must come
+    # before the expiry, also on a machine busy enough to pause this
+    # process for a second.
+    path, d = daemon(tmp, ["--cache-size", "16M", "--dirty-expire", "3"])
     with d:
         h = nbdtest.libnbd_handle(d.unix_uri("disk"))
         data = os.urandom(256 * KIB)
         h.pwrite(data, 4 * MIB)
         expect(read_at(path, 4 * MIB, len(data)) != data, "written back at once?")
-        ok = wait_for(lambda: read_at(path, 4 * MIB, len(data)) == data, 5)
-        expect(ok, "data dirty for 5 s with --dirty-expire 1 is not on the backend")
+        ok = wait_for(lambda: read_at(path, 4 * MIB, len(data)) == data, 10)
+        expect(ok, "data dirty for 10 s with --dirty-expire 3 is not on the backend")
         # The file has the data a moment before the write's completion is
         # counted: give the counter the same few seconds.
         expect(wait_for(lambda: nbdtest.stats(d)["dirty_bytes"] == 0, 5),
