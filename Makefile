@@ -68,7 +68,7 @@ CTL_LIBS := $(shell pkg-config --libs json-c 2>/dev/null || echo -ljson-c)
 # The codec: pure, no dependency.
 PROTO_SRC := $(wildcard proto/*.c)
 # The daemon's dependency-free core: builds on i386 and is unit tested there.
-CORE_SRC := daemon/options.c daemon/export_spec.c daemon/option_values.c daemon/access.c daemon/qos.c daemon/log.c daemon/check.c daemon/cache/arena.c \
+CORE_SRC := daemon/options.c daemon/export_spec.c daemon/option_values.c daemon/access.c daemon/qos.c daemon/log.c daemon/check.c daemon/settings.c daemon/cache/arena.c \
 	daemon/histogram.c daemon/rbd_spec.c daemon/upgrade_record.c daemon/cache/device_format.c
 # Everything else in the daemon needs libevent / liburing.
 DAEMON_SRC := $(filter-out $(CORE_SRC) $(RBD_OUT),$(wildcard daemon/*.c daemon/backend/*.c daemon/cache/*.c))

@@ -10,6 +10,7 @@
  */
 #include "daemon/config.h"
 #include "daemon/config_internal.h"
+#include "daemon/settings.h"
 
 #include <errno.h>
 #include <ini.h>
@@ -142,36 +143,9 @@ static int merge(struct config_ctx *x)
 			f->field = NULL;                                                           \
 		}                                                                                  \
 	} while (0)
-	TAKE(OPT_GIVEN_THREADS, threads);
-	TAKE_STRING(OPT_GIVEN_PIDFILE, pidfile);
-	TAKE_STRING(OPT_GIVEN_CACHE_DEVICE, cache_device);
-	TAKE_STRING(OPT_GIVEN_CACHE_DEVICE_DISCARD, cache_device_discard);
-	TAKE(OPT_GIVEN_LOG_LEVEL, log_level);
-	TAKE(OPT_GIVEN_CACHE_SIZE, cache_size);
-	TAKE(OPT_GIVEN_HUGEPAGES, hugepages);
-	TAKE(OPT_GIVEN_BLOCK_SIZE, block_size);
-	TAKE(OPT_GIVEN_CACHE_MODE, cache_mode);
-	TAKE(OPT_GIVEN_SEQ_CUTOFF, seq_cutoff);
-	TAKE(OPT_GIVEN_DIRTY_HIGH, dirty_high);
-	TAKE(OPT_GIVEN_DIRTY_LOW, dirty_low);
-	TAKE(OPT_GIVEN_DIRTY_EXPIRE, dirty_expire);
-	TAKE(OPT_GIVEN_BACKEND_TIMEOUT, backend_timeout);
-	TAKE(OPT_GIVEN_RBD_TAKEOVER, rbd_takeover_wait);
-	TAKE(OPT_GIVEN_CACHE_DEVICE_USE, cache_device_use);
-	TAKE(OPT_GIVEN_CACHE_DEVICE_WARM, cache_device_warm_all);
-	TAKE(OPT_GIVEN_MAX_CONNECTIONS, max_connections);
-	TAKE(OPT_GIVEN_COMPACT, compact);
-	TAKE(OPT_GIVEN_COMPACT_INTERVAL, compact_interval_ms);
-	TAKE(OPT_GIVEN_COMPACT_THRESHOLD, compact_threshold);
-	TAKE(OPT_GIVEN_MAX_CLIENTS, max_clients);
-	TAKE(OPT_GIVEN_MAX_REPLY_MEMORY, max_reply_memory);
-	TAKE(OPT_GIVEN_MAX_PINNED_REPLIES, max_pinned_replies);
-	TAKE(OPT_GIVEN_STALL_TIMEOUT, stall_timeout);
-	TAKE(OPT_GIVEN_NEGOTIATION_TIMEOUT, negotiation_timeout);
-	TAKE_STRING(OPT_GIVEN_CONTROL, control_path);
-	TAKE_STRING(OPT_GIVEN_USER, user);
-	TAKE_STRING(OPT_GIVEN_GROUP, group);
-	TAKE(OPT_GIVEN_MAX_PER_CLIENT, max_connections_per_client);
+	for (size_t i = 0; i < settings_count; i++)
+		if (take & settings[i].given)
+			settings_take(&settings[i], o, f);
 	TAKE_STRING(OPT_GIVEN_ALLOW, access.allow);
 	TAKE_STRING(OPT_GIVEN_DENY, access.deny);
 	TAKE_STRING(OPT_GIVEN_ALLOW_USERS, access.allow_users);
@@ -181,11 +155,6 @@ static int merge(struct config_ctx *x)
 	TAKE_STRING(OPT_GIVEN_METRICS_ALLOW, metrics_access.allow);
 	TAKE_STRING(OPT_GIVEN_METRICS_DENY, metrics_access.deny);
 	TAKE(OPT_GIVEN_METRICS_EXPORT_NAMES, metrics_export_names_all);
-	TAKE(OPT_GIVEN_TLS, tls);
-	TAKE(OPT_GIVEN_TLS_VERIFY_PEER, tls_verify_peer);
-	TAKE_STRING(OPT_GIVEN_TLS_CERTIFICATES, tls_certificates);
-	TAKE_STRING(OPT_GIVEN_TLS_PSK, tls_psk);
-	TAKE_STRING(OPT_GIVEN_TLS_PRIORITY, tls_priority);
 #undef TAKE
 #undef TAKE_STRING
 	/* The file's exports first, then the command line's. */

@@ -13,6 +13,7 @@
 
 #include "daemon/config_internal.h"
 #include "daemon/option_values.h"
+#include "daemon/settings.h"
 
 static bool key_is(const char *name, const char *key)
 {
@@ -201,213 +202,23 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 			return config_fail(x, "'%s' given twice", name);
 		return set_string(x, &x->port, v);
 	}
-	struct {
-		const char *key;
-		uint64_t bit;
-	} const globals[] = {
-	    {"threads", OPT_GIVEN_THREADS},
-	    {"pidfile", OPT_GIVEN_PIDFILE},
-	    {"log-level", OPT_GIVEN_LOG_LEVEL},
-	    {"cache-size", OPT_GIVEN_CACHE_SIZE},
-	    {"hugepages", OPT_GIVEN_HUGEPAGES},
-	    {"block-size", OPT_GIVEN_BLOCK_SIZE},
-	    {"cache-mode", OPT_GIVEN_CACHE_MODE},
-	    {"seq-cutoff", OPT_GIVEN_SEQ_CUTOFF},
-	    {"dirty-high", OPT_GIVEN_DIRTY_HIGH},
-	    {"dirty-low", OPT_GIVEN_DIRTY_LOW},
-	    {"dirty-expire", OPT_GIVEN_DIRTY_EXPIRE},
-	    {"backend-timeout", OPT_GIVEN_BACKEND_TIMEOUT},
-	    {"rbd-takeover", OPT_GIVEN_RBD_TAKEOVER},
-	    {"cache-device", OPT_GIVEN_CACHE_DEVICE},
-	    {"cache-device-discard-dirty", OPT_GIVEN_CACHE_DEVICE_DISCARD},
-	    {"cache-device-use", OPT_GIVEN_CACHE_DEVICE_USE},
-	    {"cache-device-warm", OPT_GIVEN_CACHE_DEVICE_WARM},
-	    {"control", OPT_GIVEN_CONTROL},
-	    {"user", OPT_GIVEN_USER},
-	    {"group", OPT_GIVEN_GROUP},
-	    {"max-connections", OPT_GIVEN_MAX_CONNECTIONS},
-	    {"maxconnections", OPT_GIVEN_MAX_CONNECTIONS},
-	    {"compact", OPT_GIVEN_COMPACT},
-	    {"compact-interval-ms", OPT_GIVEN_COMPACT_INTERVAL},
-	    {"compact-threshold", OPT_GIVEN_COMPACT_THRESHOLD},
-	    {"max-clients", OPT_GIVEN_MAX_CLIENTS},
-	    {"max-reply-memory", OPT_GIVEN_MAX_REPLY_MEMORY},
-	    {"max-pinned-replies", OPT_GIVEN_MAX_PINNED_REPLIES},
-	    {"stall-timeout", OPT_GIVEN_STALL_TIMEOUT},
-	    {"negotiation-timeout", OPT_GIVEN_NEGOTIATION_TIMEOUT},
-	    {"max-connections-per-client", OPT_GIVEN_MAX_PER_CLIENT},
-	    {"tls", OPT_GIVEN_TLS},
-	    {"tls-certificates", OPT_GIVEN_TLS_CERTIFICATES},
-	    {"tls-psk", OPT_GIVEN_TLS_PSK},
-	    {"tls-verify-peer", OPT_GIVEN_TLS_VERIFY_PEER},
-	    {"tls-priority", OPT_GIVEN_TLS_PRIORITY},
-	};
-	uint64_t bit = 0;
-	for (size_t i = 0; i < sizeof(globals) / sizeof(globals[0]); i++)
-		if (key_is(name, globals[i].key))
-			bit = globals[i].bit;
-	if (!bit) {
+	const struct setting *st = settings_find(name);
+	if (!st) {
 		if (is_nbd_server_key(name))
 			return config_fail(x, "nbd-server key '%s' is not supported by nbdcached",
 					   name);
 		return config_fail(x, "unknown key '%s' in [generic]", name);
 	}
-	if (x->set & bit)
+	if (x->set & st->given)
 		return config_fail(x, "'%s' given twice", name);
-	x->set |= bit;
-	switch (bit) {
-	case OPT_GIVEN_THREADS:
-		if (options_parse_threads(v, &f->threads) < 0)
-			return config_fail(x, "threads %s: expected 0..%d", v, OPTIONS_MAX_THREADS);
-		return 1;
-	case OPT_GIVEN_PIDFILE:
-		return set_string(x, &f->pidfile, v);
-	case OPT_GIVEN_LOG_LEVEL:
-		if (log_parse_level(v, &f->log_level) < 0)
-			return config_fail(x, "log-level %s: expected error, warn, info or debug",
-					   v);
-		return 1;
-	case OPT_GIVEN_CACHE_SIZE:
-		if (options_parse_cache_size(v, &f->cache_size) < 0)
-			return config_fail(x,
-					   "cache-size %s: expected a size from 1M up to half the "
-					   "address space (K, M, G, T suffixes)",
-					   v);
-		return 1;
-	case OPT_GIVEN_HUGEPAGES:
-		if (options_parse_hugepages(v, &f->hugepages) < 0)
-			return config_fail(x, "hugepages %s: expected auto, require or off", v);
-		return 1;
-	case OPT_GIVEN_BLOCK_SIZE:
-		if (options_parse_block_size(v, &f->block_size) < 0)
-			return config_fail(x,
-					   "block-size %s: must be a power of two from 512 to "
-					   "65536",
-					   v);
-		return 1;
-	case OPT_GIVEN_CACHE_MODE:
-		if (options_parse_cache_mode(v, &f->cache_mode) < 0)
-			return config_fail(x,
-					   "cache-mode %s: expected writeback, writethrough, "
-					   "writearound or none",
-					   v);
-		return 1;
-	case OPT_GIVEN_SEQ_CUTOFF:
-		if (options_parse_size(v, &f->seq_cutoff) < 0)
-			return config_fail(x, "seq-cutoff %s: expected a size", v);
-		return 1;
-	case OPT_GIVEN_DIRTY_HIGH:
-	case OPT_GIVEN_DIRTY_LOW:
-		if (options_parse_percent(v, bit == OPT_GIVEN_DIRTY_HIGH ? &f->dirty_high
-									 : &f->dirty_low) < 0)
-			return config_fail(x, "%s %s: expected 0..100", name, v);
-		return 1;
-	case OPT_GIVEN_DIRTY_EXPIRE:
-	case OPT_GIVEN_BACKEND_TIMEOUT:
-		if (options_parse_seconds(v, bit == OPT_GIVEN_DIRTY_EXPIRE
-						 ? &f->dirty_expire
-						 : &f->backend_timeout) < 0)
-			return config_fail(x, "%s %s: expected 1..86400 seconds", name, v);
-		return 1;
-	case OPT_GIVEN_CONTROL:
-		if (v[0] == '\0' || strlen(v) >= 108)
-			return config_fail(x, "control: path empty or longer than 107 bytes");
-		return set_string(x, &f->control_path, v);
-	case OPT_GIVEN_USER:
-	case OPT_GIVEN_GROUP:
-		if (v[0] == '\0')
-			return config_fail(x, "%s: empty name", name);
-		return set_string(x, bit == OPT_GIVEN_USER ? &f->user : &f->group, v);
-	case OPT_GIVEN_CACHE_DEVICE_DISCARD:
-		if (v[0] == '\0')
-			return config_fail(x, "%s: no export named", name);
-		return set_string(x, &f->cache_device_discard, v);
-	case OPT_GIVEN_CACHE_DEVICE:
-		if (v[0] == '\0')
-			return config_fail(x, "%s: empty path", name);
-		return set_string(x, &f->cache_device, v);
-	case OPT_GIVEN_CACHE_DEVICE_WARM:
-		if (options_parse_cache_device_warm(v, &f->cache_device_warm_all) < 0)
-			return config_fail(x, "%s %s: expected files or all", name, v);
-		return 1;
-	case OPT_GIVEN_CACHE_DEVICE_USE:
-		if (options_parse_cache_device_use(v, &f->cache_device_use) < 0)
-			return config_fail(x, "%s %s: expected log, l2 or both", name, v);
-		return 1;
-	case OPT_GIVEN_RBD_TAKEOVER:
-		if (options_parse_rbd_takeover(v, &f->rbd_takeover_wait) < 0)
-			return config_fail(x, "rbd-takeover %s: expected refuse or wait", v);
-		return 1;
-	case OPT_GIVEN_COMPACT:
-		if (options_parse_compact(v, &f->compact) < 0)
-			return config_fail(x, "compact %s: expected on or off", v);
-		return 1;
-	case OPT_GIVEN_COMPACT_INTERVAL:
-		if (options_parse_compact_interval(v, &f->compact_interval_ms) < 0)
-			return config_fail(x, "compact-interval-ms %s: expected 1..3600000", v);
-		return 1;
-	case OPT_GIVEN_COMPACT_THRESHOLD:
-		if (options_parse_compact_threshold(v, &f->compact_threshold) < 0)
-			return config_fail(x, "compact-threshold %s: expected 0..1000 (per mille)",
-					   v);
-		return 1;
-	case OPT_GIVEN_MAX_CLIENTS:
-		if (options_parse_max_clients(v, &f->max_clients) < 0)
-			return config_fail(x, "max-clients %s: expected 0..%d (0: unlimited)", v,
-					   OPTIONS_MAX_CONNECTIONS);
-		return 1;
-	case OPT_GIVEN_MAX_REPLY_MEMORY:
-		if (options_parse_reply_memory(v, &f->max_reply_memory) < 0)
-			return config_fail(
-			    x,
-			    "max-reply-memory %s: expected a size from 64M up to half "
-			    "the address space (K, M, G, T suffixes)",
-			    v);
-		return 1;
-	case OPT_GIVEN_MAX_PINNED_REPLIES:
-		if (options_parse_pinned_replies(v, &f->max_pinned_replies) < 0)
-			return config_fail(x, "max-pinned-replies %s: expected a size", v);
-		return 1;
-	case OPT_GIVEN_STALL_TIMEOUT:
-		if (options_parse_stall_timeout(v, &f->stall_timeout) < 0)
-			return config_fail(x, "stall-timeout %s: expected 1..%d seconds", v,
-					   OPTIONS_MAX_STALL_TIMEOUT);
-		return 1;
-	case OPT_GIVEN_NEGOTIATION_TIMEOUT:
-		if (options_parse_negotiation_timeout(v, &f->negotiation_timeout) < 0)
-			return config_fail(x, "negotiation-timeout %s: expected 1..%d seconds", v,
-					   OPTIONS_MAX_NEGOTIATION_TIMEOUT);
-		return 1;
-	case OPT_GIVEN_MAX_PER_CLIENT:
-		if (options_parse_max_connections(v, &f->max_connections_per_client) < 0)
-			return config_fail(x, "%s %s: expected 0..%d (0: unlimited)", name, v,
-					   OPTIONS_MAX_CONNECTIONS);
-		return 1;
-	case OPT_GIVEN_TLS:
-		if (options_parse_tls(v, &f->tls) < 0)
-			return config_fail(x, "tls %s: expected off, on or require", v);
-		return 1;
-	case OPT_GIVEN_TLS_VERIFY_PEER:
-		if (options_parse_bool(v, &f->tls_verify_peer) < 0)
-			return config_fail(x, "tls-verify-peer %s: expected true or false", v);
-		return 1;
-	case OPT_GIVEN_TLS_CERTIFICATES:
-	case OPT_GIVEN_TLS_PSK:
-	case OPT_GIVEN_TLS_PRIORITY:
-		if (v[0] == '\0')
-			return config_fail(x, "%s: empty", name);
-		return set_string(x,
-				  bit == OPT_GIVEN_TLS_CERTIFICATES ? &f->tls_certificates
-				  : bit == OPT_GIVEN_TLS_PSK	    ? &f->tls_psk
-								    : &f->tls_priority,
-				  v);
-	case OPT_GIVEN_MAX_CONNECTIONS:
-		if (options_parse_max_connections(v, &f->max_connections) < 0)
-			return config_fail(x, "%s %s: expected 0..%d (0: unlimited)", name, v,
-					   OPTIONS_MAX_CONNECTIONS);
-		return 1;
-	}
-	return config_fail(x, "unknown key '%s'", name);
+	char why[300];
+	int rc = settings_read(st, f, v, why, sizeof(why));
+	if (rc == -ENOMEM)
+		return out_of_memory(x);
+	if (rc < 0)
+		return config_fail(x, "%s", why);
+	x->set |= st->given;
+	return 1;
 }
 
 void config_finish_export(struct config_ctx *x)

@@ -22,6 +22,7 @@
 #include "daemon/config.h"
 #include "daemon/control_internal.h"
 #include "daemon/log.h"
+#include "daemon/settings.h"
 #include "daemon/tls.h"
 
 static bool same_strings(char **a, size_t an, char **b, size_t bn)
@@ -39,47 +40,24 @@ static bool same_opt_string(const char *a, const char *b)
 	return (!a && !b) || (a && b && strcmp(a, b) == 0);
 }
 
-/* Settings fixed at start; a reload that changes them is told so. */
+static void refused(const char *name, json_object *out)
+{
+	log_warn("reload: %s cannot change while running; restart to apply it", name);
+	json_object_array_add(out, json_object_new_string(name));
+}
+
+/* Settings fixed at start (settings.h: fixed; and the listen addresses and
+ * the metrics address); a reload that changes them is told so. */
 static void refused_globals(const struct options *was, const struct options *now, json_object *out)
 {
-	struct {
-		bool changed;
-		const char *name;
-	} const checks[] = {
-	    {was->cache_size != now->cache_size, "cache-size"},
-	    {was->hugepages != now->hugepages, "hugepages"},
-	    {was->threads != now->threads, "threads"},
-	    {!same_strings(was->listen, was->listen_count, now->listen, now->listen_count) ||
-		 !same_strings(was->unix_paths, was->unix_count, now->unix_paths, now->unix_count),
-	     "listen"},
-	    {!same_opt_string(was->control_path, now->control_path), "control"},
-	    {!same_opt_string(was->metrics, now->metrics), "metrics"},
-	    {!same_opt_string(was->user, now->user), "user"},
-	    {!same_opt_string(was->group, now->group), "group"},
-	    {!same_opt_string(was->pidfile, now->pidfile), "pidfile"},
-	    {!same_opt_string(was->cache_device, now->cache_device), "cache-device"},
-	    {!same_opt_string(was->cache_device_discard, now->cache_device_discard),
-	     "cache-device-discard-dirty"},
-	    {was->cache_device_use != now->cache_device_use, "cache-device-use"},
-	    {was->cache_device_warm_all != now->cache_device_warm_all, "cache-device-warm"},
-	    {was->backend_timeout != now->backend_timeout, "backend-timeout"},
-	    {was->rbd_takeover_wait != now->rbd_takeover_wait, "rbd-takeover"},
-	    {was->compact != now->compact, "compact"},
-	    {was->compact_interval_ms != now->compact_interval_ms, "compact-interval-ms"},
-	    {was->compact_threshold != now->compact_threshold, "compact-threshold"},
-	    {was->max_clients != now->max_clients, "max-clients"},
-	    {was->max_reply_memory != now->max_reply_memory, "max-reply-memory"},
-	    {was->max_pinned_replies != now->max_pinned_replies, "max-pinned-replies"},
-	    {was->stall_timeout != now->stall_timeout, "stall-timeout"},
-	    {was->negotiation_timeout != now->negotiation_timeout, "negotiation-timeout"},
-	};
-	for (size_t i = 0; i < sizeof(checks) / sizeof(checks[0]); i++) {
-		if (!checks[i].changed)
-			continue;
-		log_warn("reload: %s cannot change while running; restart to apply it",
-			 checks[i].name);
-		json_object_array_add(out, json_object_new_string(checks[i].name));
-	}
+	for (size_t i = 0; i < settings_count; i++)
+		if (settings[i].fixed && settings_differ(&settings[i], was, now))
+			refused(settings[i].name, out);
+	if (!same_strings(was->listen, was->listen_count, now->listen, now->listen_count) ||
+	    !same_strings(was->unix_paths, was->unix_count, now->unix_paths, now->unix_count))
+		refused("listen", out);
+	if (!same_opt_string(was->metrics, now->metrics))
+		refused("metrics", out);
 }
 
 /*

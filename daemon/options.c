@@ -19,55 +19,49 @@
 #include <sys/stat.h>
 
 #include "daemon/rbd_spec.h"
+#include "daemon/settings.h"
 
 #define fail options_fail
 
 const char *options_usage(void)
 {
-	return "usage: nbdcached [--config FILE] [--check-config] [--foreground]\n"
-	       "                 [--listen HOST:PORT]... [--unix "
-	       "PATH[,mode=OCTAL][,group=GROUP]]...\n"
-	       "                 [--control PATH|none]\n"
-	       "                 [--export "
-	       "NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]\n"
-	       "                           "
-	       "[,cache-mode=MODE][,seq-cutoff=SIZE][,max-connections=N]\n"
-	       "                           [,dirty-high=PCT][,dirty-low=PCT]\n"
-	       "                           [,offset=SIZE][,size=SIZE][,split=SIZE|32bit]\n"
-	       "                           [,allow-resize]]...\n"
-	       "                 [--threads N] [--pidfile FILE] [--log-level LEVEL]\n"
-	       "                 [--user USER] [--group GROUP] [--max-connections N]\n"
-	       "                 [--cache-size SIZE] [--hugepages auto|require|off]\n"
-	       "                 [--cache-device PATH] [--cache-device-use log|l2|both]\n"
-	       "                 [--cache-device-warm files|all]\n"
-	       "                 [--cache-device-discard-dirty NAMES]\n"
-	       "                 [--block-size N] [--cache-mode MODE] [--seq-cutoff SIZE]\n"
-	       "                 [--dirty-high PCT] [--dirty-low PCT] [--dirty-expire SECONDS]\n"
-	       "                 [--backend-timeout SECONDS] [--rbd-takeover refuse|wait]\n"
-	       "                 [--compact on|off] [--compact-interval-ms MS]\n"
-	       "                 [--compact-threshold PERMILLE] [--max-clients N]\n"
-	       "                 [--max-reply-memory SIZE] [--max-pinned-replies SIZE]\n"
-	       "                 [--stall-timeout SECONDS] [--negotiation-timeout SECONDS]\n"
-	       "                 [--allow LIST] [--deny LIST] [--allow-users LIST]\n"
-	       "                 [--allow-groups LIST] [--allow-identities IDENTITY]...\n"
-	       "                 [--max-connections-per-client N]\n"
-	       "                 [--metrics HOST:PORT] [--metrics-allow LIST] [--metrics-deny "
-	       "LIST]\n"
-	       "                 [--metrics-export-names listed|all]\n"
-	       "                 [--tls off|on|require] [--tls-certificates DIR] [--tls-psk FILE]\n"
-	       "                 [--tls-verify-peer[=true|false]] [--tls-priority STRING]\n"
-	       "An --export also takes allow=LIST, deny=LIST, allow-users=LIST,\n"
-	       "allow-groups=LIST (its access rules; a LIST runs on over commas),\n"
-	       "allow-identities=IDENTITY (one, commas and all) and tls=require.\n"
-	       "BACKEND is a file or block device, an NBD URI (nbd://HOST[:PORT]/NAME,\n"
-	       "nbd+unix:///NAME?socket=PATH, nbds://...), nbdkit:PLUGIN [ARG...] or a Ceph\n"
-	       "RBD image rbd:POOL[/NAMESPACE]/IMAGE[@SNAP][?conf=FILE&id=USER&keyring=FILE].\n"
-	       "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
-	       "writearound or none. SIZE takes a K, M, G or T suffix. Default "
-	       "listen: " OPTIONS_DEFAULT_LISTEN " (when neither --listen nor --unix is given).\n"
-	       "The empty export name selects the first export. FILE (nbdcached.conf(5)) "
-	       "is\n" OPTIONS_DEFAULT_CONFIG " when it exists and no --export is given;\n"
-	       "the command line wins over it. SIGHUP re-reads it.\n";
+	static char text[8192];
+	if (text[0])
+		return text;
+	size_t at = (size_t)snprintf(
+	    text, sizeof(text), "%s",
+	    "usage: nbdcached [--config FILE] [--check-config] [--foreground]\n"
+	    "                 [--listen HOST:PORT]... [--unix "
+	    "PATH[,mode=OCTAL][,group=GROUP]]...\n"
+	    "                 [--export "
+	    "NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]\n"
+	    "                           "
+	    "[,cache-mode=MODE][,seq-cutoff=SIZE][,max-connections=N]\n"
+	    "                           [,dirty-high=PCT][,dirty-low=PCT]\n"
+	    "                           [,offset=SIZE][,size=SIZE][,split=SIZE|32bit]\n"
+	    "                           [,allow-resize][,cache-device-warm=files|all]]...\n");
+	/* Every setting of the table (settings.h), as it declares it. */
+	at += settings_usage(text + at, sizeof(text) - at, 17);
+	snprintf(
+	    text + at, sizeof(text) - at, "%s",
+	    "                 [--allow LIST] [--deny LIST] [--allow-users LIST]\n"
+	    "                 [--allow-groups LIST] [--allow-identities IDENTITY]...\n"
+	    "                 [--metrics HOST:PORT] [--metrics-allow LIST] [--metrics-deny "
+	    "LIST]\n"
+	    "                 [--metrics-export-names listed|all]\n"
+	    "An --export also takes allow=LIST, deny=LIST, allow-users=LIST,\n"
+	    "allow-groups=LIST (its access rules; a LIST runs on over commas),\n"
+	    "allow-identities=IDENTITY (one, commas and all) and tls=require.\n"
+	    "BACKEND is a file or block device, an NBD URI (nbd://HOST[:PORT]/NAME,\n"
+	    "nbd+unix:///NAME?socket=PATH, nbds://...), nbdkit:PLUGIN [ARG...] or a Ceph\n"
+	    "RBD image rbd:POOL[/NAMESPACE]/IMAGE[@SNAP][?conf=FILE&id=USER&keyring=FILE].\n"
+	    "LEVEL is error, warn, info or debug. MODE is writeback (default), writethrough,\n"
+	    "writearound or none. SIZE takes a K, M, G or T suffix. Default "
+	    "listen: " OPTIONS_DEFAULT_LISTEN " (when neither --listen nor --unix is given).\n"
+	    "The empty export name selects the first export. FILE (nbdcached.conf(5)) "
+	    "is\n" OPTIONS_DEFAULT_CONFIG " when it exists and no --export is given;\n"
+	    "the command line wins over it. SIGHUP re-reads it.\n");
+	return text;
 }
 
 int options_push_string(char ***vec, size_t *count, const char *s)
@@ -166,23 +160,18 @@ static int set_string(char **slot, const char *value)
 	return 0;
 }
 
-/* Long-only options (no short letter): the access rules. */
+/* Long-only options (no short letter) that are not settings (settings.h
+ * has theirs, from 2000 on): the access rules and the metrics. */
 enum {
 	OPT_ACCESS_ALLOW = 256,
 	OPT_ACCESS_DENY,
 	OPT_ACCESS_USERS,
 	OPT_ACCESS_GROUPS,
 	OPT_ACCESS_IDENTITIES, /* ... in access_lists' order */
-	OPT_ACCESS_PER_CLIENT,
 	OPT_METRICS,
 	OPT_METRICS_ALLOW,
 	OPT_METRICS_DENY,
 	OPT_METRICS_EXPORT_NAMES,
-	OPT_RBD_TAKEOVER,
-	OPT_CACHE_DEVICE,
-	OPT_CACHE_DEVICE_DISCARD,
-	OPT_CACHE_DEVICE_USE,
-	OPT_CACHE_DEVICE_WARM,
 };
 
 /*
@@ -247,18 +236,9 @@ int options_metrics_value(struct options *out, const char *key, const char *valu
 }
 
 /* --allow, --deny, --allow-users, --allow-groups, --allow-identities (each
- * adds to its list) and --max-connections-per-client. */
+ * adds to its list). */
 static int options_access_arg(int c, const char *arg, struct options *out, char *err, size_t errlen)
 {
-	if (c == OPT_ACCESS_PER_CLIENT) {
-		if (options_parse_max_connections(arg, &out->max_connections_per_client) < 0)
-			return fail(
-			    err, errlen, -EINVAL,
-			    "--max-connections-per-client %s: expected 0..%d (0: unlimited)", arg,
-			    OPTIONS_MAX_CONNECTIONS);
-		out->given |= OPT_GIVEN_MAX_PER_CLIENT;
-		return 0;
-	}
 	const struct access_list *l = &access_lists[c - OPT_ACCESS_ALLOW];
 	char why[200];
 	int rc = access_spec_add(&out->access, l, arg, why, sizeof(why));
@@ -271,61 +251,39 @@ static int options_access_arg(int c, const char *arg, struct options *out, char 
 
 int options_parse_args(int argc, char **argv, struct options *out, char *err, size_t errlen)
 {
-	static const struct option longopts[] = {
+	/* The settings' options (settings.h), then these. */
+	static const struct option own[] = {
 	    {"foreground", no_argument, NULL, 'f'},
 	    {"listen", required_argument, NULL, 'l'},
 	    {"unix", required_argument, NULL, 'u'},
 	    {"export", required_argument, NULL, 'e'},
-	    {"threads", required_argument, NULL, 't'},
-	    {"pidfile", required_argument, NULL, 'p'},
-	    {"log-level", required_argument, NULL, 'L'},
-	    {"cache-size", required_argument, NULL, 'C'},
-	    {"hugepages", required_argument, NULL, 'H'},
-	    {"block-size", required_argument, NULL, 'B'},
-	    {"cache-mode", required_argument, NULL, 'M'},
-	    {"seq-cutoff", required_argument, NULL, 'S'},
-	    {"dirty-high", required_argument, NULL, 'D'},
-	    {"dirty-low", required_argument, NULL, 'd'},
-	    {"dirty-expire", required_argument, NULL, 'E'},
-	    {"backend-timeout", required_argument, NULL, 'T'},
-	    {"max-connections", required_argument, NULL, 'm'},
 	    {"config", required_argument, NULL, 'c'},
 	    {"check-config", no_argument, NULL, 'K'},
-	    {"control", required_argument, NULL, 'x'},
-	    {"user", required_argument, NULL, 'U'},
-	    {"group", required_argument, NULL, 'G'},
-	    {"compact", required_argument, NULL, 'P'},
-	    {"compact-interval-ms", required_argument, NULL, 'I'},
-	    {"compact-threshold", required_argument, NULL, 'F'},
-	    {"max-clients", required_argument, NULL, 'N'},
-	    {"max-reply-memory", required_argument, NULL, 'R'},
-	    {"max-pinned-replies", required_argument, NULL, 'Q'},
-	    {"stall-timeout", required_argument, NULL, 'W'},
-	    {"negotiation-timeout", required_argument, NULL, 'O'},
 	    {"allow", required_argument, NULL, OPT_ACCESS_ALLOW},
 	    {"deny", required_argument, NULL, OPT_ACCESS_DENY},
 	    {"allow-users", required_argument, NULL, OPT_ACCESS_USERS},
 	    {"allow-groups", required_argument, NULL, OPT_ACCESS_GROUPS},
 	    {"allow-identities", required_argument, NULL, OPT_ACCESS_IDENTITIES},
-	    {"max-connections-per-client", required_argument, NULL, OPT_ACCESS_PER_CLIENT},
 	    {"metrics", required_argument, NULL, OPT_METRICS},
 	    {"metrics-allow", required_argument, NULL, OPT_METRICS_ALLOW},
 	    {"metrics-deny", required_argument, NULL, OPT_METRICS_DENY},
 	    {"metrics-export-names", required_argument, NULL, OPT_METRICS_EXPORT_NAMES},
-	    {"rbd-takeover", required_argument, NULL, OPT_RBD_TAKEOVER},
-	    {"cache-device", required_argument, NULL, OPT_CACHE_DEVICE},
-	    {"cache-device-discard-dirty", required_argument, NULL, OPT_CACHE_DEVICE_DISCARD},
-	    {"cache-device-use", required_argument, NULL, OPT_CACHE_DEVICE_USE},
-	    {"cache-device-warm", required_argument, NULL, OPT_CACHE_DEVICE_WARM},
-	    {"tls", required_argument, NULL, 1000},
-	    {"tls-certificates", required_argument, NULL, 1001},
-	    {"tls-psk", required_argument, NULL, 1002},
-	    {"tls-verify-peer", optional_argument, NULL, 1003},
-	    {"tls-priority", required_argument, NULL, 1004},
 	    {"help", no_argument, NULL, 'h'},
 	    {"version", no_argument, NULL, 'V'},
-	    {NULL, 0, NULL, 0},
 	};
+	static struct option longopts[sizeof(own) / sizeof(own[0]) + 64];
+	if (!longopts[0].name) {
+		size_t n = 0;
+		if (settings_count > 64)
+			abort(); /* (the array above: 64 settings at most) */
+		for (size_t i = 0; i < settings_count; i++)
+			longopts[n++] = (struct option){settings[i].name,
+							settings[i].optional ? optional_argument
+									     : required_argument,
+							NULL, settings[i].opt};
+		for (size_t i = 0; i < sizeof(own) / sizeof(own[0]); i++)
+			longopts[n++] = own[i];
+	}
 	int rc = 0;
 	options_defaults(out);
 	optind = 1;
@@ -379,108 +337,6 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 			}
 			break;
 		}
-		case 't':
-			if (options_parse_threads(optarg, &out->threads) < 0) {
-				rc = fail(err, errlen, -EINVAL, "--threads %s: expected 0..%d", optarg,
-					  OPTIONS_MAX_THREADS);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_THREADS;
-			break;
-		case 'p':
-			if ((rc = set_string(&out->pidfile, optarg)) < 0)
-				goto error;
-			out->given |= OPT_GIVEN_PIDFILE;
-			break;
-		case 'L':
-			if (log_parse_level(optarg, &out->log_level) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--log-level %s: expected error, warn, info or debug",
-					  optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_LOG_LEVEL;
-			break;
-		case 'C':
-			if (options_parse_cache_size(optarg, &out->cache_size) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--cache-size %s: expected a size from 1M up to half the "
-					  "address space",
-					  optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_CACHE_SIZE;
-			break;
-		case 'H':
-			if (options_parse_hugepages(optarg, &out->hugepages) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--hugepages %s: expected auto, require or off", optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_HUGEPAGES;
-			break;
-		case 'B':
-			if (options_parse_block_size(optarg, &out->block_size) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--block-size %s: must be a power of two from 512 to 65536",
-					  optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_BLOCK_SIZE;
-			break;
-		case 'M':
-			if (options_parse_cache_mode(optarg, &out->cache_mode) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--cache-mode %s: expected writeback, writethrough, "
-					  "writearound or none",
-					  optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_CACHE_MODE;
-			break;
-		case 'S':
-			if (options_parse_size(optarg, &out->seq_cutoff) < 0) {
-				rc = fail(err, errlen, -EINVAL, "--seq-cutoff %s: expected a size",
-					  optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_SEQ_CUTOFF;
-			break;
-		case 'D':
-		case 'd':
-			if (options_parse_percent(optarg, c == 'D' ? &out->dirty_high
-								   : &out->dirty_low) < 0) {
-				rc = fail(err, errlen, -EINVAL, "--dirty-%s %s: expected 0..100",
-					  c == 'D' ? "high" : "low", optarg);
-				goto error;
-			}
-			out->given |= c == 'D' ? OPT_GIVEN_DIRTY_HIGH : OPT_GIVEN_DIRTY_LOW;
-			break;
-		case 'E':
-			if (options_parse_seconds(optarg, &out->dirty_expire) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--dirty-expire %s: expected 1..86400 seconds", optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_DIRTY_EXPIRE;
-			break;
-		case 'T':
-			if (options_parse_seconds(optarg, &out->backend_timeout) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--backend-timeout %s: expected 1..86400 seconds", optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_BACKEND_TIMEOUT;
-			break;
-		case 'm':
-			if (options_parse_max_connections(optarg, &out->max_connections) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--max-connections %s: expected 0..%d (0: unlimited)", optarg,
-					  OPTIONS_MAX_CONNECTIONS);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_MAX_CONNECTIONS;
-			break;
 		case 'c':
 			if ((rc = set_string(&out->config_path, optarg)) < 0)
 				goto error;
@@ -488,102 +344,11 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 		case 'K':
 			out->check_config = true;
 			break;
-		case 'x':
-			if (optarg[0] == '\0' || strlen(optarg) >= 108) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--control: path empty or longer than 107 bytes");
-				goto error;
-			}
-			if ((rc = set_string(&out->control_path, optarg)) < 0)
-				goto error;
-			out->given |= OPT_GIVEN_CONTROL;
-			break;
-		case 'U':
-		case 'G':
-			if (optarg[0] == '\0') {
-				rc = fail(err, errlen, -EINVAL, "--%s: empty name",
-					  c == 'U' ? "user" : "group");
-				goto error;
-			}
-			if ((rc = set_string(c == 'U' ? &out->user : &out->group, optarg)) < 0)
-				goto error;
-			out->given |= c == 'U' ? OPT_GIVEN_USER : OPT_GIVEN_GROUP;
-			break;
-		case 'P':
-			if (options_parse_compact(optarg, &out->compact) < 0) {
-				rc = fail(err, errlen, -EINVAL, "--compact %s: expected on or off",
-					  optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_COMPACT;
-			break;
-		case 'I':
-			if (options_parse_compact_interval(optarg, &out->compact_interval_ms) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--compact-interval-ms %s: expected 1..3600000", optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_COMPACT_INTERVAL;
-			break;
-		case 'F':
-			if (options_parse_compact_threshold(optarg, &out->compact_threshold) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--compact-threshold %s: expected 0..1000 (per mille)", optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_COMPACT_THRESHOLD;
-			break;
-		case 'N':
-			if (options_parse_max_clients(optarg, &out->max_clients) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--max-clients %s: expected 0..%d (0: unlimited)", optarg,
-					  OPTIONS_MAX_CONNECTIONS);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_MAX_CLIENTS;
-			break;
-		case 'R':
-			if (options_parse_reply_memory(optarg, &out->max_reply_memory) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--max-reply-memory %s: expected a size from 64M up to half "
-					  "the address space",
-					  optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_MAX_REPLY_MEMORY;
-			break;
-		case 'Q':
-			if (options_parse_pinned_replies(optarg, &out->max_pinned_replies) < 0) {
-				rc = fail(err, errlen, -EINVAL, "--max-pinned-replies %s: expected a size",
-					  optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_MAX_PINNED_REPLIES;
-			break;
-		case 'W':
-			if (options_parse_stall_timeout(optarg, &out->stall_timeout) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--stall-timeout %s: expected 1..%d seconds", optarg,
-					  OPTIONS_MAX_STALL_TIMEOUT);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_STALL_TIMEOUT;
-			break;
-		case 'O':
-			if (options_parse_negotiation_timeout(optarg, &out->negotiation_timeout) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--negotiation-timeout %s: expected 1..%d seconds", optarg,
-					  OPTIONS_MAX_NEGOTIATION_TIMEOUT);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_NEGOTIATION_TIMEOUT;
-			break;
 		case OPT_ACCESS_ALLOW:
 		case OPT_ACCESS_DENY:
 		case OPT_ACCESS_USERS:
 		case OPT_ACCESS_GROUPS:
 		case OPT_ACCESS_IDENTITIES:
-		case OPT_ACCESS_PER_CLIENT:
 			if ((rc = options_access_arg(c, optarg, out, err, errlen)) < 0)
 				goto error;
 			break;
@@ -594,94 +359,32 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 			if ((rc = options_metrics_arg(c, optarg, out, err, errlen)) < 0)
 				goto error;
 			break;
-		case OPT_RBD_TAKEOVER:
-			if (options_parse_rbd_takeover(optarg, &out->rbd_takeover_wait) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--rbd-takeover %s: expected refuse or wait", optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_RBD_TAKEOVER;
-			break;
-		case OPT_CACHE_DEVICE:
-			if (optarg[0] == '\0') {
-				rc = fail(err, errlen, -EINVAL, "--cache-device: empty path");
-				goto error;
-			}
-			if ((rc = set_string(&out->cache_device, optarg)) < 0)
-				goto error;
-			out->given |= OPT_GIVEN_CACHE_DEVICE;
-			break;
-		case OPT_CACHE_DEVICE_DISCARD:
-			if (optarg[0] == '\0') {
-				rc = fail(err, errlen, -EINVAL,
-					  "--cache-device-discard-dirty: no export named");
-				goto error;
-			}
-			if ((rc = set_string(&out->cache_device_discard, optarg)) < 0)
-				goto error;
-			out->given |= OPT_GIVEN_CACHE_DEVICE_DISCARD;
-			break;
-		case OPT_CACHE_DEVICE_USE:
-			if (options_parse_cache_device_use(optarg, &out->cache_device_use) < 0) {
-				rc =
-				    fail(err, errlen, -EINVAL,
-					 "--cache-device-use %s: expected log, l2 or both", optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_CACHE_DEVICE_USE;
-			break;
-		case OPT_CACHE_DEVICE_WARM:
-			if (options_parse_cache_device_warm(optarg, &out->cache_device_warm_all) <
-			    0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--cache-device-warm %s: expected files or all", optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_CACHE_DEVICE_WARM;
-			break;
-		case 1000:
-			if (options_parse_tls(optarg, &out->tls) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--tls %s: expected off, on or require", optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_TLS;
-			break;
-		case 1001:
-		case 1002:
-		case 1004:
-			if (optarg[0] == '\0') {
-				rc = fail(err, errlen, -EINVAL, "%s: empty", argv[optind - 1]);
-				goto error;
-			}
-			if ((rc = set_string(c == 1001	 ? &out->tls_certificates
-					     : c == 1002 ? &out->tls_psk
-							 : &out->tls_priority,
-					     optarg)) < 0)
-				goto error;
-			out->given |= c == 1001	  ? OPT_GIVEN_TLS_CERTIFICATES
-				      : c == 1002 ? OPT_GIVEN_TLS_PSK
-						  : OPT_GIVEN_TLS_PRIORITY;
-			break;
-		case 1003:
-			out->tls_verify_peer = true;
-			if (optarg && options_parse_bool(optarg, &out->tls_verify_peer) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--tls-verify-peer=%s: expected true or false", optarg);
-				goto error;
-			}
-			out->given |= OPT_GIVEN_TLS_VERIFY_PEER;
-			break;
 		case 'h':
 			out->help = true;
 			break;
 		case 'V':
 			out->version = true;
 			break;
-		default:
-			rc = fail(err, errlen, -EINVAL, "unknown or incomplete option '%s'",
-				  argv[optind - 1]);
-			goto error;
+		default: {
+			const struct setting *st = settings_by_opt(c);
+			if (!st) {
+				rc = fail(err, errlen, -EINVAL, "unknown or incomplete option '%s'",
+					  argv[optind - 1]);
+				goto error;
+			}
+			char why[300];
+			rc = settings_read(st, out, optarg, why, sizeof(why));
+			if (rc == -EINVAL && st->optional) /* (its value only after '=') */
+				fail(err, errlen, rc, "--%s=%s: %s", st->name, optarg, st->expect);
+			else if (rc == -EINVAL)
+				fail(err, errlen, rc, "--%s", why);
+			if (rc == -EINVAL)
+				goto error;
+			if (rc < 0)
+				goto error;
+			out->given |= st->given;
+			break;
+		}
 		}
 	}
 	if (optind < argc) {
