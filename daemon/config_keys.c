@@ -15,15 +15,8 @@
 #include "daemon/option_values.h"
 #include "daemon/settings.h"
 
-static bool key_is(const char *name, const char *key)
-{
-	for (; *name && *key; name++, key++) {
-		char a = *name == '_' ? '-' : *name;
-		if (a != *key)
-			return false;
-	}
-	return *name == '\0' && *key == '\0';
-}
+/* (- and _ alike, as every key is read) */
+#define key_is settings_key_is
 
 static int out_of_memory(struct config_ctx *x)
 {

@@ -150,7 +150,7 @@ const struct setting settings[] = {
 };
 const size_t settings_count = sizeof(settings) / sizeof(settings[0]);
 
-static bool name_is(const char *name, const char *key)
+bool settings_key_is(const char *name, const char *key)
 {
 	for (; *name && *key; name++, key++) {
 		char a = *name == '_' ? '-' : *name;
@@ -163,10 +163,10 @@ static bool name_is(const char *name, const char *key)
 const struct setting *settings_find(const char *name)
 {
 	/* nbd-server's spelling of max-connections */
-	if (name_is(name, "maxconnections"))
+	if (settings_key_is(name, "maxconnections"))
 		name = "max-connections";
 	for (size_t i = 0; i < settings_count; i++)
-		if (name_is(name, settings[i].name))
+		if (settings_key_is(name, settings[i].name))
 			return &settings[i];
 	return NULL;
 }

@@ -52,6 +52,8 @@ struct setting {
 extern const struct setting settings[];
 extern const size_t settings_count;
 
+/* Is name (a config key as written) key? - and _ alike. */
+bool settings_key_is(const char *name, const char *key);
 /* By its name (- or _ alike), or NULL. An alias of nbd-server's
  * (maxconnections) is found too. */
 const struct setting *settings_find(const char *name);
