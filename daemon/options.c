@@ -274,8 +274,8 @@ int options_parse_args(int argc, char **argv, struct options *out, char *err, si
 	static struct option longopts[sizeof(own) / sizeof(own[0]) + 64];
 	if (!longopts[0].name) {
 		size_t n = 0;
-		if (settings_count > 64)
-			abort(); /* (the array above: 64 settings at most) */
+		if (settings_count >= 64)
+			abort(); /* (the array above: 63 settings at most, and its end) */
 		for (size_t i = 0; i < settings_count; i++)
 			longopts[n++] = (struct option){settings[i].name,
 							settings[i].optional ? optional_argument

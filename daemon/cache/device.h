@@ -197,6 +197,10 @@ int cache_device_detach_end(struct cache_device *d);
 
 /* Can the log take records now (attached, started, not failed)? */
 bool cache_device_usable(struct cache_device *d);
+/* Is the drain of the live log found at start still at work, and not
+ * failing (its last group's writes did not fail within a retry interval,
+ * its thread did not give up)? False when there is none. */
+bool cache_device_drain_progressing(struct cache_device *d);
 /* Failed, and its log not yet emptied on the device (voided): until it
  * is, nothing is answered through the backends (cache_device_wait), and
  * full rounds of every export on it put its records there. */

@@ -549,12 +549,19 @@ static void *drain_thread(void *arg)
 		grp.bytes = 0;
 		grp.may_lose = false;
 	}
+	bool gave_up = !g->finished && !g->stop && !g->closing;
+	g->ended = true;
 	pthread_mutex_unlock(&g->lock);
 	pthread_mutex_destroy(&win.lock);
 	pthread_cond_destroy(&win.cond);
 	free(hdr);
 	free(grp.k);
 	free(grp.data);
+	if (gave_up)
+		log_error("cache device %s: the drain of the live log found at start ended "
+			  "without it: out of memory; its bytes stay held in the log (FLUSH and a "
+			  "stop wait for them; a restart drains them)",
+			  d->path);
 	if (!g->finished)
 		return NULL;
 	/* The replayed ranges out of the level-2 map before the log that names
@@ -662,4 +669,15 @@ void dev_drain_stats(struct cache_device *d, struct cache_device_stats *out)
 	out->replay_drain_ns = g->drain_ns;
 	out->replay_waits = g->waits;
 	pthread_mutex_unlock(&g->lock);
+}
+
+bool cache_device_drain_progressing(struct cache_device *d)
+{
+	struct dev_drain *g = d->drain;
+	if (!g || !g->inited)
+		return false;
+	pthread_mutex_lock(&g->lock);
+	bool ok = g->running && !g->ended && !g->finished && g->retry_ns <= clock_now_ns();
+	pthread_mutex_unlock(&g->lock);
+	return ok;
 }

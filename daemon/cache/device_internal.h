@@ -123,6 +123,7 @@ struct dev_drain {
 	pthread_cond_t cond;
 	pthread_t thread;
 	bool inited, running, stop, finished;
+	bool ended; /* its thread returned (finished or not) */
 	bool closing;	      /* dev_drain_stop(wait): end once nothing can be done */
 	struct worker worker; /* the drain's backend requests */
 	bool worker_started;

@@ -718,12 +718,14 @@ static bool anything_unflushed(struct cache *c)
 
 /*
  * Is all that is left the cache device's live log found at start, which
- * its drain is still writing to the backends (replay_gate)? Its pieces
- * are written by the drain's thread, not by these rounds: nothing failed
- * and nothing is dirty, the stop only waits for it.
+ * its drain writes to the backends (replay_gate)? Its pieces are written
+ * by the drain's thread, not by these rounds: nothing else is dirty,
+ * unstable or unflushed.
  */
 static bool only_start_log_left(struct cache *c)
 {
+	if (!c->device)
+		return false;
 	bool gated = false;
 	for (struct cache_export *ce = writeback_exports(c); ce; ce = ce->next) {
 		if (atomic_load(&ce->retired) || atomic_load(&ce->backend->fenced) ||
@@ -743,7 +745,22 @@ static bool only_start_log_left(struct cache *c)
 static void shutdown_pass(struct writeback *wb)
 {
 	struct cache *c = wb->cache;
-	if (!wb->shutdown_error && only_start_log_left(c)) {
+	bool start_log = !wb->shutdown_error && only_start_log_left(c);
+	if (start_log && !cache_device_drain_progressing(c->device)) {
+		/* Its drain fails (said above) or gave up: nothing is lost, the
+		 * log stays on the device for the next start. */
+		log_error("cache: the live log found at start is not on the backends yet: writing "
+			  "it back fails (see above); retrying every %d s; send SIGTERM again to "
+			  "exit: it stays on the cache device, and the next start writes it back",
+			  WB_SHUTDOWN_RETRY_SECONDS);
+		if (!wb->retry)
+			wb->retry = evtimer_new(wb->thread.base, on_retry, wb);
+		struct timeval tv = {WB_SHUTDOWN_RETRY_SECONDS, 0};
+		if (wb->retry)
+			evtimer_add(wb->retry, &tv);
+		return;
+	}
+	if (start_log) {
 		/* Looked at again shortly: a round after the drain flushes. */
 		if (!wb->shutdown_drain_said)
 			log_info("cache: the live log found at start is still being written to "

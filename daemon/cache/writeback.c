@@ -649,9 +649,15 @@ int writeback_stop(struct cache *c, void (*progress)(uint64_t remaining, void *a
 			break;
 		if (stop_abandoned) {
 			pthread_mutex_unlock(&wb->lock);
-			log_error("cache: exiting on a second signal with %llu bytes not durable: "
-				  "they are lost",
-				  (unsigned long long)writeback_not_durable_bytes(c));
+			uint64_t lost = writeback_not_durable_bytes(c);
+			if (lost)
+				log_error("cache: exiting on a second signal with %llu bytes not "
+					  "durable: they are lost",
+					  (unsigned long long)lost);
+			else
+				log_error("cache: exiting on a second signal; what the cache "
+					  "device's log still holds stays there, and the next start "
+					  "writes it back");
 			_exit(1);
 		}
 		if (progress)

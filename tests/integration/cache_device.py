@@ -70,6 +70,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -447,6 +448,54 @@ def healed_during_attempt(tmp):
                          "device healed: %s" % e)
         finally:
             d.stop(expect_rc=None)
+
+
+def stop_while_drain_fails(tmp):
+    """A stop while the drain of the log found at start fails (its backend
+    refuses writes) says so, every 5 s (the log stays on the device for the
+    next start), instead of only that it waits for the drain; once the
+    backend takes writes again the drain ends and the stop with it (exit
+    0, no second signal), and the file holds what the FLUSH
+    acknowledged."""
+    disk, dev = os.path.join(tmp, "disk.img"), os.path.join(tmp, "cache.dev")
+    nbdtest.sparse_file(disk, SIZE)
+    nbdtest.sparse_file(dev, DEVICE)
+    kit = faults.NbdkitFault(tmp, disk, name="backend")
+    try:
+        d = daemon(tmp, kit.uri(), dev)
+        try:
+            h = nbdtest.libnbd_handle(d.unix_uri("disk"))
+            data = os.urandom(MIB)
+            h.pwrite(data, 0)
+            h.flush()  # answered from the log
+        finally:
+            d.kill()
+            d.logf.close()
+        kit.set("write")
+        d = daemon(tmp, kit.uri(), dev, what="a start whose drain fails")
+        try:
+            d.proc.send_signal(signal.SIGTERM)
+            said = nbdtest.wait_until(lambda: "not on the backends yet: writing it back fails"
+                                      in d.log_text(), 20, step=0.1)
+            text = d.log_text()
+            log("  while the drain fails: %s" % next(
+                (ln.split("error: ", 1)[-1] for ln in text.splitlines()
+                 if "not on the backends yet" in ln), "no error line"))
+            expect(said, "a stop while the drain fails does not say so:\n%s" % text[-1500:])
+            expect(d.alive(), "the daemon exited while its log was not on the backend")
+            kit.clear()
+            try:
+                rc = d.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                rc = None
+            expect(rc == 0, "exit %s once the backend took writes again" % rc)
+            expect("every dirty block is written back" in d.log_text(),
+                   "the stop did not end with everything written back")
+        finally:
+            d.kill()
+        check_data(disk, {0: data}, "after the drain that failed, then ended")
+    finally:
+        kit.stop()
 
 
 def ctl(d, *args):
@@ -1100,7 +1149,8 @@ def main():
                           torn_tail),
                          ("the log is served at once and drains in the background",
                           lazy_replay),
-                         ("the log found at start stays until it is drained", held_log)):
+                         ("the log found at start stays until it is drained", held_log),
+                         ("a stop while the drain fails says so", stop_while_drain_fails)):
             sub = os.path.join(tmp, fn.__name__)
             os.mkdir(sub)
             CHECKS.run(name, fn, sub)
