@@ -741,6 +741,16 @@ static bool only_start_log_left(struct cache *c)
 	return gated;
 }
 
+/* The shutdown rounds again in ms milliseconds (on_retry). */
+static void shutdown_retry(struct writeback *wb, unsigned ms)
+{
+	if (!wb->retry)
+		wb->retry = evtimer_new(wb->thread.base, on_retry, wb);
+	struct timeval tv = {(time_t)(ms / 1000u), (suseconds_t)(ms % 1000u) * 1000};
+	if (wb->retry)
+		evtimer_add(wb->retry, &tv);
+}
+
 /* Every shutdown round has ended: done, or say so and try again later. */
 static void shutdown_pass(struct writeback *wb)
 {
@@ -753,11 +763,7 @@ static void shutdown_pass(struct writeback *wb)
 			  "it back fails (see above); retrying every %d s; send SIGTERM again to "
 			  "exit: it stays on the cache device, and the next start writes it back",
 			  WB_SHUTDOWN_RETRY_SECONDS);
-		if (!wb->retry)
-			wb->retry = evtimer_new(wb->thread.base, on_retry, wb);
-		struct timeval tv = {WB_SHUTDOWN_RETRY_SECONDS, 0};
-		if (wb->retry)
-			evtimer_add(wb->retry, &tv);
+		shutdown_retry(wb, WB_SHUTDOWN_RETRY_SECONDS * 1000u);
 		return;
 	}
 	if (start_log) {
@@ -766,11 +772,7 @@ static void shutdown_pass(struct writeback *wb)
 			log_info("cache: the live log found at start is still being written to "
 				 "the backends; the stop waits for it");
 		wb->shutdown_drain_said = true;
-		if (!wb->retry)
-			wb->retry = evtimer_new(wb->thread.base, on_retry, wb);
-		struct timeval tv = {0, 100000};
-		if (wb->retry)
-			evtimer_add(wb->retry, &tv);
+		shutdown_retry(wb, 100);
 		return;
 	}
 	if (!anything_unflushed(c)) {
@@ -792,10 +794,6 @@ static void shutdown_pass(struct writeback *wb)
 		  (unsigned long long)writeback_not_durable_bytes(c),
 		  wb->shutdown_error ? strerror(-wb->shutdown_error) : "written again meanwhile",
 		  WB_SHUTDOWN_RETRY_SECONDS);
-	if (!wb->retry)
-		wb->retry = evtimer_new(wb->thread.base, on_retry, wb);
-	struct timeval tv = {WB_SHUTDOWN_RETRY_SECONDS, 0};
-	if (wb->retry)
-		evtimer_add(wb->retry, &tv);
+	shutdown_retry(wb, WB_SHUTDOWN_RETRY_SECONDS * 1000u);
 }
 
