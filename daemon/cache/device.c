@@ -493,6 +493,8 @@ int dev_sb_update(struct cache_device *d, bool clean)
 	d->sb.checkpoint_seq = d->tail_seq;
 	d->sb.checkpoint_skip = d->tail_skip;
 	d->sb.flags = clean ? DEVFMT_SB_CLEAN : 0;
+	if (d->sb.seq_floor < d->floor_due)
+		d->sb.seq_floor = d->floor_due;
 	d->sb.export_count = 0;
 	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
 		if (d->slots[i].used)

@@ -249,6 +249,9 @@ struct cache_device {
 	 * for it (device_log.c, ready_locked). */
 	bool voided, void_said;
 	int void_error;
+	/* A floor for the superblock's seq_floor (device lock), that its next
+	 * write takes (dev_sb_update, under the superblock's lock). */
+	uint64_t floor_due;
 	/* Attempts to write the superblock of a failed device begun, and the
 	 * one whose failure void_error is (a waiter is answered only by one
 	 * begun after it came: cache_device_waiter.void_after). */

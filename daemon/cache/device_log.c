@@ -503,8 +503,10 @@ static void commit_locked(struct cache_device *d)
 		 * or a start would replay them over what the backends got
 		 * since. */
 		d->head_seq = seq + 1;
-		if (d->sb.seq_floor < d->head_seq)
-			d->sb.seq_floor = d->head_seq;
+		/* (into the superblock by its next write, dev_sb_update: the
+		 * superblock's fields change under its lock only) */
+		if (d->floor_due < d->head_seq)
+			d->floor_due = d->head_seq;
 		dev_fail_locked(d, rc, "writing its log");
 	} else {
 		for (size_t k = 0; k < ndone && rc == 0; k++)
