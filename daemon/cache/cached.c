@@ -217,7 +217,7 @@ static void offer_fill(struct cache_export *ce, struct cache_entry *e, uint32_t 
 	if (length > size - start)
 		length = (size - start) / ARENA_FRAME_SIZE * ARENA_FRAME_SIZE;
 	if (length && cache_device_l2_on(ce->cache->device))
-		cache_device_l2_store(ce->cache->device, ce, start, buf, length);
+		cache_device_l2_store(ce->cache->device, ce->device_slot, start, buf, length);
 }
 
 static void fill_done(struct backend_io *io, int result)
@@ -394,7 +394,7 @@ static int submit_read(struct cache_op *op, struct cache_piece *p, uint64_t offs
 		f->level2 = true;
 		f->io.done = level2_done;
 		f->io.worker = op->worker;
-		if (cache_device_l2_read(d, ce, op->worker, &f->io))
+		if (cache_device_l2_read(d, ce->device_slot, op->worker, &f->io))
 			return 0;
 		f->level2 = false;
 		f->io.done = done;

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "daemon/log.h"
+#include "daemon/options.h"
 #include "proto/nbd.h"
 
 int dev_fail(char *err, size_t len, int rc, const char *fmt, ...)
@@ -371,17 +372,16 @@ int cache_device_open(const char *path, unsigned use, struct cache_device **out,
 	return rc;
 }
 
-static void identity_of(struct devfmt_identity *id, const struct cache_export *ce, const char *name,
-			const char *spec)
+static void identity_of(struct devfmt_identity *id, const struct cache_device_member *m)
 {
 	memset(id, 0, sizeof(*id));
-	snprintf(id->name, sizeof(id->name), "%s", name);
-	snprintf(id->backend, sizeof(id->backend), "%s", spec);
-	id->block_size = ce->block_size;
-	id->size = atomic_load(&ce->size);
-	id->kind = ce->backend->ident_file ? DEVFMT_BACKEND_FILE : DEVFMT_BACKEND_OTHER;
-	id->dev = ce->backend->ident_dev;
-	id->ino = ce->backend->ident_ino;
+	snprintf(id->name, sizeof(id->name), "%s", m->name);
+	snprintf(id->backend, sizeof(id->backend), "%s", m->backend_spec);
+	id->block_size = m->block_size;
+	id->size = m->size;
+	id->kind = m->backend->ident_file ? DEVFMT_BACKEND_FILE : DEVFMT_BACKEND_OTHER;
+	id->dev = m->backend->ident_dev;
+	id->ino = m->backend->ident_ino;
 }
 
 /* Why two identities differ, or NULL. */
@@ -412,17 +412,19 @@ int cache_device_discard(struct cache_device *d, const char *names)
 	return names && !d->discard ? -ENOMEM : 0;
 }
 
-int cache_device_add_export(struct cache_device *d, struct cache_export *ce, const char *name,
-			    const char *backend_spec, bool warm_all)
+int cache_device_add_export(struct cache_device *d, const struct cache_device_member *m,
+			    int *slot_out)
 {
+	const char *name = m->name;
 	struct devfmt_identity id;
-	if (strlen(name) > DEVFMT_MAX_NAME || strlen(backend_spec) > DEVFMT_MAX_BACKEND) {
+	*slot_out = -1;
+	if (strlen(name) > DEVFMT_MAX_NAME || strlen(m->backend_spec) > DEVFMT_MAX_BACKEND) {
 		log_error("cache device %s: export \"%s\": name or backend string too long to "
 			  "record (at most %u and %u bytes)",
 			  d->path, name, DEVFMT_MAX_NAME, DEVFMT_MAX_BACKEND);
 		return -ENAMETOOLONG;
 	}
-	identity_of(&id, ce, name, backend_spec);
+	identity_of(&id, m);
 	pthread_mutex_lock(&d->lock);
 	int slot = -1;
 	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS && slot < 0; i++)
@@ -430,11 +432,7 @@ int cache_device_add_export(struct cache_device *d, struct cache_export *ce, con
 			slot = (int)i;
 	/* A retired export (removed by a reload, written back) gives its
 	 * slot to the one a later reload adds under its name. */
-	if (slot >= 0 && d->slots[slot].ce == ce) {
-		pthread_mutex_unlock(&d->lock);
-		return 0;
-	}
-	if (slot >= 0 && d->slots[slot].ce && !atomic_load(&d->slots[slot].ce->retired)) {
+	if (slot >= 0 && d->slots[slot].backend && !d->slots[slot].retired) {
 		pthread_mutex_unlock(&d->lock);
 		/* A reload gave the name another backend while the old one's
 		 * data is still being written back: the slot's records are the
@@ -459,10 +457,12 @@ int cache_device_add_export(struct cache_device *d, struct cache_export *ce, con
 	}
 	struct dev_slot *s = &d->slots[slot];
 	bool known = s->used;
-	s->ce = ce;
+	s->backend = m->backend;
+	s->replay_gate = m->replay_gate;
+	s->retired = false;
 	s->configured = true;
-	s->warm_all = warm_all;
-	ce->device_slot = slot;
+	s->warm_all = m->warm_all;
+	*slot_out = slot;
 	id.slot = (uint16_t)slot;
 	s->cfg = id;
 	if (!known || replace)
@@ -472,7 +472,7 @@ int cache_device_add_export(struct cache_device *d, struct cache_export *ce, con
 	bool started = d->started;
 	pthread_mutex_unlock(&d->lock);
 	if (replace) /* the slot's level-2 pages are another backend's */
-		cache_device_l2_invalidate(d, ce, 0, UINT64_MAX);
+		cache_device_l2_invalidate(d, slot, 0, UINT64_MAX);
 	if (!started)
 		return 0; /* the table is written once the log is replayed */
 	/* Added by a reload: in the table before any record of it can be. */
@@ -524,7 +524,7 @@ int cache_device_start(struct cache_device *d, char *err, size_t len)
 	 * nothing: bind refused otherwise). */
 	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++) {
 		struct dev_slot *s = &d->slots[i];
-		if (s->ce)
+		if (s->backend)
 			s->id = s->cfg;
 		else
 			s->used = false;
@@ -625,7 +625,7 @@ void cache_device_close(struct cache_device *d, bool clean)
 		if (clean) {
 			/* Everything is on the backends: the log is empty. */
 			for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++)
-				if (d->slots[i].ce)
+				if (d->slots[i].backend)
 					d->slots[i].covered = d->appended;
 			d->checkpoint_due = true;
 		}

@@ -211,12 +211,12 @@ static bool blocked_locked(struct dev_drain *g, unsigned s, const struct backend
 	return r;
 }
 
-static unsigned slot_of(const struct dev_drain *g, const struct cache_export *ce)
+/* slot, if the drain planned pieces for it, else DEVFMT_MAX_EXPORTS. */
+static unsigned planned(const struct dev_drain *g, int slot)
 {
-	for (unsigned s = 0; s < DEVFMT_MAX_EXPORTS; s++)
-		if (g->ce[s] == ce)
-			return s;
-	return DEVFMT_MAX_EXPORTS;
+	if (slot < 0 || slot >= (int)DEVFMT_MAX_EXPORTS || !g->backend[slot])
+		return DEVFMT_MAX_EXPORTS;
+	return (unsigned)slot;
 }
 
 static void parked_run(struct worker_task *task)
@@ -225,22 +225,22 @@ static void parked_run(struct worker_task *task)
 	    (struct dev_parked *)((char *)task - offsetof(struct dev_parked, task));
 	struct backend_io *io = p->io;
 	struct worker *w = p->worker;
-	struct cache_export *ce = p->ce;
+	struct backend *b = p->backend;
 	int result = p->result;
 	free(p);
 	if (result < 0) {
 		io->done(io, result);
 		return;
 	}
-	backend_submit(ce->backend, w, io);
+	backend_submit(b, w, io);
 	uring_submit(&w->ring);
 }
 
-bool cache_device_gate(struct cache_device *d, struct cache_export *ce, struct worker *w,
+bool cache_device_gate(struct cache_device *d, int slot, struct worker *w,
 		       struct backend_io *io)
 {
 	struct dev_drain *g = d ? d->drain : NULL;
-	unsigned s = g ? slot_of(g, ce) : DEVFMT_MAX_EXPORTS;
+	unsigned s = g ? planned(g, slot) : DEVFMT_MAX_EXPORTS;
 	if (s == DEVFMT_MAX_EXPORTS)
 		return false;
 	pthread_mutex_lock(&g->lock);
@@ -255,7 +255,7 @@ bool cache_device_gate(struct cache_device *d, struct cache_export *ce, struct w
 		io->done(io, -ENOMEM);
 		return true;
 	}
-	*p = (struct dev_parked){.io = io, .worker = w, .ce = ce};
+	*p = (struct dev_parked){.io = io, .worker = w, .slot = s, .backend = g->backend[s]};
 	p->task.run = parked_run;
 	p->next = g->parked;
 	g->parked = p;
@@ -273,7 +273,7 @@ static void release_locked(struct dev_drain *g, const bool *fail, int error)
 	struct dev_parked **pp = &g->parked;
 	while (*pp) {
 		struct dev_parked *p = *pp;
-		unsigned s = slot_of(g, p->ce);
+		unsigned s = p->slot;
 		int r = s < DEVFMT_MAX_EXPORTS && blocked_locked(g, s, p->io, false) ? 1 : 0;
 		if (r > 0 && fail && fail[s])
 			r = error;
@@ -346,7 +346,7 @@ static void lose_batch_locked(struct cache_device *d, struct dev_drain *g, size_
 		g->pending_bytes -= p->length;
 		g->lost_bytes += p->length;
 		if (--g->undone[p->slot] == 0)
-			atomic_store(&g->ce[p->slot]->replay_gate, false);
+			atomic_store(g->gate[p->slot], false);
 	}
 }
 
@@ -388,15 +388,15 @@ static int send_batch(struct cache_device *d, struct dev_drain *g, struct window
 		const struct dev_piece *p = &g->pieces[i];
 		if (!grp->slot[p->slot]) {
 			grp->slot[p->slot] = true;
-			grp->loss[p->slot] = atomic_load(&g->ce[p->slot]->backend->loss_seq);
-			grp->may_lose |= may_lose(g->ce[p->slot]->backend);
+			grp->loss[p->slot] = atomic_load(&g->backend[p->slot]->loss_seq);
+			grp->may_lose |= may_lose(g->backend[p->slot]);
 		}
 	}
 	grp->k[grp->n] = k;
 	grp->data[grp->n++] = b.data;
 	for (size_t i = first; i < first + count && rc >= 0; i++) {
 		const struct dev_piece *p = &g->pieces[i];
-		rc = send_piece(win, g->ce[p->slot]->backend, p, b.data ? b.data + p->data : NULL);
+		rc = send_piece(win, g->backend[p->slot], p, b.data ? b.data + p->data : NULL);
 		grp->bytes += p->length;
 	}
 	return rc < 0 ? rc : 0;
@@ -410,13 +410,13 @@ static int settle_group(struct dev_drain *g, struct window *win, struct group *g
 {
 	int rc = window_drain(win);
 	for (unsigned s = 0; s < DEVFMT_MAX_EXPORTS && rc == 0; s++) {
-		if (!grp->slot[s] || !may_lose(g->ce[s]->backend))
+		if (!grp->slot[s] || !may_lose(g->backend[s]))
 			continue;
-		rc = rio_send(win, g->ce[s]->backend, BACKEND_FLUSH, 0, 0, NULL);
+		rc = rio_send(win, g->backend[s], BACKEND_FLUSH, 0, 0, NULL);
 		int werr = window_drain(win);
 		if (rc == 0)
 			rc = werr;
-		if (rc == 0 && atomic_load(&g->ce[s]->backend->loss_seq) != grp->loss[s])
+		if (rc == 0 && atomic_load(&g->backend[s]->loss_seq) != grp->loss[s])
 			rc = 1;
 	}
 	return rc;
@@ -429,7 +429,7 @@ static int flush_rest(struct cache_device *d, struct dev_drain *g, struct window
 	for (unsigned s = 0; s < DEVFMT_MAX_EXPORTS; s++) {
 		if (!g->touched[s])
 			continue;
-		int rc = rio_send(win, g->ce[s]->backend, BACKEND_FLUSH, 0, 0, NULL);
+		int rc = rio_send(win, g->backend[s], BACKEND_FLUSH, 0, 0, NULL);
 		int werr = window_drain(win);
 		if (rc == 0)
 			rc = werr;
@@ -513,11 +513,11 @@ static void *drain_thread(void *arg)
 				if (rc != 0)
 					continue;
 				p->done = true;
-				g->touched[p->slot] |= !may_lose(g->ce[p->slot]->backend);
+				g->touched[p->slot] |= !may_lose(g->backend[p->slot]);
 				g->pending_bytes -= p->length;
 				g->drained_bytes += p->length;
 				if (--g->undone[p->slot] == 0)
-					atomic_store(&g->ce[p->slot]->replay_gate, false);
+					atomic_store(g->gate[p->slot], false);
 			}
 			/* Written again later (in log order, or first once a
 			 * request waits for it again). */
@@ -595,7 +595,7 @@ int dev_drain_start(struct cache_device *d)
 	/* Before anything is served. */
 	for (unsigned s = 0; s < DEVFMT_MAX_EXPORTS; s++)
 		if (g->undone[s])
-			atomic_store(&g->ce[s]->replay_gate, true);
+			atomic_store(g->gate[s], true);
 	g->t0_ns = clock_now_ns();
 	rc = pthread_create(&g->thread, NULL, drain_thread, d);
 	if (rc)

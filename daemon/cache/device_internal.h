@@ -31,7 +31,8 @@
 
 #include "daemon/backend/backend.h"
 #include "daemon/cache/device.h"
-#include "daemon/cache/internal.h"
+#include "daemon/check.h"
+#include "daemon/clock.h"
 
 /* A DATA record carries at most this much (longer ones are cut). */
 #define DEV_EXTENT_MAX (1u << 20)
@@ -46,8 +47,12 @@
 struct dev_slot {
 	bool used;			   /* an identity in the table */
 	struct devfmt_identity id;	   /* as the superblock has it */
-	struct devfmt_identity cfg;	   /* as configured now (ce set) */
-	struct cache_export *ce;	   /* configured now (NULL: only on the device) */
+	struct devfmt_identity cfg;	   /* as configured now (backend set) */
+	/* Its export configured now (cache_device_add_export; NULL: only on
+	 * the device): its backend and replay gate. */
+	struct backend *backend;
+	atomic_bool *replay_gate;
+	bool retired; /* cache_device_retire said it is all on its backend */
 	uint64_t covered;		   /* records up to this are on the backend */
 	uint64_t last;			   /* its last record appended */
 	uint64_t live_bytes, live_records; /* in the live log at start */
@@ -113,7 +118,8 @@ struct dev_parked {
 	struct worker_task task;
 	struct backend_io *io;
 	struct worker *worker;
-	struct cache_export *ce;
+	unsigned slot;
+	struct backend *backend; /* slot's, as planned */
 	int result; /* when posted: 0 send it, else complete it with this */
 	struct dev_parked *next;
 };
@@ -135,9 +141,11 @@ struct dev_drain {
 	size_t nby_offset[DEVFMT_MAX_EXPORTS];
 	uint64_t undone[DEVFMT_MAX_EXPORTS];
 	bool touched[DEVFMT_MAX_EXPORTS]; /* written, flushed only at the end */
-	/* Each slot's export as planned (a slot is given to another export
-	 * only once its pieces are all done: cache_export_unflushed). */
-	struct cache_export *ce[DEVFMT_MAX_EXPORTS];
+	/* Each slot's export as planned, its backend and replay gate (a slot
+	 * is given to another export only once its pieces are all done: the
+	 * gate keeps the export from being retired before). */
+	struct backend *backend[DEVFMT_MAX_EXPORTS];
+	atomic_bool *gate[DEVFMT_MAX_EXPORTS];
 	struct dev_drain_batch *batches; /* d->nlive of them */
 	size_t next;			 /* the next batch in log order */
 	/* Batches made DEV_DRAIN_WANTED, in that order (some may be done

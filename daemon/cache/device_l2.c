@@ -335,11 +335,10 @@ void dev_l2_detach(struct cache_device *d)
 
 /* ---- storing ---- */
 
-void cache_device_l2_store(struct cache_device *d, struct cache_export *ce, uint64_t offset,
-			   const void *data, uint64_t length)
+void cache_device_l2_store(struct cache_device *d, int slot, uint64_t offset, const void *data,
+			   uint64_t length)
 {
 	struct dev_l2 *l = &d->l2;
-	int slot = ce->device_slot;
 	if (slot < 0 || !cache_device_l2_on(d) || offset % DEVFMT_BLOCK || length % DEVFMT_BLOCK ||
 	    !length || (offset + length) / DEVFMT_BLOCK >= (1ull << DEV_L2_BLOCK_BITS))
 		return;
@@ -620,11 +619,11 @@ void dev_l2_forget(struct cache_device *d, unsigned slot, uint64_t offset, uint6
 	pthread_mutex_unlock(&l->lock);
 }
 
-void cache_device_l2_invalidate(struct cache_device *d, struct cache_export *ce, uint64_t offset,
+void cache_device_l2_invalidate(struct cache_device *d, int slot, uint64_t offset,
 				uint64_t length)
 {
-	if (ce->device_slot >= 0)
-		dev_l2_forget(d, (unsigned)ce->device_slot, offset, length);
+	if (slot >= 0)
+		dev_l2_forget(d, (unsigned)slot, offset, length);
 }
 
 void cache_device_l2_before_write(struct cache_device *d)
@@ -637,31 +636,30 @@ void cache_device_l2_before_write(struct cache_device *d)
 	dev_l2_map_write(d, false);
 }
 
-void cache_device_l2_remove(struct cache_device *d, struct cache_export *ce, uint64_t offset,
-			    uint64_t length)
+void cache_device_l2_remove(struct cache_device *d, int slot, uint64_t offset, uint64_t length)
 {
-	cache_device_l2_invalidate(d, ce, offset, length);
+	cache_device_l2_invalidate(d, slot, offset, length);
 	cache_device_l2_before_write(d);
 }
 
-void cache_device_l2_direct_begin(struct cache_device *d, struct cache_export *ce, uint64_t offset,
+void cache_device_l2_direct_begin(struct cache_device *d, int slot, uint64_t offset,
 				  uint64_t length)
 {
-	if (ce->device_slot < 0 || !d->l2.pages)
+	if (slot < 0 || !d->l2.pages)
 		return;
-	atomic_fetch_add(&d->l2.direct[ce->device_slot], 1);
-	cache_device_l2_remove(d, ce, offset, length);
+	atomic_fetch_add(&d->l2.direct[slot], 1);
+	cache_device_l2_remove(d, slot, offset, length);
 }
 
-void cache_device_l2_direct_end(struct cache_device *d, struct cache_export *ce, uint64_t offset,
+void cache_device_l2_direct_end(struct cache_device *d, int slot, uint64_t offset,
 				uint64_t length)
 {
-	if (ce->device_slot < 0 || !d->l2.pages)
+	if (slot < 0 || !d->l2.pages)
 		return;
 	/* Entries evicted while the backend wrote were staged with the bytes
 	 * from before. */
-	cache_device_l2_invalidate(d, ce, offset, length);
-	atomic_fetch_sub(&d->l2.direct[ce->device_slot], 1);
+	cache_device_l2_invalidate(d, slot, offset, length);
+	atomic_fetch_sub(&d->l2.direct[slot], 1);
 }
 
 void dev_l2_stats(struct cache_device *d, struct cache_device_stats *out)

@@ -146,7 +146,7 @@ static bool header_now(struct cache_device *d, struct devfmt_l2m_header *h)
 	bool used[DEVFMT_MAX_EXPORTS];
 	pthread_mutex_lock(&d->lock);
 	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++) {
-		used[i] = d->slots[i].used && d->slots[i].ce;
+		used[i] = d->slots[i].used && d->slots[i].backend;
 		if (used[i])
 			ids[i] = d->slots[i].cfg;
 	}
@@ -252,9 +252,9 @@ static void slots_ok(struct cache_device *d, const struct devfmt_l2m_header *h, 
 	for (unsigned i = 0; i < DEVFMT_MAX_EXPORTS; i++) {
 		const struct dev_slot *s = &d->slots[i];
 		char diff[300];
-		ok[i] = s->used && s->ce && s->configured &&
+		ok[i] = s->used && s->backend && s->configured &&
 			dev_identity_differs(&s->id, &s->cfg, true, diff, sizeof(diff)) == NULL;
-		if (ok[i] && s->ce->backend->shared) {
+		if (ok[i] && s->backend->shared) {
 			log_info(
 			    "cache device %s: export \"%s\": another node may have written its "
 			    "backend (%s) since this daemon last had it: its level-2 pages are "

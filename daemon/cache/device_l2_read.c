@@ -134,11 +134,10 @@ static void extent_complete(struct uring_op *op, int res)
 		read_finish(r);
 }
 
-bool cache_device_l2_read(struct cache_device *d, struct cache_export *ce, struct worker *w,
+bool cache_device_l2_read(struct cache_device *d, int slot, struct worker *w,
 			  struct backend_io *io)
 {
 	struct dev_l2 *l = &d->l2;
-	int slot = ce->device_slot;
 	if (slot < 0 || !cache_device_l2_on(d) || io->offset % DEVFMT_BLOCK ||
 	    io->length % DEVFMT_BLOCK || !io->length ||
 	    (io->offset + io->length) / DEVFMT_BLOCK >= (1ull << DEV_L2_BLOCK_BITS))

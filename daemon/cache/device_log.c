@@ -75,17 +75,17 @@ void dev_fail_locked(struct cache_device *d, int error, const char *what)
 		  d->path, what, strerror(-error));
 }
 
-uint64_t cache_device_append(struct cache_device *d, struct cache_export *ce, unsigned type,
-			     uint64_t offset, uint64_t length, const void *data)
+uint64_t cache_device_append(struct cache_device *d, int slot, unsigned type, uint64_t offset,
+			     uint64_t length, const void *data)
 {
-	/* A backend another node may take over gets no record: what is
-	 * acknowledged of it is on it (backend.h: shared). */
-	if (!(d->use & CACHE_DEVICE_USE_LOG) || ce->backend->shared)
+	if (!(d->use & CACHE_DEVICE_USE_LOG) || slot < 0)
 		return 0;
 	pthread_mutex_lock(&d->lock);
 	/* While detaching, direct steps still append (the log stays a whole
-	 * redo log until it is empty); no log round does (not usable). */
-	if (!d->started || d->failed || d->detached || ce->device_slot < 0) {
+	 * redo log until it is empty); no log round does (not usable). A
+	 * backend another node may take over gets no record: what is
+	 * acknowledged of it is on it (backend.h: shared). */
+	if (!d->started || d->failed || d->detached || d->slots[slot].backend->shared) {
 		pthread_mutex_unlock(&d->lock);
 		return 0;
 	}
@@ -104,8 +104,8 @@ uint64_t cache_device_append(struct cache_device *d, struct cache_export *ce, un
 		struct dev_rec *r = &d->pend[d->npend++];
 		r->rec = rec = ++d->appended;
 		r->type = (uint8_t)type;
-		r->slot = (uint16_t)ce->device_slot;
-		d->slots[ce->device_slot].last = rec;
+		r->slot = (uint16_t)slot;
+		d->slots[slot].last = rec;
 		r->offset = offset + done;
 		r->length = n;
 		r->data = d->pdata_len;
@@ -231,37 +231,42 @@ void cache_device_wait(struct cache_device *d, struct cache_device_waiter *w)
 	post_ready(ready);
 }
 
-int cache_device_retire(struct cache_device *d, struct cache_export *ce, uint64_t *rec)
+int cache_device_retire(struct cache_device *d, int slot, uint64_t *rec)
 {
-	if (!(d->use & CACHE_DEVICE_USE_LOG) || ce->device_slot < 0)
+	if (slot < 0)
 		return 0;
 	pthread_mutex_lock(&d->lock);
-	bool again = *rec == 0 || d->slots[ce->device_slot].last > *rec;
+	bool again = (d->use & CACHE_DEVICE_USE_LOG) && (*rec == 0 || d->slots[slot].last > *rec);
 	pthread_mutex_unlock(&d->lock);
 	if (again) {
 		/* Every byte of it is on its backend, flushed: a CLEAN record
-		 * over all of them keeps any older one of it from a replay. */
-		*rec = cache_device_append(d, ce, DEVFMT_EXTENT_CLEAN, 0, DEV_RETIRED_LENGTH, NULL);
-		if (*rec == 0)
-			return 0; /* not logging (failed, detached): nothing to keep out */
+		 * over all of them keeps any older one of it from a replay (0:
+		 * not logging, failed or detached: nothing to keep out). */
+		*rec = cache_device_append(d, slot, DEVFMT_EXTENT_CLEAN, 0, DEV_RETIRED_LENGTH, NULL);
 	}
 	pthread_mutex_lock(&d->lock);
 	int rc = 0;
-	if (!d->failed && !d->detached && *rec > d->durable) {
+	if (*rec && !d->failed && !d->detached && *rec > d->durable) {
 		if (*rec > d->want)
 			d->want = *rec;
 		pthread_cond_signal(&d->cond);
 		rc = 1;
+	} else {
+		/* No checkpoint waits for it any more; a reload may give its
+		 * slot to an export of its name. */
+		d->slots[slot].retired = true;
 	}
 	pthread_mutex_unlock(&d->lock);
 	return rc;
 }
 
-void cache_device_covered(struct cache_device *d, struct cache_export *ce, uint64_t rec)
+void cache_device_covered(struct cache_device *d, int slot, uint64_t rec)
 {
+	if (slot < 0)
+		return;
 	pthread_mutex_lock(&d->lock);
-	if (ce->device_slot >= 0 && rec > d->slots[ce->device_slot].covered) {
-		d->slots[ce->device_slot].covered = rec;
+	if (rec > d->slots[slot].covered) {
+		d->slots[slot].covered = rec;
 		d->checkpoint_due = true;
 		pthread_cond_signal(&d->cond);
 	}
@@ -538,7 +543,7 @@ static void checkpoint_locked(struct cache_device *d)
 		const struct dev_slot *s = &d->slots[i];
 		/* An export with no record past its last full round holds
 		 * nothing back. */
-		if (s->ce && !atomic_load(&s->ce->retired) && s->last > s->covered &&
+		if (s->backend && !s->retired && s->last > s->covered &&
 		    s->covered < covered)
 			covered = s->covered;
 	}

@@ -261,7 +261,7 @@ int cache_device_bind(struct cache_device *d, char *err, size_t len)
 			    (unsigned long long)s->live_records, s->id.name, s->id.backend);
 			break;
 		}
-		if (s->ce && s->ce->backend->shared) {
+		if (s->backend && s->backend->shared) {
 			/* Logged by a version that answered its FLUSHes from the
 			 * log: another node may have owned the image since, and
 			 * written over what the records hold. */
@@ -529,7 +529,7 @@ static int gather(struct cache_device *d, struct prec **out, size_t *nout)
 			/* (A retired export's lie under the CLEAN record over all
 			 * of it, and may have no export.) */
 			struct backend *be =
-			    d->slots[x->slot].ce ? d->slots[x->slot].ce->backend : NULL;
+			    d->slots[x->slot].backend;
 			uint64_t size = be ? atomic_load(&be->size) : UINT64_MAX;
 			if (x->type != DEVFMT_EXTENT_CLEAN &&
 			    (x->offset > size || x->length > size - x->offset)) {
@@ -629,12 +629,14 @@ int dev_plan(struct cache_device *d, char *err, size_t len)
 				strerror(-rc));
 	}
 	for (unsigned s = 0; s < DEVFMT_MAX_EXPORTS; s++) {
-		if (g->undone[s] && !d->slots[s].ce)
+		if (g->undone[s] && !d->slots[s].backend)
 			return dev_fail(err, len, -EINVAL,
 					"cache device %s: records of slot %u, which has no export",
 					d->path, s); /* bind refused that already */
-		if (g->undone[s])
-			g->ce[s] = d->slots[s].ce;
+		if (g->undone[s]) {
+			g->backend[s] = d->slots[s].backend;
+			g->gate[s] = d->slots[s].replay_gate;
+		}
 	}
 	d->st.replay_ns = clock_now_ns() - t0;
 	d->st.replay_batches = d->nlive;

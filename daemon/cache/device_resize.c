@@ -33,29 +33,28 @@ static int wait_durable(struct cache_device *d, uint64_t rec)
 	return -ETIMEDOUT;
 }
 
-int cache_device_resize(struct cache_device *d, struct cache_export *ce, uint64_t old,
-			uint64_t size)
+int cache_device_resize(struct cache_device *d, int slot, uint64_t old, uint64_t size)
 {
-	if (ce->device_slot < 0)
+	if (slot < 0)
 		return 0;
 	if (size < old && (d->use & CACHE_DEVICE_USE_LOG)) {
 		/* Nothing past the new end is dirty or unstable (the resize
 		 * refuses that): its bytes are the backend's, and none of its
 		 * older records may come back there, even after the export
 		 * grows again. */
-		uint64_t rec = cache_device_append(d, ce, DEVFMT_EXTENT_CLEAN, size,
+		uint64_t rec = cache_device_append(d, slot, DEVFMT_EXTENT_CLEAN, size,
 						   DEV_RETIRED_LENGTH - size, NULL);
 		int rc = rec ? wait_durable(d, rec) : 0;
 		if (rc < 0) {
 			log_error("cache device %s: export \"%s\": the record of its new end could "
 				  "not be made durable: %s; the resize is refused",
-				  d->path, d->slots[ce->device_slot].cfg.name, strerror(-rc));
+				  d->path, d->slots[slot].cfg.name, strerror(-rc));
 			return rc;
 		}
 	}
 	pthread_mutex_lock(&d->lock);
-	struct dev_slot *s = &d->slots[ce->device_slot];
-	bool own = s->ce == ce;
+	struct dev_slot *s = &d->slots[slot];
+	bool own = s->backend && !s->retired;
 	if (own)
 		s->id.size = s->cfg.size = size;
 	pthread_mutex_unlock(&d->lock);

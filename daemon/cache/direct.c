@@ -314,7 +314,7 @@ static void step_log(struct cache_op *op)
 						  : DEVFMT_EXTENT_ZERO;
 	const void *data =
 	    op->cmd == BACKEND_WRITE ? op->payload + (op->step_offset - op->offset) : NULL;
-	uint64_t rec = cache_device_append(d, ce, type, op->step_offset, op->step_length, data);
+	uint64_t rec = cache_device_append(d, ce->device_slot, type, op->step_offset, op->step_length, data);
 	if (rec)
 		op->device_rec = rec;
 }
@@ -474,7 +474,7 @@ void direct_step(struct cache_op *op)
 		/* The range leaves the level-2 cache and its map on the device
 		 * before the backend's bytes change (ended in stage 3). */
 		if (op->step_length && c->device)
-			cache_device_l2_direct_begin(c->device, ce, op->step_offset,
+			cache_device_l2_direct_begin(c->device, ce->device_slot, op->step_offset,
 						     op->step_length);
 		cache_backend_submit(ce, op->worker, &op->io);
 		return;
@@ -496,7 +496,7 @@ void direct_step(struct cache_op *op)
 		/* The level-2 cache's copies (and those an eviction staged while
 		 * the backend wrote) are older than the backend's bytes now. */
 		if (op->step_length && c->device)
-			cache_device_l2_invalidate(c->device, ce, op->step_offset, op->step_length);
+			cache_device_l2_invalidate(c->device, ce->device_slot, op->step_offset, op->step_length);
 		if (op->step_length) {
 			if (!op->error && op->cmd == BACKEND_WRITE &&
 			    ce->mode == CACHE_MODE_WRITETHROUGH) {
@@ -516,7 +516,7 @@ void direct_step(struct cache_op *op)
 			/* Again: an entry evicted before the walk reached it was
 			 * staged with the bytes from before. */
 			if (c->device)
-				cache_device_l2_direct_end(c->device, ce, op->step_offset,
+				cache_device_l2_direct_end(c->device, ce->device_slot, op->step_offset,
 							   op->step_length);
 		}
 		direct_unregister(op);
@@ -560,6 +560,6 @@ void passthrough_start(struct cache_op *op)
 	 * before a reload set it. */
 	struct cache_device *d = op->ce->cache->device;
 	if (d && op->cmd == BACKEND_WRITE)
-		cache_device_l2_remove(d, op->ce, op->offset, op->length);
+		cache_device_l2_remove(d, op->ce->device_slot, op->offset, op->length);
 	cache_backend_submit(op->ce, op->worker, io);
 }

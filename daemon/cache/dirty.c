@@ -66,7 +66,7 @@ void cache_mark_dirty(struct cache_entry *e, uint32_t first, uint32_t count)
 	}
 	x->logged = false; /* written: a log round copies it again */
 	if (ce->cache->device)
-		cache_device_l2_invalidate(ce->cache->device, ce,
+		cache_device_l2_invalidate(ce->cache->device, ce->device_slot,
 					   cache_entry_offset(e) +
 					       ((uint64_t)first << ce->block_shift),
 					   (uint64_t)count << ce->block_shift);

@@ -32,8 +32,16 @@ int cache_export_add(struct cache *c, struct backend *be, const struct export_sp
 	ce->device_slot = -1;
 	/* Mode none caches nothing and logs nothing (it never leaves it). */
 	if (c->device && spec->cache_mode != CACHE_MODE_NONE) {
-		int rc = cache_device_add_export(c->device, ce, spec->name, spec->backend,
-						 spec->cache_device_warm_all);
+		struct cache_device_member m = {
+		    .name = spec->name,
+		    .backend_spec = spec->backend,
+		    .backend = ce->backend,
+		    .size = atomic_load(&ce->size),
+		    .block_size = ce->block_size,
+		    .warm_all = spec->cache_device_warm_all,
+		    .replay_gate = &ce->replay_gate,
+		};
+		int rc = cache_device_add_export(c->device, &m, &ce->device_slot);
 		if (rc < 0) {
 			free(ce->latency);
 			free(ce);
@@ -97,7 +105,7 @@ int cache_export_resize(struct cache_export *ce, uint64_t size, uint64_t *dirty_
 	 * fill past the old end must not find the zeros kept there) and
 	 * after (below). */
 	if (ce->cache->device)
-		cache_device_l2_remove(ce->cache->device, ce, from, UINT64_MAX - from);
+		cache_device_l2_remove(ce->cache->device, ce->device_slot, from, UINT64_MAX - from);
 	atomic_store(&ce->size, size);
 	uint64_t dropped, busy;
 	int rc = cache_export_drop_from(ce, from, &dropped, &busy, dirty_past);
@@ -105,10 +113,10 @@ int cache_export_resize(struct cache_export *ce, uint64_t size, uint64_t *dirty_
 		rc = -EBUSY;
 	if (rc == 0 && ce->cache->device) {
 		/* the level-2 cache's pages past the end */
-		cache_device_l2_remove(ce->cache->device, ce, from, UINT64_MAX - from);
+		cache_device_l2_remove(ce->cache->device, ce->device_slot, from, UINT64_MAX - from);
 		/* the size the device records for it, durably, before the
 		 * resize is answered */
-		rc = cache_device_resize(ce->cache->device, ce, old, size);
+		rc = cache_device_resize(ce->cache->device, ce->device_slot, old, size);
 	}
 	if (rc < 0)
 		atomic_store(&ce->size, old);
@@ -124,13 +132,13 @@ int cache_export_retire(struct cache_export *ce)
 	if (kept || cache_export_unflushed(ce))
 		return -EBUSY;
 	if (ce->cache->device) {
-		rc = cache_device_retire(ce->cache->device, ce, &ce->retire_rec);
+		rc = cache_device_retire(ce->cache->device, ce->device_slot, &ce->retire_rec);
 		if (rc != 0)
 			return rc > 0 ? -EBUSY : rc;
 	}
 	atomic_store(&ce->retired, true);
 	if (ce->cache->device) /* its level-2 pages: its slot may be another's */
-		cache_device_l2_remove(ce->cache->device, ce, 0, UINT64_MAX);
+		cache_device_l2_remove(ce->cache->device, ce->device_slot, 0, UINT64_MAX);
 	return 0;
 }
 

@@ -236,7 +236,7 @@ void flush_job_end(struct flush_job *job)
 		 * later: the FLUSHes are answered once the log holds, or a
 		 * checkpoint dropped, every record up to there. */
 		job->device_done = true;
-		cache_device_covered(dev, ce, job->device_rec);
+		cache_device_covered(dev, ce->device_slot, job->device_rec);
 		if (job->members) {
 			round_unpin(job);
 			job->dwait.rec = job->device_rec;

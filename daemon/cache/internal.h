@@ -17,14 +17,18 @@
  *                                            internal.h, arena.h
  *   operations  op.c cached.c direct.c       ops.h, internal.h, arena.h
  *               block_status.c throttle.c
- *   index       cache.c evict.c slots.c      internal.h, arena.h
- *               dirty.c exports.c stats.c
+ *   index       cache.c evict.c slots.c      internal.h, arena.h,
+ *               dirty.c exports.c stats.c    device.h
  *               wake.c
  *   arena       arena.c                      arena.h
+ *   device      device.c device_*.c          device.h, device_internal.h
  *
  * Headers follow the same order: ops.h includes internal.h, which
- * includes arena.h; writeback.h includes internal.h; compact.h nothing of
- * the cache's. The two threads do not know each other.
+ * includes arena.h and device.h; writeback.h includes internal.h;
+ * compact.h nothing of the cache's. The two threads do not know each
+ * other. The cache device (device.h, the port to the tiers below the
+ * index) knows nothing of the index: an export is its slot there
+ * (cache_export.device_slot).
  *
  * The threads wait for the index without the index knowing them: it rings
  * struct cache_kick (writeback) and struct cache_nudge (compactor), which
@@ -475,7 +479,7 @@ static inline void cache_backend_submit(struct cache_export *ce, struct worker *
 {
 	io->submit_ns = clock_now_ns();
 	if (atomic_load_explicit(&ce->replay_gate, memory_order_acquire) &&
-	    cache_device_gate(ce->cache->device, ce, w, io))
+	    cache_device_gate(ce->cache->device, ce->device_slot, w, io))
 		return;
 	backend_submit(ce->backend, w, io);
 }
