@@ -1,5 +1,5 @@
 /*
- * daemon/cache/slots.c: the index's memory (internal.h's picture): the
+ * daemon/cache/slots.c: the index's memory (entry.h's picture): the
  * pools of fixed-size slots that hold entries, side records and range
  * nodes, the per-block maps of an entry (in it for one block, in its side
  * record for more), and the side records' life: allocated when a one-block
