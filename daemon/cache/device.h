@@ -177,8 +177,7 @@ struct cache_device_member {
  * (not logged: its name's earlier backend is still being written back,
  * said). 0, or -ENOSPC (every slot taken, said). The slot names it in
  * every call below; -1 there does nothing. */
-int cache_device_add_export(struct cache_device *d, const struct cache_device_member *m,
-			    int *slot);
+int cache_device_add_export(struct cache_device *d, const struct cache_device_member *m, int *slot);
 /*
  * After every export is added, before anything is served: the live log
  * against the exports. 0, or -EINVAL with err naming the export and its
@@ -195,8 +194,7 @@ int cache_device_start(struct cache_device *d, char *err, size_t len);
  * be). Called by cache_backend_submit while its replay_gate is set.
  */
 struct backend_io;
-bool cache_device_gate(struct cache_device *d, int slot, struct worker *w,
-		       struct backend_io *io);
+bool cache_device_gate(struct cache_device *d, int slot, struct worker *w, struct backend_io *io);
 /* Stop the log thread; clean: everything was written back and flushed
  * (the log is checkpointed empty and the superblock says so). */
 void cache_device_close(struct cache_device *d, bool clean);
@@ -225,8 +223,8 @@ bool cache_device_drain_progressing(struct cache_device *d);
 bool cache_device_voiding(struct cache_device *d);
 /* Append a record for slot's export (DEVFMT_EXTENT_*; data: length bytes of DATA),
  * copying the data. Its rec, or 0 when the log is off. */
-uint64_t cache_device_append(struct cache_device *d, int slot, unsigned type,
-			     uint64_t offset, uint64_t length, const void *data);
+uint64_t cache_device_append(struct cache_device *d, int slot, unsigned type, uint64_t offset,
+			     uint64_t length, const void *data);
 /* The rec of the last record appended (0: none). */
 uint64_t cache_device_last(struct cache_device *d);
 /* Bytes appended and not yet committed. */
@@ -251,8 +249,7 @@ int cache_device_retire(struct cache_device *d, int slot, uint64_t *rec);
  * (no record past the end can come back, even once it grows again); the
  * size recorded for it is written to the superblock. 0 or -errno.
  */
-int cache_device_resize(struct cache_device *d, int slot, uint64_t old,
-			uint64_t size);
+int cache_device_resize(struct cache_device *d, int slot, uint64_t old, uint64_t size);
 /* A full flush round of slot's export succeeded: the records appended up to rec are
  * on its backend. Moves the tail once every export is covered. */
 void cache_device_covered(struct cache_device *d, int slot, uint64_t rec);
@@ -270,13 +267,12 @@ struct backend_io;
 bool cache_device_l2_on(struct cache_device *d);
 /* An evicted clean range of slot's export (shard lock held): copied and queued for the
  * area, or left out when staging is full; never waits. */
-void cache_device_l2_store(struct cache_device *d, int slot, uint64_t offset,
-			   const void *data, uint64_t length);
+void cache_device_l2_store(struct cache_device *d, int slot, uint64_t offset, const void *data,
+			   uint64_t length);
 /* A range of slot's export is written, zeroed or trimmed: its pages are gone, staged
  * copies cancelled. Under the shard lock of a cached write, or after a
  * direct step dropped the range from RAM. */
-void cache_device_l2_invalidate(struct cache_device *d, int slot, uint64_t offset,
-				uint64_t length);
+void cache_device_l2_invalidate(struct cache_device *d, int slot, uint64_t offset, uint64_t length);
 /*
  * Before any write to a backend (a writeback, a direct step, a
  * passthrough write): the device's level-2 map no longer claims a page
@@ -289,12 +285,10 @@ void cache_device_l2_invalidate(struct cache_device *d, int slot, uint64_t offse
 void cache_device_l2_before_write(struct cache_device *d);
 /* A range of slot's export leaves the level-2 cache (invalidate), and the map on the
  * device no longer claims it (before_write): before the backend changes. */
-void cache_device_l2_remove(struct cache_device *d, int slot, uint64_t offset,
-			    uint64_t length);
+void cache_device_l2_remove(struct cache_device *d, int slot, uint64_t offset, uint64_t length);
 void cache_device_l2_direct_begin(struct cache_device *d, int slot, uint64_t offset,
 				  uint64_t length);
-void cache_device_l2_direct_end(struct cache_device *d, int slot, uint64_t offset,
-				uint64_t length);
+void cache_device_l2_direct_end(struct cache_device *d, int slot, uint64_t offset, uint64_t length);
 /* Wait until what is staged is written (a clean stop keeping RAM's
  * pages, cache_stop). */
 void cache_device_l2_drain(struct cache_device *d);

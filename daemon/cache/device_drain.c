@@ -236,8 +236,7 @@ static void parked_run(struct worker_task *task)
 	uring_submit(&w->ring);
 }
 
-bool cache_device_gate(struct cache_device *d, int slot, struct worker *w,
-		       struct backend_io *io)
+bool cache_device_gate(struct cache_device *d, int slot, struct worker *w, struct backend_io *io)
 {
 	struct dev_drain *g = d ? d->drain : NULL;
 	unsigned s = g ? planned(g, slot) : DEVFMT_MAX_EXPORTS;

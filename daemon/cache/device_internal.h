@@ -52,7 +52,7 @@ struct dev_slot {
 	 * the device): its backend and replay gate. */
 	struct backend *backend;
 	atomic_bool *replay_gate;
-	bool retired; /* cache_device_retire said it is all on its backend */
+	bool retired;			   /* cache_device_retire said it is all on its backend */
 	uint64_t covered;		   /* records up to this are on the backend */
 	uint64_t last;			   /* its last record appended */
 	uint64_t live_bytes, live_records; /* in the live log at start */

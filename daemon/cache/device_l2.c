@@ -619,8 +619,7 @@ void dev_l2_forget(struct cache_device *d, unsigned slot, uint64_t offset, uint6
 	pthread_mutex_unlock(&l->lock);
 }
 
-void cache_device_l2_invalidate(struct cache_device *d, int slot, uint64_t offset,
-				uint64_t length)
+void cache_device_l2_invalidate(struct cache_device *d, int slot, uint64_t offset, uint64_t length)
 {
 	if (slot >= 0)
 		dev_l2_forget(d, (unsigned)slot, offset, length);
@@ -651,8 +650,7 @@ void cache_device_l2_direct_begin(struct cache_device *d, int slot, uint64_t off
 	cache_device_l2_remove(d, slot, offset, length);
 }
 
-void cache_device_l2_direct_end(struct cache_device *d, int slot, uint64_t offset,
-				uint64_t length)
+void cache_device_l2_direct_end(struct cache_device *d, int slot, uint64_t offset, uint64_t length)
 {
 	if (slot < 0 || !d->l2.pages)
 		return;

@@ -134,8 +134,7 @@ static void extent_complete(struct uring_op *op, int res)
 		read_finish(r);
 }
 
-bool cache_device_l2_read(struct cache_device *d, int slot, struct worker *w,
-			  struct backend_io *io)
+bool cache_device_l2_read(struct cache_device *d, int slot, struct worker *w, struct backend_io *io)
 {
 	struct dev_l2 *l = &d->l2;
 	if (slot < 0 || !cache_device_l2_on(d) || io->offset % DEVFMT_BLOCK ||

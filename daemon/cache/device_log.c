@@ -242,7 +242,8 @@ int cache_device_retire(struct cache_device *d, int slot, uint64_t *rec)
 		/* Every byte of it is on its backend, flushed: a CLEAN record
 		 * over all of them keeps any older one of it from a replay (0:
 		 * not logging, failed or detached: nothing to keep out). */
-		*rec = cache_device_append(d, slot, DEVFMT_EXTENT_CLEAN, 0, DEV_RETIRED_LENGTH, NULL);
+		*rec =
+		    cache_device_append(d, slot, DEVFMT_EXTENT_CLEAN, 0, DEV_RETIRED_LENGTH, NULL);
 	}
 	pthread_mutex_lock(&d->lock);
 	int rc = 0;
@@ -543,8 +544,7 @@ static void checkpoint_locked(struct cache_device *d)
 		const struct dev_slot *s = &d->slots[i];
 		/* An export with no record past its last full round holds
 		 * nothing back. */
-		if (s->backend && !s->retired && s->last > s->covered &&
-		    s->covered < covered)
+		if (s->backend && !s->retired && s->last > s->covered && s->covered < covered)
 			covered = s->covered;
 	}
 	if (covered == UINT64_MAX)

@@ -528,8 +528,7 @@ static int gather(struct cache_device *d, struct prec **out, size_t *nout)
 				continue; /* cache-device-discard-dirty */
 			/* (A retired export's lie under the CLEAN record over all
 			 * of it, and may have no export.) */
-			struct backend *be =
-			    d->slots[x->slot].backend;
+			struct backend *be = d->slots[x->slot].backend;
 			uint64_t size = be ? atomic_load(&be->size) : UINT64_MAX;
 			if (x->type != DEVFMT_EXTENT_CLEAN &&
 			    (x->offset > size || x->length > size - x->offset)) {

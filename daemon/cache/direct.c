@@ -314,7 +314,8 @@ static void step_log(struct cache_op *op)
 						  : DEVFMT_EXTENT_ZERO;
 	const void *data =
 	    op->cmd == BACKEND_WRITE ? op->payload + (op->step_offset - op->offset) : NULL;
-	uint64_t rec = cache_device_append(d, ce->device_slot, type, op->step_offset, op->step_length, data);
+	uint64_t rec =
+	    cache_device_append(d, ce->device_slot, type, op->step_offset, op->step_length, data);
 	if (rec)
 		op->device_rec = rec;
 }
@@ -496,7 +497,8 @@ void direct_step(struct cache_op *op)
 		/* The level-2 cache's copies (and those an eviction staged while
 		 * the backend wrote) are older than the backend's bytes now. */
 		if (op->step_length && c->device)
-			cache_device_l2_invalidate(c->device, ce->device_slot, op->step_offset, op->step_length);
+			cache_device_l2_invalidate(c->device, ce->device_slot, op->step_offset,
+						   op->step_length);
 		if (op->step_length) {
 			if (!op->error && op->cmd == BACKEND_WRITE &&
 			    ce->mode == CACHE_MODE_WRITETHROUGH) {
@@ -516,8 +518,8 @@ void direct_step(struct cache_op *op)
 			/* Again: an entry evicted before the walk reached it was
 			 * staged with the bytes from before. */
 			if (c->device)
-				cache_device_l2_direct_end(c->device, ce->device_slot, op->step_offset,
-							   op->step_length);
+				cache_device_l2_direct_end(c->device, ce->device_slot,
+							   op->step_offset, op->step_length);
 		}
 		direct_unregister(op);
 		step_next(op);

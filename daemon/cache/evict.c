@@ -191,9 +191,9 @@ static void offer_level2(struct cache *c, struct cache_export *ce, struct cache_
 			continue;
 		}
 		if (run)
-			cache_device_l2_store(c->device, ce->device_slot, offset + (p - run) * ARENA_FRAME_SIZE,
-					      mem + (p - run) * ARENA_FRAME_SIZE,
-					      run * ARENA_FRAME_SIZE);
+			cache_device_l2_store(
+			    c->device, ce->device_slot, offset + (p - run) * ARENA_FRAME_SIZE,
+			    mem + (p - run) * ARENA_FRAME_SIZE, run * ARENA_FRAME_SIZE);
 		run = 0;
 	}
 }

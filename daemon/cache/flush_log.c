@@ -31,8 +31,9 @@ static void append_outside_steps(struct cache_device *dev, struct cache_export *
 		const struct cache_op *s = cache_direct_logged_first(ce, offset, end - offset);
 		uint64_t stop = s && s->step_offset > offset ? s->step_offset : s ? offset : end;
 		if (stop > offset)
-			cache_device_append(dev, ce->device_slot, data ? DEVFMT_EXTENT_DATA : DEVFMT_EXTENT_CLEAN,
-					    offset, stop - offset, data);
+			cache_device_append(dev, ce->device_slot,
+					    data ? DEVFMT_EXTENT_DATA : DEVFMT_EXTENT_CLEAN, offset,
+					    stop - offset, data);
 		if (data)
 			data += (s ? s->step_offset + s->step_length : end) - offset;
 		offset = s ? s->step_offset + s->step_length : end;
@@ -126,8 +127,8 @@ static int log_entry(struct flush_job *job, struct cache_entry *e)
 		if (!take && run != UINT32_MAX) {
 			uint64_t off = (uint64_t)run << ce->block_shift;
 			uint64_t len = (uint64_t)(b - run) << ce->block_shift;
-			cache_device_append(dev, ce->device_slot, DEVFMT_EXTENT_DATA, base + off, len,
-					    mem + off);
+			cache_device_append(dev, ce->device_slot, DEVFMT_EXTENT_DATA, base + off,
+					    len, mem + off);
 			run = UINT32_MAX;
 		}
 	}
