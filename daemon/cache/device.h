@@ -187,12 +187,10 @@ int cache_device_bind(struct cache_device *d, char *err, size_t len);
 /* Plan the live log's write-back and start the drain (it goes on while
  * the exports are served), then the log thread. */
 int cache_device_start(struct cache_device *d, char *err, size_t len);
-/*
- * Send io for slot's export from thread w now (false), or later (true: it touches
- * bytes of the live log found at start not yet on the backend; it is
- * sent from w once they are, or completed there with -EIO if they cannot
- * be). Called by cache_backend_submit while its replay_gate is set.
- */
+/* Send io for slot's export from thread w now (false), or later (true: it
+ * touches bytes of the live log found at start not yet on the backend; it
+ * is sent from w once they are, or completed there with -EIO if they
+ * cannot be). Called by cache_backend_submit while its replay_gate is set. */
 struct backend_io;
 bool cache_device_gate(struct cache_device *d, int slot, struct worker *w, struct backend_io *io);
 /* Stop the log thread; clean: everything was written back and flushed
@@ -221,8 +219,8 @@ bool cache_device_drain_progressing(struct cache_device *d);
  * is, nothing is answered through the backends (cache_device_wait), and
  * full rounds of every export on it put its records there. */
 bool cache_device_voiding(struct cache_device *d);
-/* Append a record for slot's export (DEVFMT_EXTENT_*; data: length bytes of DATA),
- * copying the data. Its rec, or 0 when the log is off. */
+/* Append a record for slot's export (DEVFMT_EXTENT_*; data: length bytes
+ * of DATA), copying the data. Its rec, or 0 when the log is off. */
 uint64_t cache_device_append(struct cache_device *d, int slot, unsigned type, uint64_t offset,
 			     uint64_t length, const void *data);
 /* The rec of the last record appended (0: none). */
@@ -233,25 +231,24 @@ uint64_t cache_device_pending(struct cache_device *d);
 uint64_t cache_device_room(struct cache_device *d);
 /* Post w->task to w->worker once durable >= w->rec (at once if so). */
 void cache_device_wait(struct cache_device *d, struct cache_device_waiter *w);
-/*
- * slot's export is being retired: everything of it is on its backend, flushed. A
- * CLEAN record over its whole range, once durable, keeps a replay from
- * putting any older record of it back over what the backend gets later
- * (from other writers while it is not configured, or from another export
- * given its slot). *rec: 0 the first time (the record's number is kept
- * there). 0 done or nothing to do, 1 not durable yet (call again later).
- */
+/* slot's export is being retired: everything of it is on its backend,
+ * flushed. A CLEAN record over its whole range, once durable, keeps a
+ * replay from putting any older record of it back over what the backend
+ * gets later (from other writers while it is not configured, or from
+ * another export given its slot). *rec: 0 the first time (the record's
+ * number is kept there). 0 done or nothing to do, 1 not durable yet (call
+ * again later). */
 int cache_device_retire(struct cache_device *d, int slot, uint64_t *rec);
 /*
- * slot's export's size moves from old to size (cache_export_resize, before the
- * resize is answered; a shrink before its backend is cut): a shrink
+ * slot's export's size moves from old to size (cache_export_resize,
+ * before the resize is answered; a shrink before its backend is cut): a shrink
  * logs a CLEAN record from the new end on and waits until it is durable
  * (no record past the end can come back, even once it grows again); the
  * size recorded for it is written to the superblock. 0 or -errno.
  */
 int cache_device_resize(struct cache_device *d, int slot, uint64_t old, uint64_t size);
-/* A full flush round of slot's export succeeded: the records appended up to rec are
- * on its backend. Moves the tail once every export is covered. */
+/* A full flush round of slot's export succeeded: the records appended up
+ * to rec are on its backend. Moves the tail once every export is covered. */
 void cache_device_covered(struct cache_device *d, int slot, uint64_t rec);
 /* The log is short of room: full rounds would let a checkpoint free it. */
 bool cache_device_wants_checkpoint(struct cache_device *d);
@@ -265,13 +262,13 @@ void cache_device_count_round(struct cache_device *d, uint64_t entries);
  */
 struct backend_io;
 bool cache_device_l2_on(struct cache_device *d);
-/* An evicted clean range of slot's export (shard lock held): copied and queued for the
- * area, or left out when staging is full; never waits. */
+/* An evicted clean range of slot's export (shard lock held): copied and
+ * queued for the area, or left out when staging is full; never waits. */
 void cache_device_l2_store(struct cache_device *d, int slot, uint64_t offset, const void *data,
 			   uint64_t length);
-/* A range of slot's export is written, zeroed or trimmed: its pages are gone, staged
- * copies cancelled. Under the shard lock of a cached write, or after a
- * direct step dropped the range from RAM. */
+/* A range of slot's export is written, zeroed or trimmed: its pages are
+ * gone, staged copies cancelled. Under the shard lock of a cached write,
+ * or after a direct step dropped the range from RAM. */
 void cache_device_l2_invalidate(struct cache_device *d, int slot, uint64_t offset, uint64_t length);
 /*
  * Before any write to a backend (a writeback, a direct step, a
@@ -283,8 +280,9 @@ void cache_device_l2_invalidate(struct cache_device *d, int slot, uint64_t offse
  * never claims what was stored in between).
  */
 void cache_device_l2_before_write(struct cache_device *d);
-/* A range of slot's export leaves the level-2 cache (invalidate), and the map on the
- * device no longer claims it (before_write): before the backend changes. */
+/* A range of slot's export leaves the level-2 cache (invalidate), and the
+ * map on the device no longer claims it (before_write): before the backend
+ * changes. */
 void cache_device_l2_remove(struct cache_device *d, int slot, uint64_t offset, uint64_t length);
 void cache_device_l2_direct_begin(struct cache_device *d, int slot, uint64_t offset,
 				  uint64_t length);
@@ -292,11 +290,11 @@ void cache_device_l2_direct_end(struct cache_device *d, int slot, uint64_t offse
 /* Wait until what is staged is written (a clean stop keeping RAM's
  * pages, cache_stop). */
 void cache_device_l2_drain(struct cache_device *d);
-/* A fill of io->length bytes at slot's export's io->offset into io->buf: false if
- * the area does not hold every page; else read through w's ring, and
- * io->done(io, 0) runs on w, or io->done(io, -errno) when the area could
- * not give it (a page rewritten meanwhile: -ESTALE; the caller then reads
- * the backend). */
+/* A fill of io->length bytes at slot's export's io->offset into io->buf:
+ * false if the area does not hold every page; else read through w's ring,
+ * and io->done(io, 0) runs on w, or io->done(io, -errno) when the area
+ * could not give it (a page rewritten meanwhile: -ESTALE; the caller then
+ * reads the backend). */
 bool cache_device_l2_read(struct cache_device *d, int slot, struct worker *w,
 			  struct backend_io *io);
 /* Small reads (up to CACHE_DEVICE_SMALL_READ bytes: what random reads
