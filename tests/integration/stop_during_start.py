@@ -41,7 +41,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import nbdtest  # noqa: E402
-from nbdtest import log  # noqa: E402
+from nbdtest import log, require  # noqa: E402
 
 ROUNDS = 3
 DELAYS = [0, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.02]
@@ -177,6 +177,11 @@ def nbd_connect(tmp):
     for at in (0.3, 1.5):
         s = Start("nbdkit:--filter=delay memory size=16M delay-open=%d" % OPEN_DELAY,
                   tmp=tempfile.mkdtemp(prefix="nbdcached-stop-", dir=tmp))
+        # From when its start holds the stop signals (main.c), not from
+        # the exec: a loaded machine may take longer than `at` to get
+        # there, and a SIGTERM before it ends the process unhandled.
+        require(nbdtest.wait_until(lambda: sigterm_held(s.proc.pid), 30),
+                "the daemon never held SIGTERM during its start")
         spin(at)
         kids = children_of(s.proc.pid)
         s.term()
@@ -191,6 +196,18 @@ def nbd_connect(tmp):
         gone = nbdtest.wait_until(lambda: not any(alive(k) for k in kids), 10)
         expect(gone, "%s: its nbdkit %s is still running" % (what, kids))
         s.clean()
+
+
+def sigterm_held(pid):
+    """Is SIGTERM in pid's blocked set (/proc/PID/status SigBlk)?"""
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            for line in f:
+                if line.startswith("SigBlk:"):
+                    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    except OSError:
+        pass
+    return False
 
 
 def children_of(pid):
