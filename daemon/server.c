@@ -556,7 +556,22 @@ int server_run(const struct options *opts, int argc, char **argv, int *upgrade_f
 		log_info("%s", tls_err);
 	}
 	tls_creds_install(creds);
-	int rc = cache_create(opts, threads, &s.cache);
+	/* A live upgrade with a cache device: the old daemon releases the
+	 * device at its pause, once told HELLO; the cache waits for it (the
+	 * old daemon ends this one if it does not come). */
+	bool hello_sent = false;
+	unsigned device_wait_ms = 0;
+	if (upgrading && opts->cache_device) {
+		char why[600];
+		if (upgrade_child_hello(*upgrade_fd, why, sizeof(why)) < 0) {
+			log_error("%s", why);
+			tls_creds_uninstall();
+			return 1;
+		}
+		hello_sent = true;
+		device_wait_ms = UPGRADE_DEVICE_WAIT_MS;
+	}
+	int rc = cache_create(opts, threads, device_wait_ms, &s.cache);
 	if (rc < 0) {
 		log_error("cache: cannot set up %llu bytes: %s", (unsigned long long)opts->cache_size,
 			  strerror(-rc));
@@ -578,7 +593,7 @@ int server_run(const struct options *opts, int argc, char **argv, int *upgrade_f
 		/* A live upgrade: everything this daemon needs is open; take the
 		 * old one's sockets (it parks its connections meanwhile). */
 		char why[600];
-		if (upgrade_child_receive(*upgrade_fd, &taken, why, sizeof(why)) < 0) {
+		if (upgrade_child_receive(*upgrade_fd, hello_sent, &taken, why, sizeof(why)) < 0) {
 			log_error("%s", why);
 			goto out_exports;
 		}

@@ -54,7 +54,11 @@ struct upgrade_run {
 	pthread_cond_t cond;
 	unsigned flushes_left;
 	int flush_error;
+	uint32_t flush_flags; /* of the FLUSHes flush_all sends */
 	struct worker_task flush_task;
+	/* The cache device was detached and released for the new daemon:
+	 * this one serves on without it if the upgrade fails. */
+	bool device, device_released;
 };
 
 static void fail(struct upgrade_run *run, const char *fmt, ...)
@@ -77,10 +81,13 @@ const char *upgrade_refusal(struct export_table *exports, char *buf, size_t len)
 	if (export_list(exports, &list, &count) < 0)
 		return "out of memory";
 	const char *why = NULL;
-	if (cache_device_attached(exports->cache)) {
+	struct cache_device_stats ds;
+	/* A cache device is handed over detached (device_hand_over); one
+	 * that failed holds a log that only a start empties. */
+	if (cache_get_device_stats(exports->cache, &ds) && ds.failed) {
 		snprintf(buf, len,
-			 "the cache device's intent log cannot be handed over yet (both daemons "
-			 "would write it): restart instead");
+			 "the cache device failed; its log is emptied by a start, not handed "
+			 "over: restart instead");
 		why = buf;
 	}
 	for (size_t i = 0; i < count && !why; i++) {
@@ -277,6 +284,7 @@ static void flush_start(struct worker_task *task)
 		f->op = (struct cache_op){.ce = list[i]->cache,
 					  .worker = run->u->flush_worker,
 					  .cmd = BACKEND_FLUSH,
+					  .flags = run->flush_flags,
 					  .seen_error = &f->seen_error,
 					  .done = flush_done};
 		pthread_mutex_lock(&run->lock);
@@ -295,10 +303,13 @@ static void flush_start(struct worker_task *task)
 	(void)submitted;
 }
 
-/* Write every dirty block back and flush every backend; 0 or -errno. */
-static int flush_all(struct upgrade_run *run)
+/* Write every dirty block back and flush every backend (flags: a FLUSH's
+ * CACHE_FLUSH_WRITEBACK, a full round even with a cache device's log);
+ * 0 or -errno. */
+static int flush_all(struct upgrade_run *run, uint32_t flags)
 {
 	pthread_mutex_lock(&run->lock);
+	run->flush_flags = flags;
 	run->flushes_left = 1; /* flush_start's own, until it has submitted all */
 	run->flush_error = 0;
 	pthread_mutex_unlock(&run->lock);
@@ -310,6 +321,63 @@ static int flush_all(struct upgrade_run *run)
 	int rc = run->flush_error;
 	pthread_mutex_unlock(&run->lock);
 	return rc;
+}
+
+/*
+ * The cache device goes to the new daemon detached. Once the new daemon
+ * said HELLO (it waits for the device before it creates its cache), the
+ * log takes no more records: FLUSH goes to the backends, in full rounds,
+ * and the level-2 cache is off (its map is given up, as clients write on
+ * until the pause). At the pause, with no request in flight, the log is
+ * emptied (device_release): every export on it written back and flushed,
+ * the device marked clean, closed and its lock dropped; the new daemon
+ * opens it as a start does, with nothing to replay. 0, or -errno with
+ * why said (the device then stays detached here: FLUSH goes to the
+ * backends until a restart).
+ */
+static int device_detach(struct upgrade_run *run)
+{
+	struct cache_device *d = cache_get_device(run->u->exports->cache);
+	if (!d)
+		return 0;
+	run->device = true;
+	int rc = cache_device_detach_begin(d);
+	if (rc == -EALREADY) /* detached before (nbdcachectl cache-device detach) */
+		return 0;
+	if (rc < 0) {
+		fail(run, "detaching the cache device: %s", strerror(-rc));
+		return rc;
+	}
+	log_info("upgrade: the cache device goes to the new daemon: it takes no more records "
+		 "(FLUSH goes to the backends until the hand-over)");
+	return 0;
+}
+
+static int device_release(struct upgrade_run *run)
+{
+	struct cache_device *d = cache_get_device(run->u->exports->cache);
+	if (!d)
+		return 0;
+	/* Records that came meanwhile (CLEAN records of a round): the log is
+	 * emptied again, a few times at most. */
+	int rc = cache_device_detach_end(d);
+	for (unsigned pass = 0; rc == -EBUSY && pass < 3; pass++) {
+		rc = flush_all(run, CACHE_FLUSH_WRITEBACK);
+		if (rc == 0)
+			rc = cache_device_detach_end(d);
+	}
+	if (rc == -EALREADY)
+		rc = 0;
+	if (rc == 0)
+		rc = cache_device_release(d);
+	if (rc < 0) {
+		fail(run, "handing the cache device over: %s (it stays detached here: FLUSH goes "
+			  "to the backends until a restart)",
+		     rc == -EBUSY ? "records kept coming into its log" : strerror(-rc));
+		return rc;
+	}
+	run->device_released = true;
+	return 0;
 }
 
 static void sleep_ms(unsigned ms)
@@ -429,9 +497,12 @@ static void *upgrade_main(void *arg)
 	run->r.pid = run->pid;
 	if (!expect_record(run, UPGRADE_HELLO, &rec, "start"))
 		goto out;
+	if (device_detach(run) < 0)
+		goto out;
 	/* Write back while serving: the pause then flushes only what comes
 	 * in meanwhile. */
-	rc = flush_all(run);
+	uint32_t flush_flags = run->device ? CACHE_FLUSH_WRITEBACK : 0;
+	rc = flush_all(run, flush_flags);
 	if (rc < 0) {
 		fail(run, "writing the cache back failed: %s (the data stays dirty here)",
 		     strerror(-rc));
@@ -451,12 +522,14 @@ static void *upgrade_main(void *arg)
 		log_warn("upgrade: %u connection(s) not at a request boundary after %u s: they "
 			 "will be closed",
 			 busy, run->timeout_s);
-	rc = flush_all(run);
+	rc = flush_all(run, flush_flags);
 	if (rc < 0) {
 		fail(run, "writing the cache back failed: %s (the data stays dirty here)",
 		     strerror(-rc));
 		goto out;
 	}
+	if (device_release(run) < 0)
+		goto out;
 	for (unsigned i = 0; i < u->host_count; i++)
 		host_collect(&u->hosts[i]);
 	wait_flag(u, offsetof(struct host, collected));
@@ -518,8 +591,13 @@ out:
 				host_park(&u->hosts[i], false);
 		if (paused)
 			u->accepting(u->arg, true);
-		log_error("upgrade to %s failed: %s; this daemon serves on", run->binary,
-			  run->r.why);
+		log_error("upgrade to %s failed: %s; this daemon serves on%s", run->binary,
+			  run->r.why,
+			  run->device_released ? " without its cache device (released for the new "
+						 "daemon: FLUSH goes to the backends until a restart)"
+			  : run->device	       ? " with its cache device detached (FLUSH goes to the "
+						 "backends until a restart)"
+					       : "");
 		sd_notify(0, "READY=1\nSTATUS=serving (an upgrade failed)");
 	}
 	if (collected)

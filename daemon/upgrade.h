@@ -134,9 +134,17 @@ struct upgrade_taken {
 /* The hand-over's socket from NBDCACHED_UPGRADE_FD (removed from the
  * environment), or -1: this daemon was started normally. Call first. */
 int upgrade_child_fd(void);
-/* Say HELLO and receive everything up to END (blocks). 0 or -errno (why
- * set; the old daemon rolls back). */
-int upgrade_child_receive(int fd, struct upgrade_taken *t, char *why, size_t why_len);
+/* How long a new daemon waits for the old one to release the cache
+ * device (the old one's --timeout ends it sooner). */
+#define UPGRADE_DEVICE_WAIT_MS 120000u
+/* Say HELLO: the old daemon starts to hand over (with a cache device, it
+ * releases the device at its pause; said before the cache is created,
+ * which waits for it). 0 or -errno (why set). */
+int upgrade_child_hello(int fd, char *why, size_t why_len);
+/* Say HELLO unless hello_sent, and receive everything up to END (blocks).
+ * 0 or -errno (why set; the old daemon rolls back). */
+int upgrade_child_receive(int fd, bool hello_sent, struct upgrade_taken *t, char *why,
+			  size_t why_len);
 /* The listener handed over for (kind, spec), now the caller's, or -1. */
 int upgrade_take_listener(struct upgrade_taken *t, enum upgrade_listener_kind kind,
 			  const char *spec);

@@ -146,20 +146,27 @@ static void *grow(void *array, size_t *cap, size_t count, size_t size)
 	return p;
 }
 
-int upgrade_child_receive(int fd, struct upgrade_taken *t, char *why, size_t why_len)
+int upgrade_child_hello(int fd, char *why, size_t why_len)
+{
+	uint8_t buf[64];
+	size_t n = upgrade_record_hello(buf, (uint32_t)getpid());
+	int rc = upgrade_send_record(fd, buf, n, -1);
+	if (rc < 0)
+		snprintf(why, why_len, "upgrade: the old daemon is gone: %s", strerror(-rc));
+	return rc;
+}
+
+int upgrade_child_receive(int fd, bool hello_sent, struct upgrade_taken *t, char *why,
+			  size_t why_len)
 {
 	memset(t, 0, sizeof(*t));
+	int rc = hello_sent ? 0 : upgrade_child_hello(fd, why, why_len);
+	if (rc < 0)
+		return rc;
 	uint8_t *buf = malloc(UPGRADE_RECORD_MAX);
 	if (!buf) {
 		snprintf(why, why_len, "out of memory");
 		return -ENOMEM;
-	}
-	size_t n = upgrade_record_hello(buf, (uint32_t)getpid());
-	int rc = upgrade_send_record(fd, buf, n, -1);
-	if (rc < 0) {
-		snprintf(why, why_len, "upgrade: the old daemon is gone: %s", strerror(-rc));
-		free(buf);
-		return rc;
 	}
 	size_t lcap = 0, ccap = 0;
 	for (;;) {

@@ -283,8 +283,11 @@ enum cache_latency {
 };
 
 /* Map the arena (before the daemon detaches: a shortage fails at start);
- * workers: the NBD worker threads that will record latencies. */
-int cache_create(const struct options *opts, unsigned workers, struct cache **out);
+ * workers: the NBD worker threads that will record latencies;
+ * device_wait_ms: how long a cache device another daemon holds is waited
+ * for (a live upgrade's new daemon; 0: refused at once, device.h). */
+int cache_create(const struct options *opts, unsigned workers, unsigned device_wait_ms,
+		 struct cache **out);
 /* Start the writeback thread (after fork). */
 int cache_start(struct cache *c);
 /*

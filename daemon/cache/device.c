@@ -354,11 +354,23 @@ out:
 	return rc;
 }
 
-int cache_device_open(const char *path, unsigned use, struct cache_device **out, char *err,
-		      size_t len)
+int cache_device_open(const char *path, unsigned use, unsigned wait_ms,
+		      struct cache_device **out, char *err, size_t len)
 {
 	bool fresh;
-	int rc = load(path, use, false, out, &fresh, err, len);
+	uint64_t until = clock_now_ns() + (uint64_t)wait_ms * 1000000u;
+	int rc;
+	bool said = false;
+	while ((rc = load(path, use, false, out, &fresh, err, len)) == -EBUSY && wait_ms &&
+	       clock_now_ns() < until) {
+		if (!said)
+			log_info("cache device %s: held by the daemon this one upgrades: waiting up "
+				 "to %u s for it to let go",
+				 path, wait_ms / 1000);
+		said = true;
+		struct timespec ts = {0, 20 * 1000000L};
+		nanosleep(&ts, NULL);
+	}
 	if (rc == 0 && fresh) {
 		struct cache_device *d = *out;
 		rc = format(d, err, len);

@@ -138,9 +138,11 @@ struct cache_device_stats {
  * its superblock, the newer valid copy; a device whose two copies are all
  * zeros is formatted. 0, or -errno with err saying why (not a cache
  * device, another version, both copies corrupt, another geometry).
+ * wait_ms: a device another daemon holds is waited for that long (a live
+ * upgrade's new daemon, until the old one releases it), not refused.
  */
-int cache_device_open(const char *path, unsigned use, struct cache_device **out, char *err,
-		      size_t len);
+int cache_device_open(const char *path, unsigned use, unsigned wait_ms,
+		      struct cache_device **out, char *err, size_t len);
 /* Exports (names, commas between) whose records are thrown away at bind,
  * logged, rather than refused (cache-device-discard-dirty); NULL: none. */
 int cache_device_discard(struct cache_device *d, const char *names);
@@ -208,6 +210,13 @@ void cache_device_close(struct cache_device *d, bool clean);
  */
 int cache_device_detach_begin(struct cache_device *d);
 int cache_device_detach_end(struct cache_device *d);
+/*
+ * Once detached: close the device and drop its lock, so that another
+ * daemon (a live upgrade's new one) may open it. Nothing of this daemon
+ * reaches it afterwards. 0 (also again), -EBUSY when not detached, or
+ * -errno.
+ */
+int cache_device_release(struct cache_device *d);
 
 /* Can the log take records now (attached, started, not failed)? */
 bool cache_device_usable(struct cache_device *d);

@@ -249,6 +249,7 @@ struct cache_device {
 	pthread_t thread;
 	bool running, stop, started, failed, no_room, checkpoint_due;
 	bool detaching, detached; /* cache_device_detach_begin, _end */
+	bool released;		  /* cache_device_release: closed, its lock dropped */
 	/* After a failure: the log was emptied on the device (a checkpoint
 	 * past every batch, its sequence numbers past every batch a commit
 	 * attempted), so nothing on it can be replayed over what the backends

@@ -35,7 +35,10 @@ static int wait_durable(struct cache_device *d, uint64_t rec)
 
 int cache_device_resize(struct cache_device *d, int slot, uint64_t old, uint64_t size)
 {
-	if (slot < 0)
+	pthread_mutex_lock(&d->lock);
+	bool released = d->released; /* not this daemon's any more */
+	pthread_mutex_unlock(&d->lock);
+	if (slot < 0 || released)
 		return 0;
 	if (size < old && (d->use & CACHE_DEVICE_USE_LOG)) {
 		/* Nothing past the new end is dirty or unstable (the resize

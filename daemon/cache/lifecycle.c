@@ -17,7 +17,8 @@
 #include "daemon/cache/writeback.h"
 #include "daemon/log.h"
 
-int cache_create(const struct options *opts, unsigned workers, struct cache **out)
+int cache_create(const struct options *opts, unsigned workers, unsigned device_wait_ms,
+		 struct cache **out)
 {
 	struct cache *c = calloc(1, sizeof(*c));
 	if (!c)
@@ -30,8 +31,8 @@ int cache_create(const struct options *opts, unsigned workers, struct cache **ou
 	}
 	if (opts->cache_device) {
 		char err[1024];
-		rc = cache_device_open(opts->cache_device, opts->cache_device_use, &c->device, err,
-				       sizeof(err));
+		rc = cache_device_open(opts->cache_device, opts->cache_device_use, device_wait_ms,
+				       &c->device, err, sizeof(err));
 		if (rc == 0 &&
 		    (rc = cache_device_discard(c->device, opts->cache_device_discard)) < 0)
 			snprintf(err, sizeof(err), "cache device: out of memory");
