@@ -249,6 +249,14 @@ build-fuzz/fuzz_rbd_spec: tests/fuzz/fuzz_rbd_spec.c tests/fuzz/fuzz.h daemon/rb
 	clang -std=c11 -g -O1 -D_GNU_SOURCE -I. -fsanitize=fuzzer,address,undefined -o $@ \
 		tests/fuzz/fuzz_rbd_spec.c daemon/rbd_spec.c
 
+# An --export value: its keys are the export settings' table.
+EXPORT_SPEC_FUZZ_SRC := daemon/export_spec.c daemon/settings.c daemon/option_values.c \
+	daemon/access.c daemon/qos.c daemon/log.c daemon/check.c
+build-fuzz/fuzz_export_spec: tests/fuzz/fuzz_export_spec.c tests/fuzz/fuzz.h $(EXPORT_SPEC_FUZZ_SRC) $(wildcard daemon/*.h)
+	@mkdir -p build-fuzz
+	clang -std=c11 -g -O1 -D_GNU_SOURCE -I. -fsanitize=fuzzer,address,undefined -o $@ \
+		tests/fuzz/fuzz_export_spec.c $(EXPORT_SPEC_FUZZ_SRC)
+
 # The state record of a live upgrade, as the new daemon decodes it.
 build-fuzz/fuzz_upgrade_record: tests/fuzz/fuzz_upgrade_record.c tests/fuzz/fuzz.h daemon/upgrade_record.c daemon/upgrade_record.h $(PROTO_SRC) proto/nbd.h
 	@mkdir -p build-fuzz

@@ -29,7 +29,7 @@ struct config_ctx {
 	char *listenaddr, *port;  /* nbd-server style, combined at the end */
 	char current[4097];	  /* section of the export being filled */
 	struct export_spec *spec; /* the export of the current section */
-	unsigned spec_keys;	  /* bits: which export keys were given */
+	unsigned spec_keys;	  /* bits: backend and QoS keys given (config_keys.c) */
 	int rc;
 	char *err;
 	size_t errlen;

@@ -2,8 +2,9 @@
  * daemon/config_keys.c: the keys of the config file (config_internal.h):
  * [generic] (generic_key), an export's section (export_key), the access
  * rules of both (access_key), and nbd-server's keys that nbdcached refuses
- * by name. Key names: dashes and underscores are the same (cache-size,
- * cache_size); nbd-server's spellings are aliases.
+ * by name. Most keys are rows of settings.h's tables; here are those with a
+ * shape of their own. Key names: dashes and underscores are the same
+ * (cache-size, cache_size); nbd-server's spellings are aliases.
  */
 #include <errno.h>
 #include <stdbool.h>
@@ -22,6 +23,16 @@ static int out_of_memory(struct config_ctx *x)
 {
 	x->rc = -ENOMEM;
 	return 0;
+}
+
+/* A setting read (settings.h): 1, or 0 with the error recorded. */
+static int read_result(struct config_ctx *x, int rc, const char *why)
+{
+	if (rc == -ENOMEM)
+		return out_of_memory(x);
+	if (rc < 0)
+		return config_fail(x, "%s", why);
+	return 1;
 }
 
 static int set_string(struct config_ctx *x, char **slot, const char *value)
@@ -56,27 +67,13 @@ static bool is_nbd_server_key(const char *name)
 	return false;
 }
 
-/* Bits of config_ctx.spec_keys, to refuse a key given twice. */
+/* Bits of config_ctx.spec_keys, to refuse a key given twice (the keys of
+ * export_settings have their bits in the export's given). */
 enum {
 	K_BACKEND = 1u << 0,
-	K_READONLY = 1u << 1,
-	K_DESCRIPTION = 1u << 2,
-	K_BLOCK_SIZE = 1u << 3,
-	K_CACHE_MODE = 1u << 4,
-	K_SEQ_CUTOFF = 1u << 5,
-	K_MAX_CONNECTIONS = 1u << 6,
-	K_DIRTY_HIGH = 1u << 7,
-	K_DIRTY_LOW = 1u << 8,
-	K_FLAGS = 1u << 9,
-	K_WARM = 1u << 10,
-	K_OFFSET = 1u << 12,
-	K_SIZE = 1u << 13,
-	K_SPLIT = 1u << 14,
-	K_TLS = 1u << 15,
-	K_ALLOW_RESIZE = 1u << 16,
-	K_QOS = 1u << 17, /* ... QOS_KEYS bits from here, by qos_key_index() */
+	K_QOS = 1u << 1, /* ... QOS_KEYS bits from here, by qos_key_index() */
 };
-_Static_assert(QOS_KEYS <= 15, "the QoS keys' bits fit spec_keys");
+_Static_assert(QOS_KEYS <= 31, "the QoS keys' bits fit spec_keys");
 
 static int once(struct config_ctx *x, unsigned *mask, unsigned bit, const char *name)
 {
@@ -206,12 +203,9 @@ static int generic_key(struct config_ctx *x, const char *name, const char *v)
 		return config_fail(x, "'%s' given twice", name);
 	char why[300];
 	int rc = settings_read(st, f, v, why, sizeof(why));
-	if (rc == -ENOMEM)
-		return out_of_memory(x);
-	if (rc < 0)
-		return config_fail(x, "%s", why);
-	x->set |= st->given;
-	return 1;
+	if (rc == 0)
+		x->set |= st->given;
+	return read_result(x, rc, why);
 }
 
 void config_finish_export(struct config_ctx *x)
@@ -264,90 +258,12 @@ static int export_key(struct config_ctx *x, const char *name, const char *v)
 			return config_fail(x, "%s: empty", name);
 		return set_string(x, &e->backend, v);
 	}
-	if (key_is(name, "readonly")) {
-		if (!once(x, &x->spec_keys, K_READONLY, name))
-			return 0;
-		if (options_parse_bool(v, &e->readonly) < 0)
-			return config_fail(x, "readonly %s: expected true or false", v);
-		return 1;
-	}
-	if (key_is(name, "allow-resize")) {
-		if (!once(x, &x->spec_keys, K_ALLOW_RESIZE, name))
-			return 0;
-		if (options_parse_bool(v, &e->allow_resize) < 0)
-			return config_fail(x, "allow-resize %s: expected true or false", v);
-		return 1;
-	}
-	if (key_is(name, "description")) {
-		if (!once(x, &x->spec_keys, K_DESCRIPTION, name))
-			return 0;
-		if (strlen(v) > 4096)
-			return config_fail(x, "description longer than 4096 bytes");
-		return set_string(x, &e->description, v);
-	}
-	if (key_is(name, "block-size")) {
-		if (!once(x, &x->spec_keys, K_BLOCK_SIZE, name))
-			return 0;
-		if (options_parse_block_size(v, &e->block_size) < 0)
-			return config_fail(x,
-					   "block-size %s: must be a power of two from 512 to "
-					   "65536",
-					   v);
-		e->has_block_size = true;
-		return 1;
-	}
-	if (key_is(name, "cache-mode")) {
-		if (!once(x, &x->spec_keys, K_CACHE_MODE, name))
-			return 0;
-		if (options_parse_cache_mode(v, &e->cache_mode) < 0)
-			return config_fail(x,
-					   "cache-mode %s: expected writeback, writethrough, "
-					   "writearound or none",
-					   v);
-		return 1;
-	}
-	if (key_is(name, "seq-cutoff")) {
-		if (!once(x, &x->spec_keys, K_SEQ_CUTOFF, name))
-			return 0;
-		if (options_parse_size(v, &e->seq_cutoff) < 0)
-			return config_fail(x, "seq-cutoff %s: expected a size", v);
-		e->has_seq_cutoff = true;
-		return 1;
-	}
-	if (key_is(name, "max-connections") || key_is(name, "maxconnections")) {
-		if (!once(x, &x->spec_keys, K_MAX_CONNECTIONS, name))
-			return 0;
-		if (options_parse_max_connections(v, &e->max_connections) < 0)
-			return config_fail(x, "%s %s: expected 0..%d (0: unlimited)", name, v,
-					   OPTIONS_MAX_CONNECTIONS);
-		e->has_max_connections = true;
-		return 1;
-	}
-	if (key_is(name, "dirty-high") || key_is(name, "dirty-low")) {
-		bool high = key_is(name, "dirty-high");
-		if (!once(x, &x->spec_keys, high ? K_DIRTY_HIGH : K_DIRTY_LOW, name))
-			return 0;
-		if (options_parse_percent(v, high ? &e->dirty_high : &e->dirty_low) < 0)
-			return config_fail(x, "%s %s: expected 0..100", name, v);
-		*(high ? &e->has_dirty_high : &e->has_dirty_low) = true;
-		return 1;
-	}
-	if (key_is(name, "offset") || key_is(name, "size")) {
-		bool off = key_is(name, "offset");
-		if (!once(x, &x->spec_keys, off ? K_OFFSET : K_SIZE, name))
-			return 0;
-		uint64_t *to = off ? &e->offset : &e->size;
-		if (options_parse_size(v, to) < 0 || (!off && *to == 0))
-			return config_fail(x, "%s %s: expected a size%s", name, v,
-					   off ? "" : " above 0");
-		return 1;
-	}
-	if (key_is(name, "split")) {
-		if (!once(x, &x->spec_keys, K_SPLIT, name))
-			return 0;
-		if (options_parse_split(v, &e->split) < 0)
-			return config_fail(x, "split %s: expected a size above 0, or 32bit", v);
-		return 1;
+	const struct setting *st = export_settings_find(name);
+	if (st) {
+		if (e->given & export_settings_bit(st))
+			return config_fail(x, "'%s' given twice", name);
+		char why[300];
+		return read_result(x, export_settings_read(st, e, name, v, why, sizeof(why)), why);
 	}
 	int access_rc = access_key(x, name, v, &e->access);
 	if (access_rc >= 0)
@@ -362,24 +278,6 @@ static int export_key(struct config_ctx *x, const char *name, const char *v)
 			return 0;
 		if (qos_limits_set(&e->qos, qos_key, v, why, sizeof(why)) < 0)
 			return config_fail(x, "%s", why);
-		return 1;
-	}
-	if (key_is(name, "tls")) {
-		if (!once(x, &x->spec_keys, K_TLS, name))
-			return 0;
-		/* Only require: on and off are the global setting's ([generic]). */
-		if (strcmp(v, "require") == 0)
-			e->tls_require = true;
-		else if (strcmp(v, "on") != 0)
-			return config_fail(x, "tls %s: expected require (or on) in an export", v);
-		return 1;
-	}
-	if (key_is(name, "cache-device-warm")) {
-		if (!once(x, &x->spec_keys, K_WARM, name))
-			return 0;
-		if (options_parse_cache_device_warm(v, &e->cache_device_warm_all) < 0)
-			return config_fail(x, "cache-device-warm %s: expected files or all", v);
-		e->has_cache_device_warm = true;
 		return 1;
 	}
 	/* nbd-server's flush, fua and trim: nbdcached always honours them. */

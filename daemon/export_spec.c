@@ -2,22 +2,26 @@
  * daemon/export_spec.c: one --export value (NAME=BACKEND[,KEY=VALUE]...)
  * parsed into a struct export_spec (options.h declares both functions).
  *
- * Each value is checked by the parsers of option_values.c and access.c. A
- * description may contain commas: a comma-separated piece that is not a
- * known key continues the description before it ("description=disk, fast"
- * stays whole); an access-rule list runs on the same way, and an identity
- * (allow-identities=, a DN) keeps its commas. Dependency-free, like
- * options.c.
+ * The keys are the rows of export_settings (settings.h): KEY=VALUE, or KEY
+ * alone for a flag (readonly, allow-resize), read as the row says. The
+ * access-rule lists (access.c) and the QoS limits (qos.c) keep their own
+ * code. A comma-separated piece that is not a known key continues the
+ * value before it where that value runs on: a description
+ * ("description=disk, fast" stays whole) or an access-rule list; an
+ * identity (allow-identities=, a DN) keeps its commas. Dependency-free,
+ * like options.c.
  */
 #include "daemon/options.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "daemon/access.h"
 #include "daemon/option_values.h"
 #include "daemon/qos.h"
+#include "daemon/settings.h"
 
 #define fail options_fail
 static char *dup_range(const char *p, size_t n)
@@ -34,16 +38,24 @@ void options_export_spec_free(struct export_spec *e)
 {
 	free(e->name);
 	free(e->backend);
-	free(e->description);
 	free(e->origin);
+	export_settings_free(e);
 	access_spec_free(&e->access);
 	memset(e, 0, sizeof(*e));
 }
 
-static bool starts_with(const char *s, size_t n, const char *prefix)
+/* The row of export_settings the piece (n bytes at s) sets: "KEY=..." of a
+ * value, the KEY alone of a flag. NULL: none. */
+static const struct setting *setting_of(const char *s, size_t n)
 {
-	size_t p = strlen(prefix);
-	return n >= p && memcmp(s, prefix, p) == 0;
+	for (size_t i = 0; i < export_settings_count; i++) {
+		const struct setting *st = &export_settings[i];
+		size_t k = strlen(st->name);
+		if (n >= k && memcmp(s, st->name, k) == 0 &&
+		    (st->optional ? n == k : n > k && s[k] == '='))
+			return st;
+	}
+	return NULL;
 }
 
 /* The access-rule list whose "KEY=" starts the n bytes at s, or NULL. */
@@ -67,28 +79,22 @@ static bool is_qos_key(const char *s, size_t n)
 
 static bool is_known_key(const char *s, size_t n)
 {
-	if (access_list_key(s, n))
-		return true;
-	return (n == 8 && memcmp(s, "readonly", 8) == 0) ||
-	       (n == 12 && memcmp(s, "allow-resize", 12) == 0) ||
-	       starts_with(s, n, "description=") || starts_with(s, n, "block-size=") ||
-	       starts_with(s, n, "cache-mode=") || starts_with(s, n, "seq-cutoff=") ||
-	       starts_with(s, n, "max-connections=") || starts_with(s, n, "dirty-high=") ||
-	       starts_with(s, n, "dirty-low=") || starts_with(s, n, "offset=") ||
-	       starts_with(s, n, "size=") || starts_with(s, n, "split=") ||
-	       starts_with(s, n, "tls=") || starts_with(s, n, "cache-device-warm=") ||
-	       is_qos_key(s, n);
+	return setting_of(s, n) || access_list_key(s, n) || is_qos_key(s, n);
 }
 
-/* Copy the value of "key=value" (n bytes at p) into buf; -EINVAL if too long. */
-static int key_value(const char *p, size_t n, const char *key, char *buf, size_t buflen)
+/* Where a value that runs on over commas ends: the comma (next, or one
+ * after it) before the next known key, or NULL (the end). */
+static const char *run_on(const char *next)
 {
-	size_t vn = n - strlen(key);
-	if (vn >= buflen)
-		return -EINVAL;
-	memcpy(buf, p + strlen(key), vn);
-	buf[vn] = '\0';
-	return 0;
+	const char *q = next;
+	while (q) {
+		const char *after = q + 1;
+		const char *nn = strchr(after, ',');
+		if (is_known_key(after, nn ? (size_t)(nn - after) : strlen(after)))
+			break;
+		q = nn;
+	}
+	return q;
 }
 
 /*
@@ -103,14 +109,7 @@ static const char *export_access_key(const char *p, const char *next, struct exp
 {
 	const struct access_list *l = access_list_key(p, next ? (size_t)(next - p) : strlen(p));
 	const char *v = p + strlen(l->key) + 1;
-	const char *q = next;
-	while (q) {
-		const char *after = q + 1;
-		const char *nn = strchr(after, ',');
-		if (is_known_key(after, nn ? (size_t)(nn - after) : strlen(after)))
-			break;
-		q = nn;
-	}
+	const char *q = run_on(next);
 	char *list = dup_range(v, q ? (size_t)(q - v) : strlen(v));
 	if (!list) {
 		*rc = -ENOMEM;
@@ -127,6 +126,50 @@ static const char *export_access_key(const char *p, const char *next, struct exp
 		*rc = added;
 	free(list);
 	return q ? q + 1 : NULL;
+}
+
+/* A bad value of row s, the piece "KEY=VALUE" (n bytes at p). */
+static int bad_value(const struct export_spec *out, const struct setting *s, const char *p,
+		     size_t n, char *err, size_t errlen)
+{
+	char expect[200];
+	settings_expect(s, s->name, expect, sizeof(expect));
+	return fail(err, errlen, -EINVAL, "--export %s: bad %.*s: %s", out->name, (int)n, p,
+		    expect);
+}
+
+/*
+ * The piece of row s at p (n bytes, then *next): its value read into out.
+ * A value is at most 31 bytes; a text runs on over commas (*next moves to
+ * where it ends).
+ */
+static int export_setting(struct export_spec *out, const struct setting *s, const char *p, size_t n,
+			  const char **next, char *err, size_t errlen)
+{
+	const char *v = p + strlen(s->name) + 1; /* after "KEY=" */
+	char buf[32], why[200], *text = NULL;
+	const char *value = NULL; /* a flag's: its KEY alone */
+	if (s->type == SETTING_VALUE && !s->optional) {
+		size_t vn = n - (size_t)(v - p);
+		if (vn >= sizeof(buf))
+			return bad_value(out, s, p, n, err, errlen);
+		memcpy(buf, v, vn);
+		buf[vn] = '\0';
+		value = buf;
+	} else if (!s->optional) {
+		if (s->type == SETTING_TEXT)
+			*next = run_on(*next);
+		value = text = dup_range(v, *next ? (size_t)(*next - v) : strlen(v));
+		if (!text)
+			return -ENOMEM;
+	}
+	int rc = export_settings_read(s, out, s->name, value, why, sizeof(why));
+	free(text);
+	if (rc == -EINVAL && s->type == SETTING_VALUE)
+		return bad_value(out, s, p, n, err, errlen);
+	if (rc == -EINVAL)
+		return fail(err, errlen, rc, "--export %s: %s", out->name, why);
+	return rc;
 }
 
 int options_parse_export(const char *text, struct export_spec *out, char *err, size_t errlen)
@@ -156,30 +199,7 @@ int options_parse_export(const char *text, struct export_spec *out, char *err, s
 	while (p) {
 		const char *next = strchr(p, ',');
 		size_t n = next ? (size_t)(next - p) : strlen(p);
-		/* A description runs on over commas until the next known key. */
-		if (starts_with(p, n, "description=")) {
-			const char *d = p + strlen("description=");
-			const char *q = next;
-			while (q) {
-				const char *after = q + 1;
-				const char *nn = strchr(after, ',');
-				size_t an = nn ? (size_t)(nn - after) : strlen(after);
-				if (is_known_key(after, an))
-					break;
-				q = nn;
-			}
-			size_t dn = q ? (size_t)(q - d) : strlen(d);
-			if (dn > 4096) {
-				rc = fail(err, errlen, -EINVAL, "--export: description too long");
-				goto error;
-			}
-			free(out->description);
-			out->description = dup_range(d, dn);
-			if (!out->description)
-				goto error;
-			p = q ? q + 1 : NULL;
-			continue;
-		}
+		const struct setting *s = setting_of(p, n);
 		if (access_list_key(p, n)) {
 			rc = 0;
 			p = export_access_key(p, next, out, &rc, err, errlen);
@@ -187,97 +207,9 @@ int options_parse_export(const char *text, struct export_spec *out, char *err, s
 				goto error;
 			continue;
 		}
-		if (n == 8 && memcmp(p, "readonly", 8) == 0) {
-			out->readonly = true;
-		} else if (n == 12 && memcmp(p, "allow-resize", 12) == 0) {
-			out->allow_resize = true;
-		} else if (starts_with(p, n, "block-size=")) {
-			char buf[32];
-			if (key_value(p, n, "block-size=", buf, sizeof(buf)) < 0 ||
-			    options_parse_block_size(buf, &out->block_size) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--export: block-size %.*s must be a power of two from 512 "
-					  "to 65536",
-					  (int)n, p);
+		if (s) {
+			if ((rc = export_setting(out, s, p, n, &next, err, errlen)) < 0)
 				goto error;
-			}
-			out->has_block_size = true;
-		} else if (starts_with(p, n, "cache-mode=")) {
-			char buf[32];
-			if (key_value(p, n, "cache-mode=", buf, sizeof(buf)) < 0 ||
-			    options_parse_cache_mode(buf, &out->cache_mode) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--export: %.*s: expected writeback, writethrough, "
-					  "writearound or none",
-					  (int)n, p);
-				goto error;
-			}
-		} else if (starts_with(p, n, "seq-cutoff=")) {
-			char buf[32];
-			if (key_value(p, n, "seq-cutoff=", buf, sizeof(buf)) < 0 ||
-			    options_parse_size(buf, &out->seq_cutoff) < 0) {
-				rc = fail(err, errlen, -EINVAL, "--export: bad %.*s", (int)n, p);
-				goto error;
-			}
-			out->has_seq_cutoff = true;
-		} else if (starts_with(p, n, "max-connections=")) {
-			char buf[32];
-			if (key_value(p, n, "max-connections=", buf, sizeof(buf)) < 0 ||
-			    options_parse_max_connections(buf, &out->max_connections) < 0) {
-				rc = fail(err, errlen, -EINVAL, "--export: bad %.*s (0..%d)", (int)n,
-					  p, OPTIONS_MAX_CONNECTIONS);
-				goto error;
-			}
-			out->has_max_connections = true;
-		} else if (starts_with(p, n, "dirty-high=") || starts_with(p, n, "dirty-low=")) {
-			bool high = starts_with(p, n, "dirty-high=");
-			char buf[32];
-			if (key_value(p, n, high ? "dirty-high=" : "dirty-low=", buf, sizeof(buf)) <
-				    0 ||
-			    options_parse_percent(buf, high ? &out->dirty_high : &out->dirty_low) <
-				    0) {
-				rc = fail(err, errlen, -EINVAL, "--export: bad %.*s (0..100)", (int)n,
-					  p);
-				goto error;
-			}
-			*(high ? &out->has_dirty_high : &out->has_dirty_low) = true;
-		} else if (starts_with(p, n, "offset=") || starts_with(p, n, "size=")) {
-			bool off = starts_with(p, n, "offset=");
-			char buf[32];
-			if (key_value(p, n, off ? "offset=" : "size=", buf, sizeof(buf)) < 0 ||
-			    options_parse_size(buf, off ? &out->offset : &out->size) < 0 ||
-			    (!off && out->size == 0)) {
-				rc = fail(err, errlen, -EINVAL, "--export: bad %.*s", (int)n, p);
-				goto error;
-			}
-		} else if (starts_with(p, n, "split=")) {
-			char buf[32];
-			if (key_value(p, n, "split=", buf, sizeof(buf)) < 0 ||
-			    options_parse_split(buf, &out->split) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--export: bad %.*s (a size, or 32bit)", (int)n, p);
-				goto error;
-			}
-		} else if (starts_with(p, n, "cache-device-warm=")) {
-			char buf[32];
-			if (key_value(p, n, "cache-device-warm=", buf, sizeof(buf)) < 0 ||
-			    options_parse_cache_device_warm(buf, &out->cache_device_warm_all) < 0) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--export: %.*s: expected cache-device-warm=files or "
-					  "cache-device-warm=all",
-					  (int)n, p);
-				goto error;
-			}
-			out->has_cache_device_warm = true;
-		} else if (starts_with(p, n, "tls=")) {
-			/* Only require: on and off are the global setting's. */
-			if (n == 11 && memcmp(p, "tls=require", 11) == 0) {
-				out->tls_require = true;
-			} else if (!(n == 6 && memcmp(p, "tls=on", 6) == 0)) {
-				rc = fail(err, errlen, -EINVAL,
-					  "--export: %.*s: expected tls=require (or tls=on)", (int)n, p);
-				goto error;
-			}
 		} else if (is_qos_key(p, n)) {
 			const char *eqs = memchr(p, '=', n);
 			char key[32], buf[64], why[200];

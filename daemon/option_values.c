@@ -103,6 +103,15 @@ int options_parse_split(const char *text, uint64_t *out)
 	return 0;
 }
 
+int options_parse_window_size(const char *text, uint64_t *out)
+{
+	uint64_t v;
+	if (options_parse_size(text, &v) < 0 || v == 0)
+		return -EINVAL;
+	*out = v;
+	return 0;
+}
+
 int options_parse_hugepages(const char *text, enum hugepages_policy *out)
 {
 	if (strcmp(text, "auto") == 0)
@@ -211,6 +220,15 @@ int options_parse_tls(const char *text, enum tls_mode *out)
 			return 0;
 		}
 	return -EINVAL;
+}
+
+int options_parse_export_tls(const char *text, bool *require)
+{
+	if (strcmp(text, "require") == 0)
+		*require = true;
+	else if (strcmp(text, "on") != 0)
+		return -EINVAL;
+	return 0;
 }
 
 const char *options_tls_name(enum tls_mode mode)

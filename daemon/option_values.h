@@ -21,7 +21,7 @@
 /* What the cache does with an export's reads and writes
  * (docs/architecture.md, "Cache modes"). */
 enum cache_mode {
-	CACHE_MODE_DEFAULT = 0, /* export_spec only: take options.cache_mode */
+	CACHE_MODE_DEFAULT = 0, /* none given (an export_spec's before options_finish()) */
 	CACHE_MODE_WRITEBACK,
 	CACHE_MODE_WRITETHROUGH,
 	CACHE_MODE_WRITEAROUND,
@@ -47,6 +47,8 @@ int options_fail(char *err, size_t errlen, int rc, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 /* A split= value: "32bit" (OPTIONS_SPLIT_32BIT) or a size above 0. */
 int options_parse_split(const char *text, uint64_t *out);
+/* A size= value (a window's): a size above 0. */
+int options_parse_window_size(const char *text, uint64_t *out);
 /*
  * The window size split=32bit stands for: the largest multiple of 2 MiB (one
  * cache range) a 32-bit Linux kernel can address as a block device. Its
@@ -73,6 +75,9 @@ int options_parse_stall_timeout(const char *text, unsigned *out);  /* 1..3600 */
 int options_parse_negotiation_timeout(const char *text, unsigned *out); /* 1..3600 */
 int options_parse_tls(const char *text, enum tls_mode *out); /* off, on, require */
 const char *options_tls_name(enum tls_mode mode);
+/* An export's tls: "require" (true), or "on", which means the global
+ * setting and leaves *require alone. */
+int options_parse_export_tls(const char *text, bool *require);
 int options_parse_bool(const char *text, bool *out); /* true/false, yes/no, on/off, 1/0 */
 /*
  * A --unix value (and the config file's unix key): PATH[,mode=OCTAL]

@@ -28,19 +28,13 @@ const char *options_usage(void)
 	static char text[8192];
 	if (text[0])
 		return text;
-	size_t at = (size_t)snprintf(
-	    text, sizeof(text), "%s",
-	    "usage: nbdcached [--config FILE] [--check-config] [--foreground]\n"
-	    "                 [--listen HOST:PORT]... [--unix "
-	    "PATH[,mode=OCTAL][,group=GROUP]]...\n"
-	    "                 [--export "
-	    "NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]\n"
-	    "                           "
-	    "[,cache-mode=MODE][,seq-cutoff=SIZE][,max-connections=N]\n"
-	    "                           [,dirty-high=PCT][,dirty-low=PCT]\n"
-	    "                           [,offset=SIZE][,size=SIZE][,split=SIZE|32bit]\n"
-	    "                           [,allow-resize][,cache-device-warm=files|all]]...\n");
-	/* Every setting of the table (settings.h), as it declares it. */
+	size_t at =
+	    (size_t)snprintf(text, sizeof(text), "%s",
+			     "usage: nbdcached [--config FILE] [--check-config] [--foreground]\n"
+			     "                 [--listen HOST:PORT]... [--unix "
+			     "PATH[,mode=OCTAL][,group=GROUP]]...\n");
+	/* Every setting of the tables (settings.h), as they declare them. */
+	at += export_settings_usage(text + at, sizeof(text) - at, 17);
 	at += settings_usage(text + at, sizeof(text) - at, 17);
 	snprintf(
 	    text + at, sizeof(text) - at, "%s",
@@ -51,7 +45,8 @@ const char *options_usage(void)
 	    "                 [--metrics-export-names listed|all]\n"
 	    "An --export also takes allow=LIST, deny=LIST, allow-users=LIST,\n"
 	    "allow-groups=LIST (its access rules; a LIST runs on over commas),\n"
-	    "allow-identities=IDENTITY (one, commas and all) and tls=require.\n"
+	    "allow-identities=IDENTITY (one, commas and all) and QoS limits (QOS in\n"
+	    "nbdcached(8)).\n"
 	    "BACKEND is a file or block device, an NBD URI (nbd://HOST[:PORT]/NAME,\n"
 	    "nbd+unix:///NAME?socket=PATH, nbds://...), nbdkit:PLUGIN [ARG...] or a Ceph\n"
 	    "RBD image rbd:POOL[/NAMESPACE]/IMAGE[@SNAP][?conf=FILE&id=USER&keyring=FILE].\n"
@@ -559,22 +554,13 @@ int options_finish(struct options *out, char *err, size_t errlen)
 	if (out->dirty_low > out->dirty_high)
 		return fail(err, errlen, -EINVAL, "dirty-low %u is above dirty-high %u",
 			    out->dirty_low, out->dirty_high);
+	const struct setting *dirty_low = export_settings_find("dirty-low");
 	for (size_t i = 0; i < out->export_count; i++) {
 		struct export_spec *e = &out->exports[i];
-		if (!e->has_block_size)
-			e->block_size = out->block_size;
-		if (!e->has_seq_cutoff)
-			e->seq_cutoff = out->seq_cutoff;
-		if (e->cache_mode == CACHE_MODE_DEFAULT)
-			e->cache_mode = out->cache_mode;
-		if (!e->has_max_connections)
-			e->max_connections = out->max_connections;
-		if (!e->has_dirty_high)
-			e->dirty_high = out->dirty_high;
-		if (!e->has_cache_device_warm)
-			e->cache_device_warm_all = out->cache_device_warm_all;
-		if (!e->has_dirty_low)
-			e->dirty_low = e->dirty_high < out->dirty_low ? e->dirty_high : out->dirty_low;
+		export_settings_defaults(e, out);
+		/* The global dirty-low, but not above the export's dirty-high. */
+		if (!(e->given & export_settings_bit(dirty_low)) && e->dirty_low > e->dirty_high)
+			e->dirty_low = e->dirty_high;
 		if (e->dirty_low > e->dirty_high)
 			return fail(err, errlen, -EINVAL,
 				    "export '%s'%s%s: dirty-low %u is above dirty-high %u", e->name,

@@ -9,10 +9,7 @@
  *   nbdcached [--config FILE] [--check-config] [--control PATH|none]
  *             [--user USER] [--group GROUP]
  *             [--foreground] [--listen HOST:PORT]... [--unix PATH]...
- *             [--export NAME=BACKEND[,readonly][,description=TEXT][,block-size=N]
- *                       [,cache-mode=MODE][,seq-cutoff=SIZE][,max-connections=N]
- *                       [,dirty-high=PCT][,dirty-low=PCT]
- *                       [,offset=SIZE][,size=SIZE][,split=SIZE|32bit][,allow-resize]]...
+ *             [--export NAME=BACKEND[,KEY=VALUE]...]...
  *             [--threads N] [--pidfile FILE] [--log-level LEVEL]
  *             [--metrics HOST:PORT] [--metrics-allow LIST] [--metrics-deny LIST]
  *             [--metrics-export-names listed|all]
@@ -29,7 +26,8 @@
  *             [--tls-verify-peer[=true|false]] [--tls-priority STRING]
  *
  * BACKEND is a file or block device path, an NBD URI (nbd://, nbds://,
- * nbd+unix://...) or "nbdkit:PLUGIN [ARG...]".
+ * nbd+unix://...) or "nbdkit:PLUGIN [ARG...]". The global settings and an
+ * export's KEYs are the rows of settings.h's two tables.
  *
  * Per-export settings left out take the global value, whatever the order of
  * the options on the command line.
@@ -118,9 +116,10 @@ struct export_spec {
 	 * backend, so a restart may use its level-2 pages even where no
 	 * timestamp can prove it unchanged (the global setting when not
 	 * given). Read at start. */
-	bool cache_device_warm_all, has_cache_device_warm;
-	/* Which of the above were given (the rest come from struct options). */
-	bool has_block_size, has_seq_cutoff, has_max_connections, has_dirty_high, has_dirty_low;
+	bool cache_device_warm_all;
+	/* Which keys were given: a bit per row of export_settings
+	 * (settings.h); options_finish() gives the others their global value. */
+	uint32_t given;
 	/* Where it was defined: "FILE:LINE" or NULL (command line). */
 	char *origin;
 	/* Access rules of this export, on top of the global ones (access.h). */

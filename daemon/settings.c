@@ -1,12 +1,14 @@
 /*
- * daemon/settings.c: the table of global settings (settings.h). A row: the
- * name, getopt's value (the short letter where there is one), the given
- * bit, the field, how the text is read and what a bad one is told, and
- * whether a reload may change it.
+ * daemon/settings.c: the tables of global and per-export settings
+ * (settings.h). A row: the name, getopt's value (the short letter where
+ * there is one), the given bit (an export's: its global setting's), the
+ * field, how the text is read and what a bad one is told, whether a reload
+ * may change it, whether the name alone says true, its --help argument.
  */
 #include "daemon/settings.h"
 
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,6 +45,9 @@ READER(options_parse_stall_timeout, unsigned)
 READER(options_parse_negotiation_timeout, unsigned)
 READER(options_parse_tls, enum tls_mode)
 READER(options_parse_bool, bool)
+READER(options_parse_window_size, uint64_t)
+READER(options_parse_split, uint64_t)
+READER(options_parse_export_tls, bool)
 #undef READER
 
 #define STR2(x) #x
@@ -150,6 +155,47 @@ const struct setting settings[] = {
 };
 const size_t settings_count = sizeof(settings) / sizeof(settings[0]);
 
+#define EXPORT_FIELD(f) offsetof(struct export_spec, f), sizeof(((struct export_spec *)0)->f)
+#define EXPORT_VALUE(f, fn) SETTING_VALUE, EXPORT_FIELD(f), read_##fn
+#define EXPORT_TEXT(f) SETTING_TEXT, EXPORT_FIELD(f), NULL
+
+/* In --help's order. At most 32 rows (export_spec.given). */
+const struct setting export_settings[] = {
+    {"readonly", 0, 0, EXPORT_VALUE(readonly, options_parse_bool), "expected true or false", 0,
+     false, true, "true|false"},
+    {"description", 0, 0, EXPORT_TEXT(description), "longer than 4096 bytes", 4097, false, false,
+     "TEXT"},
+    {"block-size", 0, OPT_GIVEN_BLOCK_SIZE, EXPORT_VALUE(block_size, options_parse_block_size),
+     "must be a power of two from 512 to 65536", 0, true, false, "N"},
+    {"cache-mode", 0, OPT_GIVEN_CACHE_MODE, EXPORT_VALUE(cache_mode, options_parse_cache_mode),
+     "expected writeback, writethrough, writearound or none", 0, false, false, "MODE"},
+    {"seq-cutoff", 0, OPT_GIVEN_SEQ_CUTOFF, EXPORT_VALUE(seq_cutoff, options_parse_size),
+     "expected a size", 0, false, false, "SIZE"},
+    {"max-connections", 0, OPT_GIVEN_MAX_CONNECTIONS,
+     EXPORT_VALUE(max_connections, options_parse_max_connections),
+     "expected 0.." STR(OPTIONS_MAX_CONNECTIONS) " (0: unlimited)", 0, false, false, "N"},
+    {"dirty-high", 0, OPT_GIVEN_DIRTY_HIGH, EXPORT_VALUE(dirty_high, options_parse_percent),
+     "expected 0..100", 0, false, false, "PCT"},
+    /* (not given: never above the export's dirty-high; options_finish) */
+    {"dirty-low", 0, OPT_GIVEN_DIRTY_LOW, EXPORT_VALUE(dirty_low, options_parse_percent),
+     "expected 0..100", 0, false, false, "PCT"},
+    {"offset", 0, 0, EXPORT_VALUE(offset, options_parse_size), "expected a size", 0, false, false,
+     "SIZE"},
+    {"size", 0, 0, EXPORT_VALUE(size, options_parse_window_size), "expected a size above 0", 0,
+     false, false, "SIZE"},
+    {"split", 0, 0, EXPORT_VALUE(split, options_parse_split), "expected a size above 0, or 32bit",
+     0, false, false, "SIZE|32bit"},
+    {"allow-resize", 0, 0, EXPORT_VALUE(allow_resize, options_parse_bool), "expected true or false",
+     0, false, true, "true|false"},
+    {"cache-device-warm", 0, OPT_GIVEN_CACHE_DEVICE_WARM,
+     EXPORT_VALUE(cache_device_warm_all, options_parse_cache_device_warm),
+     "expected =files or =all", 0, true, false, "files|all"},
+    /* Only require: on and off are the global setting's. */
+    {"tls", 0, 0, EXPORT_VALUE(tls_require, options_parse_export_tls),
+     "expected =require (or =on) in an export", 0, false, false, "require"},
+};
+const size_t export_settings_count = sizeof(export_settings) / sizeof(export_settings[0]);
+
 bool settings_key_is(const char *name, const char *key)
 {
 	for (; *name && *key; name++, key++) {
@@ -160,15 +206,25 @@ bool settings_key_is(const char *name, const char *key)
 	return *name == '\0' && *key == '\0';
 }
 
-const struct setting *settings_find(const char *name)
+/* name's row of table, nbd-server's spelling of max-connections too. */
+static const struct setting *find(const struct setting *table, size_t count, const char *name)
 {
-	/* nbd-server's spelling of max-connections */
 	if (settings_key_is(name, "maxconnections"))
 		name = "max-connections";
-	for (size_t i = 0; i < settings_count; i++)
-		if (settings_key_is(name, settings[i].name))
-			return &settings[i];
+	for (size_t i = 0; i < count; i++)
+		if (settings_key_is(name, table[i].name))
+			return &table[i];
 	return NULL;
+}
+
+const struct setting *settings_find(const char *name)
+{
+	return find(settings, settings_count, name);
+}
+
+const struct setting *export_settings_find(const char *name)
+{
+	return find(export_settings, export_settings_count, name);
 }
 
 const struct setting *settings_by_opt(int opt)
@@ -179,23 +235,40 @@ const struct setting *settings_by_opt(int opt)
 	return NULL;
 }
 
-int settings_read(const struct setting *s, struct options *o, const char *text, char *why,
-		  size_t why_len)
+const char *settings_expect(const struct setting *s, const char *key, char *buf, size_t len)
 {
-	void *field = (char *)o + s->offset;
+	size_t at = 0;
+	for (const char *p = s->expect; *p && at + 1 < len; p++) {
+		bool word = p[0] == '=' && (p == s->expect || p[-1] == ' ' || p[-1] == '(');
+		if (!word)
+			buf[at++] = *p;
+		else if (key)
+			at += (size_t)snprintf(buf + at, len - at, "%s=", key);
+	}
+	buf[at < len ? at : len - 1] = '\0';
+	return buf;
+}
+
+/* text into field, s's; a bad one is told as name's. */
+static int read_field(const struct setting *s, void *field, const char *name, const char *text,
+		      char *why, size_t why_len)
+{
+	char expect[200];
+	settings_expect(s, NULL, expect, sizeof(expect));
 	if (s->type == SETTING_VALUE) {
 		if (!text && s->optional) {
 			*(bool *)field = true;
 			return 0;
 		}
 		if (!text || s->parse(text, field) < 0) {
-			snprintf(why, why_len, "%s %s: %s", s->name, text ? text : "", s->expect);
+			snprintf(why, why_len, "%s %s: %s", name, text ? text : "", expect);
 			return -EINVAL;
 		}
 		return 0;
 	}
-	if (!text || text[0] == '\0' || (s->max_len && strlen(text) >= s->max_len)) {
-		snprintf(why, why_len, "%s: %s", s->name, s->expect);
+	if (!text || (text[0] == '\0' && s->type == SETTING_STRING) ||
+	    (s->max_len && strlen(text) >= s->max_len)) {
+		snprintf(why, why_len, "%s: %s", name, expect);
 		return -EINVAL;
 	}
 	char *copy = strdup(text);
@@ -207,10 +280,54 @@ int settings_read(const struct setting *s, struct options *o, const char *text, 
 	return 0;
 }
 
+int settings_read(const struct setting *s, struct options *o, const char *text, char *why,
+		  size_t why_len)
+{
+	return read_field(s, (char *)o + s->offset, s->name, text, why, why_len);
+}
+
+uint32_t export_settings_bit(const struct setting *s)
+{
+	return UINT32_C(1) << (s - export_settings);
+}
+
+int export_settings_read(const struct setting *s, struct export_spec *e, const char *key,
+			 const char *text, char *why, size_t why_len)
+{
+	int rc = read_field(s, (char *)e + s->offset, key, text, why, why_len);
+	if (rc == 0)
+		e->given |= export_settings_bit(s);
+	return rc;
+}
+
+void export_settings_defaults(struct export_spec *e, const struct options *o)
+{
+	for (size_t i = 0; i < export_settings_count; i++) {
+		const struct setting *s = &export_settings[i];
+		if (!s->given || (e->given & export_settings_bit(s)))
+			continue;
+		for (size_t g = 0; g < settings_count; g++)
+			if (settings[g].given == s->given)
+				memcpy((char *)e + s->offset, (const char *)o + settings[g].offset,
+				       s->size);
+	}
+}
+
+void export_settings_free(struct export_spec *e)
+{
+	for (size_t i = 0; i < export_settings_count; i++) {
+		if (export_settings[i].type == SETTING_VALUE)
+			continue;
+		char **p = (char **)((char *)e + export_settings[i].offset);
+		free(*p);
+		*p = NULL;
+	}
+}
+
 void settings_take(const struct setting *s, struct options *dst, struct options *src)
 {
 	void *to = (char *)dst + s->offset, *from = (char *)src + s->offset;
-	if (s->type == SETTING_STRING) {
+	if (s->type != SETTING_VALUE) {
 		char **t = to, **f = from;
 		free(*t);
 		*t = *f;
@@ -220,39 +337,88 @@ void settings_take(const struct setting *s, struct options *dst, struct options 
 	memcpy(to, from, s->size);
 }
 
+/* --help's lines: items put one after the other, wrapped before column 80. */
+struct usage {
+	char *buf;
+	size_t len, at;
+	size_t col;	 /* 0: at the start of a line */
+	unsigned indent; /* spaces before each line begun from now */
+};
+
+static void usage_printf(struct usage *u, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static void usage_printf(struct usage *u, const char *fmt, ...)
+{
+	if (u->at + 1 >= u->len)
+		return;
+	va_list ap;
+	va_start(ap, fmt);
+	int n = vsnprintf(u->buf + u->at, u->len - u->at, fmt, ap);
+	va_end(ap);
+	if (n > 0)
+		u->at += (size_t)n < u->len - u->at ? (size_t)n : u->len - u->at - 1;
+}
+
+/* item, after sep unless it starts a line. */
+static void usage_put(struct usage *u, const char *item, const char *sep)
+{
+	size_t n = strlen(item);
+	if (u->col && u->col + strlen(sep) + n > 79) {
+		usage_printf(u, "\n");
+		u->col = 0;
+	}
+	if (u->col == 0) {
+		usage_printf(u, "%*s%s", (int)u->indent, "", item);
+		u->col = u->indent + n;
+	} else {
+		usage_printf(u, "%s%s", sep, item);
+		u->col += strlen(sep) + n;
+	}
+}
+
+static size_t usage_end(struct usage *u)
+{
+	if (u->col)
+		usage_printf(u, "\n");
+	return u->at;
+}
+
 size_t settings_usage(char *buf, size_t len, unsigned indent)
 {
-	size_t at = 0, col = 0;
-	for (size_t i = 0; i < settings_count && at + 1 < len; i++) {
+	struct usage u = {buf, len, 0, 0, indent};
+	for (size_t i = 0; i < settings_count; i++) {
 		char item[200];
 		const struct setting *s = &settings[i];
-		int n = snprintf(item, sizeof(item), s->optional ? "[--%s[=%s]]" : "[--%s %s]", s->name,
-				 s->arg);
-		if (n < 0)
-			continue;
-		if (col && col + 1 + (size_t)n > 79) {
-			at += (size_t)snprintf(buf + at, len - at, "\n");
-			col = 0;
-		}
-		if (at + 1 >= len)
-			break;
-		if (col == 0) {
-			at += (size_t)snprintf(buf + at, len - at, "%*s%s", (int)indent, "", item);
-			col = indent + (size_t)n;
-		} else {
-			at += (size_t)snprintf(buf + at, len - at, " %s", item);
-			col += 1 + (size_t)n;
-		}
+		snprintf(item, sizeof(item), s->optional ? "[--%s[=%s]]" : "[--%s %s]", s->name,
+			 s->arg);
+		usage_put(&u, item, " ");
 	}
-	if (col && at + 1 < len)
-		at += (size_t)snprintf(buf + at, len - at, "\n");
-	return at < len ? at : len - 1;
+	return usage_end(&u);
+}
+
+size_t export_settings_usage(char *buf, size_t len, unsigned indent)
+{
+	struct usage u = {buf, len, 0, 0, indent};
+	usage_put(&u, "[--export NAME=BACKEND", "");
+	u.indent = indent + (unsigned)strlen("[--export ");
+	for (size_t i = 0; i < export_settings_count; i++) {
+		const struct setting *s = &export_settings[i];
+		char item[200];
+		if (s->optional)
+			snprintf(item, sizeof(item), "[,%s]%s", s->name,
+				 i + 1 == export_settings_count ? "]..." : "");
+		else
+			snprintf(item, sizeof(item), "[,%s=%s]%s", s->name, s->arg,
+				 i + 1 == export_settings_count ? "]..." : "");
+		usage_put(&u, item, "");
+	}
+	return usage_end(&u);
 }
 
 bool settings_differ(const struct setting *s, const struct options *a, const struct options *b)
 {
 	const void *x = (const char *)a + s->offset, *y = (const char *)b + s->offset;
-	if (s->type == SETTING_STRING) {
+	if (s->type != SETTING_VALUE) {
 		const char *p = *(char *const *)x, *q = *(char *const *)y;
 		return !((!p && !q) || (p && q && strcmp(p, q) == 0));
 	}
