@@ -200,6 +200,17 @@ int options_parse_cache_device_warm(const char *text, bool *all)
 	return 0;
 }
 
+int options_parse_cache_device_l2(const char *text, enum cache_l2_policy *out)
+{
+	static const char *const names[] = {"auto", "on", "off"};
+	for (unsigned i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+		if (strcmp(text, names[i]) == 0) {
+			*out = (enum cache_l2_policy)i;
+			return 0;
+		}
+	return -EINVAL;
+}
+
 int options_parse_rbd_takeover(const char *text, bool *wait)
 {
 	if (strcmp(text, "refuse") == 0)

@@ -29,6 +29,10 @@ enum cache_mode {
 };
 
 enum hugepages_policy { HUGEPAGES_AUTO, HUGEPAGES_REQUIRE, HUGEPAGES_OFF };
+/* An export's use of the cache device's level-2 cache (cache-device-l2):
+ * auto weighs small fills against its backend, on reads every fill the
+ * level 2 holds from it, off keeps its pages out. */
+enum cache_l2_policy { CACHE_L2_AUTO, CACHE_L2_ON, CACHE_L2_OFF };
 /* TLS: none, at the client's choice (SELECTIVETLS), required (FORCEDTLS). */
 enum tls_mode { TLS_OFF, TLS_ON, TLS_REQUIRE };
 
@@ -64,7 +68,8 @@ int options_parse_max_connections(const char *text, unsigned *out);
 int options_parse_compact(const char *text, bool *out);		      /* on, off */
 /* log 1, l2 2, both 3 (CACHE_DEVICE_USE_* bits) */
 int options_parse_cache_device_use(const char *text, unsigned *use);
-int options_parse_cache_device_warm(const char *text, bool *all);     /* files, all */
+int options_parse_cache_device_warm(const char *text, bool *all);
+int options_parse_cache_device_l2(const char *text, enum cache_l2_policy *out); /* auto, on, off */     /* files, all */
 int options_parse_rbd_takeover(const char *text, bool *wait);	      /* refuse, wait */
 int options_parse_compact_interval(const char *text, unsigned *out);  /* 1..3600000 */
 int options_parse_compact_threshold(const char *text, unsigned *out); /* 0..1000 */

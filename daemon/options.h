@@ -117,6 +117,9 @@ struct export_spec {
 	 * timestamp can prove it unchanged (the global setting when not
 	 * given). Read at start. */
 	bool cache_device_warm_all;
+	/* cache-device-l2: this export's use of the level-2 cache. Read when
+	 * it joins the cache. */
+	enum cache_l2_policy cache_device_l2;
 	/* Which keys were given: a bit per row of export_settings
 	 * (settings.h); options_finish() gives the others their global value. */
 	uint32_t given;

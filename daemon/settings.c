@@ -34,6 +34,7 @@ READER(options_parse_seconds, unsigned)
 READER(options_parse_rbd_takeover, bool)
 READER(options_parse_cache_device_use, unsigned)
 READER(options_parse_cache_device_warm, bool)
+READER(options_parse_cache_device_l2, enum cache_l2_policy)
 READER(options_parse_max_connections, unsigned)
 READER(options_parse_compact, bool)
 READER(options_parse_compact_interval, unsigned)
@@ -190,6 +191,8 @@ const struct setting export_settings[] = {
     {"cache-device-warm", 0, OPT_GIVEN_CACHE_DEVICE_WARM,
      EXPORT_VALUE(cache_device_warm_all, options_parse_cache_device_warm),
      "expected =files or =all", 0, true, false, "files|all"},
+    {"cache-device-l2", 0, 0, EXPORT_VALUE(cache_device_l2, options_parse_cache_device_l2),
+     "expected =auto, =on or =off", 0, true, false, "auto|on|off"},
     /* Only require: on and off are the global setting's. */
     {"tls", 0, 0, EXPORT_VALUE(tls_require, options_parse_export_tls),
      "expected =require (or =on) in an export", 0, false, false, "require"},

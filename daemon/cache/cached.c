@@ -216,7 +216,7 @@ static void offer_fill(struct cache_export *ce, struct cache_entry *e, uint32_t 
 		return;
 	if (length > size - start)
 		length = (size - start) / ARENA_FRAME_SIZE * ARENA_FRAME_SIZE;
-	if (length && cache_device_l2_on(ce->cache->device))
+	if (length && ce->l2_policy != CACHE_L2_OFF && cache_device_l2_on(ce->cache->device))
 		cache_device_l2_store(ce->cache->device, ce->device_slot, start, buf, length);
 }
 
@@ -308,6 +308,8 @@ static bool direct_over(struct cache_export *ce, uint64_t offset, uint64_t lengt
  */
 static bool level2_worth(struct cache_export *ce, struct cache_device *d, uint64_t length)
 {
+	if (ce->l2_policy != CACHE_L2_AUTO)
+		return ce->l2_policy == CACHE_L2_ON;
 	if (length > CACHE_DEVICE_SMALL_READ)
 		return true;
 	uint64_t backend = atomic_load_explicit(&ce->small_fill_ns, memory_order_relaxed);

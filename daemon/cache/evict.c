@@ -167,7 +167,8 @@ void cache_queue_split(struct cache *c, struct cache_entry *e, struct cache_entr
  */
 static void offer_level2(struct cache *c, struct cache_export *ce, struct cache_entry *e)
 {
-	if (!c->device || ce->device_slot < 0 || !cache_device_l2_on(c->device))
+	if (!c->device || ce->device_slot < 0 || ce->l2_policy == CACHE_L2_OFF ||
+	    !cache_device_l2_on(c->device))
 		return;
 	/* Bytes the backend may still lose: never claimed by the level-2 map. */
 	if (e->unproven)

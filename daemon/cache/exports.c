@@ -29,6 +29,7 @@ int cache_export_add(struct cache *c, struct backend *be, const struct export_sp
 	ce->min_order = ce->block_shift > ARENA_FRAME_SHIFT ? ce->block_shift - ARENA_FRAME_SHIFT : 0;
 	ce->mode = spec->cache_mode;
 	ce->seq_cutoff = spec->seq_cutoff;
+	ce->l2_policy = spec->cache_device_l2;
 	ce->device_slot = -1;
 	/* Mode none caches nothing and logs nothing (it never leaves it). */
 	if (c->device && spec->cache_mode != CACHE_MODE_NONE) {

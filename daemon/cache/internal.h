@@ -143,6 +143,7 @@ struct cache_export {
 	unsigned min_order;   /* an entry holds at least one block */
 	_Atomic enum cache_mode mode; /* changed live (cache_export_set_mode) */
 	atomic_uint_fast64_t seq_cutoff;
+	enum cache_l2_policy l2_policy; /* cache-device-l2, set when added */
 	/* The export's own watermarks in bytes (the cache-wide ones when not
 	 * set for it); draining: writeback thread only. */
 	atomic_uint_fast64_t dirty_high, dirty_low;

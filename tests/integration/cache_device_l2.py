@@ -107,7 +107,8 @@ class Run:
         self.model = Model(self.disk)
         self.d = None
 
-    def start(self, mode="writeback", use=None, what=None, backend=None, warm_all=False):
+    def start(self, mode="writeback", use=None, what=None, backend=None, warm_all=False,
+              opts=""):
         # A check that failed half way left its daemon running: it goes
         # (SIGKILL), not to outlive the test.
         if self.d and self.d.alive():
@@ -123,7 +124,7 @@ class Run:
             extra += ["--cache-device-warm", "all"]
         if backend is None:
             backend = "nbdkit:--filter=delay file %s rdelay=2ms" % self.disk
-        self.d = nbdtest.CheckedDaemon([("disk", backend, "")], workdir=work, tcp=False,
+        self.d = nbdtest.CheckedDaemon([("disk", backend, opts)], workdir=work, tcp=False,
                                        extra=extra, what=what)
         self.h = nbdtest.libnbd_handle(self.d.unix_uri("disk"))
         return self.d
@@ -443,6 +444,32 @@ def uses(r):
     r.d.stop()
 
 
+def l2_policy(r):
+    """An export's cache-device-l2: off keeps its pages out of the area and
+    reads none from it; on reads from it even over a backend that answers
+    faster (a file in the page cache), where auto may skip."""
+    r.start(what="cache-device-l2=off", opts="cache-device-l2=off")
+    first = r.read_all("cache-device-l2=off, first pass")
+    second = r.read_all("cache-device-l2=off, second pass")
+    _, l2 = r.stats()
+    log("  off: %d and %d MiB from the backend; level-2 stored %d, hits %d"
+        % (first >> 20, second >> 20, l2["stored_bytes"], l2["hits"]))
+    expect(l2["on"] and l2["stored_bytes"] == 0 and l2["hits"] == 0,
+           "cache-device-l2=off: the export used the level 2: %s" % l2)
+    expect(second >= WORKING // 2, "cache-device-l2=off: the second pass read %d bytes of %d "
+           "from the backend: served from elsewhere than RAM and the backend" % (second, WORKING))
+    r.d.stop()
+    r.start(what="cache-device-l2=on", opts="cache-device-l2=on", backend=r.disk)
+    r.read_all("cache-device-l2=on, first pass")
+    r.settle()
+    r.read_pages("cache-device-l2=on, 4 KiB reads", 2000)
+    _, l2 = r.stats()
+    log("  on, a file backend: level-2 hits %d, skipped %d" % (l2["hits"], l2["skipped"]))
+    expect(l2["hits"] > 0 and l2["skipped"] == 0,
+           "cache-device-l2=on: fills went to the backend rather than the level 2: %s" % l2)
+    r.d.stop()
+
+
 def fault_device(fs):
     """A fresh (zeroed: formatted at start) cache device file on faultfs."""
     dev = fs.path("cache.dev")
@@ -526,6 +553,7 @@ def main():
         CHECKS.run("backend modified while down", modified_while_down, r)
         CHECKS.run("after SIGKILL", after_kill, r)
         CHECKS.run("cache-device-use", uses, r)
+        CHECKS.run("cache-device-l2 of an export", l2_policy, r)
         CHECKS.run("device faults", device_faults, r)
         CHECKS.run("power cut", power_cut, r)
         if r.d and r.d.alive():
