@@ -9,13 +9,15 @@
  *                                                           first, and stopping
  *
  * Used by the worker threads (daemon/worker.c: tasks, the loop woken with
- * event_active()).
+ * event_active()) and the NBD backend's thread (requests to start, the
+ * same).
  *
  * Owns: the links of what is queued and the stopping flag. Not the lock:
  * that is the owner's mutex, which may guard more of the owner's state.
  * An owner that takes some of that state together with the queue, in one
- * locked section, holds the lock itself and calls queue_take_locked(),
- * and calls queue_wake() when it has changed that state. Not the wake-up either: the
+ * locked section (the NBD backend's renew size), holds the lock itself
+ * and calls queue_take_locked(), and calls queue_wake() when it has
+ * changed that state. Not the wake-up either: the
  * owner creates and frees its event or eventfd (and reads the eventfd once
  * woken); the queue only fires it.
  *
