@@ -9,15 +9,17 @@
  *                                                           first, and stopping
  *
  * Used by the worker threads (daemon/worker.c: tasks, the loop woken with
- * event_active()) and the NBD backend's thread (requests to start, the
- * same).
+ * event_active()), the NBD backend's thread (requests to start, the same)
+ * and the rbd backend's completion thread (block status, its poll() woken
+ * through an eventfd; its stop is the backend's own, shared with the guard
+ * thread, not the queue's).
  *
  * Owns: the links of what is queued and the stopping flag. Not the lock:
- * that is the owner's mutex, which may guard more of the owner's state.
- * An owner that takes some of that state together with the queue, in one
- * locked section (the NBD backend's renew size), holds the lock itself
- * and calls queue_take_locked(), and calls queue_wake() when it has
- * changed that state. Not the wake-up either: the
+ * that is the owner's mutex, which may guard more of the owner's state
+ * (the rbd backend's tickets). An owner that takes some of that state
+ * together with the queue, in one locked section (the NBD backend's renew
+ * size), holds the lock itself and calls queue_take_locked(), and calls
+ * queue_wake() when it has changed that state. Not the wake-up either: the
  * owner creates and frees its event or eventfd (and reads the eventfd once
  * woken); the queue only fires it.
  *

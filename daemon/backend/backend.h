@@ -95,8 +95,9 @@ struct backend_io {
 	uint64_t deadline_ns;
 	uint64_t loss_seq_seen; /* nbd: backend loss_seq when the request (re)started */
 	/* A request is on one list of the backend's at a time: first its
-	 * thread's queue (posted: nbd), then, once the thread took it, one of
-	 * the backend's own (queue_next: nbd waiting, rbd late). */
+	 * thread's queue (posted: nbd, rbd block status), then, once the
+	 * thread took it, one of the backend's own (queue_next: nbd waiting,
+	 * rbd late). */
 	union {
 		struct queue_link posted;
 		struct backend_io *queue_next;
