@@ -72,8 +72,8 @@ CORE_SRC := daemon/options.c daemon/export_spec.c daemon/option_values.c daemon/
 	daemon/histogram.c daemon/rbd_spec.c daemon/upgrade_record.c daemon/cache/device_format.c
 # Everything else in the daemon needs libevent / liburing.
 DAEMON_SRC := $(filter-out $(CORE_SRC) $(RBD_OUT),$(wildcard daemon/*.c daemon/backend/*.c daemon/cache/*.c))
-# test_uring needs liburing and libevent: not in the -m32 build of the core.
-UNIT_SRC := $(filter-out $(if $(M32),tests/unit/test_uring.c),$(wildcard tests/unit/test_*.c))
+# test_uring and test_queue need liburing and libevent: not in the -m32 build of the core.
+UNIT_SRC := $(filter-out $(if $(M32),tests/unit/test_uring.c tests/unit/test_queue.c),$(wildcard tests/unit/test_*.c))
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
 # The client library (client/lib/: the control-socket client, the NBD
 # client, messages), linked into both client programs: nbdcachectl is
@@ -151,6 +151,12 @@ $(BUILD)/tests/unit/test_arena: ALL_LDFLAGS += -Wl,--wrap=malloc
 
 # The io_uring wrapper's unit test links the wrapper and its libraries.
 $(BUILD)/tests/unit/test_uring: $(BUILD)/obj/tests/unit/test_uring.o $(BUILD)/obj/daemon/uring.o \
+		$(PROTO_OBJ) $(CORE_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_LDFLAGS) -o $@ $^ -lcmocka $(DAEMON_LIBS)
+
+# The queue's unit test links the queue and libevent (its wake-up).
+$(BUILD)/tests/unit/test_queue: $(BUILD)/obj/tests/unit/test_queue.o $(BUILD)/obj/daemon/queue.o \
 		$(PROTO_OBJ) $(CORE_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_LDFLAGS) -o $@ $^ -lcmocka $(DAEMON_LIBS)

@@ -1,10 +1,11 @@
 /*
  * daemon/worker.c: see worker.h.
  *
- * One wake event carries both the tasks and the stop request: its
- * callback takes the whole task queue under the lock, runs it, and then,
- * once, the stop callback if a stop was asked for, so that a task posted
- * before worker_request_stop() always runs before the stop.
+ * One wake event carries both the tasks and the stop request (the queue's,
+ * daemon/queue.h): its callback takes the whole task queue and the stop
+ * request under the lock, runs the tasks, and then, once, the stop
+ * callback if a stop was asked for, so that a task posted before
+ * worker_request_stop() always runs before the stop.
  */
 #include "daemon/worker.h"
 
@@ -19,15 +20,12 @@ static void worker_on_wake(evutil_socket_t fd, short what, void *arg)
 	(void)fd;
 	(void)what;
 	struct worker *w = arg;
-	pthread_mutex_lock(&w->lock);
-	struct worker_task *task = w->tasks;
-	w->tasks = w->tasks_tail = NULL;
-	bool stop = w->stop_requested;
-	pthread_mutex_unlock(&w->lock);
-	while (task) {
-		struct worker_task *next = task->next;
+	bool stop;
+	struct queue_link *l = queue_take(&w->tasks, &stop);
+	while (l) {
+		struct worker_task *task = QUEUE_ENTRY(l, struct worker_task, link);
+		l = l->next;
 		task->run(task);
-		task = next;
 	}
 	if (stop && !w->stop_seen) {
 		w->stop_seen = true;
@@ -77,6 +75,7 @@ int worker_start(struct worker *w, unsigned index, void (*on_stop)(struct worker
 		rc = -ENOMEM;
 		goto err_ring;
 	}
+	queue_init_event(&w->tasks, &w->lock, w->wake);
 	rc = -pthread_create(&w->thread, NULL, worker_main, w);
 	if (rc < 0)
 		goto err_wake;
@@ -92,41 +91,19 @@ err:
 	return rc;
 }
 
-/* Queue task on w unless only_running and w was asked to stop. */
-static bool post(struct worker *w, struct worker_task *task, bool only_running)
-{
-	task->next = NULL;
-	pthread_mutex_lock(&w->lock);
-	bool queued = !only_running || !w->stop_requested;
-	if (queued) {
-		if (w->tasks_tail)
-			w->tasks_tail->next = task;
-		else
-			w->tasks = task;
-		w->tasks_tail = task;
-	}
-	pthread_mutex_unlock(&w->lock);
-	if (queued)
-		event_active(w->wake, EV_READ, 0);
-	return queued;
-}
-
 void worker_post(struct worker *w, struct worker_task *task)
 {
-	post(w, task, false);
+	queue_post(&w->tasks, &task->link);
 }
 
 bool worker_post_if_running(struct worker *w, struct worker_task *task)
 {
-	return post(w, task, true);
+	return queue_post_unless_stopped(&w->tasks, &task->link);
 }
 
 void worker_request_stop(struct worker *w)
 {
-	pthread_mutex_lock(&w->lock);
-	w->stop_requested = true;
-	pthread_mutex_unlock(&w->lock);
-	event_active(w->wake, EV_READ, 0);
+	queue_stop(&w->tasks);
 }
 
 void worker_exit(struct worker *w)

@@ -7,9 +7,10 @@
  * connections on worker threads; the cache's writeback and the control
  * socket each run one of their own; the backends and the budget post
  * their completions and wake-ups to them (worker_post). The cross-thread
- * entries (worker_post, worker_post_if_running, worker_request_stop) take
- * the worker's mutex and wake its loop with event_active(); everything
- * else runs on the worker's own thread without locks.
+ * entries (worker_post, worker_post_if_running, worker_request_stop) go
+ * through its queue (daemon/queue.h: under the worker's mutex, its loop
+ * woken with event_active()); everything else runs on the worker's own
+ * thread without locks.
  *
  * Stopping: worker_request_stop() makes the thread run, after the tasks
  * posted before it, the on_stop callback given to worker_start(): whoever
@@ -23,6 +24,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 
+#include "daemon/queue.h"
 #include "daemon/uring.h"
 
 /*
@@ -32,7 +34,7 @@
  */
 struct worker_task {
 	void (*run)(struct worker_task *task);
-	struct worker_task *next;
+	struct queue_link link;
 };
 
 struct worker {
@@ -43,9 +45,8 @@ struct worker {
 	struct event *wake;
 	void (*on_stop)(struct worker *w); /* worker_start's; NULL: exit at once */
 
-	pthread_mutex_t lock; /* guards tasks and stop_requested */
-	struct worker_task *tasks, *tasks_tail;
-	bool stop_requested;
+	pthread_mutex_t lock; /* guards tasks */
+	struct queue tasks;   /* worker_task.link; its stop is worker_request_stop's */
 
 	bool stop_seen; /* worker thread: on_stop has run */
 };

@@ -27,8 +27,8 @@
  *
  * Files in daemon/backend/ include only the headers of daemon/backend/,
  * daemon/log.h, daemon/clock.h, daemon/uring.h, daemon/worker.h,
- * daemon/options.h, daemon/rbd_spec.h and proto/: a backend knows nothing of the cache or the
- * connections.
+ * daemon/queue.h, daemon/options.h, daemon/rbd_spec.h and proto/: a
+ * backend knows nothing of the cache or the connections.
  */
 #ifndef NBDCACHED_DAEMON_BACKEND_H
 #define NBDCACHED_DAEMON_BACKEND_H
@@ -40,6 +40,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
+#include "daemon/queue.h"
 #include "daemon/uring.h"
 #include "daemon/worker.h"
 #include "proto/nbd.h"
@@ -93,7 +94,15 @@ struct backend_io {
 	uint32_t state; /* backend-specific flags */
 	uint64_t deadline_ns;
 	uint64_t loss_seq_seen; /* nbd: backend loss_seq when the request (re)started */
-	struct backend_io *queue_next, *deferred_next;
+	/* A request is on one list of the backend's at a time: first its
+	 * thread's queue (posted: nbd, rbd block status), then, once the
+	 * thread took it, one of the backend's own (queue_next: nbd waiting,
+	 * rbd late). */
+	union {
+		struct queue_link posted;
+		struct backend_io *queue_next;
+	};
+	struct backend_io *deferred_next;
 	uint64_t progress;
 	int stage;
 };

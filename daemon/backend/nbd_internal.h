@@ -7,7 +7,8 @@
  * (struct nbd_conn), the commands libnbd holds (struct nbd_chunk) and the
  * sockets of given-up connections still read (struct nbd_drain).
  *
- * Locking: nb->lock guards the submit queue and stop, and nothing else.
+ * Locking: nb->lock guards the submit queue (with its stop request) and
+ * renew_size, and nothing else.
  * Everything else is touched only from the backend's own thread (or by
  * backend_nbd_open before that thread exists, and by the close after it
  * has ended).
@@ -39,6 +40,7 @@
 #include <stdio.h>
 
 #include "daemon/backend/backend.h"
+#include "daemon/queue.h"
 
 #define NBD_MAX_CONNS 4
 #define NBD_WINDOW 16 /* chunks of one request in flight */
@@ -120,10 +122,9 @@ struct nbd_backend {
 	struct event *wake, *tick;
 	event_callback_fn on_conn_event; /* a connection's socket (nbd_thread.c) */
 
-	pthread_mutex_t lock; /* guards the submit queue, stop and renew_size */
-	struct backend_io *queue_head, *queue_tail;
-	bool stop;
-	uint64_t renew_size; /* the server grew to this: renew the connections (0: no) */
+	pthread_mutex_t lock;	/* guards submitted (its stop too) and renew_size */
+	struct queue submitted; /* backend_io.posted: to start; wakes the thread */
+	uint64_t renew_size;	/* the server grew to this: renew the connections (0: no) */
 	/* Control thread (and the open): the size the connections were last
 	 * opened or renewed for; a probe renews them only past it. */
 	uint64_t renewed_size;

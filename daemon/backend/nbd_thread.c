@@ -6,11 +6,11 @@
  *   worker <--post---- done  <-------- free callback  <------- reply
  *
  * backend_submit() may be called from any worker: nbd_submit() queues the
- * request under nb->lock and wakes the thread, which starts it
- * (nbd_io.c). The loop's handlers (the wake-up, each slot's timer and
- * socket, the deadline tick) are all here, so what runs on the thread is
- * seen in one place: each asks nbd_pool.c to react, then nbd_io.c to move
- * the requests along.
+ * request (daemon/queue.h, under nb->lock) and wakes the thread, which
+ * starts it (nbd_io.c). The loop's handlers (the wake-up, each slot's
+ * timer and socket, the deadline tick) are all here, so what runs on the
+ * thread is seen in one place: each asks nbd_pool.c to react, then
+ * nbd_io.c to move the requests along.
  */
 #include <errno.h>
 #include <event2/event.h>
@@ -74,20 +74,19 @@ static void on_wake(evutil_socket_t fd, short what, void *arg)
 	(void)fd;
 	(void)what;
 	struct nbd_backend *nb = arg;
+	bool stop;
 	pthread_mutex_lock(&nb->lock);
-	struct backend_io *io = nb->queue_head;
-	nb->queue_head = nb->queue_tail = NULL;
-	bool stop = nb->stop;
+	struct queue_link *l = queue_take_locked(&nb->submitted, &stop);
 	uint64_t renew = nb->renew_size;
 	nb->renew_size = 0;
 	pthread_mutex_unlock(&nb->lock);
 	/* Before the requests queued with it: one past the old end may be among them. */
 	if (renew)
 		nbd_pool_renew(nb, renew);
-	while (io) {
-		struct backend_io *next = io->queue_next;
+	while (l) {
+		struct backend_io *io = QUEUE_ENTRY(l, struct backend_io, posted);
+		l = l->next;
 		nbd_io_start(nb, io);
-		io = next;
 	}
 	nbd_io_process_deferred(nb);
 	if (stop)
@@ -96,16 +95,7 @@ static void on_wake(evutil_socket_t fd, short what, void *arg)
 
 static void nbd_submit(struct backend *be, struct backend_io *io)
 {
-	struct nbd_backend *nb = to_nbd(be);
-	io->queue_next = NULL;
-	pthread_mutex_lock(&nb->lock);
-	if (nb->queue_tail)
-		nb->queue_tail->queue_next = io;
-	else
-		nb->queue_head = io;
-	nb->queue_tail = io;
-	pthread_mutex_unlock(&nb->lock);
-	event_active(nb->wake, EV_READ, 0);
+	queue_post(&to_nbd(be)->submitted, &io->posted);
 }
 
 void nbd_renew(struct nbd_backend *nb, uint64_t size)
@@ -113,7 +103,7 @@ void nbd_renew(struct nbd_backend *nb, uint64_t size)
 	pthread_mutex_lock(&nb->lock);
 	nb->renew_size = size;
 	pthread_mutex_unlock(&nb->lock);
-	event_active(nb->wake, EV_READ, 0);
+	queue_wake(&nb->submitted);
 }
 
 static void *backend_thread(void *arg)
@@ -137,6 +127,7 @@ static int nbd_start(struct backend *be)
 	nb->on_conn_event = on_conn_event;
 	if (!nb->wake || !nb->tick)
 		return -ENOMEM;
+	queue_init_event(&nb->submitted, &nb->lock, nb->wake);
 	for (unsigned i = 0; i < NBD_MAX_CONNS; i++) {
 		nb->conns[i].timer = evtimer_new(nb->loop, on_conn_timer, &nb->conns[i]);
 		if (!nb->conns[i].timer)
@@ -169,13 +160,10 @@ static void nbd_backend_close(struct backend *be)
 {
 	struct nbd_backend *nb = to_nbd(be);
 	if (nb->started) {
-		pthread_mutex_lock(&nb->lock);
-		nb->stop = true;
-		pthread_mutex_unlock(&nb->lock);
-		event_active(nb->wake, EV_READ, 0);
+		queue_stop(&nb->submitted);
 		pthread_join(nb->thread, NULL);
 	}
-	bool left = nb->waiting || nb->queue_head || nb->deferred;
+	bool left = nb->waiting || nb->submitted.head || nb->deferred;
 	if (nbd_pool_teardown(nb))
 		left = true;
 	while (nb->drains)

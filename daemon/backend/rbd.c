@@ -355,7 +355,7 @@ static void rbd_close_backend(struct backend *be)
 		rb->stop = true;
 		pthread_cond_signal(&rb->cond);
 		pthread_mutex_unlock(&rb->lock);
-		rbd_wake_thread(rb);
+		queue_wake(&rb->slow);
 		pthread_join(rb->thread, NULL);
 		if (rb->guarded)
 			pthread_join(rb->guard, NULL);
@@ -504,6 +504,7 @@ int backend_rbd_open(const char *spec, bool readonly, unsigned timeout_seconds, 
 		rc = -errno;
 		goto fail;
 	}
+	queue_init_eventfd(&rb->slow, &rb->lock, rb->wake);
 	bool ro = readonly || rb->spec.snap[0];
 	if ((rc = connect_open(rb, ro)) < 0)
 		goto fail;

@@ -31,6 +31,7 @@
 #include <stdint.h>
 
 #include "daemon/backend/backend.h"
+#include "daemon/queue.h"
 #include "daemon/rbd_spec.h"
 
 #define RBD_MAX_RANGE (1ull << 30) /* one TRIM / WRITE_ZEROES request */
@@ -56,13 +57,13 @@ struct rbd_backend {
 	rbd_image_t image;
 	bool connected, opened;
 	int efd;     /* librbd's completion eventfd */
-	int wake;    /* eventfd: block status queued, or stop */
+	int wake;    /* eventfd, slow's wake-up: block status queued, or stop */
 	char *addrs; /* this client's address (rados_getaddrs), as lock owner */
 	pthread_t thread, guard;
 	bool started, guarded;
-	pthread_mutex_t lock; /* guards slow_head/tail, stop and the tickets */
+	pthread_mutex_t lock; /* guards slow, stop and the tickets */
 	pthread_cond_t cond;  /* the guard's sleep; signalled on stop */
-	struct backend_io *slow_head, *slow_tail;
+	struct queue slow;    /* backend_io.posted: block status, run on the thread */
 	/* Every librbd request in flight, oldest first (deadlines in order). */
 	struct rbd_ticket *tickets_head, *tickets_tail;
 	bool late_logged;	 /* since the last request that was answered */
@@ -104,7 +105,5 @@ void rbd_submit(struct backend *be, struct backend_io *io);
 void *rbd_io_thread(void *arg);
 /* Completions librbd has ready, each to its worker (or its ticket freed). */
 void rbd_take_completions(struct rbd_backend *rb);
-/* Wake the completion thread (block status queued, or stop). */
-void rbd_wake_thread(struct rbd_backend *rb);
 
 #endif

@@ -201,13 +201,6 @@ static int block_status(struct rbd_backend *rb, struct backend_io *io)
 	return 0;
 }
 
-void rbd_wake_thread(struct rbd_backend *rb)
-{
-	uint64_t one = 1;
-	ssize_t n = write(rb->wake, &one, sizeof(one));
-	(void)n; /* a full counter wakes it as well */
-}
-
 void rbd_submit(struct backend *be, struct backend_io *io)
 {
 	struct rbd_backend *rb = to_rbd(be);
@@ -221,15 +214,7 @@ void rbd_submit(struct backend *be, struct backend_io *io)
 		io->done(io, 0);
 		return;
 	case BACKEND_BLOCK_STATUS:
-		io->queue_next = NULL;
-		pthread_mutex_lock(&rb->lock);
-		if (rb->slow_tail)
-			rb->slow_tail->queue_next = io;
-		else
-			rb->slow_head = io;
-		rb->slow_tail = io;
-		pthread_mutex_unlock(&rb->lock);
-		rbd_wake_thread(rb);
+		queue_post(&rb->slow, &io->posted);
 		return;
 	case BACKEND_ZERO:
 		if (io->flags & BACKEND_FAST_ONLY) {
@@ -316,14 +301,11 @@ static void run_slow(struct rbd_backend *rb)
 	uint64_t v;
 	ssize_t n = read(rb->wake, &v, sizeof(v));
 	(void)n;
-	pthread_mutex_lock(&rb->lock);
-	struct backend_io *io = rb->slow_head;
-	rb->slow_head = rb->slow_tail = NULL;
-	pthread_mutex_unlock(&rb->lock);
-	while (io) {
-		struct backend_io *next = io->queue_next;
+	struct queue_link *l = queue_take(&rb->slow, NULL);
+	while (l) {
+		struct backend_io *io = QUEUE_ENTRY(l, struct backend_io, posted);
+		l = l->next;
 		finish(io, atomic_load(&rb->base.fenced) ? -EIO : block_status(rb, io));
-		io = next;
 	}
 }
 
