@@ -202,14 +202,16 @@ unit: $(UNIT_BIN)
 # round of every kind: SIGKILL after writes, at once after a FLUSH, power
 # cuts. The cache device crash families (cache_device_crash_fault, _drain,
 # _backend, _resize: 5 trials each in make check) run 3 each
-# (CRASH_FAMILY_TRIALS), 2 under TSan.
+# (CRASH_FAMILY_TRIALS), 2 under TSan. upgrade_device (4 upgrades and 4
+# SIGKILL trials per cache-device-use mode in make check) runs 2 and 2.
 SHORT_REPEATS = CRASH_TRIALS=12 CRASH_FAMILY_TRIALS=3 RUNS=5 RUNS9=1 CACHE_COMPACT_SECONDS=10 \
 	CACHE_RACES_WB_ITERATIONS=100 CACHE_RACES_MODEL_OPS=1000 UPGRADES=8 \
 	CACHE_PROPERTY_OPS=200 FIO_VERIFY_MIB=16 \
 	HOSTILE_DIRECT_RUN=1 HOSTILE_DIRECT_QUIET=1 \
 	FAULT_MATRIX_BACKEND_TIMEOUT=1 FAULT_MATRIX_WRITEBACK_SECONDS=1.6 \
 	QOS_SECONDS=2 BUDGETS_STALL_TIMEOUT=3 BUDGETS_READ_DELAY=0.5 \
-	HOSTILE_READS_SECONDS=3 L2_CRASH_ROUNDS=1 QOS_ISOLATION_TOLERANCE=0.5
+	HOSTILE_READS_SECONDS=3 L2_CRASH_ROUNDS=1 QOS_ISOLATION_TOLERANCE=0.5 \
+	UPGRADES_DEVICE=2 CRASH_TRIALS_DEVICE=2
 
 # ... and leave out (TEST_EXCLUDE) the tests whose outcome does not depend
 # on the build under test, which make check runs: deps_mirror.py
@@ -230,7 +232,8 @@ TSAN_RUN = TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp halt_on_error=1 
 tsan: deps
 	$(MAKE) BUILD=build-tsan CC=gcc SANITIZE="-fsanitize=thread -fno-omit-frame-pointer" OPT="-O1 -g" all
 	$(TSAN_RUN) tests/run --unit-only
-	$(TSAN_RUN) CACHE_COMPACT_SECONDS=10 CRASH_TRIALS=8 CRASH_FAMILY_TRIALS=2 L2_CRASH_ROUNDS=1 tests/run --integration-only \
+	$(TSAN_RUN) CACHE_COMPACT_SECONDS=10 CRASH_TRIALS=8 CRASH_FAMILY_TRIALS=2 L2_CRASH_ROUNDS=1 \
+		UPGRADES_DEVICE=2 CRASH_TRIALS_DEVICE=2 tests/run --integration-only \
 		'cache_compact|cache_races|durability|write_receive|upgrade|cache_device'
 
 # A kernel without IA32 emulation runs no i386 program: the whole target
