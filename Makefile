@@ -183,9 +183,8 @@ unit: $(UNIT_BIN)
 # that run alone, each still long enough for what it times, whose bounds
 # stay as they are: hostile_direct's run and quiet spells (2 s each; the
 # backend takes several hundred of the operation's requests a second),
-# fault_matrix's --backend-timeout (2 s; the FLUSH bound is it + 1 s) and
-# its wait for the first writes to be written back (2.2 s; --dirty-expire 1
-# and a 250 ms tick do it in 1.25, which the test checks), qos' floods
+# fault_matrix's --backend-timeout (2 s; its waits for a reply are 10 x
+# it), qos' floods
 # (QOS_SECONDS, 3 s: each rate over 1 s instead of 2, still +-10%),
 # budgets' --stall-timeout for its non-readers (5 s; resets are still due
 # 1 s early to 3 s late) and its backend read delay (1 s), hostile_reads'
@@ -201,7 +200,7 @@ SHORT_REPEATS = CRASH_TRIALS=12 CRASH_FAMILY_TRIALS=3 RUNS=5 RUNS9=1 CACHE_COMPA
 	CACHE_RACES_WB_ITERATIONS=100 CACHE_RACES_MODEL_OPS=1000 UPGRADES=8 \
 	CACHE_PROPERTY_OPS=200 FIO_VERIFY_MIB=16 \
 	HOSTILE_DIRECT_RUN=1 HOSTILE_DIRECT_QUIET=1 \
-	FAULT_MATRIX_BACKEND_TIMEOUT=1 FAULT_MATRIX_WRITEBACK_SECONDS=1.6 \
+	FAULT_MATRIX_BACKEND_TIMEOUT=1 \
 	QOS_SECONDS=2 BUDGETS_STALL_TIMEOUT=3 BUDGETS_READ_DELAY=0.5 \
 	HOSTILE_READS_SECONDS=3 L2_CRASH_ROUNDS=1 QOS_ISOLATION_TOLERANCE=0.5
 
