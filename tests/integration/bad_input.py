@@ -1,5 +1,4 @@
 #!/usr/bin/python3
-# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """bad_input: a hostile raw-socket client against the real daemon.
 
 Two tables drive the test: HANDSHAKE_ROWS (option haggling) and
@@ -24,6 +23,10 @@ both the live client must still be served and the RSS stay bounded.
 RawClient in the first half of this file is importable by other tests
 (huge_export.py uses it for extended-header requests libnbd 1.14 cannot
 send).
+
+Nothing here is timed: a close the daemon owes a bad request comes at
+once, and is waited for 30 s (wait_closed) only so that a daemon that
+never closes fails instead of hanging; the daemon's RSS is its own.
 """
 
 import collections
@@ -299,8 +302,10 @@ class RawClient:
             buf += c
         return bytes(buf)
 
-    def wait_closed(self, timeout=5):
-        """Wait for the server to close; return what it sent before closing."""
+    def wait_closed(self, timeout=30):
+        """Wait for the server to close; return what it sent before closing.
+        (A bound on a wait, not a time asserted: a close that comes at once
+        is waited for up to `timeout` s, which a busy machine never needs.)"""
         self.s.settimeout(timeout)
         got = b""
         deadline = time.time() + timeout
@@ -1341,7 +1346,7 @@ def check_negotiated_log(w):
     for key, n in w.sessions.items():
         if len(key) == 3:
             want[key] += n
-    deadline = time.time() + 5
+    deadline = time.time() + 30
     while True:
         got = collections.Counter()
         for m in re.finditer(r"negotiated structured=(\d) extended=(\d) meta=(\d)", w.d.log_text()):

@@ -1,5 +1,4 @@
 #!/usr/bin/python3
-# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """hostile_clients: clients that try to make the daemon hold memory, sockets,
 file descriptors or CPU without end, against the real daemon.
 
@@ -12,28 +11,41 @@ file descriptors or CPU without end, against the real daemon.
    libnbd client meanwhile connects, writes and reads correctly, and the
    replies the flooding client finally reads are well-formed.
 2. Negotiation deadline (the daemon runs with --negotiation-timeout 5,
-   from connecting; the default is 60 s, which the check would wait out). A
-   client that dribbles one valid byte (client flags, then NBD_OPT_LIST
-   options, whose replies it reads) every 0.05 s, and another one parked
-   mid-option-header, are both disconnected between 4.5 s and 8 s after
-   they connected (the dribbler having had at least 3 LISTs answered, so
-   the bytes were valid and progress does not move the deadline). A libnbd
-   client and a raw client that finished GO at the start and then idle for
-   8 s (past the deadline) are not disconnected: both are used after.
+   from connecting; the default is 60 s). A client that dribbles one valid
+   byte (client flags, then NBD_OPT_LIST options, whose replies it reads)
+   every 0.05 s, and another one parked mid-option-header, are both
+   disconnected, no sooner than 4.5 s after they connected (the deadline
+   is armed after the connect) and within 35 s (7 x the deadline, well
+   short of the 60 s default: a deadline that progress moves never ends
+   the dribbler), and the daemon's log says "negotiation did not finish in
+   5 s" for both (the dribbler having had at least 3 LISTs answered, so
+   the bytes were valid). A libnbd client and a raw client that finished
+   GO at the start, before those two connected, and then idle are not
+   disconnected, though both of those were (and 5 s have passed since
+   GO): both are used after.
 3. Close and stall deadlines (the daemon runs with --stall-timeout 5, so
    the two deadlines differ and the check takes seconds, not half a
    minute). A client that sends 20 x 1 MiB READs then NBD_CMD_DISC and
-   never reads a reply is disconnected between 8 s and 16 s after sending
-   (CONN_CLOSE_TIMEOUT, 10 s). One that sends 200 x 1 MiB READs then
-   NBD_CMD_DISC backs its replies up past CONN_MAX_OUTPUT, so the daemon
-   stops reading before the DISC; it is cut off when its replies have made
-   no progress for --stall-timeout: between 4 s and 8 s, before the close
-   deadline could have ended it. The RSS then drops back.
+   never reads a reply is disconnected no sooner than 8 s after sending
+   (CONN_CLOSE_TIMEOUT, 10 s), the log saying "client did not read its last
+   replies in time". One that sends 200 x 1 MiB READs then NBD_CMD_DISC
+   backs its replies up past CONN_MAX_OUTPUT, so the daemon stops reading
+   before the DISC; it is cut off when its replies have made no progress
+   for --stall-timeout: no sooner than 4 s, and before the first one (the
+   close deadline did not end it), the log saying "client has not read its
+   replies for 5 s". Each is disconnected within 30 s (3 x the close
+   deadline). The RSS then drops back.
 4. EMFILE. A second daemon whose RLIMIT_NOFILE soft limit is lowered to 40
    (by prlimit on its PID before any client connects) gets 80 connections:
    it must not spin (utime+stime over 3 s below 0.5 s), it logs "pausing new
    connections", an accepted connection is still served, and after the 80
-   close a new libnbd client is served within 8 s.
+   close a new client gets its greeting (within 80 s: the daemon pauses
+   accepting for 1 s at a time, and each pause ends with at least one of
+   the 80 taken) and a new libnbd client is served.
+
+Bounds of time are lower bounds (a deadline cannot end before it began;
+a busy machine only delays), orders of events, or many times the deadline
+the daemon keeps: none is a wall-clock figure a busy machine can miss.
 5. NBD_CMD_CACHE with length 0 succeeds (libnbd with strict mode off, and
    raw simple and structured requests), at offsets 0 .. the export size, and
    does not read ahead the file (fadvise takes length 0 as "to the end"):
@@ -77,9 +89,9 @@ COLD_SIZE = 64 * MIB
 DESCRIPTION = "d" * 1500            # makes every NBD_REP_SERVER ~1.5 KiB
 
 NEGOTIATION_TIMEOUT = 5             # --negotiation-timeout of the main daemon (default 60)
-NEGOTIATION_SLACK = 3               # seconds past it a client may still be connected
 DRIBBLE_INTERVAL = 0.05             # seconds between the dribbler's bytes
 CLOSE_TIMEOUT = 10                  # daemon/conn.h CONN_CLOSE_TIMEOUT
+ACCEPT_PAUSE = 1                    # daemon/server.c on_accept_error: seconds paused at EMFILE
 STALL_TIMEOUT = 5                   # --stall-timeout of the main daemon (default 30)
 LIST_COUNT = 200000
 RSS_LIMIT = 100 * MIB
@@ -186,7 +198,9 @@ class DeadlineClient(threading.Thread):
     DRIBBLE_INTERVAL (client flags, then LIST options; it reads their
     replies) or parks mid-option-header. Records when the daemon hangs up."""
 
-    LIMIT = NEGOTIATION_TIMEOUT + 30    # seconds this thread watches, at most
+    # Seconds this thread watches, at most: 7 x the deadline, and short of
+    # the 60 s default (a daemon that ignored the setting is not let pass).
+    LIMIT = NEGOTIATION_TIMEOUT + 30
 
     def __init__(self, name, connect, dribble):
         super().__init__(name=name, daemon=True)
@@ -278,9 +292,8 @@ def check_deadline_client(t, dribble):
     need(t.closed_after >= NEGOTIATION_TIMEOUT - 0.5,
          "disconnected %.1f s after connecting, before the %d s negotiation deadline"
          % (t.closed_after, NEGOTIATION_TIMEOUT))
-    need(t.closed_after <= NEGOTIATION_TIMEOUT + NEGOTIATION_SLACK,
-         "disconnected only %.1f s after connecting; the negotiation deadline is %d s"
-         % (t.closed_after, NEGOTIATION_TIMEOUT))
+    # (No upper bound but LIMIT: a busy machine only delays the deadline.
+    # That it was this deadline that ended them, the log says: main().)
     if dribble:
         # Every 16 x DRIBBLE_INTERVAL (0.8 s) a LIST completes; its replies
         # (with the 1500-byte description) must have come back: the bytes
@@ -453,12 +466,13 @@ def close_deadline(d):
         # 20 MiB of replies fit the output buffer: the DISC is read and the
         # close deadline applies. 200 MiB do not: the stall deadline does.
         deadline = {20: CLOSE_TIMEOUT, 200: STALL_TIMEOUT}
-        # How early and how late each may end: the stall window stops short
-        # of the close deadline, so that one cannot pass for the other.
-        window = {20: (CLOSE_TIMEOUT - 2, CLOSE_TIMEOUT + 6),
-                  200: (STALL_TIMEOUT - 1, STALL_TIMEOUT + 3)}
-        limit = max(deadline.values()) + 6
-        while len(closed) < len(clients) and time.monotonic() - t0 < limit + 3:
+        # How early each may end (no deadline ends before it began; a busy
+        # machine only delays): that the stall deadline, not the close one,
+        # ended the second is their order, and the log's reasons, below.
+        low = {20: CLOSE_TIMEOUT - 2, 200: STALL_TIMEOUT - 1}
+        # How long we watch: 3 x the close deadline.
+        limit = 3 * CLOSE_TIMEOUT
+        while len(closed) < len(clients) and time.monotonic() - t0 < limit:
             for count, _ in clients:
                 if count not in closed and polls[count].poll(0):
                     closed[count] = time.monotonic() - t0
@@ -467,12 +481,12 @@ def close_deadline(d):
         for count, _ in clients:
             log("     %3d x 1 MiB READ + DISC: %s; RSS before %d MiB, peak %d MiB"
                 % (count, "closed after %.1f s" % closed[count] if count in closed else
-                   "still open after %.0f s" % (limit + 3), before >> 20, peak >> 20))
+                   "still open after %.0f s" % limit, before >> 20, peak >> 20))
     finally:
         for _, r in clients:
             r.close()
     after = None
-    for _ in range(50):
+    for _ in range(300):                # 30 s at most
         time.sleep(0.1)
         after = rss(d.pid)
         if after < before + 32 * MIB:
@@ -482,18 +496,26 @@ def close_deadline(d):
     for count, _ in clients:
         t = closed.get(count)
         want = deadline[count]
-        low, high = window[count]
         if t is None:
             errors.append("a client that sent %d x 1 MiB READs then NBD_CMD_DISC and read no reply "
                           "is still connected %d s later (deadline %d s)"
-                          % (count, limit + 3, want))
-        elif not low <= t <= high:
+                          % (count, limit, want))
+        elif t < low[count]:
             errors.append("a client that sent %d x 1 MiB READs then NBD_CMD_DISC was disconnected "
-                          "after %.1f s (deadline %d s: %d..%d s)" % (count, t, want, low, high))
+                          "after %.1f s, before its %d s deadline could end" % (count, t, want))
     if 20 in closed and 200 in closed and not closed[200] < closed[20]:
         errors.append("the client past CONN_MAX_OUTPUT was cut off after %.1f s, not before the "
                       "one under the close deadline (%.1f s): --stall-timeout %d did not apply"
                       % (closed[200], closed[20], STALL_TIMEOUT))
+    # Why each was cut off, in the daemon's words (conn.c): one of each.
+    text = d.log_text()
+    for why in ("client did not read its last replies in time",
+                "client has not read its replies for %d s" % STALL_TIMEOUT):
+        n = text.count(": " + why + ";")
+        if n != 1:
+            errors.append("%d connections ended with '%s' in the log, expected 1 (the %s)"
+                          % (n, why, "client under the close deadline" if "last" in why
+                             else "one past CONN_MAX_OUTPUT"))
     if after >= before + 32 * MIB:
         errors.append("daemon RSS %d MiB after the non-reading clients were gone (%d MiB before)"
                       % (after >> 20, before >> 20))
@@ -540,7 +562,7 @@ def emfile_checks(d, path):
         need(d.alive(), "the daemon died at EMFILE")
         need(spent < 0.5, "the daemon used %.2f s of CPU in 3 s while out of file "
              "descriptors (it spins on accept)" % spent)
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 30
         while "pausing new connections" not in d.log_text() and time.monotonic() < deadline:
             time.sleep(0.1)
         need("pausing new connections" in d.log_text(),
@@ -559,20 +581,31 @@ def emfile_checks(d, path):
             c.close()
     t0 = time.monotonic()
     served = None
-    while time.monotonic() - t0 < 10:
+    # The dead connections still in the backlog are taken first, as many
+    # each time the listeners resume as there are free descriptors (3 to 5
+    # pauses of ACCEPT_PAUSE here); each pause ends with at least one taken,
+    # the workers having closed the ones taken before it meanwhile. So at
+    # most one pause each: EMFILE_CONNS x ACCEPT_PAUSE. One connection
+    # that waits its turn in the backlog (not one a second, each given up
+    # after a while: those would be more dead connections to take).
+    limit = EMFILE_CONNS * ACCEPT_PAUSE
+    while served is None and time.monotonic() - t0 < limit:
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(1)
+                s.settimeout(max(0.1, limit - (time.monotonic() - t0)))
                 s.connect(d.sock)
-                if len(s.recv(18)) > 0:
+                if len(s.recv(18)) == 18:
                     served = time.monotonic() - t0
                     break
+        except socket.timeout:
+            break
         except OSError:
-            time.sleep(0.1)
+            time.sleep(0.1)             # the backlog is full: try again
     log("     after closing the %d connections a new one got its greeting after %s"
-        % (EMFILE_CONNS, "%.1f s" % served if served is not None else "never (10 s)"))
-    need(served is not None and served <= 8,
-         "a new client was not served within 8 s after the EMFILE connections closed")
+        % (EMFILE_CONNS, "%.1f s" % served if served is not None else "never (%d s)" % limit))
+    need(served is not None,
+         "a new client was not served within %d s after the EMFILE connections closed (the "
+         "daemon pauses accepting for %d s at a time)" % (limit, ACCEPT_PAUSE))
     h = nbd.NBD()
     bounded("libnbd connect after EMFILE", 10, h.connect_uri, d.tcp_uri("data"))
     try:
@@ -668,10 +701,24 @@ def main():
             for t, dr in ((dribbler, True), (parked, False)):
                 sub("2. %s" % t.name, check_deadline_client, t, dr)
 
+            def deadline_reason():
+                # The deadline that ended them, in the daemon's words (conn.c):
+                # its own, configured, for both.
+                why = "negotiation did not finish in %d s" % NEGOTIATION_TIMEOUT
+                n = d.log_text().count(": " + why + ";")
+                need(n == 2, "%d connections ended with '%s' in the log, expected 2 (the "
+                     "dribbler and the parked client)" % (n, why))
+
+            sub("2. the negotiation deadline ended both", deadline_reason)
+
             def idle_check():
-                # Past the deadline and the slack the other clients were
-                # allowed: these would have been cut off by now.
-                left = idle_since + NEGOTIATION_TIMEOUT + NEGOTIATION_SLACK - time.monotonic()
+                # They finished GO before the two above connected, so any
+                # negotiation deadline on them would have ended them first:
+                # the two are closed (joined above), so past it. And the
+                # deadline's own time since GO, in case those failed early.
+                need(dribbler.closed_after is not None and parked.closed_after is not None,
+                     "the deadline clients were not disconnected: nothing to compare with")
+                left = idle_since + NEGOTIATION_TIMEOUT - time.monotonic()
                 if left > 0:
                     time.sleep(left)
                 log("     idle clients used %.0f s after GO" % (time.monotonic() - idle_since))

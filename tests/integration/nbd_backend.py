@@ -1,5 +1,4 @@
 #!/usr/bin/python3
-# tests/run: alone (asserts times or rates that a test beside it would disturb)
 """nbd_backend: exports served from another NBD server (nbdkit on a Unix socket).
 
 Every backend is an nbdkit started here in the foreground (-f -U SOCK -P
@@ -23,8 +22,8 @@ really reached the backend.
      answers a write with EPERM; an odd-sized backend (10000005 bytes):
      the last, partial, cache block is written, read back and flushed
   b  slow disk (delay filter, 5 ms per read and write): a cold sequential
-     read of 8 MiB in 32 KiB requests, then a warm one: warm < cold / 4,
-     both byte-exact
+     read of 8 MiB in 32 KiB requests, then a warm one that sends not one
+     read to the backend (stats), both byte-exact (their times logged)
   c  backend errors (error filter, switched by error files): writethrough
      and none writes fail with the backend's errno (EIO, ENOSPC) while the
      file exists and succeed after; in writeback (--dirty-expire 1) writes
@@ -35,12 +34,14 @@ really reached the backend.
   d  outage: writeback, --dirty-expire 3600: dirty data, the backend
      killed (SIGKILL by PID), the cached data still reads, a read that
      misses waits (it completes, as zeros, once a new empty nbdkit listens
-     on the same socket), FLUSH then succeeds within 15 s and the new
-     backend holds the data; the log says "backend connection lost" and
-     "backend reconnected" exactly once each. With --backend-timeout 2 and
-     the backend down a read that misses fails with EIO after about 2 s,
-     cached data still reads, and the daemon stays up; SIGTERM then ends it
-     (exit 0 within 12 s: nothing was ever written, so nothing is dirty).
+     on the same socket), FLUSH then succeeds (within 30 s: the daemon
+     tries to connect at least every 5 s) and the new backend holds the
+     data; the log says "backend connection lost" and "backend
+     reconnected" exactly once each. With --backend-timeout 2 and the
+     backend down a read that misses fails with EIO, no sooner than 1.5 s
+     and within 20 s (10 x the timeout), cached data still reads, and the
+     daemon stays up; SIGTERM then ends it (exit 0 within 20 s: nothing was
+     ever written, so nothing is dirty).
 
 Seeds are fixed (printed). Every check runs; the failures are listed at
 the end. Environment: NBDKIT (default "nbdkit").
@@ -387,13 +388,15 @@ def slow_disk():
                     log("  stats: hits=%d misses=%d backend_reads=%d" %
                         (st["hits"], st["misses"], st["backend_reads"]))
                 nbdtest.shutdown_all([h])
-                # From the cache: not one backend read (readahead makes the
-                # cold read only about 0.1 s, so a time ratio alone is thin:
+                # From the cache: not one backend read. That is the check;
+                # the times are logged, not compared (readahead makes the
+                # cold read only about 0.1 s, so a load spike of 50 ms in
+                # the warm one would have failed "under half of the cold";
                 # under ASan the warm read took 0.023-0.033 s of it).
+                expect(backend[0] > 0, "the cold read sent no read to the backend (test "
+                       "setup)")
                 expect(backend[1] == backend[0], "the warm read sent %d reads to the backend"
                        % (backend[1] - backend[0]))
-                expect(times[1] < times[0] / 2, "warm read %.3f s is not under half of "
-                       "the cold read %.3f s" % (times[1], times[0]))
         finally:
             kit.stop()
 
@@ -583,6 +586,12 @@ def outage_reconnect():
             kit.stop()
 
 
+# How long the outage check waits for the daemon to be back on the new
+# backend: six times the longest back-off between connection attempts
+# (NBD_BACKOFF_MAX_MS, 5 s).
+RECOVER = 30
+
+
 def outage_steps(d, hs, tmp, sock, kit):
     r = random.Random(SEED + 50)
     runs = []
@@ -609,7 +618,7 @@ def outage_steps(d, hs, tmp, sock, kit):
     kit = Nbdkit(tmp, "outage2", ["memory", "size=%d" % SIZE], sock=sock)   # empty
     t0 = time.monotonic()
     try:
-        nbdtest.aio_wait([(hs[1], waiting)], timeout=15)
+        nbdtest.aio_wait([(hs[1], waiting)], timeout=RECOVER)
     except nbd.Error as e:
         raise Failed("outage: a read that waited for the backend failed %.1f s after it "
                      "came back: %s" % (time.monotonic() - t0, e.string))
@@ -623,7 +632,8 @@ def outage_steps(d, hs, tmp, sock, kit):
                      % (time.monotonic() - t0, e.string))
     took = time.monotonic() - t0
     log("  FLUSH after the restart took %.2f s" % took)
-    expect(took < 15, "outage: FLUSH took %.1f s after the backend came back" % took)
+    expect(took < RECOVER, "outage: FLUSH took %.1f s after the backend came back (the daemon "
+           "tries to connect at least every 5 s)" % took)
     direct = kit.handle()
     want = nbdtest.model_bytes(runs, 0, SIZE)
     require_same(read_all(direct, SIZE), want, "outage: the new backend after FLUSH")
@@ -656,11 +666,15 @@ def outage_timeout(state):
         if not wait_log(d, LOST, 10):
             CHECKS.add("timeout: no '%s' in the log within 10 s" % LOST)
         t0 = time.monotonic()
-        expect_nbd_error(lambda: h.pread(64 * KIB, 32 * MIB), errno.EIO,
-                         "timeout: read that misses with the backend down")
+        # Asynchronous, waited for 10 x the timeout: one never answered is
+        # a failure, not a hang.
+        expect_nbd_error(lambda: nbdtest.aio_wait(
+            [(h, h.aio_pread(nbd.Buffer(64 * KIB), 32 * MIB))], timeout=10 * 2),
+            errno.EIO, "timeout: read that misses with the backend down")
         took = time.monotonic() - t0
         log("  the read failed after %.2f s (--backend-timeout 2)" % took)
-        expect(1.5 <= took <= 6, "timeout: the read failed after %.2f s, expected about 2 s"
+        # No sooner than the timeout (it waits for a connection that long).
+        expect(took >= 1.5, "timeout: the read failed after %.2f s, before --backend-timeout 2"
                % took)
         alive(d, "after the timed-out read")
         require_same(h.pread(MIB, 0), data, "timeout: cached read with the backend down")
@@ -678,10 +692,10 @@ def stop_with_backend_down(state):
     """Nothing was ever written through the daemon, so nothing is dirty:
     SIGTERM must end it (exit 0) although the backend is gone."""
     try:
-        state["daemon"].stop(timeout=12)
+        state["daemon"].stop(timeout=10 * 2)
     except SystemExit:
-        raise Failed("nbdcached did not exit 0 within 12 s of SIGTERM with the backend down "
-                     "and nothing dirty (its log is above)")
+        raise Failed("nbdcached did not exit 0 within 20 s (10 x --backend-timeout) of SIGTERM "
+                     "with the backend down and nothing dirty (its log is above)")
 
 
 def check_outage_timeout():
