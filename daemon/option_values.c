@@ -48,6 +48,17 @@ static bool is_power_of_two(uint64_t v)
 	return v && (v & (v - 1)) == 0;
 }
 
+/* text's index among names (count of them), or -EINVAL: the parsers of
+ * a word whose values an enum numbers in that order. */
+static int word_index(const char *text, const char *const *names, unsigned count)
+{
+	for (unsigned i = 0; i < count; i++)
+		if (names[i] && strcmp(text, names[i]) == 0)
+			return (int)i;
+	return -EINVAL;
+}
+#define WORD_INDEX(text, names) word_index(text, names, sizeof(names) / sizeof(names[0]))
+
 static const char *const cache_mode_names[] = {
     [CACHE_MODE_WRITEBACK] = "writeback",
     [CACHE_MODE_WRITETHROUGH] = "writethrough",
@@ -203,12 +214,11 @@ int options_parse_cache_device_warm(const char *text, bool *all)
 int options_parse_cache_device_l2(const char *text, enum cache_l2_policy *out)
 {
 	static const char *const names[] = {"auto", "on", "off"};
-	for (unsigned i = 0; i < sizeof(names) / sizeof(names[0]); i++)
-		if (strcmp(text, names[i]) == 0) {
-			*out = (enum cache_l2_policy)i;
-			return 0;
-		}
-	return -EINVAL;
+	int i = WORD_INDEX(text, names);
+	if (i < 0)
+		return i;
+	*out = (enum cache_l2_policy)i;
+	return 0;
 }
 
 int options_parse_rbd_takeover(const char *text, bool *wait)
@@ -225,12 +235,11 @@ int options_parse_rbd_takeover(const char *text, bool *wait)
 int options_parse_tls(const char *text, enum tls_mode *out)
 {
 	static const char *const names[] = {"off", "on", "require"};
-	for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
-		if (strcmp(text, names[i]) == 0) {
-			*out = (enum tls_mode)i;
-			return 0;
-		}
-	return -EINVAL;
+	int i = WORD_INDEX(text, names);
+	if (i < 0)
+		return i;
+	*out = (enum tls_mode)i;
+	return 0;
 }
 
 int options_parse_export_tls(const char *text, bool *require)

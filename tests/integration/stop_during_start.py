@@ -191,7 +191,7 @@ def nbd_connect(tmp):
         require(nbdtest.wait_until(lambda: sigterm_held(s.proc.pid), 30),
                 "the daemon never held SIGTERM during its start")
         spin(at)
-        kids = children_of(s.proc.pid)
+        kids = nbdtest.children_of(s.proc.pid)
         s.term()
         rc = s.wait()
         took = time.monotonic() - s.t_term
@@ -218,17 +218,6 @@ def sigterm_held(pid):
     return False
 
 
-def children_of(pid):
-    out = []
-    try:
-        for t in os.listdir("/proc/%d/task" % pid):
-            with open("/proc/%d/task/%s/children" % (pid, t)) as f:
-                out += [int(x) for x in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
 def alive(pid):
     try:
         with open("/proc/%d/stat" % pid) as f:
@@ -248,7 +237,7 @@ def sig_blocked(pid, task=None):
 
 def children(tmp):
     with nbdtest.running_daemon([("k", "nbdkit:memory size=16M", "")]) as d:
-        kids = children_of(d.pid)
+        kids = nbdtest.children_of(d.pid)
         expect(kids, "no nbdkit child of the daemon found")
         for k in kids:
             blk = sig_blocked(k)

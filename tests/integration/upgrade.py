@@ -57,6 +57,7 @@ predecessor exits, is still its child (reaped, killed by PID).
      READY=1 and keeps the watchdog fed (WATCHDOG=1 from the new PID).
 """
 
+import json
 import os
 import random
 import re
@@ -363,6 +364,28 @@ def finish_peers(peers):
                   out[-1500:]))
 
 
+def upgraded(svc, n, expect_fn=None, args=None):
+    """Upgrade n (nbdcachectl --json upgrade ARGS, by default to the test's
+    binary): its reply once the pidfile names the new daemon, or None
+    after saying why (through expect_fn, this test's expect by default)."""
+    check = expect_fn or expect
+    before = svc.pid_file()
+    r = svc.ctl("--json", "upgrade", *(BINARY if args is None else args))
+    svc.reap()
+    check(r.returncode == 0, "upgrade %d: exit %d: %s" % (n, r.returncode, r.stderr.strip()))
+    if r.returncode:
+        return None
+    reply = json.loads(r.stdout)
+    # The new daemon writes its pidfile and resumes the connections just
+    # after the old one has replied.
+    nbdtest.wait_until(lambda: svc.pid_file() == reply["pid"], 5)
+    now = svc.pid_file()
+    check(reply["pid"] == now and now != before,
+          "upgrade %d: the reply says pid %s, the pidfile %d (was %d)"
+          % (n, reply["pid"], now, before))
+    return reply
+
+
 def under_load(svc):
     clients = [Client(svc, i, 1000 + i) for i in range(CLIENTS)]
     ids_before = set(connections(svc))  # the clients' (the peers end on their own)
@@ -382,22 +405,10 @@ def under_load(svc):
     try:
         for n in range(UPGRADES):
             time.sleep(0.3)
-            before = svc.pid_file()
-            r = svc.ctl("--json", "upgrade", *BINARY)
-            svc.reap()
-            expect(r.returncode == 0, "upgrade %d: exit %d: %s" % (n + 1, r.returncode,
-                                                                   r.stderr.strip()))
-            if r.returncode:
+            reply = upgraded(svc, n + 1)
+            if not reply:
                 continue
-            import json
-            reply = json.loads(r.stdout)
-            # The new daemon writes its pidfile and resumes the connections
-            # just after the old one has replied.
-            nbdtest.wait_until(lambda: svc.pid_file() == reply["pid"], 5)
             now = svc.pid_file()
-            expect(reply["pid"] == now and now != before,
-                   "upgrade %d: the reply says pid %s, the pidfile %d (was %d)"
-                   % (n + 1, reply["pid"], now, before))
             pids.append(now)
             pauses.append(reply["pause_ms"])
             expect(reply["moved"] >= CLIENTS,
@@ -529,7 +540,6 @@ def negotiating(svc):
         u = result.get("r")
         require(u is not None and u.returncode == 0, "the upgrade: %s"
                 % (u.stderr if u else "no answer in 60 s"))
-        import json
         reply = json.loads(u.stdout)
         log("  upgrade: %s" % reply)
         expect(reply["closed"] == 1, "%d connection(s) closed, expected 1 (the silent one)"

@@ -34,7 +34,6 @@ For each mode (both, log, l2), one daemon (--config: one export on a
      block as its last FLUSHed value or one written after it, never older.
 """
 
-import json
 import os
 import random
 import signal
@@ -104,18 +103,10 @@ def under_load(svc, mode):
     try:
         for n in range(UPGRADES_DEVICE):
             time.sleep(0.5)
-            before = svc.pid_file()
             text_before = len(svc.log_text())
-            r = upgrade(svc)
-            expect(r.returncode == 0, "upgrade %d: exit %d: %s" % (n + 1, r.returncode,
-                                                                   r.stderr.strip()))
-            if r.returncode:
+            reply = up.upgraded(svc, n + 1, expect)
+            if not reply:
                 continue
-            reply = json.loads(r.stdout)
-            nbdtest.wait_until(lambda: svc.pid_file() == reply["pid"], 5)
-            expect(svc.pid_file() == reply["pid"] != before,
-                   "upgrade %d: the pidfile says %d, the reply %s" % (n + 1, svc.pid_file(),
-                                                                      reply["pid"]))
             expect(reply["moved"] >= up.CLIENTS, "upgrade %d: %d connections moved"
                    % (n + 1, reply["moved"]))
             text = svc.log_text()[text_before:]
@@ -196,12 +187,7 @@ def rollback(svc, mode, clients, conf, disk):
     expect(device_stats(svc)["commits"] == commits,
            "a FLUSH after the roll-back went to the released device")
     # The next upgrade gives it to the new daemon.
-    r = upgrade(svc)
-    expect(r.returncode == 0, "the upgrade after the roll-back: exit %d: %s"
-           % (r.returncode, r.stderr.strip()))
-    if r.returncode == 0:
-        reply = json.loads(r.stdout)
-        nbdtest.wait_until(lambda: svc.pid_file() == reply["pid"], 5)
+    if up.upgraded(svc, 0, expect):
         check_attached(svc, mode, "the upgrade after the roll-back")
     got = h.pread(16384, base)
     expect(bytes(got) == bytes(clients[0].model[0:16384]),
@@ -241,25 +227,17 @@ class Writer:
             self.errors += 1  # the daemon was killed: expected
 
 
-def children_of(pid):
-    out = []
-    try:
-        for tid in os.listdir("/proc/%d/task" % pid):
-            with open("/proc/%d/task/%s/children" % (pid, tid)) as f:
-                out += [int(x) for x in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
 def kill_daemons():
-    """SIGKILL every nbdcached this process is the parent of, by PID."""
-    for pid in children_of(os.getpid()):
+    """SIGKILL every nbdcached this process is the parent of, by PID, and
+    wait for each to be gone (a dying one still holds the device's lock,
+    which the next start would find taken)."""
+    for pid in nbdtest.children_of(os.getpid()):
         try:
             with open("/proc/%d/comm" % pid) as f:
                 if f.read().strip() != "nbdcached":
                     continue
             os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
         except OSError:
             pass
     nbdtest.reap_children(up.PEERS)
@@ -287,11 +265,11 @@ def crash_trials(tmp, mode):
             end = time.time() + delay
             new = None
             while time.time() < end:
-                kids = children_of(old)
+                kids = nbdtest.children_of(old)
                 new = kids[0] if kids else new
                 time.sleep(0.01)
             if victim == "new":
-                kids = children_of(old)
+                kids = nbdtest.children_of(old)
                 new = kids[0] if kids else new
             pid = old if victim == "old" or not new else new
             log("  trial %d: SIGKILL of the %s daemon (pid %d) %.2f s into the upgrade"
@@ -307,7 +285,14 @@ def crash_trials(tmp, mode):
             svc.kill_all()
             kill_daemons()
         # A start with the same configuration.
-        svc2 = up.Service(sub, conf)
+        os.rename(svc.logpath, svc.logpath + ".upgrade")
+        try:
+            svc2 = up.Service(sub, conf)
+        except Failed:
+            for path in (svc.logpath + ".upgrade", svc.logpath):
+                with open(path) as f:
+                    log("%s:\n%s" % (path, f.read()[-3000:]))
+            raise
         try:
             h = nbdtest.libnbd_handle(svc2.uri())
             bad = 0

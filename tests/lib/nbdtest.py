@@ -1000,6 +1000,19 @@ def pidfile_pid(path):
         return 0
 
 
+def children_of(pid):
+    """The PIDs of pid's children (every thread's, from /proc); [] once
+    it is gone."""
+    out = []
+    try:
+        for tid in os.listdir("/proc/%d/task" % pid):
+            with open("/proc/%d/task/%s/children" % (pid, tid)) as f:
+                out += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
 def reap_children(keep=()):
     """Reap every child that has exited (without waiting for the others),
     except those in keep: processes a subprocess.Popen will wait for. (A
