@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-# tests/run: alone
+# tests/run: alone (measures rates over its own windows: a test beside it would disturb them)
 """QoS limits: token buckets per export and per client (nbdcached(8), QOS).
 
 One daemon (config file, TLS on with a PSK file of alice and bob), exports
@@ -412,9 +412,13 @@ def main():
                 left = [c for c in reads if not h.aio_command_completed(c)]
                 expect(len(left) >= 2, "%d of 4 reads done at once at 1 a second"
                        % (4 - len(left)))
-                nbdtest.aio_wait([(h, c) for c in left], timeout=10)
+                nbdtest.aio_wait([(h, c) for c in left], timeout=60)
                 took = time.monotonic() - t0
-                expect(2.5 < took < 4.5, "4 reads at 1 a second took %.2f s" % took)
+                # At 1 a second, the last of 4 (one from the burst) cannot
+                # be answered before 3 s: a lower bound the limiter
+                # guarantees; how much later a busy machine makes it is not
+                # asserted.
+                expect(took > 2.5, "4 reads at 1 a second took %.2f s" % took)
                 h.shutdown()
                 after = nbdtest.control_request(d.control, {"command": "stats",
                                                             "export": "f"})
@@ -478,7 +482,9 @@ def main():
                 t0 = time.monotonic()
                 nbdtest.aio_wait([(h, h.aio_pwrite(x, SIZE - 65536)) for x in datas])
                 took = time.monotonic() - t0
-                expect(0.12 < took < 1.0, "10 WRITEs at 50 a second, burst 1, took %.2f s"
+                # 9 held 20 ms each at least (a lower bound the limiter
+                # guarantees); the order below is the point.
+                expect(took > 0.12, "10 WRITEs at 50 a second, burst 1, took %.2f s"
                        % took)
                 got = h.pread(65536, SIZE - 65536)
                 expect(got == datas[-1], "held WRITEs landed out of order: %d" % got[0])
@@ -525,7 +531,10 @@ def main():
             stop_at = time.monotonic()
         took = time.monotonic() - stop_at
         log("stopped in %.2f s with 19 requests held" % took)
-        expect(took < 5, "SIGTERM with requests held took %.2f s" % took)
+        # Held requests are dropped, not served: serving them at 1 a second
+        # would take 19 s; dropped, the stop takes what a stop takes.
+        expect(took < 15, "SIGTERM with requests held took %.2f s (they were served, "
+               "not dropped?)" % took)
         del last, last_bufs
 
         def bad():

@@ -530,12 +530,11 @@ def t_garbage(w, d):
         got = r.wait_closed(NEGOTIATION_TIMEOUT + 2)
         took = time.time() - t0
         log("  closed after %.2f s, %d bytes sent first" % (took, len(got)))
-        require(took < NEGOTIATION_TIMEOUT - 1,
-                "garbage after STARTTLS took %.1f s to close (the deadline is %d s)"
-                % (took, NEGOTIATION_TIMEOUT))
     finally:
         r.close()
-    w.wait_failure_logged(d, before, r"\S")
+    # Closed for the garbage, not at the negotiation deadline (whose reason
+    # is "negotiation did not finish in N s").
+    w.wait_failure_logged(d, before, r"^(?!negotiation did not finish)\S")
 
 
 def t_stalled(w, d):
