@@ -361,12 +361,14 @@ int cache_device_open(const char *path, unsigned use, unsigned wait_ms,
 	uint64_t until = clock_now_ns() + (uint64_t)wait_ms * 1000000u;
 	int rc;
 	bool said = false;
+	/* Only the daemon that started this one (a live upgrade's old one)
+	 * is waited for: any other holder is refused at once, naming it. */
 	while ((rc = load(path, use, false, out, &fresh, err, len)) == -EBUSY && wait_ms &&
-	       clock_now_ns() < until) {
+	       clock_now_ns() < until && !dev_held_by_other(path, getppid())) {
 		if (!said)
-			log_info("cache device %s: held by the daemon this one upgrades: waiting up "
-				 "to %u s for it to let go",
-				 path, wait_ms / 1000);
+			log_info("cache device %s: held by the daemon this one upgrades (PID %d): "
+				 "waiting up to %u s for it to let go",
+				 path, (int)getppid(), wait_ms / 1000);
 		said = true;
 		struct timespec ts = {0, 20 * 1000000L};
 		nanosleep(&ts, NULL);
@@ -470,6 +472,7 @@ int cache_device_add_export(struct cache_device *d, const struct cache_device_me
 	struct dev_slot *s = &d->slots[slot];
 	bool known = s->used;
 	s->backend = m->backend;
+	atomic_store_explicit(&s->shared, m->backend->shared, memory_order_relaxed);
 	s->replay_gate = m->replay_gate;
 	s->retired = false;
 	s->configured = true;

@@ -138,8 +138,9 @@ struct cache_device_stats {
  * its superblock, the newer valid copy; a device whose two copies are all
  * zeros is formatted. 0, or -errno with err saying why (not a cache
  * device, another version, both copies corrupt, another geometry).
- * wait_ms: a device another daemon holds is waited for that long (a live
- * upgrade's new daemon, until the old one releases it), not refused.
+ * wait_ms: a device this process's parent holds is waited for that long
+ * (a live upgrade's new daemon, until the old one releases it), not
+ * refused; any other holder is.
  */
 int cache_device_open(const char *path, unsigned use, unsigned wait_ms,
 		      struct cache_device **out, char *err, size_t len);

@@ -17,6 +17,10 @@
  *            with the chmod that fixes it, as ssh refuses a key file
  *
  * A refusal names the process holding the device where /proc says it.
+ * A live upgrade hands the device over: the old daemon releases it
+ * (cache_device_release: closed, its lock dropped), and the new one waits
+ * for that only while no process but its parent, the old daemon, has it
+ * open (dev_held_by_other).
  */
 #include "daemon/cache/device_internal.h"
 
@@ -29,6 +33,51 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include "daemon/log.h"
+
+/* Has process pid the file of st open (from /proc)? */
+static bool pid_holds(long pid, const struct stat *st)
+{
+	char dir[64];
+	snprintf(dir, sizeof(dir), "/proc/%ld/fd", pid);
+	DIR *fds = opendir(dir);
+	if (!fds)
+		return false;
+	struct dirent *f;
+	bool has = false;
+	while (!has && (f = readdir(fds)) != NULL) {
+		char fd[PATH_MAX];
+		struct stat fs;
+		if (f->d_name[0] == '.')
+			continue;
+		snprintf(fd, sizeof(fd), "%s/%s", dir, f->d_name);
+		has = stat(fd, &fs) == 0 && fs.st_dev == st->st_dev && fs.st_ino == st->st_ino &&
+		      fs.st_rdev == st->st_rdev;
+	}
+	closedir(fds);
+	return has;
+}
+
+bool dev_held_by_other(const char *path, pid_t parent)
+{
+	struct stat st;
+	if (stat(path, &st) < 0)
+		return true;
+	DIR *proc = opendir("/proc");
+	if (!proc)
+		return true;
+	pid_t self = getpid();
+	bool other = false;
+	struct dirent *p;
+	while (!other && (p = readdir(proc)) != NULL) {
+		char *end;
+		long pid = strtol(p->d_name, &end, 10);
+		other = !*end && pid > 0 && pid != self && pid != parent && pid_holds(pid, &st);
+	}
+	closedir(proc);
+	return other;
+}
 
 /* The PIDs (up to 8, in buf) of processes other than this one that have
  * the file of st open, from /proc; "" when none could be seen. */
@@ -45,26 +94,7 @@ static void holders(const struct stat *st, char *buf, size_t len)
 	while (found < 8 && (p = readdir(proc)) != NULL) {
 		char *end;
 		long pid = strtol(p->d_name, &end, 10);
-		if (*end || pid <= 0 || pid == self)
-			continue;
-		char dir[64];
-		snprintf(dir, sizeof(dir), "/proc/%ld/fd", pid);
-		DIR *fds = opendir(dir);
-		if (!fds)
-			continue;
-		struct dirent *f;
-		bool has = false;
-		while (!has && (f = readdir(fds)) != NULL) {
-			char fd[PATH_MAX];
-			struct stat fs;
-			if (f->d_name[0] == '.')
-				continue;
-			snprintf(fd, sizeof(fd), "%s/%s", dir, f->d_name);
-			has = stat(fd, &fs) == 0 && fs.st_dev == st->st_dev &&
-			      fs.st_ino == st->st_ino && fs.st_rdev == st->st_rdev;
-		}
-		closedir(fds);
-		if (!has)
+		if (*end || pid <= 0 || pid == self || !pid_holds(pid, st))
 			continue;
 		char comm[64] = "?";
 		char cpath[64];
@@ -117,4 +147,34 @@ int dev_claim(struct cache_device *d, const struct stat *st, bool readonly, char
 			"cache device %s: in use by another daemon%s%s (it is locked): refused; a "
 			"cache device belongs to one daemon at a time",
 			d->path, who[0] ? ": " : "", who);
+}
+
+int cache_device_release(struct cache_device *d)
+{
+	pthread_mutex_lock(&d->lock);
+	bool detached = d->detached, released = d->released;
+	d->released = detached;
+	pthread_mutex_unlock(&d->lock);
+	if (!detached)
+		return -EBUSY;
+	if (released)
+		return 0;
+	/* The number stays a descriptor (of /dev/null) so that nothing can
+	 * reach the device through it any more; the open file description,
+	 * and with it the lock, goes. */
+	int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+	if (null < 0 || dup3(null, d->fd, O_CLOEXEC) < 0) {
+		int e = errno;
+		if (null >= 0)
+			close(null);
+		pthread_mutex_lock(&d->lock);
+		d->released = false;
+		pthread_mutex_unlock(&d->lock);
+		return -e;
+	}
+	close(null);
+	log_info("cache device %s: released (closed, its lock dropped): another daemon may "
+		 "take it",
+		 d->path);
+	return 0;
 }

@@ -28,6 +28,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <sys/types.h>
 
 #include "daemon/backend/backend.h"
 #include "daemon/cache/device.h"
@@ -52,6 +53,9 @@ struct dev_slot {
 	 * the device): its backend and replay gate. */
 	struct backend *backend;
 	atomic_bool *replay_gate;
+	/* Its backend may be taken over by another node (backend.h: shared):
+	 * appends skip it without the device lock. Set with backend. */
+	atomic_bool shared;
 	bool retired;			   /* cache_device_retire said it is all on its backend */
 	uint64_t covered;		   /* records up to this are on the backend */
 	uint64_t last;			   /* its last record appended */
@@ -331,6 +335,11 @@ struct walk {
  * open: 0, or -errno with err saying why (naming the holder). */
 struct stat;
 int dev_open_flags(const char *path, bool readonly);
+/* Has a process other than this one and parent path's file open (from
+ * /proc; true when that cannot be read)? Its lock may outlive the last
+ * descriptor briefly (I/O still referring to the file), so the parent's
+ * hold is told by nobody else having it. */
+bool dev_held_by_other(const char *path, pid_t parent);
 int dev_claim(struct cache_device *d, const struct stat *st, bool readonly, char *err,
 	      size_t len);
 int dev_fail(char *err, size_t len, int rc, const char *fmt, ...)

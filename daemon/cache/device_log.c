@@ -7,12 +7,10 @@
 #include "daemon/cache/device_internal.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
 #include "daemon/log.h"
 
@@ -80,14 +78,15 @@ void dev_fail_locked(struct cache_device *d, int error, const char *what)
 uint64_t cache_device_append(struct cache_device *d, int slot, unsigned type, uint64_t offset,
 			     uint64_t length, const void *data)
 {
-	if (!(d->use & CACHE_DEVICE_USE_LOG) || slot < 0)
+	/* A backend another node may take over gets no record: what is
+	 * acknowledged of it is on it (backend.h: shared). */
+	if (!(d->use & CACHE_DEVICE_USE_LOG) || slot < 0 ||
+	    atomic_load_explicit(&d->slots[slot].shared, memory_order_relaxed))
 		return 0;
 	pthread_mutex_lock(&d->lock);
 	/* While detaching, direct steps still append (the log stays a whole
-	 * redo log until it is empty); no log round does (not usable). A
-	 * backend another node may take over gets no record: what is
-	 * acknowledged of it is on it (backend.h: shared). */
-	if (!d->started || d->failed || d->detached || d->slots[slot].backend->shared) {
+	 * redo log until it is empty); no log round does (not usable). */
+	if (!d->started || d->failed || d->detached) {
 		pthread_mutex_unlock(&d->lock);
 		return 0;
 	}
@@ -774,36 +773,6 @@ int cache_device_detach_end(struct cache_device *d)
 	}
 	log_info("cache device %s: detached: everything on it is on the backends, it is "
 		 "marked clean and not used again until a restart",
-		 d->path);
-	return 0;
-}
-
-int cache_device_release(struct cache_device *d)
-{
-	pthread_mutex_lock(&d->lock);
-	bool detached = d->detached, released = d->released;
-	d->released = detached;
-	pthread_mutex_unlock(&d->lock);
-	if (!detached)
-		return -EBUSY;
-	if (released)
-		return 0;
-	/* The number stays a descriptor (of /dev/null) so that nothing can
-	 * reach the device through it any more; the open file description,
-	 * and with it the lock, goes. */
-	int null = open("/dev/null", O_RDWR | O_CLOEXEC);
-	if (null < 0 || dup3(null, d->fd, O_CLOEXEC) < 0) {
-		int e = errno;
-		if (null >= 0)
-			close(null);
-		pthread_mutex_lock(&d->lock);
-		d->released = false;
-		pthread_mutex_unlock(&d->lock);
-		return -e;
-	}
-	close(null);
-	log_info("cache device %s: released (closed, its lock dropped): another daemon may "
-		 "take it",
 		 d->path);
 	return 0;
 }

@@ -320,6 +320,40 @@ def crash_trials(tmp, mode):
                % mode)
 
 
+def other_holder(svc, tmp, conf):
+    """The new configuration names a device a third daemon holds: the new
+    daemon waits only for its parent (the old one), so it is refused at
+    once with the holder named, not left waiting until the timeout."""
+    other = os.path.join(tmp, "other.dev")
+    nbdtest.sparse_file(other, DEVICE_SIZE)
+    os.chmod(other, 0o600)
+    img = os.path.join(tmp, "other.img")
+    nbdtest.sparse_file(img, 16 * MIB)
+    os.mkdir(os.path.join(tmp, "b"))
+    b = nbdtest.CheckedDaemon([("b", img, "")], workdir=os.path.join(tmp, "b"), tcp=False,
+                              extra=["--cache-device", other])
+    with open(conf) as f:
+        good = f.read()
+    try:
+        with open(conf, "w") as f:
+            f.write("\n".join("cache-device = %s" % other
+                              if line.startswith("cache-device =") else line
+                              for line in good.split("\n")))
+        text_before = len(svc.log_text())
+        r = upgrade(svc, None)
+        said = (r.stderr + r.stdout).strip()
+        log("  %s" % said)
+        expect(r.returncode != 0, "an upgrade to a device another daemon holds succeeded")
+        expect("in use by another daemon" in said and "PID %d" % b.pid in said,
+               "the refusal does not name the holder (PID %d): %s" % (b.pid, said))
+        expect("waiting up to" not in svc.log_text()[text_before:],
+               "the new daemon waited for a device its parent does not hold")
+    finally:
+        with open(conf, "w") as f:
+            f.write(good)
+        b.stop()
+
+
 def one_mode(mode):
     with nbdtest.tempdir() as tmp:
         disk, dev, conf = setup(tmp, mode)
@@ -332,6 +366,9 @@ def one_mode(mode):
                 CHECKS.run("%s: a roll-back keeps serving without the device" % mode,
                            rollback, svc, mode, clients, conf, disk)
                 nbdtest.shutdown_all([c.h for c in clients])
+                if mode == MODES[0]:
+                    CHECKS.run("%s: a device another daemon holds is refused, not waited for"
+                               % mode, other_holder, svc, tmp, conf)
             rc = svc.stop()
             expect(rc == 0, "%s: the last daemon exited %d" % (mode, rc))
             svc.reap()
