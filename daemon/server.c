@@ -572,9 +572,7 @@ int server_run(const struct options *opts, int argc, char **argv, int *upgrade_f
 		device_wait_ms = UPGRADE_DEVICE_WAIT_MS;
 	}
 	int rc = cache_create(opts, threads, device_wait_ms, &s.cache);
-	if (rc < 0) {
-		log_error("cache: cannot set up %llu bytes: %s", (unsigned long long)opts->cache_size,
-			  strerror(-rc));
+	if (rc < 0) { /* said (lifecycle.c) */
 		tls_creds_uninstall();
 		return 1;
 	}

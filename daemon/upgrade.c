@@ -415,6 +415,22 @@ static void wait_flag(struct upgrade_server *u, size_t offset)
 /* Why a send to the new daemon failed, in words. */
 static const char *send_error(struct upgrade_run *run, int rc, char *buf, size_t len)
 {
+	/* It ended (with a cache device it says HELLO before its cache is
+	 * made, so it can fail while we send): its own reason, if it sent
+	 * one, comes first. */
+	struct upgrade_record r;
+	int fd;
+	char why[64];
+	if (rc == -EPIPE &&
+	    upgrade_recv_record(run->sock, run->buf, 1000, &r, &fd, why, sizeof(why)) == 0) {
+		if (fd >= 0)
+			close(fd);
+		if (r.type == UPGRADE_ERROR) {
+			char st[128] = "";
+			reap(run, false, st, sizeof(st));
+			fail(run, "the new daemon %s: %s", st[0] ? st : "failed", r.text);
+		}
+	}
 	if (rc == -EAGAIN || rc == -EWOULDBLOCK)
 		snprintf(buf, len, "the new daemon took nothing for %u s", run->timeout_s);
 	else

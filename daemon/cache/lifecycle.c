@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "daemon/cache/compact.h"
 #include "daemon/cache/device.h"
@@ -26,6 +27,8 @@ int cache_create(const struct options *opts, unsigned workers, unsigned device_w
 	c->latency_slots = workers + 2; /* and the control and writeback threads */
 	int rc = cache_index_init(c, opts);
 	if (rc < 0) {
+		log_error("cache: cannot set up %llu bytes: %s", (unsigned long long)opts->cache_size,
+			  strerror(-rc));
 		free(c);
 		return rc;
 	}
@@ -46,6 +49,7 @@ int cache_create(const struct options *opts, unsigned workers, unsigned device_w
 	if (rc == 0)
 		rc = compactor_create(c, opts);
 	if (rc < 0) {
+		log_error("cache: cannot start its threads: %s", strerror(-rc));
 		cache_destroy(c);
 		return rc;
 	}
